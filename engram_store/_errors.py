@@ -1,0 +1,150 @@
+"""The exception tree of the whole project.
+
+Every error engram raises derives from :class:`EngramError`::
+
+    EngramError
+    ├── InvalidArgument (ValueError)      a value is out of range, the wrong shape, or malformed
+    │   └── ConfigError                   a configuration field (file, environment, CLI) is invalid
+    ├── InvalidType (TypeError)           an argument has the wrong type or dtype
+    ├── NotConnected                      an object built without a store was asked to read or write
+    └── StoreError                        the store refused or failed an operation
+        ├── ObjectNotFound (KeyError)     no object under that key
+        ├── ObjectExists                  a create-only write found the key already present
+        ├── LeaseActive                   remove refused: a reader holds a lease on the object
+        ├── OutOfSpace                    no segment (or not enough distinct segments) has room
+        ├── Unavailable                   a server did not answer in time, or is gone
+        │   ├── MasterUnavailable
+        │   └── SegmentUnavailable
+        │       └── ObjectLost            every replica of the object sat on segments now dead
+        ├── ProtocolError                 a peer sent a message that does not follow the wire protocol
+        └── RemoteError                   a server failed while handling a valid request
+
+Servers send errors as ``{ok: false, code, message}``; :func:`error_from_reply` maps the code
+back to the class here, so a client sees the same exception a local call would raise.
+"""
+
+from __future__ import annotations
+
+
+class EngramError(Exception):
+    """Root of every error raised by engram."""
+
+    code = "ERROR"
+
+
+class InvalidArgument(EngramError, ValueError):
+    """An argument has the right type but a bad value: out of range, wrong shape, malformed."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class ConfigError(InvalidArgument):
+    """A configuration field, from a file, the environment or the command line, is invalid."""
+
+    code = "CONFIG"
+
+
+class InvalidType(EngramError, TypeError):
+    """An argument has the wrong type or dtype."""
+
+    code = "INVALID_TYPE"
+
+
+class NotConnected(EngramError, RuntimeError):
+    """An object built without a store (metadata only) was asked to read or write tables."""
+
+    code = "NOT_CONNECTED"
+
+
+class StoreError(EngramError):
+    """The store refused or failed an operation."""
+
+    code = "STORE"
+
+
+class ObjectNotFound(StoreError, KeyError):
+    """No object is stored (or visible yet) under the key."""
+
+    code = "NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return Exception.__str__(self)
+
+
+class ObjectExists(StoreError):
+    """A create-only write found the key already present."""
+
+    code = "EXISTS"
+
+
+class LeaseActive(StoreError):
+    """`remove` was refused because a reader holds a live lease; pass ``force=True`` to override."""
+
+    code = "LEASE_ACTIVE"
+
+
+class OutOfSpace(StoreError):
+    """No segment, or not enough distinct segments for the replica count, has room for the object."""
+
+    code = "OUT_OF_SPACE"
+
+
+class Unavailable(StoreError):
+    """A server did not answer within the timeout, or is known to be gone."""
+
+    code = "UNAVAILABLE"
+
+
+class MasterUnavailable(Unavailable):
+    """The metadata master did not answer within the timeout."""
+
+    code = "MASTER_UNAVAILABLE"
+
+
+class SegmentUnavailable(Unavailable):
+    """A segment server did not answer within the timeout, or was declared dead by the master."""
+
+    code = "SEGMENT_UNAVAILABLE"
+
+
+class ObjectLost(SegmentUnavailable):
+    """Every replica of the object was on segments that have since been declared dead."""
+
+    code = "OBJECT_LOST"
+
+
+class ProtocolError(StoreError):
+    """A peer sent a message that does not follow the wire protocol (or a different version of it)."""
+
+    code = "PROTOCOL"
+
+
+class RemoteError(StoreError):
+    """A server failed while handling a valid request; the message carries its explanation."""
+
+    code = "REMOTE"
+
+
+_BY_CODE = {
+    cls.code: cls
+    for cls in (
+        EngramError, InvalidArgument, ConfigError, InvalidType, NotConnected, StoreError,
+        ObjectNotFound, ObjectExists, LeaseActive, OutOfSpace, Unavailable, MasterUnavailable,
+        SegmentUnavailable, ObjectLost, ProtocolError, RemoteError,
+    )
+}
+
+
+def error_from_reply(code: object, message: object, endpoint: str | None = None) -> EngramError:
+    """Build the exception a server's error reply stands for (unknown codes become RemoteError)."""
+    cls = _BY_CODE.get(code if isinstance(code, str) else "", RemoteError)
+    text = str(message)
+    if endpoint:
+        text = f"{text} (from {endpoint})"
+    return cls(text)
+
+
+def describe(value: object, limit: int = 80) -> str:
+    """A short, safe rendering of a value for an error message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,342 @@
+"""ZeroMQ transport: a ROUTER server loop and DEALER client connections with timeouts.
+
+The transport knows messages, not operations: servers register one handler per ``op`` and clients send
+``(op, fields, frames)``. A DEALER socket is used by one thread only; :class:`ConnectionPool` keeps one per
+(thread, endpoint). A request that times out discards its socket, so a late reply can never be mistaken
+for the answer to a later request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import zmq
+
+from ._errors import EngramError, ProtocolError, Unavailable, error_from_reply
+from ._protocol import Request, decode, encode, error_reply, ok_reply
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Request], "tuple[dict | None, Sequence[Any]] | dict | None"]
+
+DEFAULT_TIMEOUT_MS = 10_000
+#: Messages beyond this many bytes are dropped by ZeroMQ before they reach a handler.
+DEFAULT_MAX_MESSAGE_BYTES = 512 << 20
+#: Bound on queued messages per peer, so a flood cannot grow a server's memory without limit.
+DEFAULT_HWM = 1000
+
+
+def _context() -> zmq.Context:
+    return zmq.Context.instance()
+
+
+class RpcServer:
+    """A ROUTER socket bound to ``host:port`` that dispatches requests to handlers by ``op``.
+
+    Handlers return a reply-fields dict, or ``(fields, frames)``; an exception becomes an error reply and
+    the loop keeps serving. ``tick`` (if given) runs every ``tick_ms`` from the serving thread.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        name: str,
+        handlers: dict[str, Handler],
+        *,
+        tick: Callable[[], None] | None = None,
+        tick_ms: int = 100,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        curve_secret_key: bytes | None = None,
+    ):
+        self.name = name
+        self.handlers = handlers
+        self._tick = tick
+        self._tick_ms = tick_ms
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.socket = _context().socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self.socket.setsockopt(zmq.RCVHWM, DEFAULT_HWM)
+        self.socket.setsockopt(zmq.SNDHWM, DEFAULT_HWM)
+        if curve_secret_key is not None:
+            self.socket.curve_server = True
+            self.socket.curve_secretkey = curve_secret_key
+        bind_host = f"[{host}]" if ":" in host else host
+        try:
+            if port == 0:
+                self.port = self.socket.bind_to_random_port(f"tcp://{bind_host}")
+            else:
+                self.socket.bind(f"tcp://{bind_host}:{port}")
+                self.port = port
+        except zmq.ZMQError as exc:
+            self.socket.close(0)
+            raise Unavailable(f"{name}: cannot bind tcp://{bind_host}:{port}: {exc}") from exc
+        self.host = host
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def serve_forever(self) -> None:
+        """Serve until :meth:`stop` is called (from any thread) or the process is interrupted."""
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        next_tick = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(self._tick_ms))
+                if self.socket in events:
+                    # Drain what is queued, but keep ticking under load.
+                    for _ in range(256):
+                        try:
+                            msg = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._handle(msg)
+                if self._tick is not None and time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + self._tick_ms / 1000.0
+                    try:
+                        self._tick()
+                    except Exception:  # a tick failure must not stop the server
+                        log.exception("%s: periodic task failed", self.name)
+        finally:
+            poller.unregister(self.socket)
+
+    def _handle(self, msg: list) -> None:
+        if len(msg) < 2:
+            return  # not even an identity and a header: nothing to answer to
+        identity, body = msg[0], msg[1:]
+        request_id: object = -1
+        try:
+            header, frames = decode(body)
+            request_id = header.get("id", -1)
+            req = Request(header, frames)
+            handler = self.handlers.get(req.op)
+            if handler is None:
+                raise ProtocolError(f"unknown op {req.op!r}; this server answers {sorted(self.handlers)}")
+            result = handler(req)
+            fields, out_frames = (result if isinstance(result, tuple) else (result, ()))
+            reply = encode(ok_reply(req.id, fields), out_frames)
+        except EngramError as exc:
+            reply = encode(error_reply(request_id, exc))
+        except Exception as exc:  # a bug in a handler: answer, log, keep serving
+            log.exception("%s: handler failed", self.name)
+            reply = encode(error_reply(request_id, exc))
+        try:
+            self.socket.send_multipart([identity, *reply], copy=False, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("%s: could not send a reply: %s", self.name, exc)
+
+    def start(self) -> "RpcServer":
+        """Serve from a daemon thread; returns self."""
+        self._thread = threading.Thread(target=self.serve_forever, name=f"engram-{self.name}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        """Stop serving and release the socket; safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        self.socket.close(0)
+
+
+class Connection:
+    """A DEALER socket to one server, used by one thread at a time."""
+
+    _ids = itertools.count(1)
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        unavailable: type[Unavailable] = Unavailable,
+        curve: tuple[bytes, bytes, bytes] | None = None,
+    ):
+        self.address = address
+        self.unavailable = unavailable
+        self._curve = curve
+        self.socket: zmq.Socket | None = None
+
+    def _open(self) -> zmq.Socket:
+        if self.socket is None:
+            sock = _context().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, DEFAULT_HWM)
+            sock.setsockopt(zmq.SNDHWM, DEFAULT_HWM)
+            sock.setsockopt(zmq.RECONNECT_IVL, 50)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            if self._curve is not None:
+                server_public, public, secret = self._curve
+                sock.curve_serverkey = server_public
+                sock.curve_publickey = public
+                sock.curve_secretkey = secret
+            host, _, port = self.address.rpartition(":")
+            sock.connect(f"tcp://{host}:{port}")
+            self.socket = sock
+        return self.socket
+
+    def reset(self) -> None:
+        """Drop the socket (after a timeout), so that a late reply is never read as a new one."""
+        if self.socket is not None:
+            self.socket.close(0)
+            self.socket = None
+
+    def send(self, op: str, fields: dict | None = None, frames: Iterable[Any] = ()) -> int:
+        request_id = next(self._ids)
+        msg = encode({"id": request_id, "op": op, **(fields or {})}, frames)
+        try:
+            self._open().send_multipart(msg, copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again as exc:
+            self.reset()
+            raise self.unavailable(f"{op}: {self.address} is not accepting requests (queue full)") from exc
+        except zmq.ZMQError as exc:
+            self.reset()
+            raise self.unavailable(f"{op}: cannot send to {self.address}: {exc}") from exc
+        return request_id
+
+    def recv(self, request_id: int, deadline: float, op: str = "request") -> tuple[dict, list]:
+        """Wait for the reply to ``request_id`` until ``deadline`` (time.monotonic); raise on error replies."""
+        sock = self._open()
+        while True:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):
+                self.reset()
+                raise self.unavailable(f"{op}: no reply from {self.address} within the timeout")
+            msg = sock.recv_multipart(copy=False)
+            header, frames = self.parse(msg, op)
+            if header.get("id") != request_id:
+                continue  # a stale reply to an abandoned request
+            return header, frames
+
+    def parse(self, msg: list, op: str) -> tuple[dict, list]:
+        try:
+            header, frames = decode(msg)
+        except ProtocolError as exc:
+            self.reset()
+            raise ProtocolError(f"{op}: bad reply from {self.address}: {exc}") from exc
+        if header.get("ok") is not True:
+            raise error_from_reply(header.get("code"), header.get("message"), self.address)
+        return header, frames
+
+    def call(
+        self, op: str, fields: dict | None = None, frames: Iterable[Any] = (), timeout_ms: int = DEFAULT_TIMEOUT_MS
+    ) -> tuple[dict, list]:
+        deadline = time.monotonic() + timeout_ms / 1000.0
+        request_id = self.send(op, fields, frames)
+        return self.recv(request_id, deadline, op)
+
+    def close(self) -> None:
+        self.reset()
+
+
+def wait_all(pending: Sequence[tuple[Connection, int]], deadline: float, op: str) -> list:
+    """Wait for the reply to each (connection, request id) pair, polling all sockets at once.
+
+    Several requests may be outstanding on one connection. Returns a list aligned with ``pending``
+    holding ``(header, frames)`` or the exception for that request (error reply or timeout); it never
+    raises for a single request's failure.
+    """
+    results: list = [None] * len(pending)
+    waiting: dict[Any, dict[int, int]] = {}  # socket -> {request id: index in pending}
+    conns: dict[Any, Connection] = {}
+    for i, (conn, request_id) in enumerate(pending):
+        if conn.socket is None:
+            results[i] = conn.unavailable(f"{op}: connection to {conn.address} was reset")
+            continue
+        waiting.setdefault(conn.socket, {})[request_id] = i
+        conns[conn.socket] = conn
+    poller = zmq.Poller()
+    for sock in waiting:
+        poller.register(sock, zmq.POLLIN)
+    while waiting:
+        remaining_ms = int((deadline - time.monotonic()) * 1000)
+        events = dict(poller.poll(remaining_ms)) if remaining_ms > 0 else {}
+        if not events:
+            for sock, ids in waiting.items():
+                conn = conns[sock]
+                conn.reset()
+                for i in ids.values():
+                    results[i] = conn.unavailable(f"{op}: no reply from {conn.address} within the timeout")
+            break
+        for sock in events:
+            conn = conns[sock]
+            ids = waiting[sock]
+            while ids:
+                try:
+                    msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                try:
+                    header, frames = conn.parse(msg, op)
+                    reply: Any = (header, frames)
+                    request_id = header.get("id")
+                except EngramError as exc:
+                    reply = exc
+                    request_id = _reply_id(msg)
+                i = ids.pop(request_id, None)
+                if i is not None:
+                    results[i] = reply
+                if conn.socket is None:  # parse() reset it after a malformed reply
+                    for j in ids.values():
+                        results[j] = reply if isinstance(reply, BaseException) else ProtocolError(op)
+                    ids.clear()
+            if not ids:
+                poller.unregister(sock)
+                del waiting[sock]
+    return results
+
+
+def _reply_id(msg: list) -> int | None:
+    try:
+        header, _ = decode(msg)
+    except ProtocolError:
+        return None
+    return header.get("id")
+
+
+class ConnectionPool:
+    """One :class:`Connection` per (thread, server address); closes them all at once."""
+
+    def __init__(self, curve: tuple[bytes, bytes] | None = None, server_keys: dict[str, bytes] | None = None):
+        self._local = threading.local()
+        self._all: list[Connection] = []
+        self._lock = threading.Lock()
+        self._curve = curve
+        self._closed = False
+
+    def get(self, address: str, unavailable: type[Unavailable], server_public_key: bytes | None = None) -> Connection:
+        conns = getattr(self._local, "conns", None)
+        if conns is None:
+            conns = self._local.conns = {}
+        conn = conns.get(address)
+        if conn is None:
+            if self._closed:
+                raise unavailable(f"the client is closed; cannot reach {address}")
+            curve = None
+            if self._curve is not None and server_public_key is not None:
+                curve = (server_public_key, *self._curve)
+            conn = conns[address] = Connection(address, unavailable=unavailable, curve=curve)
+            with self._lock:
+                self._all.append(conn)
+        return conn
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            conns, self._all = self._all, []
+        for conn in conns:
+            conn.close()
