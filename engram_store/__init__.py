@@ -1,0 +1,64 @@
+"""engram_store: a small distributed memory store for Engram tables, and EngramStore on top of it.
+
+Public surface::
+
+    DistributedStore      the client: connect(master), embedded(), from_env()
+    SegmentServer         a memory segment server (also the ``engram-segment`` CLI)
+    EngramStore           per-head float32 tables with [B, L, H] -> [B, L, H, D] row lookup
+    EngramStoreConfig     table sizes and embedding dimension of one layer
+    StoreConfig           store configuration from a JSON file, the environment, or keywords
+    EngramError, ...      the exception tree (see ``engram_store._errors``)
+"""
+
+from ._client import DistributedStore, ObjectInfo, Replica
+from ._config import StoreConfig
+from ._engram_store import EngramStore, EngramStoreConfig, LookupHandle
+from ._errors import (
+    ConfigError,
+    EngramError,
+    InvalidArgument,
+    InvalidType,
+    LeaseActive,
+    MasterUnavailable,
+    NotConnected,
+    ObjectExists,
+    ObjectLost,
+    ObjectNotFound,
+    OutOfSpace,
+    ProtocolError,
+    RemoteError,
+    SegmentUnavailable,
+    StoreError,
+    Unavailable,
+)
+from ._segment import SegmentServer
+from ._units import format_size, parse_size
+
+__all__ = [
+    "ConfigError",
+    "DistributedStore",
+    "EngramError",
+    "EngramStore",
+    "EngramStoreConfig",
+    "InvalidArgument",
+    "InvalidType",
+    "LeaseActive",
+    "LookupHandle",
+    "MasterUnavailable",
+    "NotConnected",
+    "ObjectExists",
+    "ObjectInfo",
+    "ObjectLost",
+    "ObjectNotFound",
+    "OutOfSpace",
+    "ProtocolError",
+    "RemoteError",
+    "Replica",
+    "SegmentServer",
+    "SegmentUnavailable",
+    "StoreConfig",
+    "StoreError",
+    "Unavailable",
+    "format_size",
+    "parse_size",
+]

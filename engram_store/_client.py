@@ -1,0 +1,578 @@
+"""DistributedStore: the native client. Metadata from the master, bytes from segment servers.
+
+Reads prefer a replica in a segment mapped on this host (local-direct: a memory copy, no request);
+otherwise the client sends one request per segment server, to all servers at once, and fails over to
+another replica when a server does not answer. Writes follow Mooncake's lifecycle: ``put_start`` (the
+master places replicas on distinct segments), the bytes go to every replica, ``put_end`` publishes; any
+failure revokes, so a failed write leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from . import _kernels
+from ._config import DEFAULT_EMBEDDED_SEGMENT_SIZE, StoreConfig
+from ._errors import (
+    EngramError,
+    InvalidArgument,
+    InvalidType,
+    MasterUnavailable,
+    ProtocolError,
+    SegmentUnavailable,
+    StoreError,
+    describe,
+    error_from_reply,
+)
+from ._segment import MAX_READ_BYTES, MAX_WRITE_BYTES, SegmentServer, host_id
+from ._transport import Connection, ConnectionPool, wait_all
+from ._units import parse_size
+
+log = logging.getLogger(__name__)
+
+#: Size of one write (or read) message for large objects; several are kept in flight per server.
+CHUNK_BYTES = 16 << 20
+WINDOW = 8
+MAX_KEY_LEN = 1024
+
+
+@dataclass(frozen=True)
+class Replica:
+    """Where one copy of an object lives."""
+
+    segment_id: str
+    address: str
+    offset: int
+    shm_path: str
+    host_id: str
+    segment_size: int
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    replicas: tuple[Replica, ...]
+
+
+def _replica(d: dict) -> Replica:
+    return Replica(d["segment_id"], d["address"], d["offset"], d["shm_path"], d["host_id"], d["size"])
+
+
+def _check_key(key: object, name: str = "key") -> str:
+    if not isinstance(key, str):
+        raise InvalidType(f"{name}: expected a string, got {describe(key)}")
+    if not key or len(key) > MAX_KEY_LEN:
+        raise InvalidArgument(f"{name}: expected a non-empty string of at most {MAX_KEY_LEN} characters, "
+                              f"got {len(key)} characters")
+    return key
+
+
+def as_bytes_view(data: object, name: str, writable: bool = False) -> np.ndarray:
+    """A flat uint8 view (no copy) of a bytes-like object or C-contiguous array."""
+    if isinstance(data, np.ndarray):
+        if not data.flags.c_contiguous:
+            raise InvalidArgument(f"{name}: expected a C-contiguous array, got a non-contiguous one "
+                                  f"(use np.ascontiguousarray)")
+        if writable and not data.flags.writeable:
+            raise InvalidArgument(f"{name}: expected a writable buffer, got a read-only array")
+        return data.reshape(-1).view(np.uint8)
+    try:
+        mv = memoryview(data)
+    except TypeError:
+        raise InvalidType(f"{name}: expected bytes, bytearray, memoryview or a NumPy array, "
+                          f"got {type(data).__name__}") from None
+    if not mv.c_contiguous:
+        raise InvalidArgument(f"{name}: expected a contiguous buffer")
+    if writable and mv.readonly:
+        raise InvalidArgument(f"{name}: expected a writable buffer, got a read-only {type(data).__name__}")
+    return np.frombuffer(mv.cast("B"), dtype=np.uint8)
+
+
+class DistributedStore:
+    """The native client of the engram store. A context manager; ``close()`` is idempotent.
+
+    Build it with :meth:`connect` (a running master), :meth:`embedded` (master and segment inside this
+    process) or :meth:`from_env`. Every call has a timeout (``timeout_ms``) and raises a
+    :class:`~engram_store.StoreError` subclass on failure.
+    """
+
+    def __init__(self, master: str, *, timeout_ms: int = 10_000, local_direct: bool = True,
+                 _owned: Sequence[Any] = ()):
+        self.master_address = master
+        self.timeout_ms = timeout_ms
+        self.local_direct = bool(local_direct)
+        self._pool = ConnectionPool()
+        self._owned = list(_owned)  # servers this client started (mounted segment, embedded master)
+        self._maps: dict[str, np.ndarray | None] = {}
+        self._maps_lock = threading.Lock()
+        self._mmaps: list[mmap.mmap] = []
+        self._host_id = host_id()
+        self._closed = False
+        self.local_segment: SegmentServer | None = None
+
+    # ---- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def connect(cls, master: str, segment_size: int | str = 0, *, timeout_ms: int = 10_000,
+                host: str = "127.0.0.1", local_direct: bool = True) -> "DistributedStore":
+        """Connect to the master at ``host:port``; a non-zero ``segment_size`` mounts a segment in this process.
+
+        Data in a mounted segment lives only as long as this process; run ``engram-segment`` for
+        segments that outlive clients. ``local_direct=False`` sends every read over the network even when
+        the segment is mapped on this host (to measure or test the remote path).
+        """
+        config = StoreConfig(master_server_address=master, global_segment_size=segment_size,
+                             local_hostname=host, timeout_ms=timeout_ms)
+        store = cls(config.master_server_address, timeout_ms=config.timeout_ms, local_direct=local_direct)
+        try:
+            store.ping()
+            if config.global_segment_size:
+                store._mount(config.global_segment_size, config.local_hostname)
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    @classmethod
+    def embedded(cls, segment_size: int | str = DEFAULT_EMBEDDED_SEGMENT_SIZE, *, timeout_ms: int = 10_000,
+                 lease_ttl_s: float = 5.0, heartbeat_timeout_s: float = 10.0,
+                 local_direct: bool = True) -> "DistributedStore":
+        """A master and one segment inside this process, on 127.0.0.1 ports chosen by the OS.
+
+        The default for demos, notebooks and tests: nothing to start by hand, everything stops on close.
+        """
+        from master import MasterServer  # the master depends on this package, not the reverse
+
+        size = parse_size(segment_size, "segment_size")
+        if size <= 0:
+            raise InvalidArgument(f"segment_size: an embedded store needs a segment of > 0 bytes, got {size}")
+        master = MasterServer("127.0.0.1", 0, lease_ttl_s=lease_ttl_s,
+                              heartbeat_timeout_s=heartbeat_timeout_s).start()
+        store = cls(master.address, timeout_ms=timeout_ms, local_direct=local_direct, _owned=[master])
+        try:
+            store._mount(size, "127.0.0.1")
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    @classmethod
+    def from_config(cls, config: StoreConfig) -> "DistributedStore":
+        if not config.master_server_address:
+            return cls.embedded(config.global_segment_size or DEFAULT_EMBEDDED_SEGMENT_SIZE,
+                                timeout_ms=config.timeout_ms)
+        return cls.connect(config.master_server_address, config.global_segment_size,
+                           timeout_ms=config.timeout_ms, host=config.local_hostname)
+
+    @classmethod
+    def from_env(cls) -> "DistributedStore":
+        """Build from ENGRAM_MASTER / ENGRAM_SEGMENT_SIZE / ENGRAM_CONFIG_PATH (or Mooncake's names).
+
+        With no master configured, an embedded store is started.
+        """
+        return cls.from_config(StoreConfig.load_from_env())
+
+    def _mount(self, size: int, host: str) -> None:
+        segment = SegmentServer(size, self.master_address, host=host, port=0).start()
+        self._owned.insert(0, segment)
+        self.local_segment = segment
+        with self._maps_lock:
+            self._maps[segment.segment_id] = segment.memory.array
+
+    # ---- plumbing -------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError("the store is closed")
+
+    def _master_call(self, op: str, fields: dict | None = None) -> dict:
+        self._check_open()
+        conn = self._pool.get(self.master_address, MasterUnavailable)
+        header, _ = conn.call(op, fields, timeout_ms=self.timeout_ms)
+        return header
+
+    def _segment_conn(self, address: str) -> Connection:
+        self._check_open()
+        return self._pool.get(address, SegmentUnavailable)
+
+    def ping(self) -> dict:
+        """Ask the master to answer; returns its reply (raises MasterUnavailable on timeout)."""
+        return self._master_call("ping")
+
+    def status(self) -> dict:
+        """The master's view: segments (address, size, used), object count and bytes."""
+        header = self._master_call("status")
+        return {k: v for k, v in header.items() if k not in ("v", "id", "ok")}
+
+    def local_view(self, replica: Replica) -> np.ndarray | None:
+        """The whole segment holding ``replica`` as a read-only uint8 array, if it is mapped on this host.
+
+        A mapping outlives a killed segment process (its file stays until reaped), so reads through it keep
+        returning the intact bytes until the master declares the segment dead and ``locate`` stops naming it.
+        """
+        if not self.local_direct:
+            return None
+        view = self._maps.get(replica.segment_id, False)
+        if view is not False:
+            return view
+        with self._maps_lock:
+            if replica.segment_id in self._maps:
+                return self._maps[replica.segment_id]
+            view = None
+            if replica.host_id == self._host_id and replica.shm_path:
+                try:
+                    fd = os.open(replica.shm_path, os.O_RDONLY)
+                    try:
+                        if os.fstat(fd).st_size == replica.segment_size:
+                            mm = mmap.mmap(fd, replica.segment_size, mmap.MAP_SHARED, mmap.PROT_READ)
+                            self._mmaps.append(mm)
+                            view = np.frombuffer(mm, dtype=np.uint8)
+                    finally:
+                        os.close(fd)
+                except OSError as exc:
+                    log.debug("segment %s not mappable here (%s); reading remotely", replica.segment_id, exc)
+            self._maps[replica.segment_id] = view
+            return view
+
+    def forget_segment(self, segment_id: str) -> None:
+        """Stop using a mapping of a segment (after it was declared dead)."""
+        with self._maps_lock:
+            if self.local_segment is None or segment_id != self.local_segment.segment_id:
+                self._maps.pop(segment_id, None)
+
+    # ---- metadata -------------------------------------------------------------------------------
+
+    def locate(self, keys: Sequence[str], lease: bool = True) -> list[ObjectInfo]:
+        """Replica placement of each key, in one master request (raises ObjectNotFound / ObjectLost)."""
+        header = self._master_call("get_replicas", {"keys": list(keys), "lease": lease})
+        out = []
+        for key, obj in zip(keys, header["objects"]):
+            if not obj.get("ok"):
+                raise error_from_reply(obj.get("code"), obj.get("message"))
+            out.append(ObjectInfo(key, obj["size"], tuple(_replica(r) for r in obj["replicas"])))
+        return out
+
+    def is_exist(self, key: str) -> bool:
+        return self.batch_is_exist([key])[0]
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[bool]:
+        keys = [_check_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
+        if not keys:
+            return []
+        return [bool(x) for x in self._master_call("exist", {"keys": keys})["exist"]]
+
+    def get_size(self, key: str) -> int:
+        return self.locate([_check_key(key)], lease=False)[0].size
+
+    def remove(self, key: str, force: bool = False) -> None:
+        """Remove an object; refused with LeaseActive while a read lease is live, unless ``force``."""
+        self._master_call("remove", {"key": _check_key(key), "force": bool(force)})
+
+    def remove_all(self, force: bool = False) -> int:
+        """Remove every object (those under a live lease only with ``force``); returns how many were removed."""
+        return int(self._master_call("remove_all", {"force": bool(force)})["removed"])
+
+    # ---- writes ---------------------------------------------------------------------------------
+
+    def put(self, key: str, data: object, replica_num: int = 1) -> None:
+        """Store ``data`` (bytes-like or a C-contiguous array) under a new key; create-only."""
+        self.batch_put_from([key], [data], replica_num=replica_num)
+
+    def batch_put_from(self, keys: Sequence[str], buffers: Sequence[object], replica_num: int = 1,
+                       progress: Callable[[int], None] | None = None) -> None:
+        """Store each buffer under its key, all or nothing: on any failure nothing of this call stays.
+
+        ``progress(n)`` is called with the bytes written so far (all replicas counted once).
+        """
+        keys = [_check_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
+        if len(buffers) != len(keys):
+            raise InvalidArgument(f"buffers: expected {len(keys)} buffers (one per key), got {len(buffers)}")
+        if len(set(keys)) != len(keys):
+            raise InvalidArgument("keys: the same key appears more than once")
+        if not isinstance(replica_num, int) or isinstance(replica_num, bool) or replica_num < 1:
+            raise InvalidArgument(f"replica_num: expected an integer >= 1, got {describe(replica_num)}")
+        views = [as_bytes_view(b, f"buffers[{i}]") for i, b in enumerate(buffers)]
+        if not keys:
+            return
+        header = self._master_call("put_start", {"keys": keys, "sizes": [v.nbytes for v in views],
+                                                 "replica_num": replica_num})
+        started = [k for k, r in zip(keys, header["results"]) if r.get("ok")]
+        try:
+            for key, result in zip(keys, header["results"]):
+                if not result.get("ok"):
+                    raise error_from_reply(result.get("code"), result.get("message"))
+            jobs = []
+            for view, result in zip(views, header["results"]):
+                for r in result["replicas"]:
+                    for start in range(0, view.nbytes, CHUNK_BYTES):
+                        chunk = view[start:start + CHUNK_BYTES]
+                        jobs.append((r["address"], {"offset": r["offset"] + start}, chunk,
+                                     chunk.nbytes / len(result["replicas"])))
+            self._run_writes(jobs, progress)
+            ended = self._master_call("put_end", {"keys": keys})["results"]
+            for result in ended:
+                if not result.get("ok"):
+                    raise error_from_reply(result.get("code"), result.get("message"))
+        except BaseException:
+            self._revoke(started)
+            raise
+
+    def _run_writes(self, jobs: list, progress: Callable[[int], None] | None) -> None:
+        """Send write requests in rounds of up to WINDOW per segment server, all servers at once."""
+        by_address: dict[str, list] = {}
+        for job in jobs:
+            by_address.setdefault(job[0], []).append(job)
+        done_bytes = 0.0
+        for round_start in range(0, max((len(js) for js in by_address.values()), default=0), WINDOW):
+            pending, weights = [], []
+            for address, address_jobs in by_address.items():
+                conn = self._segment_conn(address)
+                for _, fields, chunk, weight in address_jobs[round_start:round_start + WINDOW]:
+                    pending.append((conn, conn.send("write", fields, [chunk])))
+                    weights.append(weight)
+            results = wait_all(pending, time.monotonic() + self.timeout_ms / 1000.0, "write")
+            for result, weight in zip(results, weights):
+                if isinstance(result, BaseException):
+                    raise result
+                done_bytes += weight
+            if progress is not None:
+                progress(int(done_bytes))
+
+    def _revoke(self, keys: list[str]) -> None:
+        if not keys:
+            return
+        try:
+            self._master_call("put_revoke", {"keys": keys})
+        except EngramError as exc:
+            log.warning("could not revoke %d unfinished write(s) (the master frees them after its put "
+                        "timeout): %s", len(keys), exc)
+
+    # ---- reads ----------------------------------------------------------------------------------
+
+    def get(self, key: str) -> bytes:
+        """The bytes stored under ``key``."""
+        info = self.locate([_check_key(key)])[0]
+        out = np.empty(info.size, dtype=np.uint8)
+        self._read_object(info, out)
+        return out.tobytes()
+
+    def get_into(self, key: str, buffer: object) -> int:
+        """Copy the object into ``buffer`` (at least as large as the object); returns the byte count."""
+        dst = as_bytes_view(buffer, "buffer", writable=True)
+        info = self.locate([_check_key(key)])[0]
+        if dst.nbytes < info.size:
+            raise InvalidArgument(f"buffer: object {key!r} is {info.size} bytes, the buffer holds {dst.nbytes}")
+        self._read_object(info, dst[:info.size])
+        return info.size
+
+    def _read_object(self, info: ObjectInfo, dst: np.ndarray) -> None:
+        """Read a whole object in CHUNK_BYTES pieces (so large objects span several requests in flight)."""
+        work = []
+        for start in range(0, info.size, CHUNK_BYTES):
+            offsets = np.array([start], dtype=np.int64)
+            lengths = np.array([min(CHUNK_BYTES, info.size - start)], dtype=np.int64)
+            work.append((info, offsets, lengths, dst, offsets))
+        self.read_into(work)
+
+    def get_into_ranges(self, buffers: Sequence[object], all_keys: Sequence[Sequence[str]],
+                        all_dst_offsets: Sequence, all_src_offsets: Sequence, all_sizes: Sequence) -> list:
+        """Mooncake's ranged read: for each buffer i and key j, copy ranges of the object into buffer i.
+
+        ``all_dst_offsets[i][j][k]`` / ``all_src_offsets[i][j][k]`` / ``all_sizes[i][j][k]`` describe range k
+        of key j for buffer i. Returns the same nesting with the bytes copied per range. All keys are
+        located in one master request; all segment servers are read at once.
+        """
+        n = len(buffers)
+        for name, seq in (("all_keys", all_keys), ("all_dst_offsets", all_dst_offsets),
+                          ("all_src_offsets", all_src_offsets), ("all_sizes", all_sizes)):
+            if len(seq) != n:
+                raise InvalidArgument(f"{name}: expected {n} entries (one per buffer), got {len(seq)}")
+        dsts = [as_bytes_view(b, f"buffers[{i}]", writable=True) for i, b in enumerate(buffers)]
+        unique = sorted({_check_key(k, "all_keys") for keys in all_keys for k in keys})
+        infos = dict(zip(unique, self.locate(unique))) if unique else {}
+        work = []
+        result = []
+        for i, keys in enumerate(all_keys):
+            if not (len(all_dst_offsets[i]) == len(all_src_offsets[i]) == len(all_sizes[i]) == len(keys)):
+                raise InvalidArgument(f"buffer {i}: expected one offset/size list per key ({len(keys)} keys)")
+            per_key = []
+            for j, key in enumerate(keys):
+                dst_off = np.asarray(all_dst_offsets[i][j], dtype=np.int64).reshape(-1)
+                src_off = np.asarray(all_src_offsets[i][j], dtype=np.int64).reshape(-1)
+                sizes = np.asarray(all_sizes[i][j], dtype=np.int64).reshape(-1)
+                if not (dst_off.size == src_off.size == sizes.size):
+                    raise InvalidArgument(f"buffer {i}, key {key!r}: offsets and sizes differ in length")
+                info = infos[key]
+                bad = _kernels.check_ranges(src_off, sizes, info.size)
+                if bad >= 0:
+                    raise InvalidArgument(f"all_src_offsets[{i}][{j}][{bad}]: range ({int(src_off[bad])}, "
+                                          f"{int(sizes[bad])}) is outside object {key!r} of {info.size} bytes")
+                bad = _kernels.check_ranges(dst_off, sizes, dsts[i].nbytes)
+                if bad >= 0:
+                    raise InvalidArgument(f"all_dst_offsets[{i}][{j}][{bad}]: range ({int(dst_off[bad])}, "
+                                          f"{int(sizes[bad])}) is outside buffer {i} of {dsts[i].nbytes} bytes")
+                work.append((info, src_off, sizes, dsts[i], dst_off))
+                per_key.append(sizes.tolist())
+            result.append(per_key)
+        self.read_into(work)
+        return result
+
+    def read_into(self, work: list) -> None:
+        """Copy ranges of objects into buffers: ``work`` holds ``(info, src_offsets, sizes, dst, dst_offsets)``.
+
+        Local-direct replicas are copied from the mapping; the rest is grouped by segment server, one
+        request per server, all in flight at once; ranges whose server fails are retried on the next replica.
+        """
+        attempt = [0] * len(work)
+        pending = list(range(len(work)))
+        failed: set[str] = set()
+        while pending:
+            groups: dict[str, list[int]] = {}
+            for w in pending:
+                info = work[w][0]
+                replica = self._choose(info, failed, attempt[w])
+                if replica is None:
+                    tried = ", ".join(sorted(r.address for r in info.replicas))
+                    raise SegmentUnavailable(f"object {info.key!r}: no replica could be read (tried {tried})")
+                view = self.local_view(replica)
+                if view is not None:
+                    src_off = work[w][1] + replica.offset
+                    _copy_local(view, src_off, work[w][2], work[w][3], work[w][4])
+                else:
+                    groups.setdefault(replica.address, []).append(w)
+            pending = []
+            if not groups:
+                break
+            for address, failed_items in self._read_remote(work, groups, failed):
+                failed.add(address)
+                for w in failed_items:
+                    attempt[w] += 1
+                pending.extend(failed_items)
+
+    def _choose(self, info: ObjectInfo, failed: set[str], attempt: int) -> Replica | None:
+        live = [r for r in info.replicas if r.address not in failed]
+        if not live:
+            return None
+        for r in live:
+            if self.local_view(r) is not None:
+                return r
+        return live[(hash(info.key) + attempt) % len(live)]
+
+    def read_ranges_many(self, requests: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> list:
+        """Send one read_ranges per ``(address, offsets, lengths)``, all at once; wait for every reply.
+
+        Returns, aligned with ``requests``, the gathered bytes (a memoryview) or the exception of that
+        request; it does not raise for one server's failure, so the caller can fail over per server.
+        """
+        sent: list = []
+        for address, offsets, lengths in requests:
+            conn = self._segment_conn(address)
+            try:
+                sent.append((conn, conn.send("read_ranges", None, [offsets, lengths])))
+            except SegmentUnavailable as exc:
+                sent.append(exc)
+        waiting = [s for s in sent if not isinstance(s, BaseException)]
+        replies = iter(wait_all(waiting, time.monotonic() + self.timeout_ms / 1000.0, "read_ranges")
+                       if waiting else [])
+        out = []
+        for s, (address, _, lengths) in zip(sent, requests):
+            reply = s if isinstance(s, BaseException) else next(replies)
+            if not isinstance(reply, BaseException):
+                frames = reply[1]
+                expected = int(lengths.sum())
+                data = frames[0].buffer if frames else None
+                if data is None or data.nbytes != expected:
+                    got = 0 if data is None else data.nbytes
+                    reply = ProtocolError(f"read_ranges: {address} sent {got} bytes, expected {expected}")
+                else:
+                    reply = data
+            out.append(reply)
+        return out
+
+    def _read_remote(self, work: list, groups: dict[str, list[int]], failed: set[str]):
+        """Read grouped work items, one request per server (split past the reply limit); yield failures."""
+        requests = []  # (address, items, offsets, lengths)
+        for address, items in groups.items():
+            batch, offs, lens, total = [], [], [], 0
+            for w in items:
+                info, src_off, sizes = work[w][0], work[w][1], work[w][2]
+                replica = next(r for r in info.replicas if r.address == address)
+                nbytes = int(sizes.sum())
+                if batch and total + nbytes > MAX_READ_BYTES // 2:
+                    requests.append((address, batch, np.concatenate(offs), np.concatenate(lens)))
+                    batch, offs, lens, total = [], [], [], 0
+                batch.append(w)
+                offs.append(src_off + replica.offset)
+                lens.append(sizes)
+                total += nbytes
+            requests.append((address, batch, np.concatenate(offs), np.concatenate(lens)))
+        replies = self.read_ranges_many([(a, o, n) for a, _, o, n in requests])
+        failures: dict[str, list[int]] = {}
+        for (address, items, _, _), reply in zip(requests, replies):
+            if isinstance(reply, BaseException):
+                if not isinstance(reply, SegmentUnavailable):
+                    raise reply
+                log.warning("read from %s failed (%s); trying other replicas", address, reply)
+                failures.setdefault(address, []).extend(items)
+                continue
+            data = np.frombuffer(reply, dtype=np.uint8)
+            pos = 0
+            for w in items:
+                sizes, dst, dst_off = work[w][2], work[w][3], work[w][4]
+                n = int(sizes.sum())
+                _kernels.scatter_ranges(data[pos:pos + n], dst, dst_off, sizes)
+                pos += n
+        yield from failures.items()
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close connections, stop any segment or master this client started; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.close()
+        with self._maps_lock:
+            self._maps.clear()
+        for server in self._owned:
+            try:
+                server.close()
+            except Exception:
+                log.exception("closing %r failed", server)
+        for mm in self._mmaps:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # an array still views it; the GC unmaps it later
+        self._mmaps.clear()
+
+    def __enter__(self) -> "DistributedStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"DistributedStore(master={self.master_address!r}, {state})"
+
+
+def _copy_local(view: np.ndarray, src_off: np.ndarray, sizes: np.ndarray, dst: np.ndarray,
+                dst_off: np.ndarray) -> None:
+    """Copy ranges of a mapped segment straight into a destination buffer."""
+    if sizes.size == 1:
+        s, n, d = int(src_off[0]), int(sizes[0]), int(dst_off[0])
+        dst[d:d + n] = view[s:s + n]
+        return
+    tmp = np.empty(int(sizes.sum()), dtype=np.uint8)
+    _kernels.gather_ranges(view, src_off, sizes, tmp)
+    _kernels.scatter_ranges(tmp, dst, dst_off, sizes)

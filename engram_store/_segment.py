@@ -1,0 +1,286 @@
+"""The segment server: owns one memory segment and serves writes and batched range reads.
+
+By default the segment is a shared-memory file (``/dev/shm/engram-<id>``), so a client on the same host can
+map it read-only and read with no request at all ("local-direct"). Every offset and length a request
+carries is checked against the segment before any byte moves.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import threading
+import time
+import uuid
+
+import numpy as np
+
+from . import _kernels
+from ._errors import EngramError, InvalidArgument, MasterUnavailable
+from ._protocol import PROTOCOL_VERSION, Request, frame_array, frame_bytes
+from ._transport import Connection, RpcServer
+
+log = logging.getLogger(__name__)
+
+#: A single read reply may carry at most this many bytes; clients split larger reads.
+MAX_READ_BYTES = 256 << 20
+#: A single write request may carry at most this many bytes; clients split larger writes.
+MAX_WRITE_BYTES = 64 << 20
+MAX_RANGES = 1 << 22
+SHM_DIR = "/dev/shm"
+
+
+def host_id() -> str:
+    """Identifies this machine (and boot), so a client can tell whether a segment's file is local."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def reap_orphans(directory: str = SHM_DIR) -> list[str]:
+    """Remove segment files left by processes that died without cleaning up (e.g. after SIGKILL)."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 3 or parts[0] != "engram" or not parts[1].isdigit():
+            continue
+        pid = int(parts[1])
+        try:
+            os.kill(pid, 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # someone else's live process
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+        except OSError:
+            pass
+    if removed:
+        log.info("removed %d segment file(s) left by dead processes in %s", len(removed), directory)
+    return removed
+
+
+class SegmentMemory:
+    """A segment's bytes: a shared-memory (or regular) file mapped read-write, removed on close."""
+
+    def __init__(self, size: int, path: str | None = None, keep_file: bool = False):
+        if size <= 0:
+            raise InvalidArgument(f"segment size: expected > 0 bytes, got {size}")
+        if path is None:
+            directory = SHM_DIR if os.path.isdir(SHM_DIR) else os.environ.get("TMPDIR", "/tmp")
+            reap_orphans(directory)
+            path = os.path.join(directory, f"engram-{os.getpid()}-{uuid.uuid4().hex}")
+        self.path = path
+        self.size = size
+        self._keep_file = keep_file
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if keep_file else os.O_EXCL), 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:
+            os.close(fd)
+            if not keep_file:
+                os.unlink(path)
+            raise
+        os.close(fd)
+        self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._closed = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.array = None
+        try:
+            self._mmap.close()
+        except BufferError:
+            log.warning("segment %s: memory still referenced at close; leaving the mapping to the GC", self.path)
+        if not self._keep_file:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+class SegmentServer:
+    """One memory segment behind a ROUTER socket, registered with (and heartbeating to) a master.
+
+    A context manager; :meth:`close` unregisters from the master, stops serving and removes the
+    shared-memory file. Use :meth:`start` to serve from a background thread (a segment mounted in a client
+    process), or :meth:`serve_forever` to serve from the calling thread (the ``engram-segment`` CLI).
+    """
+
+    def __init__(
+        self,
+        size: int,
+        master: str | None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        segment_id: str | None = None,
+        register_timeout_s: float = 30.0,
+        rpc_timeout_ms: int = 5000,
+    ):
+        self.segment_id = segment_id or uuid.uuid4().hex
+        self.memory = SegmentMemory(size)
+        self.master_address = master
+        self._rpc_timeout_ms = rpc_timeout_ms
+        self._register_timeout_s = register_timeout_s
+        self._stop = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
+        self._closed = False
+        _kernels.warmup()
+        handlers = {"ping": self._ping, "write": self._write, "read_ranges": self._read_ranges}
+        try:
+            self.server = RpcServer(host, port, f"segment {self.segment_id[:8]}", handlers,
+                                    max_message_bytes=MAX_WRITE_BYTES + (1 << 20))
+        except BaseException:
+            self.memory.close()
+            raise
+        self.heartbeat_interval_s = 1.0
+        if master is not None:
+            try:
+                self._register(deadline=time.monotonic() + register_timeout_s)
+            except BaseException:
+                self.server.close()
+                self.memory.close()
+                raise
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    @property
+    def size(self) -> int:
+        return self.memory.size
+
+    # ---- master registration and heartbeats ------------------------------------------------------
+
+    def _register(self, deadline: float) -> None:
+        conn = Connection(self.master_address, unavailable=MasterUnavailable)
+        delay = 0.05
+        try:
+            while True:
+                try:
+                    header, _ = conn.call("register_segment", {
+                        "segment_id": self.segment_id, "address": self.address, "size": self.size,
+                        "shm_path": self.memory.path, "host_id": host_id(),
+                    }, timeout_ms=self._rpc_timeout_ms)
+                    self.heartbeat_interval_s = max(0.05, header.get("heartbeat_interval_ms", 1000) / 1000.0)
+                    log.info("segment %s registered with master %s", self.segment_id, self.master_address)
+                    return
+                except MasterUnavailable:
+                    if time.monotonic() + delay > deadline:
+                        raise MasterUnavailable(
+                            f"segment {self.segment_id}: master {self.master_address} did not answer "
+                            f"within {self._register_timeout_s:g} s") from None
+                    time.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+        finally:
+            conn.close()
+
+    def _heartbeat_loop(self) -> None:
+        conn = Connection(self.master_address, unavailable=MasterUnavailable)
+        try:
+            while not self._stop.wait(self.heartbeat_interval_s):
+                try:
+                    header, _ = conn.call("heartbeat", {"segment_id": self.segment_id},
+                                          timeout_ms=max(200, int(self.heartbeat_interval_s * 1000)))
+                    if not header.get("known", False):
+                        log.warning("segment %s: master %s does not know this segment; registering again",
+                                    self.segment_id, self.master_address)
+                        self._register(deadline=time.monotonic() + self._register_timeout_s)
+                except EngramError as exc:
+                    log.warning("segment %s: heartbeat to %s failed: %s", self.segment_id, self.master_address, exc)
+        finally:
+            conn.close()
+
+    # ---- handlers -------------------------------------------------------------------------------
+
+    def _ping(self, req: Request) -> dict:
+        return {"role": "segment", "segment_id": self.segment_id, "size": self.size, "protocol": PROTOCOL_VERSION}
+
+    def _write(self, req: Request) -> dict:
+        offset = req.int("offset", 0, self.size)
+        if len(req.frames) != 1:
+            raise InvalidArgument(f"write: expected exactly 1 data frame, got {len(req.frames)}")
+        data = frame_bytes(req.frames[0])
+        if data.nbytes > self.size - offset:
+            raise InvalidArgument(
+                f"write: {data.nbytes} bytes at offset {offset} end past the segment's {self.size} bytes")
+        self.memory.array[offset:offset + data.nbytes] = np.frombuffer(data, dtype=np.uint8)
+        return {"written": data.nbytes}
+
+    def _read_ranges(self, req: Request) -> tuple[dict, list]:
+        if len(req.frames) != 2:
+            raise InvalidArgument(f"read_ranges: expected 2 frames (offsets, lengths), got {len(req.frames)}")
+        offsets = frame_array(req.frames[0], np.int64, "offsets")
+        lengths = frame_array(req.frames[1], np.int64, "lengths", count=offsets.size)
+        if offsets.size > MAX_RANGES:
+            raise InvalidArgument(f"read_ranges: at most {MAX_RANGES} ranges per request, got {offsets.size}")
+        bad = _kernels.check_ranges(offsets, lengths, self.size)
+        if bad >= 0:
+            raise InvalidArgument(
+                f"read_ranges: range {bad} (offset {int(offsets[bad])}, length {int(lengths[bad])}) "
+                f"is outside the segment of {self.size} bytes")
+        total = int(lengths.sum())
+        if total > MAX_READ_BYTES:
+            raise InvalidArgument(f"read_ranges: {total} bytes requested, at most {MAX_READ_BYTES} per request")
+        out = np.empty(total, dtype=np.uint8)
+        _kernels.gather_ranges(self.memory.array, offsets, lengths, out)
+        return {"bytes": total}, [out]
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def _start_heartbeats(self) -> None:
+        if self.master_address is not None and self._heartbeat_thread is None:
+            self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
+                                                      name=f"engram-heartbeat-{self.segment_id[:8]}")
+            self._heartbeat_thread.start()
+
+    def start(self) -> "SegmentServer":
+        self._start_heartbeats()
+        self.server.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self._start_heartbeats()
+        self.server.serve_forever()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def close(self, unregister: bool = True) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(timeout=5)
+        if unregister and self.master_address is not None:
+            conn = Connection(self.master_address, unavailable=MasterUnavailable)
+            try:
+                conn.call("unregister_segment", {"segment_id": self.segment_id}, timeout_ms=1000)
+            except EngramError as exc:
+                log.info("segment %s: could not unregister from %s: %s", self.segment_id, self.master_address, exc)
+            finally:
+                conn.close()
+        self.server.close()
+        self.memory.close()
+
+    def __enter__(self) -> "SegmentServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
