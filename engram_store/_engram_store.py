@@ -1,0 +1,505 @@
+"""EngramStore: one layer's per-head embedding tables in the store, read by row id.
+
+Keeps the contract of Mooncake's EngramStore: keys ``engram:l{layer_id}:h{head}``, each a C-contiguous
+float32 ``[N_h, D]`` table; ``populate`` is create-only and all-or-nothing; ``lookup`` maps ``[B, L, H]`` row
+ids to float32 ``[B, L, H, D]`` rows and never clamps an id or fills zeros.
+
+The fast path (on this project's store) resolves the placement of every head once, then per lookup:
+heads whose replica sits in a segment mapped on this host are gathered straight from the mapping; for the
+others a Numba kernel drops duplicate rows, merges adjacent ones into byte ranges, and one request per
+segment server goes out, all at once; the replies are scattered into the output. On a real Mooncake store
+the same planning feeds its ``get_into_ranges``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import _kernels
+from ._errors import (
+    InvalidArgument,
+    InvalidType,
+    LeaseActive,
+    NotConnected,
+    ObjectExists,
+    ObjectNotFound,
+    SegmentUnavailable,
+    StoreError,
+    describe,
+)
+from ._progress import Progress
+
+log = logging.getLogger(__name__)
+
+#: Tables larger than this (all heads together) show a progress bar while they upload.
+PROGRESS_MIN_BYTES = 256 << 20
+#: How many times a lookup re-resolves placement after a segment fails before giving up.
+FAILOVER_ROUNDS = 2
+
+
+@dataclass
+class EngramStoreConfig:
+    """Table geometry of one Engram layer: rows per head and the embedding dimension of every row."""
+
+    table_vocab_sizes: list[int] = field(default_factory=lambda: [1024])
+    embedding_dim: int = 64
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> tuple[list[int], int]:
+        """Check the fields (they may have been set by attribute); return normalised copies."""
+        sizes = self.table_vocab_sizes
+        if isinstance(sizes, np.ndarray):
+            sizes = sizes.tolist()
+        if not isinstance(sizes, (list, tuple)) or not sizes:
+            raise InvalidArgument(f"table_vocab_sizes: expected a non-empty list of row counts, got {describe(sizes)}")
+        for h, n in enumerate(sizes):
+            if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n <= 0:
+                raise InvalidArgument(f"table_vocab_sizes[{h}]: expected a positive integer, got {describe(n)}")
+        dim = self.embedding_dim
+        if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool) or dim <= 0:
+            raise InvalidArgument(f"embedding_dim: expected a positive integer, got {describe(dim)}")
+        return [int(n) for n in sizes], int(dim)
+
+
+class LookupHandle:
+    """A lookup running in the background: ``done()``, ``result(timeout=None)``, ``cancel()``."""
+
+    def __init__(self, future: Future, row_ids: np.ndarray):
+        self._future = future
+        self.row_ids = row_ids
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> np.ndarray:
+        return self._future.result(timeout)
+
+    def cancel(self) -> bool:
+        return self._future.cancel()
+
+
+@dataclass
+class _Placement:
+    """Where each head's table lives, resolved once per populate (or after a segment failure)."""
+
+    local: list[tuple[np.ndarray, np.ndarray, np.ndarray]]  # (segment as float32, base_elems[H], heads)
+    remote: list[tuple[str, np.ndarray, np.ndarray]]         # (address, heads, base byte offsets)
+    order: np.ndarray                                        # remote heads, grouped by address
+    replicas: list[tuple]                                    # per head, its replicas
+
+
+def _as_row_ids(row_ids: Any, num_heads: int) -> np.ndarray:
+    """Validate ``[B, L, H]`` row ids (nested lists or an integer array) into a C-contiguous int64 array."""
+    if isinstance(row_ids, np.ndarray):
+        arr = row_ids
+    else:
+        try:
+            arr = np.asarray(row_ids)
+        except ValueError as exc:  # NumPy refuses ragged nesting
+            raise InvalidArgument(f"row_ids: expected a [B, L, H] nesting of equal-length lists, "
+                                  f"got ragged lists ({exc})") from None
+        if arr.dtype == object:
+            raise InvalidArgument("row_ids: expected a [B, L, H] nesting of equal-length lists of integers, "
+                                  "got ragged lists or non-numeric items")
+    if arr.dtype == np.bool_ or arr.dtype.kind not in "iu":
+        if arr.size == 0 and arr.dtype.kind == "f" and not isinstance(row_ids, np.ndarray):
+            arr = arr.astype(np.int64)  # np.asarray([]) is float64; the emptiness check below reports it
+        else:
+            raise InvalidType(f"row_ids: expected integer row ids, got dtype {arr.dtype}")
+    if arr.ndim != 3:
+        raise InvalidArgument(f"row_ids: expected shape [B, L, H] (3 dimensions), got shape {arr.shape}")
+    if arr.size == 0:
+        raise InvalidArgument(f"row_ids: expected a non-empty [B, L, H] array, got shape {arr.shape}")
+    if arr.shape[2] != num_heads:
+        raise InvalidArgument(f"row_ids: expected H = {num_heads} heads in the last dimension, "
+                              f"got shape {arr.shape}")
+    if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
+        b, l, h = np.unravel_index(int(np.argmax(arr > np.iinfo(np.int64).max)), arr.shape)
+        raise InvalidArgument(f"row_ids[{b}, {l}, {h}] = {int(arr[b, l, h])} is out of range for any table")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+class EngramStore:
+    """The tables of one Engram layer in a store. A context manager; ``close()`` stops background reads.
+
+    ``store`` may be this project's :class:`DistributedStore`, ``engram_store.compat.MooncakeDistributedStore``,
+    a real ``mooncake.store.MooncakeDistributedStore``, or None (metadata only: getters work, reads and
+    writes raise :class:`NotConnected`).
+    """
+
+    def __init__(self, layer_id: int, config: EngramStoreConfig | None = None, store: Any = None):
+        if not isinstance(layer_id, (int, np.integer)) or isinstance(layer_id, bool) or layer_id < 0:
+            raise InvalidArgument(f"layer_id: expected a non-negative integer, got {describe(layer_id)}")
+        config = EngramStoreConfig() if config is None else config
+        if not isinstance(config, EngramStoreConfig):
+            raise InvalidType(f"config: expected an EngramStoreConfig, got {type(config).__name__}")
+        sizes, dim = config.validate()
+        self.layer_id = int(layer_id)
+        self._sizes = sizes
+        self._sizes_arr = np.asarray(sizes, dtype=np.int64)
+        self._dim = dim
+        self._row_bytes = dim * 4
+        self._keys = [f"engram:l{self.layer_id}:h{h}" for h in range(len(sizes))]
+        self._store = store
+        self._native = _native_store(store)
+        self._placement: _Placement | None = None
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._staging: np.ndarray | None = None  # Mooncake path: registered buffer for unique rows
+
+    # ---- getters (work without a store) ---------------------------------------------------------
+
+    def get_table_vocab_sizes(self) -> list[int]:
+        return list(self._sizes)
+
+    def get_store_keys(self) -> list[str]:
+        return list(self._keys)
+
+    def get_num_heads(self) -> int:
+        return len(self._sizes)
+
+    def get_embedding_dim(self) -> int:
+        return self._dim
+
+    def _require_store(self, what: str) -> None:
+        if self._store is None:
+            raise NotConnected(f"{what}: this EngramStore for layer {self.layer_id} was built without a store "
+                               "(store=None); pass a DistributedStore or MooncakeDistributedStore")
+
+    # ---- populate -------------------------------------------------------------------------------
+
+    def populate(self, embedding_buffers: Sequence[np.ndarray], replica_num: int = 1) -> None:
+        """Upload one float32 ``[N_h, D]`` table per head; create-only and all-or-nothing.
+
+        Refuses (naming the key) if any head already exists. If an upload fails, or the call is
+        interrupted, every table this call wrote is removed before the error propagates.
+        """
+        self._require_store("populate")
+        tables = self._check_tables(embedding_buffers)
+        if not isinstance(replica_num, int) or isinstance(replica_num, bool) or replica_num < 1:
+            raise InvalidArgument(f"replica_num: expected an integer >= 1, got {describe(replica_num)}")
+        existing = [k for k, e in zip(self._keys, self._batch_is_exist(self._keys)) if e]
+        if existing:
+            raise ObjectExists(f"populate layer {self.layer_id}: key {existing[0]!r} already exists "
+                               f"({len(existing)} of {len(self._keys)} heads present); call "
+                               "remove_from_store() first")
+        total = sum(t.nbytes for t in tables)
+        bar = Progress(total, f"populate layer {self.layer_id}", enabled=None if total > PROGRESS_MIN_BYTES else False)
+        with self._lock:
+            self._placement = None
+        try:
+            if self._native is not None:
+                self._native.batch_put_from(self._keys, tables, replica_num=replica_num, progress=bar)
+            else:
+                self._populate_mooncake(tables, replica_num, bar)
+        finally:
+            bar.close()
+
+    def _check_tables(self, buffers: Sequence[np.ndarray]) -> list[np.ndarray]:
+        if isinstance(buffers, np.ndarray) or not isinstance(buffers, (list, tuple)):
+            raise InvalidType(f"embedding_buffers: expected a list of {len(self._sizes)} arrays (one per head), "
+                              f"got {type(buffers).__name__}")
+        if len(buffers) != len(self._sizes):
+            raise InvalidArgument(f"embedding_buffers: expected {len(self._sizes)} tables (one per head), "
+                                  f"got {len(buffers)}")
+        for h, (t, n) in enumerate(zip(buffers, self._sizes)):
+            if not isinstance(t, np.ndarray):
+                raise InvalidType(f"embedding_buffers[{h}]: expected a float32 NumPy array, got {type(t).__name__}")
+            if t.dtype != np.float32:
+                raise InvalidType(f"embedding_buffers[{h}]: expected dtype float32, got {t.dtype}")
+            if t.shape != (n, self._dim):
+                raise InvalidArgument(f"embedding_buffers[{h}]: expected shape ({n}, {self._dim}) "
+                                      f"(table_vocab_sizes[{h}] rows x embedding_dim), got {t.shape}")
+            if not t.flags.c_contiguous:
+                raise InvalidArgument(f"embedding_buffers[{h}]: expected a C-contiguous array "
+                                      "(use np.ascontiguousarray)")
+        return list(buffers)
+
+    def _populate_mooncake(self, tables: list[np.ndarray], replica_num: int, bar: Progress) -> None:
+        store = self._store
+        config = _replicate_config(replica_num)
+        written: list[str] = []
+        done = 0
+        try:
+            for key, table in zip(self._keys, tables):
+                ptr = table.ctypes.data
+                _check_code(store.register_buffer(ptr, table.nbytes), "register_buffer", key)
+                try:
+                    codes = (store.batch_put_from([key], [ptr], [table.nbytes], config) if config is not None
+                             else store.batch_put_from([key], [ptr], [table.nbytes]))
+                    _check_code(codes[0], "batch_put_from", key)
+                    written.append(key)
+                finally:
+                    store.unregister_buffer(ptr)
+                done += table.nbytes
+                bar(done)
+        except BaseException:
+            for key in written:
+                try:
+                    store.remove(key)
+                except Exception:
+                    log.exception("rollback: could not remove %r", key)
+            raise
+
+    def _batch_is_exist(self, keys: list[str]) -> list[bool]:
+        result = self._store.batch_is_exist(keys)
+        out = []
+        for key, r in zip(keys, result):
+            if r not in (0, 1, True, False):
+                raise StoreError(f"batch_is_exist: the store answered {r!r} for {key!r}")
+            out.append(bool(r))
+        return out
+
+    # ---- lookup ---------------------------------------------------------------------------------
+
+    def lookup(self, row_ids: Any) -> np.ndarray:
+        """Rows for ``[B, L, H]`` ids as float32 ``[B, L, H, D]``."""
+        ids = self._check_row_ids(row_ids)
+        out = np.empty(ids.shape + (self._dim,), dtype=np.float32)
+        self._lookup_checked(ids, out)
+        return out
+
+    def lookup_into(self, row_ids: Any, out: np.ndarray) -> np.ndarray:
+        """Fill ``out`` (float32, C-contiguous, ``[B, L, H, D]``) with the rows; no allocation of the output."""
+        ids = self._check_row_ids(row_ids)
+        shape = ids.shape + (self._dim,)
+        if not isinstance(out, np.ndarray):
+            raise InvalidType(f"out: expected a float32 NumPy array, got {type(out).__name__}")
+        if out.dtype != np.float32 or out.shape != shape or not out.flags.c_contiguous or not out.flags.writeable:
+            raise InvalidArgument(f"out: expected a writable C-contiguous float32 array of shape {shape}, "
+                                  f"got {out.dtype} {out.shape}")
+        self._lookup_checked(ids, out)
+        return out
+
+    def prefetch(self, row_ids: Any) -> LookupHandle:
+        """Start a lookup in the background; the ids are checked now, errors of the read come from ``result()``."""
+        ids = self._check_row_ids(row_ids)
+        out = np.empty(ids.shape + (self._dim,), dtype=np.float32)
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"engram-l{self.layer_id}")
+            executor = self._executor
+
+        def run() -> np.ndarray:
+            self._lookup_checked(ids, out)
+            return out
+
+        return LookupHandle(executor.submit(run), ids)
+
+    def _check_row_ids(self, row_ids: Any) -> np.ndarray:
+        self._require_store("lookup")
+        ids = _as_row_ids(row_ids, len(self._sizes))
+        bad = _kernels.first_bad_row(ids.reshape(-1, len(self._sizes)), self._sizes_arr)
+        if bad >= 0:
+            B, L, H = ids.shape
+            b, rest = divmod(bad, L * H)
+            l, h = divmod(rest, H)
+            raise InvalidArgument(f"row_ids[{b}, {l}, {h}] = {int(ids[b, l, h])} is out of range: head {h} has "
+                                  f"{self._sizes[h]} rows (expected 0 <= id < {self._sizes[h]})")
+        return ids
+
+    def _lookup_checked(self, ids: np.ndarray, out: np.ndarray) -> None:
+        M = ids.shape[0] * ids.shape[1]
+        ids2 = ids.reshape(M, len(self._sizes))            # (M, H)
+        out3 = out.reshape(M, len(self._sizes), self._dim)  # (M, H, D)
+        if self._native is None:
+            self._lookup_mooncake(ids2, out3)
+            return
+        failed: set[str] = set()
+        for round_ in range(FAILOVER_ROUNDS + 1):
+            placement = self._get_placement(failed)
+            for segment, base_elems, heads in placement.local:
+                _kernels.gather_rows_local(segment, base_elems, ids2, heads, self._dim, out3)
+            if not placement.remote:
+                return
+            bad = self._lookup_remote(placement, ids2, out3)
+            if not bad:
+                return
+            failed |= bad
+            with self._lock:
+                self._placement = None  # re-resolve: the master may have dropped the dead segment
+            log.warning("layer %d: segment(s) %s failed; retrying on other replicas", self.layer_id, sorted(bad))
+        raise SegmentUnavailable(f"layer {self.layer_id}: no live replica answered for some heads "
+                                 f"(failed: {', '.join(sorted(failed))})")
+
+    def _lookup_remote(self, placement: _Placement, ids2: np.ndarray, out3: np.ndarray) -> set[str]:
+        """Read the remote heads: one read_ranges per server, all in flight; returns addresses that failed."""
+        uniq, head_starts, inverse = _kernels.plan_unique_rows(ids2, placement.order)
+        requests = []
+        j = 0
+        for address, heads, base_offsets in placement.remote:
+            k = j + len(heads)
+            rows = uniq[head_starts[j]:head_starts[k]]
+            starts = head_starts[j:k + 1] - head_starts[j]
+            offsets, lengths, _ = _kernels.rows_to_ranges(rows, starts, base_offsets, self._row_bytes)
+            requests.append((address, heads, int(head_starts[j]), offsets, lengths))
+            j = k
+        results = self._native.read_ranges_many([(a, o, n) for a, _, _, o, n in requests])
+        failed = set()
+        for (address, heads, row_start, _, _), result in zip(requests, results):
+            if isinstance(result, BaseException):
+                if isinstance(result, SegmentUnavailable):
+                    failed.add(address)
+                    continue
+                raise result
+            rows = np.frombuffer(result, dtype=np.float32).reshape(-1, self._dim)
+            _kernels.scatter_rows(rows, inverse, heads, row_start, out3)
+        return failed
+
+    def _get_placement(self, failed: set[str]) -> _Placement:
+        with self._lock:
+            if self._placement is not None:
+                return self._placement
+        infos = self._native.locate(self._keys, lease=False)
+        local: dict[str, tuple[np.ndarray, list[int]]] = {}
+        remote: dict[str, list[tuple[int, int]]] = {}
+        base_elems = np.zeros(len(self._keys), dtype=np.int64)
+        for h, info in enumerate(infos):
+            if info.size != self._sizes[h] * self._row_bytes:
+                raise StoreError(f"key {info.key!r} holds {info.size} bytes, but table_vocab_sizes[{h}] x "
+                                 f"embedding_dim x 4 = {self._sizes[h] * self._row_bytes}; the stored layer was "
+                                 "written with another geometry")
+            live = [r for r in info.replicas if r.address not in failed]
+            if not live:
+                raise SegmentUnavailable(f"key {info.key!r}: every replica is on a failed segment "
+                                         f"({', '.join(r.address for r in info.replicas)})")
+            chosen = None
+            for r in live:
+                view = self._native.local_view(r)
+                if view is not None and r.offset % 4 == 0:
+                    chosen = r
+                    local.setdefault(r.segment_id, (view.view(np.float32), []))[1].append(h)
+                    base_elems[h] = r.offset // 4
+                    break
+            if chosen is None:
+                r = live[h % len(live)]
+                remote.setdefault(r.address, []).append((h, r.offset))
+        placement = _Placement(
+            local=[(seg, base_elems, np.asarray(heads, dtype=np.int64)) for seg, heads in local.values()],
+            remote=[(a, np.asarray([h for h, _ in hs], dtype=np.int64), np.asarray([o for _, o in hs], dtype=np.int64))
+                    for a, hs in remote.items()],
+            order=np.asarray([h for hs in remote.values() for h, _ in hs], dtype=np.int64),
+            replicas=[info.replicas for info in infos],
+        )
+        with self._lock:
+            self._placement = placement
+        return placement
+
+    def _lookup_mooncake(self, ids2: np.ndarray, out3: np.ndarray) -> None:
+        """The same planning over Mooncake's ``get_into_ranges`` (one call for all heads)."""
+        H = len(self._sizes)
+        heads = np.arange(H, dtype=np.int64)
+        uniq, head_starts, inverse = _kernels.plan_unique_rows(ids2, heads)
+        need = int(uniq.size) * self._row_bytes
+        with self._lock:
+            staging = self._staging
+            if staging is None or staging.nbytes < need:
+                if staging is not None:
+                    self._store.unregister_buffer(staging.ctypes.data)
+                staging = np.empty(max(need, 1 << 20), dtype=np.uint8)
+                _check_code(self._store.register_buffer(staging.ctypes.data, staging.nbytes), "register_buffer",
+                            "staging buffer")
+                self._staging = staging
+            all_keys, all_dst, all_src, all_sizes = [], [], [], []
+            zero = np.zeros(1, dtype=np.int64)
+            for h in range(H):
+                rows = uniq[head_starts[h]:head_starts[h + 1]]
+                offsets, lengths, _ = _kernels.rows_to_ranges(rows, np.array([0, rows.size], dtype=np.int64),
+                                                              zero, self._row_bytes)
+                dst = int(head_starts[h]) * self._row_bytes + np.concatenate(([0], np.cumsum(lengths)[:-1]))
+                all_keys.append(self._keys[h])
+                all_dst.append(dst.tolist())
+                all_src.append(offsets.tolist())
+                all_sizes.append(lengths.tolist())
+            results = self._store.get_into_ranges([staging.ctypes.data], [all_keys], [all_dst], [all_src], [all_sizes])
+            for h, (sizes, got) in enumerate(zip(all_sizes, results[0])):
+                if list(got) != sizes:
+                    raise StoreError(f"get_into_ranges: key {self._keys[h]!r} returned {list(got)[:4]}..., "
+                                     f"expected the requested sizes")
+            rows_all = staging[:need].view(np.float32).reshape(-1, self._dim)
+            _kernels.scatter_rows(rows_all, inverse, heads, 0, out3)
+
+    # ---- removal and lifecycle ------------------------------------------------------------------
+
+    def remove_from_store(self, force: bool = False) -> int:
+        """Remove every head table of this layer; returns how many were removed (missing keys are skipped)."""
+        self._require_store("remove_from_store")
+        with self._lock:
+            self._placement = None
+        removed = 0
+        for key in self._keys:
+            if self._native is not None:
+                try:
+                    self._native.remove(key, force=force)
+                    removed += 1
+                except ObjectNotFound:
+                    pass
+            else:
+                if not self._batch_is_exist([key])[0]:
+                    continue
+                try:
+                    code = self._store.remove(key, force)
+                except TypeError:  # an older binding without the force argument
+                    code = self._store.remove(key)
+                if code != 0:
+                    if not self._batch_is_exist([key])[0]:
+                        continue
+                    raise LeaseActive(f"remove {key!r}: the store refused with code {code} "
+                                      "(a read lease may be live; pass force=True)")
+                removed += 1
+        return removed
+
+    def close(self) -> None:
+        with self._lock:
+            executor, self._executor = self._executor, None
+            staging, self._staging = self._staging, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+        if staging is not None and self._native is None and self._store is not None:
+            self._store.unregister_buffer(staging.ctypes.data)
+
+    def __enter__(self) -> "EngramStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"EngramStore(layer_id={self.layer_id}, heads={len(self._sizes)}, "
+                f"embedding_dim={self._dim}, store={type(self._store).__name__ if self._store else None})")
+
+
+def _native_store(store: Any):
+    """The DistributedStore behind ``store`` (itself, or the one a compat wrapper holds), else None."""
+    from ._client import DistributedStore
+
+    if isinstance(store, DistributedStore):
+        return store
+    inner = getattr(store, "native_store", None)
+    return inner if isinstance(inner, DistributedStore) else None
+
+
+def _replicate_config(replica_num: int):
+    if replica_num == 1:
+        return None
+    try:
+        from mooncake.store import ReplicateConfig  # type: ignore
+    except ImportError:
+        raise InvalidArgument("replica_num > 1 on a Mooncake store needs mooncake.store.ReplicateConfig") from None
+    config = ReplicateConfig()
+    config.replica_num = replica_num
+    return config
+
+
+def _check_code(code: Any, op: str, what: str) -> None:
+    if isinstance(code, (int, np.integer)) and code < 0:
+        raise StoreError(f"{op} for {what} failed with code {int(code)}")
+
