@@ -1,0 +1,279 @@
+"""EngramStore: lookup equals NumPy fancy indexing on the local-direct and remote paths; the contract holds."""
+
+import itertools
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engram_store import (
+    DistributedStore,
+    EngramStore,
+    EngramStoreConfig,
+    InvalidArgument,
+    InvalidType,
+    NotConnected,
+    ObjectExists,
+)
+from procs import Cluster
+
+pytestmark = pytest.mark.timeout(240)
+
+_layers = itertools.count(1000)
+
+
+@pytest.fixture(scope="module")
+def local_store():
+    """Embedded: the segment is mapped in this process, so every head is read local-direct."""
+    with DistributedStore.embedded(segment_size="128MiB") as store:
+        yield store
+
+
+@pytest.fixture(scope="module")
+def remote_cluster():
+    with Cluster(segments=2, segment_size="128MiB", heartbeat_timeout_s=5.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def remote_store(remote_cluster, monkeypatch_module):
+    """Connected to segment processes whose files this client may not map: every head is read remotely."""
+    store = DistributedStore.connect(remote_cluster.address)
+    monkeypatch_module.setattr(store, "local_view", lambda replica: None)
+    yield store
+    store.close()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def make_tables(sizes, dim, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((n, dim), dtype=np.float32) for n in sizes]
+
+
+def expected_rows(tables, ids):
+    B, L, H = ids.shape
+    out = np.empty((B, L, H, tables[0].shape[1]), np.float32)
+    for h in range(H):
+        out[:, :, h] = tables[h][ids[:, :, h]]
+    return out
+
+
+def random_ids(rng, sizes, B, L, dup_pool=None):
+    ids = np.stack([rng.integers(0, n, (B, L)) for n in sizes], axis=-1)
+    if dup_pool:  # force duplicates and adjacent rows
+        for h, n in enumerate(sizes):
+            ids[..., h] = rng.integers(0, min(n, dup_pool), (B, L))
+    return ids.astype(np.int64)
+
+
+geometry = st.fixed_dictionaries({
+    "sizes": st.lists(st.integers(1, 3000), min_size=1, max_size=6),
+    "dim": st.sampled_from([1, 3, 16, 64]),
+    "B": st.integers(1, 8),
+    "L": st.integers(1, 40),
+    "dups": st.sampled_from([None, 2, 7]),
+    "seed": st.integers(0, 2**31),
+})
+
+
+def _check_lookup(store, g):
+    layer = next(_layers)
+    tables = make_tables(g["sizes"], g["dim"], g["seed"])
+    es = EngramStore(layer, EngramStoreConfig(table_vocab_sizes=g["sizes"], embedding_dim=g["dim"]), store)
+    es.populate(tables)
+    try:
+        rng = np.random.default_rng(g["seed"] + 1)
+        ids = random_ids(rng, g["sizes"], g["B"], g["L"], g["dups"])
+        want = expected_rows(tables, ids)
+        np.testing.assert_array_equal(es.lookup(ids), want)
+        np.testing.assert_array_equal(es.lookup(ids.tolist()), want)  # the list path agrees
+        out = np.full_like(want, np.nan)
+        assert es.lookup_into(ids, out) is out
+        np.testing.assert_array_equal(out, want)
+        np.testing.assert_array_equal(es.prefetch(ids).result(timeout=30), want)
+    finally:
+        assert es.remove_from_store() == len(g["sizes"])
+        es.close()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(g=geometry)
+def test_lookup_equals_fancy_indexing_local_direct(local_store, g):
+    _check_lookup(local_store, g)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(g=geometry)
+def test_lookup_equals_fancy_indexing_remote(remote_store, g):
+    _check_lookup(remote_store, g)
+
+
+def test_heads_spread_over_two_remote_segments_are_read_in_one_round(remote_store, remote_cluster):
+    sizes = [5000] * 8
+    tables = make_tables(sizes, 16, 0)
+    es = EngramStore(next(_layers), EngramStoreConfig(sizes, 16), remote_store)
+    es.populate(tables)
+    placement = es._get_placement(set())
+    assert len(placement.remote) == 2 and not placement.local
+    ids = random_ids(np.random.default_rng(3), sizes, 64, 1)
+    np.testing.assert_array_equal(es.lookup(ids), expected_rows(tables, ids))
+    es.remove_from_store()
+
+
+def test_populate_is_create_only_and_remove_counts(local_store):
+    layer = next(_layers)
+    cfg = EngramStoreConfig(table_vocab_sizes=[10, 20], embedding_dim=4)
+    es = EngramStore(layer, cfg, local_store)
+    tables = make_tables([10, 20], 4, 1)
+    es.populate(tables)
+    with pytest.raises(ObjectExists, match=f"engram:l{layer}:h0"):
+        es.populate(tables)
+    assert es.remove_from_store() == 2
+    assert es.remove_from_store() == 0
+    # one head left behind by someone else still blocks populate, and the message names it
+    local_store.put(f"engram:l{layer}:h1", np.zeros((20, 4), np.float32))
+    with pytest.raises(ObjectExists, match=f"engram:l{layer}:h1"):
+        es.populate(tables)
+    assert local_store.batch_is_exist([f"engram:l{layer}:h0"]) == [False]
+    assert es.remove_from_store() == 1
+
+
+def test_invalid_inputs_raise_and_write_nothing(local_store):
+    layer = next(_layers)
+    es = EngramStore(layer, EngramStoreConfig([10, 20], 4), local_store)
+    good = make_tables([10, 20], 4, 2)
+    bad_populates = [
+        (good[:1], InvalidArgument, "expected 2 tables"),
+        ([good[0], good[1].astype(np.float64)], InvalidType, r"embedding_buffers\[1\].*float32"),
+        ([good[0], good[1][:19]], InvalidArgument, r"embedding_buffers\[1\].*\(20, 4\)"),
+        ([good[0], np.asfortranarray(np.zeros((20, 4), np.float32))[:, :]], None, None),
+        ([good[0], good[1][:, :2].repeat(2, axis=1)[:, ::1]], None, None),
+        (np.stack([good[0], good[0]]), InvalidType, "list"),
+        ([good[0], [[0.0] * 4] * 20], InvalidType, "NumPy array"),
+    ]
+    for tables, exc, match in bad_populates:
+        if exc is None:
+            continue
+        with pytest.raises(exc, match=match):
+            es.populate(tables)
+        assert es._batch_is_exist(es.get_store_keys()) == [False, False]
+    with pytest.raises(InvalidArgument, match="non-contiguous|C-contiguous"):
+        es.populate([good[0], np.zeros((4, 20), np.float32).T])
+    with pytest.raises(InvalidArgument, match="replica_num"):
+        es.populate(good, replica_num=0)
+    assert es._batch_is_exist(es.get_store_keys()) == [False, False]
+
+    es.populate(good)
+    bad_lookups = [
+        ([], InvalidArgument, "non-empty|3 dimensions"),
+        (np.zeros((0, 1, 2), np.int64), InvalidArgument, "non-empty"),
+        (np.zeros((1, 1, 3), np.int64), InvalidArgument, "H = 2"),
+        (np.zeros((1, 2), np.int64), InvalidArgument, "3 dimensions"),
+        ([[[0, 1], [2]]], InvalidArgument, "ragged"),
+        ([[[0, 1.5]]], InvalidType, "integer"),
+        (np.zeros((1, 1, 2), np.float32), InvalidType, "integer"),
+        (np.array([[[0, 20]]]), InvalidArgument, r"row_ids\[0, 0, 1\] = 20.*0 <= id < 20"),
+        (np.array([[[0, 1]], [[-1, 0]]]), InvalidArgument, r"row_ids\[1, 0, 0\] = -1"),
+        ([[["a", "b"]]], InvalidType, "integer"),
+    ]
+    for ids, exc, match in bad_lookups:
+        with pytest.raises(exc, match=match):
+            es.lookup(ids)
+    with pytest.raises(InvalidArgument, match="out: expected"):
+        es.lookup_into([[[0, 0]]], np.empty((1, 1, 2, 5), np.float32))
+    with pytest.raises(InvalidArgument, match="out: expected"):
+        es.lookup_into([[[0, 0]]], np.empty((1, 1, 2, 4), np.float64))
+    with pytest.raises(InvalidArgument, match="row_ids"):
+        es.prefetch([[[0, 99]]])
+    es.remove_from_store()
+
+
+def test_metadata_only_store():
+    es = EngramStore(3, EngramStoreConfig(table_vocab_sizes=[7, 9], embedding_dim=8))
+    assert es.get_table_vocab_sizes() == [7, 9]
+    assert es.get_store_keys() == ["engram:l3:h0", "engram:l3:h1"]
+    assert es.get_num_heads() == 2 and es.get_embedding_dim() == 8
+    for call in (lambda: es.populate(make_tables([7, 9], 8, 0)), lambda: es.lookup([[[0, 0]]]),
+                 lambda: es.remove_from_store()):
+        with pytest.raises(NotConnected, match="store=None"):
+            call()
+
+
+def test_config_defaults_attributes_and_validation():
+    cfg = EngramStoreConfig()
+    assert cfg.table_vocab_sizes == [1024] and cfg.embedding_dim == 64
+    cfg.table_vocab_sizes = [5, 6]
+    cfg.embedding_dim = 2
+    assert EngramStore(0, cfg).get_table_vocab_sizes() == [5, 6]
+    cfg.embedding_dim = 0
+    with pytest.raises(InvalidArgument, match="embedding_dim"):
+        EngramStore(0, cfg)
+    with pytest.raises(InvalidArgument, match=r"table_vocab_sizes\[1\]"):
+        EngramStoreConfig(table_vocab_sizes=[3, -1])
+    with pytest.raises(InvalidArgument, match="layer_id"):
+        EngramStore(-1, EngramStoreConfig())
+
+
+def test_concurrent_lookups_from_threads(local_store):
+    sizes = [1000, 2000, 3000]
+    tables = make_tables(sizes, 8, 5)
+    es = EngramStore(next(_layers), EngramStoreConfig(sizes, 8), local_store)
+    es.populate(tables)
+    errors = []
+
+    def worker(seed):
+        rng = np.random.default_rng(seed)
+        for _ in range(20):
+            ids = random_ids(rng, sizes, 4, 16)
+            if not np.array_equal(es.lookup(ids), expected_rows(tables, ids)):
+                errors.append(seed)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors
+    es.remove_from_store()
+    es.close()
+
+
+def test_segment_killed_during_populate_leaves_no_key():
+    with Cluster(segments=2, segment_size="256MiB", heartbeat_timeout_s=2.0) as c:
+        with DistributedStore.connect(c.address, timeout_ms=2000) as store:
+            layer = 7
+            sizes = [400_000] * 8  # 8 x 400k x 16 x 4 B = 205 MB: long enough to kill mid-way
+            tables = make_tables(sizes, 16, 0)
+            es = EngramStore(layer, EngramStoreConfig(sizes, 16), store)
+            done = threading.Event()
+            error = []
+
+            def populate():
+                try:
+                    es.populate(tables)
+                except Exception as exc:
+                    error.append(exc)
+                finally:
+                    done.set()
+
+            t = threading.Thread(target=populate)
+            t.start()
+            # wait until the upload has begun (a write is in progress on the master), then kill
+            while not done.is_set() and store.status()["pending"] == 0:
+                pass
+            c.segments[0].kill()
+            t.join(timeout=120)
+            assert done.is_set()
+            assert error, "populate succeeded although a segment died under it"
+            assert store.batch_is_exist(es.get_store_keys()) == [False] * 8
+            status = store.status()
+            assert status["pending"] == 0 and status["objects"] == 0
+            assert all(s["used"] == 0 for s in status["segments"])

@@ -1,0 +1,366 @@
+"""The store against real master and segment processes on 127.0.0.1."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engram_store import (
+    DistributedStore,
+    InvalidArgument,
+    LeaseActive,
+    ObjectExists,
+    ObjectLost,
+    ObjectNotFound,
+    OutOfSpace,
+    SegmentUnavailable,
+)
+from engram_store._errors import MasterUnavailable
+from engram_store._transport import Connection
+from procs import Cluster, wait_ping
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def shared_cluster():
+    with Cluster(segments=2, segment_size="96MiB", heartbeat_timeout_s=5.0, lease_ttl_s=1.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def remote_client(shared_cluster):
+    """A client with no segment of its own: every read goes over the network."""
+    with DistributedStore.connect(shared_cluster.address, timeout_ms=10_000) as store:
+        yield store
+
+
+_counter = iter(range(1 << 30))
+
+
+def fresh_key(prefix="k"):
+    return f"{prefix}-{os.getpid()}-{next(_counter)}"
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(size=st.one_of(st.integers(0, 4096), st.integers(4097, 3 << 20), st.just(20 << 20)),
+       seed=st.integers(0, 2**32 - 1))
+def test_put_get_roundtrip_random_sizes(remote_client, size, seed):
+    data = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+    key = fresh_key("rt")
+    remote_client.put(key, data)
+    try:
+        assert remote_client.get(key) == data
+        assert remote_client.get_size(key) == size
+        buf = bytearray(size + 7)
+        assert remote_client.get_into(key, buf) == size
+        assert bytes(buf[:size]) == data
+    finally:
+        remote_client.remove(key, force=True)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_get_into_ranges_equals_numpy_slicing(remote_client, data):
+    sizes = data.draw(st.lists(st.integers(1, 50_000), min_size=1, max_size=4))
+    keys = [fresh_key("gr") for _ in sizes]
+    objects = [np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8) for i, n in enumerate(sizes)]
+    remote_client.batch_put_from(keys, objects)
+    try:
+        dst = np.zeros(300_000, dtype=np.uint8)
+        expected = dst.copy()
+        all_dst, all_src, all_sizes = [], [], []
+        cursor = 0
+        for obj in objects:
+            n_ranges = data.draw(st.integers(1, 5))
+            d, s, z = [], [], []
+            for _ in range(n_ranges):
+                start = data.draw(st.integers(0, obj.size - 1))
+                length = data.draw(st.integers(1, obj.size - start))
+                d.append(cursor), s.append(start), z.append(length)
+                expected[cursor:cursor + length] = obj[start:start + length]
+                cursor += length
+            all_dst.append(d), all_src.append(s), all_sizes.append(z)
+        result = remote_client.get_into_ranges([dst], [keys], [all_dst], [all_src], [all_sizes])
+        assert result == [all_sizes]
+        np.testing.assert_array_equal(dst, expected)
+    finally:
+        for key in keys:
+            remote_client.remove(key, force=True)
+
+
+def test_get_into_ranges_rejects_out_of_bounds(remote_client):
+    key = fresh_key("oob")
+    remote_client.put(key, b"x" * 100)
+    dst = np.zeros(64, dtype=np.uint8)
+    with pytest.raises(InvalidArgument, match="outside object"):
+        remote_client.get_into_ranges([dst], [[key]], [[[0]]], [[[90]]], [[[20]]])
+    with pytest.raises(InvalidArgument, match="outside buffer"):
+        remote_client.get_into_ranges([dst], [[key]], [[[60]]], [[[0]]], [[[10]]])
+    remote_client.remove(key, force=True)
+
+
+def test_replicas_land_on_distinct_segments(remote_client, shared_cluster):
+    key = fresh_key("rep")
+    remote_client.put(key, b"abc" * 1000, replica_num=2)
+    info = remote_client.locate([key])[0]
+    assert len(info.replicas) == 2
+    assert len({r.segment_id for r in info.replicas}) == 2
+    assert {r.address for r in info.replicas} == {s.address for s in shared_cluster.segments}
+    with pytest.raises(OutOfSpace, match="distinct segments"):
+        remote_client.put(fresh_key("rep3"), b"x", replica_num=3)
+    remote_client.remove(key, force=True)
+
+
+def test_create_only_and_missing_keys(remote_client):
+    key = fresh_key("co")
+    remote_client.put(key, b"one")
+    with pytest.raises(ObjectExists, match=key):
+        remote_client.put(key, b"two")
+    assert remote_client.get(key) == b"one"
+    assert remote_client.batch_is_exist([key, key + "-missing"]) == [True, False]
+    remote_client.remove(key, force=True)
+    with pytest.raises(ObjectNotFound, match="no object"):
+        remote_client.get(key)
+    with pytest.raises(ObjectNotFound):
+        remote_client.remove(key)
+
+
+def test_lease_blocks_remove_until_expiry_or_force(remote_client):
+    key = fresh_key("lease")
+    remote_client.put(key, b"leased")
+    remote_client.get(key)  # takes a 1 s lease
+    with pytest.raises(LeaseActive, match="force=True"):
+        remote_client.remove(key)
+    deadline = time.monotonic() + 10
+    while True:  # the lease expires on the master's clock; poll rather than sleep a fixed time
+        try:
+            remote_client.remove(key)
+            break
+        except LeaseActive:
+            assert time.monotonic() < deadline, "lease never expired"
+            time.sleep(0.1)
+    assert not remote_client.is_exist(key)
+    key2 = fresh_key("lease")
+    remote_client.put(key2, b"leased")
+    remote_client.get(key2)
+    remote_client.remove(key2, force=True)
+    assert not remote_client.is_exist(key2)
+
+
+def test_out_of_space_put_fails_cleanly(remote_client):
+    before = remote_client.status()
+    used_before = {s["segment_id"]: s["used"] for s in before["segments"]}
+    key = fresh_key("big")
+    with pytest.raises(OutOfSpace, match="no room"):
+        remote_client.put(key, np.zeros(100 << 20, dtype=np.uint8))
+    assert not remote_client.is_exist(key)
+    after = remote_client.status()
+    assert {s["segment_id"]: s["used"] for s in after["segments"]} == used_before
+    assert after["pending"] == 0
+    # a batch where the second object does not fit leaves neither behind
+    k1, k2 = fresh_key("b1"), fresh_key("b2")
+    with pytest.raises(OutOfSpace):
+        remote_client.batch_put_from([k1, k2], [b"small", np.zeros(100 << 20, dtype=np.uint8)])
+    assert remote_client.batch_is_exist([k1, k2]) == [False, False]
+    assert {s["segment_id"]: s["used"] for s in remote_client.status()["segments"]} == used_before
+
+
+def test_bad_arguments_name_the_argument(remote_client):
+    with pytest.raises(TypeError, match="key"):
+        remote_client.put(123, b"x")
+    with pytest.raises(InvalidArgument, match="replica_num"):
+        remote_client.put(fresh_key(), b"x", replica_num=0)
+    with pytest.raises(TypeError, match="buffers\\[0\\]"):
+        remote_client.put(fresh_key(), object())
+    with pytest.raises(InvalidArgument, match="writable"):
+        remote_client.get_into("k", b"readonly")
+
+
+def _raw_request(address, frames, timeout_ms=3000):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{address}")
+    try:
+        sock.send_multipart(frames)
+        if not sock.poll(timeout_ms):
+            return None
+        return sock.recv_multipart()
+    finally:
+        sock.close(0)
+
+
+BAD_FRAMES = [
+    [b""],
+    [b"\xc1"],  # never valid msgpack
+    [msgpack.packb([1, 2, 3])],
+    [msgpack.packb({"v": 99, "id": 1, "op": "ping"})],
+    [msgpack.packb({"v": 1, "id": "x", "op": "ping"})],
+    [msgpack.packb({"v": 1, "id": 1, "op": 5})],
+    [msgpack.packb({"v": 1, "id": 1, "op": "no_such_op"})],
+    [msgpack.packb({"v": 1, "id": 1, "op": "put_start", "keys": ["a"], "sizes": [-1], "replica_num": 1})],
+    [msgpack.packb({"v": 1, "id": 1, "op": "put_start", "keys": [1], "sizes": [1], "replica_num": 1})],
+    [msgpack.packb({"v": 1, "id": 1, "op": "put_start", "keys": ["a"], "sizes": [2**60], "replica_num": 1})],
+    [msgpack.packb({"v": 1, "id": 1, "op": "get_replicas", "keys": "notalist"})],
+    [msgpack.packb({"v": 1, "id": 1, "op": "remove", "key": "", "force": "yes"})],
+    [msgpack.packb({"v": 1, "id": 1, "op": "write", "offset": -5}), b"data"],
+    [msgpack.packb({"v": 1, "id": 1, "op": "write", "offset": 2**62}), b"data"],
+    [msgpack.packb({"v": 1, "id": 1, "op": "write", "offset": 0})],
+    [msgpack.packb({"v": 1, "id": 1, "op": "read_ranges"}), np.array([0], np.int64).tobytes()],
+    [msgpack.packb({"v": 1, "id": 1, "op": "read_ranges"}), np.array([-1], np.int64).tobytes(),
+     np.array([8], np.int64).tobytes()],
+    [msgpack.packb({"v": 1, "id": 1, "op": "read_ranges"}), np.array([2**62], np.int64).tobytes(),
+     np.array([2**62], np.int64).tobytes()],
+    [msgpack.packb({"v": 1, "id": 1, "op": "read_ranges"}), b"abc", b"de"],
+]
+
+
+@pytest.mark.parametrize("target", ["master", "segment"])
+def test_malformed_frames_get_error_replies_and_servers_keep_serving(shared_cluster, remote_client, target):
+    address = shared_cluster.address if target == "master" else shared_cluster.segments[0].address
+    key = fresh_key("mal")
+    remote_client.put(key, b"precious")
+    status_before = remote_client.status()
+    for frames in BAD_FRAMES:
+        reply = _raw_request(address, frames)
+        if frames == [b""]:
+            continue  # an empty header frame may be dropped as noise; the server must still serve
+        assert reply is not None, f"no reply to {frames!r}"
+        header = msgpack.unpackb(reply[0])
+        assert header["ok"] is False, (frames, header)
+        assert isinstance(header["message"], str) and header["message"]
+    wait_ping(address, timeout_s=5)
+    assert remote_client.get(key) == b"precious"
+    assert remote_client.status()["objects"] == status_before["objects"]
+    remote_client.remove(key, force=True)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frames=st.lists(st.binary(max_size=64), min_size=1, max_size=4))
+def test_random_frames_never_break_the_segment(shared_cluster, frames):
+    address = shared_cluster.segments[1].address
+    reply = _raw_request(address, frames, timeout_ms=2000)
+    if reply is not None:
+        assert msgpack.unpackb(reply[0])["ok"] is False
+    wait_ping(address, timeout_s=5, unavailable=SegmentUnavailable)
+
+
+def test_segment_kill_loses_single_replica_objects_only():
+    with Cluster(segments=2, heartbeat_timeout_s=2.0) as c:
+        # Remote reads only: a same-host mapping would keep serving the dead segment's intact bytes.
+        with DistributedStore.connect(c.address, timeout_ms=3000, local_direct=False) as store:
+            store.put("both", b"B" * 5000, replica_num=2)
+            for i in range(6):  # with most-free-first placement these spread over both segments
+                store.put(f"single-{i}", bytes([i]) * 1000)
+            victim = c.segments[0]
+            doomed = [k for k in (f"single-{i}" for i in range(6))
+                      if store.locate([k])[0].replicas[0].segment_id == victim.segment_id]
+            assert doomed, "placement put nothing on the first segment"
+            victim.kill()
+            start = time.monotonic()
+            # Before the master notices, reads of the lost objects fail with a clear error within the timeout.
+            with pytest.raises(SegmentUnavailable):
+                store.get(doomed[0])
+            # Within the heartbeat timeout (plus one check), the master declares the segment dead.
+            while True:
+                try:
+                    store.get(doomed[0])
+                except ObjectLost as exc:
+                    assert victim.segment_id in str(exc)
+                    break
+                except SegmentUnavailable:
+                    pass
+                assert time.monotonic() - start < 2.0 + 5.0, "segment never declared dead"
+                time.sleep(0.1)
+            assert store.get("both") == b"B" * 5000  # a replica elsewhere keeps it readable
+            assert not store.is_exist(doomed[0])
+            assert len(store.status()["segments"]) == 1
+
+
+def test_get_fails_over_to_second_replica_before_master_notices():
+    with Cluster(segments=2, heartbeat_timeout_s=30.0) as c:
+        with DistributedStore.connect(c.address, timeout_ms=1500, local_direct=False) as store:
+            payload = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+            store.put("twice", payload, replica_num=2)
+            c.segments[0].kill()
+            for _ in range(3):  # whichever replica the client picks first, the answer is right
+                assert store.get("twice") == payload
+
+
+def test_master_restart_with_journal_serves_every_object(tmp_path):
+    journal = str(tmp_path / "master.journal")
+    with Cluster(segments=2, journal=journal, heartbeat_timeout_s=5.0) as c:
+        with DistributedStore.connect(c.address, timeout_ms=5000) as store:
+            objects = {f"j{i}": os.urandom(1000 + i * 10_000) for i in range(10)}
+            for key, value in objects.items():
+                store.put(key, value, replica_num=1 + i % 2 if (i := int(key[1:])) else 1)
+            store.remove("j3", force=True)
+            del objects["j3"]
+            c.master.kill()
+            with pytest.raises(MasterUnavailable):
+                DistributedStore.connect(c.address, timeout_ms=300)
+            c.restart_master(journal=journal, heartbeat_timeout_s=5.0)
+            for key, value in objects.items():
+                assert store.get(key) == value
+            assert not store.is_exist("j3")
+            status = store.status()
+            assert status["objects"] == len(objects)
+            assert len(status["segments"]) == 2
+            # the restarted master accepts new writes without overlapping restored objects
+            store.put("after-restart", b"z" * 50_000)
+            for key, value in objects.items():
+                assert store.get(key) == value
+
+
+def test_segment_removes_its_shared_memory_file_on_sigterm():
+    with Cluster(segments=1) as c:
+        with DistributedStore.connect(c.address) as store:
+            shm_path = store.status()["segments"][0]["shm_path"]
+        assert os.path.exists(shm_path)
+        assert c.segments[0].terminate() == 0
+        assert not os.path.exists(shm_path)
+
+
+def test_status_cli_prints_segments(shared_cluster):
+    out = subprocess.run([sys.executable, "-m", "master", "status", "--master", shared_cluster.address],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for seg in shared_cluster.segments:
+        assert seg.address in out.stdout
+    assert "object(s)" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "master", "status", "--master", "127.0.0.1:1", "--timeout", "0.5"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "no reply" in bad.stderr
+
+
+def test_client_calls_time_out_when_master_is_gone():
+    with Cluster(segments=0) as c:
+        store = DistributedStore.connect(c.address, timeout_ms=500)
+        c.master.kill()
+        start = time.monotonic()
+        with pytest.raises(MasterUnavailable, match="within the timeout"):
+            store.is_exist("x")
+        assert time.monotonic() - start < 5
+        store.close()
+        store.close()  # idempotent
+
+
+def test_hung_segment_hits_the_timeout():
+    with Cluster(segments=1, heartbeat_timeout_s=30.0) as c:
+        with DistributedStore.connect(c.address, timeout_ms=800, local_direct=False) as store:
+            store.put("h", b"h" * 100)
+            c.segments[0].signal(signal.SIGSTOP)
+            start = time.monotonic()
+            with pytest.raises(SegmentUnavailable):
+                store.get("h")
+            assert time.monotonic() - start < 5
+            c.segments[0].signal(signal.SIGCONT)
+            assert store.get("h") == b"h" * 100
