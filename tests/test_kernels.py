@@ -1,0 +1,169 @@
+"""The Numba kernels against plain NumPy formulations of the same operations."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engram_store import _kernels as k
+
+SETTINGS = settings(max_examples=60, deadline=None)
+
+
+@st.composite
+def ranges_in(draw, max_limit: int = 4096):
+    """(limit, offsets, lengths) with every range inside [0, limit)."""
+    limit = draw(st.integers(0, max_limit))
+    n = draw(st.integers(0, 20))
+    offsets, lengths = [], []
+    for _ in range(n):
+        o = draw(st.integers(0, limit))
+        offsets.append(o)
+        lengths.append(draw(st.integers(0, limit - o)))
+    return limit, np.array(offsets, dtype=np.int64), np.array(lengths, dtype=np.int64)
+
+
+@SETTINGS
+@given(ranges_in(), st.integers(0, 2**32))
+def test_gather_then_scatter_equals_slicing(case, seed):
+    limit, offsets, lengths = case
+    src = np.random.default_rng(seed).integers(0, 256, limit, dtype=np.uint8)
+    out = np.empty(int(lengths.sum()), dtype=np.uint8)
+    assert k.check_ranges(offsets, lengths, limit) == -1
+    assert k.gather_ranges(src, offsets, lengths, out) == out.size
+    expected = np.concatenate([src[o:o + n] for o, n in zip(offsets, lengths)] + [np.empty(0, np.uint8)])
+    np.testing.assert_array_equal(out, expected)
+    dst = np.zeros(limit, dtype=np.uint8)
+    k.scatter_ranges(out, dst, offsets, lengths)
+    ref = np.zeros(limit, dtype=np.uint8)
+    for o, n, piece in zip(offsets, lengths, np.split(expected, np.cumsum(lengths)[:-1]) if lengths.size else []):
+        ref[o:o + n] = piece
+    np.testing.assert_array_equal(dst, ref)
+
+
+_I64 = st.integers(-2**63, 2**63 - 1)
+
+
+@SETTINGS
+@given(st.lists(st.tuples(_I64, _I64), max_size=12), st.integers(0, 2**62))
+def test_check_ranges_matches_exact_integer_arithmetic(pairs, limit):
+    offsets = np.array([p[0] for p in pairs], dtype=np.int64)
+    lengths = np.array([p[1] for p in pairs], dtype=np.int64)
+    expected = next((i for i, (o, n) in enumerate(pairs) if o < 0 or n < 0 or o + n > limit), -1)
+    assert k.check_ranges(offsets, lengths, limit) == expected
+
+
+@st.composite
+def id_batches(draw):
+    """(ids [M, H], num_rows [H]) with every id valid."""
+    H = draw(st.integers(1, 6))
+    M = draw(st.integers(1, 40))
+    num_rows = np.array(draw(st.lists(st.integers(1, 50), min_size=H, max_size=H)), dtype=np.int64)
+    seed = draw(st.integers(0, 2**32))
+    ids = np.random.default_rng(seed).integers(0, num_rows, size=(M, H), dtype=np.int64)
+    return ids, num_rows
+
+
+@SETTINGS
+@given(id_batches(), st.data())
+def test_first_bad_row_finds_the_first_offender(batch, data):
+    ids, num_rows = batch
+    assert k.first_bad_row(ids, num_rows) == -1
+    flat = data.draw(st.integers(0, ids.size - 1))
+    m, h = divmod(flat, ids.shape[1])
+    bad = ids.copy()
+    bad[m, h] = data.draw(st.sampled_from([-1, int(num_rows[h]), 2**63 - 1, -2**63]))
+    got = k.first_bad_row(bad, num_rows)
+    assert got == flat
+    # ... and it is the first in row-major order.
+    mask = (bad < 0) | (bad >= num_rows)
+    assert got == int(np.flatnonzero(mask.ravel())[0])
+
+
+@SETTINGS
+@given(id_batches(), st.data())
+def test_plan_ranges_and_scatter_reproduce_a_numpy_gather(batch, data):
+    ids, num_rows = batch
+    M, H = ids.shape
+    D = data.draw(st.integers(1, 5))
+    heads = np.array(data.draw(st.permutations(range(H))), dtype=np.int64)
+    heads = heads[:data.draw(st.integers(1, H))]
+    tables = [np.random.default_rng(h).standard_normal((int(num_rows[h]), D)).astype(np.float32) for h in range(H)]
+
+    uniq, starts, inverse = k.plan_unique_rows(ids, heads)
+    for j, h in enumerate(heads):
+        np.testing.assert_array_equal(uniq[starts[j]:starts[j + 1]], np.unique(ids[:, h]))
+    unlisted = np.setdiff1d(np.arange(H), heads)
+    assert (inverse[:, unlisted] == -1).all()
+    for h in heads:
+        np.testing.assert_array_equal(uniq[inverse[:, h]], ids[:, h])
+
+    # Lay the listed heads' tables out back to back in one "segment" and read the ranges back to back.
+    row_bytes = D * 4
+    base = np.concatenate(([0], np.cumsum([num_rows[h] * row_bytes for h in heads])[:-1])).astype(np.int64)
+    segment = np.concatenate([tables[h].ravel() for h in heads]).view(np.uint8)
+    offsets, lengths, range_head = k.rows_to_ranges(uniq, starts, base, row_bytes)
+    assert k.check_ranges(offsets, lengths, segment.size) == -1
+    assert lengths.sum() == uniq.size * row_bytes
+    # Adjacent rows are merged: no two consecutive ranges of one head touch.
+    touching = (range_head[1:] == range_head[:-1]) & (offsets[:-1] + lengths[:-1] == offsets[1:])
+    assert not touching.any()
+    got = np.empty(int(lengths.sum()), dtype=np.uint8)
+    k.gather_ranges(segment, offsets, lengths, got)
+    rows = got.view(np.float32).reshape(-1, D)
+
+    out = np.zeros((M, H, D), dtype=np.float32)
+    k.scatter_rows(rows, inverse, heads, 0, out)
+    expected = np.zeros((M, H, D), dtype=np.float32)
+    for h in heads:
+        expected[:, h] = tables[h][ids[:, h]]
+    np.testing.assert_array_equal(out, expected)
+
+    # The local-direct gather reads the same rows straight from the float32 segment.
+    local = np.zeros((M, H, D), dtype=np.float32)
+    base_elems = np.zeros(H, dtype=np.int64)
+    base_elems[heads] = base // 4
+    k.gather_rows_local(segment.view(np.float32), base_elems, ids, heads, D, local)
+    np.testing.assert_array_equal(local, expected)
+
+
+def test_rows_to_ranges_merges_runs():
+    rows = np.array([0, 1, 2, 5, 7, 8, 0, 1], dtype=np.int64)
+    starts = np.array([0, 6, 8], dtype=np.int64)
+    offsets, lengths, heads = k.rows_to_ranges(rows, starts, np.array([0, 1000], dtype=np.int64), 10)
+    assert offsets.tolist() == [0, 50, 70, 1000]
+    assert lengths.tolist() == [30, 10, 20, 20]
+    assert heads.tolist() == [0, 0, 0, 1]
+
+
+def test_readonly_inputs_are_accepted():
+    src = np.arange(32, dtype=np.uint8)
+    src.flags.writeable = False
+    out = np.empty(4, dtype=np.uint8)
+    k.gather_ranges(src, np.array([3], dtype=np.int64), np.array([4], dtype=np.int64), out)
+    assert out.tolist() == [3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: k.check_ranges(np.zeros(2, np.int32), np.zeros(2, np.int64), 4), "offsets: expected a 1-D int64"),
+    (lambda: k.check_ranges(np.zeros(2, np.int64), np.zeros(3, np.int64), 4), "same size"),
+    (lambda: k.gather_ranges(np.zeros(4, np.uint8), np.array([2], np.int64), np.array([4], np.int64),
+                             np.empty(4, np.uint8)), "outside src"),
+    (lambda: k.gather_ranges(np.zeros(4, np.uint8), np.array([0], np.int64), np.array([4], np.int64),
+                             np.empty(3, np.uint8)), "out holds 3 bytes"),
+    (lambda: k.first_bad_row(np.zeros((2, 2), np.int32), np.ones(2, np.int64)), "ids: expected a 2-D int64"),
+    (lambda: k.first_bad_row(np.zeros((2, 2), np.int64), np.ones(3, np.int64)), "num_rows: expected 2"),
+    (lambda: k.plan_unique_rows(np.zeros((2, 2), np.int64), np.array([2], np.int64)), r"heads: .*\[0, 2\)"),
+    (lambda: k.plan_unique_rows(np.zeros((2, 2), np.int64), np.array([1, 1], np.int64)), "distinct"),
+    (lambda: k.rows_to_ranges(np.arange(3), np.array([0, 2], np.int64), np.zeros(1, np.int64), 4), "starts"),
+    (lambda: k.scatter_rows(np.zeros((1, 2), np.float32), np.zeros((2, 2), np.int64), np.arange(2),
+                            0, np.zeros((2, 2, 3), np.float32)), "rows: expected 3 columns"),
+    (lambda: k.scatter_rows(np.zeros((1, 2), np.float32), np.ones((2, 2), np.int64), np.arange(2),
+                            0, np.zeros((2, 2, 2), np.float32)), "outside the 1 rows"),
+    (lambda: k.gather_rows_local(np.zeros(4, np.float32), np.zeros(2, np.int64), np.ones((1, 2), np.int64),
+                                 np.arange(2), 4, np.zeros((1, 2, 4), np.float32)), "outside the mapped segment"),
+])
+def test_wrappers_reject_bad_arguments(call, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        call()
