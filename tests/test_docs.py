@@ -1,0 +1,19 @@
+"""The README's examples run as written."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+@pytest.mark.timeout(120)
+def test_readme_store_example_runs():
+    block = next(b for b in _python_blocks() if "DistributedStore.embedded" in b)
+    exec(compile(block, str(README), "exec"), {})
