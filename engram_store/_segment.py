@@ -7,6 +7,7 @@ carries is checked against the segment before any byte moves.
 
 from __future__ import annotations
 
+import json
 import logging
 import mmap
 import os
@@ -18,7 +19,7 @@ import uuid
 import numpy as np
 
 from . import _kernels
-from ._errors import EngramError, InvalidArgument, MasterUnavailable
+from ._errors import ConfigError, EngramError, InvalidArgument, MasterUnavailable
 from ._protocol import PROTOCOL_VERSION, Request, frame_array, frame_bytes
 from ._transport import Connection, RpcServer
 
@@ -86,9 +87,13 @@ class SegmentMemory:
         self._keep_file = keep_file
         fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if keep_file else os.O_EXCL), 0o600)
         try:
+            existing = os.fstat(fd).st_size
+            if keep_file and existing not in (0, size):
+                raise ConfigError(f"segment file {path!r} holds {existing} bytes but the segment size is {size}; "
+                                  "pass the size it was created with, or another file")
             os.ftruncate(fd, size)
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError:
+        except (OSError, ConfigError):
             os.close(fd)
             if not keep_file:
                 os.unlink(path)
@@ -96,6 +101,11 @@ class SegmentMemory:
         os.close(fd)
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
         self._closed = False
+
+    def flush(self) -> None:
+        """Write dirty pages of a file-backed segment to the file (msync)."""
+        if not self._closed:
+            self._mmap.flush()
 
     def close(self) -> None:
         if self._closed:
@@ -111,6 +121,52 @@ class SegmentMemory:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+class Manifest:
+    """What a file-backed segment holds, next to its data file (``<file>.manifest``), as JSON.
+
+    ``{"segment_id", "size", "catalog", "objects": [[key, offset, size, replica_num], ...]}``. Written
+    atomically (temporary file, fsync, rename) and only after the data file was flushed, so it never names
+    bytes that are not on disk.
+    """
+
+    def __init__(self, data_path: str, size: int):
+        self.path = data_path + ".manifest"
+        self.size = size
+        self.segment_id = uuid.uuid4().hex
+        self.catalog = -1
+        self.objects: list[list] = []
+        if os.path.exists(self.path):
+            try:
+                with open(self.path, encoding="utf-8") as f:
+                    record = json.load(f)
+                self.segment_id = str(record["segment_id"])
+                recorded_size = int(record["size"])
+                self.objects = [list(o) for o in record.get("objects", [])]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise ConfigError(f"segment manifest {self.path!r} is unreadable ({exc}); move it away to start "
+                                  "the segment empty") from None
+            if recorded_size != size:
+                raise ConfigError(f"segment manifest {self.path!r} was written for a {recorded_size}-byte segment, "
+                                  f"not {size}")
+        else:
+            self.write(self.catalog, [])
+
+    def write(self, catalog: int, objects: list[list]) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"segment_id": self.segment_id, "size": self.size, "catalog": catalog, "objects": objects},
+                      f, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        dir_fd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        self.catalog, self.objects = catalog, objects
 
 
 class SegmentServer:
@@ -131,9 +187,19 @@ class SegmentServer:
         segment_id: str | None = None,
         register_timeout_s: float = 30.0,
         rpc_timeout_ms: int = 5000,
+        file: str | None = None,
     ):
+        self.manifest: Manifest | None = None
+        if file is not None:
+            self.manifest = Manifest(os.path.abspath(file), size)
+            if segment_id is not None and segment_id != self.manifest.segment_id:
+                raise ConfigError(f"segment_id: the manifest of {file!r} names {self.manifest.segment_id}, "
+                                  f"not {segment_id}")
+            segment_id = self.manifest.segment_id
+            self.memory = SegmentMemory(size, path=os.path.abspath(file), keep_file=True)
+        else:
+            self.memory = SegmentMemory(size)
         self.segment_id = segment_id or uuid.uuid4().hex
-        self.memory = SegmentMemory(size)
         self.master_address = master
         self._rpc_timeout_ms = rpc_timeout_ms
         self._register_timeout_s = register_timeout_s
@@ -176,6 +242,7 @@ class SegmentServer:
                     header, _ = conn.call("register_segment", {
                         "segment_id": self.segment_id, "address": self.address, "size": self.size,
                         "shm_path": self.memory.path, "host_id": host_id(),
+                        "objects": self.manifest.objects if self.manifest else [],
                     }, timeout_ms=self._rpc_timeout_ms)
                     self.heartbeat_interval_s = max(0.05, header.get("heartbeat_interval_ms", 1000) / 1000.0)
                     log.info("segment %s registered with master %s", self.segment_id, self.master_address)
@@ -201,10 +268,20 @@ class SegmentServer:
                         log.warning("segment %s: master %s does not know this segment; registering again",
                                     self.segment_id, self.master_address)
                         self._register(deadline=time.monotonic() + self._register_timeout_s)
+                    elif self.manifest is not None and header.get("catalog") != self.manifest.catalog:
+                        self._sync_manifest(conn)
                 except EngramError as exc:
                     log.warning("segment %s: heartbeat to %s failed: %s", self.segment_id, self.master_address, exc)
         finally:
             conn.close()
+
+    def _sync_manifest(self, conn: Connection) -> None:
+        """Fetch this segment's catalogue from the master and record it (after flushing the data)."""
+        header, _ = conn.call("segment_objects", {"segment_id": self.segment_id}, timeout_ms=self._rpc_timeout_ms)
+        self.memory.flush()
+        self.manifest.write(int(header["catalog"]), header["objects"])
+        log.debug("segment %s: manifest records %d objects (catalog %d)", self.segment_id,
+                  len(self.manifest.objects), self.manifest.catalog)
 
     # ---- handlers -------------------------------------------------------------------------------
 
@@ -268,6 +345,17 @@ class SegmentServer:
         self._stop.set()
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=5)
+        if self.manifest is not None and self.master_address is not None:
+            # A durable segment stays registered: its objects are back as soon as it restarts on its file.
+            unregister = False
+            conn = Connection(self.master_address, unavailable=MasterUnavailable)
+            try:
+                self._sync_manifest(conn)
+            except EngramError as exc:
+                log.warning("segment %s: final manifest sync failed (%s); the manifest may lag the master",
+                            self.segment_id, exc)
+            finally:
+                conn.close()
         if unregister and self.master_address is not None:
             conn = Connection(self.master_address, unavailable=MasterUnavailable)
             try:

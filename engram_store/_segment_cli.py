@@ -21,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="1GiB", help="segment size, e.g. 512MiB, 4GiB (default: 1GiB)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind and advertise (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="port to bind (default: any free port)")
+    p.add_argument("--file", metavar="PATH",
+                   help="keep the segment in PATH (memory-mapped) with a manifest in PATH.manifest, so a restart on "
+                        "the same file brings its objects back (default: shared memory, gone at exit)")
     p.add_argument("--register-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="how long to keep trying to reach the master at start (default: 30)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -30,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         size = parse_size(args.size, "--size")
         host, port = parse_address(args.master, "--master")
         server = SegmentServer(size, f"{host}:{port}", host=args.host, port=args.port,
-                               register_timeout_s=args.register_timeout)
+                               register_timeout_s=args.register_timeout, file=args.file)
     except EngramError as exc:
         print(f"engram-segment: {exc}", file=sys.stderr)
         return 2

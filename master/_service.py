@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
-from engram_store._errors import EngramError, InvalidArgument
+import numpy as np
+
+from engram_store._errors import EngramError, InvalidArgument, SegmentUnavailable
 from engram_store._protocol import PROTOCOL_VERSION, Request
-from engram_store._transport import RpcServer
+from engram_store._transport import Connection, RpcServer
 
 from ._journal import Journal
-from ._state import MasterState, Segment
+from ._state import MasterState, RepairJob, Segment
 
 log = logging.getLogger(__name__)
 
@@ -19,10 +22,16 @@ DEFAULT_LEASE_TTL_S = 5.0
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
 MAX_KEY_LEN = 1024
 MAX_BATCH = 1 << 16
+MAX_MANIFEST_OBJECTS = 1 << 20
 MAX_OBJECT_BYTES = 1 << 50
 #: A gap between two liveness checks longer than this means the master itself was not running.
 STALL_GAP_S = 1.0
 TICK_MS = 100
+REPAIR_WORKERS = 2
+REPAIR_IN_FLIGHT = 8
+REPAIR_SCAN_S = 1.0
+#: Objects are copied between segments in pieces of this size (below the segments' write limit).
+REPAIR_CHUNK = 16 << 20
 
 
 class MasterServer:
@@ -38,6 +47,7 @@ class MasterServer:
         journal_path: str | None = None,
         journal_fsync: bool = True,
         curve_secret_key: bytes | None = None,
+        re_replicate: bool = False,
     ):
         if lease_ttl_s <= 0:
             raise InvalidArgument(f"lease_ttl_s: expected > 0, got {lease_ttl_s}")
@@ -54,10 +64,18 @@ class MasterServer:
             log.info("journal %s: replayed %d records: %d segments, %d objects", journal_path, len(records),
                      len(self.state.segments), len(self.state.objects))
         self._last_tick = time.monotonic()
+        self.re_replicate = re_replicate
+        self._rpc_timeout_ms = max(1000, int(heartbeat_timeout_s * 1000))
+        self._repairs: dict[Future, RepairJob] = {}
+        self._repair_pool = ThreadPoolExecutor(REPAIR_WORKERS, thread_name_prefix="engram-repair") \
+            if re_replicate else None
+        self._next_repair_scan = 0.0
+        self._unrepairable_reported: frozenset[str] = frozenset()
         handlers = {
             "ping": self._ping,
             "register_segment": self._register_segment,
             "heartbeat": self._heartbeat,
+            "segment_objects": self._segment_objects,
             "unregister_segment": self._unregister_segment,
             "put_start": self._put_start,
             "put_end": self._put_end,
@@ -87,6 +105,8 @@ class MasterServer:
 
     def close(self) -> None:
         self.server.close()
+        if self._repair_pool is not None:
+            self._repair_pool.shutdown(wait=True, cancel_futures=True)
         if self.journal is not None:
             self.journal.close()
 
@@ -107,6 +127,30 @@ class MasterServer:
             log.warning("master did not run for %.1f s; not counting that time against segment heartbeats", gap)
         self.state.expire_segments(running_gap_s=stalled)
         self.state.expire_puts()
+        if self._repair_pool is not None:
+            self._tend_repairs(now)
+
+    def _tend_repairs(self, now: float) -> None:
+        """Record finished copies; start new ones for objects below their replica count."""
+        for future in [f for f in self._repairs if f.done()]:
+            job = self._repairs.pop(future)
+            exc = future.exception()
+            if exc is not None:
+                log.warning("re-replication of %r to %s failed: %s", job.key, job.target_address, exc)
+            if self.state.finish_repair(job, ok=exc is None):
+                log.info("re-replicated %r (%d bytes) to segment %s", job.key, job.size, job.target_id)
+        if now < self._next_repair_scan:
+            return
+        self._next_repair_scan = now + REPAIR_SCAN_S
+        busy = {job.key for job in self._repairs.values()}
+        for job in self.state.plan_repairs(busy, REPAIR_IN_FLIGHT - len(self._repairs)):
+            self._repairs[self._repair_pool.submit(_copy_object, job, self._rpc_timeout_ms)] = job
+        busy = {job.key for job in self._repairs.values()}
+        unrepairable = frozenset(k for k in self.state.under_replicated() if k not in busy)
+        if unrepairable and unrepairable != self._unrepairable_reported:
+            log.warning("%d object(s) below their replica count with no segment to copy them to (e.g. %s)",
+                        len(unrepairable), ", ".join(sorted(unrepairable)[:5]))
+        self._unrepairable_reported = unrepairable
 
     # ---- handlers -------------------------------------------------------------------------------
 
@@ -117,12 +161,18 @@ class MasterServer:
         known = self.state.register_segment(
             req.str("segment_id", 128), req.str("address", 512), req.int("size", 0, MAX_OBJECT_BYTES),
             req.str("shm_path", 4096, default="", allow_empty=True), req.str("host_id", 256, default="", allow_empty=True),
-            req.str("public_key", 128, default="", allow_empty=True),
+                req.str("public_key", 128, default="", allow_empty=True), _manifest_objects(req),
         )
         return {"known": known, "heartbeat_interval_ms": int(self.state.heartbeat_timeout_s * 1000 / 4)}
 
     def _heartbeat(self, req: Request) -> dict:
-        return {"known": self.state.heartbeat(req.str("segment_id", 128))}
+        segment_id = req.str("segment_id", 128)
+        known = self.state.heartbeat(segment_id)
+        return {"known": known, "catalog": self.state.segments[segment_id].catalog_version if known else -1}
+
+    def _segment_objects(self, req: Request) -> dict:
+        version, objects = self.state.segment_objects(req.str("segment_id", 128))
+        return {"catalog": version, "objects": objects}
 
     def _unregister_segment(self, req: Request) -> dict:
         lost = self.state.drop_segment(req.str("segment_id", 128), "shut down")
@@ -203,6 +253,8 @@ class MasterServer:
             "lease_ttl_s": self.state.lease_ttl_s,
             "heartbeat_timeout_s": self.state.heartbeat_timeout_s,
             "journal": self.journal.path if self.journal else None,
+            "under_replicated": len(self.state.under_replicated()),
+            "re_replicating": len(self._repairs),
         }
 
     @staticmethod
@@ -210,3 +262,40 @@ class MasterServer:
         return {"segment_id": segment.segment_id, "address": segment.address, "offset": offset,
                 "shm_path": segment.shm_path, "host_id": segment.host_id, "size": segment.size,
                 "public_key": segment.public_key}
+
+
+def _manifest_objects(req: Request) -> list[tuple[str, int, int, int]]:
+    """The optional ``objects`` field of ``register_segment``: ``[[key, offset, size, replica_num], ...]``."""
+    raw = req.header.get("objects", [])
+    if not isinstance(raw, list) or len(raw) > MAX_MANIFEST_OBJECTS:
+        raise InvalidArgument(f"field 'objects': expected a list of at most {MAX_MANIFEST_OBJECTS} entries, "
+                              f"got {type(raw).__name__}")
+    objects = []
+    for i, entry in enumerate(raw):
+        ok = (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
+              and 0 < len(entry[0]) <= MAX_KEY_LEN
+              and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_OBJECT_BYTES
+                      for v in entry[1:]))
+        if not ok:
+            raise InvalidArgument(f"field 'objects'[{i}]: expected [key, offset, size, replica_num], "
+                                  f"got {entry!r:.80}")
+        objects.append(tuple(entry))
+    return objects
+
+
+def _copy_object(job: RepairJob, timeout_ms: int) -> None:
+    """Copy one object from its source segment into the reserved space on the target (a worker thread)."""
+    source = Connection(job.source_address, unavailable=SegmentUnavailable)
+    target = Connection(job.target_address, unavailable=SegmentUnavailable)
+    try:
+        for pos in range(0, max(job.size, 1), REPAIR_CHUNK):
+            n = min(REPAIR_CHUNK, job.size - pos)
+            if n <= 0:
+                break
+            _, frames = source.call("read_ranges", None,
+                                    [np.array([job.source_offset + pos], dtype=np.int64),
+                                     np.array([n], dtype=np.int64)], timeout_ms=timeout_ms)
+            target.call("write", {"offset": job.target_offset + pos}, frames[:1], timeout_ms=timeout_ms)
+    finally:
+        source.close()
+        target.close()

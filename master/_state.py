@@ -42,6 +42,9 @@ class Segment:
     allocator: FreeListAllocator
     last_heartbeat: float
     public_key: str = ""
+    #: Bumped whenever the set of complete objects with a replica here changes; a durable segment compares
+    #: it with the version of its manifest and fetches its catalogue when they differ.
+    catalog_version: int = 0
 
     def describe(self) -> dict:
         return {
@@ -71,6 +74,19 @@ class ObjectMeta:
 
 
 @dataclass
+class RepairJob:
+    """A copy of one object onto a segment that lacks it (the target space is reserved)."""
+    key: str
+    meta: ObjectMeta
+    source_address: str
+    source_offset: int
+    target_id: str
+    target_address: str
+    target_offset: int
+    size: int
+
+
+@dataclass
 class MasterState:
     lease_ttl_s: float = 5.0
     heartbeat_timeout_s: float = 10.0
@@ -85,9 +101,16 @@ class MasterState:
     # ---- segments -------------------------------------------------------------------------------
 
     def register_segment(
-        self, segment_id: str, address: str, size: int, shm_path: str, host_id: str, public_key: str = ""
+        self, segment_id: str, address: str, size: int, shm_path: str, host_id: str, public_key: str = "",
+        objects: list[tuple[str, int, int, int]] | None = None,
     ) -> bool:
-        """Add a segment (or refresh a known one); returns True when it was already known."""
+        """Add a segment (or refresh a known one); returns True when it was already known.
+
+        ``objects`` is what a durable segment's manifest says it holds, as ``(key, offset, size, replica_num)``.
+        They are adopted only when this master does not know the segment (it lost its state, or dropped the
+        segment while it was down): a known segment's objects are the ones this master recorded, which
+        already include every write and every remove.
+        """
         now = self.clock()
         known = self.segments.get(segment_id)
         if known is not None:
@@ -105,7 +128,52 @@ class MasterState:
             log.info("segment %s registered at %s (%d bytes)", segment_id, address, size)
         self.journal({"op": "segment", "segment_id": segment_id, "address": address, "size": size,
                       "shm_path": shm_path, "host_id": host_id, "public_key": public_key})
+        if known is None and objects:
+            self._adopt(self.segments[segment_id], objects)
         return known is not None
+
+    def _adopt(self, segment: Segment, objects: list[tuple[str, int, int, int]]) -> None:
+        adopted = skipped = 0
+        for key, offset, size, replica_num in objects:
+            meta = self.objects.get(key)
+            if meta is not None and (meta.state != COMPLETE or meta.size != size):
+                log.warning("segment %s holds %r (%d bytes) but this master has another object under that key; "
+                            "ignoring the segment's copy", segment.segment_id, key, size)
+                skipped += 1
+                continue
+            if not segment.allocator.reserve(offset, size):
+                log.warning("segment %s: %r at offset %d overlaps another object; ignoring it",
+                            segment.segment_id, key, offset)
+                skipped += 1
+                continue
+            if meta is None:
+                meta = self.objects[key] = ObjectMeta(size, max(1, replica_num), [], COMPLETE)
+                self.lost.pop(key, None)
+            meta.replicas.append(Replica(segment.segment_id, offset))
+            self._journal_object(key, meta)
+            adopted += 1
+        segment.catalog_version += 1
+        log.info("segment %s: adopted %d object(s) from its manifest, ignored %d", segment.segment_id, adopted,
+                 skipped)
+
+    def segment_objects(self, segment_id: str) -> tuple[int, list[list]]:
+        """``(catalog_version, [[key, offset, size, replica_num], ...])`` of the complete objects on a segment."""
+        segment = self.segments.get(segment_id)
+        if segment is None:
+            raise ObjectNotFound(f"segment {segment_id} is not registered")
+        held = [[key, r.offset, m.size, m.replica_num] for key, m in self.objects.items() if m.state == COMPLETE
+                for r in m.replicas if r.segment_id == segment_id]
+        return segment.catalog_version, held
+
+    def _touch(self, meta: ObjectMeta) -> None:
+        for replica in meta.replicas:
+            segment = self.segments.get(replica.segment_id)
+            if segment is not None:
+                segment.catalog_version += 1
+
+    def _journal_object(self, key: str, meta: ObjectMeta) -> None:
+        self.journal({"op": "object", "key": key, "size": meta.size, "replica_num": meta.replica_num,
+                      "replicas": [[r.segment_id, r.offset] for r in meta.replicas]})
 
     def heartbeat(self, segment_id: str) -> bool:
         segment = self.segments.get(segment_id)
@@ -205,8 +273,8 @@ class MasterState:
         if meta.state == COMPLETE:
             return
         meta.state = COMPLETE
-        self.journal({"op": "object", "key": key, "size": meta.size, "replica_num": meta.replica_num,
-                      "replicas": [[r.segment_id, r.offset] for r in meta.replicas]})
+        self._touch(meta)
+        self._journal_object(key, meta)
 
     def put_revoke(self, key: str) -> None:
         meta = self.objects.get(key)
@@ -251,6 +319,8 @@ class MasterState:
         return removed, refused
 
     def _release(self, key: str, meta: ObjectMeta) -> None:
+        if meta.state == COMPLETE:
+            self._touch(meta)
         for replica in meta.replicas:
             segment = self.segments.get(replica.segment_id)
             if segment is not None:
@@ -261,6 +331,50 @@ class MasterState:
         self.lost[key] = message
         while len(self.lost) > LOST_KEYS_KEPT:
             self.lost.popitem(last=False)
+
+    # ---- re-replication -------------------------------------------------------------------------
+
+    def plan_repairs(self, busy: set[str], limit: int) -> list["RepairJob"]:
+        """Reserve space for copies of objects below their replica count.
+
+        Returns up to ``limit`` jobs, skipping keys in ``busy`` (copies in flight). Each job's target space
+        stays reserved until :meth:`finish_repair`.
+        """
+        jobs = []
+        for key, meta in self.objects.items():
+            if len(jobs) >= limit:
+                break
+            if meta.state != COMPLETE or len(meta.replicas) >= meta.replica_num or key in busy or not meta.replicas:
+                continue
+            holders = {r.segment_id for r in meta.replicas}
+            candidates = sorted((s for s in self.segments.values() if s.segment_id not in holders),
+                                key=lambda s: (-s.allocator.free_bytes, s.segment_id))
+            for target in candidates:
+                offset = target.allocator.allocate(meta.size)
+                if offset is not None:
+                    source = meta.replicas[0]
+                    jobs.append(RepairJob(key, meta, self.segments[source.segment_id].address, source.offset,
+                                          target.segment_id, target.address, offset, meta.size))
+                    break
+        return jobs
+
+    def under_replicated(self) -> list[str]:
+        return [k for k, m in self.objects.items() if m.state == COMPLETE and len(m.replicas) < m.replica_num]
+
+    def finish_repair(self, job: "RepairJob", ok: bool) -> bool:
+        """Record a finished copy, or release its space if it failed or the object changed meanwhile."""
+        target = self.segments.get(job.target_id)
+        meta = self.objects.get(job.key)
+        usable = (ok and target is not None and meta is job.meta
+                  and job.target_id not in {r.segment_id for r in meta.replicas})
+        if not usable:
+            if target is not None:
+                target.allocator.free(job.target_offset, job.size)
+            return False
+        meta.replicas.append(Replica(job.target_id, job.target_offset))
+        target.catalog_version += 1
+        self._journal_object(job.key, meta)
+        return True
 
     # ---- journal replay -------------------------------------------------------------------------
 

@@ -300,8 +300,8 @@ def test_master_restart_with_journal_serves_every_object(tmp_path):
     with Cluster(segments=2, journal=journal, heartbeat_timeout_s=5.0) as c:
         with DistributedStore.connect(c.address, timeout_ms=5000) as store:
             objects = {f"j{i}": os.urandom(1000 + i * 10_000) for i in range(10)}
-            for key, value in objects.items():
-                store.put(key, value, replica_num=1 + i % 2 if (i := int(key[1:])) else 1)
+            for i, (key, value) in enumerate(objects.items()):
+                store.put(key, value, replica_num=1 + i % 2)
             store.remove("j3", force=True)
             del objects["j3"]
             c.master.kill()
