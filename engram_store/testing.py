@@ -1,0 +1,201 @@
+"""Start real ``engram-master`` and ``engram-segment`` processes on 127.0.0.1 for tests and benchmarks.
+
+Every process is waited on until it answers a ping (never a fixed sleep) and is killed and reaped by
+:meth:`Cluster.close` (or the ``with`` block). Use it in your own integration tests::
+
+    from engram_store.testing import Cluster
+
+    with Cluster(segments=2, segment_size="256MiB") as cluster:
+        store = DistributedStore.connect(cluster.address)
+        ...
+        cluster.segments[0].kill()    # SIGKILL and reap: a fault to test against
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from engram_store._errors import EngramError, MasterUnavailable, SegmentUnavailable
+from engram_store._segment import reap_orphans
+from engram_store._transport import Connection
+
+START_TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ping(address: str, timeout_s: float = START_TIMEOUT_S, unavailable=MasterUnavailable) -> dict:
+    """Ping ``address`` until it answers; raise if it does not within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    conn = Connection(address, unavailable=unavailable)
+    try:
+        while True:
+            try:
+                header, _ = conn.call("ping", timeout_ms=500)
+                return header
+            except EngramError:
+                if time.monotonic() > deadline:
+                    raise
+    finally:
+        conn.close()
+
+
+class Proc:
+    """A child process with its output in a log file; ``kill()`` and ``close()`` reap it."""
+
+    def __init__(self, args: list[str], name: str, stdout_pipe: bool = False):
+        self.name = name
+        self.log = tempfile.NamedTemporaryFile(prefix=f"engram-{name}-", suffix=".log", delete=False)
+        self.popen = subprocess.Popen(
+            args, stdout=subprocess.PIPE if stdout_pipe else self.log, stderr=self.log,
+            stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.address = ""
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            self.popen.send_signal(sig)
+
+    def kill(self) -> None:
+        """SIGKILL and reap."""
+        if self.alive():
+            self.popen.kill()
+        self.popen.wait(timeout=30)
+
+    def terminate(self, timeout_s: float = 15.0) -> int:
+        """SIGTERM, wait for a clean exit (SIGKILL after ``timeout_s``); returns the exit code."""
+        if self.alive():
+            self.popen.send_signal(signal.SIGCONT)
+            self.popen.terminate()
+        try:
+            return self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return self.popen.returncode
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log.name, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def close(self) -> None:
+        if self.alive():
+            self.popen.send_signal(signal.SIGCONT)  # a stopped process cannot die of SIGTERM
+            self.kill()
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
+        self.log.close()
+        try:
+            os.unlink(self.log.name)
+        except OSError:
+            pass
+
+
+def start_master(*, port: int | None = None, heartbeat_timeout_s: float = 10.0, lease_ttl_s: float = 5.0,
+                 journal: str | None = None, extra: list[str] | None = None) -> Proc:
+    port = port or free_port()
+    args = [sys.executable, "-m", "master", "--host", "127.0.0.1", "--port", str(port),
+            "--heartbeat-timeout", str(heartbeat_timeout_s), "--lease-ttl", str(lease_ttl_s),
+            "--log-level", "INFO"]
+    if journal:
+        args += ["--journal", journal]
+    proc = Proc(args + (extra or []), "master")
+    proc.address = f"127.0.0.1:{port}"
+    try:
+        wait_ping(proc.address)
+    except BaseException:
+        out = proc.output()
+        proc.close()
+        raise RuntimeError(f"master did not start:\n{out}") from None
+    return proc
+
+
+def start_segment(master: str, size: str = "64MiB", extra: list[str] | None = None) -> Proc:
+    args = [sys.executable, "-m", "engram_store._segment_cli", "--master", master, "--size", size,
+            "--host", "127.0.0.1", "--port", "0", "--log-level", "INFO"]
+    proc = Proc(args + (extra or []), "segment", stdout_pipe=True)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    line = b""
+    try:
+        while not line.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not proc.alive() and not select.select([proc.popen.stdout], [], [], 0)[0]:
+                raise RuntimeError("no ready line")
+            ready, _, _ = select.select([proc.popen.stdout], [], [], min(remaining, 0.5))
+            if ready:
+                chunk = os.read(proc.popen.stdout.fileno(), 4096)
+                if not chunk:
+                    raise RuntimeError("stdout closed")
+                line += chunk
+        # "engram-segment ready on HOST:PORT segment_id=ID size=N"
+        fields = line.decode().split()
+        proc.address = fields[3]
+        proc.segment_id = fields[4].split("=", 1)[1]
+        wait_ping(proc.address, unavailable=SegmentUnavailable)
+    except BaseException as exc:
+        out = proc.output()
+        proc.close()
+        raise RuntimeError(f"segment did not start ({exc}):\n{line.decode(errors='replace')}{out}") from None
+    return proc
+
+
+class Cluster:
+    """A master and segments as separate processes; ``close()`` kills and reaps them all."""
+
+    def __init__(self, segments: int = 1, segment_size: str = "64MiB", **master_kwargs):
+        self.procs: list[Proc] = []
+        self.master = start_master(**master_kwargs)
+        self.procs.append(self.master)
+        self.segments: list[Proc] = []
+        try:
+            for _ in range(segments):
+                self.add_segment(segment_size)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def address(self) -> str:
+        return self.master.address
+
+    def add_segment(self, size: str = "64MiB", extra: list[str] | None = None) -> Proc:
+        proc = start_segment(self.master.address, size, extra)
+        self.procs.append(proc)
+        self.segments.append(proc)
+        return proc
+
+    def restart_master(self, **kwargs) -> Proc:
+        port = int(self.master.address.rsplit(":", 1)[1])
+        self.master.close()
+        self.master = start_master(port=port, **kwargs)
+        self.procs.append(self.master)
+        return self.master
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.close()
+        reap_orphans()
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
