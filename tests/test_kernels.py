@@ -25,9 +25,11 @@ def ranges_in(draw, max_limit: int = 4096):
 
 
 @SETTINGS
-@given(ranges_in(), st.integers(0, 2**32))
-def test_gather_then_scatter_equals_slicing(case, seed):
+@given(ranges_in(), st.integers(0, 2**32), st.sampled_from([1, 4, 8]), st.integers(0, 7))
+def test_gather_then_scatter_equals_slicing(case, seed, scale, slack):
+    # Scaled ranges take the 4- and 8-byte word paths; ``slack`` leaves a ragged tail on the buffers.
     limit, offsets, lengths = case
+    limit, offsets, lengths = limit * scale + slack, offsets * scale, lengths * scale
     src = np.random.default_rng(seed).integers(0, 256, limit, dtype=np.uint8)
     out = np.empty(int(lengths.sum()), dtype=np.uint8)
     assert k.check_ranges(offsets, lengths, limit) == -1
@@ -167,3 +169,17 @@ def test_readonly_inputs_are_accepted():
 def test_wrappers_reject_bad_arguments(call, match):
     with pytest.raises((TypeError, ValueError), match=match):
         call()
+
+
+@SETTINGS
+@given(st.integers(1, 5000), st.integers(1, 3), st.sampled_from([1, 7, 300, 1 << 20, 1 << 40, 2**63 - 1]),
+       st.booleans(), st.integers(0, 2**32))
+def test_plan_unique_rows_on_long_batches(M, H, bound, negatives, seed):
+    # Long batches take the radix-sort path (8- and 11-bit digits); negatives force the comparison sort.
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(-bound if negatives else 0, bound, size=(M, H), dtype=np.int64)
+    heads = np.arange(H, dtype=np.int64)[::-1].copy()
+    uniq, starts, inverse = k.plan_unique_rows(ids, heads)
+    for j, h in enumerate(heads):
+        np.testing.assert_array_equal(uniq[starts[j]:starts[j + 1]], np.unique(ids[:, h]))
+        np.testing.assert_array_equal(uniq[inverse[:, h]], ids[:, h])
