@@ -543,9 +543,14 @@ class DistributedStore:
         self._pool.close()
         with self._maps_lock:
             self._maps.clear()
+        master_owned = any(not isinstance(server, SegmentServer) for server in self._owned)
         for server in self._owned:
             try:
-                server.close()
+                if isinstance(server, SegmentServer):
+                    # With the master going too, unregistering would only log the loss of every object.
+                    server.close(unregister=not master_owned)
+                else:
+                    server.close()
             except Exception:
                 log.exception("closing %r failed", server)
         for mm in self._mmaps:

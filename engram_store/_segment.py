@@ -115,7 +115,7 @@ class SegmentMemory:
         try:
             self._mmap.close()
         except BufferError:
-            log.warning("segment %s: memory still referenced at close; leaving the mapping to the GC", self.path)
+            log.debug("segment %s: memory still referenced at close; leaving the mapping to the GC", self.path)
         if not self._keep_file:
             try:
                 os.unlink(self.path)
