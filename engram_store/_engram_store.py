@@ -127,6 +127,36 @@ def _as_row_ids(row_ids: Any, num_heads: int) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
+class LookupCounters:
+    """Running totals of this layer's lookups; read them with :meth:`EngramStore.stats`.
+
+    ``lookups``: calls served; ``rows``: rows returned (B x L x H); ``local_rows``: of those, gathered straight
+    from a mapped segment; ``remote_rows``: distinct rows fetched over the network (after dropping duplicates);
+    ``remote_requests`` and ``remote_bytes``: range reads sent and bytes received; ``retries``: failover rounds
+    after a segment failed; ``placement_refreshes``: times the table placement was resolved from the master.
+    """
+
+    FIELDS = ("lookups", "rows", "local_rows", "remote_rows", "remote_requests", "remote_bytes", "retries",
+              "placement_refreshes")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(self.FIELDS, 0)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._values[name] += delta
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._values = dict.fromkeys(self.FIELDS, 0)
+
+
 class EngramStore:
     """The tables of one Engram layer in a store. A context manager; ``close()`` stops background reads.
 
@@ -154,6 +184,7 @@ class EngramStore:
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._staging: np.ndarray | None = None  # Mooncake path: registered buffer for unique rows
+        self._counters = LookupCounters()
 
     # ---- getters (work without a store) ---------------------------------------------------------
 
@@ -258,6 +289,13 @@ class EngramStore:
             out.append(bool(r))
         return out
 
+    def stats(self, reset: bool = False) -> dict[str, int]:
+        """This layer's lookup counters (see :class:`LookupCounters`); ``reset=True`` zeroes them after reading."""
+        values = self._counters.snapshot()
+        if reset:
+            self._counters.reset()
+        return values
+
     # ---- lookup ---------------------------------------------------------------------------------
 
     def lookup(self, row_ids: Any) -> np.ndarray:
@@ -312,16 +350,18 @@ class EngramStore:
         out3 = out.reshape(M, len(self._sizes), self._dim)  # (M, H, D)
         if self._native is None:
             self._lookup_mooncake(ids2, out3)
+            self._counters.add(lookups=1, rows=ids2.size)
             return
         failed: set[str] = set()
         for round_ in range(FAILOVER_ROUNDS + 1):
             placement = self._get_placement(failed)
+            local_rows = 0
             for segment, base_elems, heads in placement.local:
                 _kernels.gather_rows_local(segment, base_elems, ids2, heads, self._dim, out3)
-            if not placement.remote:
-                return
-            bad = self._lookup_remote(placement, ids2, out3)
+                local_rows += M * heads.size
+            bad = self._lookup_remote(placement, ids2, out3) if placement.remote else set()
             if not bad:
+                self._counters.add(lookups=1, rows=ids2.size, local_rows=local_rows, retries=round_)
                 return
             failed |= bad
             with self._lock:
@@ -343,6 +383,8 @@ class EngramStore:
             requests.append((address, heads, int(head_starts[j]), offsets, lengths))
             j = k
         results = self._native.read_ranges_many([(a, o, n) for a, _, _, o, n in requests])
+        self._counters.add(remote_requests=len(requests), remote_rows=int(uniq.size),
+                           remote_bytes=int(uniq.size) * self._row_bytes)
         failed = set()
         for (address, heads, row_start, _, _), result in zip(requests, results):
             if isinstance(result, BaseException):
@@ -359,6 +401,7 @@ class EngramStore:
             if self._placement is not None:
                 return self._placement
         infos = self._native.locate(self._keys, lease=False)
+        self._counters.add(placement_refreshes=1)
         local: dict[str, tuple[np.ndarray, list[int]]] = {}
         remote: dict[str, list[tuple[int, int]]] = {}
         base_elems = np.zeros(len(self._keys), dtype=np.int64)

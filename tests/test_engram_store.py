@@ -38,19 +38,10 @@ def remote_cluster():
 
 
 @pytest.fixture(scope="module")
-def remote_store(remote_cluster, monkeypatch_module):
-    """Connected to segment processes whose files this client may not map: every head is read remotely."""
-    store = DistributedStore.connect(remote_cluster.address)
-    monkeypatch_module.setattr(store, "local_view", lambda replica: None)
-    yield store
-    store.close()
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    mp = pytest.MonkeyPatch()
-    yield mp
-    mp.undo()
+def remote_store(remote_cluster):
+    """Connected to segment processes without mapping their memory: every head is read remotely."""
+    with DistributedStore.connect(remote_cluster.address, local_direct=False) as store:
+        yield store
 
 
 def make_tables(sizes, dim, seed):
@@ -121,10 +112,29 @@ def test_heads_spread_over_two_remote_segments_are_read_in_one_round(remote_stor
     tables = make_tables(sizes, 16, 0)
     es = EngramStore(next(_layers), EngramStoreConfig(sizes, 16), remote_store)
     es.populate(tables)
-    placement = es._get_placement(set())
-    assert len(placement.remote) == 2 and not placement.local
     ids = random_ids(np.random.default_rng(3), sizes, 64, 1)
     np.testing.assert_array_equal(es.lookup(ids), expected_rows(tables, ids))
+    stats = es.stats()
+    assert stats["remote_requests"] == 2 and stats["local_rows"] == 0 and stats["retries"] == 0
+    assert stats["rows"] == ids.size
+    assert stats["remote_rows"] == sum(len(np.unique(ids[..., h])) for h in range(len(sizes)))
+    assert stats["remote_bytes"] == stats["remote_rows"] * 16 * 4
+    np.testing.assert_array_equal(es.lookup(ids), expected_rows(tables, ids))
+    assert es.stats(reset=True)["placement_refreshes"] == 1  # resolved once, then cached
+    assert es.stats()["lookups"] == 0
+    es.remove_from_store()
+
+
+def test_local_direct_lookups_send_no_request(local_store):
+    sizes = [3001, 3011]
+    tables = make_tables(sizes, 8, 5)
+    es = EngramStore(next(_layers), EngramStoreConfig(sizes, 8), local_store)
+    es.populate(tables)
+    ids = random_ids(np.random.default_rng(6), sizes, 4, 16)
+    np.testing.assert_array_equal(es.lookup(ids), expected_rows(tables, ids))
+    stats = es.stats()
+    assert stats["lookups"] == 1 and stats["local_rows"] == stats["rows"] == ids.size
+    assert stats["remote_requests"] == 0
     es.remove_from_store()
 
 
