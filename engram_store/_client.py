@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from . import _kernels
+from ._auth import load_keys
 from ._config import DEFAULT_EMBEDDED_SEGMENT_SIZE, StoreConfig
 from ._errors import (
     EngramError,
@@ -102,15 +103,18 @@ class DistributedStore:
 
     Build it with :meth:`connect` (a running master), :meth:`embedded` (master and segment inside this
     process) or :meth:`from_env`. Every call has a timeout (``timeout_ms``) and raises a
-    :class:`~engram_store.StoreError` subclass on failure.
+    :class:`~engram_store.StoreError` subclass on failure. With ``auth_dir`` (a key directory from
+    ``engram-master keygen``) every connection, to the master and to segments, uses CURVE with its keys.
     """
 
     def __init__(self, master: str, *, timeout_ms: int = 10_000, local_direct: bool = True,
-                 _owned: Sequence[Any] = ()):
+                 auth_dir: str | None = None, _owned: Sequence[Any] = ()):
         self.master_address = master
         self.timeout_ms = timeout_ms
         self.local_direct = bool(local_direct)
-        self._pool = ConnectionPool()
+        self.auth_dir = auth_dir or None
+        self._auth = load_keys(auth_dir, server=False) if auth_dir else None
+        self._pool = ConnectionPool(curve=self._auth.client_curve if self._auth else None)
         self._owned = list(_owned)  # servers this client started (mounted segment, embedded master)
         self._maps: dict[str, np.ndarray | None] = {}
         self._maps_lock = threading.Lock()
@@ -123,18 +127,30 @@ class DistributedStore:
 
     @classmethod
     def connect(cls, master: str, segment_size: int | str = 0, *, timeout_ms: int = 10_000,
-                host: str = "127.0.0.1", local_direct: bool = True) -> "DistributedStore":
+                host: str = "127.0.0.1", local_direct: bool = True,
+                auth_dir: str | None = None) -> "DistributedStore":
         """Connect to the master at ``host:port``; a non-zero ``segment_size`` mounts a segment in this process.
 
         Data in a mounted segment lives only as long as this process; run ``engram-segment`` for
         segments that outlive clients. ``local_direct=False`` sends every read over the network even when
-        the segment is mapped on this host (to measure or test the remote path).
+        the segment is mapped on this host (to measure or test the remote path). ``auth_dir`` is the key
+        directory of a cluster started with ``--auth`` (a mounted segment then needs its server keys too).
+        A master that refuses this client's keys looks like one that does not answer: MasterUnavailable.
         """
         config = StoreConfig(master_server_address=master, global_segment_size=segment_size,
-                             local_hostname=host, timeout_ms=timeout_ms)
-        store = cls(config.master_server_address, timeout_ms=config.timeout_ms, local_direct=local_direct)
+                             local_hostname=host, timeout_ms=timeout_ms,
+                             auth_dir=os.fspath(auth_dir) if auth_dir else "")
+        store = cls(config.master_server_address, timeout_ms=config.timeout_ms, local_direct=local_direct,
+                    auth_dir=config.auth_dir)
         try:
-            store.ping()
+            try:
+                store.ping()
+            except MasterUnavailable as exc:
+                hint = ("check that the master runs with --auth and the key directory given as auth_dir"
+                        if store.auth_dir else
+                        "if it was started with --auth, pass auth_dir= (or set ENGRAM_AUTH_DIR) with its key "
+                        "directory")
+                raise MasterUnavailable(f"{exc} (is the master running? {hint})") from exc
             if config.global_segment_size:
                 store._mount(config.global_segment_size, config.local_hostname)
         except BaseException:
@@ -145,19 +161,27 @@ class DistributedStore:
     @classmethod
     def embedded(cls, segment_size: int | str = DEFAULT_EMBEDDED_SEGMENT_SIZE, *, timeout_ms: int = 10_000,
                  lease_ttl_s: float = 5.0, heartbeat_timeout_s: float = 10.0,
-                 local_direct: bool = True) -> "DistributedStore":
+                 local_direct: bool = True, auth_dir: str | None = None) -> "DistributedStore":
         """A master and one segment inside this process, on 127.0.0.1 ports chosen by the OS.
 
         The default for demos, notebooks and tests: nothing to start by hand, everything stops on close.
+        With ``auth_dir`` the master and segment require CURVE keys from that directory, so other processes
+        on this host need the keys too.
         """
         from master import MasterServer  # the master depends on this package, not the reverse
 
         size = parse_size(segment_size, "segment_size")
         if size <= 0:
             raise InvalidArgument(f"segment_size: an embedded store needs a segment of > 0 bytes, got {size}")
+        server_auth = load_keys(auth_dir, server=True) if auth_dir else None
         master = MasterServer("127.0.0.1", 0, lease_ttl_s=lease_ttl_s,
-                              heartbeat_timeout_s=heartbeat_timeout_s).start()
-        store = cls(master.address, timeout_ms=timeout_ms, local_direct=local_direct, _owned=[master])
+                              heartbeat_timeout_s=heartbeat_timeout_s, auth=server_auth).start()
+        try:
+            store = cls(master.address, timeout_ms=timeout_ms, local_direct=local_direct, auth_dir=auth_dir,
+                        _owned=[master])
+        except BaseException:
+            master.close()
+            raise
         try:
             store._mount(size, "127.0.0.1")
         except BaseException:
@@ -169,20 +193,22 @@ class DistributedStore:
     def from_config(cls, config: StoreConfig) -> "DistributedStore":
         if not config.master_server_address:
             return cls.embedded(config.global_segment_size or DEFAULT_EMBEDDED_SEGMENT_SIZE,
-                                timeout_ms=config.timeout_ms)
+                                timeout_ms=config.timeout_ms, auth_dir=config.auth_dir or None)
         return cls.connect(config.master_server_address, config.global_segment_size,
-                           timeout_ms=config.timeout_ms, host=config.local_hostname)
+                           timeout_ms=config.timeout_ms, host=config.local_hostname,
+                           auth_dir=config.auth_dir or None)
 
     @classmethod
     def from_env(cls) -> "DistributedStore":
-        """Build from ENGRAM_MASTER / ENGRAM_SEGMENT_SIZE / ENGRAM_CONFIG_PATH (or Mooncake's names).
+        """Build from ENGRAM_MASTER / ENGRAM_SEGMENT_SIZE / ENGRAM_AUTH_DIR / ENGRAM_CONFIG_PATH (or Mooncake's names).
 
         With no master configured, an embedded store is started.
         """
         return cls.from_config(StoreConfig.load_from_env())
 
     def _mount(self, size: int, host: str) -> None:
-        segment = SegmentServer(size, self.master_address, host=host, port=0).start()
+        auth = load_keys(self.auth_dir, server=True) if self.auth_dir else None
+        segment = SegmentServer(size, self.master_address, host=host, port=0, auth=auth).start()
         self._owned.insert(0, segment)
         self.local_segment = segment
         with self._maps_lock:
@@ -507,7 +533,7 @@ class DistributedStore:
                 info, src_off, sizes = work[w][0], work[w][1], work[w][2]
                 replica = next(r for r in info.replicas if r.address == address)
                 nbytes = int(sizes.sum())
-                if batch and total + nbytes > MAX_READ_BYTES // 2:
+                if batch and total + nbytes > CHUNK_BYTES:
                     requests.append((address, batch, np.concatenate(offs), np.concatenate(lens)))
                     batch, offs, lens, total = [], [], [], 0
                 batch.append(w)

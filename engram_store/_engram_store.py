@@ -419,7 +419,7 @@ class EngramStore:
                 view = self._native.local_view(r)
                 if view is not None and r.offset % 4 == 0:
                     chosen = r
-                    local.setdefault(r.segment_id, (view.view(np.float32), []))[1].append(h)
+                    local.setdefault(r.segment_id, (view[:view.size - view.size % 4].view(np.float32), []))[1].append(h)
                     base_elems[h] = r.offset // 4
                     break
             if chosen is None:

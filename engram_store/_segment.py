@@ -21,6 +21,7 @@ import numpy as np
 from . import _kernels
 from ._errors import ConfigError, EngramError, InvalidArgument, MasterUnavailable
 from ._protocol import PROTOCOL_VERSION, Request, frame_array, frame_bytes
+from ._auth import AuthKeys
 from ._transport import Connection, RpcServer
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,8 @@ MAX_READ_BYTES = 256 << 20
 #: A single write request may carry at most this many bytes; clients split larger writes.
 MAX_WRITE_BYTES = 64 << 20
 MAX_RANGES = 1 << 22
+#: A single-range read at least this long is sent from the segment memory without a gather copy.
+ZERO_COPY_BYTES = 1 << 20
 SHM_DIR = "/dev/shm"
 
 
@@ -188,6 +191,7 @@ class SegmentServer:
         register_timeout_s: float = 30.0,
         rpc_timeout_ms: int = 5000,
         file: str | None = None,
+        auth: AuthKeys | None = None,
     ):
         self.manifest: Manifest | None = None
         if file is not None:
@@ -201,6 +205,8 @@ class SegmentServer:
             self.memory = SegmentMemory(size)
         self.segment_id = segment_id or uuid.uuid4().hex
         self.master_address = master
+        # With auth: serve as a CURVE server, and reach the master as a client of the cluster.
+        self._master_curve = auth.client_curve if auth is not None else None
         self._rpc_timeout_ms = rpc_timeout_ms
         self._register_timeout_s = register_timeout_s
         self._stop = threading.Event()
@@ -210,7 +216,7 @@ class SegmentServer:
         handlers = {"ping": self._ping, "write": self._write, "read_ranges": self._read_ranges}
         try:
             self.server = RpcServer(host, port, f"segment {self.segment_id[:8]}", handlers,
-                                    max_message_bytes=MAX_WRITE_BYTES + (1 << 20))
+                                    max_message_bytes=MAX_WRITE_BYTES + (1 << 20), auth=auth)
         except BaseException:
             self.memory.close()
             raise
@@ -234,7 +240,7 @@ class SegmentServer:
     # ---- master registration and heartbeats ------------------------------------------------------
 
     def _register(self, deadline: float) -> None:
-        conn = Connection(self.master_address, unavailable=MasterUnavailable)
+        conn = Connection(self.master_address, unavailable=MasterUnavailable, curve=self._master_curve)
         delay = 0.05
         try:
             while True:
@@ -242,6 +248,7 @@ class SegmentServer:
                     header, _ = conn.call("register_segment", {
                         "segment_id": self.segment_id, "address": self.address, "size": self.size,
                         "shm_path": self.memory.path, "host_id": host_id(),
+                        "public_key": self._master_curve[0].decode() if self._master_curve else "",
                         "objects": self.manifest.objects if self.manifest else [],
                     }, timeout_ms=self._rpc_timeout_ms)
                     self.heartbeat_interval_s = max(0.05, header.get("heartbeat_interval_ms", 1000) / 1000.0)
@@ -258,7 +265,7 @@ class SegmentServer:
             conn.close()
 
     def _heartbeat_loop(self) -> None:
-        conn = Connection(self.master_address, unavailable=MasterUnavailable)
+        conn = Connection(self.master_address, unavailable=MasterUnavailable, curve=self._master_curve)
         try:
             while not self._stop.wait(self.heartbeat_interval_s):
                 try:
@@ -314,6 +321,10 @@ class SegmentServer:
         total = int(lengths.sum())
         if total > MAX_READ_BYTES:
             raise InvalidArgument(f"read_ranges: {total} bytes requested, at most {MAX_READ_BYTES} per request")
+        if offsets.size == 1 and total >= ZERO_COPY_BYTES:
+            # One long range (a chunk of a large object) goes out straight from the segment, no gather copy.
+            start = int(offsets[0])
+            return {"bytes": total}, [memoryview(self.memory.array[start:start + total])]
         out = np.empty(total, dtype=np.uint8)
         _kernels.gather_ranges(self.memory.array, offsets, lengths, out)
         return {"bytes": total}, [out]
@@ -348,7 +359,7 @@ class SegmentServer:
         if self.manifest is not None and self.master_address is not None:
             # A durable segment stays registered: its objects are back as soon as it restarts on its file.
             unregister = False
-            conn = Connection(self.master_address, unavailable=MasterUnavailable)
+            conn = Connection(self.master_address, unavailable=MasterUnavailable, curve=self._master_curve)
             try:
                 self._sync_manifest(conn)
             except EngramError as exc:
@@ -357,7 +368,7 @@ class SegmentServer:
             finally:
                 conn.close()
         if unregister and self.master_address is not None:
-            conn = Connection(self.master_address, unavailable=MasterUnavailable)
+            conn = Connection(self.master_address, unavailable=MasterUnavailable, curve=self._master_curve)
             try:
                 conn.call("unregister_segment", {"segment_id": self.segment_id}, timeout_ms=1000)
             except EngramError as exc:

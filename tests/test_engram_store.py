@@ -287,3 +287,12 @@ def test_segment_killed_during_populate_leaves_no_key():
             status = store.status()
             assert status["pending"] == 0 and status["objects"] == 0
             assert all(s["used"] == 0 for s in status["segments"])
+
+
+def test_segment_of_a_size_not_divisible_by_four_serves_local_lookups():
+    with DistributedStore.embedded(segment_size=(1 << 20) + 3) as store:
+        es = EngramStore(1, EngramStoreConfig([101, 103], 4), store)
+        tables = make_tables([101, 103], 4, 9)
+        es.populate(tables)
+        ids = random_ids(np.random.default_rng(1), [101, 103], 2, 5)
+        np.testing.assert_array_equal(es.lookup(ids), expected_rows(tables, ids))
