@@ -1,0 +1,165 @@
+"""Benchmark of engram_model: N-gram hashing (Numba kernel vs the reference's NumPy formulation) and the
+Engram forward pass with its rows read from the store (local mapping vs the network path, direct vs prefetched).
+
+Configuration is DeepSeek's demo (engram_vocab_size=[129280*5]*2, max_ngram_size=3, n_embed_per_ngram=512,
+n_head_per_ngram=8, layer_ids=[1, 15], hidden_size=1024, hc_mult=4). At full size one layer's tables are
+16 heads x ~646,400 rows x 64 float32 = 2.6 GB; ``--rows-scale`` shrinks every table (hashing cost does not
+depend on it; lookups touch a smaller working set). ``--quick`` uses 1% tables, shorter forward sequences and
+fewer repeats.
+
+    python bench/bench_engram_model.py --quick --json results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from typing import Callable
+
+import numpy as np
+
+from engram_model import BackboneConfig, Engram, EngramConfig, get_hash_mapping
+from engram_store import DistributedStore
+
+DEMO_VOCAB = 129280
+
+
+def timed(fn: Callable[[], object], repeats: int, warmup: int = 1) -> dict[str, float]:
+    """Mean and median wall time of ``fn`` in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(1e3 * (time.perf_counter() - start))
+    return {"mean_ms": statistics.fmean(samples), "p50_ms": statistics.median(samples), "repeats": repeats}
+
+
+def configs(rows_scale: float) -> tuple[EngramConfig, BackboneConfig]:
+    base = max(2, int(DEMO_VOCAB * 5 * rows_scale))
+    cfg = EngramConfig(engram_vocab_size=[base, base], max_ngram_size=3, n_embed_per_ngram=512, n_head_per_ngram=8,
+                       layer_ids=[1, 15], pad_id=2, seed=0, kernel_size=4)
+    return cfg, BackboneConfig(hidden_size=1024, hc_mult=4, vocab_size=DEMO_VOCAB, num_layers=30)
+
+
+def bench_hashing(cfg: EngramConfig, bb: BackboneConfig, shapes: list[tuple[int, int]], repeats: int) -> list[dict]:
+    mapping = get_hash_mapping(cfg, bb)
+    rng = np.random.default_rng(0)
+    rows = []
+    for B, L in shapes:
+        ids = rng.integers(0, bb.vocab_size, size=(B, L))
+        numba = timed(lambda: mapping.hash(ids), repeats)
+        numpy = timed(lambda: [mapping.hash_numpy(ids, lid) for lid in mapping.layer_ids], repeats)
+        got = mapping.hash(ids)
+        assert all(np.array_equal(got[lid], mapping.hash_numpy(ids, lid)) for lid in mapping.layer_ids)
+        rows.append({"name": f"hash {len(mapping.layer_ids)} layers", "B": B, "L": L,
+                     "a": {"label": "numba", **numba}, "b": {"label": "numpy", **numpy}})
+    return rows
+
+
+def bench_forward(cfg: EngramConfig, bb: BackboneConfig, shapes: list[tuple[int, int]], repeats: int) -> list[dict]:
+    """Forward of layer 1 against an embedded store: local vs remote reads, direct vs prefetched."""
+    probe = Engram(1, cfg, bb)
+    table_bytes = sum(probe.get_table_vocab_sizes()) * probe.get_embedding_dim() * 4
+    segment = ((int(table_bytes * 1.05) >> 20) + 65) << 20  # whole MiB, with room to spare
+    print(f"# populating layer 1: {probe.get_num_heads()} tables, {table_bytes / 2**20:.1f} MiB "
+          f"(segment {segment / 2**20:.0f} MiB)", flush=True)
+    rows = []
+    rng = np.random.default_rng(1)
+    with DistributedStore.embedded(segment_size=segment) as store, \
+            DistributedStore.connect(store.master_address, local_direct=False) as remote_store:
+        local = Engram(1, cfg, bb, store)
+        remote = Engram(1, cfg, bb, remote_store)  # same keys, every read over TCP to the segment server
+        D = local.get_embedding_dim()
+        local.populate_store_from_buffers([rng.standard_normal((n, D), dtype=np.float32)
+                                           for n in local.get_table_vocab_sizes()])
+        try:
+            # A stand-in for the transformer block computed while the rows are read: one (C, C) matmul per stream.
+            w = (rng.standard_normal((bb.hidden_size, bb.hidden_size)) / np.sqrt(bb.hidden_size)).astype(np.float32)
+            for B, L in shapes:
+                ids = rng.integers(0, bb.vocab_size, size=(B, L))
+                hidden = rng.standard_normal((B, L, bb.hc_mult, bb.hidden_size), dtype=np.float32)
+                row_ids = local.hash_input_ids(ids)
+                rows.append({"name": "lookup rows", "B": B, "L": L,
+                             "a": {"label": "local", **timed(lambda: local.engram_store.lookup(row_ids), repeats)},
+                             "b": {"label": "remote", **timed(lambda: remote.engram_store.lookup(row_ids), repeats)}})
+                rows.append({"name": "forward", "B": B, "L": L,
+                             "a": {"label": "local", **timed(lambda: local.forward(hidden, ids), repeats)},
+                             "b": {"label": "remote", **timed(lambda: remote.forward(hidden, ids), repeats)}})
+                for name, engram in (("local", local), ("remote", remote)):
+                    def direct() -> np.ndarray:
+                        block = np.tanh(hidden @ w)
+                        return engram.forward(block, ids)
+
+                    def prefetched() -> np.ndarray:
+                        handle = engram.prefetch(ids)
+                        block = np.tanh(hidden @ w)
+                        return engram.forward(block, ids, prefetched=handle)
+
+                    assert np.array_equal(direct(), prefetched())
+                    rows.append({"name": f"block+forward {name}", "B": B, "L": L,
+                                 "a": {"label": "prefetch", **timed(prefetched, repeats)},
+                                 "b": {"label": "direct", **timed(direct, repeats)}})
+        finally:
+            local.remove_from_store(force=True)
+            local.close()
+            remote.close()
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'case':<24s} {'B x L':>10s} | {'A':>8s} {'mean ms':>9s} {'p50 ms':>9s} | {'B':>8s} {'mean ms':>9s} "
+          f"{'p50 ms':>9s} | {'B/A':>6s}")
+    for r in rows:
+        a, b = r["a"], r["b"]
+        r["ratio_b_over_a"] = b["mean_ms"] / a["mean_ms"] if a["mean_ms"] > 0 else float("inf")
+        print(f"{r['name']:<24s} {r['B']:>4d} x {r['L']:<4d} | {a['label']:>8s} {a['mean_ms']:9.3f} {a['p50_ms']:9.3f} "
+              f"| {b['label']:>8s} {b['mean_ms']:9.3f} {b['p50_ms']:9.3f} | {r['ratio_b_over_a']:6.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1%% tables, shorter sequences, fewer repeats")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--rows-scale", type=float, default=None,
+                        help="scale every table's base size (default 1.0; 0.01 with --quick)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repetitions per case (default 10; 3 quick)")
+    parser.add_argument("--skip-forward", action="store_true", help="hashing only (no store)")
+    args = parser.parse_args(argv)
+    rows_scale = args.rows_scale if args.rows_scale is not None else (0.01 if args.quick else 1.0)
+    if not 0 < rows_scale <= 1:
+        parser.error("--rows-scale must be in (0, 1]")
+    repeats = args.repeats or (3 if args.quick else 10)
+    forward_len = 1024 if args.quick else 4096
+
+    cfg, bb = configs(rows_scale)
+    print(f"# DeepSeek demo config, engram_vocab_size={cfg.engram_vocab_size} (rows scale {rows_scale:g}"
+          f"{'; full size is ' + str(DEMO_VOCAB * 5) if rows_scale != 1 else ''}), {repeats} repeats")
+    if args.quick:
+        print(f"# --quick: tables at {rows_scale:g} of full size, forward at L={forward_len} instead of 4096")
+    rows = bench_hashing(cfg, bb, [(64, 4096), (1, 4096), (256, 1)], repeats)
+    if not args.skip_forward:
+        rows += bench_forward(cfg, bb, [(1, forward_len), (256, 1)], repeats)
+    print_table(rows)
+    if args.json:
+        result = {
+            "benchmark": "engram_model", "quick": args.quick, "rows_scale": rows_scale, "repeats": repeats,
+            "config": {"engram_vocab_size": cfg.engram_vocab_size, "max_ngram_size": cfg.max_ngram_size,
+                       "n_embed_per_ngram": cfg.n_embed_per_ngram, "n_head_per_ngram": cfg.n_head_per_ngram,
+                       "layer_ids": cfg.layer_ids, "hidden_size": bb.hidden_size, "hc_mult": bb.hc_mult},
+            "platform": {"python": sys.version.split()[0], "numpy": np.__version__, "machine": platform.machine()},
+            "results": rows,
+        }
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"# wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

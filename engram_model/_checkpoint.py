@@ -1,0 +1,142 @@
+"""Checkpoint files: ``.npz`` through NumPy and ``.safetensors`` through a small reader and writer.
+
+The safetensors format is an 8-byte little-endian header length, a JSON header mapping each tensor name to
+``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the end of the header; an optional
+``"__metadata__"`` of strings), then the raw little-endian tensor bytes. Writing it here keeps the
+``safetensors`` package optional; the tests check that files pass both ways between the two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Mapping
+
+import numpy as np
+
+from engram_store._errors import InvalidArgument, InvalidType, describe
+
+#: safetensors dtype names and the NumPy dtypes they are read as. BF16 has no NumPy dtype and is widened
+#: to float32 on reading (exactly: bfloat16 is the top half of a float32).
+_DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
+    "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
+    "BOOL": np.dtype("?"),
+}
+_NAMES = {dt.newbyteorder("<") if dt.itemsize > 1 else dt: name for name, dt in _DTYPES.items()}
+#: A header larger than this is refused as corrupt (the reference implementation uses the same bound).
+MAX_HEADER_BYTES = 100 << 20
+
+
+def save_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray],
+                     metadata: Mapping[str, str] | None = None) -> None:
+    """Write ``tensors`` (name -> array) to a safetensors file, names in sorted order."""
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    arrays = []
+    offset = 0
+    for name in sorted(tensors):
+        arr = np.asarray(tensors[name])
+        dtype = arr.dtype.newbyteorder("<") if arr.dtype.itemsize > 1 else arr.dtype
+        if dtype not in _NAMES:
+            raise InvalidType(f"tensors[{name!r}]: dtype {arr.dtype} has no safetensors equivalent "
+                              f"(supported: {', '.join(sorted(_DTYPES))})")
+        data = np.ascontiguousarray(arr, dtype=dtype).tobytes()
+        header[name] = {"dtype": _NAMES[dtype], "shape": list(arr.shape), "data_offsets": [offset, offset + len(data)]}
+        arrays.append(data)
+        offset += len(data)
+    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    blob += b" " * (-len(blob) % 8)  # pad so the data starts 8-byte aligned, as the reference writer does
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for data in arrays:
+            f.write(data)
+    os.replace(tmp, path)
+
+
+def load_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Read every tensor of a safetensors file (native-endian arrays; BF16 widened to float32).
+
+    The file is memory-mapped, so a multi-gigabyte table is copied once, into its array.
+    """
+    where = os.fspath(path)
+    size = os.path.getsize(where)
+    if size < 8:
+        raise InvalidArgument(f"{where}: not a safetensors file (only {size} bytes)")
+    raw = np.memmap(where, dtype=np.uint8, mode="r")
+    try:
+        (n,) = struct.unpack("<Q", raw[:8].tobytes())
+        if n > min(MAX_HEADER_BYTES, size - 8):
+            raise InvalidArgument(f"{where}: not a safetensors file (header length {n} exceeds the file)")
+        try:
+            header = json.loads(raw[8:8 + n].tobytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InvalidArgument(f"{where}: not a safetensors file (header is not JSON: {exc})") from None
+        if not isinstance(header, dict):
+            raise InvalidArgument(f"{where}: safetensors header must be a JSON object, got {describe(header)}")
+        data = raw[8 + n:]
+        return {name: _read_tensor(where, name, info, data) for name, info in header.items()
+                if name != "__metadata__"}
+    finally:
+        del raw  # unmaps the file (every tensor returned is a copy)
+
+
+def _read_tensor(where: str, name: str, info: object, data: np.ndarray) -> np.ndarray:
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise InvalidArgument(f"{where}: tensor {name!r} needs dtype, shape and data_offsets, got {describe(info)}")
+    dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise InvalidArgument(f"{where}: tensor {name!r} has a bad shape {describe(shape)}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= len(data)):
+        raise InvalidArgument(f"{where}: tensor {name!r} has data_offsets {describe(offsets)} outside the "
+                              f"{len(data)} data bytes")
+    count = int(np.prod(shape, dtype=np.int64))
+    if dtype_name == "BF16":
+        nbytes, dtype = 2 * count, np.dtype("<u2")
+    elif dtype_name in _DTYPES:
+        dtype = _DTYPES[dtype_name]
+        nbytes = dtype.itemsize * count
+    else:
+        raise InvalidArgument(f"{where}: tensor {name!r} has dtype {dtype_name!r}, which this reader does not "
+                              f"support (supported: BF16, {', '.join(sorted(_DTYPES))})")
+    if offsets[1] - offsets[0] != nbytes:
+        raise InvalidArgument(f"{where}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes, but {dtype_name} "
+                              f"{shape} needs {nbytes}")
+    arr = data[offsets[0]:offsets[1]].view(dtype).reshape(shape)
+    if dtype_name == "BF16":
+        return (arr.astype(np.uint32) << 16).view(np.float32)
+    return arr.astype(dtype.newbyteorder("="), copy=True)
+
+
+def save_checkpoint(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]) -> None:
+    """Write a ``.npz`` or ``.safetensors`` file, chosen by the file name's extension."""
+    kind = _kind(path)
+    if kind == "npz":
+        tmp = f"{os.fspath(path)}.tmp.npz"
+        np.savez(tmp, **{k: np.asarray(v) for k, v in tensors.items()})
+        os.replace(tmp, path)
+    else:
+        save_safetensors(path, tensors)
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Read every array of a ``.npz`` or ``.safetensors`` file, chosen by the file name's extension."""
+    if _kind(path) == "npz":
+        with np.load(path, allow_pickle=False) as npz:
+            return {name: npz[name] for name in npz.files}
+    return load_safetensors(path)
+
+
+def _kind(path: str | os.PathLike) -> str:
+    name = os.fspath(path)
+    if name.endswith(".npz"):
+        return "npz"
+    if name.endswith(".safetensors"):
+        return "safetensors"
+    raise InvalidArgument(f"path: expected a file name ending in .npz or .safetensors, got {name!r}")

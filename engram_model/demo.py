@@ -1,0 +1,101 @@
+"""The Engram quick start: build a layer, upload its tables to the store, run a forward pass, clean up.
+
+Run ``engram-demo`` or ``python -m engram_model.demo``; by default the store runs inside this process
+(``DistributedStore.embedded()``); ``--master HOST:PORT`` uses a running ``engram-master`` instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from engram_store import DistributedStore
+
+from ._config import BackboneConfig, EngramConfig
+from ._engram import Engram
+
+
+@contextmanager
+def _step(name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    print(f"  {name:<28s} {1e3 * (time.perf_counter() - start):9.2f} ms")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="engram-demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--master", metavar="HOST:PORT", help="use this running master instead of an embedded store")
+    parser.add_argument("--segment-size", default="256MiB",
+                        help="segment mounted by this process (embedded store, or with --master; 0 = none)")
+    parser.add_argument("--batch", type=int, default=2, help="batch size B (default 2)")
+    parser.add_argument("--seq-len", type=int, default=8, help="sequence length L (default 8)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random tables, ids and hidden states")
+    args = parser.parse_args(argv)
+    if args.batch < 1 or args.seq_len < 1:
+        parser.error("--batch and --seq-len must be >= 1")
+
+    cfg = EngramConfig()
+    cfg.engram_vocab_size = [1000, 1000]
+    cfg.max_ngram_size = 3
+    cfg.n_embed_per_ngram = 64
+    cfg.n_head_per_ngram = 4
+    cfg.layer_ids = [1, 15]
+    cfg.pad_id = 2
+    cfg.seed = 0
+    cfg.kernel_size = 4
+
+    bb = BackboneConfig()
+    bb.hidden_size = 256
+    bb.hc_mult = 4
+    bb.vocab_size = 128000
+    bb.num_layers = 6  # layer 15 of layer_ids only shapes the prime tables; this model builds layer 1
+
+    rng = np.random.default_rng(args.seed)
+    print("Engram quick start")
+    with _step("store setup"):
+        if args.master:
+            store = DistributedStore.connect(args.master, segment_size=args.segment_size)
+        else:
+            store = DistributedStore.embedded(segment_size=args.segment_size)
+    try:
+        with _step("Engram(layer_id=1)"):
+            engram = Engram(layer_id=1, config=cfg, backbone_cfg=bb, store=store)
+        sizes = engram.get_table_vocab_sizes()
+        embed_D = engram.get_embedding_dim()
+        print(f"  tables: {len(sizes)} heads x D_head={embed_D}, rows {sizes}")
+        # Size every table from get_table_vocab_sizes(): head h hashes into [0, sizes[h]).
+        embedding_buffers = [rng.standard_normal((n, embed_D), dtype=np.float32) for n in sizes]
+        buffer_sizes = [t.nbytes for t in embedding_buffers]
+        try:
+            with _step("populate_store_from_buffers"):
+                engram.populate_store_from_buffers(embedding_buffers, buffer_sizes)
+            B, L = args.batch, args.seq_len
+            hidden_states = rng.standard_normal((B, L, bb.hc_mult, bb.hidden_size), dtype=np.float32)
+            input_ids = rng.integers(0, bb.vocab_size, size=(B, L)).tolist()
+            with _step("hash_input_ids"):
+                engram.hash_input_ids(input_ids)
+            with _step("query_embeddings"):
+                engram.query_embeddings(input_ids)
+            with _step("forward"):
+                output = engram.forward(hidden_states, input_ids)
+            with _step("forward (prefetched)"):
+                handle = engram.prefetch(input_ids)
+                prefetched = engram.forward(hidden_states, input_ids, prefetched=handle)
+            assert np.array_equal(output, prefetched)
+            print(f"Output shape: {output.shape}")
+        finally:
+            with _step("remove_from_store"):
+                engram.remove_from_store()
+            engram.close()
+    finally:
+        with _step("store close"):
+            store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
