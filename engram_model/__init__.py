@@ -5,6 +5,7 @@ Public surface::
     EngramConfig, BackboneConfig   hashing/table geometry and the backbone it sits in
     CompressedTokenizer            token ids -> ids of normalised token texts
     NgramHashMapping               token ids -> per-head table rows (Numba), prime table sizes, multipliers
+    IncrementalHasher              per-request n-gram context for decode steps (rollback, export/import)
     Engram                         one layer: tables in an EngramStore, gate, short convolution, weights I/O
     EngramPrefetch                 a background row read, accepted by ``Engram.forward(prefetched=...)``
     prefetch_layers                hash once for several layers and start all their reads
@@ -18,6 +19,7 @@ from ._checkpoint import load_checkpoint, load_safetensors, save_checkpoint, sav
 from ._config import BackboneConfig, EngramConfig
 from ._engram import Engram, EngramPrefetch, prefetch_layers, split_embedding_table
 from ._hashing import NgramHashMapping, get_hash_mapping
+from ._incremental import IncrementalHasher
 from ._module import EngramModule, EngramModuleConfig
 from ._tokenizer import CompressedTokenizer
 
@@ -29,6 +31,7 @@ __all__ = [
     "EngramModule",
     "EngramModuleConfig",
     "EngramPrefetch",
+    "IncrementalHasher",
     "NgramHashMapping",
     "get_hash_mapping",
     "load_checkpoint",

@@ -212,23 +212,25 @@ class Engram:
     # ---- forward ------------------------------------------------------------------------------
 
     def forward(self, hidden_states: np.ndarray, input_ids: Any = None, prefetched: EngramPrefetch | None = None,
-                embeddings: np.ndarray | None = None) -> np.ndarray:
+                embeddings: np.ndarray | None = None, row_ids: np.ndarray | None = None) -> np.ndarray:
         """The Engram branch for ``hidden_states`` float32 ``[B, L, hc_mult, hidden_size]``: the same shape.
 
         Rows come from ``prefetched`` (a handle from :meth:`prefetch` for these ``input_ids``), else from
-        ``embeddings`` (float32 ``[B, L, H, D_head]``, rows the caller already has), else from the store.
+        ``embeddings`` (float32 ``[B, L, H, D_head]``, rows the caller already has), else from the store for
+        ``row_ids`` (int64 ``[B, L, H]`` hashed by the caller, e.g. by an :class:`IncrementalHasher` once per
+        decode step for every layer), else from the store for ``input_ids``.
         """
-        return self.forward_with_gates(hidden_states, input_ids, prefetched, embeddings)[0]
+        return self.forward_with_gates(hidden_states, input_ids, prefetched, embeddings, row_ids)[0]
 
     __call__ = forward
 
     def forward_with_gates(self, hidden_states: np.ndarray, input_ids: Any = None,
-                           prefetched: EngramPrefetch | None = None,
-                           embeddings: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                           prefetched: EngramPrefetch | None = None, embeddings: np.ndarray | None = None,
+                           row_ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`forward` plus the gate of every position and channel, float32 ``[B, L, hc_mult]``."""
         h = self._check_hidden(hidden_states)
         B, L = h.shape[:2]
-        rows = self._rows(B, L, input_ids, prefetched, embeddings)
+        rows = self._rows(B, L, input_ids, prefetched, embeddings, row_ids)
         return engram_output(rows, h, self.weights, self._proj_w, self._proj_b, self.config.max_ngram_size)
 
     def _check_hidden(self, hidden_states: Any) -> np.ndarray:
@@ -244,7 +246,7 @@ class Engram:
         return hidden_states
 
     def _rows(self, B: int, L: int, input_ids: Any, prefetched: EngramPrefetch | None,
-              embeddings: np.ndarray | None) -> np.ndarray:
+              embeddings: np.ndarray | None, row_ids: np.ndarray | None = None) -> np.ndarray:
         H, D = self.get_num_heads(), self.get_embedding_dim()
         if prefetched is not None:
             if not isinstance(prefetched, EngramPrefetch):
@@ -261,9 +263,11 @@ class Engram:
                 raise InvalidType(f"embeddings: expected a float32 NumPy array [B, L, {H}, {D}], "
                                   f"got {getattr(embeddings, 'dtype', type(embeddings).__name__)}")
             rows = embeddings
+        elif row_ids is not None:
+            rows = self.engram_store.lookup(row_ids)
         elif input_ids is None:
-            raise InvalidArgument("input_ids: expected [B, L] token ids (or pass prefetched= or embeddings=), "
-                                  "got None")
+            raise InvalidArgument("input_ids: expected [B, L] token ids (or pass prefetched=, embeddings= or "
+                                  "row_ids=), got None")
         else:
             ids = self._ids(input_ids)
             if ids.shape != (B, L):
@@ -271,7 +275,8 @@ class Engram:
                                       f"got {ids.shape}")
             rows = self.query_embeddings(ids)
         if rows.shape != (B, L, H, D):
-            raise InvalidArgument(f"{'prefetched' if prefetched is not None else 'embeddings'}: expected rows of "
+            source = "prefetched" if prefetched is not None else "embeddings" if embeddings is not None else "row_ids"
+            raise InvalidArgument(f"{source}: expected rows of "
                                   f"shape {(B, L, H, D)} (B, L of hidden_states, H heads, D_head), got {rows.shape}")
         return rows
 

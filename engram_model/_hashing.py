@@ -206,8 +206,11 @@ class NgramHashMapping:
 
     def hash_layers(self, input_ids: Any, layer_ids: Sequence[int]) -> dict[int, np.ndarray]:
         """Row ids of the listed layers, hashed in one pass over the ids."""
+        return self.hash_prepared(self.prepare_ids(input_ids), layer_ids)
+
+    def hash_prepared(self, ids: np.ndarray, layer_ids: Sequence[int]) -> dict[int, np.ndarray]:
+        """:meth:`hash_layers` for ids already through :meth:`prepare_ids` (int64 ``[B, L]``, compressed)."""
         layer_ids = [self._check_layer(lid) for lid in layer_ids]
-        ids = self.prepare_ids(input_ids)
         multipliers = np.concatenate([self._multipliers[lid] for lid in layer_ids])  # (n_layers, max_n)
         primes = np.concatenate([self._primes[lid] for lid in layer_ids])             # (n_layers, H)
         rows = _kernels.hash_layers(ids, self.pad_id, multipliers, primes, self.min_ngram_size,
