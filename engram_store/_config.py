@@ -14,6 +14,9 @@ metadata_server                MOONCAKE_TE_META_DATA_SERVER          accepted fo
 protocol                       MOONCAKE_PROTOCOL                     accepted ("tcp"); unused
 device_name                    MOONCAKE_DEVICE                       accepted; unused
 timeout_ms                     ENGRAM_TIMEOUT_MS                     per-call timeout
+auth_dir                       ENGRAM_AUTH_DIR                       key directory of a cluster run with
+                                                                     ``--auth`` (``engram-master keygen``);
+                                                                     empty = no authentication
 ============================== ===================================== =========================================
 
 ``ENGRAM_CONFIG_PATH`` (or ``MOONCAKE_CONFIG_PATH``) names a JSON file with any of these fields; variables
@@ -42,6 +45,7 @@ _ENV = {
     "protocol": ("MOONCAKE_PROTOCOL",),
     "device_name": ("MOONCAKE_DEVICE",),
     "timeout_ms": ("ENGRAM_TIMEOUT_MS",),
+    "auth_dir": ("ENGRAM_AUTH_DIR",),
 }
 _CONFIG_PATH_ENV = ("ENGRAM_CONFIG_PATH", "MOONCAKE_CONFIG_PATH")
 
@@ -56,11 +60,16 @@ class StoreConfig:
     protocol: str = "tcp"
     device_name: str = ""
     timeout_ms: int = DEFAULT_TIMEOUT_MS
+    # Only the path: the keys are read when a store connects, so loading a config touches no file.
+    auth_dir: str = ""
 
     def __post_init__(self) -> None:
         self.global_segment_size = parse_size(self.global_segment_size, "global_segment_size")
         self.local_buffer_size = parse_size(self.local_buffer_size, "local_buffer_size")
-        for name in ("master_server_address", "local_hostname", "metadata_server", "protocol", "device_name"):
+        if self.auth_dir is None:
+            self.auth_dir = ""
+        for name in ("master_server_address", "local_hostname", "metadata_server", "protocol", "device_name",
+                     "auth_dir"):
             if not isinstance(getattr(self, name), str):
                 raise InvalidType(f"{name}: expected a string, got {describe(getattr(self, name))}")
         if self.master_server_address:

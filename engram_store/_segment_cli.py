@@ -1,6 +1,6 @@
 """``engram-segment``: run one segment server that registers with a master.
 
-    engram-segment --master 127.0.0.1:50051 --size 4GiB [--host 127.0.0.1] [--port 0]
+    engram-segment --master 127.0.0.1:50051 --size 4GiB [--host 127.0.0.1] [--port 0] [--auth DIR]
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import logging
 import signal
 import sys
 
-from ._errors import EngramError
+from ._auth import AUTH_DIR_ENV, exposure_warning, load_keys, resolve_auth_dir
+from ._errors import EngramError, MasterUnavailable
 from ._segment import SegmentServer
 from ._units import parse_address, parse_size
 
@@ -26,20 +27,26 @@ def main(argv: list[str] | None = None) -> int:
                         "the same file brings its objects back (default: shared memory, gone at exit)")
     p.add_argument("--register-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="how long to keep trying to reach the master at start (default: 30)")
+    p.add_argument("--auth", metavar="DIR", default=resolve_auth_dir(None),
+                   help=f"require CURVE authentication with the keys in DIR (from 'engram-master keygen DIR'); "
+                        f"default: ${AUTH_DIR_ENV} if set")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    warning = exposure_warning(args.host, args.auth)
+    if warning:
+        print(f"engram-segment: {warning}", file=sys.stderr, flush=True)
     try:
         size = parse_size(args.size, "--size")
         host, port = parse_address(args.master, "--master")
+        auth = load_keys(args.auth, server=True) if args.auth else None
         server = SegmentServer(size, f"{host}:{port}", host=args.host, port=args.port,
-                               register_timeout_s=args.register_timeout, file=args.file)
+                               register_timeout_s=args.register_timeout, file=args.file, auth=auth)
     except EngramError as exc:
-        print(f"engram-segment: {exc}", file=sys.stderr)
+        hint = ("; if the master runs with --auth, pass --auth DIR with its key directory"
+                if isinstance(exc, MasterUnavailable) and not args.auth else "")
+        print(f"engram-segment: {exc}{hint}", file=sys.stderr)
         return 2
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        logging.getLogger("engram-segment").warning(
-            "binding %s without authentication: any host that can reach this port can read and write", args.host)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     print(f"engram-segment ready on {server.address} segment_id={server.segment_id} size={size}", flush=True)

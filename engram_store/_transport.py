@@ -15,7 +15,9 @@ import time
 from typing import Any, Callable, Iterable, Sequence
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
+from ._auth import AuthKeys, HandshakeWatch, ensure_authenticator
 from ._errors import EngramError, ProtocolError, Unavailable, error_from_reply
 from ._protocol import Request, decode, encode, error_reply, ok_reply
 
@@ -39,6 +41,10 @@ class RpcServer:
 
     Handlers return a reply-fields dict, or ``(fields, frames)``; an exception becomes an error reply and
     the loop keeps serving. ``tick`` (if given) runs every ``tick_ms`` from the serving thread.
+
+    With ``auth`` (keys loaded with ``load_keys(dir, server=True)``) the socket is a CURVE server that admits
+    only the clients authorised in that key directory (see :mod:`engram_store._auth`); refused connections
+    are logged at WARNING.
     """
 
     def __init__(
@@ -51,7 +57,7 @@ class RpcServer:
         tick: Callable[[], None] | None = None,
         tick_ms: int = 100,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        curve_secret_key: bytes | None = None,
+        auth: AuthKeys | None = None,
     ):
         self.name = name
         self.handlers = handlers
@@ -65,9 +71,20 @@ class RpcServer:
         self.socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self.socket.setsockopt(zmq.RCVHWM, DEFAULT_HWM)
         self.socket.setsockopt(zmq.SNDHWM, DEFAULT_HWM)
-        if curve_secret_key is not None:
-            self.socket.curve_server = True
-            self.socket.curve_secretkey = curve_secret_key
+        self._monitor: zmq.Socket | None = None
+        self._watch: HandshakeWatch | None = None
+        if auth is not None:
+            try:
+                # The authenticator must run before the socket accepts anyone: without a ZAP handler,
+                # libzmq would admit every client that knows the server's public key.
+                self.socket.zap_domain = ensure_authenticator(_context(), auth).encode()
+                self.socket.curve_server = True
+                self.socket.curve_secretkey = auth.server_secret
+                self._monitor = self.socket.get_monitor_socket(HandshakeWatch.EVENTS)
+            except BaseException:
+                self.socket.close(0)
+                raise
+            self._watch = HandshakeWatch(name)
         bind_host = f"[{host}]" if ":" in host else host
         try:
             if port == 0:
@@ -76,6 +93,7 @@ class RpcServer:
                 self.socket.bind(f"tcp://{bind_host}:{port}")
                 self.port = port
         except zmq.ZMQError as exc:
+            self._close_monitor()
             self.socket.close(0)
             raise Unavailable(f"{name}: cannot bind tcp://{bind_host}:{port}: {exc}") from exc
         self.host = host
@@ -88,10 +106,14 @@ class RpcServer:
         """Serve until :meth:`stop` is called (from any thread) or the process is interrupted."""
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
         next_tick = time.monotonic()
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(self._tick_ms))
+                if self._monitor is not None and self._monitor in events:
+                    self._read_monitor()
                 if self.socket in events:
                     # Drain what is queued, but keep ticking under load.
                     for _ in range(256):
@@ -108,6 +130,28 @@ class RpcServer:
                         log.exception("%s: periodic task failed", self.name)
         finally:
             poller.unregister(self.socket)
+            if self._monitor is not None:
+                poller.unregister(self._monitor)
+
+    def _read_monitor(self) -> None:
+        while True:
+            try:
+                msg = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except (zmq.ZMQError, ValueError, IndexError) as exc:
+                log.debug("%s: unreadable monitor event: %s", self.name, exc)
+                return
+            self._watch.handle(msg["event"], msg["value"])
+
+    def _close_monitor(self) -> None:
+        if self._monitor is not None:
+            try:
+                self.socket.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(0)
+            self._monitor = None
 
     def _handle(self, msg: list) -> None:
         if len(msg) < 2:
@@ -151,6 +195,7 @@ class RpcServer:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+        self._close_monitor()
         self.socket.close(0)
 
 
@@ -309,16 +354,20 @@ def _reply_id(msg: list) -> int | None:
 
 
 class ConnectionPool:
-    """One :class:`Connection` per (thread, server address); closes them all at once."""
+    """One :class:`Connection` per (thread, server address); closes them all at once.
 
-    def __init__(self, curve: tuple[bytes, bytes] | None = None, server_keys: dict[str, bytes] | None = None):
+    ``curve`` (``(server public, client public, client secret)``, see ``AuthKeys.client_curve``) makes every
+    connection a CURVE client; one key directory serves a whole cluster, so all servers share the server key.
+    """
+
+    def __init__(self, curve: tuple[bytes, bytes, bytes] | None = None):
         self._local = threading.local()
         self._all: list[Connection] = []
         self._lock = threading.Lock()
         self._curve = curve
         self._closed = False
 
-    def get(self, address: str, unavailable: type[Unavailable], server_public_key: bytes | None = None) -> Connection:
+    def get(self, address: str, unavailable: type[Unavailable]) -> Connection:
         conns = getattr(self._local, "conns", None)
         if conns is None:
             conns = self._local.conns = {}
@@ -326,10 +375,7 @@ class ConnectionPool:
         if conn is None:
             if self._closed:
                 raise unavailable(f"the client is closed; cannot reach {address}")
-            curve = None
-            if self._curve is not None and server_public_key is not None:
-                curve = (server_public_key, *self._curve)
-            conn = conns[address] = Connection(address, unavailable=unavailable, curve=curve)
+            conn = conns[address] = Connection(address, unavailable=unavailable, curve=self._curve)
             with self._lock:
                 self._all.append(conn)
         return conn

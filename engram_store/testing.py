@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 
+from engram_store._auth import load_keys
 from engram_store._errors import EngramError, MasterUnavailable, SegmentUnavailable
 from engram_store._segment import reap_orphans
 from engram_store._transport import Connection
@@ -35,10 +36,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ping(address: str, timeout_s: float = START_TIMEOUT_S, unavailable=MasterUnavailable) -> dict:
-    """Ping ``address`` until it answers; raise if it does not within ``timeout_s``."""
+def wait_ping(address: str, timeout_s: float = START_TIMEOUT_S, unavailable=MasterUnavailable,
+              auth_dir: str | None = None) -> dict:
+    """Ping ``address`` until it answers; raise if it does not within ``timeout_s``.
+
+    ``auth_dir``: the key directory of a server started with ``--auth``.
+    """
     deadline = time.monotonic() + timeout_s
-    conn = Connection(address, unavailable=unavailable)
+    curve = load_keys(auth_dir, server=False).client_curve if auth_dir else None
+    conn = Connection(address, unavailable=unavailable, curve=curve)
     try:
         while True:
             try:
@@ -110,17 +116,19 @@ class Proc:
 
 
 def start_master(*, port: int | None = None, heartbeat_timeout_s: float = 10.0, lease_ttl_s: float = 5.0,
-                 journal: str | None = None, extra: list[str] | None = None) -> Proc:
+                 journal: str | None = None, extra: list[str] | None = None, auth_dir: str | None = None) -> Proc:
     port = port or free_port()
     args = [sys.executable, "-m", "master", "--host", "127.0.0.1", "--port", str(port),
             "--heartbeat-timeout", str(heartbeat_timeout_s), "--lease-ttl", str(lease_ttl_s),
             "--log-level", "INFO"]
     if journal:
         args += ["--journal", journal]
+    if auth_dir:
+        args += ["--auth", str(auth_dir)]
     proc = Proc(args + (extra or []), "master")
     proc.address = f"127.0.0.1:{port}"
     try:
-        wait_ping(proc.address)
+        wait_ping(proc.address, auth_dir=auth_dir)
     except BaseException:
         out = proc.output()
         proc.close()
@@ -128,9 +136,12 @@ def start_master(*, port: int | None = None, heartbeat_timeout_s: float = 10.0, 
     return proc
 
 
-def start_segment(master: str, size: str = "64MiB", extra: list[str] | None = None) -> Proc:
+def start_segment(master: str, size: str = "64MiB", extra: list[str] | None = None,
+                  auth_dir: str | None = None) -> Proc:
     args = [sys.executable, "-m", "engram_store._segment_cli", "--master", master, "--size", size,
             "--host", "127.0.0.1", "--port", "0", "--log-level", "INFO"]
+    if auth_dir:
+        args += ["--auth", str(auth_dir)]
     proc = Proc(args + (extra or []), "segment", stdout_pipe=True)
     deadline = time.monotonic() + START_TIMEOUT_S
     line = b""
@@ -149,7 +160,7 @@ def start_segment(master: str, size: str = "64MiB", extra: list[str] | None = No
         fields = line.decode().split()
         proc.address = fields[3]
         proc.segment_id = fields[4].split("=", 1)[1]
-        wait_ping(proc.address, unavailable=SegmentUnavailable)
+        wait_ping(proc.address, unavailable=SegmentUnavailable, auth_dir=auth_dir)
     except BaseException as exc:
         out = proc.output()
         proc.close()
@@ -158,11 +169,16 @@ def start_segment(master: str, size: str = "64MiB", extra: list[str] | None = No
 
 
 class Cluster:
-    """A master and segments as separate processes; ``close()`` kills and reaps them all."""
+    """A master and segments as separate processes; ``close()`` kills and reaps them all.
 
-    def __init__(self, segments: int = 1, segment_size: str = "64MiB", **master_kwargs):
+    ``auth_dir`` (a directory from ``engram-master keygen``) starts every server with ``--auth``.
+    """
+
+    def __init__(self, segments: int = 1, segment_size: str = "64MiB", auth_dir: str | None = None,
+                 **master_kwargs):
         self.procs: list[Proc] = []
-        self.master = start_master(**master_kwargs)
+        self.auth_dir = auth_dir
+        self.master = start_master(auth_dir=auth_dir, **master_kwargs)
         self.procs.append(self.master)
         self.segments: list[Proc] = []
         try:
@@ -177,7 +193,7 @@ class Cluster:
         return self.master.address
 
     def add_segment(self, size: str = "64MiB", extra: list[str] | None = None) -> Proc:
-        proc = start_segment(self.master.address, size, extra)
+        proc = start_segment(self.master.address, size, extra, auth_dir=self.auth_dir)
         self.procs.append(proc)
         self.segments.append(proc)
         return proc
@@ -185,6 +201,7 @@ class Cluster:
     def restart_master(self, **kwargs) -> Proc:
         port = int(self.master.address.rsplit(":", 1)[1])
         self.master.close()
+        kwargs.setdefault("auth_dir", self.auth_dir)
         self.master = start_master(port=port, **kwargs)
         self.procs.append(self.master)
         return self.master

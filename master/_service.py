@@ -10,6 +10,7 @@ import numpy as np
 
 from engram_store._errors import EngramError, InvalidArgument, SegmentUnavailable
 from engram_store._protocol import PROTOCOL_VERSION, Request
+from engram_store._auth import AuthKeys
 from engram_store._transport import Connection, RpcServer
 
 from ._journal import Journal
@@ -46,7 +47,7 @@ class MasterServer:
         heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
         journal_path: str | None = None,
         journal_fsync: bool = True,
-        curve_secret_key: bytes | None = None,
+        auth: AuthKeys | None = None,
         re_replicate: bool = False,
     ):
         if lease_ttl_s <= 0:
@@ -87,7 +88,9 @@ class MasterServer:
             "status": self._status,
         }
         self.server = RpcServer(host, port, "master", handlers, tick=self._tick, tick_ms=TICK_MS,
-                                max_message_bytes=16 << 20, curve_secret_key=curve_secret_key)
+                                max_message_bytes=16 << 20, auth=auth)
+        # Copies between segments (re-replication) connect to them as a client of the cluster.
+        self._client_curve = auth.client_curve if auth is not None else None
 
     @property
     def address(self) -> str:
@@ -144,7 +147,8 @@ class MasterServer:
         self._next_repair_scan = now + REPAIR_SCAN_S
         busy = {job.key for job in self._repairs.values()}
         for job in self.state.plan_repairs(busy, REPAIR_IN_FLIGHT - len(self._repairs)):
-            self._repairs[self._repair_pool.submit(_copy_object, job, self._rpc_timeout_ms)] = job
+            future = self._repair_pool.submit(_copy_object, job, self._rpc_timeout_ms, self._client_curve)
+            self._repairs[future] = job
         busy = {job.key for job in self._repairs.values()}
         unrepairable = frozenset(k for k in self.state.under_replicated() if k not in busy)
         if unrepairable and unrepairable != self._unrepairable_reported:
@@ -283,10 +287,10 @@ def _manifest_objects(req: Request) -> list[tuple[str, int, int, int]]:
     return objects
 
 
-def _copy_object(job: RepairJob, timeout_ms: int) -> None:
+def _copy_object(job: RepairJob, timeout_ms: int, curve: tuple[bytes, bytes, bytes] | None = None) -> None:
     """Copy one object from its source segment into the reserved space on the target (a worker thread)."""
-    source = Connection(job.source_address, unavailable=SegmentUnavailable)
-    target = Connection(job.target_address, unavailable=SegmentUnavailable)
+    source = Connection(job.source_address, unavailable=SegmentUnavailable, curve=curve)
+    target = Connection(job.target_address, unavailable=SegmentUnavailable, curve=curve)
     try:
         for pos in range(0, max(job.size, 1), REPAIR_CHUNK):
             n = min(REPAIR_CHUNK, job.size - pos)

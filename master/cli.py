@@ -1,8 +1,9 @@
 """``engram-master``: run the metadata master, or ask a running one for its status.
 
     engram-master [--host 127.0.0.1] [--port 50051] [--lease-ttl 5] [--heartbeat-timeout 10]
-                  [--journal PATH] [--log-level INFO]
-    engram-master status --master HOST:PORT
+                  [--journal PATH] [--auth DIR] [--log-level INFO]
+    engram-master status --master HOST:PORT [--auth DIR]
+    engram-master keygen DIR [--force]
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import signal
 import sys
 
+from engram_store._auth import AUTH_DIR_ENV, exposure_warning, keygen, load_keys, resolve_auth_dir
 from engram_store._errors import EngramError
 from engram_store._units import format_size, parse_address
 
@@ -31,7 +33,8 @@ def _positive_float(text: str) -> float:
 
 def _serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="engram-master", description="Run the engram metadata master.",
-                                epilog="Other commands: 'engram-master status --master HOST:PORT'.")
+                                epilog="Other commands: 'engram-master status --master HOST:PORT', "
+                                       "'engram-master keygen DIR'.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to bind (default: {DEFAULT_PORT})")
     p.add_argument("--lease-ttl", type=_positive_float, default=DEFAULT_LEASE_TTL_S, metavar="SECONDS",
@@ -43,6 +46,9 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--re-replicate", action="store_true",
                    help="copy objects that lost a replica (their segment died) onto another live segment")
     p.add_argument("--no-fsync", action="store_true", help="do not fsync the journal after each record")
+    p.add_argument("--auth", metavar="DIR", default=resolve_auth_dir(None),
+                   help="require CURVE authentication with the keys in DIR (from 'engram-master keygen DIR'); "
+                        f"default: ${AUTH_DIR_ENV} if set")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -52,7 +58,40 @@ def _status_parser() -> argparse.ArgumentParser:
     p.add_argument("--master", default=f"127.0.0.1:{DEFAULT_PORT}", help="HOST:PORT of the master")
     p.add_argument("--timeout", type=_positive_float, default=5.0, metavar="SECONDS")
     p.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    p.add_argument("--auth", metavar="DIR", default=resolve_auth_dir(None),
+                   help=f"key directory of a master started with --auth (default: ${AUTH_DIR_ENV} if set)")
     return p
+
+
+def _keygen_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="engram-master keygen",
+                                description="Create a cluster's CURVE keys for --auth (a server and a client key "
+                                            "pair) in a new directory readable only by you.")
+    p.add_argument("dir", metavar="DIR", help="directory to create (mode 0700)")
+    p.add_argument("--force", action="store_true", help="replace keys already in DIR")
+    return p
+
+
+def keygen_command(argv: list[str]) -> int:
+    args = _keygen_parser().parse_args(argv)
+    try:
+        written = keygen(args.dir, force=args.force)
+    except EngramError as exc:
+        print(f"engram-master keygen: {exc}", file=sys.stderr)
+        return 1
+    print(f"engram-master keygen: wrote CURVE keys to {args.dir}:")
+    for path in written:
+        print(f"  {path}")
+    print(f"""
+Start every server of the cluster with the same directory:
+  engram-master --auth {args.dir} ...
+  engram-segment --auth {args.dir} --master HOST:PORT ...
+  (or set {AUTH_DIR_ENV}={args.dir})
+Clients pass it too: DistributedStore.connect(master, auth_dir="{args.dir}"), {AUTH_DIR_ENV}, or "auth_dir" in the
+JSON config file. A client machine needs only server.key, client.key and client.key_secret;
+keep the *.key_secret files private. To admit another client key pair, copy its public
+certificate (*.key) into {args.dir}/authorized_clients/ and restart the servers.""")
+    return 0
 
 
 def status(argv: list[str]) -> int:
@@ -60,12 +99,19 @@ def status(argv: list[str]) -> int:
     from engram_store._errors import MasterUnavailable
     from engram_store._transport import Connection
 
-    host, port = parse_address(args.master, "--master")
-    conn = Connection(f"{host}:{port}", unavailable=MasterUnavailable)
+    try:
+        host, port = parse_address(args.master, "--master")
+        curve = load_keys(args.auth, server=False).client_curve if args.auth else None
+    except EngramError as exc:
+        print(f"engram-master status: {exc}", file=sys.stderr)
+        return 2
+    conn = Connection(f"{host}:{port}", unavailable=MasterUnavailable, curve=curve)
     try:
         header, _ = conn.call("status", timeout_ms=int(args.timeout * 1000))
     except EngramError as exc:
-        print(f"engram-master status: {exc}", file=sys.stderr)
+        hint = ("; if the master runs with --auth, pass --auth DIR" if isinstance(exc, MasterUnavailable)
+                and not args.auth else "")
+        print(f"engram-master status: {exc}{hint}", file=sys.stderr)
         return 1
     finally:
         conn.close()
@@ -91,21 +137,25 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "status":
         return status(argv[1:])
+    if argv and argv[0] == "keygen":
+        return keygen_command(argv[1:])
     args = _serve_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    warning = exposure_warning(args.host, args.auth)
+    if warning:
+        print(f"engram-master: {warning}", file=sys.stderr, flush=True)
     try:
+        auth = load_keys(args.auth, server=True) if args.auth else None
         server = MasterServer(args.host, args.port, lease_ttl_s=args.lease_ttl,
                               heartbeat_timeout_s=args.heartbeat_timeout, journal_path=args.journal,
-                              journal_fsync=not args.no_fsync, re_replicate=args.re_replicate)
+                              journal_fsync=not args.no_fsync, re_replicate=args.re_replicate, auth=auth)
     except EngramError as exc:
         print(f"engram-master: {exc}", file=sys.stderr)
         return 2
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        logging.getLogger("engram-master").warning(
-            "binding %s without authentication: any host that can reach this port can read and write", args.host)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
-    logging.getLogger("engram-master").info("serving on %s", server.address)
+    logging.getLogger("engram-master").info("serving on %s%s", server.address,
+                                            f" (CURVE authentication, keys in {args.auth})" if auth else "")
     try:
         server.serve_forever()
     finally:
