@@ -19,6 +19,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from ._auth import AuthKeys, HandshakeWatch, ensure_authenticator
 from ._errors import EngramError, ProtocolError, Unavailable, error_from_reply
+from ._metrics import RequestMetrics
 from ._protocol import Request, decode, encode, error_reply, ok_reply
 
 log = logging.getLogger(__name__)
@@ -58,9 +59,11 @@ class RpcServer:
         tick_ms: int = 100,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         auth: AuthKeys | None = None,
+        metrics_prefix: str = "engram",
     ):
         self.name = name
         self.handlers = handlers
+        self.metrics = RequestMetrics(metrics_prefix)
         self._tick = tick
         self._tick_ms = tick_ms
         self._stop = threading.Event()
@@ -158,21 +161,28 @@ class RpcServer:
             return  # not even an identity and a header: nothing to answer to
         identity, body = msg[0], msg[1:]
         request_id: object = -1
+        op = "malformed"
+        ok = False
+        start = time.perf_counter()
         try:
             header, frames = decode(body)
             request_id = header.get("id", -1)
             req = Request(header, frames)
             handler = self.handlers.get(req.op)
             if handler is None:
+                op = "unknown"
                 raise ProtocolError(f"unknown op {req.op!r}; this server answers {sorted(self.handlers)}")
+            op = req.op
             result = handler(req)
             fields, out_frames = (result if isinstance(result, tuple) else (result, ()))
             reply = encode(ok_reply(req.id, fields), out_frames)
+            ok = True
         except EngramError as exc:
             reply = encode(error_reply(request_id, exc))
         except Exception as exc:  # a bug in a handler: answer, log, keep serving
             log.exception("%s: handler failed", self.name)
             reply = encode(error_reply(request_id, exc))
+        self.metrics.record(op, time.perf_counter() - start, ok)
         try:
             self.socket.send_multipart([identity, *reply], copy=False, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:

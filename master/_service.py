@@ -8,9 +8,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from engram_store._errors import EngramError, InvalidArgument, SegmentUnavailable
+from engram_store._errors import EngramError, InvalidArgument, SegmentUnavailable, Unavailable
 from engram_store._protocol import PROTOCOL_VERSION, Request
 from engram_store._auth import AuthKeys
+from engram_store._metrics import MetricsEndpoint, gauge
 from engram_store._transport import Connection, RpcServer
 
 from ._journal import Journal
@@ -48,6 +49,7 @@ class MasterServer:
         journal_path: str | None = None,
         journal_fsync: bool = True,
         auth: AuthKeys | None = None,
+        metrics_port: int | None = None,
         re_replicate: bool = False,
     ):
         if lease_ttl_s <= 0:
@@ -88,7 +90,14 @@ class MasterServer:
             "status": self._status,
         }
         self.server = RpcServer(host, port, "master", handlers, tick=self._tick, tick_ms=TICK_MS,
-                                max_message_bytes=16 << 20, auth=auth)
+                                max_message_bytes=16 << 20, auth=auth, metrics_prefix="engram_master")
+        self.metrics: MetricsEndpoint | None = None
+        if metrics_port is not None:
+            try:
+                self.metrics = MetricsEndpoint(host, metrics_port)
+            except OSError as exc:
+                self.server.close()
+                raise Unavailable(f"metrics: cannot serve on {host}:{metrics_port}: {exc}") from exc
         # Copies between segments (re-replication) connect to them as a client of the cluster.
         self._client_curve = auth.client_curve if auth is not None else None
 
@@ -108,6 +117,8 @@ class MasterServer:
 
     def close(self) -> None:
         self.server.close()
+        if self.metrics is not None:
+            self.metrics.close()
         if self._repair_pool is not None:
             self._repair_pool.shutdown(wait=True, cancel_futures=True)
         if self.journal is not None:
@@ -132,6 +143,30 @@ class MasterServer:
         self.state.expire_puts()
         if self._repair_pool is not None:
             self._tend_repairs(now)
+        if self.metrics is not None:
+            self.metrics.publish(self._metric_lines(now))
+
+    def _metric_lines(self, now: float) -> list[str]:
+        """The Prometheus exposition of the master's state and request statistics (built in the serving thread)."""
+        state = self.state
+        complete = [m for m in state.objects.values() if m.state == "complete"]
+        clock = state.clock()
+        lines = gauge("engram_master_objects", "Complete objects.", [("", len(complete))])
+        lines += gauge("engram_master_object_bytes", "Bytes of complete objects (one replica each).",
+                       [("", sum(m.size for m in complete))])
+        lines += gauge("engram_master_pending_writes", "Writes started and not yet finished.",
+                       [("", len(state.objects) - len(complete))])
+        lines += gauge("engram_master_leases_active", "Objects with a live read lease.",
+                       [("", sum(1 for m in complete if m.lease_until > clock))])
+        lines += gauge("engram_master_under_replicated", "Objects with fewer replicas than asked for.",
+                       [("", len(state.under_replicated()))])
+        lines += gauge("engram_master_segments_alive", "Registered segments.", [("", len(state.segments))])
+        lines += gauge("engram_master_segment_capacity_bytes", "Size of each segment.",
+                       [(f'segment="{s.segment_id}",address="{s.address}"', s.size) for s in state.segments.values()])
+        lines += gauge("engram_master_segment_used_bytes", "Allocated bytes of each segment.",
+                       [(f'segment="{s.segment_id}",address="{s.address}"', s.allocator.used)
+                        for s in state.segments.values()])
+        return lines + self.server.metrics.render()
 
     def _tend_repairs(self, now: float) -> None:
         """Record finished copies; start new ones for objects below their replica count."""

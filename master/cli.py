@@ -43,6 +43,8 @@ def _serve_parser() -> argparse.ArgumentParser:
                    metavar="SECONDS", help="a segment silent this long (while the master runs) is declared dead "
                    f"(default: {DEFAULT_HEARTBEAT_TIMEOUT_S:g})")
     p.add_argument("--journal", metavar="PATH", help="append metadata changes to PATH and replay it at start")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics on http://HOST:PORT/metrics (default: off)")
     p.add_argument("--re-replicate", action="store_true",
                    help="copy objects that lost a replica (their segment died) onto another live segment")
     p.add_argument("--no-fsync", action="store_true", help="do not fsync the journal after each record")
@@ -148,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         auth = load_keys(args.auth, server=True) if args.auth else None
         server = MasterServer(args.host, args.port, lease_ttl_s=args.lease_ttl,
                               heartbeat_timeout_s=args.heartbeat_timeout, journal_path=args.journal,
-                              journal_fsync=not args.no_fsync, re_replicate=args.re_replicate, auth=auth)
+                              journal_fsync=not args.no_fsync, re_replicate=args.re_replicate,
+                              metrics_port=args.metrics_port, auth=auth)
     except EngramError as exc:
         print(f"engram-master: {exc}", file=sys.stderr)
         return 2
