@@ -1,0 +1,146 @@
+"""``engram-stats``: how well an Engram configuration's tables fit a token corpus.
+
+    engram-stats TOKENS [--config CONFIG.json] [--engram-vocab-size N N] [--max-ngram-size 3]
+                 [--n-head-per-ngram 8] [--layer-ids 1 15] [--vocab-size 129280] [--tokenizer tokenizer.json]
+
+``TOKENS`` is a ``.npy`` file of token ids (1-D: one sequence; 2-D: one sequence per row) or a text file of
+whitespace-separated ids (one sequence per line). For every head of every layer it reports:
+
+* the distinct n-grams of the head's order in the corpus, and the distinct table rows they hash to;
+* the collision rate: the share of distinct n-grams that share their row with another n-gram (what a
+  larger ``engram_vocab_size`` reduces), next to the rate a uniform hash would give;
+* the occupancy: the share of the table's rows the corpus touches.
+
+With a tokenizer it also reports the compression ratio of :class:`CompressedTokenizer` (original vocabulary /
+compressed vocabulary), which shrinks the space of n-grams before hashing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any
+
+import numpy as np
+
+from engram_store._errors import EngramError, InvalidArgument
+
+from ._config import BackboneConfig, EngramConfig
+from ._hashing import NgramHashMapping
+from ._tokenizer import compressed_tokenizer_from_path
+
+
+def load_tokens(path: str) -> np.ndarray:
+    """Token ids from a .npy file or a text file of integers, as int64 ``[B, L]`` (rows padded with -1)."""
+    if path.endswith(".npy"):
+        arr = np.load(path, allow_pickle=False)
+        if arr.dtype.kind not in "iu" or arr.ndim not in (1, 2) or arr.size == 0:
+            raise InvalidArgument(f"TOKENS: expected a non-empty 1-D or 2-D integer array in {path}, "
+                                  f"got {arr.dtype} {arr.shape}")
+        return np.atleast_2d(arr.astype(np.int64))
+    with open(path, encoding="utf-8") as f:
+        try:
+            rows = [[int(t) for t in line.split()] for line in f if line.strip()]
+        except ValueError as exc:
+            raise InvalidArgument(f"TOKENS: {path} must hold whitespace-separated integers ({exc})") from None
+    if not rows:
+        raise InvalidArgument(f"TOKENS: {path} holds no token ids")
+    out = np.full((len(rows), max(map(len, rows))), -1, dtype=np.int64)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return out
+
+
+def _ngrams(ids: np.ndarray, n: int, pad: int, valid: np.ndarray) -> np.ndarray:
+    """Every position's n-gram (the token and the n-1 before it, left-padded) as rows of an int64 matrix."""
+    B, L = ids.shape
+    cols = [np.concatenate([np.full((B, k), pad, dtype=np.int64), ids[:, :L - k]], axis=1) for k in range(n)]
+    return np.stack(cols, axis=-1)[valid]
+
+
+def head_stats(mapping: NgramHashMapping, ids: np.ndarray) -> list[dict[str, Any]]:
+    """Per layer and head: order, table size, distinct n-grams and rows, collision rate and occupancy."""
+    valid = ids >= 0
+    prepared = mapping.prepare_ids(np.where(valid, ids, 0))
+    rows = mapping.hash_prepared(prepared, mapping.layer_ids)
+    out = []
+    for layer_id in mapping.layer_ids:
+        sizes = mapping.get_table_vocab_sizes(layer_id)
+        for h, prime in enumerate(sizes):
+            n = mapping.min_ngram_size + h // mapping.n_head_per_ngram
+            grams = _ngrams(prepared, n, mapping.pad_id, valid)
+            head_rows = rows[layer_id][..., h][valid]
+            distinct, first = np.unique(grams, axis=0, return_index=True)
+            rows_of_distinct = head_rows[first]
+            row_ids, counts = np.unique(rows_of_distinct, return_counts=True)
+            k = distinct.shape[0]
+            shared = int(counts[counts > 1].sum())
+            # A uniform hash of k keys into p rows: expected share of keys whose row holds another key.
+            expected = 1.0 - (1.0 - 1.0 / prime) ** (k - 1) if k > 1 else 0.0
+            out.append({"layer_id": layer_id, "head": h, "order": n, "rows": prime, "distinct_ngrams": k,
+                        "distinct_rows": int(row_ids.size), "collision_rate": shared / k if k else 0.0,
+                        "uniform_collision_rate": expected, "occupancy": row_ids.size / prime})
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="engram-stats", description=__doc__.split("\n\n")[0])
+    p.add_argument("tokens", metavar="TOKENS", help=".npy array or text file of token ids")
+    p.add_argument("--config", metavar="JSON", help="a JSON object of EngramConfig fields (flags override it)")
+    p.add_argument("--engram-vocab-size", type=int, nargs="+")
+    p.add_argument("--max-ngram-size", type=int)
+    p.add_argument("--n-head-per-ngram", type=int)
+    p.add_argument("--layer-ids", type=int, nargs="+")
+    p.add_argument("--pad-id", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--vocab-size", type=int, default=None, help="backbone vocabulary (without --tokenizer)")
+    p.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json: compress ids as the model does")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        fields: dict[str, Any] = {}
+        if args.config:
+            with open(args.config, encoding="utf-8") as f:
+                fields = json.load(f)
+            known = {f.name for f in dataclasses.fields(EngramConfig)}
+            unknown = sorted(set(fields) - known)
+            if unknown:
+                raise InvalidArgument(f"--config: unknown EngramConfig field(s) {unknown}; known: {sorted(known)}")
+        for name in ("engram_vocab_size", "max_ngram_size", "n_head_per_ngram", "layer_ids", "pad_id", "seed"):
+            value = getattr(args, name)
+            if value is not None:
+                fields[name] = value
+        fields.setdefault("n_embed_per_ngram", fields.get("n_head_per_ngram", EngramConfig().n_head_per_ngram))
+        config = EngramConfig(**fields).validate()
+        ids = load_tokens(args.tokens)
+        tokenizer = compressed_tokenizer_from_path(args.tokenizer) if args.tokenizer else None
+        vocab = args.vocab_size or max(int(ids.max()) + 1, config.pad_id + 1)
+        mapping = NgramHashMapping.from_config(config, BackboneConfig(vocab_size=vocab), tokenizer)
+        report = {"tokens": int((ids >= 0).sum()), "sequences": int(ids.shape[0]),
+                  "compression_ratio": tokenizer.compression_ratio if tokenizer else None,
+                  "heads": head_stats(mapping, ids)}
+    except (EngramError, OSError, ValueError) as exc:
+        print(f"engram-stats: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"{report['tokens']} tokens in {report['sequences']} sequence(s)"
+          + (f"; tokenizer compression ratio {report['compression_ratio']:.3f}" if tokenizer else ""))
+    print(f"{'layer':>5} {'head':>4} {'n':>2} {'rows':>10} {'n-grams':>9} {'used rows':>9} {'collide':>8} "
+          f"{'uniform':>8} {'occupancy':>9}")
+    for s in report["heads"]:
+        print(f"{s['layer_id']:>5} {s['head']:>4} {s['order']:>2} {s['rows']:>10} {s['distinct_ngrams']:>9} "
+              f"{s['distinct_rows']:>9} {s['collision_rate']:>8.2%} {s['uniform_collision_rate']:>8.2%} "
+              f"{s['occupancy']:>9.2%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
