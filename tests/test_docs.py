@@ -17,3 +17,9 @@ def _python_blocks() -> list[str]:
 def test_readme_store_example_runs():
     block = next(b for b in _python_blocks() if "DistributedStore.embedded" in b)
     exec(compile(block, str(README), "exec"), {})
+
+
+@pytest.mark.timeout(120)
+def test_readme_model_example_runs():
+    block = next(b for b in _python_blocks() if "Engram(layer_id=1" in b)
+    exec(compile(block, str(README), "exec"), {})
