@@ -1,5 +1,7 @@
-"""Benchmark of engram_model: N-gram hashing (Numba kernel vs the reference's NumPy formulation) and the
-Engram forward pass with its rows read from the store (local mapping vs the network path, direct vs prefetched).
+"""Benchmark of engram_model: N-gram hashing (Numba kernel vs the reference's NumPy formulation), the
+Engram forward pass with its rows read from the store (local mapping vs the network path, direct vs prefetched),
+and a decode loop (B=256 requests, 64 steps: incremental hashing + lookup + forward, vs re-hashing each
+sequence every step).
 
 Configuration is DeepSeek's demo (engram_vocab_size=[129280*5]*2, max_ngram_size=3, n_embed_per_ngram=512,
 n_head_per_ngram=8, layer_ids=[1, 15], hidden_size=1024, hc_mult=4). At full size one layer's tables are
@@ -22,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from engram_model import BackboneConfig, Engram, EngramConfig, get_hash_mapping
+from engram_model import BackboneConfig, Engram, EngramConfig, IncrementalHasher, get_hash_mapping
 from engram_store import DistributedStore
 
 DEMO_VOCAB = 129280
@@ -112,6 +114,63 @@ def bench_forward(cfg: EngramConfig, bb: BackboneConfig, shapes: list[tuple[int,
     return rows
 
 
+def bench_decode(cfg: EngramConfig, bb: BackboneConfig, batch: int, steps: int, prompt_len: int) -> list[dict]:
+    """A decode loop: per step, hash one new token per request for both layers, read the rows, run forward.
+
+    A: :class:`IncrementalHasher` (hash only the new tokens, with each request's kept context). B: the obvious
+    way without it, re-hashing every request's whole sequence so far and keeping the last position.
+    """
+    rng = np.random.default_rng(2)
+    mapping = get_hash_mapping(cfg, bb)
+    probe = Engram(cfg.layer_ids[0], cfg, bb)
+    table_bytes = sum(sum(mapping.get_table_vocab_sizes(lid)) for lid in cfg.layer_ids) * probe.get_embedding_dim() * 4
+    segment = ((int(table_bytes * 1.05) >> 20) + 65) << 20
+    prompt = rng.integers(0, bb.vocab_size, size=(batch, prompt_len))
+    new_tokens = rng.integers(0, bb.vocab_size, size=(steps, batch, 1))
+    hidden = rng.standard_normal((batch, 1, bb.hc_mult, bb.hidden_size), dtype=np.float32)
+    with DistributedStore.embedded(segment_size=segment) as store:
+        engrams = [Engram(lid, cfg, bb, store) for lid in cfg.layer_ids]
+        for e in engrams:
+            e.populate_store_from_buffers([rng.standard_normal((n, e.get_embedding_dim()), dtype=np.float32)
+                                           for n in e.get_table_vocab_sizes()])
+        try:
+            def loop(incremental: bool) -> tuple[float, float]:
+                """Mean ms per step: (hashing only, hash + reads + forward of both layers)."""
+                hasher = IncrementalHasher(mapping)
+                hasher.hash_step(range(batch), prompt)
+                tokens = prompt
+                hash_s = 0.0
+                start = time.perf_counter()
+                for step in range(steps):
+                    t0 = time.perf_counter()
+                    if incremental:
+                        rows = hasher.hash_step(range(batch), new_tokens[step])
+                    else:
+                        tokens = np.concatenate([tokens, new_tokens[step]], axis=1)
+                        rows = {lid: r[:, -1:] for lid, r in mapping.hash(tokens).items()}
+                    hash_s += time.perf_counter() - t0
+                    handles = {e.layer_id: e.engram_store.prefetch(rows[e.layer_id]) for e in engrams}
+                    for e in engrams:
+                        e.forward(hidden, embeddings=handles[e.layer_id].result())
+                return 1e3 * hash_s / steps, 1e3 * (time.perf_counter() - start) / steps
+
+            loop(True)  # warm
+            a = [loop(True) for _ in range(3)]
+            b = [loop(False) for _ in range(3)]
+        finally:
+            for e in engrams:
+                e.remove_from_store(force=True)
+                e.close()
+    def stats(samples: list[float], label: str) -> dict:
+        return {"label": label, "mean_ms": statistics.fmean(samples), "p50_ms": statistics.median(samples),
+                "repeats": len(samples)}
+
+    return [{"name": f"decode hash ({steps} steps)", "B": batch, "L": 1,
+             "a": stats([x[0] for x in a], "incr"), "b": stats([x[0] for x in b], "rehash")},
+            {"name": f"decode step ({steps} steps)", "B": batch, "L": 1,
+             "a": stats([x[1] for x in a], "incr"), "b": stats([x[1] for x in b], "rehash")}]
+
+
 def print_table(rows: list[dict]) -> None:
     print(f"{'case':<24s} {'B x L':>10s} | {'A':>8s} {'mean ms':>9s} {'p50 ms':>9s} | {'B':>8s} {'mean ms':>9s} "
           f"{'p50 ms':>9s} | {'B/A':>6s}")
@@ -145,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = bench_hashing(cfg, bb, [(64, 4096), (1, 4096), (256, 1)], repeats)
     if not args.skip_forward:
         rows += bench_forward(cfg, bb, [(1, forward_len), (256, 1)], repeats)
+        rows += bench_decode(cfg, bb, batch=256, steps=64, prompt_len=256 if args.quick else 1024)
     print_table(rows)
     if args.json:
         result = {
