@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -39,8 +40,12 @@ log = logging.getLogger(__name__)
 
 #: Tables larger than this (all heads together) show a progress bar while they upload.
 PROGRESS_MIN_BYTES = 256 << 20
+#: How long a resolved table placement is used before it is checked with the master again (one request).
+PLACEMENT_TTL_S = 0.5
 #: How many times a lookup re-resolves placement after a segment fails before giving up.
 FAILOVER_ROUNDS = 2
+#: Mooncake's ErrorCode::OBJECT_NOT_FOUND, as its Python methods return it.
+_MOONCAKE_OBJECT_NOT_FOUND = -704
 
 
 @dataclass
@@ -94,6 +99,8 @@ class _Placement:
     remote: list[tuple[str, np.ndarray, np.ndarray]]         # (address, heads, base byte offsets)
     order: np.ndarray                                        # remote heads, grouped by address
     replicas: list[tuple]                                    # per head, its replicas
+    signature: tuple = ()                                    # (size, replicas) per head, to spot changes
+    checked_at: float = 0.0                                  # time.monotonic() of the last check with the master
 
 
 def _as_row_ids(row_ids: Any, num_heads: int) -> np.ndarray:
@@ -397,10 +404,23 @@ class EngramStore:
         return failed
 
     def _get_placement(self, failed: set[str]) -> _Placement:
+        """The cached placement, checked with the master every PLACEMENT_TTL_S.
+
+        Another client may remove and repopulate this layer; the check notices within PLACEMENT_TTL_S, and
+        the master keeps a removed table's space unallocated for longer than that (its reuse delay), so a
+        lookup never reads another object's bytes in between.
+        """
         with self._lock:
-            if self._placement is not None:
-                return self._placement
+            cached = self._placement
+        now = time.monotonic()
+        if cached is not None and now - cached.checked_at < PLACEMENT_TTL_S:
+            return cached
         infos = self._native.locate(self._keys, lease=False)
+        signature = tuple((info.size, tuple((r.segment_id, r.address, r.offset) for r in info.replicas))
+                          for info in infos)
+        if cached is not None and signature == cached.signature:
+            cached.checked_at = now
+            return cached
         self._counters.add(placement_refreshes=1)
         local: dict[str, tuple[np.ndarray, list[int]]] = {}
         remote: dict[str, list[tuple[int, int]]] = {}
@@ -431,6 +451,8 @@ class EngramStore:
                     for a, hs in remote.items()],
             order=np.asarray([h for hs in remote.values() for h, _ in hs], dtype=np.int64),
             replicas=[info.replicas for info in infos],
+            signature=signature,
+            checked_at=now,
         )
         with self._lock:
             self._placement = placement
@@ -463,8 +485,14 @@ class EngramStore:
                 all_src.append(offsets.tolist())
                 all_sizes.append(lengths.tolist())
             results = self._store.get_into_ranges([staging.ctypes.data], [all_keys], [all_dst], [all_src], [all_sizes])
+            # Mooncake answers per range with the bytes read, or a negative code (the same for every range
+            # of a key that cannot be read). -704 is OBJECT_NOT_FOUND: name it, as the native path does.
             for h, (sizes, got) in enumerate(zip(all_sizes, results[0])):
                 if list(got) != sizes:
+                    if any(int(g) == _MOONCAKE_OBJECT_NOT_FOUND for g in got):
+                        raise ObjectNotFound(f"get_into_ranges: key {self._keys[h]!r} is not in the store "
+                                             f"(code {_MOONCAKE_OBJECT_NOT_FOUND}); populate layer "
+                                             f"{self.layer_id} first")
                     raise StoreError(f"get_into_ranges: key {self._keys[h]!r} returned {list(got)[:4]}..., "
                                      f"expected the requested sizes")
             rows_all = staging[:need].view(np.float32).reshape(-1, self._dim)
@@ -531,14 +559,23 @@ def _native_store(store: Any):
 
 
 def _replicate_config(replica_num: int):
-    if replica_num == 1:
-        return None
+    """Mooncake's ReplicateConfig for a table upload: ``replica_num`` copies, hard-pinned.
+
+    Hard pin is what keeps a table in a real Mooncake store: its master evicts unpinned objects whose read
+    lease has run out as soon as a segment passes ``-eviction_high_watermark_ratio`` (0.9) or an allocation
+    fails, and with the default config (no pin) a table would silently disappear under memory pressure.
+    ``with_hard_pin`` objects are never eviction candidates (tests/mooncake checks both behaviours). Without
+    the mooncake package (a duck-typed store) a single replica needs no config, as before.
+    """
     try:
         from mooncake.store import ReplicateConfig  # type: ignore
     except ImportError:
+        if replica_num == 1:
+            return None
         raise InvalidArgument("replica_num > 1 on a Mooncake store needs mooncake.store.ReplicateConfig") from None
     config = ReplicateConfig()
     config.replica_num = replica_num
+    config.with_hard_pin = True  # tables are immutable once published: never evicted
     return config
 
 

@@ -286,7 +286,7 @@ def _gather_rows_local(segment, base_elems, ids, heads, dim, out):
         for j in range(heads.size):
             h = heads[j]
             v = ids[m, h]
-            if v < 0 or v > segment.size // dim:
+            if v < 0 or v >= segment.size // dim:
                 return m * ids.shape[1] + h
             start = base_elems[h] + v * dim
             if start < 0 or start > segment.size - dim:

@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 DEFAULT_PORT = 50051
 DEFAULT_LEASE_TTL_S = 5.0
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
+#: Removed objects' space is reused only after this long (see MasterState.reuse_delay_s); it must exceed
+#: EngramStore's placement revalidation interval plus the longest lookup.
+DEFAULT_REUSE_DELAY_S = 2.0
 MAX_KEY_LEN = 1024
 MAX_BATCH = 1 << 16
 MAX_MANIFEST_OBJECTS = 1 << 20
@@ -50,13 +53,17 @@ class MasterServer:
         journal_fsync: bool = True,
         auth: AuthKeys | None = None,
         metrics_port: int | None = None,
+        reuse_delay_s: float = DEFAULT_REUSE_DELAY_S,
         re_replicate: bool = False,
     ):
         if lease_ttl_s <= 0:
             raise InvalidArgument(f"lease_ttl_s: expected > 0, got {lease_ttl_s}")
         if heartbeat_timeout_s <= 0:
             raise InvalidArgument(f"heartbeat_timeout_s: expected > 0, got {heartbeat_timeout_s}")
-        self.state = MasterState(lease_ttl_s=lease_ttl_s, heartbeat_timeout_s=heartbeat_timeout_s)
+        if reuse_delay_s < 0:
+            raise InvalidArgument(f"reuse_delay_s: expected >= 0, got {reuse_delay_s}")
+        self.state = MasterState(lease_ttl_s=lease_ttl_s, heartbeat_timeout_s=heartbeat_timeout_s,
+                                 reuse_delay_s=reuse_delay_s)
         self.journal = None
         if journal_path:
             self.journal = Journal(journal_path, fsync=journal_fsync)
@@ -141,6 +148,7 @@ class MasterServer:
             log.warning("master did not run for %.1f s; not counting that time against segment heartbeats", gap)
         self.state.expire_segments(running_gap_s=stalled)
         self.state.expire_puts()
+        self.state.release_quarantine()
         if self._repair_pool is not None:
             self._tend_repairs(now)
         if self.metrics is not None:

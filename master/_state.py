@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -92,11 +92,16 @@ class MasterState:
     heartbeat_timeout_s: float = 10.0
     #: A put not finished within this many seconds is revoked and its space freed.
     put_timeout_s: float = 600.0
+    #: Space of a removed object becomes allocatable again only after this delay, so a reader still using a
+    #: placement it resolved just before the remove reads the old bytes, never another object's.
+    reuse_delay_s: float = 2.0
     journal: Callable[[dict], None] = lambda record: None
     clock: Callable[[], float] = time.monotonic
     segments: dict[str, Segment] = field(default_factory=dict)
     objects: dict[str, ObjectMeta] = field(default_factory=dict)
     lost: OrderedDict = field(default_factory=OrderedDict)
+    #: Freed blocks waiting out ``reuse_delay_s``: (time allocatable, allocator, offset, size), oldest first.
+    quarantine: deque = field(default_factory=deque)
 
     # ---- segments -------------------------------------------------------------------------------
 
@@ -239,6 +244,7 @@ class MasterState:
             raise ObjectExists(f"key {key!r} already exists" + (" (a write is in progress)" if state == PENDING else ""))
         if replica_num < 1:
             raise InvalidArgument(f"replica_num: expected >= 1, got {replica_num}")
+        self.release_quarantine()
         if replica_num > len(self.segments):
             raise OutOfSpace(
                 f"put {key!r}: replica_num={replica_num} needs {replica_num} distinct segments, "
@@ -257,9 +263,12 @@ class MasterState:
             for segment, offset in placed:
                 segment.allocator.free(offset, size)
             largest = max((s.allocator.largest_free() for s in self.segments.values()), default=0)
+            waiting = self.quarantined_bytes()
             raise OutOfSpace(
                 f"put {key!r}: no room for {replica_num} replica(s) of {size} bytes on distinct segments "
-                f"(largest free block: {largest} bytes over {len(self.segments)} segments)"
+                f"(largest free block: {largest} bytes over {len(self.segments)} segments"
+                + (f"; {waiting} bytes of removed objects become free within {self.reuse_delay_s:g} s)"
+                   if waiting else ")")
             )
         self.lost.pop(key, None)
         self.objects[key] = ObjectMeta(size, replica_num, [Replica(s.segment_id, o) for s, o in placed],
@@ -319,13 +328,37 @@ class MasterState:
         return removed, refused
 
     def _release(self, key: str, meta: ObjectMeta) -> None:
-        if meta.state == COMPLETE:
+        """Forget an object. A complete one's space is quarantined (readers may hold its placement); a
+        pending one's is free at once (no reader was ever told where it is)."""
+        complete = meta.state == COMPLETE
+        if complete:
             self._touch(meta)
+        reusable_at = self.clock() + self.reuse_delay_s
         for replica in meta.replicas:
             segment = self.segments.get(replica.segment_id)
-            if segment is not None:
+            if segment is None:
+                continue
+            if complete and self.reuse_delay_s > 0 and meta.size:
+                self.quarantine.append((reusable_at, segment.allocator, replica.offset, meta.size))
+            else:
                 segment.allocator.free(replica.offset, meta.size)
         del self.objects[key]
+
+    def release_quarantine(self) -> int:
+        """Return quarantined blocks whose delay is over to their allocators; returns how many."""
+        now = self.clock()
+        live = {id(s.allocator) for s in self.segments.values()}
+        released = 0
+        while self.quarantine and self.quarantine[0][0] <= now:
+            _, allocator, offset, size = self.quarantine.popleft()
+            if id(allocator) in live:  # a dropped segment's allocator is gone with it
+                allocator.free(offset, size)
+            released += 1
+        return released
+
+    def quarantined_bytes(self, segment_id: str | None = None) -> int:
+        allocator = self.segments[segment_id].allocator if segment_id is not None else None
+        return sum(size for _, a, _, size in self.quarantine if allocator is None or a is allocator)
 
     def _remember_lost(self, key: str, message: str) -> None:
         self.lost[key] = message
@@ -340,6 +373,7 @@ class MasterState:
         Returns up to ``limit`` jobs, skipping keys in ``busy`` (copies in flight). Each job's target space
         stays reserved until :meth:`finish_repair`.
         """
+        self.release_quarantine()
         jobs = []
         for key, meta in self.objects.items():
             if len(jobs) >= limit:

@@ -18,7 +18,13 @@ from engram_store._auth import AUTH_DIR_ENV, exposure_warning, keygen, load_keys
 from engram_store._errors import EngramError
 from engram_store._units import format_size, parse_address
 
-from ._service import DEFAULT_HEARTBEAT_TIMEOUT_S, DEFAULT_LEASE_TTL_S, DEFAULT_PORT, MasterServer
+from ._service import (
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    DEFAULT_LEASE_TTL_S,
+    DEFAULT_PORT,
+    DEFAULT_REUSE_DELAY_S,
+    MasterServer,
+)
 
 
 def _positive_float(text: str) -> float:
@@ -43,6 +49,9 @@ def _serve_parser() -> argparse.ArgumentParser:
                    metavar="SECONDS", help="a segment silent this long (while the master runs) is declared dead "
                    f"(default: {DEFAULT_HEARTBEAT_TIMEOUT_S:g})")
     p.add_argument("--journal", metavar="PATH", help="append metadata changes to PATH and replay it at start")
+    p.add_argument("--reuse-delay", type=float, default=DEFAULT_REUSE_DELAY_S, metavar="SECONDS",
+                   help="reuse a removed object's space only after this long, so readers holding its old placement "
+                        f"never see another object's bytes (default: {DEFAULT_REUSE_DELAY_S:g})")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus metrics on http://HOST:PORT/metrics (default: off)")
     p.add_argument("--re-replicate", action="store_true",
@@ -151,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         server = MasterServer(args.host, args.port, lease_ttl_s=args.lease_ttl,
                               heartbeat_timeout_s=args.heartbeat_timeout, journal_path=args.journal,
                               journal_fsync=not args.no_fsync, re_replicate=args.re_replicate,
-                              metrics_port=args.metrics_port, auth=auth)
+                              metrics_port=args.metrics_port, reuse_delay_s=args.reuse_delay, auth=auth)
     except EngramError as exc:
         print(f"engram-master: {exc}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 import itertools
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from engram_store import (
     InvalidType,
     NotConnected,
     ObjectExists,
+    ObjectNotFound,
 )
 from procs import Cluster
 
@@ -296,3 +298,37 @@ def test_segment_of_a_size_not_divisible_by_four_serves_local_lookups():
         es.populate(tables)
         ids = random_ids(np.random.default_rng(1), [101, 103], 2, 5)
         np.testing.assert_array_equal(es.lookup(ids), expected_rows(tables, ids))
+
+
+@pytest.mark.parametrize("local_direct", [True, False])
+def test_a_layer_repopulated_by_another_client_never_yields_foreign_rows(remote_cluster, local_direct):
+    """Reader B caches the placement; writer A removes the layer, fills the space, repopulates it.
+
+    B must never return the filler's bytes: the master holds removed space back for longer than B's placement
+    check interval, and B re-resolves the placement when it changed.
+    """
+    sizes = [64]
+    layer = next(_layers)
+    with DistributedStore.connect(remote_cluster.address, local_direct=local_direct) as a, \
+            DistributedStore.connect(remote_cluster.address, local_direct=local_direct) as b:
+        writer = EngramStore(layer, EngramStoreConfig(sizes, 2), a)
+        reader = EngramStore(layer, EngramStoreConfig(sizes, 2), b)
+        writer.populate([np.ones((64, 2), dtype=np.float32)])
+        ids = np.zeros((1, 1, 1), dtype=np.int64)
+        assert reader.lookup(ids)[0, 0, 0].tolist() == [1.0, 1.0]
+        writer.remove_from_store(force=True)
+        a.put(f"filler-{layer}", np.full(64 * 2, 9, dtype=np.float32).tobytes(), replica_num=2)
+        writer.populate([np.full((64, 2), 2, dtype=np.float32)])
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # old rows for up to the check interval, then the new ones
+            try:
+                row = reader.lookup(ids)[0, 0, 0].tolist()
+            except ObjectNotFound:
+                continue
+            assert row in ([1.0, 1.0], [2.0, 2.0]), f"read foreign bytes {row}"
+            if row == [2.0, 2.0]:
+                break
+        else:
+            pytest.fail("the reader never saw the repopulated layer")
+        writer.remove_from_store(force=True)
+        a.remove(f"filler-{layer}", force=True)

@@ -163,3 +163,34 @@ def test_segment_size_change_is_refused():
     state, _, _ = _state()
     with pytest.raises(InvalidArgument, match="size"):
         state.register_segment("s1", "127.0.0.1:1", 8192, "", "h")
+
+
+def test_removed_space_is_reused_only_after_the_delay():
+    state, clock, _ = _state(reuse_delay_s=2.0)
+    state.put_start("old", 4000, 2)
+    state.put_end("old")
+    state.remove("old", force=True)
+    # Readers may still hold the old placement: the space stays out of reach for the delay.
+    with pytest.raises(OutOfSpace, match="become free within 2 s"):
+        state.put_start("new", 4000, 1)
+    assert state.quarantined_bytes() == 2 * 4000
+    clock.now += 2.01
+    state.put_start("new", 4000, 1)
+    # A revoked (never visible) write frees its space at once.
+    state.put_start("pending", 2000, 1)
+    state.put_revoke("pending")
+    state.put_start("again", 2000, 1)
+
+
+def test_quarantine_of_a_dropped_segment_is_forgotten():
+    state, clock, _ = _state(reuse_delay_s=1.0, heartbeat_timeout_s=10.0)
+    state.put_start("x", 1000, 1)
+    state.put_end("x")
+    seg = state.objects["x"].replicas[0].segment_id
+    state.remove("x", force=True)
+    state.drop_segment(seg, "test")
+    state.register_segment(seg, "127.0.0.1:9", 4096, "", "h")  # a new segment under the same id
+    state.put_start("fill", 4000, 2)  # takes all of both segments
+    clock.now += 1.5
+    assert state.release_quarantine() == 1
+    assert sorted(s.allocator.used for s in state.segments.values()) == [_align(4000)] * 2  # nothing freed twice
