@@ -1,0 +1,279 @@
+"""Helpers shared by ``bench_store.py`` and ``bench_engram_store.py``.
+
+Timing (``measure`` runs a call until it has enough repetitions, ``Stats`` summarises them), table printing,
+JSON output with the machine and the command line, and the processes a benchmark talks to: a master with
+``engram-segment`` processes (through :class:`engram_store.testing.Cluster`, which waits for each to answer a
+ping and kills and reaps them all on exit) and a raw ZeroMQ echo server.
+
+Run as a script with ``--echo-server`` it *is* that echo server (see :func:`echo_server_main`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+#: Liveness is not under test here: a busy 2-core machine must not get a segment declared dead mid-run.
+HEARTBEAT_TIMEOUT_S = 60.0
+#: Longest time any one store call may take (a 64 MiB put on a loaded machine stays far below).
+TIMEOUT_MS = 60_000
+#: The largest reply the echo server can send.
+ECHO_MAX_BYTES = 64 << 20
+START_TIMEOUT_S = 60.0
+
+
+# ---- timing ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Latency of repeated calls, in microseconds."""
+
+    reps: int
+    mean_us: float
+    p50_us: float
+    p99_us: float
+    min_us: float
+
+    @classmethod
+    def from_ns(cls, times_ns: Sequence[int]) -> "Stats":
+        assert len(times_ns) > 0, "Stats.from_ns: no samples"
+        t = np.asarray(times_ns, dtype=np.float64) / 1e3
+        return cls(len(t), float(t.mean()), float(np.percentile(t, 50)), float(np.percentile(t, 99)),
+                   float(t.min()))
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def time_ns(fn: Callable[[int], object], *, min_reps: int, min_time_s: float, max_reps: int = 100_000,
+            between: Callable[[int], object] | None = None, start: int = 0) -> list[int]:
+    """Durations (ns) of ``fn(i)``, ``i = start, start + 1, ...``, until ``min_reps`` calls and ``min_time_s`` passed.
+
+    ``between(i)`` runs after each timed call, untimed (e.g. removing the key a put just wrote).
+    """
+    assert min_reps >= 1 and max_reps >= min_reps, f"time_ns: bad rep bounds {min_reps}..{max_reps}"
+    times: list[int] = []
+    spent_ns = 0
+    budget_ns = int(min_time_s * 1e9)
+    i = start
+    while len(times) < max_reps and (len(times) < min_reps or spent_ns < budget_ns):
+        t0 = time.perf_counter_ns()
+        fn(i)
+        dt = time.perf_counter_ns() - t0
+        times.append(dt)
+        spent_ns += dt
+        if between is not None:
+            between(i)
+        i += 1
+    return times
+
+
+def measure(fn: Callable[[int], object], *, warmup: int, min_reps: int, min_time_s: float,
+            max_reps: int = 100_000, between: Callable[[int], object] | None = None) -> Stats:
+    """Time ``fn(i)`` with ``time.perf_counter_ns`` (see :func:`time_ns`) after ``warmup`` untimed calls.
+
+    The warm-up compiles kernels, caches placements and touches pages, so the timed calls see steady state.
+    """
+    for i in range(warmup):
+        fn(-1 - i)
+        if between is not None:
+            between(-1 - i)
+    return Stats.from_ns(time_ns(fn, min_reps=min_reps, min_time_s=min_time_s, max_reps=max_reps,
+                                 between=between))
+
+
+# ---- output ---------------------------------------------------------------------------------------------
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], title: str | None = None) -> None:
+    """Print rows under headers, each column right-aligned to its widest cell (first column left-aligned)."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[j]) for r in cells) for j in range(len(headers))]
+    if title:
+        print(f"\n{title}")
+    for n, row in enumerate(cells):
+        line = "  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths)))
+        print(line.rstrip())
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+    sys.stdout.flush()
+
+
+def fmt(x: float | None, digits: int = 1) -> str:
+    """A number for a table cell: ``-`` for a missing one, thousands separated above 10,000."""
+    if x is None or (isinstance(x, float) and not np.isfinite(x)):
+        return "-"
+    if abs(x) >= 10_000:
+        return f"{x:,.0f}"
+    return f"{x:.{digits}f}"
+
+
+def size_label(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def machine_info() -> dict:
+    import numba
+    import zmq
+
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "numba": numba.__version__,
+        "pyzmq": zmq.__version__,
+        "libzmq": zmq.zmq_version(),
+    }
+
+
+def default_json_path(name: str) -> str:
+    return os.path.join(RESULTS_DIR, f"{name}.json")
+
+
+def write_json(path: str, payload: dict) -> None:
+    """Write ``payload`` with the command line and machine info added; create the directory."""
+    record = {"command": " ".join([sys.executable] + sys.argv), "machine": machine_info(), **payload}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=2)
+        f.write("\n")
+    print(f"\nwrote {path}")
+
+
+# ---- processes ------------------------------------------------------------------------------------------
+
+
+def start_cluster(segments: int = 1, segment_size: int = 1 << 30):
+    """A master and ``segments`` ``engram-segment`` processes on 127.0.0.1; ``close()`` kills and reaps them.
+
+    Use it as a context manager (``with start_cluster(...) as cluster:``); ``cluster.address`` is the master.
+    The master reuses removed objects' space at once (``--reuse-delay 0``): the benchmarks put and remove
+    in a loop and no reader holds an old placement.
+    """
+    from engram_store.testing import Cluster
+
+    return Cluster(segments=segments, segment_size=str(int(segment_size)),
+                   heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, extra=["--reuse-delay", "0"])
+
+
+class EchoServer:
+    """A raw ZeroMQ ROUTER in its own process that answers ``n`` (8 bytes, little-endian) with ``n`` bytes.
+
+    The floor for any network read on this machine: one request, one reply frame, no header to unpack,
+    no range checking, the payload sent zero-copy from a preallocated buffer. A context manager.
+    """
+
+    def __init__(self):
+        self.popen = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--echo-server"],
+            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            line = self._ready_line()
+            # "echo-server ready on 127.0.0.1:PORT"
+            self.address = line.split()[-1]
+        except BaseException:
+            self.close()
+            raise
+
+    def _ready_line(self) -> str:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        buf = b""
+        while not buf.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RuntimeError("echo server: no ready line within the start timeout")
+            ready, _, _ = select.select([self.popen.stdout], [], [], min(remaining, 0.5))
+            if ready:
+                chunk = os.read(self.popen.stdout.fileno(), 4096)
+                if not chunk:
+                    raise RuntimeError(f"echo server exited before it was ready (code {self.popen.poll()})")
+                buf += chunk
+        return buf.decode().strip()
+
+    def close(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait(timeout=30)
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
+
+    def __enter__(self) -> "EchoServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class EchoClient:
+    """A DEALER to an :class:`EchoServer`; :meth:`read_into` is one round trip landing in a caller buffer."""
+
+    def __init__(self, address: str, timeout_ms: int = TIMEOUT_MS):
+        import zmq
+
+        self._zmq = zmq
+        self.timeout_ms = timeout_ms
+        self.socket = zmq.Context.instance().socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(f"tcp://{address}")
+        self.address = address
+
+    def read_into(self, buffer: np.ndarray, nbytes: int) -> int:
+        self.socket.send(int(nbytes).to_bytes(8, "little"))
+        if not self.socket.poll(self.timeout_ms, self._zmq.POLLIN):
+            raise TimeoutError(f"echo server {self.address}: no reply within {self.timeout_ms} ms")
+        got = self.socket.recv_into(buffer, nbytes=nbytes)  # one copy: zmq's message -> the caller's buffer
+        assert got == nbytes, f"echo server {self.address}: sent {got} bytes, expected {nbytes}"
+        return got
+
+    def close(self) -> None:
+        self.socket.close(0)
+
+    def __enter__(self) -> "EchoClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def echo_server_main() -> int:
+    import zmq
+
+    payload = np.full(ECHO_MAX_BYTES, 7, dtype=np.uint8)
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    print(f"echo-server ready on 127.0.0.1:{port}", flush=True)
+    try:
+        while True:
+            identity, request = sock.recv_multipart()
+            n = min(int.from_bytes(request[:8], "little"), ECHO_MAX_BYTES)
+            sock.send_multipart([identity, memoryview(payload[:n])], copy=False)
+    finally:
+        sock.close(0)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="benchmark helpers; --echo-server runs the raw ZeroMQ echo server")
+    parser.add_argument("--echo-server", action="store_true")
+    if parser.parse_args().echo_server:
+        sys.exit(echo_server_main())
+    parser.print_help()
