@@ -10,14 +10,11 @@ one process; the ratio column is NumPy time / kernel time (above 1: the kernel i
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 import time
 
-import numba
 import numpy as np
+from _common import default_json_path, write_json
 
 from engram_store import _kernels as k
 
@@ -76,8 +73,7 @@ def _cases(quick: bool):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller inputs, shorter timing")
-    p.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "bench_kernels.json"))
+    p.add_argument("--json", default=default_json_path("bench_kernels"))
     args = p.parse_args(argv)
     k.warmup()
     min_time = 0.05 if args.quick else 0.3
@@ -88,12 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         t_numpy = _median_us(baseline, min_time)
         rows.append({"case": name, "kernel_us": t_kernel, "numpy_us": t_numpy, "ratio": t_numpy / t_kernel})
         print(f"{name:<40} {t_kernel:>11.1f} {t_numpy:>11.1f} {t_numpy / t_kernel:>12.2f}x", flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"command": " ".join([sys.executable] + sys.argv), "machine": {
-            "cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
-            "numba": numba.__version__}, "results": rows}, f, indent=2)
-    print(f"wrote {args.json}")
+    write_json(args.json, {"results": rows})
     return 0
 
 

@@ -17,14 +17,11 @@ fewer repetitions.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 import time
 
-import numba
 import numpy as np
+from _common import default_json_path, write_json
 
 from engram_model import BackboneConfig, Engram, EngramConfig, prefetch_layers
 from engram_store import DistributedStore
@@ -69,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ffn-mult", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--local-direct", action="store_true", help="map the segment instead of reading over ZeroMQ")
-    p.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "bench_pipeline.json"))
+    p.add_argument("--json", default=default_json_path("bench_pipeline"))
     args = p.parse_args(argv)
     scale = 10 if args.quick else 1
     reps = 2 if args.quick else args.reps
@@ -120,13 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         overhead = 100.0 * (med - floor) / floor
         results[mode] = {"median_ms": med * 1e3, "min_ms": min(ts) * 1e3, "overhead_pct": overhead}
         print(f"{mode:<10} {med * 1e3:>10.1f} {min(ts) * 1e3:>9.1f} {overhead:>17.2f}%")
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"command": " ".join([sys.executable] + sys.argv), "args": vars(args),
-                   "table_bytes": table_bytes, "machine": {
-                       "cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
-                       "numba": numba.__version__}, "results": results}, f, indent=2)
-    print(f"wrote {args.json}")
+    write_json(args.json, {"args": vars(args), "table_bytes": table_bytes, "results": results})
     return 0
 
 

@@ -15,14 +15,11 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 import time
 
-import numba
 import numpy as np
+from _common import default_json_path, write_json
 
 from engram_model import BackboneConfig, EngramConfig, NgramHashMapping
 from engram_store import DistributedStore, EngramStore, EngramStoreConfig
@@ -60,8 +57,7 @@ def _latency_ms(layer: EngramStore, sizes: list[int], batch: int, length: int, r
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tables scaled down by 10x")
-    p.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "bench_scale.json"))
+    p.add_argument("--json", default=default_json_path("bench_scale"))
     args = p.parse_args(argv)
     scale = 10 if args.quick else 1
     demo = {layer: [n // scale for n in sizes] for layer, sizes in _demo_sizes().items()}
@@ -69,9 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     segment_size = max(total_bytes // 2 + (256 << 20), 512 << 20)
     row_counts = [n // scale for n in (10_000, 30_000, 100_000, 300_000, 650_000)]
     reps = 20 if args.quick else 50
-    result: dict = {"command": " ".join([sys.executable] + sys.argv), "machine": {
-        "cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
-        "numba": numba.__version__}, "scale": scale}
+    result: dict = {"scale": scale}
 
     with Cluster(segments=2, segment_size=str(segment_size), heartbeat_timeout_s=30.0) as cluster:
         with DistributedStore.connect(cluster.address, timeout_ms=60_000, local_direct=False) as remote, \
@@ -114,10 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 writer.remove_from_store(force=True)
             result["lookup_vs_table_size"] = curve
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.json}")
+    write_json(args.json, result)
     return 0
 
 

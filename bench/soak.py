@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import multiprocessing as mp
-import os
 import sys
 import threading
 import time
 
 import numpy as np
+from _common import default_json_path, write_json
 
 from engram_store import DistributedStore, EngramError, EngramStore, EngramStoreConfig
 from engram_store.testing import Cluster
@@ -89,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=4, help="client processes (default 4)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load (default 60)")
     p.add_argument("--segments", type=int, default=3, help="segments at start (default 3)")
-    p.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results", "soak.json"))
+    p.add_argument("--json", default=default_json_path("soak"))
     args = p.parse_args(argv)
     if args.clients < 1 or args.duration <= 0 or args.segments < 2:
         p.error("need --clients >= 1, --duration > 0 and --segments >= 2 (tables keep two replicas)")
@@ -149,11 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, kib in rss_end.items():
         if name not in rss_start:
             print(f"  {name:<18} {'-':>8} {kib:>10}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"args": vars(args), "events": events, "ops": dict(ops), "errors": dict(errors),
-                   "wrong_rows": wrong_rows, "wrong_bytes": wrong_bytes, "rss_start_kib": rss_start,
-                   "rss_end_kib": rss_end, "clients": reports}, f, indent=2)
+    write_json(args.json, {"args": vars(args), "events": events, "ops": dict(ops), "errors": dict(errors),
+                           "wrong_rows": wrong_rows, "wrong_bytes": wrong_bytes, "rss_start_kib": rss_start,
+                           "rss_end_kib": rss_end, "clients": reports})
     return 1 if wrong_rows or wrong_bytes else 0
 
 
