@@ -11,7 +11,7 @@ and are read over ZeroMQ (``--local-direct`` maps the segment instead). Three ru
 * prefetch: the ids of both layers are hashed once and both reads start before the first block;
 * floor:    the tables are NumPy arrays in this process (fancy indexing, no store at all).
 
-The overhead column is the time over the floor in percent. ``--quick`` scales the tables down 10x and runs
+The overhead column is the fastest run's time over the fastest floor run, in percent. ``--quick`` scales the tables down 10x and runs
 fewer repetitions.
 """
 from __future__ import annotations
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--layers", type=int, default=16, help="blocks in the stack (Engram at 1 and 15)")
     p.add_argument("--ffn-mult", type=int, default=2)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=7)
     p.add_argument("--local-direct", action="store_true", help="map the segment instead of reading over ZeroMQ")
     p.add_argument("--json", default=default_json_path("bench_pipeline"))
     args = p.parse_args(argv)
@@ -109,13 +109,14 @@ def main(argv: list[str] | None = None) -> int:
         for engram in engrams.values():
             engram.remove_from_store(force=True)
 
-    floor = float(np.median(times["floor"]))
-    print(f"\n{'mode':<10} {'median ms':>10} {'min ms':>9} {'overhead vs floor':>18}")
+    # The overhead compares the fastest run of each mode: on a shared machine the minimum is the run least
+    # disturbed by others, and the reads are a small part of a forward pass.
+    floor = min(times["floor"])
+    print(f"\n{'mode':<10} {'median ms':>10} {'min ms':>9} {'overhead vs floor (min)':>24}")
     for mode, ts in times.items():
-        med = float(np.median(ts))
-        overhead = 100.0 * (med - floor) / floor
-        results[mode] = {"median_ms": med * 1e3, "min_ms": min(ts) * 1e3, "overhead_pct": overhead}
-        print(f"{mode:<10} {med * 1e3:>10.1f} {min(ts) * 1e3:>9.1f} {overhead:>17.2f}%")
+        overhead = 100.0 * (min(ts) - floor) / floor
+        results[mode] = {"median_ms": float(np.median(ts)) * 1e3, "min_ms": min(ts) * 1e3, "overhead_pct": overhead}
+        print(f"{mode:<10} {float(np.median(ts)) * 1e3:>10.1f} {min(ts) * 1e3:>9.1f} {overhead:>23.2f}%")
     write_json(args.json, {"args": vars(args), "table_bytes": table_bytes, "results": results})
     return 0
 

@@ -44,8 +44,9 @@ PROGRESS_MIN_BYTES = 256 << 20
 PLACEMENT_TTL_S = 0.5
 #: How many times a lookup re-resolves placement after a segment fails before giving up.
 FAILOVER_ROUNDS = 2
-#: Mooncake's ErrorCode::OBJECT_NOT_FOUND, as its Python methods return it.
+#: Mooncake's ErrorCode::OBJECT_NOT_FOUND and OBJECT_HAS_LEASE, as its Python methods return them.
 _MOONCAKE_OBJECT_NOT_FOUND = -704
+_MOONCAKE_OBJECT_HAS_LEASE = -706
 
 
 @dataclass
@@ -514,17 +515,21 @@ class EngramStore:
                 except ObjectNotFound:
                     pass
             else:
-                if not self._batch_is_exist([key])[0]:
-                    continue
+                # Remove first and read the code; no existence check before it: on a real Mooncake store
+                # is_exist/batch_is_exist grant the key a read lease (-default_kv_lease_ttl, 10 s by default),
+                # so checking first made every remove without force fail with OBJECT_HAS_LEASE (-706).
                 try:
                     code = self._store.remove(key, force)
                 except TypeError:  # an older binding without the force argument
                     code = self._store.remove(key)
+                if code == _MOONCAKE_OBJECT_NOT_FOUND:
+                    continue
                 if code != 0:
-                    if not self._batch_is_exist([key])[0]:
+                    if code != _MOONCAKE_OBJECT_HAS_LEASE and not self._batch_is_exist([key])[0]:
                         continue
-                    raise LeaseActive(f"remove {key!r}: the store refused with code {code} "
-                                      "(a read lease may be live; pass force=True)")
+                    raise LeaseActive(f"remove {key!r}: the store refused with code {code} (a read lease may be "
+                                      "live: Mooncake leases a key for -default_kv_lease_ttl, 10 s by default, "
+                                      "after each read or existence check; pass force=True)")
                 removed += 1
         return removed
 
