@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from engram_store import DistributedStore, EngramStore, EngramStoreConfig
+from engram_store import DistributedStore, EngramStore, EngramStoreConfig, MasterUnavailable, SegmentUnavailable
 from procs import Cluster, start_segment
 
 pytestmark = pytest.mark.timeout(180)
@@ -174,3 +174,33 @@ def test_master_re_replicates_objects_that_lost_a_replica():
             c.segments[1].kill()  # the original survivor goes too: the copy alone must hold the bytes
             _wait_for(lambda: len(store.status()["segments"]) == 1, 10, "the second drop")
             assert store.get("precious") == payload
+
+
+def test_calls_against_dead_servers_leak_no_threads_or_sockets():
+    """Timeouts against a hung segment and a dead master leave nothing running once the client is closed."""
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    tables = _tables(5)
+    with Cluster(segments=1, heartbeat_timeout_s=30.0) as c:
+        with DistributedStore.connect(c.address, timeout_ms=5000) as warm:  # load everything once
+            warm.put("warm", b"w")
+        threads, fds = threading.active_count(), open_fds()
+        store = DistributedStore.connect(c.address, timeout_ms=400, local_direct=False)
+        layer = EngramStore(9, EngramStoreConfig(table_vocab_sizes=SIZES, embedding_dim=DIM), store)
+        layer.populate(tables)
+        layer.prefetch(_ids(6)).result()
+        c.segments[0].signal(signal.SIGSTOP)
+        for _ in range(3):
+            with pytest.raises(SegmentUnavailable):
+                layer.lookup(_ids(7))
+            with pytest.raises(SegmentUnavailable):
+                layer.prefetch(_ids(8)).result()
+        c.master.kill()
+        with pytest.raises(MasterUnavailable):
+            store.status()
+        layer.close()
+        store.close()
+        c.segments[0].signal(signal.SIGCONT)
+        _wait_for(lambda: threading.active_count() <= threads, 10, "client threads to end")
+        assert open_fds() <= fds + 2, "sockets or files left open"  # allow the ZeroMQ context's own
