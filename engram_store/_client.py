@@ -384,9 +384,9 @@ class DistributedStore:
 
     # ---- reads ----------------------------------------------------------------------------------
 
-    def get(self, key: str) -> bytes:
-        """The bytes stored under ``key``."""
-        info = self.locate([_check_key(key)])[0]
+    def get(self, key: str, lease: bool = True) -> bytes:
+        """The bytes stored under ``key``; ``lease=False`` reads without taking a read lease."""
+        info = self.locate([_check_key(key)], lease=lease)[0]
         out = np.empty(info.size, dtype=np.uint8)
         self._read_object(info, out)
         return out.tobytes()

@@ -13,9 +13,11 @@ the same planning feeds its ``get_into_ranges``.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -24,6 +26,7 @@ import numpy as np
 
 from . import _kernels
 from ._errors import (
+    ConfigError,
     InvalidArgument,
     InvalidType,
     LeaseActive,
@@ -44,6 +47,10 @@ PROGRESS_MIN_BYTES = 256 << 20
 PLACEMENT_TTL_S = 0.5
 #: How many times a lookup re-resolves placement after a segment fails before giving up.
 FAILOVER_ROUNDS = 2
+#: Row formats and the NumPy dtype their items are returned as.
+ROW_FORMATS = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "bytes": np.uint8}
+#: Version of the layout manifest written with each layer.
+MANIFEST_VERSION = 1
 #: Mooncake's ErrorCode::OBJECT_NOT_FOUND and OBJECT_HAS_LEASE, as its Python methods return them.
 _MOONCAKE_OBJECT_NOT_FOUND = -704
 _MOONCAKE_OBJECT_HAS_LEASE = -706
@@ -55,6 +62,9 @@ class EngramStoreConfig:
 
     table_vocab_sizes: list[int] = field(default_factory=lambda: [1024])
     embedding_dim: int = 64
+    #: How a row is stored: "float32" (default), "float16", "bfloat16" (raw bits, read back as uint16) or
+    #: "bytes" (opaque rows of ``embedding_dim`` bytes, e.g. 256 FP8 values plus their scales).
+    row_format: str = "float32"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -72,7 +82,18 @@ class EngramStoreConfig:
         dim = self.embedding_dim
         if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool) or dim <= 0:
             raise InvalidArgument(f"embedding_dim: expected a positive integer, got {describe(dim)}")
+        if self.row_format not in ROW_FORMATS:
+            raise InvalidArgument(f"row_format: expected one of {sorted(ROW_FORMATS)}, got {describe(self.row_format)}")
         return [int(n) for n in sizes], int(dim)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The NumPy dtype rows are returned in (uint16 bit patterns for bfloat16, uint8 for opaque bytes)."""
+        return np.dtype(ROW_FORMATS[self.row_format])
+
+    @property
+    def row_bytes(self) -> int:
+        return int(self.embedding_dim) * self.dtype.itemsize
 
 
 class LookupHandle:
@@ -173,7 +194,8 @@ class EngramStore:
     writes raise :class:`NotConnected`).
     """
 
-    def __init__(self, layer_id: int, config: EngramStoreConfig | None = None, store: Any = None):
+    def __init__(self, layer_id: int, config: EngramStoreConfig | None = None, store: Any = None,
+                 heads: Sequence[int] | None = None, require_manifest: bool = True):
         if not isinstance(layer_id, (int, np.integer)) or isinstance(layer_id, bool) or layer_id < 0:
             raise InvalidArgument(f"layer_id: expected a non-negative integer, got {describe(layer_id)}")
         config = EngramStoreConfig() if config is None else config
@@ -181,11 +203,19 @@ class EngramStore:
             raise InvalidType(f"config: expected an EngramStoreConfig, got {type(config).__name__}")
         sizes, dim = config.validate()
         self.layer_id = int(layer_id)
-        self._sizes = sizes
-        self._sizes_arr = np.asarray(sizes, dtype=np.int64)
+        self._layer_sizes = sizes
+        self._heads = _check_heads(heads, len(sizes))
+        self._sizes = [sizes[h] for h in self._heads]
+        self._sizes_arr = np.asarray(self._sizes, dtype=np.int64)
         self._dim = dim
-        self._row_bytes = dim * 4
-        self._keys = [f"engram:l{self.layer_id}:h{h}" for h in range(len(sizes))]
+        self._row_format = config.row_format
+        self._dtype = config.dtype
+        self._row_bytes = config.row_bytes
+        self._keys = [f"engram:l{self.layer_id}:h{h}" for h in self._heads]
+        self._layer_keys = [f"engram:l{self.layer_id}:h{h}" for h in range(len(sizes))]
+        self._manifest_key = f"engram:l{self.layer_id}:manifest"
+        self._require_manifest = bool(require_manifest)
+        self._published = False  # Mooncake path: manifest checked
         self._store = store
         self._native = _native_store(store)
         self._placement: _Placement | None = None
@@ -197,7 +227,15 @@ class EngramStore:
     # ---- getters (work without a store) ---------------------------------------------------------
 
     def get_table_vocab_sizes(self) -> list[int]:
+        """Rows of each head this store owns (all heads of the layer unless built with ``heads=``)."""
         return list(self._sizes)
+
+    def get_heads(self) -> list[int]:
+        """The layer's head indices this store owns, in the order of the last axis of its row ids."""
+        return list(self._heads)
+
+    def get_row_format(self) -> str:
+        return self._row_format
 
     def get_store_keys(self) -> list[str]:
         return list(self._keys)
@@ -230,6 +268,9 @@ class EngramStore:
             raise ObjectExists(f"populate layer {self.layer_id}: key {existing[0]!r} already exists "
                                f"({len(existing)} of {len(self._keys)} heads present); call "
                                "remove_from_store() first")
+        published = self._read_manifest()
+        if published is not None:
+            self._check_manifest(published)  # another shard published this layer: the layouts must agree
         total = sum(t.nbytes for t in tables)
         bar = Progress(total, f"populate layer {self.layer_id}", enabled=None if total > PROGRESS_MIN_BYTES else False)
         with self._lock:
@@ -241,6 +282,109 @@ class EngramStore:
                 self._populate_mooncake(tables, replica_num, bar)
         finally:
             bar.close()
+        try:
+            self._publish(tables, replica_num)
+        except BaseException:
+            self._remove_keys(self._keys, force=True)  # all-or-nothing: no tables without their manifest
+            raise
+
+    # ---- the layout manifest --------------------------------------------------------------------
+
+    def _manifest_record(self, tables: Sequence[np.ndarray] = ()) -> dict:
+        checksums: list[str | None] = [None] * len(self._layer_sizes)
+        for h, table in zip(self._heads, tables):
+            checksums[h] = f"{zlib.crc32(table.reshape(-1).view(np.uint8)) & 0xFFFFFFFF:08x}"
+        return {"format": "engram-layer", "version": MANIFEST_VERSION, "layer_id": self.layer_id,
+                "table_vocab_sizes": list(self._layer_sizes), "embedding_dim": self._dim,
+                "row_format": self._row_format, "crc32": checksums}
+
+    def _publish(self, tables: Sequence[np.ndarray], replica_num: int) -> None:
+        """Write the manifest last, once every head of the layer is in the store (this call's or other shards')."""
+        if self._read_manifest() is not None:
+            return
+        if len(self._heads) < len(self._layer_sizes) and not all(self._batch_is_exist(self._layer_keys)):
+            return  # other shards have yet to write their heads; the last one publishes
+        data = json.dumps(self._manifest_record(tables), sort_keys=True).encode()
+        try:
+            if self._native is not None:
+                self._native.put(self._manifest_key, data, replica_num=replica_num)
+            else:
+                buf = np.frombuffer(data, dtype=np.uint8).copy()
+                _check_code(self._store.register_buffer(buf.ctypes.data, buf.nbytes), "register_buffer",
+                            self._manifest_key)
+                try:
+                    config = _replicate_config(replica_num)
+                    codes = (self._store.batch_put_from([self._manifest_key], [buf.ctypes.data], [buf.nbytes], config)
+                             if config is not None else
+                             self._store.batch_put_from([self._manifest_key], [buf.ctypes.data], [buf.nbytes]))
+                    _check_code(codes[0], "batch_put_from", self._manifest_key)
+                finally:
+                    self._store.unregister_buffer(buf.ctypes.data)
+        except ObjectExists:
+            self._check_manifest(self._read_manifest())  # a concurrent shard published first
+
+    def _read_manifest(self) -> dict | None:
+        """The layer's manifest, or None if it has none (not populated, or a populate still running)."""
+        if self._native is not None:
+            try:
+                data = self._native.get(self._manifest_key, lease=False)  # a lease would block remove
+            except ObjectNotFound:
+                return None
+        else:
+            if not self._batch_is_exist([self._manifest_key])[0]:
+                return None
+            data = self._store.get(self._manifest_key)
+            if not data:
+                return None
+        try:
+            record = json.loads(bytes(data))
+        except ValueError:
+            raise StoreError(f"{self._manifest_key!r} does not hold a layout manifest (not JSON)") from None
+        if not isinstance(record, dict) or record.get("format") != "engram-layer":
+            raise StoreError(f"{self._manifest_key!r} does not hold an engram layer manifest")
+        return record
+
+    def _check_manifest(self, record: dict | None) -> None:
+        """Refuse a layer stored with another layout than this store's configuration."""
+        if record is None:
+            raise ObjectNotFound(f"layer {self.layer_id} is not published: {self._manifest_key!r} is missing "
+                                 "(the layer was never populated, a populate is still running, or one was "
+                                 "interrupted; remove_from_store(force=True) and populate again)")
+        if record.get("version") != MANIFEST_VERSION:
+            raise StoreError(f"layer {self.layer_id}: manifest version {record.get('version')!r}; this engram "
+                             f"reads version {MANIFEST_VERSION}")
+        mine = self._manifest_record()
+        for name in ("table_vocab_sizes", "embedding_dim", "row_format"):
+            if record.get(name) != mine[name]:
+                raise ConfigError(f"layer {self.layer_id} is stored with {name}={record.get(name)!r}, but this "
+                                  f"EngramStore is configured with {name}={mine[name]!r}; use the configuration "
+                                  "it was populated with")
+
+    def verify(self) -> list[int]:
+        """Read this store's heads in full and compare them with the manifest's checksums.
+
+        Returns the heads that were checked (heads written by another shard may have none); raises
+        :class:`StoreError` naming the first head whose bytes differ.
+        """
+        self._require_store("verify")
+        record = self._read_manifest()
+        self._check_manifest(record)
+        checked = []
+        for h, key, n in zip(self._heads, self._keys, self._sizes):
+            expected = record["crc32"][h] if h < len(record["crc32"]) else None
+            if expected is None:
+                continue
+            ids = np.arange(n, dtype=np.int64)
+            rows = np.empty((n, self._dim), dtype=self._dtype)
+            full = np.zeros((n, 1, len(self._heads)), dtype=np.int64)
+            full[:, 0, self._heads.index(h)] = ids
+            rows[:] = self.lookup(full)[:, 0, self._heads.index(h)]
+            got = f"{zlib.crc32(rows.reshape(-1).view(np.uint8)) & 0xFFFFFFFF:08x}"
+            if got != expected:
+                raise StoreError(f"layer {self.layer_id} head {h}: stored rows have crc32 {got}, the manifest "
+                                 f"says {expected}")
+            checked.append(h)
+        return checked
 
     def _check_tables(self, buffers: Sequence[np.ndarray]) -> list[np.ndarray]:
         if isinstance(buffers, np.ndarray) or not isinstance(buffers, (list, tuple)):
@@ -251,16 +395,18 @@ class EngramStore:
                                   f"got {len(buffers)}")
         for h, (t, n) in enumerate(zip(buffers, self._sizes)):
             if not isinstance(t, np.ndarray):
-                raise InvalidType(f"embedding_buffers[{h}]: expected a float32 NumPy array, got {type(t).__name__}")
-            if t.dtype != np.float32:
-                raise InvalidType(f"embedding_buffers[{h}]: expected dtype float32, got {t.dtype}")
+                raise InvalidType(f"embedding_buffers[{h}]: expected a {self._row_format} NumPy array, "
+                                  f"got {type(t).__name__}")
+            if t.dtype != self._dtype and not (self._row_format == "bfloat16" and t.dtype.name == "bfloat16"):
+                raise InvalidType(f"embedding_buffers[{h}]: expected dtype {self._dtype} (row_format="
+                                  f"{self._row_format!r}), got {t.dtype}")
             if t.shape != (n, self._dim):
                 raise InvalidArgument(f"embedding_buffers[{h}]: expected shape ({n}, {self._dim}) "
                                       f"(table_vocab_sizes[{h}] rows x embedding_dim), got {t.shape}")
             if not t.flags.c_contiguous:
                 raise InvalidArgument(f"embedding_buffers[{h}]: expected a C-contiguous array "
                                       "(use np.ascontiguousarray)")
-        return list(buffers)
+        return [t.view(self._dtype) for t in buffers]
 
     def _populate_mooncake(self, tables: list[np.ndarray], replica_num: int, bar: Progress) -> None:
         store = self._store
@@ -307,20 +453,20 @@ class EngramStore:
     # ---- lookup ---------------------------------------------------------------------------------
 
     def lookup(self, row_ids: Any) -> np.ndarray:
-        """Rows for ``[B, L, H]`` ids as float32 ``[B, L, H, D]``."""
+        """Rows for ``[B, L, H]`` ids as ``[B, L, H, D]`` in the stored format (float32 by default)."""
         ids = self._check_row_ids(row_ids)
-        out = np.empty(ids.shape + (self._dim,), dtype=np.float32)
+        out = np.empty(ids.shape + (self._dim,), dtype=self._dtype)
         self._lookup_checked(ids, out)
         return out
 
     def lookup_into(self, row_ids: Any, out: np.ndarray) -> np.ndarray:
-        """Fill ``out`` (float32, C-contiguous, ``[B, L, H, D]``) with the rows; no allocation of the output."""
+        """Fill ``out`` (C-contiguous ``[B, L, H, D]`` of the stored dtype) with the rows; no allocation."""
         ids = self._check_row_ids(row_ids)
         shape = ids.shape + (self._dim,)
         if not isinstance(out, np.ndarray):
-            raise InvalidType(f"out: expected a float32 NumPy array, got {type(out).__name__}")
-        if out.dtype != np.float32 or out.shape != shape or not out.flags.c_contiguous or not out.flags.writeable:
-            raise InvalidArgument(f"out: expected a writable C-contiguous float32 array of shape {shape}, "
+            raise InvalidType(f"out: expected a {self._dtype} NumPy array, got {type(out).__name__}")
+        if out.dtype != self._dtype or out.shape != shape or not out.flags.c_contiguous or not out.flags.writeable:
+            raise InvalidArgument(f"out: expected a writable C-contiguous {self._dtype} array of shape {shape}, "
                                   f"got {out.dtype} {out.shape}")
         self._lookup_checked(ids, out)
         return out
@@ -328,7 +474,7 @@ class EngramStore:
     def prefetch(self, row_ids: Any) -> LookupHandle:
         """Start a lookup in the background; the ids are checked now, errors of the read come from ``result()``."""
         ids = self._check_row_ids(row_ids)
-        out = np.empty(ids.shape + (self._dim,), dtype=np.float32)
+        out = np.empty(ids.shape + (self._dim,), dtype=self._dtype)
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"engram-l{self.layer_id}")
@@ -400,7 +546,7 @@ class EngramStore:
                     failed.add(address)
                     continue
                 raise result
-            rows = np.frombuffer(result, dtype=np.float32).reshape(-1, self._dim)
+            rows = np.frombuffer(result, dtype=self._dtype).reshape(-1, self._dim)
             _kernels.scatter_rows(rows, inverse, heads, row_start, out3)
         return failed
 
@@ -416,12 +562,19 @@ class EngramStore:
         now = time.monotonic()
         if cached is not None and now - cached.checked_at < PLACEMENT_TTL_S:
             return cached
-        infos = self._native.locate(self._keys, lease=False)
+        try:
+            infos = self._native.locate(self._keys, lease=False)
+        except ObjectNotFound:
+            if self._require_manifest:
+                self._check_manifest(self._read_manifest())  # "not published" says more than a missing head
+            raise
         signature = tuple((info.size, tuple((r.segment_id, r.address, r.offset) for r in info.replicas))
                           for info in infos)
         if cached is not None and signature == cached.signature:
             cached.checked_at = now
             return cached
+        if self._require_manifest:
+            self._check_manifest(self._read_manifest())  # first read, or the layer changed: check its layout
         self._counters.add(placement_refreshes=1)
         local: dict[str, tuple[np.ndarray, list[int]]] = {}
         remote: dict[str, list[tuple[int, int]]] = {}
@@ -429,7 +582,7 @@ class EngramStore:
         for h, info in enumerate(infos):
             if info.size != self._sizes[h] * self._row_bytes:
                 raise StoreError(f"key {info.key!r} holds {info.size} bytes, but table_vocab_sizes[{h}] x "
-                                 f"embedding_dim x 4 = {self._sizes[h] * self._row_bytes}; the stored layer was "
+                                 f"row bytes = {self._sizes[h] * self._row_bytes}; the stored layer was "
                                  "written with another geometry")
             live = [r for r in info.replicas if r.address not in failed]
             if not live:
@@ -438,10 +591,12 @@ class EngramStore:
             chosen = None
             for r in live:
                 view = self._native.local_view(r)
-                if view is not None and r.offset % 4 == 0:
+                item = self._dtype.itemsize
+                if view is not None and r.offset % item == 0:
                     chosen = r
-                    local.setdefault(r.segment_id, (view[:view.size - view.size % 4].view(np.float32), []))[1].append(h)
-                    base_elems[h] = r.offset // 4
+                    local.setdefault(r.segment_id, (view[:view.size - view.size % item].view(self._dtype), []))[1] \
+                        .append(h)
+                    base_elems[h] = r.offset // item
                     break
             if chosen is None:
                 r = live[h % len(live)]
@@ -461,6 +616,9 @@ class EngramStore:
 
     def _lookup_mooncake(self, ids2: np.ndarray, out3: np.ndarray) -> None:
         """The same planning over Mooncake's ``get_into_ranges`` (one call for all heads)."""
+        if self._require_manifest and not self._published:
+            self._check_manifest(self._read_manifest())
+            self._published = True
         H = len(self._sizes)
         heads = np.arange(H, dtype=np.int64)
         uniq, head_starts, inverse = _kernels.plan_unique_rows(ids2, heads)
@@ -496,18 +654,26 @@ class EngramStore:
                                              f"{self.layer_id} first")
                     raise StoreError(f"get_into_ranges: key {self._keys[h]!r} returned {list(got)[:4]}..., "
                                      f"expected the requested sizes")
-            rows_all = staging[:need].view(np.float32).reshape(-1, self._dim)
+            rows_all = staging[:need].view(self._dtype).reshape(-1, self._dim)
             _kernels.scatter_rows(rows_all, inverse, heads, 0, out3)
 
     # ---- removal and lifecycle ------------------------------------------------------------------
 
     def remove_from_store(self, force: bool = False) -> int:
-        """Remove every head table of this layer; returns how many were removed (missing keys are skipped)."""
+        """Remove this store's head tables; returns how many were removed (missing keys are skipped).
+
+        The layer's manifest goes first, so readers see the layer as unpublished, never half removed.
+        """
         self._require_store("remove_from_store")
         with self._lock:
             self._placement = None
+            self._published = False
+        self._remove_keys([self._manifest_key], force)
+        return self._remove_keys(self._keys, force)
+
+    def _remove_keys(self, keys: Sequence[str], force: bool) -> int:
         removed = 0
-        for key in self._keys:
+        for key in keys:
             if self._native is not None:
                 try:
                     self._native.remove(key, force=force)
@@ -551,6 +717,22 @@ class EngramStore:
     def __repr__(self) -> str:
         return (f"EngramStore(layer_id={self.layer_id}, heads={len(self._sizes)}, "
                 f"embedding_dim={self._dim}, store={type(self._store).__name__ if self._store else None})")
+
+
+def _check_heads(heads: Sequence[int] | None, num_heads: int) -> list[int]:
+    """The sorted, distinct head indices a store owns (all of them for None)."""
+    if heads is None:
+        return list(range(num_heads))
+    if isinstance(heads, (str, bytes)) or not isinstance(heads, (list, tuple, range, np.ndarray)):
+        raise InvalidType(f"heads: expected a list of head indices, got {describe(heads)}")
+    out = []
+    for i, h in enumerate(heads):
+        if isinstance(h, bool) or not isinstance(h, (int, np.integer)) or not 0 <= h < num_heads:
+            raise InvalidArgument(f"heads[{i}]: expected a head index in [0, {num_heads}), got {describe(h)}")
+        out.append(int(h))
+    if not out or len(set(out)) != len(out) or out != sorted(out):
+        raise InvalidArgument(f"heads: expected a non-empty increasing list of distinct head indices, got {out}")
+    return out
 
 
 def _native_store(store: Any):

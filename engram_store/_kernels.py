@@ -325,9 +325,9 @@ def _heads(heads: np.ndarray, num_heads: int, name: str = "heads") -> np.ndarray
     return heads
 
 
-def _out_3d(out: np.ndarray, M: int, H: int) -> np.ndarray:
-    if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.ndim != 3:
-        raise TypeError(f"out: expected a 3-D float32 array [M, H, D], got "
+def _out_3d(out: np.ndarray, M: int, H: int, dtype: np.dtype) -> np.ndarray:
+    if not isinstance(out, np.ndarray) or out.dtype != dtype or out.ndim != 3:
+        raise TypeError(f"out: expected a 3-D {dtype} array [M, H, D], got "
                         f"{getattr(out, 'dtype', type(out).__name__)} with shape {getattr(out, 'shape', None)}")
     if out.shape[:2] != (M, H):
         raise ValueError(f"out: expected shape ({M}, {H}, D), got {out.shape}")
@@ -372,20 +372,50 @@ def rows_to_ranges(rows: np.ndarray, starts: np.ndarray, base_offsets: np.ndarra
     return _rows_to_ranges(rows, starts, base_offsets, np.int64(row_bytes))
 
 
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _as_words(a: np.ndarray, items: int, word: int) -> np.ndarray:
+    """A C-contiguous array whose last axis holds ``items`` items, seen as words of ``word`` bytes."""
+    return a.view(_UINT[word]) if a.dtype.itemsize != word or a.dtype.kind != "u" else a
+
+
+def _row_word(itemsize: int, dim: int, *addresses: int, offsets: int = 0) -> int:
+    """The widest word (8, 4, 2 bytes or the item itself) that rows of ``dim`` items can be copied in."""
+    row_bytes = itemsize * dim
+    bits = row_bytes | offsets * itemsize
+    for a in addresses:
+        bits |= a
+    for word in (8, 4, 2):
+        if word >= itemsize and bits % word == 0:
+            return word
+    return itemsize
+
+
+def _check_row_dtype(a: np.ndarray, name: str) -> None:
+    if a.dtype.itemsize not in _UINT or a.dtype.kind not in "uif":
+        raise TypeError(f"{name}: expected rows of 1-, 2-, 4- or 8-byte numbers, got {a.dtype}")
+
+
 def scatter_rows(rows: np.ndarray, inverse: np.ndarray, heads: np.ndarray, row_start: int, out: np.ndarray) -> None:
-    """``out[m, h] = rows[inverse[m, h] - row_start]`` for every position m and listed head h."""
-    if not isinstance(rows, np.ndarray) or rows.dtype != np.float32 or rows.ndim != 2:
-        raise TypeError(f"rows: expected a 2-D float32 array, got {getattr(rows, 'dtype', None)}")
+    """``out[m, h] = rows[inverse[m, h] - row_start]`` for every position m and listed head h.
+
+    ``rows`` and ``out`` share a dtype of any item size (float32, float16, raw bfloat16 bits, opaque bytes);
+    the rows move as the widest words their size and alignment allow.
+    """
+    if not isinstance(rows, np.ndarray) or rows.ndim != 2:
+        raise TypeError(f"rows: expected a 2-D array, got {getattr(rows, 'dtype', type(rows).__name__)}")
+    _check_row_dtype(rows, "rows")
     inverse = _ids_2d(inverse)
     M, H = inverse.shape
-    out = _out_3d(out, M, H)
+    out = _out_3d(out, M, H, rows.dtype)
     heads = _heads(heads, H)
     if rows.shape[1] != out.shape[2]:
         raise ValueError(f"rows: expected {out.shape[2]} columns (embedding_dim), got {rows.shape[1]}")
-    if rows.shape[1] % 2 == 0 and rows.flags.c_contiguous and (rows.ctypes.data | out.ctypes.data) % 8 == 0:
-        bad = _scatter_rows(rows.view(np.uint64), inverse, heads, np.int64(row_start), out.view(np.uint64))
-    else:
-        bad = _scatter_rows(rows, inverse, heads, np.int64(row_start), out)
+    rows = np.ascontiguousarray(rows)
+    word = _row_word(rows.dtype.itemsize, rows.shape[1], rows.ctypes.data, out.ctypes.data)
+    bad = _scatter_rows(_as_words(rows, rows.shape[1], word), inverse, heads, np.int64(row_start),
+                        _as_words(out, out.shape[2], word))
     if bad >= 0:
         m, h = divmod(int(bad), H)
         raise ValueError(f"inverse[{m}, {h}] = {int(inverse[m, h])} falls outside the {rows.shape[0]} rows given "
@@ -396,27 +426,28 @@ def gather_rows_local(segment: np.ndarray, base_elems: np.ndarray, ids: np.ndarr
                       out: np.ndarray) -> None:
     """``out[m, h] = segment[base_elems[h] + ids[m, h] * dim : ... + dim]`` for every m and listed head h.
 
-    ``segment`` is a mapped float32 segment; ``ids`` must already be checked against each head's row count
-    (``first_bad_row``), and each head's table must lie inside the segment.
+    ``segment`` is a mapped segment seen as items of ``out``'s dtype; ``ids`` must already be checked against
+    each head's row count (``first_bad_row``); a row outside the segment is refused before anything moves.
     """
-    if not isinstance(segment, np.ndarray) or segment.dtype != np.float32 or segment.ndim != 1:
-        raise TypeError(f"segment: expected a 1-D float32 array, got {getattr(segment, 'dtype', None)}")
+    if not isinstance(segment, np.ndarray) or segment.ndim != 1:
+        raise TypeError(f"segment: expected a 1-D array, got {getattr(segment, 'dtype', type(segment).__name__)}")
+    _check_row_dtype(segment, "segment")
     ids = _ids_2d(ids)
     M, H = ids.shape
-    out = _out_3d(out, M, H)
+    out = _out_3d(out, M, H, segment.dtype)
     heads = _heads(heads, H)
     base_elems = _int64_1d(base_elems, "base_elems")
     if base_elems.size != H:
         raise ValueError(f"base_elems: expected {H} entries (one per head), got {base_elems.size}")
     if dim != out.shape[2]:
         raise ValueError(f"dim: expected {out.shape[2]} (out's last axis), got {dim}")
-    aligned = (segment.ctypes.data | out.ctypes.data) % 8 == 0
-    if aligned and (dim | int(np.bitwise_or.reduce(base_elems))) % 2 == 0:
-        # Rows of an even dimension at even offsets move as 8-byte words: 1.4x faster than float32 items.
-        words = segment[:segment.size - segment.size % 2].view(np.uint64)
-        bad = _gather_rows_local(words, base_elems // 2, ids, heads, np.int64(dim // 2), out.view(np.uint64))
-    else:
-        bad = _gather_rows_local(segment, base_elems, ids, heads, np.int64(dim), out)
+    itemsize = segment.dtype.itemsize
+    word = _row_word(itemsize, dim, segment.ctypes.data, out.ctypes.data,
+                     offsets=int(np.bitwise_or.reduce(base_elems)) if base_elems.size else 0)
+    per = word // itemsize  # items per word
+    words = segment[:segment.size - segment.size % per].view(_UINT[word])
+    bad = _gather_rows_local(words, base_elems // per, ids, heads, np.int64(dim // per),
+                             _as_words(out, dim, word))
     if bad >= 0:
         m, h = divmod(int(bad), H)
         raise ValueError(f"gather_rows_local: row ids[{m}, {h}] = {int(ids[m, h])} lies outside the mapped segment")
@@ -439,23 +470,18 @@ def warmup() -> None:
     first_bad_row(ids, np.array([2, 2], dtype=np.int64))
     uniq, starts, inverse = plan_unique_rows(ids, heads)
     rows_to_ranges(uniq, starts, np.zeros(2, dtype=np.int64), 8)
-    rows = np.zeros((uniq.size, 2), dtype=np.float32)
-    out3 = np.empty((2, 2, 2), dtype=np.float32)
-    segment = np.zeros(16, dtype=np.float32)
-    odd_rows = np.zeros((uniq.size, 1), dtype=np.float32)
-    odd_out = np.empty((2, 2, 1), dtype=np.float32)
-    for r, o, d in ((rows, out3, 2), (odd_rows, odd_out, 1)):  # float32 items and 8-byte word variants
-        scatter_rows(r, inverse, heads, 0, o)
-        gather_rows_local(segment, np.array([0, 8], dtype=np.int64), ids, heads, d, o)
-    # Mapped segments and received frames are read-only arrays, a separate specialisation for Numba.
+    # Rows move as 8-, 4-, 2- or 1-byte words; mapped segments and received frames are read-only arrays, a
+    # separate specialisation for Numba. Compile every combination now.
+    for dtype, dim in ((np.float32, 2), (np.float32, 1), (np.float16, 1), (np.uint8, 1)):
+        for writeable in (True, False):
+            segment = np.zeros(16, dtype=dtype)
+            rows = np.zeros((uniq.size, dim), dtype=dtype)
+            segment.flags.writeable = rows.flags.writeable = writeable
+            out3 = np.empty((2, 2, dim), dtype=dtype)
+            scatter_rows(rows, inverse, heads, 0, out3)
+            gather_rows_local(segment, np.array([0, 8], dtype=np.int64), ids, heads, dim, out3)
     src.flags.writeable = False
-    segment.flags.writeable = False
-    rows.flags.writeable = False
-    odd_rows.flags.writeable = False
     for n in (1, 4, 8):
         ln = np.array([n, n], dtype=np.int64)
         gather_ranges(src, off, ln, out)
         scatter_ranges(src[:16], out, off, ln)
-    for r, o, d in ((rows, out3, 2), (odd_rows, odd_out, 1)):
-        scatter_rows(r, inverse, heads, 0, o)
-        gather_rows_local(segment, np.array([0, 8], dtype=np.int64), ids, heads, d, o)

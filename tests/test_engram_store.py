@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engram_store import (
+    ConfigError,
     DistributedStore,
     EngramStore,
     EngramStoreConfig,
@@ -53,7 +54,7 @@ def make_tables(sizes, dim, seed):
 
 def expected_rows(tables, ids):
     B, L, H = ids.shape
-    out = np.empty((B, L, H, tables[0].shape[1]), np.float32)
+    out = np.empty((B, L, H, tables[0].shape[1]), tables[0].dtype)
     for h in range(H):
         out[:, :, h] = tables[h][ids[:, :, h]]
     return out
@@ -332,3 +333,79 @@ def test_a_layer_repopulated_by_another_client_never_yields_foreign_rows(remote_
             pytest.fail("the reader never saw the repopulated layer")
         writer.remove_from_store(force=True)
         a.remove(f"filler-{layer}", force=True)
+
+
+# ---- row formats, head shards and the layout manifest ----------------------------------------------------
+
+
+@pytest.mark.parametrize("row_format, dim", [("float16", 7), ("bfloat16", 16), ("bytes", 264), ("float32", 3)])
+@pytest.mark.parametrize("path", ["local", "remote"])
+def test_row_formats_read_back_exactly(local_store, remote_store, row_format, dim, path):
+    store = local_store if path == "local" else remote_store
+    config = EngramStoreConfig([301, 307], dim, row_format=row_format)
+    rng = np.random.default_rng(len(row_format) * dim)
+    tables = [rng.integers(0, 256, size=(n, config.row_bytes), dtype=np.uint8).view(config.dtype) for n in (301, 307)]
+    es = EngramStore(next(_layers), config, store)
+    es.populate(tables)
+    ids = random_ids(rng, [301, 307], 3, 9, dup_pool=5)
+    rows = es.lookup(ids)
+    assert rows.dtype == config.dtype and rows.shape == (3, 9, 2, dim)
+    assert rows.tobytes() == expected_rows(tables, ids).tobytes()
+    assert es.verify() == [0, 1]
+    with pytest.raises(InvalidType, match=f"row_format='{row_format}'"):
+        EngramStore(next(_layers), config, store).populate(
+            [t.view(np.uint8).astype(np.float64) for t in tables])
+    es.remove_from_store()
+
+
+def test_head_shards_populate_and_read_a_layer_together(remote_store):
+    sizes = [101, 103, 107, 109]
+    tables = make_tables(sizes, 4, 11)
+    layer = next(_layers)
+    config = EngramStoreConfig(sizes, 4)
+    first = EngramStore(layer, config, remote_store, heads=[0, 1])
+    second = EngramStore(layer, config, remote_store, heads=[2, 3])
+    full = EngramStore(layer, config, remote_store)
+    first.populate(tables[:2])
+    ids = random_ids(np.random.default_rng(12), sizes, 2, 6)
+    with pytest.raises(ObjectNotFound, match="not published"):  # half the heads: not a layer yet
+        full.lookup(ids)
+    second.populate(tables[2:])  # the last shard publishes the manifest
+    np.testing.assert_array_equal(full.lookup(ids), expected_rows(tables, ids))
+    np.testing.assert_array_equal(second.lookup(ids[..., 2:]), expected_rows(tables[2:], ids[..., 2:]))
+    assert second.get_heads() == [2, 3] and second.get_table_vocab_sizes() == [107, 109]
+    assert second.verify() == [2, 3]  # checksums of the heads the publishing shard wrote
+    with pytest.raises(InvalidArgument, match="H = 2"):
+        second.lookup(ids)
+    with pytest.raises(InvalidArgument, match=r"heads\[0\]: expected a head index in \[0, 4\)"):
+        EngramStore(layer, config, remote_store, heads=[4])
+    with pytest.raises(InvalidArgument, match="increasing list of distinct"):
+        EngramStore(layer, config, remote_store, heads=[1, 1])
+    assert first.remove_from_store() == 2 and second.remove_from_store() == 2
+
+
+def test_an_unpublished_or_differently_shaped_layer_is_refused(local_store):
+    sizes = [211, 223]
+    layer = next(_layers)
+    tables = make_tables(sizes, 8, 13)
+    es = EngramStore(layer, EngramStoreConfig(sizes, 8), local_store)
+    # A populate that died after its tables and before its manifest: the tables are there, the layer is not.
+    local_store.batch_put_from(es.get_store_keys(), tables)
+    with pytest.raises(ObjectNotFound, match=f"layer {layer} is not published"):
+        es.lookup(np.zeros((1, 1, 2), dtype=np.int64))
+    with pytest.raises(ObjectExists):
+        es.populate(tables)
+    assert es.remove_from_store(force=True) == 2
+    es.populate(tables)
+    for other, field in ((EngramStoreConfig(sizes, 8, row_format="float16"), "row_format"),
+                         (EngramStoreConfig([211, 227], 8), "table_vocab_sizes")):
+        with pytest.raises(ConfigError, match=f"stored with {field}="):
+            EngramStore(layer, other, local_store).lookup(np.zeros((1, 1, 2), dtype=np.int64))
+    # An interrupted populate rolls back everything it wrote, the manifest included.
+    es.remove_from_store()
+    original = es._publish
+    es._publish = lambda *a: (_ for _ in ()).throw(KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        es.populate(tables)
+    es._publish = original
+    assert local_store.batch_is_exist(es.get_store_keys() + [f"engram:l{layer}:manifest"]) == [False] * 3

@@ -61,8 +61,9 @@ def test_whole_cluster_restart_with_file_backed_segments_keeps_tables(tmp_path, 
             layer = EngramStore(3, EngramStoreConfig(table_vocab_sizes=SIZES, embedding_dim=DIM), store)
             layer.populate(tables)
             store.put("plain", b"p" * 10_000)
-            # Each segment learns its catalogue on a heartbeat and records it next to its data.
-            _wait_for(lambda: sum(_manifest_objects(f) for f in files) == len(SIZES) + 1, 20, "manifests")
+            # Each segment learns its catalogue on a heartbeat and records it next to its data: the tables,
+            # the layer's layout manifest and "plain".
+            _wait_for(lambda: sum(_manifest_objects(f) for f in files) == len(SIZES) + 2, 20, "manifests")
         segment_ids = [s.segment_id for s in c.segments]
         for proc in c.procs:  # the whole cluster dies at once
             proc.kill()
@@ -74,7 +75,7 @@ def test_whole_cluster_restart_with_file_backed_segments_keeps_tables(tmp_path, 
             layer = EngramStore(3, EngramStoreConfig(table_vocab_sizes=SIZES, embedding_dim=DIM), store)
             np.testing.assert_array_equal(layer.lookup(ids), _expected(tables, ids))
             assert store.get("plain") == b"p" * 10_000
-            assert store.status()["objects"] == len(SIZES) + 1
+            assert store.status()["objects"] == len(SIZES) + 2
 
 
 def test_removed_objects_do_not_come_back_after_a_segment_restart(tmp_path):

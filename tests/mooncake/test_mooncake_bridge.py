@@ -150,7 +150,7 @@ def test_populate_is_create_only_and_remove_counts(mooncake):
         assert layer.remove_from_store(force=True) == 4
     assert layer.remove_from_store() == 0  # missing keys are skipped
     assert mooncake.batch_is_exist(keys) == [0, 0, 0, 0]
-    with pytest.raises(ObjectNotFound, match="engram:l41:h0"):
+    with pytest.raises(ObjectNotFound, match="layer 41 is not published"):
         layer.lookup(ids)
     layer.close()
 
@@ -168,7 +168,7 @@ def test_remove_is_refused_while_a_read_lease_is_live(mooncake):
         layer.populate(tables)
         ids = np.array([[[5, 6]]])
         layer.lookup(ids)
-        with pytest.raises(LeaseActive, match="engram:l42:h0"):
+        with pytest.raises(LeaseActive, match="engram:l42:manifest"):  # leased by the lookup's layout check
             layer.remove_from_store()
         assert mooncake.batch_is_exist(layer.get_store_keys()) == [1, 1]
         np.testing.assert_array_equal(layer.lookup(ids), gather(tables, ids))
@@ -183,7 +183,8 @@ def test_invalid_row_ids_raise_before_any_read(mooncake):
     layer = EngramStore(43, EngramStoreConfig(table_vocab_sizes=sizes, embedding_dim=D), counting)
     try:
         layer.populate(tables_for(sizes, D, seed=4))
-        assert counting.calls == {"get_into_ranges": 0, "batch_put_from": 3, "remove": 0}
+        # three tables, then the layout manifest
+        assert counting.calls == {"get_into_ranges": 0, "batch_put_from": 4, "remove": 0}
         bad = [
             (np.array([[[0, 60, 0]]]), InvalidArgument, r"row_ids\[0, 0, 1\] = 60 is out of range"),
             (np.array([[[0, 0, -1]]]), InvalidArgument, r"row_ids\[0, 0, 2\] = -1"),
@@ -207,7 +208,10 @@ def test_invalid_row_ids_raise_before_any_read(mooncake):
 
 
 def test_interoperates_with_mooncakes_own_engram_store(mooncake):
-    """A layer written by either EngramStore reads back the same through the other (same keys, same bytes)."""
+    """A layer written by either EngramStore reads back the same through the other (same keys, same bytes).
+
+    Mooncake's EngramStore writes no layout manifest, so ours reads its layers with ``require_manifest=False``.
+    """
     sizes, D = [1009, 1013, 7], 8
     tables = tables_for(sizes, D, seed=5)
     ids = np.stack([np.random.default_rng(6).integers(0, n, size=(4, 5)) for n in sizes], axis=-1)
@@ -222,7 +226,12 @@ def test_interoperates_with_mooncakes_own_engram_store(mooncake):
         np.testing.assert_array_equal(theirs.lookup(ids), gather(tables, ids))
         assert ours.remove_from_store(force=True) == 3
         theirs.populate(tables)
-        np.testing.assert_array_equal(ours.lookup(ids), gather(tables, ids))
+        with pytest.raises(ObjectNotFound, match="not published"):
+            ours.lookup(ids)
+        legacy = EngramStore(44, EngramStoreConfig(table_vocab_sizes=sizes, embedding_dim=D), mooncake,
+                             require_manifest=False)
+        np.testing.assert_array_equal(legacy.lookup(ids), gather(tables, ids))
+        legacy.close()
     finally:
         ours.remove_from_store(force=True)
         ours.close()
