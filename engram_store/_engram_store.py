@@ -162,11 +162,12 @@ class LookupCounters:
     ``lookups``: calls served; ``rows``: rows returned (B x L x H); ``local_rows``: of those, gathered straight
     from a mapped segment; ``remote_rows``: distinct rows fetched over the network (after dropping duplicates);
     ``remote_requests`` and ``remote_bytes``: range reads sent and bytes received; ``retries``: failover rounds
-    after a segment failed; ``placement_refreshes``: times the table placement was resolved from the master.
+    after a segment failed; ``placement_refreshes``: times the table placement was resolved from the master;
+    ``cache_hits`` / ``cache_misses``: distinct remote rows found in / missing from the hot-row cache.
     """
 
     FIELDS = ("lookups", "rows", "local_rows", "remote_rows", "remote_requests", "remote_bytes", "retries",
-              "placement_refreshes")
+              "placement_refreshes", "cache_hits", "cache_misses")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -186,6 +187,26 @@ class LookupCounters:
             self._values = dict.fromkeys(self.FIELDS, 0)
 
 
+class _RowCache:
+    """A bounded, direct-mapped cache of remote rows (see ``_kernels.cache_probe``); thread-safe."""
+
+    def __init__(self, capacity_bytes: int, row_bytes: int):
+        self.word = 8 if row_bytes % 8 == 0 else 4 if row_bytes % 4 == 0 else 1
+        self.words_per_row = row_bytes // self.word
+        slots = max(1, capacity_bytes // (row_bytes + 8))
+        self.keys = np.full(slots, -1, dtype=np.int64)
+        self.rows = np.zeros((slots, self.words_per_row), dtype={8: np.uint64, 4: np.uint32, 1: np.uint8}[self.word])
+        self.lock = threading.Lock()
+
+    def words(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` ([n, D] of any dtype, C-contiguous) seen as the cache's words."""
+        return rows.reshape(rows.shape[0], -1).view(self.rows.dtype)
+
+    def clear(self) -> None:
+        with self.lock:
+            self.keys.fill(-1)
+
+
 class EngramStore:
     """The tables of one Engram layer in a store. A context manager; ``close()`` stops background reads.
 
@@ -195,7 +216,7 @@ class EngramStore:
     """
 
     def __init__(self, layer_id: int, config: EngramStoreConfig | None = None, store: Any = None,
-                 heads: Sequence[int] | None = None, require_manifest: bool = True):
+                 heads: Sequence[int] | None = None, require_manifest: bool = True, row_cache_bytes: int = 0):
         if not isinstance(layer_id, (int, np.integer)) or isinstance(layer_id, bool) or layer_id < 0:
             raise InvalidArgument(f"layer_id: expected a non-negative integer, got {describe(layer_id)}")
         config = EngramStoreConfig() if config is None else config
@@ -216,6 +237,10 @@ class EngramStore:
         self._manifest_key = f"engram:l{self.layer_id}:manifest"
         self._require_manifest = bool(require_manifest)
         self._published = False  # Mooncake path: manifest checked
+        if isinstance(row_cache_bytes, bool) or not isinstance(row_cache_bytes, (int, np.integer)) \
+                or row_cache_bytes < 0:
+            raise InvalidArgument(f"row_cache_bytes: expected a byte count >= 0, got {describe(row_cache_bytes)}")
+        self._cache = _RowCache(int(row_cache_bytes), self._row_bytes) if row_cache_bytes else None
         self._store = store
         self._native = _native_store(store)
         self._placement: _Placement | None = None
@@ -525,29 +550,59 @@ class EngramStore:
                                  f"(failed: {', '.join(sorted(failed))})")
 
     def _lookup_remote(self, placement: _Placement, ids2: np.ndarray, out3: np.ndarray) -> set[str]:
-        """Read the remote heads: one read_ranges per server, all in flight; returns addresses that failed."""
+        """Read the remote heads: one read_ranges per server, all in flight; returns addresses that failed.
+
+        With a row cache, rows found in it are not requested, and the rows that come back are added to it.
+        """
         uniq, head_starts, inverse = _kernels.plan_unique_rows(ids2, placement.order)
+        cache = self._cache
+        rows_all = keys = miss = None
+        if cache is not None:
+            head_of = np.repeat(placement.order, np.diff(head_starts))
+            keys = (head_of << 40) | uniq
+            rows_all = np.empty((uniq.size, self._dim), dtype=self._dtype)
+            with cache.lock:
+                hit, hits = _kernels.cache_probe(keys, cache.keys, cache.rows, cache.words(rows_all))
+            miss = ~hit
+            self._counters.add(cache_hits=hits, cache_misses=int(uniq.size) - hits)
         requests = []
         j = 0
         for address, heads, base_offsets in placement.remote:
             k = j + len(heads)
-            rows = uniq[head_starts[j]:head_starts[k]]
-            starts = head_starts[j:k + 1] - head_starts[j]
-            offsets, lengths, _ = _kernels.rows_to_ranges(rows, starts, base_offsets, self._row_bytes)
-            requests.append((address, heads, int(head_starts[j]), offsets, lengths))
+            lo = int(head_starts[j])
+            rows = uniq[lo:head_starts[k]]
+            starts = head_starts[j:k + 1] - lo
+            positions = None
+            if miss is not None:
+                wanted = miss[lo:head_starts[k]]
+                positions = lo + np.flatnonzero(wanted)
+                starts = np.concatenate(([0], np.cumsum(wanted)))[starts]
+                rows = rows[wanted]
             j = k
-        results = self._native.read_ranges_many([(a, o, n) for a, _, _, o, n in requests])
-        self._counters.add(remote_requests=len(requests), remote_rows=int(uniq.size),
-                           remote_bytes=int(uniq.size) * self._row_bytes)
+            if rows.size == 0:
+                continue  # every row of this server's heads came from the cache
+            offsets, lengths, _ = _kernels.rows_to_ranges(rows, starts, base_offsets, self._row_bytes)
+            requests.append((address, heads, lo, positions, offsets, lengths))
+        results = self._native.read_ranges_many([(a, o, n) for a, _, _, _, o, n in requests])
+        fetched = sum(int(n.sum()) for *_, n in requests)
+        self._counters.add(remote_requests=len(requests), remote_rows=fetched // self._row_bytes,
+                           remote_bytes=fetched)
         failed = set()
-        for (address, heads, row_start, _, _), result in zip(requests, results):
+        for (address, heads, row_start, positions, _, _), result in zip(requests, results):
             if isinstance(result, BaseException):
                 if isinstance(result, SegmentUnavailable):
                     failed.add(address)
                     continue
                 raise result
             rows = np.frombuffer(result, dtype=self._dtype).reshape(-1, self._dim)
-            _kernels.scatter_rows(rows, inverse, heads, row_start, out3)
+            if rows_all is None:
+                _kernels.scatter_rows(rows, inverse, heads, row_start, out3)
+            else:
+                with cache.lock:
+                    _kernels.cache_fill(keys, positions, cache.words(rows), cache.words(rows_all), cache.keys,
+                                        cache.rows)
+        if rows_all is not None and not failed:
+            _kernels.scatter_rows(rows_all, inverse, placement.order, 0, out3)
         return failed
 
     def _get_placement(self, failed: set[str]) -> _Placement:
@@ -575,6 +630,8 @@ class EngramStore:
             return cached
         if self._require_manifest:
             self._check_manifest(self._read_manifest())  # first read, or the layer changed: check its layout
+        if self._cache is not None:
+            self._cache.clear()  # rows cached from an earlier placement may belong to another table now
         self._counters.add(placement_refreshes=1)
         local: dict[str, tuple[np.ndarray, list[int]]] = {}
         remote: dict[str, list[tuple[int, int]]] = {}

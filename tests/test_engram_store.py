@@ -409,3 +409,43 @@ def test_an_unpublished_or_differently_shaped_layer_is_refused(local_store):
         es.populate(tables)
     es._publish = original
     assert local_store.batch_is_exist(es.get_store_keys() + [f"engram:l{layer}:manifest"]) == [False] * 3
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(g=geometry, cache_rows=st.integers(1, 300), rounds=st.integers(1, 4))
+def test_row_cache_returns_the_same_rows_and_counts_hits(remote_store, g, cache_rows, rounds):
+    sizes, dim = g["sizes"], g["dim"]
+    tables = make_tables(sizes, dim, g["seed"])
+    es = EngramStore(next(_layers), EngramStoreConfig(sizes, dim), remote_store,
+                     row_cache_bytes=cache_rows * (dim * 4 + 8))
+    es.populate(tables)
+    rng = np.random.default_rng(g["seed"])
+    for _ in range(rounds):
+        ids = random_ids(rng, sizes, g["B"], g["L"], g["dups"])
+        np.testing.assert_array_equal(es.lookup(ids), expected_rows(tables, ids))
+        np.testing.assert_array_equal(es.lookup(ids), expected_rows(tables, ids))
+    stats = es.stats()
+    assert stats["cache_hits"] + stats["cache_misses"] > 0
+    assert stats["remote_rows"] == stats["cache_misses"]
+    es.remove_from_store()
+
+
+def test_row_cache_serves_repeats_without_requests_and_forgets_a_repopulated_layer(remote_store):
+    sizes = [1000, 1000]
+    layer = next(_layers)
+    es = EngramStore(layer, EngramStoreConfig(sizes, 4), remote_store, row_cache_bytes=1 << 20)
+    es.populate(make_tables(sizes, 4, 1))
+    ids = np.array([[[1, 2], [3, 4]]])
+    es.lookup(ids)
+    before = es.stats()
+    es.lookup(ids)
+    after = es.stats()
+    assert after["remote_requests"] == before["remote_requests"]  # every row came from the cache
+    assert after["cache_hits"] - before["cache_hits"] == 4
+    es.remove_from_store()
+    fresh = make_tables(sizes, 4, 2)
+    es.populate(fresh)
+    np.testing.assert_array_equal(es.lookup(ids), expected_rows(fresh, ids))
+    with pytest.raises(InvalidArgument, match="row_cache_bytes"):
+        EngramStore(layer, EngramStoreConfig(sizes, 4), remote_store, row_cache_bytes=-1)
+    es.remove_from_store()
