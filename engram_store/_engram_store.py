@@ -49,6 +49,7 @@ PLACEMENT_TTL_S = 0.5
 FAILOVER_ROUNDS = 2
 #: Row formats and the NumPy dtype their items are returned as.
 ROW_FORMATS = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "bytes": np.uint8}
+_WORD_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 #: Version of the layout manifest written with each layer.
 MANIFEST_VERSION = 1
 #: Mooncake's ErrorCode::OBJECT_NOT_FOUND and OBJECT_HAS_LEASE, as its Python methods return them.
@@ -117,7 +118,9 @@ class LookupHandle:
 class _Placement:
     """Where each head's table lives, resolved once per populate (or after a segment failure)."""
 
-    local: list[tuple[np.ndarray, np.ndarray, np.ndarray]]  # (segment as float32, base_elems[H], heads)
+    # per mapped segment: (segment, base_elems[H], heads, words, base_words[H], words_per_row, word); the word
+    # views (see _kernels.local_gather_plan) are built once here, not on every lookup
+    local: list[tuple]
     remote: list[tuple[str, np.ndarray, np.ndarray]]         # (address, heads, base byte offsets)
     order: np.ndarray                                        # remote heads, grouped by address
     replicas: list[tuple]                                    # per head, its replicas
@@ -493,7 +496,7 @@ class EngramStore:
         if out.dtype != self._dtype or out.shape != shape or not out.flags.c_contiguous or not out.flags.writeable:
             raise InvalidArgument(f"out: expected a writable C-contiguous {self._dtype} array of shape {shape}, "
                                   f"got {out.dtype} {out.shape}")
-        self._lookup_checked(ids, out)
+        self._lookup_checked(ids, out, out_aligned=out.ctypes.data % 8 == 0)
         return out
 
     def prefetch(self, row_ids: Any) -> LookupHandle:
@@ -514,7 +517,7 @@ class EngramStore:
     def _check_row_ids(self, row_ids: Any) -> np.ndarray:
         self._require_store("lookup")
         ids = _as_row_ids(row_ids, len(self._sizes))
-        bad = _kernels.first_bad_row(ids.reshape(-1, len(self._sizes)), self._sizes_arr)
+        bad = _kernels._first_bad_row(ids.reshape(-1, len(self._sizes)), self._sizes_arr)  # ids: int64, C order
         if bad >= 0:
             B, L, H = ids.shape
             b, rest = divmod(bad, L * H)
@@ -523,7 +526,9 @@ class EngramStore:
                                   f"{self._sizes[h]} rows (expected 0 <= id < {self._sizes[h]})")
         return ids
 
-    def _lookup_checked(self, ids: np.ndarray, out: np.ndarray) -> None:
+    def _lookup_checked(self, ids: np.ndarray, out: np.ndarray, out_aligned: bool = True) -> None:
+        """Read the rows of validated ``ids`` into ``out``; ``out_aligned``: ``out`` starts on an 8-byte boundary
+        (true of every array this class allocates; checked for a caller's buffer)."""
         M = ids.shape[0] * ids.shape[1]
         ids2 = ids.reshape(M, len(self._sizes))            # (M, H)
         out3 = out.reshape(M, len(self._sizes), self._dim)  # (M, H, D)
@@ -535,9 +540,15 @@ class EngramStore:
         for round_ in range(FAILOVER_ROUNDS + 1):
             placement = self._get_placement(failed)
             local_rows = 0
-            for segment, base_elems, heads in placement.local:
-                _kernels.gather_rows_local(segment, base_elems, ids2, heads, self._dim, out3)
-                local_rows += M * heads.size
+            if placement.local:
+                for segment, base_elems, heads, words, base_words, per_row, word in placement.local:
+                    if not out_aligned and out3.ctypes.data % word:  # a caller's unaligned buffer: checked path
+                        _kernels.gather_rows_local(segment, base_elems, ids2, heads, self._dim, out3)
+                    elif _kernels.gather_rows_prepared(words, base_words, ids2, heads, per_row,
+                                                       out3.view(_WORD_DTYPES[word])) >= 0:
+                        raise StoreError(f"layer {self.layer_id}: a row lies outside its mapped segment; the "
+                                         "stored layer does not match this configuration")
+                    local_rows += M * heads.size
             bad = self._lookup_remote(placement, ids2, out3) if placement.remote else set()
             if not bad:
                 self._counters.add(lookups=1, rows=ids2.size, local_rows=local_rows, retries=round_)
@@ -659,7 +670,8 @@ class EngramStore:
                 r = live[h % len(live)]
                 remote.setdefault(r.address, []).append((h, r.offset))
         placement = _Placement(
-            local=[(seg, base_elems, np.asarray(heads, dtype=np.int64)) for seg, heads in local.values()],
+            local=[(seg, base_elems, np.asarray(heads, dtype=np.int64),
+                    *_kernels.local_gather_plan(seg, base_elems, self._dim)) for seg, heads in local.values()],
             remote=[(a, np.asarray([h for h, _ in hs], dtype=np.int64), np.asarray([o for _, o in hs], dtype=np.int64))
                     for a, hs in remote.items()],
             order=np.asarray([h for hs in remote.values() for h, _ in hs], dtype=np.int64),

@@ -453,6 +453,31 @@ def gather_rows_local(segment: np.ndarray, base_elems: np.ndarray, ids: np.ndarr
         raise ValueError(f"gather_rows_local: row ids[{m}, {h}] = {int(ids[m, h])} lies outside the mapped segment")
 
 
+def local_gather_plan(segment: np.ndarray, base_elems: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """Word views for repeated :func:`gather_rows_prepared` calls on one mapped segment.
+
+    Returns ``(words, base_words, words_per_row, word)``: the segment seen as the widest words its rows of
+    ``dim`` items and their table offsets allow (an output buffer must be ``word``-aligned to use them).
+    """
+    itemsize = segment.dtype.itemsize
+    word = _row_word(itemsize, dim, segment.ctypes.data,
+                     offsets=int(np.bitwise_or.reduce(base_elems)) if base_elems.size else 0)
+    per = word // itemsize
+    words = segment[:segment.size - segment.size % per].view(_UINT[word])
+    return words, base_elems // per, dim // per, word
+
+
+def gather_rows_prepared(words: np.ndarray, base_words: np.ndarray, ids: np.ndarray, heads: np.ndarray,
+                         words_per_row: int, out_words: np.ndarray) -> int:
+    """:func:`gather_rows_local` for a caller that built ``words``/``base_words`` with :func:`local_gather_plan`
+    and already validated ``ids`` (int64 ``[M, H]``, C-contiguous, in range) and ``out_words``.
+
+    The hot path of a local-direct lookup: no Python-side checks (the kernel still refuses a row outside
+    the segment, before it moves anything). Returns -1, or the flat index of such a row.
+    """
+    return int(_gather_rows_local(words, base_words, ids, heads, np.int64(words_per_row), out_words))
+
+
 # ---- the hot-row cache --------------------------------------------------------------------------------------
 #
 # A direct-mapped cache of rows: ``cache_keys[slot]`` holds the key (head << 40 | row) of the row stored in

@@ -449,3 +449,17 @@ def test_row_cache_serves_repeats_without_requests_and_forgets_a_repopulated_lay
     with pytest.raises(InvalidArgument, match="row_cache_bytes"):
         EngramStore(layer, EngramStoreConfig(sizes, 4), remote_store, row_cache_bytes=-1)
     es.remove_from_store()
+
+
+def test_lookup_into_a_buffer_not_aligned_for_wide_words(local_store):
+    sizes = [97, 89]
+    tables = make_tables(sizes, 16, 21)
+    es = EngramStore(next(_layers), EngramStoreConfig(sizes, 16), local_store)
+    es.populate(tables)
+    ids = random_ids(np.random.default_rng(22), sizes, 2, 3)
+    raw = np.zeros(2 * 3 * 2 * 16 * 4 + 4, dtype=np.uint8)
+    out = raw[4:].view(np.float32).reshape(2, 3, 2, 16)  # 4-byte aligned, never 8-byte aligned
+    assert out.ctypes.data % 8 == 4
+    es.lookup_into(ids, out)
+    np.testing.assert_array_equal(out, expected_rows(tables, ids))
+    es.remove_from_store()
