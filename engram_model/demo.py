@@ -26,6 +26,29 @@ def _step(name: str) -> Iterator[None]:
     print(f"  {name:<28s} {1e3 * (time.perf_counter() - start):9.2f} ms")
 
 
+def quick_start_configs(num_layers: int = 6) -> tuple[EngramConfig, BackboneConfig]:
+    """The seed quick start's configuration, set attribute by attribute as the seed script does.
+
+    ``num_layers`` is the backbone's depth: 6 in the quick start (layer 15 of ``layer_ids`` then only shapes the
+    prime tables; only layer 1 is built); pass 16 or more to build layer 15 too.
+    """
+    cfg = EngramConfig()
+    cfg.engram_vocab_size = [1000, 1000]
+    cfg.max_ngram_size = 3
+    cfg.n_embed_per_ngram = 64
+    cfg.n_head_per_ngram = 4
+    cfg.layer_ids = [1, 15]
+    cfg.pad_id = 2
+    cfg.seed = 0
+    cfg.kernel_size = 4
+    bb = BackboneConfig()
+    bb.hidden_size = 256
+    bb.hc_mult = 4
+    bb.vocab_size = 128000
+    bb.num_layers = num_layers
+    return cfg, bb
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="engram-demo", description=__doc__.splitlines()[0])
     parser.add_argument("--master", metavar="HOST:PORT", help="use this running master instead of an embedded store")
@@ -38,21 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.batch < 1 or args.seq_len < 1:
         parser.error("--batch and --seq-len must be >= 1")
 
-    cfg = EngramConfig()
-    cfg.engram_vocab_size = [1000, 1000]
-    cfg.max_ngram_size = 3
-    cfg.n_embed_per_ngram = 64
-    cfg.n_head_per_ngram = 4
-    cfg.layer_ids = [1, 15]
-    cfg.pad_id = 2
-    cfg.seed = 0
-    cfg.kernel_size = 4
-
-    bb = BackboneConfig()
-    bb.hidden_size = 256
-    bb.hc_mult = 4
-    bb.vocab_size = 128000
-    bb.num_layers = 6  # layer 15 of layer_ids only shapes the prime tables; this model builds layer 1
+    cfg, bb = quick_start_configs()
 
     rng = np.random.default_rng(args.seed)
     print("Engram quick start")

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -33,7 +33,7 @@ from ._errors import (
     describe,
     error_from_reply,
 )
-from ._segment import MAX_READ_BYTES, MAX_WRITE_BYTES, SegmentServer, host_id
+from ._segment import SegmentServer, host_id
 from ._transport import Connection, ConnectionPool, wait_all
 from ._units import parse_size
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 
 from ._auth import AUTH_DIR_ENV, exposure_warning, load_keys, resolve_auth_dir
 from ._errors import EngramError, MasterUnavailable
 from ._segment import SegmentServer
+from ._transport import serve_until_signalled
 from ._units import parse_address, parse_size
 
 
@@ -47,14 +47,8 @@ def main(argv: list[str] | None = None) -> int:
                 if isinstance(exc, MasterUnavailable) and not args.auth else "")
         print(f"engram-segment: {exc}{hint}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: server.stop())
-    signal.signal(signal.SIGINT, lambda *_: server.stop())
     print(f"engram-segment ready on {server.address} segment_id={server.segment_id} size={size}", flush=True)
-    try:
-        server.serve_forever()
-    finally:
-        server.close()
-    return 0
+    return serve_until_signalled(server)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import signal
 import threading
 import time
 from typing import Any, Callable, Iterable, Sequence
@@ -396,3 +397,18 @@ class ConnectionPool:
             conns, self._all = self._all, []
         for conn in conns:
             conn.close()
+
+
+def serve_until_signalled(server: Any) -> int:
+    """Serve from this thread until SIGTERM or SIGINT, then close ``server``; the exit code of a CLI.
+
+    ``server`` is a master or segment server (``serve_forever``, ``stop``, ``close``); the signal only asks the
+    serving loop to stop, so the close (unregistering, removing shared memory) runs in the normal flow.
+    """
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    try:
+        server.serve_forever()
+    finally:
+        server.close()
+    return 0

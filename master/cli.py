@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 
 from engram_store._auth import AUTH_DIR_ENV, exposure_warning, keygen, load_keys, resolve_auth_dir
 from engram_store._errors import EngramError
+from engram_store._transport import serve_until_signalled
 from engram_store._units import format_size, parse_address
 
 from ._service import (
@@ -164,15 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     except EngramError as exc:
         print(f"engram-master: {exc}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: server.stop())
-    signal.signal(signal.SIGINT, lambda *_: server.stop())
     logging.getLogger("engram-master").info("serving on %s%s", server.address,
                                             f" (CURVE authentication, keys in {args.auth})" if auth else "")
-    try:
-        server.serve_forever()
-    finally:
-        server.close()
-    return 0
+    return serve_until_signalled(server)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from procs import Cluster  # noqa: E402
+from engram_store.testing import Cluster  # noqa: E402
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from engram_store import (
     ObjectExists,
     ObjectNotFound,
 )
-from procs import Cluster
+from engram_store.testing import Cluster
 
 pytestmark = pytest.mark.timeout(240)
 

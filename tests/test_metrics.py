@@ -10,7 +10,7 @@ import pytest
 
 from engram_store import DistributedStore, ObjectNotFound, Unavailable
 from master import MasterServer
-from procs import Cluster, free_port
+from engram_store.testing import Cluster, free_port
 
 pytestmark = pytest.mark.timeout(120)
 

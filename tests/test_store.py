@@ -24,8 +24,7 @@ from engram_store import (
     SegmentUnavailable,
 )
 from engram_store._errors import MasterUnavailable
-from engram_store._transport import Connection
-from procs import Cluster, wait_ping
+from engram_store.testing import Cluster, wait_ping
 
 pytestmark = pytest.mark.timeout(180)
 

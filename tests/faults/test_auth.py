@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from procs import Cluster, start_master, start_segment
+from engram_store.testing import Cluster, start_master, start_segment
 
 from engram_store import DistributedStore, MasterUnavailable, SegmentUnavailable
 from engram_store._transport import Connection

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engram_store import DistributedStore, EngramStore, EngramStoreConfig, MasterUnavailable, SegmentUnavailable
-from procs import Cluster, start_segment
+from engram_store.testing import Cluster
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engram_store import DistributedStore, SegmentUnavailable
-from procs import Cluster, wait_ping
+from engram_store.testing import Cluster, wait_ping
 
 pytestmark = pytest.mark.timeout(300)
 

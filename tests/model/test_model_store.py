@@ -6,27 +6,14 @@ import pytest
 from engram_model import (BackboneConfig, CompressedTokenizer, Engram, EngramConfig, EngramModule,
                           EngramModuleConfig, prefetch_layers)
 from engram_model import demo
+from engram_model.demo import quick_start_configs as demo_quick_start_configs
 from engram_store import InvalidArgument, InvalidType, ObjectExists
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def quick_start_configs():
-    cfg = EngramConfig()
-    cfg.engram_vocab_size = [1000, 1000]
-    cfg.max_ngram_size = 3
-    cfg.n_embed_per_ngram = 64
-    cfg.n_head_per_ngram = 4
-    cfg.layer_ids = [1, 15]
-    cfg.pad_id = 2
-    cfg.seed = 0
-    cfg.kernel_size = 4
-    bb = BackboneConfig()
-    bb.hidden_size = 256
-    bb.hc_mult = 4
-    bb.vocab_size = 128000
-    bb.num_layers = 20
-    return cfg, bb
+    return demo_quick_start_configs(num_layers=20)
 
 
 def tables_for(engram, seed=0):

@@ -33,7 +33,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from mooncake_procs import MooncakeMaster, MooncakeSegment, connect  # noqa: E402
 
-from engram_model import BackboneConfig, Engram, EngramConfig  # noqa: E402
+from engram_model.demo import quick_start_configs  # noqa: E402
+
+from engram_model import Engram  # noqa: E402
 from engram_model.example import TransformerWithEngram  # noqa: E402
 from engram_store import (DistributedStore, EngramStore, EngramStoreConfig,  # noqa: E402
                           InvalidArgument, InvalidType, LeaseActive, ObjectExists, ObjectNotFound)
@@ -273,13 +275,6 @@ def test_tables_are_hard_pinned_against_eviction():
 
 
 # ---- Engram -----------------------------------------------------------------------------------------
-
-
-def quick_start_configs(num_layers=6):
-    cfg = EngramConfig(engram_vocab_size=[1000, 1000], max_ngram_size=3, n_embed_per_ngram=64, n_head_per_ngram=4,
-                       layer_ids=[1, 15], pad_id=2, seed=0, kernel_size=4)
-    bb = BackboneConfig(hidden_size=256, hc_mult=4, vocab_size=128000, num_layers=num_layers)
-    return cfg, bb
 
 
 def test_engram_forward_equals_embedded_store(mooncake):
