@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 PROGRESS_MIN_BYTES = 256 << 20
 #: How long a resolved table placement is used before it is checked with the master again (one request).
 PLACEMENT_TTL_S = 0.5
+#: A prefetch of at most this many rows from tables that are all local-direct runs at once (see prefetch).
+PREFETCH_INLINE_ROWS = 4096
 #: How many times a lookup re-resolves placement after a segment fails before giving up.
 FAILOVER_ROUNDS = 2
 #: Row formats and the NumPy dtype their items are returned as.
@@ -500,9 +502,23 @@ class EngramStore:
         return out
 
     def prefetch(self, row_ids: Any) -> LookupHandle:
-        """Start a lookup in the background; the ids are checked now, errors of the read come from ``result()``."""
+        """Start a lookup in the background; the ids are checked now, errors of the read come from ``result()``.
+
+        A small lookup whose tables are all mapped on this host (a few microseconds of copying) is done at
+        once instead: handing it to a thread would cost more than the read.
+        """
         ids = self._check_row_ids(row_ids)
         out = np.empty(ids.shape + (self._dim,), dtype=self._dtype)
+        placement = self._placement
+        if (placement is not None and not placement.remote and ids.size <= PREFETCH_INLINE_ROWS
+                and time.monotonic() - placement.checked_at < PLACEMENT_TTL_S):
+            done: Future = Future()
+            try:
+                self._lookup_checked(ids, out)
+                done.set_result(out)
+            except BaseException as exc:
+                done.set_exception(exc)
+            return LookupHandle(done, ids)
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"engram-l{self.layer_id}")

@@ -463,3 +463,22 @@ def test_lookup_into_a_buffer_not_aligned_for_wide_words(local_store):
     es.lookup_into(ids, out)
     np.testing.assert_array_equal(out, expected_rows(tables, ids))
     es.remove_from_store()
+
+
+def test_small_local_prefetch_completes_at_once_and_errors_come_from_result(local_store):
+    sizes = [50, 60]
+    tables = make_tables(sizes, 4, 31)
+    layer = next(_layers)
+    es = EngramStore(layer, EngramStoreConfig(sizes, 4), local_store)
+    es.populate(tables)
+    ids = random_ids(np.random.default_rng(32), sizes, 2, 3)
+    es.lookup(ids)  # resolves the (all local-direct) placement
+    handle = es.prefetch(ids)
+    assert handle.done()
+    np.testing.assert_array_equal(handle.result(), expected_rows(tables, ids))
+    big = random_ids(np.random.default_rng(33), sizes, 4, 1024)  # over the inline limit: a background read
+    np.testing.assert_array_equal(es.prefetch(big).result(timeout=30), expected_rows(tables, big))
+    es.remove_from_store(force=True)
+    handle = es.prefetch(ids)  # the layer is gone: the read fails, and the failure is the handle's
+    with pytest.raises(ObjectNotFound):
+        handle.result(timeout=30)
