@@ -126,11 +126,12 @@ def check_ranges(offsets: np.ndarray, lengths: np.ndarray, limit: int) -> int:
     return int(_check_ranges(offsets, lengths, np.int64(limit)))
 
 
-def gather_ranges(src: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, out: np.ndarray) -> int:
+def gather_ranges(src: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, out: np.ndarray,
+                  ranges_checked: bool = False) -> int:
     """Copy ``src[offsets[i]:offsets[i] + lengths[i]]`` for every i, back to back, into ``out``.
 
-    The ranges must already be checked against ``src`` (``check_ranges``); ``out`` must hold their total.
-    Returns the number of bytes written.
+    ``out`` must hold the ranges' total. The ranges are checked against ``src`` unless the caller says it
+    did that already (``ranges_checked=True``, after its own :func:`check_ranges`). Returns the bytes written.
     """
     src = _bytes_1d(src, "src")
     out = _bytes_1d(out, "out")
@@ -138,7 +139,7 @@ def gather_ranges(src: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, out
     lengths = _int64_1d(lengths, "lengths")
     if offsets.size != lengths.size:
         raise ValueError(f"offsets and lengths must have the same size, got {offsets.size} and {lengths.size}")
-    if check_ranges(offsets, lengths, src.size) >= 0:
+    if not ranges_checked and check_ranges(offsets, lengths, src.size) >= 0:
         raise ValueError("gather_ranges: a range lies outside src")
     total = int(lengths.sum())
     if out.size < total:

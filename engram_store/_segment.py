@@ -326,7 +326,7 @@ class SegmentServer:
             start = int(offsets[0])
             return {"bytes": total}, [memoryview(self.memory.array[start:start + total])]
         out = np.empty(total, dtype=np.uint8)
-        _kernels.gather_ranges(self.memory.array, offsets, lengths, out)
+        _kernels.gather_ranges(self.memory.array, offsets, lengths, out, ranges_checked=True)
         return {"bytes": total}, [out]
 
     # ---- lifecycle ------------------------------------------------------------------------------
