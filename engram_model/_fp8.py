@@ -1,0 +1,123 @@
+"""FP8 rows with block scales: the opaque row format of recent DeepSeek checkpoints, in NumPy.
+
+A row of ``row_bytes = values + 4 * values / block`` bytes holds ``values`` float8 e4m3fn codes followed by one
+float32 scale per block of ``block`` values (DeepSeek-V3 quantises in blocks of 128 with float32 scales; 256
+values in two blocks give the 264-byte rows of its Engram tables). Store such tables in an ``EngramStore`` with
+``row_format="bytes"`` and ``embedding_dim=row_bytes``; :func:`dequantize_fp8_rows` turns looked-up rows into
+float32, :func:`quantize_fp8_rows` makes them from float32.
+
+e4m3fn: 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal; no infinities; codes
+0x7F and 0xFF are NaN; the largest finite value is 448.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engram_store._errors import InvalidArgument, InvalidType
+
+E4M3_MAX = 448.0
+
+
+def _e4m3_table() -> np.ndarray:
+    """float32 value of every e4m3fn code (index = code)."""
+    codes = np.arange(256)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    exponent = (codes >> 3) & 0xF
+    mantissa = codes & 0x7
+    value = np.where(exponent == 0, mantissa / 8.0 * 2.0 ** -6, (1.0 + mantissa / 8.0) * 2.0 ** (exponent - 7.0))
+    value = sign * value
+    value[(codes & 0x7F) == 0x7F] = np.nan
+    return value.astype(np.float32)
+
+
+E4M3_TABLE = _e4m3_table()
+# The finite non-negative values in increasing order (codes 0x00..0x7E are already sorted by value).
+_POSITIVE = E4M3_TABLE[:0x7F].astype(np.float64)
+
+
+@dataclass(frozen=True)
+class FP8RowFormat:
+    """``values`` e4m3fn codes, then one float32 scale per ``block`` values (DeepSeek: 256 values, block 128)."""
+
+    values: int = 256
+    block: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("values", "block"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+                raise InvalidArgument(f"FP8RowFormat.{name}: expected a positive integer, got {v!r}")
+        if self.values % self.block:
+            raise InvalidArgument(f"FP8RowFormat: values ({self.values}) must be a multiple of block ({self.block})")
+
+    @property
+    def blocks(self) -> int:
+        return self.values // self.block
+
+    @property
+    def row_bytes(self) -> int:
+        return self.values + 4 * self.blocks
+
+
+DEEPSEEK_FP8_ROWS = FP8RowFormat()
+
+
+def _check_rows(rows: np.ndarray, fmt: FP8RowFormat) -> np.ndarray:
+    if not isinstance(rows, np.ndarray):
+        raise InvalidType(f"rows: expected a uint8 NumPy array [..., {fmt.row_bytes}], got {type(rows).__name__}")
+    if rows.dtype != np.uint8:
+        raise InvalidType(f"rows: expected dtype uint8 (opaque rows), got {rows.dtype}")
+    if rows.ndim < 1 or rows.shape[-1] != fmt.row_bytes:
+        raise InvalidArgument(f"rows: expected a last axis of {fmt.row_bytes} bytes ({fmt.values} FP8 values + "
+                              f"{fmt.blocks} float32 scales), got shape {rows.shape}")
+    return np.ascontiguousarray(rows)
+
+
+def dequantize_fp8_rows(rows: np.ndarray, fmt: FP8RowFormat = DEEPSEEK_FP8_ROWS) -> np.ndarray:
+    """float32 ``[..., values]`` from FP8-plus-scale rows ``uint8 [..., row_bytes]`` (e.g. an EngramStore lookup)."""
+    rows = _check_rows(rows, fmt)
+    lead = rows.shape[:-1]
+    flat = rows.reshape(-1, fmt.row_bytes)
+    values = E4M3_TABLE[flat[:, :fmt.values]].reshape(-1, fmt.blocks, fmt.block)
+    scales = np.ascontiguousarray(flat[:, fmt.values:]).view("<f4").reshape(-1, fmt.blocks, 1)
+    return (values * scales).reshape(*lead, fmt.values)
+
+
+def _nearest_e4m3(magnitude: np.ndarray) -> np.ndarray:
+    """Codes (0..0x7E) of the e4m3fn values nearest to ``magnitude`` (>= 0, saturated), ties to the even code."""
+    m = np.minimum(magnitude, E4M3_MAX)
+    upper = np.clip(np.searchsorted(_POSITIVE, m, side="left"), 0, _POSITIVE.size - 1)
+    lower = np.maximum(upper - 1, 0)
+    d_low = m - _POSITIVE[lower]
+    d_up = _POSITIVE[upper] - m
+    take_upper = (d_up < d_low) | ((d_up == d_low) & (upper % 2 == 0))
+    return np.where(take_upper, upper, lower).astype(np.uint8)
+
+
+def quantize_fp8_rows(values: np.ndarray, fmt: FP8RowFormat = DEEPSEEK_FP8_ROWS) -> np.ndarray:
+    """FP8-plus-scale rows ``uint8 [..., row_bytes]`` from float32 ``[..., values]``.
+
+    Each block's scale is its largest magnitude / 448 (1 for an all-zero block), and each value is rounded to
+    the nearest e4m3fn value (ties to even), as DeepSeek's block quantisation does.
+    """
+    if not isinstance(values, np.ndarray):
+        raise InvalidType(f"values: expected a float NumPy array [..., {fmt.values}], got {type(values).__name__}")
+    if values.dtype.kind != "f":
+        raise InvalidType(f"values: expected a floating-point dtype, got {values.dtype}")
+    if values.ndim < 1 or values.shape[-1] != fmt.values:
+        raise InvalidArgument(f"values: expected a last axis of {fmt.values}, got shape {values.shape}")
+    if not np.isfinite(values).all():
+        raise InvalidArgument("values: NaN or infinity cannot be quantised to e4m3fn rows")
+    lead = values.shape[:-1]
+    blocks = values.astype(np.float64).reshape(-1, fmt.blocks, fmt.block)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    scales = np.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
+    scaled = blocks / scales.astype(np.float64)
+    codes = _nearest_e4m3(np.abs(scaled)) | np.where(scaled < 0, 0x80, 0).astype(np.uint8)
+    out = np.empty((blocks.shape[0], fmt.row_bytes), dtype=np.uint8)
+    out[:, :fmt.values] = codes.reshape(-1, fmt.values)
+    out[:, fmt.values:] = scales.reshape(-1, fmt.blocks).astype("<f4").view(np.uint8)
+    return out.reshape(*lead, fmt.row_bytes)
