@@ -363,3 +363,15 @@ def test_hung_segment_hits_the_timeout():
             assert time.monotonic() - start < 5
             c.segments[0].signal(signal.SIGCONT)
             assert store.get("h") == b"h" * 100
+
+
+def test_a_segment_larger_than_free_memory_fails_at_start_with_a_clear_error():
+    import shutil
+
+    from engram_store import OutOfSpace
+
+    too_big = shutil.disk_usage("/dev/shm").free + (1 << 30)
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(OutOfSpace, match="cannot reserve"):
+        DistributedStore.embedded(segment_size=too_big)
+    assert set(os.listdir("/dev/shm")) <= before  # nothing left behind
