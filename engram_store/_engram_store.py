@@ -305,36 +305,40 @@ class EngramStore:
         bar = Progress(total, f"populate layer {self.layer_id}", enabled=None if total > PROGRESS_MIN_BYTES else False)
         with self._lock:
             self._placement = None
+        # The manifest's checksums are computed while the tables upload (zlib releases the GIL).
+        with ThreadPoolExecutor(1, thread_name_prefix=f"engram-l{self.layer_id}-crc") as pool:
+            checksums = pool.submit(_crc32_hex, tables)
+            try:
+                if self._native is not None:
+                    self._native.batch_put_from(self._keys, tables, replica_num=replica_num, progress=bar)
+                else:
+                    self._populate_mooncake(tables, replica_num, bar)
+            finally:
+                bar.close()
         try:
-            if self._native is not None:
-                self._native.batch_put_from(self._keys, tables, replica_num=replica_num, progress=bar)
-            else:
-                self._populate_mooncake(tables, replica_num, bar)
-        finally:
-            bar.close()
-        try:
-            self._publish(tables, replica_num)
+            self._publish(checksums.result(), replica_num)
         except BaseException:
             self._remove_keys(self._keys, force=True)  # all-or-nothing: no tables without their manifest
             raise
 
     # ---- the layout manifest --------------------------------------------------------------------
 
-    def _manifest_record(self, tables: Sequence[np.ndarray] = ()) -> dict:
+    def _manifest_record(self, head_checksums: Sequence[str] = ()) -> dict:
+        """The manifest of this layer; ``head_checksums`` are the crc32s of this store's heads, if it wrote them."""
         checksums: list[str | None] = [None] * len(self._layer_sizes)
-        for h, table in zip(self._heads, tables):
-            checksums[h] = f"{zlib.crc32(table.reshape(-1).view(np.uint8)) & 0xFFFFFFFF:08x}"
+        for h, crc in zip(self._heads, head_checksums):
+            checksums[h] = crc
         return {"format": "engram-layer", "version": MANIFEST_VERSION, "layer_id": self.layer_id,
                 "table_vocab_sizes": list(self._layer_sizes), "embedding_dim": self._dim,
                 "row_format": self._row_format, "crc32": checksums}
 
-    def _publish(self, tables: Sequence[np.ndarray], replica_num: int) -> None:
+    def _publish(self, head_checksums: Sequence[str], replica_num: int) -> None:
         """Write the manifest last, once every head of the layer is in the store (this call's or other shards')."""
         if self._read_manifest() is not None:
             return
         if len(self._heads) < len(self._layer_sizes) and not all(self._batch_is_exist(self._layer_keys)):
             return  # other shards have yet to write their heads; the last one publishes
-        data = json.dumps(self._manifest_record(tables), sort_keys=True).encode()
+        data = json.dumps(self._manifest_record(head_checksums), sort_keys=True).encode()
         try:
             if self._native is not None:
                 self._native.put(self._manifest_key, data, replica_num=replica_num)
@@ -409,7 +413,7 @@ class EngramStore:
             full = np.zeros((n, 1, len(self._heads)), dtype=np.int64)
             full[:, 0, self._heads.index(h)] = ids
             rows[:] = self.lookup(full)[:, 0, self._heads.index(h)]
-            got = f"{zlib.crc32(rows.reshape(-1).view(np.uint8)) & 0xFFFFFFFF:08x}"
+            got = _crc32_hex([rows])[0]
             if got != expected:
                 raise StoreError(f"layer {self.layer_id} head {h}: stored rows have crc32 {got}, the manifest "
                                  f"says {expected}")
@@ -802,6 +806,11 @@ class EngramStore:
     def __repr__(self) -> str:
         return (f"EngramStore(layer_id={self.layer_id}, heads={len(self._sizes)}, "
                 f"embedding_dim={self._dim}, store={type(self._store).__name__ if self._store else None})")
+
+
+def _crc32_hex(tables: Sequence[np.ndarray]) -> list[str]:
+    """crc32 of each table's bytes, as 8 hex digits (the manifest's checksums)."""
+    return [f"{zlib.crc32(t.reshape(-1).view(np.uint8)) & 0xFFFFFFFF:08x}" for t in tables]
 
 
 def _check_heads(heads: Sequence[int] | None, num_heads: int) -> list[int]:
