@@ -117,6 +117,7 @@ class DistributedStore:
         self._pool = ConnectionPool(curve=self._auth.client_curve if self._auth else None)
         self._owned = list(_owned)  # servers this client started (mounted segment, embedded master)
         self._maps: dict[str, np.ndarray | None] = {}
+        self._wmaps: dict[str, np.ndarray | None] = {}  # writable mappings for same-host puts
         self._maps_lock = threading.Lock()
         self._mmaps: list[mmap.mmap] = []
         self._host_id = host_id()
@@ -269,11 +270,45 @@ class DistributedStore:
             self._maps[replica.segment_id] = view
             return view
 
+    def _writable_view(self, replica: dict, nbytes: int) -> np.ndarray | None:
+        """The segment of a freshly placed replica as a writable array, if it can be mapped on this host.
+
+        Writes to a same-host segment are then plain memory copies (several GB/s) instead of requests; the
+        master still decides where they go, and the object stays invisible until ``put_end``.
+        """
+        if not self.local_direct or replica.get("host_id") != self._host_id or not replica.get("shm_path"):
+            return None
+        segment_id = replica["segment_id"]
+        if self.local_segment is not None and segment_id == self.local_segment.segment_id:
+            view = self.local_segment.memory.array
+        else:
+            with self._maps_lock:
+                view = self._wmaps.get(segment_id, False)
+                if view is False:
+                    view = None
+                    try:
+                        fd = os.open(replica["shm_path"], os.O_RDWR)
+                        try:
+                            if os.fstat(fd).st_size == replica["size"]:
+                                mm = mmap.mmap(fd, replica["size"], mmap.MAP_SHARED,
+                                               mmap.PROT_READ | mmap.PROT_WRITE)
+                                self._mmaps.append(mm)
+                                view = np.frombuffer(mm, dtype=np.uint8)
+                        finally:
+                            os.close(fd)
+                    except OSError as exc:
+                        log.debug("segment %s not writable here (%s); writing remotely", segment_id, exc)
+                    self._wmaps[segment_id] = view
+        if view is None or not 0 <= replica["offset"] <= view.size - nbytes:
+            return None
+        return view
+
     def forget_segment(self, segment_id: str) -> None:
         """Stop using a mapping of a segment (after it was declared dead)."""
         with self._maps_lock:
             if self.local_segment is None or segment_id != self.local_segment.segment_id:
                 self._maps.pop(segment_id, None)
+                self._wmaps.pop(segment_id, None)
 
     # ---- metadata -------------------------------------------------------------------------------
 
@@ -336,14 +371,31 @@ class DistributedStore:
             for key, result in zip(keys, header["results"]):
                 if not result.get("ok"):
                     raise error_from_reply(result.get("code"), result.get("message"))
-            jobs = []
+            jobs, direct = [], []
             for view, result in zip(views, header["results"]):
                 for r in result["replicas"]:
+                    share = 1 / len(result["replicas"])
+                    target = self._writable_view(r, view.nbytes)
+                    if target is not None:  # a segment mapped on this host: copy, no request
+                        direct.append((target, r["offset"], view, share))
+                        continue
                     for start in range(0, view.nbytes, CHUNK_BYTES):
                         chunk = view[start:start + CHUNK_BYTES]
-                        jobs.append((r["address"], {"offset": r["offset"] + start}, chunk,
-                                     chunk.nbytes / len(result["replicas"])))
-            self._run_writes(jobs, progress)
+                        jobs.append((r["address"], {"offset": r["offset"] + start}, chunk, chunk.nbytes * share))
+            done = 0.0
+            for target, offset, view, share in direct:
+                for start in range(0, view.nbytes, CHUNK_BYTES):
+                    chunk = view[start:start + CHUNK_BYTES]
+                    target[offset + start:offset + start + chunk.nbytes] = chunk
+                    done += chunk.nbytes * share
+                    if progress is not None:
+                        progress(int(done))
+            self._run_writes(jobs, progress, done)
+            if direct:
+                # A mapping outlives its segment process: make sure every segment written to directly is alive
+                # before the objects are published, so a segment that died mid-write fails the put.
+                self._ping_segments({r["address"] for result in header["results"] for r in result["replicas"]
+                                     if r["host_id"] == self._host_id})
             ended = self._master_call("put_end", {"keys": keys})["results"]
             for result in ended:
                 if not result.get("ok"):
@@ -352,12 +404,21 @@ class DistributedStore:
             self._revoke(started)
             raise
 
-    def _run_writes(self, jobs: list, progress: Callable[[int], None] | None) -> None:
+    def _ping_segments(self, addresses: set[str]) -> None:
+        """Ping segment servers, all at once; raise SegmentUnavailable if one does not answer in time."""
+        pending = []
+        for address in sorted(addresses):
+            conn = self._segment_conn(address)
+            pending.append((conn, conn.send("ping")))
+        for result in wait_all(pending, time.monotonic() + self.timeout_ms / 1000.0, "ping"):
+            if isinstance(result, BaseException):
+                raise result
+
+    def _run_writes(self, jobs: list, progress: Callable[[int], None] | None, done_bytes: float = 0.0) -> None:
         """Send write requests in rounds of up to WINDOW per segment server, all servers at once."""
         by_address: dict[str, list] = {}
         for job in jobs:
             by_address.setdefault(job[0], []).append(job)
-        done_bytes = 0.0
         for round_start in range(0, max((len(js) for js in by_address.values()), default=0), WINDOW):
             pending, weights = [], []
             for address, address_jobs in by_address.items():
@@ -569,6 +630,7 @@ class DistributedStore:
         self._pool.close()
         with self._maps_lock:
             self._maps.clear()
+            self._wmaps.clear()
         master_owned = any(not isinstance(server, SegmentServer) for server in self._owned)
         for server in self._owned:
             try:

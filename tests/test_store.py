@@ -375,3 +375,17 @@ def test_a_segment_larger_than_free_memory_fails_at_start_with_a_clear_error():
     with pytest.raises(OutOfSpace, match="cannot reserve"):
         DistributedStore.embedded(segment_size=too_big)
     assert set(os.listdir("/dev/shm")) <= before  # nothing left behind
+
+
+def test_puts_to_a_segment_on_this_host_are_memory_copies():
+    payload = np.random.default_rng(3).integers(0, 256, 40 << 20, dtype=np.uint8)
+    with DistributedStore.embedded(segment_size="128MiB") as store:
+        store.put("direct", payload)
+        assert store.get("direct") == payload.tobytes()
+        served = store.local_segment.server.metrics.render()
+        assert not any('op="write"' in line for line in served)  # no write request reached the segment
+        assert any('engram_requests_total{op="ping"}' in line for line in served)  # only the liveness check
+    with DistributedStore.embedded(segment_size="128MiB", local_direct=False) as store:
+        store.put("remote", payload)
+        assert store.get("remote") == payload.tobytes()
+        assert any('op="write"' in line for line in store.local_segment.server.metrics.render())
