@@ -46,8 +46,9 @@ def _bench_size(size: int, data: np.ndarray, local: DistributedStore, remote: Di
     buf = np.empty(size, dtype=np.uint8)
 
     put_key = f"bench:put:{size}"
-    put = measure(lambda i: local.put(f"{put_key}:{i}", obj),
-                  between=lambda i: local.remove(f"{put_key}:{i}", force=True), **reps)
+    puts = {name: measure(lambda i, s=store: s.put(f"{put_key}:{i}", obj),
+                          between=lambda i, s=store: s.remove(f"{put_key}:{i}", force=True), **reps)
+            for name, store in (("put_local", local), ("put_remote", remote))}
 
     key = f"bench:get:{size}"
     local.put(key, obj)
@@ -63,9 +64,9 @@ def _bench_size(size: int, data: np.ndarray, local: DistributedStore, remote: Di
     echo.read_into(buf, size)
     results["raw_zmq"] = measure(lambda i: echo.read_into(buf, size), **reps)
 
-    row = {"size": size, "put": put.as_dict()}
-    row.update({name: s.as_dict() for name, s in results.items()})
-    for name in ("put", "get_local", "get_remote", "raw_zmq"):
+    row = {"size": size}
+    row.update({name: s.as_dict() for name, s in {**puts, **results}.items()})
+    for name in ("put_local", "put_remote", "get_local", "get_remote", "raw_zmq"):
         row[name]["gb_per_s"] = size / (row[name]["p50_us"] * 1e3)
     row["remote_over_raw"] = row["get_remote"]["gb_per_s"] / row["raw_zmq"]["gb_per_s"]
     return row
@@ -92,13 +93,14 @@ def main(argv: list[str] | None = None) -> int:
         for size in sizes:
             row = _bench_size(size, data, local, remote, echo, args.quick)
             rows.append(row)
-            print(f"  {size_label(size)}: put {row['put']['reps']} reps, gets {row['get_local']['reps']}/"
+            print(f"  {size_label(size)}: puts {row['put_local']['reps']}/{row['put_remote']['reps']} reps, gets {row['get_local']['reps']}/"
                   f"{row['get_remote']['reps']}/{row['raw_zmq']['reps']} reps", flush=True)
 
     print_table(
-        ["size", "put GB/s", "get local GB/s", "get remote GB/s", "raw zmq GB/s", "remote/raw",
-         "get remote p50 us", "raw p50 us"],
-        [[size_label(r["size"]), fmt(r["put"]["gb_per_s"], 3), fmt(r["get_local"]["gb_per_s"], 3),
+        ["size", "put local GB/s", "put remote GB/s", "get local GB/s", "get remote GB/s", "raw zmq GB/s",
+         "remote/raw", "get remote p50 us", "raw p50 us"],
+        [[size_label(r["size"]), fmt(r["put_local"]["gb_per_s"], 3), fmt(r["put_remote"]["gb_per_s"], 3),
+          fmt(r["get_local"]["gb_per_s"], 3),
           fmt(r["get_remote"]["gb_per_s"], 3), fmt(r["raw_zmq"]["gb_per_s"], 3), fmt(r["remote_over_raw"], 2),
           fmt(r["get_remote"]["p50_us"]), fmt(r["raw_zmq"]["p50_us"])] for r in rows],
         title="GB/s = bytes / median call time (10^9 B/s)")
