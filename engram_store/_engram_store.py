@@ -32,6 +32,7 @@ from ._errors import (
     LeaseActive,
     NotConnected,
     ObjectExists,
+    ObjectLost,
     ObjectNotFound,
     SegmentUnavailable,
     StoreError,
@@ -362,8 +363,8 @@ class EngramStore:
         if self._native is not None:
             try:
                 data = self._native.get(self._manifest_key, lease=False)  # a lease would block remove
-            except ObjectNotFound:
-                return None
+            except (ObjectNotFound, ObjectLost):
+                return None  # a lost manifest (its segment died) publishes nothing, like a missing one
         else:
             if not self._batch_is_exist([self._manifest_key])[0]:
                 return None

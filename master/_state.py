@@ -308,7 +308,13 @@ class MasterState:
         return meta is not None and meta.state == COMPLETE
 
     def remove(self, key: str, force: bool = False) -> None:
+        """Remove a complete object. Removing a lost one (its data died with its segments) forgets the loss,
+        so the key reads as absent again, as ``exists`` already says, and can be written anew."""
         meta = self.objects.get(key)
+        if meta is None and key in self.lost:
+            del self.lost[key]
+            self.journal({"op": "remove", "key": key})
+            return
         if meta is None or meta.state != COMPLETE:
             raise ObjectNotFound(f"remove: no object under key {key!r}")
         remaining = meta.lease_until - self.clock()
@@ -318,7 +324,11 @@ class MasterState:
         self.journal({"op": "remove", "key": key})
 
     def remove_all(self, force: bool = False) -> tuple[int, int]:
+        """Remove every complete object (and forget every lost one); returns (removed, refused by a lease)."""
         removed = refused = 0
+        if self.lost:
+            self.lost.clear()
+            self.journal({"op": "forget_lost"})
         for key in [k for k, m in self.objects.items() if m.state == COMPLETE]:
             try:
                 self.remove(key, force)
@@ -435,6 +445,10 @@ class MasterState:
                     meta = self.objects.get(record["key"])
                     if meta is not None:
                         self._release(record["key"], meta)
+                    else:
+                        self.lost.pop(record["key"], None)
+                elif op == "forget_lost":
+                    self.lost.clear()
                 else:
                     log.warning("journal: skipping unknown record %r", op)
         finally:

@@ -482,3 +482,31 @@ def test_small_local_prefetch_completes_at_once_and_errors_come_from_result(loca
     handle = es.prefetch(ids)  # the layer is gone: the read fails, and the failure is the handle's
     with pytest.raises(ObjectNotFound):
         handle.result(timeout=30)
+
+
+def test_a_layer_lost_with_its_writers_segment_can_be_removed_and_populated_again():
+    """A client that mounted the segment holding a layer exits: the layer is lost, not stuck."""
+    config = EngramStoreConfig(table_vocab_sizes=[101, 103], embedding_dim=8)
+    tables = make_tables(config.table_vocab_sizes, 8, seed=5)
+    with Cluster(segments=0, heartbeat_timeout_s=5.0) as cluster:
+        with DistributedStore.connect(cluster.address, segment_size="16MiB") as writer:
+            EngramStore(7, config, writer).populate(tables)
+        # The writer's segment went with it; another client finds the layer absent and can write it again.
+        with DistributedStore.connect(cluster.address, segment_size="16MiB") as store:
+            layer = EngramStore(7, config, store)
+            assert store.batch_is_exist(layer.get_store_keys() + ["engram:l7:manifest"]) == [False] * 3
+            layer.populate(tables)
+            ids = np.array([[[100, 102]]], dtype=np.int64)
+            assert np.array_equal(layer.lookup(ids), expected_rows(tables, ids))
+            assert layer.remove_from_store() == 2
+        with DistributedStore.connect(cluster.address, segment_size="16MiB") as store:
+            layer = EngramStore(7, config, store)
+            layer.populate(tables)
+        with DistributedStore.connect(cluster.address, segment_size="16MiB") as store:
+            # Lost again; remove_from_store(force=True) clears the losses, remove_all as well.
+            layer = EngramStore(7, config, store)
+            assert layer.remove_from_store(force=True) == 2
+            with pytest.raises(ObjectNotFound):
+                store.remove("engram:l7:h0")
+            layer.populate(tables)
+            assert np.array_equal(layer.lookup(ids), expected_rows(tables, ids))

@@ -129,6 +129,34 @@ def test_dead_segment_drops_replicas_and_reports_lost_objects():
     assert [r.segment_id for r in state.get("both").replicas] == [other]
 
 
+def test_a_lost_object_is_removable_and_writable_again():
+    state, _, journal = _state()
+    for key in ("a", "b", "c"):
+        state.put_start(key, 10, 1)
+        state.put_end(key)
+    state.drop_segment("s1", "shut down")
+    state.drop_segment("s2", "shut down")
+    for key in ("a", "b", "c"):
+        assert not state.exists(key)
+        with pytest.raises(ObjectLost, match="shut down"):
+            state.get(key)
+    state.remove("a")  # forgets the loss: the key is absent, as exists() said
+    with pytest.raises(ObjectNotFound):
+        state.get("a")
+    with pytest.raises(ObjectNotFound):
+        state.remove("a")  # a second remove finds nothing
+    assert state.remove_all() == (0, 0)  # forgets every other loss too
+    with pytest.raises(ObjectNotFound):
+        state.get("b")
+    state.register_segment("s3", "127.0.0.1:3", 4096, "", "h")
+    state.put_start("c", 10, 1)
+    state.put_end("c")
+    assert state.exists("c")
+    restored = MasterState()
+    restored.replay(journal)  # the journal replays the losses and their removal
+    assert not restored.lost and restored.exists("c")
+
+
 def test_master_stall_is_not_counted_against_segments():
     state, clock, _ = _state(heartbeat_timeout_s=10.0)
     clock.now += 35  # the master was paused for 35 s; no heartbeat could be processed
