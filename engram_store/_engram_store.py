@@ -562,14 +562,14 @@ class EngramStore:
             placement = self._get_placement(failed)
             local_rows = 0
             if placement.local:
-                for segment, base_elems, heads, words, base_words, per_row, word in placement.local:
-                    if not out_aligned and out3.ctypes.data % word:  # a caller's unaligned buffer: checked path
-                        _kernels.gather_rows_local(segment, base_elems, ids2, heads, self._dim, out3)
-                    elif _kernels.gather_rows_prepared(words, base_words, ids2, heads, per_row,
-                                                       out3.view(_WORD_DTYPES[word])) >= 0:
+                flat = out3.reshape(-1).view(np.uint8)
+                for source in placement.local:
+                    if not out_aligned and flat.ctypes.data % (1 << source.shift):  # a caller's unaligned buffer
+                        source = _kernels.narrower(source, _kernels.word_shift(flat.ctypes.data))
+                    if _kernels.gather_rows(source, ids2, flat) >= 0:
                         raise StoreError(f"layer {self.layer_id}: a row lies outside its mapped segment; the "
                                          "stored layer does not match this configuration")
-                    local_rows += M * heads.size
+                    local_rows += M * source.heads.size
             bad = self._lookup_remote(placement, ids2, out3) if placement.remote else set()
             if not bad:
                 self._counters.add(lookups=1, rows=ids2.size, local_rows=local_rows, retries=round_)
@@ -691,8 +691,9 @@ class EngramStore:
                 r = live[h % len(live)]
                 remote.setdefault(r.address, []).append((h, r.offset))
         placement = _Placement(
-            local=[(seg, base_elems, np.asarray(heads, dtype=np.int64),
-                    *_kernels.local_gather_plan(seg, base_elems, self._dim)) for seg, heads in local.values()],
+            local=[_kernels.row_source(seg.view(np.uint8), base_elems * self._dtype.itemsize,
+                                       np.asarray(heads, dtype=np.int64), self._row_bytes)
+                   for seg, heads in local.values()],
             remote=[(a, np.asarray([h for h, _ in hs], dtype=np.int64), np.asarray([o for _, o in hs], dtype=np.int64))
                     for a, hs in remote.items()],
             order=np.asarray([h for hs in remote.values() for h, _ in hs], dtype=np.int64),
