@@ -4,12 +4,14 @@ Every request header is a map ``{v: PROTOCOL_VERSION, id: int, op: str, ...field
 ``{v, id, ok: True, ...}`` or ``{v, id, ok: False, code: str, message: str}``. Bulk data (object bytes,
 offset/length arrays, gathered rows) travels in the raw frames after the header, never inside msgpack.
 
-:func:`encode` and :func:`decode` are the only places that pack and unpack headers; :class:`Request` gives
-servers typed, bounded access to header fields so that every field is validated before it is acted on.
+:func:`encode` / :func:`decode` (and the serving loop's :func:`pack_header` / :func:`unpack_header`, which they
+use) are the only places that pack and unpack headers; :class:`Request` gives servers typed, bounded access to
+header fields so that every field is validated before it is acted on.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable, Sequence
 
 import msgpack
@@ -26,10 +28,35 @@ _UNPACK_LIMITS = dict(
 )
 
 
+_unpackb = functools.partial(msgpack.unpackb, raw=False, strict_map_key=True, **_UNPACK_LIMITS)
+_packb = functools.partial(msgpack.packb, use_bin_type=True)
+
+
 def encode(header: dict, frames: Iterable[Any] = ()) -> list:
     """Pack a header (a dict with ``v`` added) and append the raw frames unchanged."""
     head = {"v": PROTOCOL_VERSION, **header}
-    return [msgpack.packb(head, use_bin_type=True), *frames]
+    return [_packb(head), *frames]
+
+
+def pack_header(header: dict) -> bytes:
+    """The msgpack bytes of a header that already holds ``v`` (the serving loop's reply path)."""
+    return _packb(header)
+
+
+def unpack_header(raw: Any) -> dict:
+    """Unpack and check one header frame (bytes-like); raise ProtocolError if it is not a versioned map."""
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header frame of {len(raw)} bytes exceeds the limit of {MAX_HEADER_BYTES}")
+    try:
+        header = _unpackb(raw)
+    except Exception as exc:  # msgpack raises several unrelated classes for bad input
+        raise ProtocolError(f"header frame is not valid msgpack: {exc}") from exc
+    if type(header) is not dict:
+        raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
+    version = header.get("v")
+    if version != PROTOCOL_VERSION or type(version) is not int:
+        raise ProtocolError(f"protocol version: expected {PROTOCOL_VERSION}, got {describe(version)}")
+    return header
 
 
 def decode(frames: Sequence[Any]) -> tuple[dict, list]:
@@ -40,19 +67,7 @@ def decode(frames: Sequence[Any]) -> tuple[dict, list]:
     if not frames:
         raise ProtocolError("empty message: expected a msgpack header frame")
     first = frames[0]
-    raw = first.buffer if hasattr(first, "buffer") else first
-    if len(raw) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header frame of {len(raw)} bytes exceeds the limit of {MAX_HEADER_BYTES}")
-    try:
-        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, **_UNPACK_LIMITS)
-    except Exception as exc:  # msgpack raises several unrelated classes for bad input
-        raise ProtocolError(f"header frame is not valid msgpack: {exc}") from exc
-    if not isinstance(header, dict):
-        raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
-    version = header.get("v")
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version: expected {PROTOCOL_VERSION}, got {describe(version)}")
-    return header, list(frames[1:])
+    return unpack_header(first.buffer if hasattr(first, "buffer") else first), list(frames[1:])
 
 
 def ok_reply(request_id: int, fields: dict | None = None) -> dict:
@@ -103,6 +118,13 @@ class Request:
         self.id = rid
         self.op = op
 
+    @classmethod
+    def checked(cls, header: dict, frames: list, rid: int, op: str) -> "Request":
+        """A request whose ``id`` and ``op`` the caller already validated (the serving loop's fast path)."""
+        req = cls.__new__(cls)
+        req.header, req.frames, req.id, req.op = header, frames, rid, op
+        return req
+
     def _get(self, name: str, default: Any) -> Any:
         if name in self.header:
             return self.header[name]
@@ -143,8 +165,8 @@ class Request:
             raise InvalidArgument(f"field {name!r}: expected true or false, got {describe(value)}")
         return value
 
-    def str_list(self, name: str, max_items: int = 1 << 16, max_len: int = 4096) -> list[str]:
-        value = self._get(name, _REQUIRED)
+    def str_list(self, name: str, max_items: int = 1 << 16, max_len: int = 4096, default: Any = None) -> list[str]:
+        value = self._get(name, _REQUIRED if default is None else default)
         if not isinstance(value, list) or len(value) > max_items:
             raise InvalidArgument(f"field {name!r}: expected a list of at most {max_items} strings, got {describe(value)}")
         for i, item in enumerate(value):

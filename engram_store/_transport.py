@@ -19,9 +19,9 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ._auth import AuthKeys, HandshakeWatch, ensure_authenticator
-from ._errors import EngramError, ProtocolError, Unavailable, error_from_reply
+from ._errors import EngramError, ProtocolError, Unavailable, describe, error_from_reply
 from ._metrics import RequestMetrics
-from ._protocol import Request, decode, encode, error_reply, ok_reply
+from ._protocol import PROTOCOL_VERSION, Request, decode, encode, error_reply, pack_header, unpack_header
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,12 @@ DEFAULT_TIMEOUT_MS = 10_000
 DEFAULT_MAX_MESSAGE_BYTES = 512 << 20
 #: Bound on queued messages per peer, so a flood cannot grow a server's memory without limit.
 DEFAULT_HWM = 1000
+#: Reply frames at least this long are sent zero-copy (ZeroMQ pins the buffer until it is on the wire);
+#: shorter ones are copied, which costs less than the pinning.
+ZERO_COPY_MIN_BYTES = 1 << 20
+#: How often the thread reading a server's handshake events checks whether the server is closing.
+MONITOR_WAKE_MS = 200
+_MORE = zmq.SNDMORE | zmq.NOBLOCK
 
 
 def _context() -> zmq.Context:
@@ -44,9 +50,14 @@ class RpcServer:
     Handlers return a reply-fields dict, or ``(fields, frames)``; an exception becomes an error reply and
     the loop keeps serving. ``tick`` (if given) runs every ``tick_ms`` from the serving thread.
 
+    The loop blocks in ``recv`` with a receive timeout of ``tick_ms``, so an idle server wakes only to tick
+    and to notice :meth:`stop`; a busy one goes from message to message without polling. Reply frames
+    shorter than :data:`ZERO_COPY_MIN_BYTES` are copied into the message (cheaper than handing ZeroMQ a
+    buffer to pin and release), longer ones are sent zero-copy.
+
     With ``auth`` (keys loaded with ``load_keys(dir, server=True)``) the socket is a CURVE server that admits
     only the clients authorised in that key directory (see :mod:`engram_store._auth`); refused connections
-    are logged at WARNING.
+    are logged at WARNING by a small thread that reads the socket's monitor events.
     """
 
     def __init__(
@@ -62,6 +73,8 @@ class RpcServer:
         auth: AuthKeys | None = None,
         metrics_prefix: str = "engram",
     ):
+        if tick_ms <= 0:
+            raise ValueError(f"tick_ms: expected > 0, got {tick_ms}")
         self.name = name
         self.handlers = handlers
         self.metrics = RequestMetrics(metrics_prefix)
@@ -69,12 +82,15 @@ class RpcServer:
         self._tick_ms = tick_ms
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._monitor_thread: threading.Thread | None = None
         self._closed = False
         self.socket = _context().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self.socket.setsockopt(zmq.RCVHWM, DEFAULT_HWM)
         self.socket.setsockopt(zmq.SNDHWM, DEFAULT_HWM)
+        self.socket.setsockopt(zmq.RCVTIMEO, tick_ms)
+        self.socket.copy_threshold = ZERO_COPY_MIN_BYTES
         self._monitor: zmq.Socket | None = None
         self._watch: HandshakeWatch | None = None
         if auth is not None:
@@ -85,6 +101,7 @@ class RpcServer:
                 self.socket.curve_server = True
                 self.socket.curve_secretkey = auth.server_secret
                 self._monitor = self.socket.get_monitor_socket(HandshakeWatch.EVENTS)
+                self._monitor.setsockopt(zmq.RCVTIMEO, MONITOR_WAKE_MS)
             except BaseException:
                 self.socket.close(0)
                 raise
@@ -101,6 +118,11 @@ class RpcServer:
             self.socket.close(0)
             raise Unavailable(f"{name}: cannot bind tcp://{bind_host}:{port}: {exc}") from exc
         self.host = host
+        if self._monitor is not None:
+            # The serving loop blocks in recv, so refused handshakes are read by a thread of their own.
+            self._monitor_thread = threading.Thread(target=self._watch_handshakes, daemon=True,
+                                                    name=f"engram-{name}-monitor")
+            self._monitor_thread.start()
 
     @property
     def address(self) -> str:
@@ -108,47 +130,50 @@ class RpcServer:
 
     def serve_forever(self) -> None:
         """Serve until :meth:`stop` is called (from any thread) or the process is interrupted."""
-        poller = zmq.Poller()
-        poller.register(self.socket, zmq.POLLIN)
-        if self._monitor is not None:
-            poller.register(self._monitor, zmq.POLLIN)
-        next_tick = time.monotonic()
-        try:
-            while not self._stop.is_set():
-                events = dict(poller.poll(self._tick_ms))
-                if self._monitor is not None and self._monitor in events:
-                    self._read_monitor()
-                if self.socket in events:
-                    # Drain what is queued, but keep ticking under load.
-                    for _ in range(256):
-                        try:
-                            msg = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._handle(msg)
-                if self._tick is not None and time.monotonic() >= next_tick:
-                    next_tick = time.monotonic() + self._tick_ms / 1000.0
+        recv = self.socket.recv_multipart
+        handle = self._handle
+        stop = self._stop
+        tick = self._tick
+        tick_s = self._tick_ms / 1000.0
+        next_tick = time.monotonic() + tick_s if tick is not None else float("inf")
+        while not stop.is_set():
+            try:
+                msg = recv(copy=False)
+            except zmq.Again:  # idle for tick_ms: only the tick and the stop check to do
+                msg = None
+            except zmq.ZMQError as exc:
+                if self._closed or exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
+                    return
+                log.warning("%s: receive failed: %s", self.name, exc)
+                continue
+            if msg is not None:
+                handle(msg)
+            if tick is not None:
+                now = time.monotonic()
+                if now >= next_tick:
+                    next_tick = now + tick_s
                     try:
-                        self._tick()
+                        tick()
                     except Exception:  # a tick failure must not stop the server
                         log.exception("%s: periodic task failed", self.name)
-        finally:
-            poller.unregister(self.socket)
-            if self._monitor is not None:
-                poller.unregister(self._monitor)
 
-    def _read_monitor(self) -> None:
-        while True:
+    def _watch_handshakes(self) -> None:
+        monitor, watch, stop = self._monitor, self._watch, self._stop
+        while not stop.is_set():
             try:
-                msg = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+                event = recv_monitor_message(monitor)
             except zmq.Again:
-                return
-            except (zmq.ZMQError, ValueError, IndexError) as exc:
+                continue
+            except zmq.ZMQError:
+                return  # the socket was closed: the server is going away
+            except (ValueError, IndexError) as exc:
                 log.debug("%s: unreadable monitor event: %s", self.name, exc)
-                return
-            self._watch.handle(msg["event"], msg["value"])
+                continue
+            watch.handle(event["event"], event["value"])
 
     def _close_monitor(self) -> None:
+        if self._monitor_thread is not None and self._monitor_thread is not threading.current_thread():
+            self._monitor_thread.join(timeout=5)
         if self._monitor is not None:
             try:
                 self.socket.disable_monitor()
@@ -160,32 +185,54 @@ class RpcServer:
     def _handle(self, msg: list) -> None:
         if len(msg) < 2:
             return  # not even an identity and a header: nothing to answer to
-        identity, body = msg[0], msg[1:]
+        start = time.perf_counter()
         request_id: object = -1
         op = "malformed"
         ok = False
-        start = time.perf_counter()
+        frames: Sequence[Any] = ()
         try:
-            header, frames = decode(body)
-            request_id = header.get("id", -1)
-            req = Request(header, frames)
-            handler = self.handlers.get(req.op)
+            header = unpack_header(msg[1].buffer)
+            request_id = header.get("id")
+            name = header.get("op")
+            if type(request_id) is not int:
+                raise ProtocolError(f"field 'id': expected an integer request id, got {describe(request_id)}")
+            if type(name) is not str:
+                raise ProtocolError(f"field 'op': expected a string, got {describe(name)}")
+            handler = self.handlers.get(name)
             if handler is None:
                 op = "unknown"
-                raise ProtocolError(f"unknown op {req.op!r}; this server answers {sorted(self.handlers)}")
-            op = req.op
-            result = handler(req)
-            fields, out_frames = (result if isinstance(result, tuple) else (result, ()))
-            reply = encode(ok_reply(req.id, fields), out_frames)
+                raise ProtocolError(f"unknown op {name!r}; this server answers {sorted(self.handlers)}")
+            op = name
+            result = handler(Request.checked(header, msg[2:], request_id, name))
+            if type(result) is tuple:
+                fields, frames = result
+            else:
+                fields = result
+            reply = {"v": PROTOCOL_VERSION, "id": request_id, "ok": True}
+            if fields:
+                reply.update(fields)
+            head = pack_header(reply)
             ok = True
         except EngramError as exc:
-            reply = encode(error_reply(request_id, exc))
+            head = pack_header({"v": PROTOCOL_VERSION, **error_reply(request_id, exc)})
+            frames = ()
         except Exception as exc:  # a bug in a handler: answer, log, keep serving
             log.exception("%s: handler failed", self.name)
-            reply = encode(error_reply(request_id, exc))
+            head = pack_header({"v": PROTOCOL_VERSION, **error_reply(request_id, exc)})
+            frames = ()
         self.metrics.record(op, time.perf_counter() - start, ok)
+        # A ROUTER never blocks on send (a message to a gone or flooded peer is dropped), so NOBLOCK only
+        # guards against surprises; copy=False lets copy_threshold pick copy or zero-copy per frame.
+        sock = self.socket
         try:
-            self.socket.send_multipart([identity, *reply], copy=False, flags=zmq.NOBLOCK)
+            sock.send(msg[0], _MORE, copy=False)
+            if not frames:
+                sock.send(head, zmq.NOBLOCK, copy=False)
+                return
+            sock.send(head, _MORE, copy=False)
+            last = len(frames) - 1
+            for i, frame in enumerate(frames):
+                sock.send(frame, _MORE if i < last else zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
             log.warning("%s: could not send a reply: %s", self.name, exc)
 
