@@ -13,6 +13,7 @@ from engram_store._protocol import PROTOCOL_VERSION, Request
 from engram_store._auth import AuthKeys
 from engram_store._metrics import MetricsEndpoint, gauge
 from engram_store._transport import Connection, RpcServer
+from engram_store._units import parse_address
 
 from ._journal import Journal
 from ._state import MasterState, RepairJob, Segment
@@ -29,6 +30,8 @@ MAX_KEY_LEN = 1024
 MAX_BATCH = 1 << 16
 MAX_MANIFEST_OBJECTS = 1 << 20
 MAX_OBJECT_BYTES = 1 << 50
+#: At most this many reader sockets per segment (engram-segment --readers allows 64).
+MAX_READ_ADDRESSES = 256
 #: A gap between two liveness checks longer than this means the master itself was not running.
 STALL_GAP_S = 1.0
 TICK_MS = 100
@@ -208,7 +211,8 @@ class MasterServer:
         known = self.state.register_segment(
             req.str("segment_id", 128), req.str("address", 512), req.int("size", 0, MAX_OBJECT_BYTES),
             req.str("shm_path", 4096, default="", allow_empty=True), req.str("host_id", 256, default="", allow_empty=True),
-                req.str("public_key", 128, default="", allow_empty=True), _manifest_objects(req),
+            req.str("public_key", 128, default="", allow_empty=True), _manifest_objects(req),
+            read_addresses=_read_addresses(req),
         )
         return {"known": known, "heartbeat_interval_ms": int(self.state.heartbeat_timeout_s * 1000 / 4)}
 
@@ -308,7 +312,16 @@ class MasterServer:
     def _replica(segment: Segment, offset: int) -> dict:
         return {"segment_id": segment.segment_id, "address": segment.address, "offset": offset,
                 "shm_path": segment.shm_path, "host_id": segment.host_id, "size": segment.size,
-                "public_key": segment.public_key}
+                "public_key": segment.public_key, "read_addresses": list(segment.read_addresses)}
+
+
+def _read_addresses(req: Request) -> tuple[str, ...]:
+    """The optional ``read_addresses`` field of ``register_segment``: the segment's reader sockets as
+    ``"host:port"`` strings (absent from segments that predate reader sockets: none)."""
+    addresses = req.str_list("read_addresses", MAX_READ_ADDRESSES, 512, default=[])
+    for i, address in enumerate(addresses):
+        parse_address(address, f"field 'read_addresses'[{i}]")
+    return tuple(addresses)
 
 
 def _manifest_objects(req: Request) -> list[tuple[str, int, int, int]]:

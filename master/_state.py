@@ -42,6 +42,8 @@ class Segment:
     allocator: FreeListAllocator
     last_heartbeat: float
     public_key: str = ""
+    #: ``host:port`` of the segment's reader sockets (read_ranges and ping only); empty for older segments.
+    read_addresses: tuple[str, ...] = ()
     #: Bumped whenever the set of complete objects with a replica here changes; a durable segment compares
     #: it with the version of its manifest and fetches its catalogue when they differ.
     catalog_version: int = 0
@@ -54,6 +56,7 @@ class Segment:
             "used": self.allocator.used,
             "shm_path": self.shm_path,
             "host_id": self.host_id,
+            "read_addresses": list(self.read_addresses),
         }
 
 
@@ -107,9 +110,12 @@ class MasterState:
 
     def register_segment(
         self, segment_id: str, address: str, size: int, shm_path: str, host_id: str, public_key: str = "",
-        objects: list[tuple[str, int, int, int]] | None = None,
+        objects: list[tuple[str, int, int, int]] | None = None, read_addresses: tuple[str, ...] = (),
     ) -> bool:
         """Add a segment (or refresh a known one); returns True when it was already known.
+
+        ``read_addresses`` are the segment's reader sockets (they change when it restarts, so a known
+        segment's are replaced).
 
         ``objects`` is what a durable segment's manifest says it holds, as ``(key, offset, size, replica_num)``.
         They are adopted only when this master does not know the segment (it lost its state, or dropped the
@@ -125,14 +131,18 @@ class MasterState:
                 )
             known.address, known.shm_path, known.host_id = address, shm_path, host_id
             known.public_key = public_key
+            known.read_addresses = tuple(read_addresses)
             known.last_heartbeat = now
         else:
             self.segments[segment_id] = Segment(
-                segment_id, address, size, shm_path, host_id, FreeListAllocator(size), now, public_key
+                segment_id, address, size, shm_path, host_id, FreeListAllocator(size), now, public_key,
+                tuple(read_addresses),
             )
-            log.info("segment %s registered at %s (%d bytes)", segment_id, address, size)
+            log.info("segment %s registered at %s (%d bytes, %d reader sockets)", segment_id, address, size,
+                     len(read_addresses))
         self.journal({"op": "segment", "segment_id": segment_id, "address": address, "size": size,
-                      "shm_path": shm_path, "host_id": host_id, "public_key": public_key})
+                      "shm_path": shm_path, "host_id": host_id, "public_key": public_key,
+                      "read_addresses": list(read_addresses)})
         if known is None and objects:
             self._adopt(self.segments[segment_id], objects)
         return known is not None
@@ -436,7 +446,8 @@ class MasterState:
                 op = record.get("op")
                 if op == "segment":
                     self.register_segment(record["segment_id"], record["address"], record["size"],
-                                          record["shm_path"], record["host_id"], record.get("public_key", ""))
+                                          record["shm_path"], record["host_id"], record.get("public_key", ""),
+                                          read_addresses=tuple(record.get("read_addresses") or ()))
                 elif op == "drop_segment":
                     self.drop_segment(record["segment_id"], record.get("reason", "was dropped"))
                 elif op == "object":
@@ -470,7 +481,8 @@ class MasterState:
     def snapshot(self) -> list[dict]:
         """The journal records that rebuild the current durable state (used to compact the journal)."""
         records = [{"op": "segment", "segment_id": s.segment_id, "address": s.address, "size": s.size,
-                    "shm_path": s.shm_path, "host_id": s.host_id, "public_key": s.public_key}
+                    "shm_path": s.shm_path, "host_id": s.host_id, "public_key": s.public_key,
+                    "read_addresses": list(s.read_addresses)}
                    for s in self.segments.values()]
         records += [{"op": "object", "key": k, "size": m.size, "replica_num": m.replica_num,
                      "replicas": [[r.segment_id, r.offset] for r in m.replicas]}

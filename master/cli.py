@@ -136,11 +136,12 @@ def status(argv: list[str]) -> int:
                                                              if header["pending"] else ""))
     if segments:
         width = max(len(s["address"]) for s in segments)
-        print(f"  {'address':<{width}}  {'size':>12}  {'used':>12}  {'used%':>6}  segment")
+        print(f"  {'address':<{width}}  {'size':>12}  {'used':>12}  {'used%':>6}  {'readers':>7}  segment")
         for s in segments:
             pct = 100.0 * s["used"] / s["size"] if s["size"] else 0.0
+            readers = len(s.get("read_addresses") or ())
             print(f"  {s['address']:<{width}}  {format_size(s['size']):>12}  {format_size(s['used']):>12}  "
-                  f"{pct:5.1f}%  {s['segment_id']}")
+                  f"{pct:5.1f}%  {readers:>7}  {s['segment_id']}")
     return 0
 
 
