@@ -3,10 +3,17 @@
 By default the segment is a shared-memory file (``/dev/shm/engram-<id>``), so a client on the same host can
 map it read-only and read with no request at all ("local-direct"). Every offset and length a request
 carries is checked against the segment before any byte moves.
+
+Reads are served by the main socket and by ``readers`` reader threads, each with a ROUTER socket of its own
+(registered with the master as the segment's ``read_addresses``); all gather from one read-only view of the
+mapping with a kernel that releases the GIL. Writes go into the segment's file with ``pwrite`` rather than
+through the mapping, so they never pay page faults; a background thread prefaults the mapping at start so
+the first reads do not either.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import logging
@@ -21,7 +28,7 @@ import uuid
 import numpy as np
 
 from . import _kernels
-from ._errors import ConfigError, EngramError, InvalidArgument, MasterUnavailable, OutOfSpace
+from ._errors import ConfigError, EngramError, InvalidArgument, MasterUnavailable, OutOfSpace, RemoteError
 from ._protocol import PROTOCOL_VERSION, Request, frame_array, frame_bytes
 from ._auth import AuthKeys
 from ._transport import Connection, RpcServer
@@ -35,7 +42,17 @@ MAX_WRITE_BYTES = 64 << 20
 MAX_RANGES = 1 << 22
 #: A single-range read at least this long is sent from the segment memory without a gather copy.
 ZERO_COPY_BYTES = 1 << 20
+#: Reader threads a segment starts by default: each serves reads on a socket of its own, so several clients'
+#: requests are received, gathered and answered at once (the gather and the socket I/O release the GIL).
+DEFAULT_READERS = 2
+MAX_READERS = 64
 SHM_DIR = "/dev/shm"
+#: The prefault thread maps this much of the segment per madvise call (and checks for close in between).
+PREFAULT_CHUNK_BYTES = 64 << 20
+THP_SHMEM_SETTING = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+# madvise(2) advice values (Linux): MADV_POPULATE_READ needs 5.14; MADV_HUGEPAGE asks for 2 MiB pages.
+MADV_HUGEPAGE = 14
+MADV_POPULATE_READ = 22
 
 
 def host_id() -> str:
@@ -77,8 +94,56 @@ def reap_orphans(directory: str = SHM_DIR) -> list[str]:
     return removed
 
 
+_libc: ctypes.CDLL | None = None
+_thp_logged = False
+
+
+def madvise(address: int, length: int, advice: int) -> int:
+    """``madvise(2)`` through libc: 0, or the errno. ctypes releases the GIL for the call (Python's
+    ``mmap.madvise`` does not), so prefaulting gigabytes does not stall the serving threads."""
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL(None, use_errno=True)
+        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        lib.madvise.restype = ctypes.c_int
+        _libc = lib
+    if _libc.madvise(address, length, advice) == 0:
+        return 0
+    return ctypes.get_errno() or errno.EINVAL
+
+
+def shmem_huge_pages() -> str:
+    """The kernel's transparent-huge-page policy for shared memory: ``never``, ``advise``, ``within_size``,
+    ``always``, ... (the bracketed word of /sys/kernel/mm/transparent_hugepage/shmem_enabled), or ``""``."""
+    try:
+        with open(THP_SHMEM_SETTING) as f:
+            text = f.read()
+    except OSError:
+        return ""
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else ""
+
+
+def _log_huge_page_policy(policy: str) -> None:
+    global _thp_logged
+    if _thp_logged:
+        return
+    _thp_logged = True
+    if policy in ("advise", "within_size", "always", "force"):
+        log.info("transparent huge pages for shared memory: shmem_enabled=%s; segment mappings ask for 2 MiB "
+                 "pages (madvise MADV_HUGEPAGE)", policy)
+    else:
+        log.info("transparent huge pages for shared memory: shmem_enabled=%s; segments use 4 KiB pages "
+                 "(set it to 'advise' or 'within_size' for 2 MiB pages)", policy or "unavailable")
+
+
 class SegmentMemory:
-    """A segment's bytes: a shared-memory (or regular) file mapped read-write, removed on close."""
+    """A segment's bytes: a shared-memory (or regular) file mapped read-write, removed on close.
+
+    The file stays open (``fd``): writes go in with ``pwrite`` (:meth:`write`), which moves bytes at
+    memory speed where a copy into a freshly mapped page pays a fault per 4 KiB, and :meth:`flush` is an
+    ``fsync`` of it. The mapping is what reads gather from; :meth:`prefault` maps it in ahead of them.
+    """
 
     def __init__(self, size: int, path: str | None = None, keep_file: bool = False):
         if size <= 0:
@@ -115,14 +180,48 @@ class SegmentMemory:
             if not keep_file:
                 os.unlink(path)
             raise
-        os.close(fd)
+        self.fd = fd
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.address = self.array.ctypes.data
         self._closed = False
+        if os.path.dirname(path) == SHM_DIR:
+            policy = shmem_huge_pages()
+            _log_huge_page_policy(policy)
+            if policy in ("advise", "within_size", "always", "force"):
+                err = madvise(self.address, size, MADV_HUGEPAGE)
+                if err:
+                    log.debug("segment %s: madvise(MADV_HUGEPAGE) failed: %s", path, os.strerror(err))
+
+    def write(self, offset: int, data: memoryview) -> int:
+        """Write ``data`` at ``offset`` with ``pwrite`` (the caller checked that it fits); returns its length."""
+        view = data if isinstance(data, memoryview) else memoryview(data)
+        if view.ndim != 1 or view.itemsize != 1:
+            view = view.cast("B")
+        done, n = 0, view.nbytes
+        while done < n:
+            written = os.pwrite(self.fd, view[done:], offset + done)
+            if written <= 0:
+                raise OSError(errno.EIO, f"pwrite wrote nothing at offset {offset + done}")
+            done += written
+        return n
+
+    def prefault(self, stop: threading.Event, chunk_bytes: int = PREFAULT_CHUNK_BYTES) -> int:
+        """Map every page of the segment into this process (MADV_POPULATE_READ), chunk by chunk, until done
+        or ``stop`` is set; returns the bytes prefaulted. Kernels before 5.14 lack the advice: nothing happens."""
+        done = 0
+        while done < self.size and not stop.is_set() and not self._closed:
+            n = min(chunk_bytes, self.size - done)
+            err = madvise(self.address + done, n, MADV_POPULATE_READ)
+            if err:
+                log.debug("segment %s: prefault stopped at %d bytes: %s", self.path, done, os.strerror(err))
+                break
+            done += n
+        return done
 
     def flush(self) -> None:
-        """Write dirty pages of a file-backed segment to the file (msync)."""
+        """Make the segment's bytes durable in its file (fsync; writes went in with pwrite)."""
         if not self._closed:
-            self._mmap.flush()
+            os.fsync(self.fd)
 
     def close(self) -> None:
         if self._closed:
@@ -133,6 +232,7 @@ class SegmentMemory:
             self._mmap.close()
         except BufferError:
             log.debug("segment %s: memory still referenced at close; leaving the mapping to the GC", self.path)
+        os.close(self.fd)
         if not self._keep_file:
             try:
                 os.unlink(self.path)
@@ -189,6 +289,12 @@ class Manifest:
 class SegmentServer:
     """One memory segment behind a ROUTER socket, registered with (and heartbeating to) a master.
 
+    The main socket (``address``) serves everything: writes, reads and pings. ``readers`` reader threads
+    (default :data:`DEFAULT_READERS`; 0 for none) each bind a ROUTER socket of their own on the same host
+    (ports ``port + 1 ...`` when ``port`` is given, else any free ports), serve ``read_ranges`` and ``ping``
+    only, and are registered with the master as ``read_addresses``; with ``auth`` they require the same
+    CURVE keys as the main socket. They stop with the segment.
+
     A context manager; :meth:`close` unregisters from the master, stops serving and removes the
     shared-memory file. Use :meth:`start` to serve from a background thread (a segment mounted in a client
     process), or :meth:`serve_forever` to serve from the calling thread (the ``engram-segment`` CLI).
@@ -206,7 +312,10 @@ class SegmentServer:
         rpc_timeout_ms: int = 5000,
         file: str | None = None,
         auth: AuthKeys | None = None,
+        readers: int = DEFAULT_READERS,
     ):
+        if not isinstance(readers, int) or isinstance(readers, bool) or not 0 <= readers <= MAX_READERS:
+            raise InvalidArgument(f"readers: expected an integer in [0, {MAX_READERS}], got {readers!r}")
         self.manifest: Manifest | None = None
         if file is not None:
             self.manifest = Manifest(os.path.abspath(file), size)
@@ -226,26 +335,46 @@ class SegmentServer:
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
         self._closed = False
-        _kernels.warmup()
-        handlers = {"ping": self._ping, "write": self._write, "read_ranges": self._read_ranges}
+        # Reads gather from one read-only view of the mapping, built once.
+        self._src = _kernels.readonly(self.memory.array)
+        # Map the segment in the background, so the first reads do not page-fault; start-up does not wait.
+        self._prefault_thread = threading.Thread(target=self.memory.prefault, args=(self._stop,), daemon=True,
+                                                 name=f"engram-prefault-{self.segment_id[:8]}")
+        self._prefault_thread.start()
+        self.server: RpcServer | None = None
+        self._readers: list[RpcServer] = []
         try:
-            self.server = RpcServer(host, port, f"segment {self.segment_id[:8]}", handlers,
-                                    max_message_bytes=MAX_WRITE_BYTES + (1 << 20), auth=auth)
+            _kernels.warmup()
+            name = f"segment {self.segment_id[:8]}"
+            max_bytes = MAX_WRITE_BYTES + (1 << 20)
+            self.server = RpcServer(host, port, name, {"ping": self._ping, "write": self._write,
+                                                       "read_ranges": self._read_ranges},
+                                    max_message_bytes=max_bytes, auth=auth)
+            read_handlers = {"ping": self._ping, "read_ranges": self._read_ranges}
+            for i in range(readers):
+                self._readers.append(RpcServer(host, port + 1 + i if port else 0, f"{name} reader {i}",
+                                               read_handlers, max_message_bytes=max_bytes, auth=auth))
         except BaseException:
-            self.memory.close()
+            self._close_servers()
+            self._release_memory()
             raise
         self.heartbeat_interval_s = 1.0
         if master is not None:
             try:
                 self._register(deadline=time.monotonic() + register_timeout_s)
             except BaseException:
-                self.server.close()
-                self.memory.close()
+                self._close_servers()
+                self._release_memory()
                 raise
 
     @property
     def address(self) -> str:
         return self.server.address
+
+    @property
+    def read_addresses(self) -> list[str]:
+        """``host:port`` of each reader thread's socket (``read_ranges`` and ``ping`` only)."""
+        return [reader.address for reader in self._readers]
 
     @property
     def size(self) -> int:
@@ -261,7 +390,7 @@ class SegmentServer:
                 try:
                     header, _ = conn.call("register_segment", {
                         "segment_id": self.segment_id, "address": self.address, "size": self.size,
-                        "shm_path": self.memory.path, "host_id": host_id(),
+                        "read_addresses": self.read_addresses, "shm_path": self.memory.path, "host_id": host_id(),
                         "public_key": self._master_curve[0].decode() if self._master_curve else "",
                         "objects": self.manifest.objects if self.manifest else [],
                     }, timeout_ms=self._rpc_timeout_ms)
@@ -317,30 +446,57 @@ class SegmentServer:
         if data.nbytes > self.size - offset:
             raise InvalidArgument(
                 f"write: {data.nbytes} bytes at offset {offset} end past the segment's {self.size} bytes")
-        self.memory.array[offset:offset + data.nbytes] = np.frombuffer(data, dtype=np.uint8)
+        try:
+            self.memory.write(offset, data)
+        except OSError as exc:
+            raise RemoteError(f"write: {data.nbytes} bytes at offset {offset} of segment {self.segment_id}: "
+                              f"{exc.strerror or exc}") from exc
         return {"written": data.nbytes}
 
     def _read_ranges(self, req: Request) -> tuple[dict, list]:
-        if len(req.frames) != 2:
-            raise InvalidArgument(f"read_ranges: expected 2 frames (offsets, lengths), got {len(req.frames)}")
-        offsets = frame_array(req.frames[0], np.int64, "offsets")
-        lengths = frame_array(req.frames[1], np.int64, "lengths", count=offsets.size)
-        if offsets.size > MAX_RANGES:
-            raise InvalidArgument(f"read_ranges: at most {MAX_RANGES} ranges per request, got {offsets.size}")
-        bad = _kernels.check_ranges(offsets, lengths, self.size)
-        if bad >= 0:
-            raise InvalidArgument(
-                f"read_ranges: range {bad} (offset {int(offsets[bad])}, length {int(lengths[bad])}) "
-                f"is outside the segment of {self.size} bytes")
+        """Gather byte ranges: one frame of int64 ``[R, 2]`` (offset, length) pairs, or the older two frames
+        (offsets, lengths). Served by the main socket and every reader thread at once."""
+        frames = req.frames
+        if len(frames) == 1:
+            buf = frame_bytes(frames[0])
+            if buf.nbytes % 16:
+                raise InvalidArgument(f"read_ranges: pairs frame of {buf.nbytes} bytes: expected a whole number "
+                                      "of int64 (offset, length) pairs (16 bytes each)")
+            pairs = np.frombuffer(buf, dtype=np.int64).reshape(-1, 2)
+        elif len(frames) == 2:
+            offsets = frame_array(frames[0], np.int64, "offsets")
+            lengths = frame_array(frames[1], np.int64, "lengths", count=offsets.size)
+            pairs = np.stack((offsets, lengths), axis=1)
+        else:
+            raise InvalidArgument(f"read_ranges: expected 1 frame (int64 [R, 2] offset, length pairs) or 2 frames "
+                                  f"(offsets, lengths), got {len(frames)}")
+        count = pairs.shape[0]
+        if count > MAX_RANGES:
+            raise InvalidArgument(f"read_ranges: at most {MAX_RANGES} ranges per request, got {count}")
+        if count == 0:
+            return {"bytes": 0}, [b""]
+        lengths = pairs[:, 1]
+        if lengths.min() < 0:
+            bad = int(np.argmax(lengths < 0))
+            raise InvalidArgument(f"read_ranges: range {bad} length: expected >= 0, got {int(lengths[bad])}")
+        # Non-negative lengths of ranges the kernel checks against a segment far below 2**63 / MAX_RANGES
+        # bytes: a sum that wrapped around int64 implies a range outside the segment, which the kernel refuses.
         total = int(lengths.sum())
-        if total > MAX_READ_BYTES:
-            raise InvalidArgument(f"read_ranges: {total} bytes requested, at most {MAX_READ_BYTES} per request")
-        if offsets.size == 1 and total >= ZERO_COPY_BYTES:
+        if not 0 <= total <= MAX_READ_BYTES:
+            raise InvalidArgument(f"read_ranges: total length: expected at most {MAX_READ_BYTES} bytes per "
+                                  f"request, got {total if total >= 0 else 'more than 2**63'}")
+        if count == 1 and total >= ZERO_COPY_BYTES:
             # One long range (a chunk of a large object) goes out straight from the segment, no gather copy.
-            start = int(offsets[0])
-            return {"bytes": total}, [memoryview(self.memory.array[start:start + total])]
+            start = int(pairs[0, 0])
+            if not 0 <= start <= self.size - total:
+                raise InvalidArgument(f"read_ranges: range 0 (offset {start}, length {total}) is outside the "
+                                      f"segment of {self.size} bytes")
+            return {"bytes": total}, [memoryview(self._src[start:start + total])]
         out = np.empty(total, dtype=np.uint8)
-        _kernels.gather_ranges(self.memory.array, offsets, lengths, out, ranges_checked=True)
+        bad = _kernels.gather_pairs(self._src, pairs, out, total)
+        if bad >= 0:
+            raise InvalidArgument(f"read_ranges: range {bad} (offset {int(pairs[bad, 0])}, length "
+                                  f"{int(pairs[bad, 1])}) is outside the segment of {self.size} bytes")
         return {"bytes": total}, [out]
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -351,17 +507,41 @@ class SegmentServer:
                                                       name=f"engram-heartbeat-{self.segment_id[:8]}")
             self._heartbeat_thread.start()
 
+    def _start_readers(self) -> None:
+        for reader in self._readers:
+            if reader._thread is None:
+                reader.start()
+
     def start(self) -> "SegmentServer":
         self._start_heartbeats()
+        self._start_readers()
         self.server.start()
         return self
 
     def serve_forever(self) -> None:
         self._start_heartbeats()
+        self._start_readers()
         self.server.serve_forever()
 
     def stop(self) -> None:
         self.server.stop()
+
+    def _close_servers(self) -> None:
+        """Stop and close the reader threads' sockets and the main socket (each join is bounded)."""
+        for reader in self._readers:
+            reader.stop()
+        if self.server is not None:
+            self.server.stop()
+        for reader in self._readers:
+            reader.close()
+        if self.server is not None:
+            self.server.close()
+
+    def _release_memory(self) -> None:
+        self._stop.set()
+        self._prefault_thread.join()  # at most one madvise chunk: the mapping must outlive it
+        self._src = None
+        self.memory.close()
 
     def close(self, unregister: bool = True) -> None:
         if self._closed:
@@ -389,8 +569,8 @@ class SegmentServer:
                 log.info("segment %s: could not unregister from %s: %s", self.segment_id, self.master_address, exc)
             finally:
                 conn.close()
-        self.server.close()
-        self.memory.close()
+        self._close_servers()
+        self._release_memory()
 
     def __enter__(self) -> "SegmentServer":
         return self

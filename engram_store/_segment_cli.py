@@ -1,6 +1,6 @@
 """``engram-segment``: run one segment server that registers with a master.
 
-    engram-segment --master 127.0.0.1:50051 --size 4GiB [--host 127.0.0.1] [--port 0] [--auth DIR]
+    engram-segment --master 127.0.0.1:50051 --size 4GiB [--host 127.0.0.1] [--port 0] [--readers 2] [--auth DIR]
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 from ._auth import AUTH_DIR_ENV, exposure_warning, load_keys, resolve_auth_dir
 from ._errors import EngramError, MasterUnavailable
-from ._segment import SegmentServer
+from ._segment import DEFAULT_READERS, MAX_READERS, SegmentServer
 from ._transport import serve_until_signalled
 from ._units import parse_address, parse_size
 
@@ -25,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--file", metavar="PATH",
                    help="keep the segment in PATH (memory-mapped) with a manifest in PATH.manifest, so a restart on "
                         "the same file brings its objects back (default: shared memory, gone at exit)")
+    p.add_argument("--readers", type=int, default=DEFAULT_READERS, metavar="N",
+                   help=f"reader threads, each serving reads on a socket of its own (ports PORT+1.. with --port, "
+                        f"else any free ports), registered with the master for clients to spread reads over; "
+                        f"0 serves reads on the main socket only (default: {DEFAULT_READERS}, at most {MAX_READERS})")
     p.add_argument("--register-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="how long to keep trying to reach the master at start (default: 30)")
     p.add_argument("--auth", metavar="DIR", default=resolve_auth_dir(None),
@@ -41,13 +45,16 @@ def main(argv: list[str] | None = None) -> int:
         host, port = parse_address(args.master, "--master")
         auth = load_keys(args.auth, server=True) if args.auth else None
         server = SegmentServer(size, f"{host}:{port}", host=args.host, port=args.port,
-                               register_timeout_s=args.register_timeout, file=args.file, auth=auth)
+                               register_timeout_s=args.register_timeout, file=args.file, auth=auth,
+                               readers=args.readers)
     except EngramError as exc:
         hint = ("; if the master runs with --auth, pass --auth DIR with its key directory"
                 if isinstance(exc, MasterUnavailable) and not args.auth else "")
         print(f"engram-segment: {exc}{hint}", file=sys.stderr)
         return 2
-    print(f"engram-segment ready on {server.address} segment_id={server.segment_id} size={size}", flush=True)
+    readers = ",".join(server.read_addresses) or "-"
+    print(f"engram-segment ready on {server.address} segment_id={server.segment_id} size={size} readers={readers}",
+          flush=True)
     return serve_until_signalled(server)
 
 

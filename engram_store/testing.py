@@ -68,6 +68,7 @@ class Proc:
             stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         self.address = ""
+        self.read_addresses: list[str] = []  # a segment's reader sockets, from its ready line
 
     @property
     def pid(self) -> int:
@@ -156,10 +157,12 @@ def start_segment(master: str, size: str = "64MiB", extra: list[str] | None = No
                 if not chunk:
                     raise RuntimeError("stdout closed")
                 line += chunk
-        # "engram-segment ready on HOST:PORT segment_id=ID size=N"
+        # "engram-segment ready on HOST:PORT segment_id=ID size=N readers=HOST:PORT,HOST:PORT" ("readers=-": none)
         fields = line.decode().split()
         proc.address = fields[3]
         proc.segment_id = fields[4].split("=", 1)[1]
+        readers = next((f.split("=", 1)[1] for f in fields[6:] if f.startswith("readers=")), "-")
+        proc.read_addresses = [] if readers == "-" else readers.split(",")
         wait_ping(proc.address, unavailable=SegmentUnavailable, auth_dir=auth_dir)
     except BaseException as exc:
         out = proc.output()
