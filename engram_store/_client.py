@@ -39,15 +39,23 @@ from ._units import parse_size
 
 log = logging.getLogger(__name__)
 
-#: Size of one write (or read) message for large objects; several are kept in flight per server.
+#: Size of one read message for large objects; several are kept in flight per server.
 CHUNK_BYTES = 16 << 20
+#: Size of one write message to a remote segment, and how many are kept in flight per segment server.
+WRITE_CHUNK_BYTES = 16 << 20
 WINDOW = 8
+#: Same-host puts go into the segment file in pieces of this size (the progress callback's granularity).
+LOCAL_WRITE_CHUNK_BYTES = 64 << 20
 MAX_KEY_LEN = 1024
 
 
 @dataclass(frozen=True)
 class Replica:
-    """Where one copy of an object lives."""
+    """Where one copy of an object lives.
+
+    ``read_addresses`` are the segment's reader sockets (``read_ranges`` and ``ping`` only), empty for a
+    segment without readers; ``address`` serves every operation.
+    """
 
     segment_id: str
     address: str
@@ -55,6 +63,7 @@ class Replica:
     shm_path: str
     host_id: str
     segment_size: int
+    read_addresses: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -65,7 +74,8 @@ class ObjectInfo:
 
 
 def _replica(d: dict) -> Replica:
-    return Replica(d["segment_id"], d["address"], d["offset"], d["shm_path"], d["host_id"], d["size"])
+    return Replica(d["segment_id"], d["address"], d["offset"], d["shm_path"], d["host_id"], d["size"],
+                   tuple(d.get("read_addresses") or ()))
 
 
 def _check_key(key: object, name: str = "key") -> str:
@@ -117,7 +127,8 @@ class DistributedStore:
         self._pool = ConnectionPool(curve=self._auth.client_curve if self._auth else None)
         self._owned = list(_owned)  # servers this client started (mounted segment, embedded master)
         self._maps: dict[str, np.ndarray | None] = {}
-        self._wmaps: dict[str, np.ndarray | None] = {}  # writable mappings for same-host puts
+        self._wfds: dict[str, int | None] = {}  # segment files open for same-host puts (None: not here)
+        self._retired_fds: list[int] = []
         self._maps_lock = threading.Lock()
         self._mmaps: list[mmap.mmap] = []
         self._host_id = host_id()
@@ -270,45 +281,42 @@ class DistributedStore:
             self._maps[replica.segment_id] = view
             return view
 
-    def _writable_view(self, replica: dict, nbytes: int) -> np.ndarray | None:
-        """The segment of a freshly placed replica as a writable array, if it can be mapped on this host.
+    def _local_write_fd(self, replica: dict, nbytes: int) -> int | None:
+        """A write descriptor of the segment file of a freshly placed replica, if that file is on this host.
 
-        Writes to a same-host segment are then plain memory copies (several GB/s) instead of requests; the
-        master still decides where they go, and the object stays invisible until ``put_end``.
+        Writes to a same-host segment are then ``pwrite`` calls into its file (memory speed, no page faults
+        in this process) instead of requests; the master still decides where they go, and the object stays
+        invisible until ``put_end``. The file is opened once per segment and kept open.
         """
         if not self.local_direct or replica.get("host_id") != self._host_id or not replica.get("shm_path"):
             return None
         segment_id = replica["segment_id"]
-        if self.local_segment is not None and segment_id == self.local_segment.segment_id:
-            view = self.local_segment.memory.array
-        else:
+        fd = self._wfds.get(segment_id, False)
+        if fd is False:
             with self._maps_lock:
-                view = self._wmaps.get(segment_id, False)
-                if view is False:
-                    view = None
+                fd = self._wfds.get(segment_id, False)
+                if fd is False:
+                    fd = None
                     try:
-                        fd = os.open(replica["shm_path"], os.O_RDWR)
-                        try:
-                            if os.fstat(fd).st_size == replica["size"]:
-                                mm = mmap.mmap(fd, replica["size"], mmap.MAP_SHARED,
-                                               mmap.PROT_READ | mmap.PROT_WRITE)
-                                self._mmaps.append(mm)
-                                view = np.frombuffer(mm, dtype=np.uint8)
-                        finally:
+                        fd = os.open(replica["shm_path"], os.O_WRONLY | os.O_CLOEXEC)
+                        if os.fstat(fd).st_size != replica["size"]:
                             os.close(fd)
+                            fd = None
                     except OSError as exc:
                         log.debug("segment %s not writable here (%s); writing remotely", segment_id, exc)
-                    self._wmaps[segment_id] = view
-        if view is None or not 0 <= replica["offset"] <= view.size - nbytes:
+                    self._wfds[segment_id] = fd
+        if fd is None or not 0 <= replica["offset"] <= replica["size"] - nbytes:
             return None
-        return view
+        return fd
 
     def forget_segment(self, segment_id: str) -> None:
         """Stop using a mapping of a segment (after it was declared dead)."""
         with self._maps_lock:
             if self.local_segment is None or segment_id != self.local_segment.segment_id:
                 self._maps.pop(segment_id, None)
-                self._wmaps.pop(segment_id, None)
+            fd = self._wfds.pop(segment_id, None)
+            if fd is not None:
+                self._retired_fds.append(fd)  # another thread may be writing with it; closed with the client
 
     # ---- metadata -------------------------------------------------------------------------------
 
@@ -375,18 +383,18 @@ class DistributedStore:
             for view, result in zip(views, header["results"]):
                 for r in result["replicas"]:
                     share = 1 / len(result["replicas"])
-                    target = self._writable_view(r, view.nbytes)
-                    if target is not None:  # a segment mapped on this host: copy, no request
-                        direct.append((target, r["offset"], view, share))
+                    fd = self._local_write_fd(r, view.nbytes)
+                    if fd is not None:  # a segment file on this host: pwrite, no request
+                        direct.append((fd, r, view, share))
                         continue
-                    for start in range(0, view.nbytes, CHUNK_BYTES):
-                        chunk = view[start:start + CHUNK_BYTES]
+                    for start in range(0, view.nbytes, WRITE_CHUNK_BYTES):
+                        chunk = view[start:start + WRITE_CHUNK_BYTES]
                         jobs.append((r["address"], {"offset": r["offset"] + start}, chunk, chunk.nbytes * share))
             done = 0.0
-            for target, offset, view, share in direct:
-                for start in range(0, view.nbytes, CHUNK_BYTES):
-                    chunk = view[start:start + CHUNK_BYTES]
-                    target[offset + start:offset + start + chunk.nbytes] = chunk
+            for fd, r, view, share in direct:
+                for start in range(0, view.nbytes, LOCAL_WRITE_CHUNK_BYTES):
+                    chunk = view[start:start + LOCAL_WRITE_CHUNK_BYTES]
+                    _pwrite_all(fd, chunk, r["offset"] + start, r)
                     done += chunk.nbytes * share
                     if progress is not None:
                         progress(int(done))
@@ -630,7 +638,11 @@ class DistributedStore:
         self._pool.close()
         with self._maps_lock:
             self._maps.clear()
-            self._wmaps.clear()
+            fds = [fd for fd in self._wfds.values() if fd is not None] + self._retired_fds
+            self._wfds.clear()
+            self._retired_fds = []
+        for fd in fds:
+            os.close(fd)
         master_owned = any(not isinstance(server, SegmentServer) for server in self._owned)
         for server in self._owned:
             try:
@@ -657,6 +669,21 @@ class DistributedStore:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"DistributedStore(master={self.master_address!r}, {state})"
+
+
+def _pwrite_all(fd: int, chunk: np.ndarray, offset: int, replica: dict) -> None:
+    """Write all of ``chunk`` at ``offset`` of a segment file (pwrite releases the GIL)."""
+    view = memoryview(chunk)
+    done = 0
+    try:
+        while done < view.nbytes:
+            written = os.pwrite(fd, view[done:], offset + done)
+            if written <= 0:
+                raise OSError(0, "pwrite wrote nothing")
+            done += written
+    except OSError as exc:
+        raise SegmentUnavailable(f"write of {view.nbytes} bytes at offset {offset} into segment "
+                                 f"{replica['segment_id']} ({replica['shm_path']}): {exc.strerror or exc}") from exc
 
 
 def _copy_local(view: np.ndarray, src_off: np.ndarray, sizes: np.ndarray, dst: np.ndarray,
