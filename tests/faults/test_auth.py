@@ -19,6 +19,7 @@ import pytest
 from engram_store.testing import Cluster, start_master, start_segment
 
 from engram_store import DistributedStore, MasterUnavailable, SegmentUnavailable
+from engram_store._auth import load_keys
 from engram_store._transport import Connection
 
 pytestmark = pytest.mark.skipif(not __import__("zmq").has("curve"), reason="libzmq without CURVE")
@@ -203,3 +204,32 @@ def test_re_replication_between_auth_segments(keys):
             c.segments[1].kill()
             assert _wait_for(lambda: len(store.status()["segments"]) == 1, 15)
             assert store.get("precious") == payload
+
+
+@pytest.mark.timeout(120)
+def test_segment_readers_require_the_cluster_keys(auth_cluster, keys):
+    segment = auth_cluster.segments[0]
+    assert len(segment.read_addresses) == 2
+    with DistributedStore.connect(auth_cluster.address, timeout_ms=5000, local_direct=False, auth_dir=keys) as store:
+        store.put("read-me", b"r" * 4096)
+        replica = store.locate(["read-me"])[0].replicas[0]
+    assert replica.read_addresses == tuple(segment.read_addresses)
+    pairs = np.array([[replica.offset, 4096]], dtype=np.int64)
+    curve = load_keys(keys, server=False).client_curve
+    for address in replica.read_addresses:
+        conn = Connection(address, unavailable=SegmentUnavailable, curve=curve)
+        try:
+            _, frames = conn.call("read_ranges", None, [pairs], timeout_ms=5000)
+            assert frames[0].bytes == b"r" * 4096
+        finally:
+            conn.close()
+    # A reader without keys gets no answer, and the reader logs the refusal like the main socket does.
+    keyless = Connection(replica.read_addresses[0], unavailable=SegmentUnavailable)
+    start = time.monotonic()
+    try:
+        with pytest.raises(SegmentUnavailable):
+            keyless.call("read_ranges", None, [pairs], timeout_ms=1000)
+    finally:
+        keyless.close()
+    assert time.monotonic() - start < 1.0 + 2.0
+    assert _wait_for(lambda: "reader 0: refused a connection" in segment.output()), segment.output()

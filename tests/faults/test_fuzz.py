@@ -1,7 +1,7 @@
 """Protocol fuzzing: well-formed-looking requests with hostile fields against a real master and segment.
 
-Every request gets a reply (an error for anything invalid), the servers keep answering valid requests, and
-no stored object changes.
+Every request gets a reply (an error for anything invalid), the servers (and a segment's reader sockets) keep
+answering valid requests, and no stored object changes.
 """
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ def fuzz_cluster():
 
 def _check_untouched(cluster, store, payloads) -> None:
     wait_ping(cluster.address, timeout_s=10)
-    wait_ping(cluster.segments[0].address, timeout_s=10, unavailable=SegmentUnavailable)
+    for address in [cluster.segments[0].address, *cluster.segments[0].read_addresses]:
+        wait_ping(address, timeout_s=10, unavailable=SegmentUnavailable)
     for key, value in payloads.items():
         assert store.get(key) == value
 
@@ -107,6 +108,15 @@ def test_segment_answers_hostile_requests(fuzz_cluster, request):
                 offset + sum(len(f) for f in raw[:1]) <= SEGMENT_SIZE:
             header["offset"] = SEGMENT_SIZE + 1  # keep it hostile: past the end
     reply = _send(cluster.segments[0].address, header, raw, truncate)
+    _assert_reply(reply, header, truncate > 0)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(request=_request(SEGMENT_OPS))
+def test_segment_reader_answers_hostile_requests(fuzz_cluster, request):
+    cluster, store, payloads = fuzz_cluster
+    header, raw, truncate = request  # a reader serves no writes: "write" is an unknown op there
+    reply = _send(cluster.segments[0].read_addresses[0], header, raw, truncate)
     _assert_reply(reply, header, truncate > 0)
 
 
