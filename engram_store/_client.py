@@ -14,6 +14,7 @@ import mmap
 import os
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -423,24 +424,39 @@ class DistributedStore:
                 raise result
 
     def _run_writes(self, jobs: list, progress: Callable[[int], None] | None, done_bytes: float = 0.0) -> None:
-        """Send write requests in rounds of up to WINDOW per segment server, all servers at once."""
-        by_address: dict[str, list] = {}
+        """Keep up to WINDOW write requests in flight per segment server, all servers at once.
+
+        A server gets its next chunk as soon as one of its writes is answered, so the pipe never drains
+        between batches. Replies on one connection come in the order the requests went out.
+        """
+        queues: dict[str, deque] = {}
         for job in jobs:
-            by_address.setdefault(job[0], []).append(job)
-        for round_start in range(0, max((len(js) for js in by_address.values()), default=0), WINDOW):
-            pending, weights = [], []
-            for address, address_jobs in by_address.items():
-                conn = self._segment_conn(address)
-                for _, fields, chunk, weight in address_jobs[round_start:round_start + WINDOW]:
-                    pending.append((conn, conn.send("write", fields, [chunk])))
-                    weights.append(weight)
-            results = wait_all(pending, time.monotonic() + self.timeout_ms / 1000.0, "write")
-            for result, weight in zip(results, weights):
-                if isinstance(result, BaseException):
-                    raise result
-                done_bytes += weight
+            queues.setdefault(job[0], deque()).append(job)
+        in_flight: deque = deque()  # (address, connection, request id, weight, deadline), oldest first
+        counts = dict.fromkeys(queues, 0)
+        timeout_s = self.timeout_ms / 1000.0
+
+        def fill(address: str) -> None:
+            queue = queues[address]
+            if not queue:
+                return
+            conn = self._segment_conn(address)
+            while queue and counts[address] < WINDOW:
+                _, fields, chunk, weight = queue.popleft()
+                request_id = conn.send("write", fields, [chunk])
+                in_flight.append((address, conn, request_id, weight, time.monotonic() + timeout_s))
+                counts[address] += 1
+
+        for address in queues:
+            fill(address)
+        while in_flight:
+            address, conn, request_id, weight, deadline = in_flight.popleft()
+            conn.recv(request_id, deadline, "write")
+            counts[address] -= 1
+            done_bytes += weight
             if progress is not None:
                 progress(int(done_bytes))
+            fill(address)
 
     def _revoke(self, keys: list[str]) -> None:
         if not keys:
