@@ -15,7 +15,8 @@ Three sections (``--sections`` picks some), plus an optional fourth:
   Mooncake's scenario (8 heads x 50,000 rows x D=16) against one segment process started with ``--readers 1``
   and one with the default readers: ``EngramStore.lookup`` (the client picks the socket), and raw
   ``read_ranges`` requests of the same ranges sent to the segment's reader sockets (client i to reader
-  i mod N), which shows what the readers serve whatever socket the client chooses.
+  i mod N), which shows what the readers serve whatever socket the client chooses. Then one client's raw reads
+  go to the main socket, and to a reader socket, while another client streams puts into the same segment.
 - populate (``--populate``, ~10 GB of RAM): ``EngramStore.populate`` of both Engram layers of DeepSeek's demo
   config (16 heads x ~646,400 rows x D=64 float32 = 2.65 GB a layer) into two segment processes, same-host
   and network. It includes the manifest checksums, computed while the tables upload.
@@ -30,6 +31,7 @@ import os
 import select
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -272,8 +274,10 @@ def reader_client_main(spec: dict) -> int:
             _, frames = conn.call("read_ranges", None, [plans[i % 64]], timeout_ms=TIMEOUT_MS)
             assert frames[0].buffer.nbytes == expected[i % 64]
 
+        calls = {"lookup": lookup, "raw": raw}
         try:
-            for name, call in (("lookup", lookup), ("raw", raw)):
+            for name in spec.get("modes", ["lookup", "raw"]):
+                call = calls[name]
                 for i in range(20):  # warm: kernels, placement, connections
                     call(i)
                 print(f"ready {name}", flush=True)
@@ -337,22 +341,51 @@ def _summary(results: list[dict], seconds: float) -> dict:
             "p99_us": float(np.percentile(lat, 99)), "count": int(lat.size)}
 
 
-def _run_clients(master: str, endpoints: list[str], n: int, seconds: float) -> dict:
-    workers = [_Worker({"master": master, "layer_id": 1, "seed": 100 + i, "seconds": seconds,
+def _run_clients(master: str, endpoints: list[str], n: int, seconds: float,
+                 modes: tuple[str, ...] = ("lookup", "raw"), background=None) -> dict:
+    """Start ``n`` client processes, run each mode on all of them at once, reap them; ``background(stop)``
+    (if given) runs in a thread of this process while each mode is measured."""
+    workers = [_Worker({"master": master, "layer_id": 1, "seed": 100 + i, "seconds": seconds, "modes": list(modes),
                         "endpoint": endpoints[i % len(endpoints)]}) for i in range(n)]
     try:
         out = {}
-        for mode in ("lookup", "raw"):
+        for mode in modes:
             for w in workers:
                 assert w.line() == f"ready {mode}", f"reader client not ready for {mode}"
-            for w in workers:
-                w.send("go")
-            results = [json.loads(w.line(timeout_s=seconds + 120)) for w in workers]
+            stop = threading.Event()
+            thread = threading.Thread(target=background, args=(stop,), daemon=True) if background else None
+            if thread is not None:
+                thread.start()
+            try:
+                for w in workers:
+                    w.send("go")
+                results = [json.loads(w.line(timeout_s=seconds + 120)) for w in workers]
+            finally:
+                stop.set()
+                if thread is not None:
+                    thread.join()
             out[mode] = _summary(results, seconds)
         return out
     finally:
         for w in workers:
             w.close()
+
+
+def _stream_puts(master: str, stop: threading.Event, result: dict) -> None:
+    """Put 64 MiB objects into the segment over the network until ``stop`` (a writer next to the readers)."""
+    payload = np.random.default_rng(9).integers(0, 256, 64 << 20, dtype=np.uint8)
+    moved, t0 = 0, time.perf_counter()
+    try:
+        with DistributedStore.connect(master, timeout_ms=TIMEOUT_MS, local_direct=False) as store:
+            i = 0
+            while not stop.is_set():
+                store.put(f"bench:stream:{i}", payload)
+                store.remove(f"bench:stream:{i}", force=True)
+                moved += payload.nbytes
+                i += 1
+    except Exception as exc:  # reported by the caller: a measurement without its writer is not one
+        result["error"] = exc
+    result["gb_per_s"] = moved / (time.perf_counter() - t0) / 1e9
 
 
 def readers_section(client_counts: list[int], seconds: float) -> list[dict]:
@@ -364,8 +397,9 @@ def readers_section(client_counts: list[int], seconds: float) -> list[dict]:
           f"({HEADS} heads x {ROWS:,} rows x D={DIM}), {seconds:g} s each, against a segment with --readers "
           f"{' and '.join(map(str, configs))}", flush=True)
     rows = {n: {"clients": n} for n in client_counts}
+    during_puts: dict = {}
     for readers in configs:
-        with Cluster(segments=0, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S) as cluster:
+        with Cluster(segments=0, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, extra=["--reuse-delay", "0"]) as cluster:
             segment = cluster.add_segment("256MiB", ["--readers", str(readers)])
             with DistributedStore.connect(cluster.address, timeout_ms=TIMEOUT_MS) as store:
                 EngramStore(1, EngramStoreConfig([ROWS] * HEADS, DIM), store).populate(tables)
@@ -374,6 +408,18 @@ def readers_section(client_counts: list[int], seconds: float) -> list[dict]:
                 rows[n][f"readers_{readers}"] = result
                 print(f"  --readers {readers}, {n} client(s): {result['lookup']['per_s']:,.0f} lookups/s, "
                       f"raw {result['raw']['per_s']:,.0f} req/s", flush=True)
+            if readers == configs[-1]:
+                # One reading client while another streams puts into the same segment: reads queued on the main
+                # socket wait behind the writes; a reader socket serves them in the meantime.
+                for name, endpoint in (("main", segment.address), ("reader", segment.read_addresses[0])):
+                    put_rate: dict = {}
+                    result = _run_clients(cluster.address, [endpoint], 1, seconds, modes=("raw",),
+                                          background=lambda stop: _stream_puts(cluster.address, stop, put_rate))
+                    if "error" in put_rate:
+                        raise RuntimeError(f"the writer beside the readers failed: {put_rate['error']}")
+                    during_puts[name] = {**result["raw"], "puts_gb_per_s": put_rate.get("gb_per_s")}
+                    print(f"  raw reads to the {name} socket during puts: p99 {result['raw']['p99_us']:,.0f} us",
+                          flush=True)
     table = list(rows.values())
     a, b = (f"readers_{r}" for r in configs)
     for mode, title in (("lookup", "EngramStore.lookup, B=256 L=1, remote (the client picks the socket)"),
@@ -385,7 +431,12 @@ def readers_section(client_counts: list[int], seconds: float) -> list[dict]:
               fmt(r[b][mode]["per_s"], 0), fmt(r[b][mode]["p50_us"]), fmt(r[b][mode]["p99_us"]),
               fmt(r[b][mode]["per_s"] / r[a][mode]["per_s"], 2)] for r in table],
             title=f"readers: {title}; /s in total over all clients")
-    return table
+    print_table(["read_ranges sent to", "req/s", "p50 us", "p99 us", "puts GB/s meanwhile"],
+                [[f"the {name} socket", fmt(r["per_s"], 0), fmt(r["p50_us"]), fmt(r["p99_us"]),
+                  fmt(r["puts_gb_per_s"], 2)] for name, r in during_puts.items()],
+                title=f"readers: 1 client's raw reads while another client streams 64 MiB puts into the same segment "
+                      f"(--readers {configs[-1]})")
+    return {"clients": table, "during_puts": during_puts}
 
 
 # ---- main -----------------------------------------------------------------------------------------------

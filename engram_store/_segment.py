@@ -31,7 +31,7 @@ from . import _kernels
 from ._errors import ConfigError, EngramError, InvalidArgument, MasterUnavailable, OutOfSpace, RemoteError
 from ._protocol import PROTOCOL_VERSION, Request, frame_array, frame_bytes
 from ._auth import AuthKeys
-from ._transport import Connection, RpcServer
+from ._transport import Connection, RpcServer, io_threads
 
 log = logging.getLogger(__name__)
 
@@ -343,17 +343,22 @@ class SegmentServer:
         self._prefault_thread.start()
         self.server: RpcServer | None = None
         self._readers: list[RpcServer] = []
+        # With two ZeroMQ I/O threads (engram-segment starts them when it has readers), the main socket's
+        # traffic (large writes) goes through one and the readers' through the other, so reads do not queue
+        # behind the bytes of a populate. Without, every socket shares the one I/O thread.
+        main_io, read_io = (1, 2) if readers and io_threads() >= 2 else (0, 0)
         try:
             _kernels.warmup()
             name = f"segment {self.segment_id[:8]}"
             max_bytes = MAX_WRITE_BYTES + (1 << 20)
             self.server = RpcServer(host, port, name, {"ping": self._ping, "write": self._write,
                                                        "read_ranges": self._read_ranges},
-                                    max_message_bytes=max_bytes, auth=auth)
+                                    max_message_bytes=max_bytes, auth=auth, io_affinity=main_io)
             read_handlers = {"ping": self._ping, "read_ranges": self._read_ranges}
             for i in range(readers):
                 self._readers.append(RpcServer(host, port + 1 + i if port else 0, f"{name} reader {i}",
-                                               read_handlers, max_message_bytes=max_bytes, auth=auth))
+                                               read_handlers, max_message_bytes=max_bytes, auth=auth,
+                                               io_affinity=read_io))
         except BaseException:
             self._close_servers()
             self._release_memory()

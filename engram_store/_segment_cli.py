@@ -9,6 +9,8 @@ import argparse
 import logging
 import sys
 
+import zmq
+
 from ._auth import AUTH_DIR_ENV, exposure_warning, load_keys, resolve_auth_dir
 from ._errors import EngramError, MasterUnavailable
 from ._segment import DEFAULT_READERS, MAX_READERS, SegmentServer
@@ -40,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     warning = exposure_warning(args.host, args.auth)
     if warning:
         print(f"engram-segment: {warning}", file=sys.stderr, flush=True)
+    if args.readers > 0:
+        # Before any socket exists: one I/O thread for the main socket, one for the readers (SegmentServer).
+        zmq.Context.instance(io_threads=2)
     try:
         size = parse_size(args.size, "--size")
         host, port = parse_address(args.master, "--master")

@@ -46,6 +46,12 @@ def _context() -> zmq.Context:
     return zmq.Context.instance()
 
 
+def io_threads() -> int:
+    """ZeroMQ I/O threads of this process's context (``zmq.Context.instance(io_threads=N)`` before any
+    socket sets it; servers pin sockets to them with ``io_affinity``)."""
+    return int(_context().get(zmq.IO_THREADS))
+
+
 class RpcServer:
     """A ROUTER socket bound to ``host:port`` that dispatches requests to handlers by ``op``.
 
@@ -56,6 +62,9 @@ class RpcServer:
     and to notice :meth:`stop`; a busy one goes from message to message without polling. Reply frames
     shorter than :data:`ZERO_COPY_MIN_BYTES` are copied into the message (cheaper than handing ZeroMQ a
     buffer to pin and release), longer ones are sent zero-copy.
+
+    ``io_affinity`` (a bit mask, bit i = I/O thread i; 0 = any) pins the socket's connections to ZeroMQ I/O
+    threads, so one busy socket does not delay another's messages (see :func:`io_threads`).
 
     With ``auth`` (keys loaded with ``load_keys(dir, server=True)``) the socket is a CURVE server that admits
     only the clients authorised in that key directory (see :mod:`engram_store._auth`); refused connections
@@ -74,6 +83,7 @@ class RpcServer:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         auth: AuthKeys | None = None,
         metrics_prefix: str = "engram",
+        io_affinity: int = 0,
     ):
         if tick_ms <= 0:
             raise ValueError(f"tick_ms: expected > 0, got {tick_ms}")
@@ -86,8 +96,11 @@ class RpcServer:
         self._thread: threading.Thread | None = None
         self._monitor_thread: threading.Thread | None = None
         self._closed = False
-        self.socket = _context().socket(zmq.ROUTER)
+        context = _context()
+        self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        if io_affinity:
+            self.socket.setsockopt(zmq.AFFINITY, io_affinity)
         self.socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self.socket.setsockopt(zmq.RCVHWM, DEFAULT_HWM)
         self.socket.setsockopt(zmq.SNDHWM, DEFAULT_HWM)
@@ -99,7 +112,7 @@ class RpcServer:
             try:
                 # The authenticator must run before the socket accepts anyone: without a ZAP handler,
                 # libzmq would admit every client that knows the server's public key.
-                self.socket.zap_domain = ensure_authenticator(_context(), auth).encode()
+                self.socket.zap_domain = ensure_authenticator(context, auth).encode()
                 self.socket.curve_server = True
                 self.socket.curve_secretkey = auth.server_secret
                 self._monitor = self.socket.get_monitor_socket(HandshakeWatch.EVENTS)
