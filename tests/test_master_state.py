@@ -187,6 +187,28 @@ def test_replay_restores_objects_and_space():
     assert sorted(again.objects) == sorted(restored.objects)
 
 
+def test_reader_addresses_are_journalled_replayed_and_replaced_on_re_registration():
+    state, _, journal = _state()
+    state.register_segment("r", "127.0.0.1:10", 4096, "", "h", read_addresses=("127.0.0.1:11", "127.0.0.1:12"))
+    assert state.segments["r"].describe()["read_addresses"] == ["127.0.0.1:11", "127.0.0.1:12"]
+    assert state.segments["s1"].read_addresses == ()  # registered without any: an older segment
+    for records in (journal, state.snapshot()):
+        restored = MasterState()
+        restored.replay(records)
+        assert restored.segments["r"].read_addresses == ("127.0.0.1:11", "127.0.0.1:12")
+        assert restored.segments["s1"].read_addresses == ()
+    state.register_segment("r", "127.0.0.1:20", 4096, "", "h", read_addresses=("127.0.0.1:21",))  # restarted
+    assert state.segments["r"].read_addresses == ("127.0.0.1:21",)
+    restored = MasterState()
+    restored.replay(journal)
+    assert restored.segments["r"].read_addresses == ("127.0.0.1:21",)
+    # A journal written before reader sockets existed replays with none.
+    restored = MasterState()
+    restored.replay([{"op": "segment", "segment_id": "old", "address": "127.0.0.1:30", "size": 4096,
+                      "shm_path": "", "host_id": "h"}])
+    assert restored.segments["old"].read_addresses == ()
+
+
 def test_segment_size_change_is_refused():
     state, _, _ = _state()
     with pytest.raises(InvalidArgument, match="size"):
