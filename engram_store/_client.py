@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import zmq
 
 from . import _kernels
 from ._auth import load_keys
@@ -429,37 +430,47 @@ class DistributedStore:
     def _run_writes(self, jobs: list, progress: Callable[[int], None] | None, done_bytes: float = 0.0) -> None:
         """Keep up to WINDOW write requests in flight per segment server, all servers at once.
 
-        A server gets its next chunk as soon as one of its writes is answered, so the pipe never drains
-        between batches. Replies on one connection come in the order the requests went out.
+        A server gets its next chunk as soon as one of its writes is answered (whichever server answers
+        first), so no pipe drains between batches and a slow server does not hold up a fast one. Replies on
+        one connection come in the order its requests went out.
         """
         queues: dict[str, deque] = {}
         for job in jobs:
             queues.setdefault(job[0], deque()).append(job)
-        in_flight: deque = deque()  # (address, connection, request id, weight, deadline), oldest first
-        counts = dict.fromkeys(queues, 0)
+        in_flight: dict[str, deque] = {address: deque() for address in queues}  # (request id, weight, deadline)
+        conns = {address: self._segment_conn(address) for address in queues}
         timeout_s = self.timeout_ms / 1000.0
+        poller = zmq.Poller()
+        waiting: dict[Any, str] = {}  # socket -> address, for servers with writes in flight
 
         def fill(address: str) -> None:
-            queue = queues[address]
-            if not queue:
-                return
-            conn = self._segment_conn(address)
-            while queue and counts[address] < WINDOW:
+            queue, sent, conn = queues[address], in_flight[address], conns[address]
+            while queue and len(sent) < WINDOW:
                 _, fields, chunk, weight = queue.popleft()
-                request_id = conn.send("write", fields, [chunk])
-                in_flight.append((address, conn, request_id, weight, time.monotonic() + timeout_s))
-                counts[address] += 1
+                sent.append((conn.send("write", fields, [chunk]), weight, time.monotonic() + timeout_s))
+            if sent and conn.socket not in waiting:
+                waiting[conn.socket] = address
+                poller.register(conn.socket, zmq.POLLIN)
 
         for address in queues:
             fill(address)
-        while in_flight:
-            address, conn, request_id, weight, deadline = in_flight.popleft()
-            conn.recv(request_id, deadline, "write")
-            counts[address] -= 1
-            done_bytes += weight
+        while waiting:
+            deadline = min(in_flight[a][0][2] for a in waiting.values())
+            ready = dict(poller.poll(max(0, int((deadline - time.monotonic()) * 1000))))
+            addresses = [waiting[sock] for sock in ready] or [min(waiting.values(), key=lambda a: in_flight[a][0][2])]
+            for address in addresses:
+                conn = conns[address]
+                request_id, weight, request_deadline = in_flight[address].popleft()
+                sock = conn.socket
+                conn.recv(request_id, request_deadline, "write")  # raises on an error reply or past the deadline
+                done_bytes += weight
+                if not in_flight[address] and not queues[address]:
+                    poller.unregister(sock)
+                    del waiting[sock]
+                else:
+                    fill(address)
             if progress is not None:
                 progress(int(done_bytes))
-            fill(address)
 
     def _revoke(self, keys: list[str]) -> None:
         if not keys:

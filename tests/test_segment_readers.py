@@ -8,6 +8,7 @@ over both write paths round-trip exactly.
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 
@@ -311,3 +312,20 @@ def test_a_reader_socket_refuses_an_unknown_op_with_the_list_of_what_it_serves(r
             conn.call("write", {"offset": 0}, [b"x"], timeout_ms=5000)
     finally:
         conn.close()
+
+
+def test_a_put_to_a_hung_segment_times_out_and_leaves_nothing_behind():
+    payload = np.random.default_rng(8).integers(0, 256, (20 << 20) + 1, dtype=np.uint8)  # several chunks
+    with Cluster(segments=2, segment_size="64MiB", heartbeat_timeout_s=30.0) as c:
+        with DistributedStore.connect(c.address, timeout_ms=1500, local_direct=False) as store:
+            c.segments[0].signal(signal.SIGSTOP)
+            try:
+                start = time.monotonic()
+                with pytest.raises(SegmentUnavailable, match="write"):
+                    store.put("stuck", payload, replica_num=2)
+                assert time.monotonic() - start < 1.5 + 3.0
+            finally:
+                c.segments[0].signal(signal.SIGCONT)
+            assert not store.is_exist("stuck")
+            store.put("after", payload, replica_num=2)  # the window works again once the segment runs
+            assert store.get("after") == payload.tobytes()
