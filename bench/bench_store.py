@@ -22,10 +22,13 @@ Three sections (``--sections`` picks some), plus an optional fourth:
   and network. It includes the manifest checksums, computed while the tables upload.
 
 GB/s is 10^9 bytes / s. Puts: total bytes / time of the call, median of the repetitions (the best in the JSON).
+Readers: every measurement alternates between the two segments (both up at once) and reports the best of
+``--reps`` runs (all runs in the JSON), the figure least moved by load from elsewhere on the machine.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -52,6 +55,7 @@ CLIENT_COUNTS = [1, 2, 4, 8]
 QUICK_CLIENT_COUNTS = [1, 2]
 READ_SECONDS = 3.0
 QUICK_READ_SECONDS = 1.0
+READ_REPS = 2
 #: Mooncake's benchmark scenario for the many-readers part.
 HEADS, ROWS, DIM, BATCH = 8, 50_000, 16, 256
 DEMO_DIM = 64
@@ -388,38 +392,49 @@ def _stream_puts(master: str, stop: threading.Event, result: dict) -> None:
     result["gb_per_s"] = moved / (time.perf_counter() - t0) / 1e9
 
 
-def readers_section(client_counts: list[int], seconds: float) -> list[dict]:
+def readers_section(client_counts: list[int], seconds: float, reps: int) -> dict:
     from engram_store.testing import Cluster
 
     configs = [1, DEFAULT_READERS] if DEFAULT_READERS != 1 else [1, 2]
     tables = [np.random.default_rng(h).standard_normal((ROWS, DIM), dtype=np.float32) for h in range(HEADS)]
     print(f"\nreaders: {', '.join(map(str, client_counts))} client processes x B={BATCH}, L=1 remote lookups "
           f"({HEADS} heads x {ROWS:,} rows x D={DIM}), {seconds:g} s each, against a segment with --readers "
-          f"{' and '.join(map(str, configs))}", flush=True)
+          f"{' and '.join(map(str, configs))}; best of {reps} alternating runs", flush=True)
     rows = {n: {"clients": n} for n in client_counts}
     during_puts: dict = {}
-    for readers in configs:
-        with Cluster(segments=0, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, extra=["--reuse-delay", "0"]) as cluster:
+    with contextlib.ExitStack() as stack:
+        # Both segments (each with its own master) are up at once and the runs alternate between them, so a
+        # burst of load from elsewhere does not land on one configuration only.
+        segments = {}
+        for readers in configs:
+            cluster = stack.enter_context(Cluster(segments=0, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+                                                  extra=["--reuse-delay", "0"]))
             segment = cluster.add_segment("256MiB", ["--readers", str(readers)])
             with DistributedStore.connect(cluster.address, timeout_ms=TIMEOUT_MS) as store:
                 EngramStore(1, EngramStoreConfig([ROWS] * HEADS, DIM), store).populate(tables)
-            for n in client_counts:
-                result = _run_clients(cluster.address, segment.read_addresses, n, seconds)
-                rows[n][f"readers_{readers}"] = result
-                print(f"  --readers {readers}, {n} client(s): {result['lookup']['per_s']:,.0f} lookups/s, "
-                      f"raw {result['raw']['per_s']:,.0f} req/s", flush=True)
-            if readers == configs[-1]:
-                # One reading client while another streams puts into the same segment: reads queued on the main
-                # socket wait behind the writes; a reader socket serves them in the meantime.
-                for name, endpoint in (("main", segment.address), ("reader", segment.read_addresses[0])):
-                    put_rate: dict = {}
-                    result = _run_clients(cluster.address, [endpoint], 1, seconds, modes=("raw",),
-                                          background=lambda stop: _stream_puts(cluster.address, stop, put_rate))
-                    if "error" in put_rate:
-                        raise RuntimeError(f"the writer beside the readers failed: {put_rate['error']}")
-                    during_puts[name] = {**result["raw"], "puts_gb_per_s": put_rate.get("gb_per_s")}
-                    print(f"  raw reads to the {name} socket during puts: p99 {result['raw']['p99_us']:,.0f} us",
-                          flush=True)
+            segments[readers] = (cluster, segment)
+        for n in client_counts:
+            runs: dict[int, list[dict]] = {readers: [] for readers in configs}
+            for _ in range(reps):
+                for readers, (cluster, segment) in segments.items():
+                    runs[readers].append(_run_clients(cluster.address, segment.read_addresses, n, seconds))
+            for readers in configs:
+                best = {mode: max((run[mode] for run in runs[readers]), key=lambda r: r["per_s"])
+                        for mode in ("lookup", "raw")}
+                rows[n][f"readers_{readers}"] = {**best, "runs": runs[readers]}
+                print(f"  --readers {readers}, {n} client(s): {best['lookup']['per_s']:,.0f} lookups/s, "
+                      f"raw {best['raw']['per_s']:,.0f} req/s", flush=True)
+        # One reading client while another streams puts into the same segment: reads queued on the main
+        # socket wait behind the writes; a reader socket serves them in the meantime.
+        cluster, segment = segments[configs[-1]]
+        for name, endpoint in (("main", segment.address), ("reader", segment.read_addresses[0])):
+            put_rate: dict = {}
+            result = _run_clients(cluster.address, [endpoint], 1, seconds, modes=("raw",),
+                                  background=lambda stop: _stream_puts(cluster.address, stop, put_rate))
+            if "error" in put_rate:
+                raise RuntimeError(f"the writer beside the readers failed: {put_rate['error']}")
+            during_puts[name] = {**result["raw"], "puts_gb_per_s": put_rate.get("gb_per_s")}
+            print(f"  raw reads to the {name} socket during puts: p99 {result['raw']['p99_us']:,.0f} us", flush=True)
     table = list(rows.values())
     a, b = (f"readers_{r}" for r in configs)
     for mode, title in (("lookup", "EngramStore.lookup, B=256 L=1, remote (the client picks the socket)"),
@@ -430,7 +445,7 @@ def readers_section(client_counts: list[int], seconds: float) -> list[dict]:
             [[r["clients"], fmt(r[a][mode]["per_s"], 0), fmt(r[a][mode]["p50_us"]), fmt(r[a][mode]["p99_us"]),
               fmt(r[b][mode]["per_s"], 0), fmt(r[b][mode]["p50_us"]), fmt(r[b][mode]["p99_us"]),
               fmt(r[b][mode]["per_s"] / r[a][mode]["per_s"], 2)] for r in table],
-            title=f"readers: {title}; /s in total over all clients")
+            title=f"readers: {title}; /s in total over all clients, best of {reps}")
     print_table(["read_ranges sent to", "req/s", "p50 us", "p99 us", "puts GB/s meanwhile"],
                 [[f"the {name} socket", fmt(r["per_s"], 0), fmt(r["p50_us"]), fmt(r["p99_us"]),
                   fmt(r["puts_gb_per_s"], 2)] for name, r in during_puts.items()],
@@ -454,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, nargs="+", default=None,
                    help=f"client process counts (default {CLIENT_COUNTS}; --quick {QUICK_CLIENT_COUNTS})")
     p.add_argument("--seconds", type=float, default=None, help="seconds each reader measurement runs")
+    p.add_argument("--reps", type=int, default=None,
+                   help=f"alternating runs per reader measurement, the best reported (default {READ_REPS}; --quick 1)")
     p.add_argument("--json", default=default_json_path("bench_store"), help="where to write the results")
     p.add_argument("--reader-client", metavar="SPEC", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -474,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     if "readers" in sections:
         seconds = args.seconds or (QUICK_READ_SECONDS if args.quick else READ_SECONDS)
         record["readers"] = readers_section(args.clients or (QUICK_CLIENT_COUNTS if args.quick else CLIENT_COUNTS),
-                                            seconds)
+                                            seconds, args.reps or (1 if args.quick else READ_REPS))
     write_json(args.json, record)
     return 0
 
