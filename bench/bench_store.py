@@ -13,7 +13,7 @@ Three sections (``--sections`` picks some), plus an optional fourth:
   over ZeroMQ), beside ``np.copyto`` of the same objects into a buffer already in memory, in the same run.
 - readers: 1, 2, 4 and 8 client processes (started and reaped here), each doing B=256, L=1 remote lookups of
   Mooncake's scenario (8 heads x 50,000 rows x D=16) against one segment process started with ``--readers 1``
-  and one with the default readers: ``EngramStore.lookup`` (the client picks the socket), and raw
+  and one with ``--readers 2``: ``EngramStore.lookup`` (the client picks the socket), and raw
   ``read_ranges`` requests of the same ranges sent to the segment's reader sockets (client i to reader
   i mod N), which shows what the readers serve whatever socket the client chooses. Then one client's raw reads
   go to the main socket, and to a reader socket, while another client streams puts into the same segment.
@@ -42,7 +42,7 @@ import numpy as np
 from _common import HEARTBEAT_TIMEOUT_S, EchoClient, EchoServer, TIMEOUT_MS, default_json_path, fmt, measure, \
     print_table, size_label, start_cluster, write_json
 from engram_store import DistributedStore, EngramStore, EngramStoreConfig, SegmentUnavailable
-from engram_store._segment import DEFAULT_READERS
+from engram_store._segment import default_readers
 from engram_store._transport import Connection
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
@@ -395,11 +395,12 @@ def _stream_puts(master: str, stop: threading.Event, result: dict) -> None:
 def readers_section(client_counts: list[int], seconds: float, reps: int) -> dict:
     from engram_store.testing import Cluster
 
-    configs = [1, DEFAULT_READERS] if DEFAULT_READERS != 1 else [1, 2]
+    configs = [1, 2]
     tables = [np.random.default_rng(h).standard_normal((ROWS, DIM), dtype=np.float32) for h in range(HEADS)]
     print(f"\nreaders: {', '.join(map(str, client_counts))} client processes x B={BATCH}, L=1 remote lookups "
           f"({HEADS} heads x {ROWS:,} rows x D={DIM}), {seconds:g} s each, against a segment with --readers "
-          f"{' and '.join(map(str, configs))}; best of {reps} alternating runs", flush=True)
+          f"{' and '.join(map(str, configs))} (the default here: {default_readers()}); best of {reps} alternating "
+          "runs", flush=True)
     rows = {n: {"clients": n} for n in client_counts}
     during_puts: dict = {}
     with contextlib.ExitStack() as stack:

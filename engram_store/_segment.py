@@ -42,9 +42,14 @@ MAX_WRITE_BYTES = 64 << 20
 MAX_RANGES = 1 << 22
 #: A single-range read at least this long is sent from the segment memory without a gather copy.
 ZERO_COPY_BYTES = 1 << 20
-#: Reader threads a segment starts by default: each serves reads on a socket of its own, so several clients'
-#: requests are received, gathered and answered at once (the gather and the socket I/O release the GIL).
+#: Reader threads a segment starts by default on a host with spare cores (see :func:`default_readers`): each
+#: serves reads on a socket of its own, so several clients' requests are received, gathered and answered at
+#: once (the gather and the socket I/O release the GIL).
 DEFAULT_READERS = 2
+#: Below this many CPUs a segment starts one reader: the clients and the segment already share every core,
+#: and two readers' GIL hand-offs cost more than the second brings (2-core VM: 17-24% fewer raw reads/s with
+#: 2 and 4 client processes, bench/bench_store.py's readers section).
+READERS_MIN_CPUS = 4
 MAX_READERS = 64
 SHM_DIR = "/dev/shm"
 #: The prefault thread maps this much of the segment per madvise call (and checks for close in between).
@@ -92,6 +97,16 @@ def reap_orphans(directory: str = SHM_DIR) -> list[str]:
     if removed:
         log.info("removed %d segment file(s) left by dead processes in %s", len(removed), directory)
     return removed
+
+
+def default_readers() -> int:
+    """Reader threads a segment starts unless told: :data:`DEFAULT_READERS`, or 1 on a host with fewer than
+    :data:`READERS_MIN_CPUS` CPUs available to this process."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return DEFAULT_READERS if cpus >= READERS_MIN_CPUS else 1
 
 
 _libc: ctypes.CDLL | None = None
@@ -290,7 +305,8 @@ class SegmentServer:
     """One memory segment behind a ROUTER socket, registered with (and heartbeating to) a master.
 
     The main socket (``address``) serves everything: writes, reads and pings. ``readers`` reader threads
-    (default :data:`DEFAULT_READERS`; 0 for none) each bind a ROUTER socket of their own on the same host
+    (default :func:`default_readers`: 2, or 1 on a host with fewer than 4 CPUs; 0 for none) each bind a
+    ROUTER socket of their own on the same host
     (ports ``port + 1 ...`` when ``port`` is given, else any free ports), serve ``read_ranges`` and ``ping``
     only, and are registered with the master as ``read_addresses``; with ``auth`` they require the same
     CURVE keys as the main socket. They stop with the segment.
@@ -312,8 +328,10 @@ class SegmentServer:
         rpc_timeout_ms: int = 5000,
         file: str | None = None,
         auth: AuthKeys | None = None,
-        readers: int = DEFAULT_READERS,
+        readers: int | None = None,
     ):
+        if readers is None:
+            readers = default_readers()
         if not isinstance(readers, int) or isinstance(readers, bool) or not 0 <= readers <= MAX_READERS:
             raise InvalidArgument(f"readers: expected an integer in [0, {MAX_READERS}], got {readers!r}")
         self.manifest: Manifest | None = None

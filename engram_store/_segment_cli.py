@@ -13,7 +13,7 @@ import zmq
 
 from ._auth import AUTH_DIR_ENV, exposure_warning, load_keys, resolve_auth_dir
 from ._errors import EngramError, MasterUnavailable
-from ._segment import DEFAULT_READERS, MAX_READERS, SegmentServer
+from ._segment import DEFAULT_READERS, MAX_READERS, READERS_MIN_CPUS, SegmentServer, default_readers
 from ._transport import serve_until_signalled
 from ._units import parse_address, parse_size
 
@@ -27,10 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--file", metavar="PATH",
                    help="keep the segment in PATH (memory-mapped) with a manifest in PATH.manifest, so a restart on "
                         "the same file brings its objects back (default: shared memory, gone at exit)")
-    p.add_argument("--readers", type=int, default=DEFAULT_READERS, metavar="N",
+    p.add_argument("--readers", type=int, default=None, metavar="N",
                    help=f"reader threads, each serving reads on a socket of its own (ports PORT+1.. with --port, "
                         f"else any free ports), registered with the master for clients to spread reads over; "
-                        f"0 serves reads on the main socket only (default: {DEFAULT_READERS}, at most {MAX_READERS})")
+                        f"0 serves reads on the main socket only (default: {DEFAULT_READERS}, or 1 on hosts with "
+                        f"fewer than {READERS_MIN_CPUS} CPUs; here {default_readers()}; at most {MAX_READERS})")
     p.add_argument("--register-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="how long to keep trying to reach the master at start (default: 30)")
     p.add_argument("--auth", metavar="DIR", default=resolve_auth_dir(None),
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     warning = exposure_warning(args.host, args.auth)
     if warning:
         print(f"engram-segment: {warning}", file=sys.stderr, flush=True)
+    if args.readers is None:
+        args.readers = default_readers()
     if args.readers > 0:
         # Before any socket exists: one I/O thread for the main socket, one for the readers (SegmentServer).
         zmq.Context.instance(io_threads=2)

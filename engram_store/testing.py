@@ -174,11 +174,12 @@ def start_segment(master: str, size: str = "64MiB", extra: list[str] | None = No
 class Cluster:
     """A master and segments as separate processes; ``close()`` kills and reaps them all.
 
-    ``auth_dir`` (a directory from ``engram-master keygen``) starts every server with ``--auth``.
+    ``auth_dir`` (a directory from ``engram-master keygen``) starts every server with ``--auth``;
+    ``segment_extra`` are more ``engram-segment`` arguments for the first ``segments`` (e.g. ``["--readers", "2"]``).
     """
 
     def __init__(self, segments: int = 1, segment_size: str = "64MiB", auth_dir: str | None = None,
-                 **master_kwargs):
+                 segment_extra: list[str] | None = None, **master_kwargs):
         self.procs: list[Proc] = []
         self.auth_dir = auth_dir
         self.master = start_master(auth_dir=auth_dir, **master_kwargs)
@@ -186,7 +187,7 @@ class Cluster:
         self.segments: list[Proc] = []
         try:
             for _ in range(segments):
-                self.add_segment(segment_size)
+                self.add_segment(segment_size, segment_extra)
         except BaseException:
             self.close()
             raise

@@ -8,6 +8,7 @@ over both write paths round-trip exactly.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 
 from engram_store import DistributedStore, InvalidArgument, ProtocolError, SegmentServer, SegmentUnavailable
 from engram_store import _client
-from engram_store._segment import MAX_RANGES, MAX_READ_BYTES, SegmentMemory, shmem_huge_pages
+from engram_store._segment import MAX_RANGES, MAX_READ_BYTES, SegmentMemory, default_readers, shmem_huge_pages
 from engram_store._transport import Connection
 from engram_store.testing import Cluster, wait_ping
 
@@ -33,8 +34,9 @@ OBJECT_BYTES = 6 << 20
 
 @pytest.fixture(scope="module")
 def reader_cluster():
-    """One segment process with the default readers, holding one random object."""
-    with Cluster(segments=1, segment_size=str(SEGMENT_SIZE), heartbeat_timeout_s=30.0) as c:
+    """One segment process with two readers, holding one random object."""
+    with Cluster(segments=1, segment_size=str(SEGMENT_SIZE), heartbeat_timeout_s=30.0,
+                 segment_extra=["--readers", "2"]) as c:
         with DistributedStore.connect(c.address, timeout_ms=10_000, local_direct=False) as store:
             data = np.random.default_rng(11).integers(0, 256, OBJECT_BYTES, dtype=np.uint8)
             store.put("readers:object", data)
@@ -74,7 +76,7 @@ def _raw(address: str, frames: list, timeout_ms: int = 5000) -> dict | None:
 def test_segment_registers_its_reader_endpoints(reader_cluster):
     cluster, store, _, replica = reader_cluster
     proc = cluster.segments[0]
-    assert len(proc.read_addresses) == 2  # the default
+    assert len(proc.read_addresses) == 2
     assert replica.read_addresses == tuple(proc.read_addresses)
     assert replica.address not in replica.read_addresses
     hash(replica)  # frozen and hashable, a placement-cache key
@@ -181,6 +183,17 @@ def test_readers_stop_with_the_segment_and_a_killed_segment_takes_them_along():
                 conn.close()
 
 
+def test_the_default_reader_count_follows_the_cpus():
+    assert default_readers() == (2 if len(os.sched_getaffinity(0)) >= 4 else 1)
+    with Cluster(segments=1, heartbeat_timeout_s=30.0) as c:
+        assert len(c.segments[0].read_addresses) == default_readers()
+    server = SegmentServer(1 << 20, None)
+    try:
+        assert len(server.read_addresses) == default_readers()
+    finally:
+        server.close()
+
+
 def test_a_segment_with_no_readers_registers_none():
     with Cluster(segments=0, heartbeat_timeout_s=30.0) as c:
         proc = c.add_segment("8MiB", ["--readers", "0"])
@@ -195,7 +208,7 @@ def test_a_segment_with_no_readers_registers_none():
 
 def test_read_addresses_survive_a_master_restart_with_its_journal(tmp_path):
     journal = str(tmp_path / "master.journal")
-    with Cluster(segments=2, journal=journal, heartbeat_timeout_s=5.0) as c:
+    with Cluster(segments=2, journal=journal, heartbeat_timeout_s=5.0, segment_extra=["--readers", "2"]) as c:
         with DistributedStore.connect(c.address, timeout_ms=5000, local_direct=False) as store:
             store.put("j", b"j" * 5000, replica_num=2)
             before = {r.segment_id: r.read_addresses for r in store.locate(["j"])[0].replicas}

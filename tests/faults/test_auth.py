@@ -209,7 +209,7 @@ def test_re_replication_between_auth_segments(keys):
 @pytest.mark.timeout(120)
 def test_segment_readers_require_the_cluster_keys(auth_cluster, keys):
     segment = auth_cluster.segments[0]
-    assert len(segment.read_addresses) == 2
+    assert segment.read_addresses
     with DistributedStore.connect(auth_cluster.address, timeout_ms=5000, local_direct=False, auth_dir=keys) as store:
         store.put("read-me", b"r" * 4096)
         replica = store.locate(["read-me"])[0].replicas[0]
