@@ -47,8 +47,8 @@ ZERO_COPY_BYTES = 1 << 20
 #: once (the gather and the socket I/O release the GIL).
 DEFAULT_READERS = 2
 #: Below this many CPUs a segment starts one reader: the clients and the segment already share every core,
-#: and two readers' GIL hand-offs cost more than the second brings (2-core VM: 17-24% fewer raw reads/s with
-#: 2 and 4 client processes, bench/bench_store.py's readers section).
+#: and two readers' GIL hand-offs cost more than the second brings (2-core VM: 13-36% fewer raw reads/s with
+#: 2 and 4 client processes, within noise with 1 and 8; bench/bench_store.py's readers section).
 READERS_MIN_CPUS = 4
 MAX_READERS = 64
 SHM_DIR = "/dev/shm"
