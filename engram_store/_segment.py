@@ -306,10 +306,10 @@ class SegmentServer:
 
     The main socket (``address``) serves everything: writes, reads and pings. ``readers`` reader threads
     (default :func:`default_readers`: 2, or 1 on a host with fewer than 4 CPUs; 0 for none) each bind a
-    ROUTER socket of their own on the same host
-    (ports ``port + 1 ...`` when ``port`` is given, else any free ports), serve ``read_ranges`` and ``ping``
-    only, and are registered with the master as ``read_addresses``; with ``auth`` they require the same
-    CURVE keys as the main socket. They stop with the segment.
+    ROUTER socket of their own on the same host (ports ``port + 1 ...`` when ``port`` is given, else any free
+    ports), serve ``read_ranges`` and ``ping`` only, and are registered with the master as
+    ``read_addresses``; with ``auth`` they require the same CURVE keys as the main socket. They stop with the
+    segment.
 
     A context manager; :meth:`close` unregisters from the master, stops serving and removes the
     shared-memory file. Use :meth:`start` to serve from a background thread (a segment mounted in a client
