@@ -9,6 +9,7 @@ failure revokes, so a failed write leaves nothing behind.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import mmap
 import os
@@ -33,6 +34,7 @@ from ._errors import (
     describe,
     error_from_reply,
 )
+from ._protocol import frame_bytes
 from ._segment import SegmentServer, host_id
 from ._transport import Connection, ConnectionPool, wait_all
 from ._units import parse_size
@@ -43,6 +45,8 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 16 << 20
 WINDOW = 8
 MAX_KEY_LEN = 1024
+#: Replies at least this large are received without a copy (smaller ones are cheaper to copy).
+ZERO_COPY_REPLY_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,10 @@ class DistributedStore:
         self._host_id = host_id()
         self._closed = False
         self.local_segment: SegmentServer | None = None
+        # Threads of this client spread their reads over a segment's reader sockets, from a random start so
+        # that clients spread too.
+        self._thread_slot = threading.local()
+        self._slots = itertools.count(int.from_bytes(os.urandom(2), "little"))
 
     # ---- construction ---------------------------------------------------------------------------
 
@@ -583,6 +591,54 @@ class DistributedStore:
                 else:
                     reply = data
             out.append(reply)
+        return out
+
+    def read_endpoints(self, replica: Replica) -> tuple[str, ...]:
+        """The addresses that serve reads of ``replica``'s segment: its reader sockets, else its main address."""
+        return tuple(getattr(replica, "read_addresses", ())) or (replica.address,)
+
+    def pick_endpoint(self, endpoints: Sequence[str]) -> str:
+        """One of a segment's read endpoints for the calling thread: threads (and clients) spread over them."""
+        if len(endpoints) == 1:
+            return endpoints[0]
+        slot = getattr(self._thread_slot, "value", None)
+        if slot is None:
+            slot = self._thread_slot.value = next(self._slots)
+        return endpoints[slot % len(endpoints)]
+
+    def read_pairs_many(self, requests: Sequence[tuple[str, np.ndarray]]) -> list:
+        """Send one ``read_ranges`` per ``(endpoint, pairs)`` (int64 ``[R, 2]`` byte offset and length), all at
+        once; wait for every reply. The lookup path: one header and one ranges frame per request.
+
+        Returns, aligned with ``requests``, the gathered bytes or the exception of that request; it does not
+        raise for one server's failure, so the caller can fail over per server.
+        """
+        deadline = time.monotonic() + self.timeout_ms / 1000.0
+        sent: list = []
+        for endpoint, pairs in requests:
+            expected = int(pairs[:, 1].sum())
+            try:
+                conn = self._segment_conn(endpoint)
+                sent.append((conn, conn.send_frames("read_ranges", (pairs,)), expected))
+            except SegmentUnavailable as exc:
+                sent.append(exc)
+        out = []
+        for item, (endpoint, _) in zip(sent, requests):
+            if isinstance(item, BaseException):
+                out.append(item)
+                continue
+            conn, request_id, expected = item
+            try:
+                _, frames = conn.recv(request_id, deadline, "read_ranges", copy=expected < ZERO_COPY_REPLY_BYTES)
+            except EngramError as exc:
+                out.append(exc)
+                continue
+            data = frame_bytes(frames[0]) if frames else None
+            if data is None or len(data) != expected:
+                got = 0 if data is None else len(data)
+                out.append(ProtocolError(f"read_ranges: {endpoint} sent {got} bytes, expected {expected}"))
+            else:
+                out.append(data)
         return out
 
     def _read_remote(self, work: list, groups: dict[str, list[int]], failed: set[str]):

@@ -321,10 +321,17 @@ class SegmentServer:
         return {"written": data.nbytes}
 
     def _read_ranges(self, req: Request) -> tuple[dict, list]:
-        if len(req.frames) != 2:
-            raise InvalidArgument(f"read_ranges: expected 2 frames (offsets, lengths), got {len(req.frames)}")
-        offsets = frame_array(req.frames[0], np.int64, "offsets")
-        lengths = frame_array(req.frames[1], np.int64, "lengths", count=offsets.size)
+        if len(req.frames) == 1:  # int64 [R, 2] pairs of (offset, length)
+            pairs = frame_array(req.frames[0], np.int64, "pairs")
+            if pairs.size % 2:
+                raise InvalidArgument(f"read_ranges: the pairs frame holds {pairs.size} int64 items, not pairs")
+            offsets, lengths = pairs[0::2].copy(), pairs[1::2].copy()
+        elif len(req.frames) == 2:
+            offsets = frame_array(req.frames[0], np.int64, "offsets")
+            lengths = frame_array(req.frames[1], np.int64, "lengths", count=offsets.size)
+        else:
+            raise InvalidArgument(f"read_ranges: expected 1 frame (offset, length pairs) or 2 frames (offsets, "
+                                  f"lengths), got {len(req.frames)}")
         if offsets.size > MAX_RANGES:
             raise InvalidArgument(f"read_ranges: at most {MAX_RANGES} ranges per request, got {offsets.size}")
         bad = _kernels.check_ranges(offsets, lengths, self.size)
