@@ -36,7 +36,7 @@ from ._errors import (
 )
 from ._protocol import frame_bytes
 from ._segment import SegmentServer, host_id
-from ._transport import Connection, ConnectionPool, wait_all
+from ._transport import ZERO_COPY_SEND_BYTES, Connection, ConnectionPool, wait_all
 from ._units import parse_size
 
 log = logging.getLogger(__name__)
@@ -606,6 +606,19 @@ class DistributedStore:
             slot = self._thread_slot.value = next(self._slots)
         return endpoints[slot % len(endpoints)]
 
+    def read_pairs(self, endpoint: str, pairs: np.ndarray, expected: int) -> Any:
+        """One ``read_ranges`` of ``pairs`` (int64 ``[R, 2]``) from ``endpoint``: the gathered bytes (``expected``
+        of them). The lookup's hot path when one server holds every remote head; raises on failure."""
+        conn = self._segment_conn(endpoint)
+        request_id = conn.send_frames("read_ranges", (pairs,), copy=pairs.nbytes < ZERO_COPY_SEND_BYTES)
+        _, frames = conn.recv(request_id, time.monotonic() + self.timeout_ms / 1000.0, "read_ranges",
+                              copy=expected < ZERO_COPY_REPLY_BYTES)
+        data = frame_bytes(frames[0]) if frames else None
+        if data is None or len(data) != expected:
+            raise ProtocolError(f"read_ranges: {endpoint} sent {0 if data is None else len(data)} bytes, "
+                                f"expected {expected}")
+        return data
+
     def read_pairs_many(self, requests: Sequence[tuple[str, np.ndarray]]) -> list:
         """Send one ``read_ranges`` per ``(endpoint, pairs)`` (int64 ``[R, 2]`` byte offset and length), all at
         once; wait for every reply. The lookup path: one header and one ranges frame per request.
@@ -619,7 +632,8 @@ class DistributedStore:
             expected = int(pairs[:, 1].sum())
             try:
                 conn = self._segment_conn(endpoint)
-                sent.append((conn, conn.send_frames("read_ranges", (pairs,)), expected))
+                sent.append((conn, conn.send_frames("read_ranges", (pairs,), copy=pairs.nbytes < ZERO_COPY_SEND_BYTES),
+                             expected))
             except SegmentUnavailable as exc:
                 sent.append(exc)
         out = []

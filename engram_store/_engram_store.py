@@ -199,6 +199,10 @@ class _Placement:
     checked_at: float = 0.0           # time.monotonic() of the last check with the master
     keep: list = field(default_factory=list)  # the mapped tables the sources read (kept alive here)
 
+    @property
+    def local_heads(self) -> int:
+        return sum(int(source.heads.size) for source in self.local)
+
 
 class _Layer:
     """One layer's geometry and read state inside an :class:`EngramStore`."""
@@ -812,6 +816,10 @@ class EngramStore:
 
     def _run(self, jobs: list[tuple[_Layer, np.ndarray, np.ndarray]]) -> None:
         """Read validated jobs ``(layer, ids [B, L, H], out [B, L, H, D])``: local tables, stores, failover."""
+        if len(jobs) == 1 and self._native is not None and jobs[0][0].local is None:
+            lay, ids, out = jobs[0]
+            self._lookup_one(lay, ids.reshape(-1, lay.num_heads), out.reshape(-1).view(np.uint8))
+            return
         prepared = []
         for lay, ids, out in jobs:
             M = ids.shape[0] * ids.shape[1]
@@ -828,6 +836,40 @@ class EngramStore:
                 store_jobs.append((lay, ids2, flat))
         if store_jobs:
             _lookup_native(self._native, [(self, lay, ids2, flat) for lay, ids2, flat in store_jobs])
+
+    def _lookup_one(self, lay: _Layer, ids2: np.ndarray, flat: np.ndarray) -> None:
+        """One layer from the native store: the lean path of a lookup (see :func:`_lookup_native` for the rest).
+
+        With a fresh placement whose remote heads all live on one server, the rows are planned, read in one
+        request and scattered with nothing in between; any failure takes the general path, which fails over.
+        """
+        placement = lay.placement
+        if placement is None or time.monotonic() - placement.checked_at >= PLACEMENT_TTL_S \
+                or len(placement.remote) > 1 or lay.cache is not None:
+            _lookup_native(self._native, [(self, lay, ids2, flat)])
+            return
+        if placement.local:
+            self._gather_local(lay, placement, ids2, flat)
+        if placement.remote:
+            address, endpoints, _, _ = placement.remote[0]
+            pairs, r, head_rows, _, inverse = _kernels._plan_reads(ids2, placement.order, placement.bases,
+                                                                    lay.row_bytes)
+            rows = int(head_rows[-1])
+            native = self._native
+            try:
+                data = native.read_pairs(native.pick_endpoint(endpoints), pairs[:r], rows * lay.row_bytes)
+            except SegmentUnavailable:
+                with lay.lock:
+                    lay.placement = None
+                _lookup_native(native, [(self, lay, ids2, flat)], failed={address})
+                return
+            if _kernels._scatter_rows(_kernels.readonly(np.frombuffer(data, dtype=np.uint8)),
+                                      _kernels.readonly(inverse), placement.order, 0, lay.row_bytes, flat) >= 0:
+                raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")
+            lay.counters.add(lookups=1, rows=ids2.size, local_rows=placement.local_heads * ids2.shape[0],
+                             remote_requests=1, remote_rows=rows, remote_bytes=rows * lay.row_bytes)
+        else:
+            lay.counters.add(lookups=1, rows=ids2.size, local_rows=ids2.size)
 
     def _gather_local(self, lay: _Layer, placement: _Placement, ids2: np.ndarray, flat: np.ndarray) -> None:
         """Gather the rows of every head in ``placement.local`` from memory on this host into ``flat``."""
@@ -1084,11 +1126,13 @@ class EngramStore:
 # ---- reads through the native store ---------------------------------------------------------------
 
 
-def _lookup_native(native: Any, jobs: list[tuple[EngramStore, _Layer, np.ndarray, np.ndarray]]) -> None:
+def _lookup_native(native: Any, jobs: list[tuple[EngramStore, _Layer, np.ndarray, np.ndarray]],
+                   failed: set[str] | None = None) -> None:
     """Read jobs ``(owner, layer, ids [M, H], out bytes)`` from one DistributedStore: tables mapped on this
     host are gathered in place; the rest goes out as one request per segment server for all jobs, all at
-    once; heads on a server that fails are re-resolved and read from another replica."""
-    failed: set[str] = set()
+    once; heads on a server that fails (or is in ``failed`` already) are re-resolved and read from another
+    replica."""
+    failed = set(failed or ())
     pending = jobs
     for round_ in range(FAILOVER_ROUNDS + 1):
         remote_jobs, cached_jobs, placed = [], [], []
@@ -1110,8 +1154,8 @@ def _lookup_native(native: Any, jobs: list[tuple[EngramStore, _Layer, np.ndarray
                 with lay.lock:
                     lay.placement = None  # re-resolve: the master may have dropped the dead segment
             else:
-                local_rows = sum(int(s.heads.size) for s in placement.local) * ids2.shape[0]
-                lay.counters.add(lookups=1, rows=ids2.size, local_rows=local_rows, retries=round_)
+                lay.counters.add(lookups=1, rows=ids2.size, local_rows=placement.local_heads * ids2.shape[0],
+                                 retries=round_)
         if not retry:
             return
         failed |= bad

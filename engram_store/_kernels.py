@@ -367,7 +367,7 @@ def _plan_reads(ids, order, base, row_bytes):
 
 
 @njit(cache=True, nogil=True)
-def _scatter_rows(rows, inverse, heads, row_start, row_words, out):
+def _scatter_words(rows, inverse, heads, row_start, row_words, out):
     # rows: words of the rows back to back; out: words of [M, H, row] flattened.
     M, H = inverse.shape
     n_rows = rows.size // max(row_words, 1)
@@ -385,6 +385,19 @@ def _scatter_rows(rows, inverse, heads, row_start, row_words, out):
             for w in range(row_words):
                 out[d + np.uint64(w)] = rows[s + np.uint64(w)]
     return -1
+
+
+@njit(cache=True, nogil=True)
+def _scatter_rows(rows, inverse, heads, row_start, row_bytes, out):
+    # rows, out: flat bytes. The rows move as the widest words that the row size and both addresses allow.
+    bits = rows.ctypes.data | out.ctypes.data | row_bytes
+    if bits % 8 == 0:
+        return _scatter_words(rows[:rows.size - rows.size % 8].view(np.uint64), inverse, heads, row_start,
+                              row_bytes // 8, out.view(np.uint64))
+    if bits % 4 == 0:
+        return _scatter_words(rows[:rows.size - rows.size % 4].view(np.uint32), inverse, heads, row_start,
+                              row_bytes // 4, out.view(np.uint32))
+    return _scatter_words(rows, inverse, heads, row_start, row_bytes, out)
 
 
 @njit(cache=True, nogil=True)
@@ -553,12 +566,10 @@ def scatter_rows(rows: np.ndarray, inverse: np.ndarray, heads: np.ndarray, row_s
 
 def scatter_rows_prepared(rows: np.ndarray, inverse: np.ndarray, heads: np.ndarray, row_start: int,
                           row_bytes: int, out: np.ndarray) -> int:
-    """:func:`scatter_rows` on flat bytes (``rows``: received rows back to back; ``out``: ``[M, H, row_bytes]``
-    flattened) for a caller that validated ``inverse`` and ``heads``. Returns -1, or the flat index of a row
-    that ``rows`` does not hold (nothing moved)."""
-    shift = word_shift(row_bytes | rows.ctypes.data | out.ctypes.data)
-    return int(_scatter_rows(readonly(_words(rows, shift)), readonly(inverse), readonly(heads), np.int64(row_start),
-                             np.int64(row_bytes >> shift), _words(out, shift)))
+    """:func:`scatter_rows` on flat bytes (``rows``: received rows back to back, read-only; ``out``: a writable
+    ``[M, H, row_bytes]`` flattened) for a caller that validated ``inverse`` and ``heads`` (read-only int64).
+    Returns -1, or the flat index of a row that ``rows`` does not hold (nothing moved)."""
+    return int(_scatter_rows(readonly(rows), readonly(inverse), readonly(heads), row_start, row_bytes, out))
 
 
 class RowSource(NamedTuple):

@@ -226,7 +226,6 @@ class SegmentServer:
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
         self._closed = False
-        _kernels.warmup()
         handlers = {"ping": self._ping, "write": self._write, "read_ranges": self._read_ranges}
         try:
             self.server = RpcServer(host, port, f"segment {self.segment_id[:8]}", handlers,

@@ -267,12 +267,11 @@ class Connection:
             raise self.unavailable(f"{op}: cannot send to {self.address}: {exc}") from exc
         return request_id
 
-    def send_frames(self, op: str, frames: Sequence[Any]) -> int:
-        """Send a request with no header fields but ``op``: the hot path of reads (a header packed directly,
-        small frames copied, which pyzmq does faster than tracking them for zero-copy)."""
+    def send_frames(self, op: str, frames: Sequence[Any], copy: bool = True) -> int:
+        """Send a request with no header fields but ``op``: the hot path of reads (a header packed directly;
+        ``copy=True`` for small frames, which pyzmq copies faster than it tracks them for zero-copy)."""
         request_id = next(self._ids)
         header = msgpack.packb({"v": PROTOCOL_VERSION, "id": request_id, "op": op})
-        copy = sum(memoryview(f).nbytes for f in frames) < ZERO_COPY_SEND_BYTES
         try:
             (self.socket or self._open()).send_multipart((header, *frames), copy=copy, flags=zmq.NOBLOCK)
         except zmq.Again as exc:
