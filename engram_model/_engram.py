@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from engram_store import EngramStore, EngramStoreConfig, LookupHandle
+from engram_store import EngramStore, EngramStoreConfig, LookupHandle, prefetch_many
 from engram_store._errors import InvalidArgument, InvalidType, describe
 
 from ._checkpoint import load_checkpoint, save_checkpoint
@@ -387,10 +387,12 @@ def prefetch_layers(engrams: Sequence[Engram], input_ids: Any) -> dict[int, Engr
     groups: dict[int, tuple[NgramHashMapping, list[Engram]]] = {}
     for engram in engrams:
         groups.setdefault(id(engram.hash_mapping), (engram.hash_mapping, []))[1].append(engram)
-    handles: dict[int, EngramPrefetch] = {}
+    order: list[tuple[Engram, np.ndarray, np.ndarray]] = []
     for mapping, members in groups.values():
         ids = members[0]._ids(input_ids)
         rows = mapping.hash_layers(ids, [e.layer_id for e in members])
-        for engram in members:
-            handles[engram.layer_id] = engram.prefetch_rows(ids, rows[engram.layer_id])
-    return handles
+        order += [(engram, ids, rows[engram.layer_id]) for engram in members]
+    # One read for all layers: layers whose tables share a segment server share its request.
+    reads = prefetch_many([(engram.engram_store, row_ids) for engram, _, row_ids in order])
+    return {engram.layer_id: EngramPrefetch(engram.layer_id, ids, handle)
+            for (engram, ids, _), handle in zip(order, reads)}

@@ -1251,6 +1251,28 @@ def lookup_many(requests: Sequence[tuple[EngramStore, Any]], *, layers: Sequence
     return LookupHandle(future, requests)
 
 
+def prefetch_many(requests: Sequence[tuple[EngramStore, Any]], *, layers: Sequence[int | None] | None = None,
+                  out: Sequence[Any] | None = None, background: bool = True) -> list[LookupHandle]:
+    """:func:`lookup_many` with one handle per request (each ``result()`` is that request's rows).
+
+    The reads still go out together (one request per segment server for all layers); every handle completes
+    when they all have, and a failure is raised by every handle.
+    """
+    combined = lookup_many(requests, layers=layers, out=out, background=background)
+    handles = [LookupHandle(Future(), ids) for _, ids in requests]
+
+    def finish(done: Future) -> None:
+        exc = done.exception()
+        for i, handle in enumerate(handles):
+            if exc is not None:
+                handle._future.set_exception(exc)
+            else:
+                handle._future.set_result(done.result()[i])
+
+    combined._future.add_done_callback(finish)
+    return handles
+
+
 # ---- helpers ----------------------------------------------------------------------------------------
 
 _POOL_LOCK = threading.Lock()
