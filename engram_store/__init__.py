@@ -15,6 +15,7 @@ from ._client import DistributedStore, ObjectInfo, Replica
 from ._config import StoreConfig
 from ._engram_store import EngramStore, EngramStoreConfig, LookupHandle, lookup_many, prefetch_many
 from ._errors import (
+    AuthError,
     ConfigError,
     EngramError,
     InvalidArgument,
@@ -36,6 +37,7 @@ from ._segment import SegmentServer
 from ._units import format_size, parse_size
 
 __all__ = [
+    "AuthError",
     "ConfigError",
     "DistributedStore",
     "EngramError",

@@ -24,6 +24,7 @@ from . import _kernels
 from ._errors import ConfigError, EngramError, InvalidArgument, MasterUnavailable, OutOfSpace
 from ._protocol import PROTOCOL_VERSION, Request, frame_array, frame_bytes
 from ._auth import AuthKeys
+from ._raw import RawReadServer
 from ._transport import Connection, RpcServer
 
 log = logging.getLogger(__name__)
@@ -206,6 +207,7 @@ class SegmentServer:
         rpc_timeout_ms: int = 5000,
         file: str | None = None,
         auth: AuthKeys | None = None,
+        raw_reads: bool = True,
     ):
         self.manifest: Manifest | None = None
         if file is not None:
@@ -226,11 +228,20 @@ class SegmentServer:
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
         self._closed = False
-        handlers = {"ping": self._ping, "write": self._write, "read_ranges": self._read_ranges}
+        handlers = {"ping": self._ping, "write": self._write, "read_ranges": self._read_ranges,
+                    "channel_token": self._channel_token}
+        self.raw: RawReadServer | None = None
         try:
             self.server = RpcServer(host, port, f"segment {self.segment_id[:8]}", handlers,
                                     max_message_bytes=MAX_WRITE_BYTES + (1 << 20), auth=auth)
+            if raw_reads:
+                # Range reads on a plain TCP port as well (see _raw): lookups at the network stack's speed.
+                self.raw = RawReadServer(host, self.memory.array, max_ranges=MAX_RANGES, max_bytes=MAX_READ_BYTES,
+                                         require_token=auth is not None, name=f"segment {self.segment_id[:8]}",
+                                         metrics=self.server.metrics)
         except BaseException:
+            if getattr(self, "server", None) is not None:
+                self.server.close()
             self.memory.close()
             raise
         self.heartbeat_interval_s = 1.0
@@ -306,7 +317,15 @@ class SegmentServer:
     # ---- handlers -------------------------------------------------------------------------------
 
     def _ping(self, req: Request) -> dict:
-        return {"role": "segment", "segment_id": self.segment_id, "size": self.size, "protocol": PROTOCOL_VERSION}
+        return {"role": "segment", "segment_id": self.segment_id, "size": self.size, "protocol": PROTOCOL_VERSION,
+                "raw_port": self.raw.port if self.raw is not None else 0,
+                "raw_token": self.raw is not None and self.raw.require_token}
+
+    def _channel_token(self, req: Request) -> dict:
+        """A one-time token for the raw read channel (asked over ZeroMQ, so CURVE decides who gets one)."""
+        if self.raw is None:
+            raise InvalidArgument("channel_token: this segment serves reads over ZeroMQ only (--no-raw-reads)")
+        return {"raw_port": self.raw.port, "token": self.raw.issue_token()}
 
     def _write(self, req: Request) -> dict:
         offset = req.int("offset", 0, self.size)
@@ -359,11 +378,15 @@ class SegmentServer:
 
     def start(self) -> "SegmentServer":
         self._start_heartbeats()
+        if self.raw is not None:
+            self.raw.start()
         self.server.start()
         return self
 
     def serve_forever(self) -> None:
         self._start_heartbeats()
+        if self.raw is not None:
+            self.raw.start()
         self.server.serve_forever()
 
     def stop(self) -> None:
@@ -395,6 +418,8 @@ class SegmentServer:
                 log.info("segment %s: could not unregister from %s: %s", self.segment_id, self.master_address, exc)
             finally:
                 conn.close()
+        if self.raw is not None:
+            self.raw.close()
         self.server.close()
         self.memory.close()
 
