@@ -467,7 +467,7 @@ class DistributedStore:
         """The bytes stored under ``key``; ``lease=False`` reads without taking a read lease."""
         info = self.locate([_check_key(key)], lease=lease)[0]
         out = np.empty(info.size, dtype=np.uint8)
-        self._read_object(info, out)
+        self.read_object(info, out)
         return out.tobytes()
 
     def get_into(self, key: str, buffer: object) -> int:
@@ -476,10 +476,10 @@ class DistributedStore:
         info = self.locate([_check_key(key)])[0]
         if dst.nbytes < info.size:
             raise InvalidArgument(f"buffer: object {key!r} is {info.size} bytes, the buffer holds {dst.nbytes}")
-        self._read_object(info, dst[:info.size])
+        self.read_object(info, dst[:info.size])
         return info.size
 
-    def _read_object(self, info: ObjectInfo, dst: np.ndarray) -> None:
+    def read_object(self, info: ObjectInfo, dst: np.ndarray) -> None:
         """Read a whole object in CHUNK_BYTES pieces (so large objects span several requests in flight)."""
         work = []
         for start in range(0, info.size, CHUNK_BYTES):

@@ -615,9 +615,13 @@ class EngramStore:
             expected = values[h] if h < len(values) else None
             if expected is None:
                 continue
-            full = np.zeros((n, 1, lay.num_heads), dtype=np.int64)
-            full[:, 0, j] = np.arange(n, dtype=np.int64)
-            rows = np.ascontiguousarray(self.lookup(full, layer=lay.layer_id)[:, 0, j])
+            rows = np.empty(n * lay.row_bytes, dtype=np.uint8)
+            if self._native is not None:  # the whole table in one read, no lease (it would block a remove)
+                self._native.read_object(self._native.locate([lay.keys[j]], lease=False)[0], rows)
+            else:
+                full = np.zeros((n, 1, lay.num_heads), dtype=np.int64)
+                full[:, 0, j] = np.arange(n, dtype=np.int64)
+                rows = np.ascontiguousarray(self.lookup(full, layer=lay.layer_id)[:, 0, j]).reshape(-1).view(np.uint8)
             got = _checksums([rows], algorithm)[1][0]
             if got != expected:
                 raise StoreError(f"layer {lay.layer_id} head {h}: stored rows have {algorithm} {got}, the manifest "
