@@ -53,7 +53,9 @@ def _int_list(name: str, value: Any) -> list[Any]:
 class EngramConfig:
     """Hashing and table geometry of the Engram layers of one model (shared by all its Engram layers)."""
 
-    # None hashes raw token ids; a tokenizer.json path (or a directory holding one) enables compression.
+    # None or "" hashes raw token ids; a tokenizer.json path, a directory holding one, or a Hugging Face name
+    # already in the local cache enables compression. Nothing is downloaded: any other name is an error when a
+    # layer is built. (Mooncake's default "deepseek-ai/DeepSeek-V3" is not used here: its hashing ignores it.)
     tokenizer_name_or_path: str | None = None
     # One base table size per n-gram order 2..max_ngram_size; each head's table is the next unused prime above it.
     # Entries past the last order are ignored (with a warning), as in the reference.
@@ -133,6 +135,11 @@ class EngramConfig:
     def ngram_vocab_sizes(self) -> list[int]:
         """The base sizes in use: the first ``num_orders`` entries of ``engram_vocab_size``."""
         return list(self.engram_vocab_size[:self.num_orders])
+
+    @property
+    def tokenizer_path(self) -> str | None:
+        """``tokenizer_name_or_path``, or None when it is None or ``""`` (raw token ids are hashed)."""
+        return self.tokenizer_name_or_path or None
 
     @property
     def num_orders(self) -> int:

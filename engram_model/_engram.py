@@ -93,8 +93,8 @@ class Engram:
         self.config = copy.deepcopy(config or EngramConfig()).validate()
         self.backbone_cfg = copy.deepcopy(backbone_cfg or BackboneConfig()).validate()
         self.layer_id = check_layer(layer_id, self.config, self.backbone_cfg)
-        if tokenizer is None and self.config.tokenizer_name_or_path is not None:
-            tokenizer = self.config.tokenizer_name_or_path
+        if tokenizer is None and self.config.tokenizer_path is not None:
+            tokenizer = compressed_tokenizer_from_path(self.config.tokenizer_path, "tokenizer_name_or_path")
         if isinstance(tokenizer, (str, os.PathLike)):
             tokenizer = compressed_tokenizer_from_path(os.fspath(tokenizer))
         elif tokenizer is not None and not isinstance(tokenizer, CompressedTokenizer):
