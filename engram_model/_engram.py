@@ -136,7 +136,12 @@ class Engram:
                                     buffer_sizes: Sequence[int] | None = None, replica_num: int = 1) -> None:
         """Upload one float32 ``[get_table_vocab_sizes()[h], D_head]`` table per head (create-only).
 
-        ``buffer_sizes`` (bytes per table, as in Mooncake's API) is optional and checked if given.
+        ``buffer_sizes`` (bytes per table, ``[t.nbytes for t in embedding_buffers]`` as in Mooncake's API) is
+        optional and checked if given. Tables of another floating dtype (float64, float16) are cast to float32,
+        as Mooncake's binding does; the store holds float32 rows. Tables sized from ``engram_vocab_size``
+        instead of :meth:`get_table_vocab_sizes` are refused: head h hashes into ``[0, N_h)``, so rows past a
+        short table would have no data. Tables already in the store are never replaced: a second populate
+        raises ``ObjectExists`` (call :meth:`remove_from_store` first).
         """
         sizes, dim = self.get_table_vocab_sizes(), self.get_embedding_dim()
         if isinstance(embedding_buffers, np.ndarray) or not isinstance(embedding_buffers, (list, tuple)):
@@ -148,8 +153,9 @@ class Engram:
         for h, table in enumerate(embedding_buffers):
             if not isinstance(table, np.ndarray):
                 raise InvalidType(f"embedding_buffers[{h}]: expected a float32 NumPy array, got {type(table).__name__}")
-            if table.dtype != np.float32:
-                raise InvalidType(f"embedding_buffers[{h}]: expected dtype float32, got {table.dtype}")
+            if table.dtype.kind != "f":
+                raise InvalidType(f"embedding_buffers[{h}]: expected a floating-point dtype (float32; float64 "
+                                  f"and float16 are cast), got {table.dtype}")
             if table.shape != (sizes[h], dim):
                 raise InvalidArgument(
                     f"embedding_buffers[{h}]: expected shape ({sizes[h]}, {dim}) = (get_table_vocab_sizes()[{h}], "
@@ -163,7 +169,7 @@ class Engram:
                 if nbytes != table.nbytes:
                     raise InvalidArgument(f"buffer_sizes[{h}]: expected {table.nbytes} (embedding_buffers[{h}]"
                                           f".nbytes), got {describe(nbytes)}")
-        tables = [np.ascontiguousarray(t) for t in embedding_buffers]
+        tables = [np.ascontiguousarray(t, dtype=np.float32) for t in embedding_buffers]  # copies only to cast
         self.engram_store.populate(tables, replica_num=replica_num)
 
     def populate_store_from_embedding(self, weight: np.ndarray, replica_num: int = 1) -> None:
@@ -215,6 +221,10 @@ class Engram:
                 embeddings: np.ndarray | None = None, row_ids: np.ndarray | None = None) -> np.ndarray:
         """The Engram branch for ``hidden_states`` float32 ``[B, L, hc_mult, hidden_size]``: the same shape.
 
+        The output is float32. Hidden states of another floating dtype (float64, float16) are cast to float32
+        once on entry, as Mooncake's ``forward`` does; that copy costs a pass over ``hidden_states``, little
+        next to the projections. ``input_ids`` is ``[B, L]``: nested lists or an integer array.
+
         Rows come from ``prefetched`` (a handle from :meth:`prefetch` for these ``input_ids``), else from
         ``embeddings`` (float32 ``[B, L, H, D_head]``, rows the caller already has), else from the store for
         ``row_ids`` (int64 ``[B, L, H]`` hashed by the caller, e.g. by an :class:`IncrementalHasher` once per
@@ -238,12 +248,13 @@ class Engram:
         if not isinstance(hidden_states, np.ndarray):
             raise InvalidType(f"hidden_states: expected a float32 NumPy array [B, L, {hc}, {C}], "
                               f"got {type(hidden_states).__name__}")
-        if hidden_states.dtype != np.float32:
-            raise InvalidType(f"hidden_states: expected dtype float32, got {hidden_states.dtype}")
+        if hidden_states.dtype.kind != "f":
+            raise InvalidType(f"hidden_states: expected a floating-point dtype (float32; float64 and float16 are "
+                              f"cast), got {hidden_states.dtype}")
         if hidden_states.ndim != 4 or hidden_states.shape[2:] != (hc, C) or 0 in hidden_states.shape[:2]:
             raise InvalidArgument(f"hidden_states: expected shape [B, L, hc_mult={hc}, hidden_size={C}] with "
                                   f"B, L >= 1, got {hidden_states.shape}")
-        return hidden_states
+        return hidden_states.astype(np.float32, copy=False)
 
     def _rows(self, B: int, L: int, input_ids: Any, prefetched: EngramPrefetch | None,
               embeddings: np.ndarray | None, row_ids: np.ndarray | None = None) -> np.ndarray:
