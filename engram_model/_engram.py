@@ -28,12 +28,14 @@ from ._checkpoint import load_checkpoint, save_checkpoint
 from ._config import BackboneConfig, EngramConfig, check_layer
 from ._hashing import NgramHashMapping, get_hash_mapping, token_ids_2d
 from ._layers import EngramWeights, engram_output
-from ._tokenizer import CompressedTokenizer, compressed_tokenizer_from_path
+from ._tokenizer import CompressedTokenizer, as_int_ids, compressed_tokenizer_from_path
 
 log = logging.getLogger(__name__)
 
 #: The reference keeps all head tables stacked in one embedding; a checkpoint stores them under this name.
 EMBEDDING_KEY = "multi_head_embedding.embedding.weight"
+#: Bytes of one table value: tables are float32 (Mooncake's workspace sizes count 4 bytes per value).
+_FLOAT32_BYTES = 4
 #: The reference's row offset of each head in the stacked table (a buffer, so it is in its state dict).
 OFFSETS_KEY = "multi_head_embedding.offsets"
 
@@ -77,7 +79,12 @@ class Engram:
     (or Mooncake's own), or None for an Engram that only hashes and computes from rows it is given.
     ``tokenizer`` is a :class:`CompressedTokenizer`, anything it accepts (a Hugging Face style tokenizer,
     a tokenizer.json path, a list of token texts), or None to use ``config.tokenizer_name_or_path``
-    (raw token ids are hashed when that is None too).
+    (raw token ids are hashed when that is None or ``""`` too; a name that is neither a local file nor in the
+    Hugging Face cache is refused, since nothing is downloaded).
+
+    Mooncake's first Engram API is covered: ``Engram(layer_id, config, backbone_cfg, store)``, ``forward``,
+    ``populate_store_from_buffers(buffers[, buffer_sizes])``, ``hash_input_ids``, ``query(input_ids,
+    workspace=None)``, the workspace-size getters and ``remove_from_store``.
 
     Weights start from a seeded initialisation (``numpy.random.default_rng((config.seed, layer_id))``;
     see :class:`engram_model._layers.EngramWeights`) until :meth:`load_state_dict` or :meth:`load` replaces them.
@@ -128,7 +135,25 @@ class Engram:
         return self.engram_store.get_embedding_dim()
 
     def get_store_keys(self) -> list[str]:
+        """One key per head, ``engram:l{layer_id}:h{head}``."""
         return self.engram_store.get_store_keys()
+
+    def get_embedding_tables_workspace_size(self) -> int:
+        """Bytes of all this layer's tables: ``sum_h N_h * D_head * 4`` (what a populate uploads)."""
+        return sum(self.get_table_vocab_sizes()) * self.get_embedding_dim() * _FLOAT32_BYTES
+
+    def get_query_workspace_size(self, B: int, L: int) -> int:
+        """Bytes of the scratch Mooncake's ``query`` may use: ``sum_h min(N_h, max(1, B * L)) * D_head * 4``.
+
+        The size of a buffer to pass as ``query(..., workspace=)``; see :meth:`query` for what this
+        implementation does with it.
+        """
+        for name, value in (("B", B), ("L", L)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise InvalidArgument(f"{name}: expected a non-negative integer, got {describe(value)}")
+        positions = max(1, int(B) * int(L))
+        return sum(min(n, positions) for n in self.get_table_vocab_sizes()) * self.get_embedding_dim() \
+            * _FLOAT32_BYTES
 
     # ---- tables -------------------------------------------------------------------------------
 
@@ -192,18 +217,46 @@ class Engram:
     @staticmethod
     def _ids(input_ids: Any) -> np.ndarray:
         """Token ids as int64 ``[B, L]`` with B, L >= 1 (not yet compressed)."""
-        ids = token_ids_2d(input_ids)
-        if 0 in ids.shape:
-            raise InvalidArgument(f"input_ids: expected a non-empty [B, L] array, got shape {ids.shape}")
-        return ids
+        ids = as_int_ids(input_ids, "input_ids")
+        if ids.size == 0:
+            raise InvalidArgument(f"input_ids: expected a non-empty [B, L] list or array of token ids, "
+                                  f"got shape {ids.shape}")
+        return token_ids_2d(ids)
 
     def hash_input_ids(self, input_ids: Any) -> np.ndarray:
-        """Row ids of this layer, int64 ``[B, L, H]``."""
-        return self.hash_mapping.hash_layer(input_ids, self.layer_id)
+        """Row ids of this layer, int64 ``[B, L, H]``; head h's ids are in ``[0, get_table_vocab_sizes()[h])``.
+
+        Empty input (``[]``, or B or L = 0) gives an empty ``[B, L, H]`` array, ``(0, 0, H)`` for ``[]``.
+        """
+        ids = as_int_ids(input_ids, "input_ids")
+        if ids.size == 0:
+            shape = ids.shape if ids.ndim == 2 else (0, 0) if ids.ndim == 1 else None
+            if shape is None:
+                raise InvalidArgument(f"input_ids: expected shape [B, L] (2 dimensions), got shape {ids.shape}")
+            return np.empty((*shape, self.get_num_heads()), dtype=np.int64)
+        return self.hash_mapping.hash_layer(ids, self.layer_id)
 
     def query_embeddings(self, input_ids: Any) -> np.ndarray:
         """Rows for the ids from the store, float32 ``[B, L, H, D_head]``."""
         return self.engram_store.lookup(self.hash_input_ids(self._ids(input_ids)))
+
+    def query(self, input_ids: Any, workspace: np.ndarray | None = None) -> np.ndarray:
+        """The rows of the hashed ids, a new float32 ``[B, L, H, D_head]`` array (Mooncake's ``query``).
+
+        ``output[b, l, h] = table_h[hash_input_ids(input_ids)[b, l, h]]``. ``input_ids`` is ``[B, L]`` (nested
+        lists or an integer array) and must not be empty. Ids are never clamped: hashing keeps every row id in
+        its head's range, so each row read is a stored row.
+
+        ``workspace`` is the optional caller scratch of Mooncake's API (a NumPy array, normally
+        ``np.empty(get_query_workspace_size(B, L), np.uint8)``). In Mooncake it is staging space for the
+        distinct rows and never the output; here rows are gathered straight into the returned array, so
+        no scratch is needed: the workspace is checked to be a NumPy array, then neither read nor written.
+        Any size is accepted (Mooncake too ignores one that is too small).
+        """
+        if workspace is not None and not isinstance(workspace, np.ndarray):
+            raise InvalidType(f"workspace: expected a NumPy array (e.g. np.empty(get_query_workspace_size(B, L), "
+                              f"np.uint8)) or None, got {type(workspace).__name__}")
+        return self.query_embeddings(input_ids)
 
     def prefetch(self, input_ids: Any) -> EngramPrefetch:
         """Hash now and start reading the rows in the background; hand the result to :meth:`forward`."""
