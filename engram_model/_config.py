@@ -1,7 +1,8 @@
 """Configuration of an Engram layer and of the backbone it sits in.
 
 Field names and defaults follow DeepSeek's ``engram_demo_v1.py`` (``EngramConfig``, ``BackBoneConfig``) and
-Mooncake's Python Engram API, so configs written for either work unchanged. Both dataclasses validate when
+Mooncake's Python Engram API, so configs written for either work unchanged; the one default that differs is
+``tokenizer_name_or_path`` (None: raw ids, since nothing is downloaded here). Both dataclasses validate when
 they are built; because they may also be filled in by attribute (``cfg.max_ngram_size = 3``), code that uses
 them calls :meth:`validate` again, which checks the fields together and says which one to change.
 """
