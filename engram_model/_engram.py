@@ -258,15 +258,21 @@ class Engram:
                               f"np.uint8)) or None, got {type(workspace).__name__}")
         return self.query_embeddings(input_ids)
 
-    def prefetch(self, input_ids: Any) -> EngramPrefetch:
-        """Hash now and start reading the rows in the background; hand the result to :meth:`forward`."""
-        ids = self._ids(input_ids)
-        return self.prefetch_rows(ids, self.hash_input_ids(ids))
+    def prefetch(self, input_ids: Any, out: Any = None, background: bool | None = None) -> EngramPrefetch:
+        """Hash now and start reading the rows; hand the result to :meth:`forward`.
 
-    def prefetch_rows(self, input_ids: np.ndarray, row_ids: np.ndarray) -> EngramPrefetch:
-        """Start reading rows already hashed for ``input_ids`` (see :func:`prefetch_layers`)."""
+        ``out``: a caller buffer for the rows (float32 ``[B, L, H, D_head]``, writable and C-contiguous, e.g. a
+        pinned host buffer's ``.numpy()`` view), filled in place, nothing allocated. ``background=True`` always
+        returns at once with the read running in a background thread (see :meth:`EngramStore.prefetch`).
+        """
+        ids = self._ids(input_ids)
+        return self.prefetch_rows(ids, self.hash_input_ids(ids), out=out, background=background)
+
+    def prefetch_rows(self, input_ids: np.ndarray, row_ids: np.ndarray, out: Any = None,
+                      background: bool | None = None) -> EngramPrefetch:
+        """Start reading rows already hashed for ``input_ids`` (see :func:`prefetch_layers`), into ``out`` if given."""
         return EngramPrefetch(self.layer_id, np.asarray(input_ids, dtype=np.int64),
-                              self.engram_store.prefetch(row_ids))
+                              self.engram_store.prefetch(row_ids, out=out, background=background))
 
     # ---- forward ------------------------------------------------------------------------------
 
