@@ -562,3 +562,67 @@ def test_layers_read_together_in_one_request_per_server(g, B, L, seed):
             if len(configs) > 1:
                 with pytest.raises(InvalidArgument, match="name one with layer="):
                     layers.lookup(ids[min(configs)])
+
+
+class _ArrayInterface:
+    """An object exposing only ``__array_interface__`` (as some GPU-framework host tensors do)."""
+
+    def __init__(self, array):
+        self._array = array
+        self.__array_interface__ = array.__array_interface__
+
+
+def test_lookup_into_and_prefetch_fill_any_writable_buffer_without_allocating(local_store):
+    sizes, dim = [301, 257], 8
+    tables = make_tables(sizes, dim, 41)
+    ids = random_ids(np.random.default_rng(42), sizes, 3, 4)
+    want = expected_rows(tables, ids)
+    layer = next(_layers)
+    EngramStore(layer, EngramStoreConfig(sizes, dim), local_store).populate(tables)
+    try:
+        es = EngramStore(layer, EngramStoreConfig(sizes, dim), local_store)
+        shape = want.shape
+        backing = np.zeros(shape, np.float32)
+        raw = bytearray(want.nbytes)
+        for buffer, view in ((memoryview(backing), backing),
+                             (_ArrayInterface(backing), backing),
+                             (raw, np.frombuffer(raw, np.float32).reshape(shape)),  # flat bytes of the right size
+                             (memoryview(raw).cast("B"), np.frombuffer(raw, np.float32).reshape(shape))):
+            view[...] = 0
+            assert es.lookup_into(ids, buffer) is buffer
+            assert np.array_equal(view, want)
+            view[...] = 0
+            handle = es.prefetch(ids, out=buffer, background=True)
+            assert handle.result(timeout=30) is buffer and np.array_equal(view, want)
+        for bad, match in ((backing.astype(np.float64), "float32"), (backing[:, ::-1], "C-contiguous"),
+                           (bytes(want.nbytes), "writable float32 buffer"), ([[0.0]], "writable float32 buffer"),
+                           (bytearray(want.nbytes - 4), "float32 array of shape")):
+            with pytest.raises((InvalidArgument, InvalidType), match=match):
+                es.lookup_into(ids, bad)
+            with pytest.raises((InvalidArgument, InvalidType), match=match):
+                es.prefetch(ids, out=bad)  # refused now, not from result()
+        readonly = backing.copy()
+        readonly.flags.writeable = False
+        with pytest.raises(InvalidArgument, match="read-only"):
+            es.lookup_into(ids, readonly)
+        handle = es.prefetch(ids, background=False)
+        assert handle.done() and np.array_equal(handle.result(), want)
+    finally:
+        EngramStore(layer, EngramStoreConfig(sizes, dim), local_store).remove_from_store(force=True)
+
+
+def test_local_gathers_split_over_threads_equal_one_thread(local_store):
+    sizes, dim = [5000, 4000, 3000], 16
+    tables = make_tables(sizes, dim, 51)
+    layer = next(_layers)
+    EngramStore(layer, EngramStoreConfig(sizes, dim), local_store).populate(tables)
+    try:
+        threaded = EngramStore(layer, EngramStoreConfig(sizes, dim), local_store, threads=3)
+        ids = random_ids(np.random.default_rng(52), sizes, 2, 4000)  # over the threshold: split over threads
+        assert np.array_equal(threaded.lookup(ids), expected_rows(tables, ids))
+        small = random_ids(np.random.default_rng(53), sizes, 1, 3)
+        assert np.array_equal(threaded.lookup(small), expected_rows(tables, small))
+        with pytest.raises(InvalidArgument, match="threads"):
+            EngramStore(layer, EngramStoreConfig(sizes, dim), local_store, threads=0)
+    finally:
+        EngramStore(layer, EngramStoreConfig(sizes, dim), local_store).remove_from_store(force=True)
