@@ -380,44 +380,43 @@ def tcp_echo_main() -> int:
         threading.Thread(target=serve, args=(conn,), daemon=True).start()
 
 
-def frame_echo_main() -> int:
-    import msgpack
+def _zmq_echo(name: str, reply) -> int:
+    """Serve a ROUTER on a free loopback port until killed: ``reply(identity, frames, payload)`` answers each
+    request (``payload``: ECHO_MAX_BYTES of preallocated bytes to send from)."""
     import zmq
 
     payload = np.full(ECHO_MAX_BYTES, 7, dtype=np.uint8)
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.ROUTER)
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    print(f"frame-echo ready on 127.0.0.1:{port}", flush=True)
-    header = msgpack.packb({"v": 1, "id": 1 << 20, "ok": True, "bytes": 1 << 20})  # a reply header's size
+    print(f"{name} ready on 127.0.0.1:{port}", flush=True)
     try:
         while True:
-            identity, first, *_ = sock.recv_multipart()
-            n = min(int.from_bytes(first[:8], "little"), ECHO_MAX_BYTES)
-            sock.send_multipart((identity, header, memoryview(payload[:n])), copy=n < ZERO_COPY_BYTES)
+            identity, *frames = sock.recv_multipart()
+            reply(sock, identity, frames, payload)
     finally:
         sock.close(0)
+
+
+def frame_echo_main() -> int:
+    import msgpack
+
+    header = msgpack.packb({"v": 1, "id": 1 << 20, "ok": True, "bytes": 1 << 20})  # a reply header's size
+
+    def reply(sock, identity, frames, payload) -> None:
+        n = min(int.from_bytes(frames[0][:8], "little"), ECHO_MAX_BYTES)
+        sock.send_multipart((identity, header, memoryview(payload[:n])), copy=n < ZERO_COPY_BYTES)
+
+    return _zmq_echo("frame-echo", reply)
 
 
 def echo_server_main() -> int:
-    import zmq
+    def reply(sock, identity, frames, payload) -> None:
+        n = min(int.from_bytes(frames[0][:8], "little"), ECHO_MAX_BYTES)
+        sock.send_multipart([identity, memoryview(payload[:n])], copy=False)
 
-    payload = np.full(ECHO_MAX_BYTES, 7, dtype=np.uint8)
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    print(f"echo-server ready on 127.0.0.1:{port}", flush=True)
-    try:
-        while True:
-            identity, request = sock.recv_multipart()
-            n = min(int.from_bytes(request[:8], "little"), ECHO_MAX_BYTES)
-            sock.send_multipart([identity, memoryview(payload[:n])], copy=False)
-    finally:
-        sock.close(0)
+    return _zmq_echo("echo-server", reply)
 
 
 if __name__ == "__main__":

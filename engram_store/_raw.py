@@ -410,13 +410,7 @@ class RawChannel:
                 got = HEADER.size
         except (OSError, ConnectionError) as exc:
             self._fail(exc)
-        magic, version, status, rid, count = HEADER.unpack(self._header)
-        if magic != MAGIC or version != VERSION or rid != request_id:
-            self.close()
-            raise ProtocolError(f"read_ranges: bad reply from {self.address} (magic {bytes(magic)!r}, version "
-                                f"{version}, request {rid} for {request_id})")
-        if status != STATUS_OK:
-            self._raise_status(status, count, bytes(out[:got - HEADER.size]))
+        count = self._reply_count(request_id, bytes(out[:max(0, got - HEADER.size)]))
         if count != expected:
             self.close()
             raise ProtocolError(f"read_ranges: {self.address} sent {count} bytes, expected {expected}")
@@ -436,13 +430,18 @@ class RawChannel:
                 raise ConnectionError("closed by the segment")
         except (OSError, ConnectionError, AttributeError) as exc:
             self._fail(exc)
+        return self._reply_count(request_id, b"")
+
+    def _reply_count(self, request_id: int, already: bytes) -> int:
+        """Check the received reply header: the count of a good reply, else raise (``already``: body bytes
+        received with the header, the start of an error message)."""
         magic, version, status, rid, count = HEADER.unpack(self._header)
         if magic != MAGIC or version != VERSION or rid != request_id:
             self.close()
             raise ProtocolError(f"read_ranges: bad reply from {self.address} (magic {bytes(magic)!r}, version "
                                 f"{version}, request {rid} for {request_id})")
         if status != STATUS_OK:
-            self._raise_status(status, count, b"")
+            self._raise_status(status, count, already)
         return count
 
     def _raise_status(self, status: int, count: int, already: bytes) -> None:

@@ -256,31 +256,25 @@ class Connection:
 
     def send(self, op: str, fields: dict | None = None, frames: Iterable[Any] = ()) -> int:
         request_id = next(self._ids)
-        msg = encode({"id": request_id, "op": op, **(fields or {})}, frames)
-        try:
-            self._open().send_multipart(msg, copy=False, flags=zmq.NOBLOCK)
-        except zmq.Again as exc:
-            self.reset()
-            raise self.unavailable(f"{op}: {self.address} is not accepting requests (queue full)") from exc
-        except zmq.ZMQError as exc:
-            self.reset()
-            raise self.unavailable(f"{op}: cannot send to {self.address}: {exc}") from exc
+        self._send(op, encode({"id": request_id, "op": op, **(fields or {})}, frames), copy=False)
         return request_id
 
     def send_frames(self, op: str, frames: Sequence[Any], copy: bool = True) -> int:
         """Send a request with no header fields but ``op``: the hot path of reads (a header packed directly;
         ``copy=True`` for small frames, which pyzmq copies faster than it tracks them for zero-copy)."""
         request_id = next(self._ids)
-        header = msgpack.packb({"v": PROTOCOL_VERSION, "id": request_id, "op": op})
+        self._send(op, (msgpack.packb({"v": PROTOCOL_VERSION, "id": request_id, "op": op}), *frames), copy)
+        return request_id
+
+    def _send(self, op: str, msg: Sequence[Any], copy: bool) -> None:
         try:
-            (self.socket or self._open()).send_multipart((header, *frames), copy=copy, flags=zmq.NOBLOCK)
+            (self.socket or self._open()).send_multipart(msg, copy=copy, flags=zmq.NOBLOCK)
         except zmq.Again as exc:
             self.reset()
             raise self.unavailable(f"{op}: {self.address} is not accepting requests (queue full)") from exc
         except zmq.ZMQError as exc:
             self.reset()
             raise self.unavailable(f"{op}: cannot send to {self.address}: {exc}") from exc
-        return request_id
 
     def recv(self, request_id: int, deadline: float, op: str = "request", copy: bool = False) -> tuple[dict, list]:
         """Wait for the reply to ``request_id`` until ``deadline`` (time.monotonic); raise on error replies.
