@@ -516,6 +516,15 @@ class EngramStore:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def __del__(self) -> None:
+        # Mooncake's users release an EngramStore by dropping it, never with close(). On a real Mooncake store
+        # the native EngramStore keeps a staging buffer registered with the store's transfer engine; left
+        # registered, its freed memory is refused (as overlapping) when a later buffer is allocated there.
+        try:
+            self.close()
+        except Exception:  # at interpreter exit the store may be gone already
+            pass
+
     def __repr__(self) -> str:
         es = getattr(self, "_es", None)
         return repr(es) if es is not None else "EngramStore(<not built>)"
