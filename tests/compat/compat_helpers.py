@@ -4,6 +4,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -77,3 +80,35 @@ def registered_output(store, shape, fill=None):
     finally:
         if output.nbytes:
             store.unregister_buffer(output.ctypes.data)
+
+
+# ---- user scripts (tests/compat/user_scripts) ------------------------------------------------------
+
+SCRIPTS = Path(__file__).resolve().parent / "user_scripts"
+MOONCAKE_IMPORT = "from mooncake.store import EngramStore, EngramStoreConfig, ReplicateConfig, MooncakeDistributedStore"
+COMPAT_IMPORT = ("from engram_store.compat import EngramStore, EngramStoreConfig, ReplicateConfig, "
+                 "MooncakeDistributedStore")
+SCRIPT_TIMEOUT_S = 120
+
+
+def user_script(name: str, directory: Path, imports: str = COMPAT_IMPORT) -> Path:
+    """The script ``name`` with its Mooncake import line replaced by ``imports``: nothing else changes."""
+    text = (SCRIPTS / name).read_text()
+    assert text.count(MOONCAKE_IMPORT) == 1, f"{name} must import Mooncake's names on one line"
+    path = directory / name
+    path.write_text(text.replace(MOONCAKE_IMPORT, imports))
+    return path
+
+
+def script_env() -> dict:
+    """This checkout's packages first, whatever is installed."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p),
+            "PYTHONUNBUFFERED": "1"}
+
+
+def run_script(path: Path, *args) -> str:
+    """Run ``path`` to completion; its last line of output."""
+    proc = subprocess.run([sys.executable, str(path), *map(str, args)], capture_output=True, text=True,
+                          timeout=SCRIPT_TIMEOUT_S, cwd=REPO, env=script_env())
+    assert proc.returncode == 0, f"{path.name} exited with {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return proc.stdout.strip().splitlines()[-1]
