@@ -679,10 +679,10 @@ class _MultiLayerEngramStore(EngramStore):
         for name, value in (("layer_ids", layer_ids), ("row_ids", row_ids), ("outputs", outputs)):
             if not isinstance(value, (list, tuple)):
                 raise _RuntimeInvalidType(f"{name}: expected a list, got {type(value).__name__}")
+        layers = [self._layer(layer_id) for layer_id in layer_ids]
         if not len(layer_ids) == len(row_ids) == len(outputs):
             raise _RuntimeInvalidArgument(f"layer_ids, row_ids and outputs must have equal lengths, got "
                                           f"{len(layer_ids)}, {len(row_ids)} and {len(outputs)}")
-        layers = [self._layer(layer_id) for layer_id in layer_ids]
         pairs = [self._check_pair(layer_id, ids, out, f"row_ids[{i}]", f"outputs[{i}]", _RuntimeInvalidType)
                  for i, (layer_id, ids, out) in enumerate(zip(layers, row_ids, outputs))]
         _check_disjoint([out for _, out in pairs])
