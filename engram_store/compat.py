@@ -501,7 +501,8 @@ class EngramStore:
 
     @property
     def native(self) -> NativeEngramStore:
-        """The :class:`engram_store.EngramStore` underneath (``prefetch``, ``lookup_layers``, ``stats``, ...)."""
+        """The :class:`engram_store.EngramStore` underneath (``prefetch``, ``lookup_layers``, ``stats``, ...);
+        closed with this object."""
         return self._es
 
     def close(self) -> None:
