@@ -99,8 +99,8 @@ class EngramStoreConfig:
         row_bytes = int(dim) * np.dtype(ROW_FORMATS[self.row_format]).itemsize
         for h, n in enumerate(sizes):
             if int(n) > (2**63 - 1) // row_bytes:
-                raise InvalidArgument(f"table_vocab_sizes[{h}] = {int(n)}: a table of that many {row_bytes}-byte "
-                                      "rows does not fit in a 64-bit byte offset")
+                raise InvalidArgument(f"table_vocab_sizes[{h}]: expected at most {(2**63 - 1) // row_bytes} rows of "
+                                      f"{row_bytes} bytes (a table must fit in 64-bit byte offsets), got {int(n)}")
         return [int(n) for n in sizes], int(dim)
 
     @property

@@ -214,6 +214,13 @@ class LocalDir:
         file; whatever fails, the staging directory is removed and nothing is published.
         """
         final = self.layer_path(layer_id)
+        try:
+            self._publish(layer_id, final, row_bytes, sizes, tables, progress)
+        except OSError as exc:  # a directory we cannot write, a failing device: say which file
+            raise StoreError(f"local_dir: cannot publish layer {layer_id} at {final}: {exc}") from exc
+
+    def _publish(self, layer_id: int, final: str, row_bytes: int, sizes: Sequence[int],
+                 tables: Sequence[np.ndarray], progress: Callable[[int], None] | None) -> None:
         staging = final + ".tmp"
         lock_fd = os.open(final + ".lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
         try:
