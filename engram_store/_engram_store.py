@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -384,6 +385,7 @@ class EngramStore:
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._staging: np.ndarray | None = None  # Mooncake path: registered buffer for unique rows
+        self._staging_release: weakref.finalize | None = None
         self._closed = False
 
     # ---- layers and getters (work without a store) ------------------------------------------------
@@ -1019,12 +1021,15 @@ class EngramStore:
         with self._lock:
             staging = self._staging
             if staging is None or staging.nbytes < need:
-                if staging is not None:
-                    self._store.unregister_buffer(staging.ctypes.data)
+                if self._staging_release is not None:
+                    self._staging_release()  # unregisters the smaller buffer
                 staging = np.empty(max(need, 1 << 20), dtype=np.uint8)
                 _check_code(self._store.register_buffer(staging.ctypes.data, staging.nbytes), "register_buffer",
                             "staging buffer")
                 self._staging = staging
+                # Unregistered on close(), or when this EngramStore is dropped without one: a registration left
+                # behind would make the store refuse a later buffer at the same address ("overlapped memory").
+                self._staging_release = weakref.finalize(self, _unregister, self._store, staging)
             all_keys, all_dst, all_src, all_sizes = [], [], [], []
             zero = np.zeros(1, dtype=np.int64)
             for h in range(H):
@@ -1098,11 +1103,12 @@ class EngramStore:
         with self._lock:
             self._closed = True
             executor, self._executor = self._executor, None
-            staging, self._staging = self._staging, None
+            self._staging = None
+            release, self._staging_release = self._staging_release, None
         if executor is not None:
             executor.shutdown(wait=True)
-        if staging is not None and self._native is None and self._store is not None:
-            self._store.unregister_buffer(staging.ctypes.data)
+        if release is not None:
+            release()
         for lay in self._layers.values():
             with lay.lock:
                 mapped, lay.mapped = lay.mapped, None
@@ -1370,6 +1376,14 @@ def _replicate_config(replica_num: int):
     config.replica_num = replica_num
     config.with_hard_pin = True  # tables are immutable once published: never evicted
     return config
+
+
+def _unregister(store: Any, buffer: np.ndarray) -> None:
+    """Unregister a staging buffer from a Mooncake store (it holds ``buffer`` alive until then)."""
+    try:
+        store.unregister_buffer(buffer.ctypes.data)
+    except Exception:  # the store may be closed already: nothing left to release
+        log.debug("could not unregister a staging buffer", exc_info=True)
 
 
 def _check_code(code: Any, op: str, what: str) -> None:
