@@ -15,6 +15,8 @@ import os
 import platform
 import select
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -180,13 +182,15 @@ class EchoServer:
     no range checking, the payload sent zero-copy from a preallocated buffer. A context manager.
     """
 
+    MODE = "--echo-server"
+
     def __init__(self):
         self.popen = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--echo-server"],
+            [sys.executable, os.path.abspath(__file__), self.MODE],
             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:
             line = self._ready_line()
-            # "echo-server ready on 127.0.0.1:PORT"
+            # "echo-server ready on 127.0.0.1:PORT" (or "frame-echo ready on ...")
             self.address = line.split()[-1]
         except BaseException:
             self.close()
@@ -252,28 +256,179 @@ class EchoClient:
         self.close()
 
 
-def echo_server_main() -> int:
+class FrameEcho(EchoServer):
+    """A bare pyzmq ROUTER in its own process that answers a request of any frames with a short header frame
+    and ``n`` payload bytes, ``n`` read from the first 8 bytes (little-endian) of the request's first frame.
+
+    The floor of a remote lookup: the same frames go out and come back as for a ``read_ranges`` request, and
+    the server does nothing but receive and send (small payloads copied, large ones zero-copy from a
+    preallocated buffer, as the segment sends its gathers). A context manager.
+    """
+
+    MODE = "--frame-echo"
+
+
+class FrameEchoClient:
+    """A DEALER to a :class:`FrameEcho`; :meth:`round_trip` sends the given frames and waits for the reply."""
+
+    def __init__(self, address: str, timeout_ms: int = TIMEOUT_MS):
+        import zmq
+
+        self._zmq = zmq
+        self.socket = zmq.Context.instance().socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
+        self.socket.connect(f"tcp://{address}")
+        self.address = address
+
+    def round_trip(self, header: bytes, payload: bytes, reply_bytes: int) -> list:
+        """Send ``[header, payload]`` (header's first 8 bytes: ``reply_bytes``); return the reply frames."""
+        self.socket.send_multipart((header, payload), copy=len(payload) < ZERO_COPY_BYTES)
+        frames = self.socket.recv_multipart(copy=reply_bytes < ZERO_COPY_BYTES)
+        assert len(frames) == 2, f"frame echo {self.address}: expected 2 reply frames, got {len(frames)}"
+        return frames
+
+    def close(self) -> None:
+        self.socket.close(0)
+
+    def __enter__(self) -> "FrameEchoClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+#: Frames at least this large are sent and received without a copy (as the store's client and segment do).
+ZERO_COPY_BYTES = 64 << 10
+
+
+class TcpEcho(EchoServer):
+    """A bare TCP server in its own process (Python, blocking sockets, a thread per connection) that answers a
+    message of a 24-byte header and ``count`` 16-byte items with a 24-byte header and ``n`` payload bytes,
+    ``count`` and ``n`` read from the request header: the same bytes as the store's raw read channel moves,
+    with no checks and no gather. The floor of a remote lookup over TCP. A context manager.
+    """
+
+    MODE = "--tcp-echo"
+
+
+class TcpEchoClient:
+    """A blocking TCP connection to a :class:`TcpEcho`; :meth:`round_trip` sends one request, waits for the reply."""
+
+    _HEADER = struct.Struct("<4sHHQQ")
+
+    def __init__(self, address: str, timeout_ms: int = TIMEOUT_MS):
+        host, _, port = address.rpartition(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=timeout_ms / 1000)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.address = address
+        self._reply = np.empty(ECHO_MAX_BYTES + self._HEADER.size, dtype=np.uint8)
+
+    def round_trip(self, pairs: bytes, reply_bytes: int) -> None:
+        """Send a header asking for ``reply_bytes`` and ``pairs``; receive the header and the bytes."""
+        self.sock.sendall(self._HEADER.pack(b"ENGR", 1, 1, reply_bytes, len(pairs) // 16) + pairs)
+        view = memoryview(self._reply)[:self._HEADER.size + reply_bytes]
+        got = 0
+        while got < view.nbytes:
+            n = self.sock.recv_into(view[got:])
+            if n == 0:
+                raise ConnectionError(f"tcp echo {self.address} closed the connection")
+            got += n
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> "TcpEchoClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def tcp_echo_main() -> int:
+    import threading
+
+    header = struct.Struct("<4sHHQQ")
+    payload = np.full(ECHO_MAX_BYTES, 7, dtype=np.uint8)
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    print(f"tcp-echo ready on 127.0.0.1:{listener.getsockname()[1]}", flush=True)
+
+    def serve(conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buf = bytearray(1 << 20)
+        view = memoryview(buf)
+        while True:
+            got = 0
+            while got < header.size:  # the header, and usually the body with it
+                n = conn.recv_into(view[got:])
+                if n == 0:
+                    return
+                got += n
+            _, _, _, nbytes, count = header.unpack_from(buf)
+            need = header.size + 16 * count
+            while got < need:
+                got += conn.recv_into(view[got:need])
+            nbytes = min(nbytes, ECHO_MAX_BYTES)
+            conn.sendmsg([header.pack(b"ENGR", 1, 0, 0, nbytes), memoryview(payload)[:nbytes]])
+
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
+def _zmq_echo(name: str, reply) -> int:
+    """Serve a ROUTER on a free loopback port until killed: ``reply(identity, frames, payload)`` answers each
+    request (``payload``: ECHO_MAX_BYTES of preallocated bytes to send from)."""
     import zmq
 
     payload = np.full(ECHO_MAX_BYTES, 7, dtype=np.uint8)
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.ROUTER)
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    print(f"echo-server ready on 127.0.0.1:{port}", flush=True)
+    print(f"{name} ready on 127.0.0.1:{port}", flush=True)
     try:
         while True:
-            identity, request = sock.recv_multipart()
-            n = min(int.from_bytes(request[:8], "little"), ECHO_MAX_BYTES)
-            sock.send_multipart([identity, memoryview(payload[:n])], copy=False)
+            identity, *frames = sock.recv_multipart()
+            reply(sock, identity, frames, payload)
     finally:
         sock.close(0)
+
+
+def frame_echo_main() -> int:
+    import msgpack
+
+    header = msgpack.packb({"v": 1, "id": 1 << 20, "ok": True, "bytes": 1 << 20})  # a reply header's size
+
+    def reply(sock, identity, frames, payload) -> None:
+        n = min(int.from_bytes(frames[0][:8], "little"), ECHO_MAX_BYTES)
+        sock.send_multipart((identity, header, memoryview(payload[:n])), copy=n < ZERO_COPY_BYTES)
+
+    return _zmq_echo("frame-echo", reply)
+
+
+def echo_server_main() -> int:
+    def reply(sock, identity, frames, payload) -> None:
+        n = min(int.from_bytes(frames[0][:8], "little"), ECHO_MAX_BYTES)
+        sock.send_multipart([identity, memoryview(payload[:n])], copy=False)
+
+    return _zmq_echo("echo-server", reply)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="benchmark helpers; --echo-server runs the raw ZeroMQ echo server")
     parser.add_argument("--echo-server", action="store_true")
-    if parser.parse_args().echo_server:
+    parser.add_argument("--frame-echo", action="store_true")
+    parser.add_argument("--tcp-echo", action="store_true")
+    parsed = parser.parse_args()
+    if parsed.tcp_echo:
+        sys.exit(tcp_echo_main())
+    if parsed.echo_server:
         sys.exit(echo_server_main())
+    if parsed.frame_echo:
+        sys.exit(frame_echo_main())
     parser.print_help()

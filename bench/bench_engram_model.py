@@ -1,7 +1,8 @@
 """Benchmark of engram_model: N-gram hashing (Numba kernel vs the reference's NumPy formulation), the
 Engram forward pass with its rows read from the store (local mapping vs the network path, direct vs prefetched),
-and a decode loop (B=256 requests, 64 steps: incremental hashing + lookup + forward, vs re-hashing each
-sequence every step).
+a decode loop (B=256 requests, 64 steps: incremental hashing + lookup + forward, vs re-hashing each
+sequence every step), and one decode step's hashing alone (64 and 256 requests, both layers, T=1: the batched
+kernel of IncrementalHasher vs the per-request Python loop it replaced vs re-hashing whole sequences).
 
 Configuration is DeepSeek's demo (engram_vocab_size=[129280*5]*2, max_ngram_size=3, n_embed_per_ngram=512,
 n_head_per_ngram=8, layer_ids=[1, 15], hidden_size=1024, hc_mult=4). At full size one layer's tables are
@@ -10,12 +11,12 @@ depend on it; lookups touch a smaller working set). ``--quick`` uses 1% tables, 
 fewer repeats.
 
     python bench/bench_engram_model.py --quick --json results.json
+    python bench/bench_engram_model.py --decode-hash-only      # the decode-step hashing table alone, ~1 min
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -23,8 +24,11 @@ import time
 from typing import Callable
 
 import numpy as np
+from _common import Stats, fmt, print_table as print_columns, time_ns, write_json
 
-from engram_model import BackboneConfig, Engram, EngramConfig, IncrementalHasher, get_hash_mapping
+from engram_model import (BackboneConfig, CompressedTokenizer, Engram, EngramConfig, IncrementalHasher,
+                          NgramHashMapping, get_hash_mapping)
+from engram_model._hashing import token_ids_2d
 from engram_store import DistributedStore
 
 DEMO_VOCAB = 129280
@@ -171,6 +175,103 @@ def bench_decode(cfg: EngramConfig, bb: BackboneConfig, batch: int, steps: int, 
              "a": stats([x[1] for x in a], "incr"), "b": stats([x[1] for x in b], "rehash")}]
 
 
+class PythonLoopHasher:
+    """BASELINE ONLY: ``IncrementalHasher.hash_step`` as it was before the batched kernel, copied verbatim.
+
+    Per request a history object, a ``np.concatenate`` and a row of a padded window built in Python, then one
+    whole-batch hash of the windows. Kept here so the decode-step table shows what the kernel replaced.
+    """
+
+    def __init__(self, mapping: NgramHashMapping, max_rollback: int = 64):
+        self.mapping = mapping
+        self.layer_ids = list(mapping.layer_ids)
+        self.context = mapping.max_ngram_size - 1
+        self._keep = self.context + max_rollback
+        self._requests: dict = {}  # request id -> [kept tokens (oldest first), total]
+
+    def hash_step(self, request_ids, new_token_ids) -> dict[int, np.ndarray]:
+        request_ids = list(request_ids)
+        new = token_ids_2d(new_token_ids)
+        if len(request_ids) != new.shape[0]:
+            raise ValueError("request_ids: one per row of new_token_ids")
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError("request_ids: a request appears twice in one step")
+        compressed = self.mapping.prepare_ids(new)
+        B, T = compressed.shape
+        C = self.context
+        window = np.full((B, C + T), self.mapping.pad_id, dtype=np.int64)
+        window[:, C:] = compressed
+        histories = [self._requests.get(r) for r in request_ids]
+        for b, history in enumerate(histories):
+            if history is not None and C:
+                tail = history[0][-C:]
+                window[b, C - tail.size:C] = tail
+        rows = self.mapping.hash_prepared(window, self.layer_ids)
+        for b, (request_id, history) in enumerate(zip(request_ids, histories)):
+            if history is None:
+                history = self._requests[request_id] = [np.empty(0, dtype=np.int64), 0]
+            history[0] = np.concatenate((history[0], compressed[b]))[-self._keep:]
+            history[1] += T
+        return {lid: np.ascontiguousarray(r[:, C:]) for lid, r in rows.items()}
+
+
+def synthetic_tokenizer(vocab_size: int) -> CompressedTokenizer:
+    """A tokenizer of ``vocab_size`` ids whose texts collapse about 2.6:1 (only its lookup table is timed)."""
+    return CompressedTokenizer([f"t{i % 50_000}" for i in range(vocab_size)])
+
+
+def bench_decode_hashing(cfg: EngramConfig, bb: BackboneConfig, batches: list[int], context_len: int,
+                         min_time_s: float, rounds: int = 5) -> list[dict]:
+    """One decode step's hashing, T=1 per request, both layers: kernel vs Python loop vs re-hashing.
+
+    Each path is timed in ``rounds`` interleaved rounds of at least ``min_time_s`` (so a burst of noise does
+    not land on one path only), after a warm-up; its results are checked against hashing whole sequences
+    first. ``rehash`` hashes every request's whole sequence (``context_len`` tokens) and keeps the last row.
+    """
+    rng = np.random.default_rng(3)
+    rows = []
+    for tok_label, tokenizer in (("raw ids", None), ("compressed", synthetic_tokenizer(bb.vocab_size))):
+        mapping = get_hash_mapping(cfg, bb, tokenizer)
+        for B in batches:
+            ids = list(range(B))
+            prompt = rng.integers(0, bb.vocab_size, size=(B, context_len - 1))
+            steps = rng.integers(0, bb.vocab_size, size=(256, B, 1))  # cycled
+            sequence = np.concatenate([prompt, steps[0]], axis=1)      # (B, context_len)
+            hashers = {"kernel": IncrementalHasher(mapping), "python loop": PythonLoopHasher(mapping)}
+            for hasher in hashers.values():
+                hasher.hash_step(ids, prompt)
+            check = {name: hasher.hash_step(ids, steps[0]) for name, hasher in hashers.items()}
+            full = mapping.hash(sequence)
+            for lid in mapping.layer_ids:
+                for name in hashers:
+                    assert np.array_equal(check[name][lid], full[lid][:, -1:]), f"{name} differs from hashing"
+            paths = {
+                "kernel": lambda i, h=hashers["kernel"]: h.hash_step(ids, steps[i % 256]),
+                "python loop": lambda i, h=hashers["python loop"]: h.hash_step(ids, steps[i % 256]),
+                "rehash": lambda i: {lid: r[:, -1:] for lid, r in mapping.hash(sequence).items()},
+            }
+            samples: dict[str, list[int]] = {name: [] for name in paths}
+            for fn in paths.values():
+                for i in range(50):
+                    fn(-1 - i)
+            for _ in range(rounds):
+                for name, fn in paths.items():
+                    samples[name] += time_ns(fn, min_reps=5, min_time_s=min_time_s, start=len(samples[name]))
+            stats = {name: Stats.from_ns(t) for name, t in samples.items()}
+            rows.append({"case": f"decode hash T=1, {tok_label}", "B": B, "layers": len(mapping.layer_ids),
+                         "context_len": context_len, **{name: st.as_dict() for name, st in stats.items()}})
+    print_columns(
+        ["case", "B", "layers", "kernel p50", "kernel p99", "py-loop p50", "py-loop p99",
+         f"rehash L={context_len} p50", "rehash p99", "py-loop/kernel"],
+        [[r["case"], r["B"], r["layers"], fmt(r["kernel"]["p50_us"]), fmt(r["kernel"]["p99_us"]),
+          fmt(r["python loop"]["p50_us"]), fmt(r["python loop"]["p99_us"]), fmt(r["rehash"]["p50_us"]),
+          fmt(r["rehash"]["p99_us"]), f"{r['python loop']['p50_us'] / r['kernel']['p50_us']:.1f}x"]
+         for r in rows],
+        title="decode-step hashing, us per step (kernel: IncrementalHasher; py-loop: the per-request Python "
+              "loop it replaced; rehash: whole sequences)")
+    return rows
+
+
 def print_table(rows: list[dict]) -> None:
     print(f"{'case':<24s} {'B x L':>10s} | {'A':>8s} {'mean ms':>9s} {'p50 ms':>9s} | {'B':>8s} {'mean ms':>9s} "
           f"{'p50 ms':>9s} | {'B/A':>6s}")
@@ -189,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="scale every table's base size (default 1.0; 0.01 with --quick)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repetitions per case (default 10; 3 quick)")
     parser.add_argument("--skip-forward", action="store_true", help="hashing only (no store)")
+    parser.add_argument("--decode-hash-only", action="store_true", help="only the decode-step hashing table")
     args = parser.parse_args(argv)
     rows_scale = args.rows_scale if args.rows_scale is not None else (0.01 if args.quick else 1.0)
     if not 0 < rows_scale <= 1:
@@ -201,11 +303,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{'; full size is ' + str(DEMO_VOCAB * 5) if rows_scale != 1 else ''}), {repeats} repeats")
     if args.quick:
         print(f"# --quick: tables at {rows_scale:g} of full size, forward at L={forward_len} instead of 4096")
-    rows = bench_hashing(cfg, bb, [(64, 4096), (1, 4096), (256, 1)], repeats)
-    if not args.skip_forward:
-        rows += bench_forward(cfg, bb, [(1, forward_len), (256, 1)], repeats)
-        rows += bench_decode(cfg, bb, batch=256, steps=64, prompt_len=256 if args.quick else 1024)
-    print_table(rows)
+    rows = []
+    if not args.decode_hash_only:
+        rows = bench_hashing(cfg, bb, [(64, 4096), (1, 4096), (256, 1)], repeats)
+        if not args.skip_forward:
+            rows += bench_forward(cfg, bb, [(1, forward_len), (256, 1)], repeats)
+            rows += bench_decode(cfg, bb, batch=256, steps=64, prompt_len=256 if args.quick else 1024)
+        print_table(rows)
+    decode_hash = bench_decode_hashing(cfg, bb, [64, 256], context_len=256 if args.quick else 1024,
+                                       min_time_s=0.1 if args.quick else 0.5)
     if args.json:
         result = {
             "benchmark": "engram_model", "quick": args.quick, "rows_scale": rows_scale, "repeats": repeats,
@@ -214,10 +320,9 @@ def main(argv: list[str] | None = None) -> int:
                        "layer_ids": cfg.layer_ids, "hidden_size": bb.hidden_size, "hc_mult": bb.hc_mult},
             "platform": {"python": sys.version.split()[0], "numpy": np.__version__, "machine": platform.machine()},
             "results": rows,
+            "decode_step_hashing_us": decode_hash,
         }
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"# wrote {args.json}")
+        write_json(args.json, result)  # adds the command line and the machine
     return 0
 
 

@@ -8,6 +8,7 @@ Public surface::
     IncrementalHasher              per-request n-gram context for decode steps (rollback, export/import)
     dequantize_fp8_rows, ...       FP8 (e4m3fn) rows with float32 block scales, as DeepSeek stores them
     Engram                         one layer: tables in an EngramStore, gate, short convolution, weights I/O
+                                   (also Mooncake's first Engram API: forward, query, populate_store_from_buffers)
     EngramPrefetch                 a background row read, accepted by ``Engram.forward(prefetched=...)``
     prefetch_layers                hash once for several layers and start all their reads
     EngramModule(Config)           the same layer for a single residual stream ``[B, L, hidden_dim]``

@@ -1,13 +1,16 @@
 """Configuration of an Engram layer and of the backbone it sits in.
 
 Field names and defaults follow DeepSeek's ``engram_demo_v1.py`` (``EngramConfig``, ``BackBoneConfig``) and
-Mooncake's Python Engram API, so configs written for either work unchanged. Both dataclasses validate when
+Mooncake's Python Engram API, so configs written for either work unchanged; the one default that differs is
+``tokenizer_name_or_path`` (None: raw ids, since nothing is downloaded here). Both dataclasses validate when
 they are built; because they may also be filled in by attribute (``cfg.max_ngram_size = 3``), code that uses
 them calls :meth:`validate` again, which checks the fields together and says which one to change.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,8 +18,16 @@ import numpy as np
 
 from engram_store._errors import ConfigError, describe
 
+log = logging.getLogger(__name__)
+
 #: DeepSeek-V3's tokenizer vocabulary; the reference sizes each n-gram's tables at five times it.
 DEEPSEEK_V3_VOCAB_SIZE = 129280
+
+# engram_vocab_size lists already warned about (their extra entries are ignored), so the warning shows once
+# per distinct config rather than once per layer built from it. Bounded: forgotten past this many.
+_WARNED_MAX = 64
+_warned_extra_sizes: set[tuple] = set()
+_warned_lock = threading.Lock()
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -43,9 +54,12 @@ def _int_list(name: str, value: Any) -> list[Any]:
 class EngramConfig:
     """Hashing and table geometry of the Engram layers of one model (shared by all its Engram layers)."""
 
-    # None hashes raw token ids; a tokenizer.json path (or a directory holding one) enables compression.
+    # None or "" hashes raw token ids; a tokenizer.json path, a directory holding one, or a Hugging Face name
+    # already in the local cache enables compression. Nothing is downloaded: any other name is an error when a
+    # layer is built. (Mooncake's default "deepseek-ai/DeepSeek-V3" is not used here: its hashing ignores it.)
     tokenizer_name_or_path: str | None = None
     # One base table size per n-gram order 2..max_ngram_size; each head's table is the next unused prime above it.
+    # Entries past the last order are ignored (with a warning), as in the reference.
     engram_vocab_size: list[int] = field(default_factory=lambda: [DEEPSEEK_V3_VOCAB_SIZE * 5] * 2)
     max_ngram_size: int = 3
     # Embedding width of one n-gram order, split evenly over its heads (D_head = n_embed_per_ngram // n_head).
@@ -77,14 +91,16 @@ class EngramConfig:
             raise ConfigError(f"min_ngram_size: expected 2 <= min_ngram_size <= max_ngram_size = {max_n}, got {min_n}")
         orders = max_n - min_n + 1
         sizes = _int_list("engram_vocab_size", self.engram_vocab_size)
-        if len(sizes) != orders:
+        if len(sizes) < orders:
             what = "max_ngram_size - 1" if min_n == 2 else "max_ngram_size - min_ngram_size + 1"
             raise ConfigError(
-                f"engram_vocab_size: expected one base size per n-gram order {min_n}..{max_n}, i.e. {what} "
-                f"= {orders} entries, got {len(sizes)} ({describe(sizes)}); change engram_vocab_size or "
+                f"engram_vocab_size: expected one base size per n-gram order {min_n}..{max_n}, i.e. at least "
+                f"{what} = {orders} entries, got {len(sizes)} ({describe(sizes)}); change engram_vocab_size or "
                 "max_ngram_size"
             )
         sizes = [_positive_int(f"engram_vocab_size[{i}]", v) for i, v in enumerate(sizes)]
+        if len(sizes) > orders:
+            _warn_extra_sizes(sizes, min_n, max_n)
         n_embed = _positive_int("n_embed_per_ngram", self.n_embed_per_ngram)
         n_head = _positive_int("n_head_per_ngram", self.n_head_per_ngram)
         if n_embed % n_head:
@@ -115,6 +131,16 @@ class EngramConfig:
         self.kernel_size = kernel_size
         self.min_ngram_size = min_n
         return self
+
+    @property
+    def ngram_vocab_sizes(self) -> list[int]:
+        """The base sizes in use: the first ``num_orders`` entries of ``engram_vocab_size``."""
+        return list(self.engram_vocab_size[:self.num_orders])
+
+    @property
+    def tokenizer_path(self) -> str | None:
+        """``tokenizer_name_or_path``, or None when it is None or ``""`` (raw token ids are hashed)."""
+        return self.tokenizer_name_or_path or None
 
     @property
     def num_orders(self) -> int:
@@ -158,6 +184,20 @@ class BackboneConfig:
         self.vocab_size = _positive_int("vocab_size", self.vocab_size)
         self.num_layers = _positive_int("num_layers", self.num_layers)
         return self
+
+
+def _warn_extra_sizes(sizes: list[int], min_n: int, max_n: int) -> None:
+    key = (tuple(sizes), min_n, max_n)
+    with _warned_lock:
+        if key in _warned_extra_sizes:
+            return
+        if len(_warned_extra_sizes) >= _WARNED_MAX:
+            _warned_extra_sizes.clear()
+        _warned_extra_sizes.add(key)
+    used = max_n - min_n + 1
+    log.warning("engram_vocab_size has %d entries but n-gram orders %d..%d use only the first %d (%s); the "
+                "rest (%s) are ignored, as in DeepSeek's reference", len(sizes), min_n, max_n, used,
+                sizes[:used], sizes[used:])
 
 
 def check_layer(layer_id: Any, config: EngramConfig, backbone: BackboneConfig) -> int:

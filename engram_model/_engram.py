@@ -21,19 +21,21 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from engram_store import EngramStore, EngramStoreConfig, LookupHandle
+from engram_store import EngramStore, EngramStoreConfig, LookupHandle, prefetch_many
 from engram_store._errors import InvalidArgument, InvalidType, describe
 
 from ._checkpoint import load_checkpoint, save_checkpoint
 from ._config import BackboneConfig, EngramConfig, check_layer
 from ._hashing import NgramHashMapping, get_hash_mapping, token_ids_2d
 from ._layers import EngramWeights, engram_output
-from ._tokenizer import CompressedTokenizer, compressed_tokenizer_from_path
+from ._tokenizer import CompressedTokenizer, as_int_ids, compressed_tokenizer_from_path
 
 log = logging.getLogger(__name__)
 
 #: The reference keeps all head tables stacked in one embedding; a checkpoint stores them under this name.
 EMBEDDING_KEY = "multi_head_embedding.embedding.weight"
+#: Bytes of one table value: tables are float32 (Mooncake's workspace sizes count 4 bytes per value).
+_FLOAT32_BYTES = 4
 #: The reference's row offset of each head in the stacked table (a buffer, so it is in its state dict).
 OFFSETS_KEY = "multi_head_embedding.offsets"
 
@@ -77,7 +79,12 @@ class Engram:
     (or Mooncake's own), or None for an Engram that only hashes and computes from rows it is given.
     ``tokenizer`` is a :class:`CompressedTokenizer`, anything it accepts (a Hugging Face style tokenizer,
     a tokenizer.json path, a list of token texts), or None to use ``config.tokenizer_name_or_path``
-    (raw token ids are hashed when that is None too).
+    (raw token ids are hashed when that is None or ``""`` too; a name that is neither a local file nor in the
+    Hugging Face cache is refused, since nothing is downloaded).
+
+    Mooncake's first Engram API is covered: ``Engram(layer_id, config, backbone_cfg, store)``, ``forward``,
+    ``populate_store_from_buffers(buffers[, buffer_sizes])``, ``hash_input_ids``, ``query(input_ids,
+    workspace=None)``, the workspace-size getters and ``remove_from_store``.
 
     Weights start from a seeded initialisation (``numpy.random.default_rng((config.seed, layer_id))``;
     see :class:`engram_model._layers.EngramWeights`) until :meth:`load_state_dict` or :meth:`load` replaces them.
@@ -93,8 +100,8 @@ class Engram:
         self.config = copy.deepcopy(config or EngramConfig()).validate()
         self.backbone_cfg = copy.deepcopy(backbone_cfg or BackboneConfig()).validate()
         self.layer_id = check_layer(layer_id, self.config, self.backbone_cfg)
-        if tokenizer is None and self.config.tokenizer_name_or_path is not None:
-            tokenizer = self.config.tokenizer_name_or_path
+        if tokenizer is None and self.config.tokenizer_path is not None:
+            tokenizer = compressed_tokenizer_from_path(self.config.tokenizer_path, "tokenizer_name_or_path")
         if isinstance(tokenizer, (str, os.PathLike)):
             tokenizer = compressed_tokenizer_from_path(os.fspath(tokenizer))
         elif tokenizer is not None and not isinstance(tokenizer, CompressedTokenizer):
@@ -128,7 +135,25 @@ class Engram:
         return self.engram_store.get_embedding_dim()
 
     def get_store_keys(self) -> list[str]:
+        """One key per head, ``engram:l{layer_id}:h{head}``."""
         return self.engram_store.get_store_keys()
+
+    def get_embedding_tables_workspace_size(self) -> int:
+        """Bytes of all this layer's tables: ``sum_h N_h * D_head * 4`` (what a populate uploads)."""
+        return sum(self.get_table_vocab_sizes()) * self.get_embedding_dim() * _FLOAT32_BYTES
+
+    def get_query_workspace_size(self, B: int, L: int) -> int:
+        """Bytes of the scratch Mooncake's ``query`` may use: ``sum_h min(N_h, max(1, B * L)) * D_head * 4``.
+
+        The size of a buffer to pass as ``query(..., workspace=)``; see :meth:`query` for what this
+        implementation does with it.
+        """
+        for name, value in (("B", B), ("L", L)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise InvalidArgument(f"{name}: expected a non-negative integer, got {describe(value)}")
+        positions = max(1, int(B) * int(L))
+        return sum(min(n, positions) for n in self.get_table_vocab_sizes()) * self.get_embedding_dim() \
+            * _FLOAT32_BYTES
 
     # ---- tables -------------------------------------------------------------------------------
 
@@ -136,7 +161,12 @@ class Engram:
                                     buffer_sizes: Sequence[int] | None = None, replica_num: int = 1) -> None:
         """Upload one float32 ``[get_table_vocab_sizes()[h], D_head]`` table per head (create-only).
 
-        ``buffer_sizes`` (bytes per table, as in Mooncake's API) is optional and checked if given.
+        ``buffer_sizes`` (bytes per table, ``[t.nbytes for t in embedding_buffers]`` as in Mooncake's API) is
+        optional and checked if given. Tables of another floating dtype (float64, float16) are cast to float32,
+        as Mooncake's binding does; the store holds float32 rows. Tables sized from ``engram_vocab_size``
+        instead of :meth:`get_table_vocab_sizes` are refused: head h hashes into ``[0, N_h)``, so rows past a
+        short table would have no data. Tables already in the store are never replaced: a second populate
+        raises ``ObjectExists`` (call :meth:`remove_from_store` first).
         """
         sizes, dim = self.get_table_vocab_sizes(), self.get_embedding_dim()
         if isinstance(embedding_buffers, np.ndarray) or not isinstance(embedding_buffers, (list, tuple)):
@@ -148,8 +178,9 @@ class Engram:
         for h, table in enumerate(embedding_buffers):
             if not isinstance(table, np.ndarray):
                 raise InvalidType(f"embedding_buffers[{h}]: expected a float32 NumPy array, got {type(table).__name__}")
-            if table.dtype != np.float32:
-                raise InvalidType(f"embedding_buffers[{h}]: expected dtype float32, got {table.dtype}")
+            if table.dtype.kind != "f":
+                raise InvalidType(f"embedding_buffers[{h}]: expected a floating-point dtype (float32; float64 "
+                                  f"and float16 are cast), got {table.dtype}")
             if table.shape != (sizes[h], dim):
                 raise InvalidArgument(
                     f"embedding_buffers[{h}]: expected shape ({sizes[h]}, {dim}) = (get_table_vocab_sizes()[{h}], "
@@ -163,7 +194,7 @@ class Engram:
                 if nbytes != table.nbytes:
                     raise InvalidArgument(f"buffer_sizes[{h}]: expected {table.nbytes} (embedding_buffers[{h}]"
                                           f".nbytes), got {describe(nbytes)}")
-        tables = [np.ascontiguousarray(t) for t in embedding_buffers]
+        tables = [np.ascontiguousarray(t, dtype=np.float32) for t in embedding_buffers]  # copies only to cast
         self.engram_store.populate(tables, replica_num=replica_num)
 
     def populate_store_from_embedding(self, weight: np.ndarray, replica_num: int = 1) -> None:
@@ -186,34 +217,72 @@ class Engram:
     @staticmethod
     def _ids(input_ids: Any) -> np.ndarray:
         """Token ids as int64 ``[B, L]`` with B, L >= 1 (not yet compressed)."""
-        ids = token_ids_2d(input_ids)
-        if 0 in ids.shape:
-            raise InvalidArgument(f"input_ids: expected a non-empty [B, L] array, got shape {ids.shape}")
-        return ids
+        ids = as_int_ids(input_ids, "input_ids")
+        if ids.size == 0:
+            raise InvalidArgument(f"input_ids: expected a non-empty [B, L] list or array of token ids, "
+                                  f"got shape {ids.shape}")
+        return token_ids_2d(ids)
 
     def hash_input_ids(self, input_ids: Any) -> np.ndarray:
-        """Row ids of this layer, int64 ``[B, L, H]``."""
-        return self.hash_mapping.hash_layer(input_ids, self.layer_id)
+        """Row ids of this layer, int64 ``[B, L, H]``; head h's ids are in ``[0, get_table_vocab_sizes()[h])``.
+
+        Empty input (``[]``, or B or L = 0) gives an empty ``[B, L, H]`` array, ``(0, 0, H)`` for ``[]``.
+        """
+        ids = as_int_ids(input_ids, "input_ids")
+        if ids.size == 0:
+            shape = ids.shape if ids.ndim == 2 else (0, 0) if ids.ndim == 1 else None
+            if shape is None:
+                raise InvalidArgument(f"input_ids: expected shape [B, L] (2 dimensions), got shape {ids.shape}")
+            return np.empty((*shape, self.get_num_heads()), dtype=np.int64)
+        return self.hash_mapping.hash_layer(ids, self.layer_id)
 
     def query_embeddings(self, input_ids: Any) -> np.ndarray:
         """Rows for the ids from the store, float32 ``[B, L, H, D_head]``."""
         return self.engram_store.lookup(self.hash_input_ids(self._ids(input_ids)))
 
-    def prefetch(self, input_ids: Any) -> EngramPrefetch:
-        """Hash now and start reading the rows in the background; hand the result to :meth:`forward`."""
-        ids = self._ids(input_ids)
-        return self.prefetch_rows(ids, self.hash_input_ids(ids))
+    def query(self, input_ids: Any, workspace: np.ndarray | None = None) -> np.ndarray:
+        """The rows of the hashed ids, a new float32 ``[B, L, H, D_head]`` array (Mooncake's ``query``).
 
-    def prefetch_rows(self, input_ids: np.ndarray, row_ids: np.ndarray) -> EngramPrefetch:
-        """Start reading rows already hashed for ``input_ids`` (see :func:`prefetch_layers`)."""
+        ``output[b, l, h] = table_h[hash_input_ids(input_ids)[b, l, h]]``. ``input_ids`` is ``[B, L]`` (nested
+        lists or an integer array) and must not be empty. Ids are never clamped: hashing keeps every row id in
+        its head's range, so each row read is a stored row.
+
+        ``workspace`` is the optional caller scratch of Mooncake's API (a NumPy array, normally
+        ``np.empty(get_query_workspace_size(B, L), np.uint8)``). In Mooncake it is staging space for the
+        distinct rows and never the output; here rows are gathered straight into the returned array, so
+        no scratch is needed: the workspace is checked to be a NumPy array, then neither read nor written.
+        Any size is accepted (Mooncake too ignores one that is too small).
+        """
+        if workspace is not None and not isinstance(workspace, np.ndarray):
+            raise InvalidType(f"workspace: expected a NumPy array (e.g. np.empty(get_query_workspace_size(B, L), "
+                              f"np.uint8)) or None, got {type(workspace).__name__}")
+        return self.query_embeddings(input_ids)
+
+    def prefetch(self, input_ids: Any, out: Any = None, background: bool | None = None) -> EngramPrefetch:
+        """Hash now and start reading the rows; hand the result to :meth:`forward`.
+
+        ``out``: a caller buffer for the rows (float32 ``[B, L, H, D_head]``, writable and C-contiguous, e.g. a
+        pinned host buffer's ``.numpy()`` view), filled in place, nothing allocated. ``background=True`` always
+        returns at once with the read running in a background thread (see :meth:`EngramStore.prefetch`).
+        """
+        ids = self._ids(input_ids)
+        return self.prefetch_rows(ids, self.hash_input_ids(ids), out=out, background=background)
+
+    def prefetch_rows(self, input_ids: np.ndarray, row_ids: np.ndarray, out: Any = None,
+                      background: bool | None = None) -> EngramPrefetch:
+        """Start reading rows already hashed for ``input_ids`` (see :func:`prefetch_layers`), into ``out`` if given."""
         return EngramPrefetch(self.layer_id, np.asarray(input_ids, dtype=np.int64),
-                              self.engram_store.prefetch(row_ids))
+                              self.engram_store.prefetch(row_ids, out=out, background=background))
 
     # ---- forward ------------------------------------------------------------------------------
 
     def forward(self, hidden_states: np.ndarray, input_ids: Any = None, prefetched: EngramPrefetch | None = None,
                 embeddings: np.ndarray | None = None, row_ids: np.ndarray | None = None) -> np.ndarray:
         """The Engram branch for ``hidden_states`` float32 ``[B, L, hc_mult, hidden_size]``: the same shape.
+
+        The output is float32. Hidden states of another floating dtype (float64, float16) are cast to float32
+        once on entry, as Mooncake's ``forward`` does; that copy costs a pass over ``hidden_states``, little
+        next to the projections. ``input_ids`` is ``[B, L]``: nested lists or an integer array.
 
         Rows come from ``prefetched`` (a handle from :meth:`prefetch` for these ``input_ids``), else from
         ``embeddings`` (float32 ``[B, L, H, D_head]``, rows the caller already has), else from the store for
@@ -238,12 +307,13 @@ class Engram:
         if not isinstance(hidden_states, np.ndarray):
             raise InvalidType(f"hidden_states: expected a float32 NumPy array [B, L, {hc}, {C}], "
                               f"got {type(hidden_states).__name__}")
-        if hidden_states.dtype != np.float32:
-            raise InvalidType(f"hidden_states: expected dtype float32, got {hidden_states.dtype}")
+        if hidden_states.dtype.kind != "f":
+            raise InvalidType(f"hidden_states: expected a floating-point dtype (float32; float64 and float16 are "
+                              f"cast), got {hidden_states.dtype}")
         if hidden_states.ndim != 4 or hidden_states.shape[2:] != (hc, C) or 0 in hidden_states.shape[:2]:
             raise InvalidArgument(f"hidden_states: expected shape [B, L, hc_mult={hc}, hidden_size={C}] with "
                                   f"B, L >= 1, got {hidden_states.shape}")
-        return hidden_states
+        return hidden_states.astype(np.float32, copy=False)
 
     def _rows(self, B: int, L: int, input_ids: Any, prefetched: EngramPrefetch | None,
               embeddings: np.ndarray | None, row_ids: np.ndarray | None = None) -> np.ndarray:
@@ -387,10 +457,12 @@ def prefetch_layers(engrams: Sequence[Engram], input_ids: Any) -> dict[int, Engr
     groups: dict[int, tuple[NgramHashMapping, list[Engram]]] = {}
     for engram in engrams:
         groups.setdefault(id(engram.hash_mapping), (engram.hash_mapping, []))[1].append(engram)
-    handles: dict[int, EngramPrefetch] = {}
+    order: list[tuple[Engram, np.ndarray, np.ndarray]] = []
     for mapping, members in groups.values():
         ids = members[0]._ids(input_ids)
         rows = mapping.hash_layers(ids, [e.layer_id for e in members])
-        for engram in members:
-            handles[engram.layer_id] = engram.prefetch_rows(ids, rows[engram.layer_id])
-    return handles
+        order += [(engram, ids, rows[engram.layer_id]) for engram in members]
+    # One read for all layers: layers whose tables share a segment server share its request.
+    reads = prefetch_many([(engram.engram_store, row_ids) for engram, _, row_ids in order])
+    return {engram.layer_id: EngramPrefetch(engram.layer_id, ids, handle)
+            for (engram, ids, _), handle in zip(order, reads)}

@@ -141,7 +141,7 @@ class NgramHashMapping:
                               layer_ids=list(layer_ids), pad_id=pad_id, seed=seed, min_ngram_size=min_ngram_size)
         if tokenizer is not None and not isinstance(tokenizer, CompressedTokenizer):
             raise InvalidType(f"tokenizer: expected a CompressedTokenizer or None, got {type(tokenizer).__name__}")
-        self.vocab_size_per_ngram = config.engram_vocab_size
+        self.vocab_size_per_ngram = config.ngram_vocab_sizes  # entries past the last order are ignored
         self.max_ngram_size = config.max_ngram_size
         self.min_ngram_size = config.min_ngram_size
         self.n_embed_per_ngram = config.n_embed_per_ngram
@@ -175,7 +175,7 @@ class NgramHashMapping:
     @classmethod
     def from_config(cls, config: EngramConfig, backbone: BackboneConfig,
                     tokenizer: CompressedTokenizer | None = None) -> "NgramHashMapping":
-        return cls(config.engram_vocab_size, config.max_ngram_size, config.n_embed_per_ngram,
+        return cls(config.ngram_vocab_sizes, config.max_ngram_size, config.n_embed_per_ngram,
                    config.n_head_per_ngram, config.layer_ids, tokenizer, config.pad_id, config.seed,
                    backbone.vocab_size, config.min_ngram_size)
 
@@ -244,7 +244,7 @@ def get_hash_mapping(config: EngramConfig, backbone: BackboneConfig,
     The cache is keyed by every field the mapping depends on (the tokenizer by the fingerprint of its lookup
     table), holds at most :data:`HASH_MAPPING_CACHE_SIZE` entries and is safe to use from several threads.
     """
-    key = (tuple(config.engram_vocab_size), config.max_ngram_size, config.min_ngram_size, config.n_embed_per_ngram,
+    key = (tuple(config.ngram_vocab_sizes), config.max_ngram_size, config.min_ngram_size, config.n_embed_per_ngram,
            config.n_head_per_ngram, tuple(config.layer_ids), config.pad_id, config.seed,
            None if tokenizer is not None else backbone.vocab_size,
            tokenizer.fingerprint if tokenizer is not None else None)

@@ -65,8 +65,9 @@ class CompressedTokenizer:
 
     * a Hugging Face style object with ``decode(ids, skip_special_tokens=False)``, ``convert_ids_to_tokens(id)``
       and ``len()`` (``transformers.AutoTokenizer`` and friends);
-    * a ``tokenizers.Tokenizer``, a path to a ``tokenizer.json`` file, or a directory holding one
-      (needs ``pip install engram[tokenizers]``);
+    * a ``tokenizers.Tokenizer``, a path to a ``tokenizer.json`` file, a directory holding one, or a Hugging
+      Face name whose tokenizer.json is already in the local cache (needs ``pip install engram[tokenizers]``;
+      nothing is downloaded);
     * a list of token texts, one per token id, as the tokenizer decodes them.
 
     Calling the object maps an integer array of token ids to compressed ids of the same shape; negative
@@ -75,7 +76,7 @@ class CompressedTokenizer:
 
     def __init__(self, tokenizer: Any):
         if isinstance(tokenizer, (str, os.PathLike)):
-            tokenizer = _load_tokenizers_file(os.fspath(tokenizer))
+            tokenizer = _load_tokenizers_file(os.fspath(tokenizer))  # a file, a directory or a cached Hub name
         if _is_tokenizers_object(tokenizer):
             tokenizer = _TokenizersAdapter(tokenizer)
         if isinstance(tokenizer, (list, tuple)):
@@ -163,13 +164,14 @@ class CompressedTokenizer:
 
 
 @functools.lru_cache(maxsize=4)
-def compressed_tokenizer_from_path(path: str) -> CompressedTokenizer:
-    """A CompressedTokenizer for a tokenizer.json path (or Hub name), built once per path.
+def compressed_tokenizer_from_path(path: str, name: str = "tokenizer") -> CompressedTokenizer:
+    """A CompressedTokenizer for a tokenizer.json path (or a cached Hub name), built once per path.
 
     Building one decodes every token id (seconds for a 100k+ vocabulary), and every Engram layer of a
-    model configured with ``tokenizer_name_or_path`` needs the same one.
+    model configured with ``tokenizer_name_or_path`` needs the same one. ``name`` is the argument or field
+    the path came from, for error messages.
     """
-    return CompressedTokenizer(path)
+    return CompressedTokenizer(_load_tokenizers_file(path, name))
 
 
 def as_int_ids(input_ids: Any, name: str) -> np.ndarray:
@@ -232,20 +234,52 @@ def _is_tokenizers_object(obj: Any) -> bool:
     return type(obj).__module__.startswith("tokenizers") and hasattr(obj, "id_to_token")
 
 
-def _load_tokenizers_file(path: str) -> Any:
-    """A ``tokenizers.Tokenizer`` from a tokenizer.json file, a directory holding one, or a Hub name."""
+def _load_tokenizers_file(path: str, name: str = "tokenizer") -> Any:
+    """A ``tokenizers.Tokenizer`` from a tokenizer.json file, a directory holding one, or a Hugging Face name
+    already in the local cache. Nothing is ever downloaded: engram runs where there is no network."""
+    file = _tokenizer_file(path, name)
     try:
         from tokenizers import Tokenizer
     except ImportError:
         raise InvalidArgument(
-            f"tokenizer: loading {path!r} needs the tokenizers package; install it with "
+            f"{name}: loading {path!r} needs the tokenizers package; install it with "
             "pip install 'engram[tokenizers]', or pass a tokenizer object or a list of token texts"
         ) from None
+    return Tokenizer.from_file(file)
+
+
+def _tokenizer_file(path: str, name: str) -> str:
+    """The tokenizer.json that ``path`` names, or an error saying how to fix ``name``."""
     if os.path.isfile(path):
-        return Tokenizer.from_file(path)
+        return path
     if os.path.isdir(path):
         file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(file):
-            raise InvalidArgument(f"tokenizer: directory {path!r} holds no tokenizer.json")
-        return Tokenizer.from_file(file)
-    return Tokenizer.from_pretrained(path)  # not on disk: a Hub name such as "deepseek-ai/DeepSeek-V3"
+            raise InvalidArgument(f"{name}: directory {path!r} holds no tokenizer.json")
+        return file
+    cached = _cached_hub_file(path)
+    if cached is not None:
+        return cached
+    if name == "tokenizer_name_or_path":
+        fix = ('set it to "" (or None) to hash raw token ids, which is what Mooncake\'s Engram does (its hashing '
+               "never reads this field)")
+    else:
+        fix = "pass None to hash raw token ids"
+    raise InvalidArgument(
+        f"{name}: {path!r} is neither a tokenizer.json file, a directory holding one, nor a Hugging Face name "
+        f"in the local cache, and tokenizers are never downloaded; {fix}, or point it at a local tokenizer.json "
+        f"(for instance fetched beforehand with `huggingface-cli download {path} tokenizer.json`)"
+    )
+
+
+def _cached_hub_file(repo_id: str) -> str | None:
+    """``tokenizer.json`` of a Hugging Face repo if it is in the local cache (``HF_HOME``); no network."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # installed with tokenizers; without it nothing can be cached
+        return None
+    try:
+        found = try_to_load_from_cache(repo_id, "tokenizer.json")
+    except Exception:  # not a valid repo id (e.g. a mistyped path): nothing cached under it
+        return None
+    return found if isinstance(found, str) else None

@@ -4,16 +4,18 @@ Public surface::
 
     DistributedStore      the client: connect(master), embedded(), from_env()
     SegmentServer         a memory segment server (also the ``engram-segment`` CLI)
-    EngramStore           per-head float32 tables with [B, L, H] -> [B, L, H, D] row lookup
-    EngramStoreConfig     table sizes and embedding dimension of one layer
+    EngramStore           per-head tables of one or more layers: [B, L, H] -> [B, L, H, D] row lookup
+    EngramStoreConfig     table sizes, embedding dimension and row format of one layer
+    lookup_many, prefetch_many   rows of several EngramStores at once (one request per segment server)
     StoreConfig           store configuration from a JSON file, the environment, or keywords
     EngramError, ...      the exception tree (see ``engram_store._errors``)
 """
 
 from ._client import DistributedStore, ObjectInfo, Replica
 from ._config import StoreConfig
-from ._engram_store import EngramStore, EngramStoreConfig, LookupHandle
+from ._engram_store import EngramStore, EngramStoreConfig, LookupHandle, lookup_many, prefetch_many
 from ._errors import (
+    AuthError,
     ConfigError,
     EngramError,
     InvalidArgument,
@@ -35,6 +37,7 @@ from ._segment import SegmentServer
 from ._units import format_size, parse_size
 
 __all__ = [
+    "AuthError",
     "ConfigError",
     "DistributedStore",
     "EngramError",
@@ -60,5 +63,7 @@ __all__ = [
     "StoreError",
     "Unavailable",
     "format_size",
+    "lookup_many",
     "parse_size",
+    "prefetch_many",
 ]

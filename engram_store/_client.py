@@ -9,6 +9,7 @@ failure revokes, so a failed write leaves nothing behind.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import mmap
 import os
@@ -35,8 +36,10 @@ from ._errors import (
     describe,
     error_from_reply,
 )
+from ._protocol import frame_bytes
+from ._raw import RawChannel, raw_reads_default
 from ._segment import SegmentServer, host_id
-from ._transport import Connection, ConnectionPool, wait_all
+from ._transport import ZERO_COPY_SEND_BYTES, Connection, ConnectionPool, wait_all
 from ._units import parse_size
 
 log = logging.getLogger(__name__)
@@ -52,6 +55,12 @@ WINDOW = 8
 #: Same-host puts go into the segment file in pieces of this size (the progress callback's granularity).
 LOCAL_WRITE_CHUNK_BYTES = 64 << 20
 MAX_KEY_LEN = 1024
+#: Replies at least this large are received without a copy (smaller ones are cheaper to copy).
+ZERO_COPY_REPLY_BYTES = 64 << 10
+#: After a raw read channel failed, how long the ping that looks for the segment again may take: a dead
+#: segment then fails reads within this, not the full timeout; a restarted one answers with its new port.
+REDISCOVERY_TIMEOUT_MS = 2000
+_SUSPECT = "suspect"
 
 
 @dataclass(frozen=True)
@@ -123,7 +132,7 @@ class DistributedStore:
     """
 
     def __init__(self, master: str, *, timeout_ms: int = 10_000, local_direct: bool = True,
-                 auth_dir: str | None = None, _owned: Sequence[Any] = ()):
+                 auth_dir: str | None = None, raw_reads: bool | None = None, _owned: Sequence[Any] = ()):
         self.master_address = master
         self.timeout_ms = timeout_ms
         self.local_direct = bool(local_direct)
@@ -139,13 +148,21 @@ class DistributedStore:
         self._host_id = host_id()
         self._closed = False
         self.local_segment: SegmentServer | None = None
+        self.raw_reads = raw_reads_default() if raw_reads is None else bool(raw_reads)
+        self._raw_info: dict[str, tuple | None] = {}
+        self._raw_local = threading.local()
+        self._raw_channels: list[RawChannel] = []
+        # Threads of this client spread their reads over a segment's reader sockets, from a random start so
+        # that clients spread too.
+        self._thread_slot = threading.local()
+        self._slots = itertools.count(int.from_bytes(os.urandom(2), "little"))
 
     # ---- construction ---------------------------------------------------------------------------
 
     @classmethod
     def connect(cls, master: str, segment_size: int | str = 0, *, timeout_ms: int = 10_000,
-                host: str = "127.0.0.1", local_direct: bool = True,
-                auth_dir: str | None = None) -> "DistributedStore":
+                host: str = "127.0.0.1", local_direct: bool = True, auth_dir: str | None = None,
+                raw_reads: bool | None = None) -> "DistributedStore":
         """Connect to the master at ``host:port``; a non-zero ``segment_size`` mounts a segment in this process.
 
         Data in a mounted segment lives only as long as this process; run ``engram-segment`` for
@@ -158,7 +175,7 @@ class DistributedStore:
                              local_hostname=host, timeout_ms=timeout_ms,
                              auth_dir=os.fspath(auth_dir) if auth_dir else "")
         store = cls(config.master_server_address, timeout_ms=config.timeout_ms, local_direct=local_direct,
-                    auth_dir=config.auth_dir)
+                    auth_dir=config.auth_dir, raw_reads=raw_reads)
         try:
             try:
                 store.ping()
@@ -178,7 +195,8 @@ class DistributedStore:
     @classmethod
     def embedded(cls, segment_size: int | str = DEFAULT_EMBEDDED_SEGMENT_SIZE, *, timeout_ms: int = 10_000,
                  lease_ttl_s: float = 5.0, heartbeat_timeout_s: float = 10.0,
-                 local_direct: bool = True, auth_dir: str | None = None) -> "DistributedStore":
+                 local_direct: bool = True, auth_dir: str | None = None,
+                 raw_reads: bool | None = None) -> "DistributedStore":
         """A master and one segment inside this process, on 127.0.0.1 ports chosen by the OS.
 
         The default for demos, notebooks and tests: nothing to start by hand, everything stops on close.
@@ -195,7 +213,7 @@ class DistributedStore:
                               heartbeat_timeout_s=heartbeat_timeout_s, auth=server_auth).start()
         try:
             store = cls(master.address, timeout_ms=timeout_ms, local_direct=local_direct, auth_dir=auth_dir,
-                        _owned=[master])
+                        raw_reads=raw_reads, _owned=[master])
         except BaseException:
             master.close()
             raise
@@ -487,7 +505,7 @@ class DistributedStore:
         """The bytes stored under ``key``; ``lease=False`` reads without taking a read lease."""
         info = self.locate([_check_key(key)], lease=lease)[0]
         out = np.empty(info.size, dtype=np.uint8)
-        self._read_object(info, out)
+        self.read_object(info, out)
         return out.tobytes()
 
     def get_into(self, key: str, buffer: object) -> int:
@@ -496,10 +514,10 @@ class DistributedStore:
         info = self.locate([_check_key(key)])[0]
         if dst.nbytes < info.size:
             raise InvalidArgument(f"buffer: object {key!r} is {info.size} bytes, the buffer holds {dst.nbytes}")
-        self._read_object(info, dst[:info.size])
+        self.read_object(info, dst[:info.size])
         return info.size
 
-    def _read_object(self, info: ObjectInfo, dst: np.ndarray) -> None:
+    def read_object(self, info: ObjectInfo, dst: np.ndarray) -> None:
         """Read a whole object in CHUNK_BYTES pieces (so large objects span several requests in flight)."""
         work = []
         for start in range(0, info.size, CHUNK_BYTES):
@@ -592,36 +610,149 @@ class DistributedStore:
                 return r
         return live[(hash(info.key) + attempt) % len(live)]
 
-    def read_ranges_many(self, requests: Sequence[tuple[str, np.ndarray, np.ndarray]]) -> list:
-        """Send one read_ranges per ``(address, offsets, lengths)``, all at once; wait for every reply.
+    # ---- the read path: the raw channel where the segment offers it, else ZeroMQ ---------------------
 
-        Returns, aligned with ``requests``, the gathered bytes (a memoryview) or the exception of that
-        request; it does not raise for one server's failure, so the caller can fail over per server.
+    def read_endpoints(self, replica: Replica) -> tuple[str, ...]:
+        """The addresses that serve reads of ``replica``'s segment: its reader sockets, else its main address."""
+        return tuple(getattr(replica, "read_addresses", ())) or (replica.address,)
+
+    def pick_endpoint(self, endpoints: Sequence[str]) -> str:
+        """One of a segment's read endpoints for the calling thread: threads (and clients) spread over them."""
+        if len(endpoints) == 1:
+            return endpoints[0]
+        slot = getattr(self._thread_slot, "value", None)
+        if slot is None:
+            slot = self._thread_slot.value = next(self._slots)
+        return endpoints[slot % len(endpoints)]
+
+    def _raw_channel(self, address: str) -> RawChannel | None:
+        """This thread's raw read channel to the segment at ``address``, or None to read over ZeroMQ.
+
+        The segment's raw port is learnt once, from a ping; with CURVE keys each new connection first fetches
+        a one-time token over ZeroMQ. A channel that fails is dropped, and the port asked again next time
+        (a restarted segment listens on a new one).
         """
-        sent: list = []
-        for address, offsets, lengths in requests:
-            conn = self._segment_conn(address)
+        if not self.raw_reads:
+            return None
+        channels = getattr(self._raw_local, "channels", None)
+        if channels is None:
+            channels = self._raw_local.channels = {}
+        channel = channels.get(address)
+        if channel is not None:
+            return channel
+        info = self._raw_info.get(address, False)
+        if info is False or info is _SUSPECT:
+            # After a failure the segment may be dead (ask briefly) or restarted on a new port (ask again).
+            timeout_ms = self.timeout_ms if info is False else min(self.timeout_ms, REDISCOVERY_TIMEOUT_MS)
             try:
-                sent.append((conn, conn.send("read_ranges", None, [offsets, lengths])))
-            except SegmentUnavailable as exc:
-                sent.append(exc)
-        waiting = [s for s in sent if not isinstance(s, BaseException)]
-        replies = iter(wait_all(waiting, time.monotonic() + self.timeout_ms / 1000.0, "read_ranges")
-                       if waiting else [])
-        out = []
-        for s, (address, _, lengths) in zip(sent, requests):
-            reply = s if isinstance(s, BaseException) else next(replies)
-            if not isinstance(reply, BaseException):
-                frames = reply[1]
-                expected = int(lengths.sum())
-                data = frames[0].buffer if frames else None
-                if data is None or data.nbytes != expected:
-                    got = 0 if data is None else data.nbytes
-                    reply = ProtocolError(f"read_ranges: {address} sent {got} bytes, expected {expected}")
+                header = self._segment_conn(address).call("ping", timeout_ms=timeout_ms)[0]
+                port = int(header.get("raw_port") or 0)
+                info = (address.rpartition(":")[0].strip("[]"), port, bool(header.get("raw_token"))) if port else None
+            except SegmentUnavailable:
+                raise
+            except EngramError:
+                info = None
+            with self._maps_lock:
+                self._raw_info[address] = info
+        if info is None:
+            return None
+        host, port, needs_token = info
+
+        def token() -> str:
+            return str(self._segment_conn(address).call("channel_token", timeout_ms=self.timeout_ms)[0]["token"])
+
+        channel = channels[address] = RawChannel(address, host, port, token if needs_token else None,
+                                                 timeout_s=self.timeout_ms / 1000.0)
+        with self._maps_lock:
+            self._raw_channels.append(channel)
+        return channel
+
+    def _drop_raw(self, address: str) -> None:
+        channels = getattr(self._raw_local, "channels", None)
+        channel = channels.pop(address, None) if channels is not None else None
+        if channel is not None:
+            channel.close()
+        with self._maps_lock:
+            if self._raw_info.get(address) is not None:
+                self._raw_info[address] = _SUSPECT
+
+    def read_pairs(self, endpoint: str, pairs: np.ndarray, expected: int) -> Any:
+        """One ``read_ranges`` of ``pairs`` (int64 ``[R, 2]``, C-contiguous) from ``endpoint``: the gathered bytes
+        (``expected`` of them; over the raw channel they live in its buffer until its next read). The lookup's
+        hot path when one server holds every remote head; raises on failure."""
+        self._check_open()
+        deadline = time.monotonic() + self.timeout_ms / 1000.0
+        channel = self._raw_channel(endpoint)
+        if channel is not None:
+            try:
+                return channel.recv_read(channel.send_read(pairs, deadline), expected, deadline)
+            except SegmentUnavailable:
+                self._drop_raw(endpoint)
+                raise
+        conn = self._segment_conn(endpoint)
+        request_id = conn.send_frames("read_ranges", (pairs,), copy=pairs.nbytes < ZERO_COPY_SEND_BYTES)
+        _, frames = conn.recv(request_id, deadline, "read_ranges", copy=expected < ZERO_COPY_REPLY_BYTES)
+        data = frame_bytes(frames[0]) if frames else None
+        if data is None or len(data) != expected:
+            raise ProtocolError(f"read_ranges: {endpoint} sent {0 if data is None else len(data)} bytes, "
+                                f"expected {expected}")
+        return data
+
+    def read_pairs_many(self, requests: Sequence[tuple[str, np.ndarray]], outs: Sequence[Any] | None = None) -> list:
+        """Send one ``read_ranges`` per ``(endpoint, pairs)`` (int64 ``[R, 2]`` byte offset and length), all at
+        once; wait for every reply.
+
+        Returns, aligned with ``requests``, the gathered bytes or the exception of that request; it does not
+        raise for one server's failure, so the caller can fail over per server. ``outs[i]`` (a flat writable
+        uint8 array of the reply's size, or None) receives reply i in place; the entry returned is then ``outs[i]``.
+        """
+        self._check_open()
+        deadline = time.monotonic() + self.timeout_ms / 1000.0
+        sent: list = []
+        used: set[int] = set()
+        for i, (endpoint, pairs) in enumerate(requests):
+            pairs = np.ascontiguousarray(pairs)
+            expected = int(pairs[:, 1].sum()) if pairs.size else 0
+            out = outs[i] if outs is not None else None
+            try:
+                channel = self._raw_channel(endpoint)
+                if channel is not None:
+                    if out is None and id(channel) in used:  # the channel's buffer holds an earlier reply
+                        out = np.empty(expected, dtype=np.uint8)
+                    used.add(id(channel))
+                    sent.append((channel, channel.send_read(pairs, deadline), expected, out))
                 else:
-                    reply = data
-            out.append(reply)
-        return out
+                    conn = self._segment_conn(endpoint)
+                    sent.append((conn, conn.send_frames("read_ranges", (pairs,),
+                                                        copy=pairs.nbytes < ZERO_COPY_SEND_BYTES), expected, out))
+            except SegmentUnavailable as exc:
+                self._drop_raw(endpoint)
+                sent.append(exc)
+        result = []
+        for item, (endpoint, _) in zip(sent, requests):
+            if isinstance(item, BaseException):
+                result.append(item)
+                continue
+            link, request_id, expected, out = item
+            try:
+                if isinstance(link, RawChannel):
+                    data = link.recv_read(request_id, expected, deadline, out)
+                else:
+                    _, frames = link.recv(request_id, deadline, "read_ranges", copy=expected < ZERO_COPY_REPLY_BYTES)
+                    data = frame_bytes(frames[0]) if frames else None
+                    if data is None or len(data) != expected:
+                        got = 0 if data is None else len(data)
+                        raise ProtocolError(f"read_ranges: {endpoint} sent {got} bytes, expected {expected}")
+                    if out is not None:
+                        out[:expected] = np.frombuffer(data, dtype=np.uint8)
+                        data = out
+            except EngramError as exc:
+                if isinstance(exc, SegmentUnavailable):
+                    self._drop_raw(endpoint)
+                result.append(exc)
+                continue
+            result.append(data)
+        return result
 
     def _read_remote(self, work: list, groups: dict[str, list[int]], failed: set[str]):
         """Read grouped work items, one request per server (split past the reply limit); yield failures."""
@@ -640,15 +771,25 @@ class DistributedStore:
                 lens.append(sizes)
                 total += nbytes
             requests.append((address, batch, np.concatenate(offs), np.concatenate(lens)))
-        replies = self.read_ranges_many([(a, o, n) for a, _, o, n in requests])
+        outs = []
+        for _, items, _, lens in requests:
+            # A request for one range of one item (a chunk of a whole object) lands straight in its destination.
+            if len(items) == 1 and lens.size == 1:
+                dst, dst_off = work[items[0]][3], work[items[0]][4]
+                outs.append(dst[int(dst_off[0]):int(dst_off[0]) + int(lens[0])])
+            else:
+                outs.append(None)
+        replies = self.read_pairs_many([(a, np.stack((o, n), axis=1)) for a, _, o, n in requests], outs)
         failures: dict[str, list[int]] = {}
-        for (address, items, _, _), reply in zip(requests, replies):
+        for (address, items, _, _), reply, out in zip(requests, replies, outs):
             if isinstance(reply, BaseException):
                 if not isinstance(reply, SegmentUnavailable):
                     raise reply
                 log.warning("read from %s failed (%s); trying other replicas", address, reply)
                 failures.setdefault(address, []).extend(items)
                 continue
+            if out is not None:
+                continue  # already in place
             data = np.frombuffer(reply, dtype=np.uint8)
             pos = 0
             for w in items:
@@ -666,6 +807,10 @@ class DistributedStore:
             return
         self._closed = True
         self._pool.close()
+        with self._maps_lock:
+            channels, self._raw_channels = self._raw_channels, []
+        for channel in channels:
+            channel.close()
         with self._maps_lock:
             self._maps.clear()
             fds = [fd for fd in self._wfds.values() if fd is not None] + self._retired_fds

@@ -1,26 +1,33 @@
-"""EngramStore: one layer's per-head embedding tables in the store, read by row id.
+"""EngramStore: the per-head embedding tables of one or more Engram layers, read by row id.
 
 Keeps the contract of Mooncake's EngramStore: keys ``engram:l{layer_id}:h{head}``, each a C-contiguous
-float32 ``[N_h, D]`` table; ``populate`` is create-only and all-or-nothing; ``lookup`` maps ``[B, L, H]`` row
-ids to float32 ``[B, L, H, D]`` rows and never clamps an id or fills zeros.
+``[N_h, D]`` table (float32 by default, or 16-bit floats, or opaque byte rows); ``populate`` is create-only and
+all-or-nothing; ``lookup`` maps ``[B, L, H]`` row ids to ``[B, L, H, D]`` rows and never clamps an id or fills
+zeros.
 
-The fast path (on this project's store) resolves the placement of every head once, then per lookup:
-heads whose replica sits in a segment mapped on this host are gathered straight from the mapping; for the
-others a Numba kernel drops duplicate rows, merges adjacent ones into byte ranges, and one request per
-segment server goes out, all at once; the replies are scattered into the output. On a real Mooncake store
-the same planning feeds its ``get_into_ranges``.
+Where tables live, per layer:
+
+* in a store (this project's :class:`DistributedStore`, its Mooncake-compatible wrapper, or a real
+  ``MooncakeDistributedStore``): heads whose replica sits in a segment mapped on this host are gathered straight
+  from the mapping; for the others a Numba kernel drops duplicate rows, merges adjacent ones into byte ranges,
+  and one request per segment server goes out for every layer of the call, all at once; the replies are
+  scattered into the output. On a real Mooncake store the same planning feeds its ``get_into_ranges``.
+* on this host without a store: the caller's own arrays (:meth:`EngramStore.bind_local`), or layers published
+  as files under ``local_dir`` (see :mod:`engram_store._local`) and mapped read-only by every process.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
+import weakref
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -38,6 +45,7 @@ from ._errors import (
     StoreError,
     describe,
 )
+from ._local import LocalDir, MappedLayer, sources_for
 from ._progress import Progress
 
 log = logging.getLogger(__name__)
@@ -46,15 +54,16 @@ log = logging.getLogger(__name__)
 PROGRESS_MIN_BYTES = 256 << 20
 #: How long a resolved table placement is used before it is checked with the master again (one request).
 PLACEMENT_TTL_S = 0.5
-#: A prefetch of at most this many rows from tables that are all local-direct runs at once (see prefetch).
+#: A prefetch of at most this many rows from tables that are all read in place runs at once (see prefetch).
 PREFETCH_INLINE_ROWS = 4096
+#: A local gather of at least this many rows is split over the store's ``threads``.
+THREADED_MIN_ROWS = 16384
 #: How many times a lookup re-resolves placement after a segment fails before giving up.
 FAILOVER_ROUNDS = 2
 #: Row formats and the NumPy dtype their items are returned as.
 ROW_FORMATS = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "bytes": np.uint8}
-_WORD_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-#: Version of the layout manifest written with each layer.
-MANIFEST_VERSION = 1
+#: Version of the layout manifest written with each layer (1: crc32 checksums; 2: xxh3_64 or crc32, named).
+MANIFEST_VERSION = 2
 #: Mooncake's ErrorCode::OBJECT_NOT_FOUND and OBJECT_HAS_LEASE, as its Python methods return them.
 _MOONCAKE_OBJECT_NOT_FOUND = -704
 _MOONCAKE_OBJECT_HAS_LEASE = -706
@@ -88,6 +97,11 @@ class EngramStoreConfig:
             raise InvalidArgument(f"embedding_dim: expected a positive integer, got {describe(dim)}")
         if self.row_format not in ROW_FORMATS:
             raise InvalidArgument(f"row_format: expected one of {sorted(ROW_FORMATS)}, got {describe(self.row_format)}")
+        row_bytes = int(dim) * np.dtype(ROW_FORMATS[self.row_format]).itemsize
+        for h, n in enumerate(sizes):
+            if int(n) > (2**63 - 1) // row_bytes:
+                raise InvalidArgument(f"table_vocab_sizes[{h}]: expected at most {(2**63 - 1) // row_bytes} rows of "
+                                      f"{row_bytes} bytes (a table must fit in 64-bit byte offsets), got {int(n)}")
         return [int(n) for n in sizes], int(dim)
 
     @property
@@ -101,75 +115,34 @@ class EngramStoreConfig:
 
 
 class LookupHandle:
-    """A lookup running in the background: ``done()``, ``result(timeout=None)``, ``cancel()``."""
+    """A lookup that may be running in the background: ``done()``, ``result(timeout=None)``, ``cancel()``.
 
-    def __init__(self, future: Future, row_ids: np.ndarray):
+    ``result()`` returns the rows (the caller's ``out`` buffer if one was given) or raises what the read raised.
+    """
+
+    def __init__(self, future: Future, row_ids: Any):
         self._future = future
         self.row_ids = row_ids
 
     def done(self) -> bool:
         return self._future.done()
 
-    def result(self, timeout: float | None = None) -> np.ndarray:
+    def result(self, timeout: float | None = None) -> Any:
         return self._future.result(timeout)
 
     def cancel(self) -> bool:
         return self._future.cancel()
 
 
-@dataclass
-class _Placement:
-    """Where each head's table lives, resolved once per populate (or after a segment failure)."""
-
-    # per mapped segment: (segment, base_elems[H], heads, words, base_words[H], words_per_row, word); the word
-    # views (see _kernels.local_gather_plan) are built once here, not on every lookup
-    local: list[tuple]
-    remote: list[tuple[str, np.ndarray, np.ndarray]]         # (address, heads, base byte offsets)
-    order: np.ndarray                                        # remote heads, grouped by address
-    replicas: list[tuple]                                    # per head, its replicas
-    signature: tuple = ()                                    # (size, replicas) per head, to spot changes
-    checked_at: float = 0.0                                  # time.monotonic() of the last check with the master
-
-
-def _as_row_ids(row_ids: Any, num_heads: int) -> np.ndarray:
-    """Validate ``[B, L, H]`` row ids (nested lists or an integer array) into a C-contiguous int64 array."""
-    if isinstance(row_ids, np.ndarray):
-        arr = row_ids
-    else:
-        try:
-            arr = np.asarray(row_ids)
-        except ValueError as exc:  # NumPy refuses ragged nesting
-            raise InvalidArgument(f"row_ids: expected a [B, L, H] nesting of equal-length lists, "
-                                  f"got ragged lists ({exc})") from None
-        if arr.dtype == object:
-            raise InvalidArgument("row_ids: expected a [B, L, H] nesting of equal-length lists of integers, "
-                                  "got ragged lists or non-numeric items")
-    if arr.dtype == np.bool_ or arr.dtype.kind not in "iu":
-        if arr.size == 0 and arr.dtype.kind == "f" and not isinstance(row_ids, np.ndarray):
-            arr = arr.astype(np.int64)  # np.asarray([]) is float64; the emptiness check below reports it
-        else:
-            raise InvalidType(f"row_ids: expected integer row ids, got dtype {arr.dtype}")
-    if arr.ndim != 3:
-        raise InvalidArgument(f"row_ids: expected shape [B, L, H] (3 dimensions), got shape {arr.shape}")
-    if arr.size == 0:
-        raise InvalidArgument(f"row_ids: expected a non-empty [B, L, H] array, got shape {arr.shape}")
-    if arr.shape[2] != num_heads:
-        raise InvalidArgument(f"row_ids: expected H = {num_heads} heads in the last dimension, "
-                              f"got shape {arr.shape}")
-    if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
-        b, l, h = np.unravel_index(int(np.argmax(arr > np.iinfo(np.int64).max)), arr.shape)
-        raise InvalidArgument(f"row_ids[{b}, {l}, {h}] = {int(arr[b, l, h])} is out of range for any table")
-    return np.ascontiguousarray(arr, dtype=np.int64)
-
-
 class LookupCounters:
-    """Running totals of this layer's lookups; read them with :meth:`EngramStore.stats`.
+    """Running totals of a layer's lookups; read them with :meth:`EngramStore.stats`.
 
     ``lookups``: calls served; ``rows``: rows returned (B x L x H); ``local_rows``: of those, gathered straight
-    from a mapped segment; ``remote_rows``: distinct rows fetched over the network (after dropping duplicates);
-    ``remote_requests`` and ``remote_bytes``: range reads sent and bytes received; ``retries``: failover rounds
-    after a segment failed; ``placement_refreshes``: times the table placement was resolved from the master;
-    ``cache_hits`` / ``cache_misses``: distinct remote rows found in / missing from the hot-row cache.
+    from memory on this host; ``remote_rows``: distinct rows fetched over the network (after dropping
+    duplicates); ``remote_requests`` and ``remote_bytes``: range reads sent and bytes received (a request that
+    carries several layers counts once for each); ``retries``: failover rounds after a segment failed;
+    ``placement_refreshes``: times the table placement was resolved from the master; ``cache_hits`` /
+    ``cache_misses``: distinct remote rows found in / missing from the hot-row cache.
     """
 
     FIELDS = ("lookups", "rows", "local_rows", "remote_rows", "remote_requests", "remote_bytes", "retries",
@@ -213,243 +186,480 @@ class _RowCache:
             self.keys.fill(-1)
 
 
-class EngramStore:
-    """The tables of one Engram layer in a store. A context manager; ``close()`` stops background reads.
+@dataclass
+class _Placement:
+    """Where a layer's head tables live, resolved from the master (and rechecked every PLACEMENT_TTL_S)."""
 
-    ``store`` may be this project's :class:`DistributedStore`, ``engram_store.compat.MooncakeDistributedStore``,
-    a real ``mooncake.store.MooncakeDistributedStore``, or None (metadata only: getters work, reads and
-    writes raise :class:`NotConnected`).
-    """
+    local: list                       # _kernels.RowSource per group of tables mapped on this host
+    remote: list[tuple[str, tuple, int, int]]  # (segment address, endpoints that serve its reads, j0, j1): the
+                                               # segment holds heads order[j0:j1]
+    order: np.ndarray                 # remote heads, grouped by server (read-only int64)
+    bases: np.ndarray                 # byte offset of head order[j]'s table in its segment (read-only int64)
+    replicas: list[tuple]             # per head, its replicas
+    signature: tuple = ()             # (size, replicas) per head, to spot changes
+    checked_at: float = 0.0           # time.monotonic() of the last check with the master
+    keep: list = field(default_factory=list)  # the mapped tables the sources read (kept alive here)
 
-    def __init__(self, layer_id: int, config: EngramStoreConfig | None = None, store: Any = None,
-                 heads: Sequence[int] | None = None, require_manifest: bool = True, row_cache_bytes: int = 0):
+    @property
+    def local_heads(self) -> int:
+        return sum(int(source.heads.size) for source in self.local)
+
+
+class _Layer:
+    """One layer's geometry and read state inside an :class:`EngramStore`."""
+
+    def __init__(self, layer_id: Any, config: Any, heads: Sequence[int] | None, row_cache_bytes: int):
         if not isinstance(layer_id, (int, np.integer)) or isinstance(layer_id, bool) or layer_id < 0:
             raise InvalidArgument(f"layer_id: expected a non-negative integer, got {describe(layer_id)}")
-        config = EngramStoreConfig() if config is None else config
         if not isinstance(config, EngramStoreConfig):
             raise InvalidType(f"config: expected an EngramStoreConfig, got {type(config).__name__}")
         sizes, dim = config.validate()
         self.layer_id = int(layer_id)
-        self._layer_sizes = sizes
-        self._heads = _check_heads(heads, len(sizes))
-        self._sizes = [sizes[h] for h in self._heads]
-        self._sizes_arr = np.asarray(self._sizes, dtype=np.int64)
-        self._dim = dim
-        self._row_format = config.row_format
-        self._dtype = config.dtype
-        self._row_bytes = config.row_bytes
-        self._keys = [f"engram:l{self.layer_id}:h{h}" for h in self._heads]
-        self._layer_keys = [f"engram:l{self.layer_id}:h{h}" for h in range(len(sizes))]
-        self._manifest_key = f"engram:l{self.layer_id}:manifest"
-        self._require_manifest = bool(require_manifest)
-        self._published = False  # Mooncake path: manifest checked
+        self.layer_sizes = sizes
+        self.heads = _check_heads(heads, len(sizes))
+        self.sizes = [sizes[h] for h in self.heads]
+        self.sizes_arr = _kernels.readonly(np.asarray(self.sizes, dtype=np.int64))
+        self.num_heads = len(self.sizes)
+        self.dim = dim
+        self.row_format = config.row_format
+        self.dtype = config.dtype
+        self.row_bytes = config.row_bytes
+        self.keys = [f"engram:l{self.layer_id}:h{h}" for h in self.heads]
+        self.layer_keys = [f"engram:l{self.layer_id}:h{h}" for h in range(len(sizes))]
+        self.manifest_key = f"engram:l{self.layer_id}:manifest"
+        self.cache = _RowCache(int(row_cache_bytes), self.row_bytes) if row_cache_bytes else None
+        self.counters = LookupCounters()
+        self.lock = threading.Lock()
+        self.placement: _Placement | None = None
+        self.published = False                 # Mooncake path: manifest checked
+        self.local: _Placement | None = None   # tables read in place without a store (bind_local, local_dir)
+        self.mapped: MappedLayer | None = None  # local_dir: the published files this layer reads
+
+    def check_ids(self, row_ids: Any) -> np.ndarray:
+        """``[B, L, H]`` row ids, validated: C-contiguous int64, every id in its head's range."""
+        ids = row_ids
+        H = self.num_heads
+        # The common case (a C-contiguous int64 array of the right shape) skips the generic conversion.
+        if not (type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 3 and ids.shape[2] == H
+                and ids.size and ids.flags.c_contiguous):
+            ids = _as_row_ids(row_ids, H)
+        bad = _kernels._first_bad_row(_kernels.readonly(ids.reshape(-1, H)), self.sizes_arr)
+        if bad >= 0:
+            B, L, _ = ids.shape
+            b, rest = divmod(int(bad), L * H)
+            l, h = divmod(rest, H)
+            raise InvalidArgument(f"row_ids[{b}, {l}, {h}] = {int(ids[b, l, h])} is out of range: head {h} of layer "
+                                  f"{self.layer_id} has {self.sizes[h]} rows (expected 0 <= id < {self.sizes[h]})")
+        return ids
+
+    def check_out(self, out: Any, shape: tuple[int, ...]) -> np.ndarray:
+        """A caller's output buffer as a writable C-contiguous array of ``shape`` and this layer's dtype.
+
+        Accepts NumPy arrays and anything NumPy views without copying (the buffer protocol,
+        ``__array_interface__``, a CPU torch tensor or its ``.numpy()``); a flat byte buffer of exactly the right
+        size is viewed with the right dtype and shape. Never copies: a buffer that cannot be written in place
+        is refused.
+        """
+        arr = out
+        if not isinstance(arr, np.ndarray):
+            if isinstance(out, (list, tuple, str, bytes)) or out is None:
+                raise InvalidType(f"out: expected a writable {self.dtype} buffer of shape {shape} (a NumPy array, "
+                                  f"or an object with the buffer protocol or __array_interface__), "
+                                  f"got {type(out).__name__}")
+            try:
+                arr = np.asarray(out)
+            except Exception:  # anything NumPy cannot view
+                arr = None
+            if arr is None or arr.dtype == object or arr.base is None:  # no view of the caller's memory
+                raise InvalidType(f"out: expected a writable {self.dtype} buffer of shape {shape} that NumPy can "
+                                  f"view in place, got {type(out).__name__}")
+        if arr.dtype != self.dtype and arr.dtype == np.uint8 and arr.ndim == 1 and arr.flags.c_contiguous \
+                and arr.size == int(np.prod(shape)) * self.dtype.itemsize:
+            arr = arr.view(self.dtype).reshape(shape)  # a flat byte buffer of the right size
+        if arr.dtype != self.dtype or arr.shape != shape or not arr.flags.c_contiguous or not arr.flags.writeable:
+            raise InvalidArgument(f"out: expected a writable C-contiguous {self.dtype} array of shape {shape}, got "
+                                  f"{arr.dtype} {arr.shape}{'' if arr.flags.c_contiguous else ' (not C-contiguous)'}"
+                                  f"{'' if arr.flags.writeable else ' (read-only)'}")
+        return arr
+
+    def manifest_record(self, checksums: Sequence[str] = (), algorithm: str = "xxh3_64") -> dict:
+        """The manifest of this layer; ``checksums`` of this store's heads, if it wrote them."""
+        values: list[str | None] = [None] * len(self.layer_sizes)
+        for h, value in zip(self.heads, checksums):
+            values[h] = value
+        return {"format": "engram-layer", "version": MANIFEST_VERSION, "layer_id": self.layer_id,
+                "table_vocab_sizes": list(self.layer_sizes), "embedding_dim": self.dim,
+                "row_format": self.row_format, "checksum": algorithm, "checksums": values}
+
+
+def _as_row_ids(row_ids: Any, num_heads: int) -> np.ndarray:
+    """Validate ``[B, L, H]`` row ids (nested lists or an integer array) into a C-contiguous int64 array."""
+    if isinstance(row_ids, np.ndarray):
+        arr = row_ids
+    else:
+        try:
+            arr = np.asarray(row_ids)
+        except ValueError as exc:  # NumPy refuses ragged nesting
+            raise InvalidArgument(f"row_ids: expected a [B, L, H] nesting of equal-length lists, "
+                                  f"got ragged lists ({exc})") from None
+        if arr.dtype == object:
+            raise InvalidArgument("row_ids: expected a [B, L, H] nesting of equal-length lists of integers, "
+                                  "got ragged lists or non-numeric items")
+    if arr.dtype == np.bool_ or arr.dtype.kind not in "iu":
+        if arr.size == 0 and arr.dtype.kind == "f" and not isinstance(row_ids, np.ndarray):
+            arr = arr.astype(np.int64)  # np.asarray([]) is float64; the emptiness check below reports it
+        else:
+            raise InvalidType(f"row_ids: expected integer row ids, got dtype {arr.dtype}")
+    if arr.ndim != 3:
+        raise InvalidArgument(f"row_ids: expected shape [B, L, H] (3 dimensions), got shape {arr.shape}")
+    if arr.size == 0:
+        raise InvalidArgument(f"row_ids: expected a non-empty [B, L, H] array, got shape {arr.shape}")
+    if arr.shape[2] != num_heads:
+        raise InvalidArgument(f"row_ids: expected H = {num_heads} heads in the last dimension, "
+                              f"got shape {arr.shape}")
+    if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
+        b, l, h = np.unravel_index(int(np.argmax(arr > np.iinfo(np.int64).max)), arr.shape)
+        raise InvalidArgument(f"row_ids[{b}, {l}, {h}] = {int(arr[b, l, h])} is out of range for any table")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+class EngramStore:
+    """The tables of one or more Engram layers. A context manager; ``close()`` stops background reads.
+
+    One layer (the form of Mooncake's first EngramStore)::
+
+        EngramStore(layer_id, config, store)
+
+    Several layers, each with its own geometry, read together (one request per segment server for all)::
+
+        EngramStore({1: config_1, 15: config_15}, store=store)
+
+    ``store`` may be this project's :class:`DistributedStore`, ``engram_store.compat.MooncakeDistributedStore``,
+    a real ``mooncake.store.MooncakeDistributedStore``, or None: then tables are read from memory on this host,
+    bound with :meth:`bind_local` or published under ``local_dir`` by :meth:`populate` (see
+    :mod:`engram_store._local`); with neither, getters work and reads raise :class:`NotConnected`.
+
+    Methods act on the only layer, or on the one named with ``layer=``. ``heads`` (one layer only) makes a
+    head shard: the store owns and reads just those heads. ``threads`` > 1 splits large gathers from memory on
+    this host over that many threads (the kernel releases the GIL).
+    """
+
+    def __init__(self, layer_id: int | Mapping[int, EngramStoreConfig], config: EngramStoreConfig | None = None,
+                 store: Any = None, *, heads: Sequence[int] | None = None, require_manifest: bool = True,
+                 row_cache_bytes: int = 0, local_dir: str | os.PathLike | None = None, threads: int = 1):
         if isinstance(row_cache_bytes, bool) or not isinstance(row_cache_bytes, (int, np.integer)) \
                 or row_cache_bytes < 0:
             raise InvalidArgument(f"row_cache_bytes: expected a byte count >= 0, got {describe(row_cache_bytes)}")
-        self._cache = _RowCache(int(row_cache_bytes), self._row_bytes) if row_cache_bytes else None
+        if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or not 1 <= threads <= 256:
+            raise InvalidArgument(f"threads: expected an integer in [1, 256], got {describe(threads)}")
+        if isinstance(layer_id, Mapping):
+            if config is not None:
+                raise InvalidArgument("config: a multi-layer EngramStore takes its configs in the layers mapping; "
+                                      "pass the store as store=")
+            if heads is not None:
+                raise InvalidArgument("heads: head shards are for a single-layer EngramStore")
+            if not layer_id:
+                raise InvalidArgument("layers: expected at least one {layer_id: EngramStoreConfig} entry, got none")
+            layers = [_Layer(lid, cfg, None, row_cache_bytes) for lid, cfg in sorted(layer_id.items(),
+                                                                                    key=lambda kv: _sort_key(kv[0]))]
+            self.layer_id: int | None = None
+        else:
+            layers = [_Layer(layer_id, EngramStoreConfig() if config is None else config, heads, row_cache_bytes)]
+            self.layer_id = layers[0].layer_id
+        self._layers = {layer.layer_id: layer for layer in layers}
+        self._require_manifest = bool(require_manifest)
         self._store = store
         self._native = _native_store(store)
-        self._placement: _Placement | None = None
+        if store is not None and self._native is None and not _looks_like_mooncake(store):
+            raise InvalidType(f"store: expected a DistributedStore, a MooncakeDistributedStore or None, "
+                              f"got {type(store).__name__}")
+        self._local_dir = None
+        if local_dir is not None and os.fspath(local_dir) != "":
+            if store is not None:
+                raise InvalidArgument("local_dir: tables are either in a store or under local_dir, not both; "
+                                      "pass store=None to use local_dir")
+            self._local_dir = LocalDir(local_dir)
+            for layer in layers:  # published layers are opened (and their layout checked) now
+                self._open_local(layer)
+        self._threads = int(threads)
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._staging: np.ndarray | None = None  # Mooncake path: registered buffer for unique rows
-        self._counters = LookupCounters()
+        self._staging_release: weakref.finalize | None = None
+        self._closed = False
 
-    # ---- getters (work without a store) ---------------------------------------------------------
+    # ---- layers and getters (work without a store) ------------------------------------------------
 
-    def get_table_vocab_sizes(self) -> list[int]:
+    def _layer(self, layer: int | None) -> _Layer:
+        if layer is None:
+            if len(self._layers) == 1:
+                return next(iter(self._layers.values()))
+            raise InvalidArgument(f"layer: this EngramStore holds layers {self.get_layer_ids()}; name one with "
+                                  "layer=")
+        found = self._layers.get(layer) if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool) \
+            else None
+        if found is None:
+            raise InvalidArgument(f"layer: unknown Engram layer {describe(layer)}; this EngramStore holds "
+                                  f"{self.get_layer_ids()}")
+        return found
+
+    def get_layer_ids(self) -> list[int]:
+        return sorted(self._layers)
+
+    def get_table_vocab_sizes(self, layer: int | None = None) -> list[int]:
         """Rows of each head this store owns (all heads of the layer unless built with ``heads=``)."""
-        return list(self._sizes)
+        return list(self._layer(layer).sizes)
 
-    def get_heads(self) -> list[int]:
+    def get_heads(self, layer: int | None = None) -> list[int]:
         """The layer's head indices this store owns, in the order of the last axis of its row ids."""
-        return list(self._heads)
+        return list(self._layer(layer).heads)
 
-    def get_row_format(self) -> str:
-        return self._row_format
+    def get_row_format(self, layer: int | None = None) -> str:
+        return self._layer(layer).row_format
 
-    def get_store_keys(self) -> list[str]:
-        return list(self._keys)
+    def get_row_bytes(self, layer: int | None = None) -> int:
+        return self._layer(layer).row_bytes
 
-    def get_num_heads(self) -> int:
-        return len(self._sizes)
+    def get_store_keys(self, layer: int | None = None) -> list[str]:
+        return list(self._layer(layer).keys)
 
-    def get_embedding_dim(self) -> int:
-        return self._dim
+    def get_num_heads(self, layer: int | None = None) -> int:
+        return self._layer(layer).num_heads
 
-    def _require_store(self, what: str) -> None:
+    def get_embedding_dim(self, layer: int | None = None) -> int:
+        return self._layer(layer).dim
+
+    @property
+    def local_dir(self) -> str | None:
+        return self._local_dir.path if self._local_dir is not None else None
+
+    def _require_store(self, what: str, layer: _Layer | None = None) -> None:
         if self._store is None:
-            raise NotConnected(f"{what}: this EngramStore for layer {self.layer_id} was built without a store "
-                               "(store=None); pass a DistributedStore or MooncakeDistributedStore")
+            name = f"layer {layer.layer_id}" if layer is not None else f"layers {self.get_layer_ids()}"
+            raise NotConnected(f"{what}: this EngramStore for {name} was built without a store (store=None); pass "
+                               "a DistributedStore or MooncakeDistributedStore"
+                               + ("" if self._local_dir else ", or local_dir= for tables in files on this host"))
 
     # ---- populate -------------------------------------------------------------------------------
 
-    def populate(self, embedding_buffers: Sequence[np.ndarray], replica_num: int = 1) -> None:
-        """Upload one float32 ``[N_h, D]`` table per head; create-only and all-or-nothing.
+    def populate(self, embedding_buffers: Sequence[np.ndarray], replica_num: int = 1, *,
+                 layer: int | None = None) -> None:
+        """Write one ``[N_h, D]`` table per head of the layer; create-only and all-or-nothing.
 
-        Refuses (naming the key) if any head already exists. If an upload fails, or the call is
-        interrupted, every table this call wrote is removed before the error propagates.
+        Into the store: refuses (naming the key) if any head already exists; if an upload fails, or the call is
+        interrupted, every table this call wrote is removed before the error propagates. Under ``local_dir``:
+        the tables are copied into files and published atomically (see :mod:`engram_store._local`). The
+        caller's buffers may be reused or freed once this returns.
         """
-        self._require_store("populate")
-        tables = self._check_tables(embedding_buffers)
+        lay = self._layer(layer)
+        tables = self._check_tables(lay, embedding_buffers)
         if not isinstance(replica_num, int) or isinstance(replica_num, bool) or replica_num < 1:
             raise InvalidArgument(f"replica_num: expected an integer >= 1, got {describe(replica_num)}")
-        existing = [k for k, e in zip(self._keys, self._batch_is_exist(self._keys)) if e]
+        if self._local_dir is not None:
+            self._populate_local(lay, tables)
+            return
+        self._require_store("populate", lay)
+        existing = [k for k, e in zip(lay.keys, self._batch_is_exist(lay.keys)) if e]
         if existing:
-            raise ObjectExists(f"populate layer {self.layer_id}: key {existing[0]!r} already exists "
-                               f"({len(existing)} of {len(self._keys)} heads present); call "
+            raise ObjectExists(f"populate layer {lay.layer_id}: key {existing[0]!r} already exists "
+                               f"({len(existing)} of {len(lay.keys)} heads present); call "
                                "remove_from_store() first")
-        published = self._read_manifest()
+        published = self._read_manifest(lay)
         if published is not None:
-            self._check_manifest(published)  # another shard published this layer: the layouts must agree
+            self._check_manifest(lay, published)  # another shard published this layer: the layouts must agree
         total = sum(t.nbytes for t in tables)
-        bar = Progress(total, f"populate layer {self.layer_id}", enabled=None if total > PROGRESS_MIN_BYTES else False)
-        with self._lock:
-            self._placement = None
-        # The manifest's checksums are computed while the tables upload (zlib releases the GIL).
-        with ThreadPoolExecutor(1, thread_name_prefix=f"engram-l{self.layer_id}-crc") as pool:
-            checksums = pool.submit(_crc32_hex, tables)
+        bar = Progress(total, f"populate layer {lay.layer_id}", enabled=None if total > PROGRESS_MIN_BYTES else False)
+        with lay.lock:
+            lay.placement = None
+        # The manifest's checksums are computed while the tables upload (the hash releases the GIL).
+        with ThreadPoolExecutor(1, thread_name_prefix=f"engram-l{lay.layer_id}-checksum") as pool:
+            checksums = pool.submit(_checksums, tables)
             try:
                 if self._native is not None:
-                    self._native.batch_put_from(self._keys, tables, replica_num=replica_num, progress=bar)
+                    self._native.batch_put_from(lay.keys, tables, replica_num=replica_num, progress=bar)
                 else:
-                    self._populate_mooncake(tables, replica_num, bar)
+                    self._populate_mooncake(lay, tables, replica_num, bar)
             finally:
                 bar.close()
         try:
-            self._publish(checksums.result(), replica_num)
+            algorithm, values = checksums.result()
+            self._publish(lay, values, replica_num, algorithm)
         except BaseException:
-            self._remove_keys(self._keys, force=True)  # all-or-nothing: no tables without their manifest
+            self._remove_keys(lay.keys, force=True)  # all-or-nothing: no tables without their manifest
             raise
+
+    def _populate_local(self, lay: _Layer, tables: list[np.ndarray]) -> None:
+        total = sum(t.nbytes for t in tables)
+        bar = Progress(total, f"populate layer {lay.layer_id}", enabled=None if total > PROGRESS_MIN_BYTES else False)
+        try:
+            self._local_dir.publish(lay.layer_id, lay.row_bytes, lay.layer_sizes, tables, progress=bar)
+        finally:
+            bar.close()
+        self._open_local(lay)
+
+    def bind_local(self, embedding_buffers: Sequence[np.ndarray], *, layer: int | None = None) -> None:
+        """Read the layer from the caller's own ``[N_h, D]`` arrays, in place: no copy, no store.
+
+        The arrays are kept referenced until :meth:`close`; do not modify, resize or unmap them while bound.
+        Only for an EngramStore without a store or ``local_dir``, and once per layer.
+        """
+        lay = self._layer(layer)
+        if self._store is not None or self._local_dir is not None:
+            raise InvalidArgument(f"bind_local: layer {lay.layer_id} of this EngramStore is read from "
+                                  f"{'a store' if self._store is not None else 'local_dir'}; bind_local is for an "
+                                  "EngramStore built with store=None and no local_dir")
+        tables = self._check_tables(lay, embedding_buffers)
+        with lay.lock:
+            if lay.local is not None:
+                raise InvalidArgument(f"bind_local: layer {lay.layer_id} is already bound; build a new EngramStore "
+                                      "to read other tables")
+            lay.local = self._local_placement(lay, [t.reshape(-1).view(np.uint8) for t in tables],
+                                              keep=list(embedding_buffers))
+
+    def _local_placement(self, lay: _Layer, flat_tables: list[np.ndarray], keep: list) -> _Placement:
+        empty = _kernels.readonly(np.zeros(0, dtype=np.int64))
+        return _Placement(local=sources_for(list(enumerate(flat_tables)), lay.num_heads, lay.row_bytes), remote=[],
+                          order=empty, bases=empty, replicas=[], keep=keep + flat_tables)
+
+    def _open_local(self, lay: _Layer) -> bool:
+        """Map the layer's published files if they are there (and not mapped yet); whether the layer is readable."""
+        if lay.local is not None:
+            return True
+        with lay.lock:
+            if lay.local is None:
+                mapped = self._local_dir.open(lay.layer_id, lay.row_bytes, lay.layer_sizes)
+                if mapped is None:
+                    return False
+                lay.mapped = mapped
+                lay.local = self._local_placement(lay, [mapped.tables[h] for h in lay.heads], keep=[mapped])
+        return True
 
     # ---- the layout manifest --------------------------------------------------------------------
 
-    def _manifest_record(self, head_checksums: Sequence[str] = ()) -> dict:
-        """The manifest of this layer; ``head_checksums`` are the crc32s of this store's heads, if it wrote them."""
-        checksums: list[str | None] = [None] * len(self._layer_sizes)
-        for h, crc in zip(self._heads, head_checksums):
-            checksums[h] = crc
-        return {"format": "engram-layer", "version": MANIFEST_VERSION, "layer_id": self.layer_id,
-                "table_vocab_sizes": list(self._layer_sizes), "embedding_dim": self._dim,
-                "row_format": self._row_format, "crc32": checksums}
-
-    def _publish(self, head_checksums: Sequence[str], replica_num: int) -> None:
+    def _publish(self, lay: _Layer, checksums: Sequence[str], replica_num: int, algorithm: str = "xxh3_64") -> None:
         """Write the manifest last, once every head of the layer is in the store (this call's or other shards')."""
-        if self._read_manifest() is not None:
+        if self._read_manifest(lay) is not None:
             return
-        if len(self._heads) < len(self._layer_sizes) and not all(self._batch_is_exist(self._layer_keys)):
+        if len(lay.heads) < len(lay.layer_sizes) and not all(self._batch_is_exist(lay.layer_keys)):
             return  # other shards have yet to write their heads; the last one publishes
-        data = json.dumps(self._manifest_record(head_checksums), sort_keys=True).encode()
+        data = json.dumps(lay.manifest_record(checksums, algorithm), sort_keys=True).encode()
         try:
             if self._native is not None:
-                self._native.put(self._manifest_key, data, replica_num=replica_num)
+                self._native.put(lay.manifest_key, data, replica_num=replica_num)
             else:
                 buf = np.frombuffer(data, dtype=np.uint8).copy()
                 _check_code(self._store.register_buffer(buf.ctypes.data, buf.nbytes), "register_buffer",
-                            self._manifest_key)
+                            lay.manifest_key)
                 try:
                     config = _replicate_config(replica_num)
-                    codes = (self._store.batch_put_from([self._manifest_key], [buf.ctypes.data], [buf.nbytes], config)
+                    codes = (self._store.batch_put_from([lay.manifest_key], [buf.ctypes.data], [buf.nbytes], config)
                              if config is not None else
-                             self._store.batch_put_from([self._manifest_key], [buf.ctypes.data], [buf.nbytes]))
-                    _check_code(codes[0], "batch_put_from", self._manifest_key)
+                             self._store.batch_put_from([lay.manifest_key], [buf.ctypes.data], [buf.nbytes]))
+                    _check_code(codes[0], "batch_put_from", lay.manifest_key)
                 finally:
                     self._store.unregister_buffer(buf.ctypes.data)
         except ObjectExists:
-            self._check_manifest(self._read_manifest())  # a concurrent shard published first
+            self._check_manifest(lay, self._read_manifest(lay))  # a concurrent shard published first
 
-    def _read_manifest(self) -> dict | None:
+    def _read_manifest(self, lay: _Layer) -> dict | None:
         """The layer's manifest, or None if it has none (not populated, or a populate still running)."""
         if self._native is not None:
             try:
-                data = self._native.get(self._manifest_key, lease=False)  # a lease would block remove
+                data = self._native.get(lay.manifest_key, lease=False)  # a lease would block remove
             except (ObjectNotFound, ObjectLost):
                 return None  # a lost manifest (its segment died) publishes nothing, like a missing one
         else:
-            if not self._batch_is_exist([self._manifest_key])[0]:
+            if not self._batch_is_exist([lay.manifest_key])[0]:
                 return None
-            data = self._store.get(self._manifest_key)
+            data = self._store.get(lay.manifest_key)
             if not data:
                 return None
         try:
             record = json.loads(bytes(data))
         except ValueError:
-            raise StoreError(f"{self._manifest_key!r} does not hold a layout manifest (not JSON)") from None
+            raise StoreError(f"{lay.manifest_key!r} does not hold a layout manifest (not JSON)") from None
         if not isinstance(record, dict) or record.get("format") != "engram-layer":
-            raise StoreError(f"{self._manifest_key!r} does not hold an engram layer manifest")
+            raise StoreError(f"{lay.manifest_key!r} does not hold an engram layer manifest")
         return record
 
-    def _check_manifest(self, record: dict | None) -> None:
+    def _check_manifest(self, lay: _Layer, record: dict | None) -> None:
         """Refuse a layer stored with another layout than this store's configuration."""
         if record is None:
-            raise ObjectNotFound(f"layer {self.layer_id} is not published: {self._manifest_key!r} is missing "
+            raise ObjectNotFound(f"layer {lay.layer_id} is not published: {lay.manifest_key!r} is missing "
                                  "(the layer was never populated, a populate is still running, or one was "
                                  "interrupted; remove_from_store(force=True) and populate again)")
-        if record.get("version") != MANIFEST_VERSION:
-            raise StoreError(f"layer {self.layer_id}: manifest version {record.get('version')!r}; this engram "
-                             f"reads version {MANIFEST_VERSION}")
-        mine = self._manifest_record()
+        if record.get("version") not in (1, MANIFEST_VERSION):
+            raise StoreError(f"layer {lay.layer_id}: manifest version {record.get('version')!r}; this engram "
+                             f"reads versions 1 to {MANIFEST_VERSION}")
+        mine = lay.manifest_record()
         for name in ("table_vocab_sizes", "embedding_dim", "row_format"):
             if record.get(name) != mine[name]:
-                raise ConfigError(f"layer {self.layer_id} is stored with {name}={record.get(name)!r}, but this "
+                raise ConfigError(f"layer {lay.layer_id} is stored with {name}={record.get(name)!r}, but this "
                                   f"EngramStore is configured with {name}={mine[name]!r}; use the configuration "
                                   "it was populated with")
 
-    def verify(self) -> list[int]:
-        """Read this store's heads in full and compare them with the manifest's checksums.
+    def verify(self, *, layer: int | None = None) -> list[int]:
+        """Read this store's heads of the layer in full and compare them with the manifest's checksums.
 
         Returns the heads that were checked (heads written by another shard may have none); raises
         :class:`StoreError` naming the first head whose bytes differ.
         """
-        self._require_store("verify")
-        record = self._read_manifest()
-        self._check_manifest(record)
+        lay = self._layer(layer)
+        self._require_store("verify", lay)
+        record = self._read_manifest(lay)
+        self._check_manifest(lay, record)
+        if record.get("version") == 1:
+            algorithm, values = "crc32", record.get("crc32", [])
+        else:
+            algorithm, values = record.get("checksum"), record.get("checksums", [])
         checked = []
-        for h, key, n in zip(self._heads, self._keys, self._sizes):
-            expected = record["crc32"][h] if h < len(record["crc32"]) else None
+        for j, (h, n) in enumerate(zip(lay.heads, lay.sizes)):
+            expected = values[h] if h < len(values) else None
             if expected is None:
                 continue
-            ids = np.arange(n, dtype=np.int64)
-            rows = np.empty((n, self._dim), dtype=self._dtype)
-            full = np.zeros((n, 1, len(self._heads)), dtype=np.int64)
-            full[:, 0, self._heads.index(h)] = ids
-            rows[:] = self.lookup(full)[:, 0, self._heads.index(h)]
-            got = _crc32_hex([rows])[0]
+            rows = np.empty(n * lay.row_bytes, dtype=np.uint8)
+            if self._native is not None:  # the whole table in one read, no lease (it would block a remove)
+                self._native.read_object(self._native.locate([lay.keys[j]], lease=False)[0], rows)
+            else:
+                full = np.zeros((n, 1, lay.num_heads), dtype=np.int64)
+                full[:, 0, j] = np.arange(n, dtype=np.int64)
+                rows = np.ascontiguousarray(self.lookup(full, layer=lay.layer_id)[:, 0, j]).reshape(-1).view(np.uint8)
+            got = _checksums([rows], algorithm)[1][0]
             if got != expected:
-                raise StoreError(f"layer {self.layer_id} head {h}: stored rows have crc32 {got}, the manifest "
+                raise StoreError(f"layer {lay.layer_id} head {h}: stored rows have {algorithm} {got}, the manifest "
                                  f"says {expected}")
             checked.append(h)
         return checked
 
-    def _check_tables(self, buffers: Sequence[np.ndarray]) -> list[np.ndarray]:
+    def _check_tables(self, lay: _Layer, buffers: Sequence[np.ndarray]) -> list[np.ndarray]:
+        n_heads = lay.num_heads
         if isinstance(buffers, np.ndarray) or not isinstance(buffers, (list, tuple)):
-            raise InvalidType(f"embedding_buffers: expected a list of {len(self._sizes)} arrays (one per head), "
+            raise InvalidType(f"embedding_buffers: expected a list of {n_heads} arrays (one per head), "
                               f"got {type(buffers).__name__}")
-        if len(buffers) != len(self._sizes):
-            raise InvalidArgument(f"embedding_buffers: expected {len(self._sizes)} tables (one per head), "
-                                  f"got {len(buffers)}")
-        for h, (t, n) in enumerate(zip(buffers, self._sizes)):
+        if len(buffers) != n_heads:
+            raise InvalidArgument(f"embedding_buffers: expected {n_heads} tables (one per head), got {len(buffers)}")
+        for h, (t, n) in enumerate(zip(buffers, lay.sizes)):
             if not isinstance(t, np.ndarray):
-                raise InvalidType(f"embedding_buffers[{h}]: expected a {self._row_format} NumPy array, "
+                raise InvalidType(f"embedding_buffers[{h}]: expected a {lay.row_format} NumPy array, "
                                   f"got {type(t).__name__}")
-            if t.dtype != self._dtype and not (self._row_format == "bfloat16" and t.dtype.name == "bfloat16"):
-                raise InvalidType(f"embedding_buffers[{h}]: expected dtype {self._dtype} (row_format="
-                                  f"{self._row_format!r}), got {t.dtype}")
-            if t.shape != (n, self._dim):
-                raise InvalidArgument(f"embedding_buffers[{h}]: expected shape ({n}, {self._dim}) "
+            if t.dtype != lay.dtype and not (lay.row_format == "bfloat16" and t.dtype.name == "bfloat16"):
+                raise InvalidType(f"embedding_buffers[{h}]: expected dtype {lay.dtype} (row_format="
+                                  f"{lay.row_format!r}), got {t.dtype}")
+            if t.shape != (n, lay.dim):
+                raise InvalidArgument(f"embedding_buffers[{h}]: expected shape ({n}, {lay.dim}) "
                                       f"(table_vocab_sizes[{h}] rows x embedding_dim), got {t.shape}")
             if not t.flags.c_contiguous:
                 raise InvalidArgument(f"embedding_buffers[{h}]: expected a C-contiguous array "
                                       "(use np.ascontiguousarray)")
-        return [t.view(self._dtype) for t in buffers]
+        return [t.view(lay.dtype) for t in buffers]
 
-    def _populate_mooncake(self, tables: list[np.ndarray], replica_num: int, bar: Progress) -> None:
+    def _populate_mooncake(self, lay: _Layer, tables: list[np.ndarray], replica_num: int, bar: Progress) -> None:
         store = self._store
         config = _replicate_config(replica_num)
         written: list[str] = []
         done = 0
         try:
-            for key, table in zip(self._keys, tables):
+            for key, table in zip(lay.keys, tables):
                 ptr = table.ctypes.data
                 _check_code(store.register_buffer(ptr, table.nbytes), "register_buffer", key)
                 try:
@@ -478,182 +688,233 @@ class EngramStore:
             out.append(bool(r))
         return out
 
-    def stats(self, reset: bool = False) -> dict[str, int]:
-        """This layer's lookup counters (see :class:`LookupCounters`); ``reset=True`` zeroes them after reading."""
-        values = self._counters.snapshot()
-        if reset:
-            self._counters.reset()
-        return values
+    def stats(self, reset: bool = False, *, layer: int | None = None) -> dict[str, int]:
+        """Lookup counters (see :class:`LookupCounters`) of the layer, or summed over all layers of a multi-layer
+        store when none is named; ``reset=True`` zeroes them after reading."""
+        layers = [self._layer(layer)] if layer is not None or len(self._layers) == 1 else list(self._layers.values())
+        total = dict.fromkeys(LookupCounters.FIELDS, 0)
+        for lay in layers:
+            for name, value in lay.counters.snapshot().items():
+                total[name] += value
+            if reset:
+                lay.counters.reset()
+        return total
 
     # ---- lookup ---------------------------------------------------------------------------------
 
-    def lookup(self, row_ids: Any) -> np.ndarray:
+    def lookup(self, row_ids: Any, *, layer: int | None = None) -> np.ndarray:
         """Rows for ``[B, L, H]`` ids as ``[B, L, H, D]`` in the stored format (float32 by default)."""
-        ids = self._check_row_ids(row_ids)
-        out = np.empty(ids.shape + (self._dim,), dtype=self._dtype)
-        self._lookup_checked(ids, out)
+        lay = self._layer(layer)
+        self._require_source("lookup", lay)
+        ids = lay.check_ids(row_ids)
+        out = np.empty(ids.shape + (lay.dim,), dtype=lay.dtype)
+        self._run([(lay, ids, out)])
         return out
 
-    def lookup_into(self, row_ids: Any, out: np.ndarray) -> np.ndarray:
-        """Fill ``out`` (C-contiguous ``[B, L, H, D]`` of the stored dtype) with the rows; no allocation."""
-        ids = self._check_row_ids(row_ids)
-        shape = ids.shape + (self._dim,)
-        if not isinstance(out, np.ndarray):
-            raise InvalidType(f"out: expected a {self._dtype} NumPy array, got {type(out).__name__}")
-        if out.dtype != self._dtype or out.shape != shape or not out.flags.c_contiguous or not out.flags.writeable:
-            raise InvalidArgument(f"out: expected a writable C-contiguous {self._dtype} array of shape {shape}, "
-                                  f"got {out.dtype} {out.shape}")
-        self._lookup_checked(ids, out, out_aligned=out.ctypes.data % 8 == 0)
-        return out
+    def lookup_into(self, row_ids: Any, out: Any, *, layer: int | None = None) -> Any:
+        """Fill ``out`` (a writable C-contiguous ``[B, L, H, D]`` buffer of the stored dtype) with the rows.
 
-    def prefetch(self, row_ids: Any) -> LookupHandle:
-        """Start a lookup in the background; the ids are checked now, errors of the read come from ``result()``.
-
-        A small lookup whose tables are all mapped on this host (a few microseconds of copying) is done at
-        once instead: handing it to a thread would cost more than the read.
+        ``out`` may be a NumPy array or anything NumPy views without copying (see :meth:`_Layer.check_out`);
+        nothing else is allocated for it. Returns ``out``.
         """
-        ids = self._check_row_ids(row_ids)
-        out = np.empty(ids.shape + (self._dim,), dtype=self._dtype)
-        placement = self._placement
-        if (placement is not None and not placement.remote and ids.size <= PREFETCH_INLINE_ROWS
-                and time.monotonic() - placement.checked_at < PLACEMENT_TTL_S):
-            done: Future = Future()
+        lay = self._layer(layer)
+        self._require_source("lookup", lay)
+        ids = lay.check_ids(row_ids)
+        self._run([(lay, ids, lay.check_out(out, ids.shape + (lay.dim,)))])
+        return out
+
+    def lookup_layers(self, row_ids: Mapping[int, Any], out: Mapping[int, Any] | None = None) -> dict[int, Any]:
+        """Rows of several layers in one call: ``{layer_id: [B, L, H] ids}`` -> ``{layer_id: rows}``.
+
+        Remote reads of every layer that go to the same segment server travel in one request. ``out`` may give
+        a caller buffer per layer (as in :meth:`lookup_into`).
+        """
+        jobs = self._jobs(row_ids, out)
+        self._run(jobs)
+        return {lay.layer_id: (out[lay.layer_id] if out is not None and lay.layer_id in out else o)
+                for lay, _, o in jobs}
+
+    def prefetch(self, row_ids: Any, out: Any = None, background: bool | None = None, *,
+                 layer: int | None = None) -> LookupHandle:
+        """Start a lookup; the ids (and ``out``) are checked now, errors of the read come from ``result()``.
+
+        ``out``: a caller buffer to fill (as in :meth:`lookup_into`; nothing is allocated), else a new array.
+        ``background=True`` always reads in a background thread and returns at once (so the caller can launch
+        other work, e.g. on a GPU); ``False`` reads now; None (default) reads a small lookup whose tables are all
+        in memory on this host at once (a few microseconds, cheaper than a thread hand-off) and the rest in the
+        background.
+        """
+        lay = self._layer(layer)
+        self._require_source("prefetch", lay)
+        ids = lay.check_ids(row_ids)
+        shape = ids.shape + (lay.dim,)
+        target = lay.check_out(out, shape) if out is not None else np.empty(shape, dtype=lay.dtype)
+        result = out if out is not None else target
+        jobs = [(lay, ids, target)]
+        if background is None:
+            placement = lay.local or lay.placement
+            background = not (placement is not None and not placement.remote and ids.size <= PREFETCH_INLINE_ROWS
+                              and (placement is lay.local or time.monotonic() - placement.checked_at < PLACEMENT_TTL_S))
+        return self._start(jobs, result, background, ids)
+
+    def prefetch_layers(self, row_ids: Mapping[int, Any], out: Mapping[int, Any] | None = None,
+                        background: bool = True) -> LookupHandle:
+        """:meth:`lookup_layers` in the background: ``result()`` returns ``{layer_id: rows}``."""
+        jobs = self._jobs(row_ids, out)
+        result = {lay.layer_id: (out[lay.layer_id] if out is not None and lay.layer_id in out else o)
+                  for lay, _, o in jobs}
+        return self._start(jobs, result, background, row_ids)
+
+    def _jobs(self, row_ids: Mapping[int, Any], out: Mapping[int, Any] | None) -> list[tuple[_Layer, np.ndarray, Any]]:
+        if not isinstance(row_ids, Mapping) or not row_ids:
+            raise InvalidType(f"row_ids: expected a non-empty {{layer_id: [B, L, H] ids}} mapping, "
+                              f"got {describe(row_ids)}")
+        if out is not None and not isinstance(out, Mapping):
+            raise InvalidType(f"out: expected a {{layer_id: buffer}} mapping or None, got {type(out).__name__}")
+        jobs = []
+        for layer_id, ids in row_ids.items():
+            lay = self._layer(layer_id)
+            self._require_source("lookup", lay)
+            ids = lay.check_ids(ids)
+            shape = ids.shape + (lay.dim,)
+            target = (lay.check_out(out[layer_id], shape) if out is not None and layer_id in out
+                      else np.empty(shape, dtype=lay.dtype))
+            jobs.append((lay, ids, target))
+        return jobs
+
+    def _start(self, jobs: list, result: Any, background: bool, row_ids: Any) -> LookupHandle:
+        future: Future = Future()
+        if not background:
             try:
-                self._lookup_checked(ids, out)
-                done.set_result(out)
+                self._run(jobs)
+                future.set_result(result)
             except BaseException as exc:
-                done.set_exception(exc)
-            return LookupHandle(done, ids)
+                future.set_exception(exc)
+            return LookupHandle(future, row_ids)
+
+        def run() -> Any:
+            self._run(jobs)
+            return result
+
+        return LookupHandle(self._background().submit(run), row_ids)
+
+    def _background(self) -> ThreadPoolExecutor:
         with self._lock:
+            if self._closed:
+                raise NotConnected("this EngramStore is closed")
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"engram-l{self.layer_id}")
-            executor = self._executor
+                name = f"engram-l{self.layer_id}" if self.layer_id is not None else "engram-layers"
+                self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix=name)
+            return self._executor
 
-        def run() -> np.ndarray:
-            self._lookup_checked(ids, out)
-            return out
-
-        return LookupHandle(executor.submit(run), ids)
-
-    def _check_row_ids(self, row_ids: Any) -> np.ndarray:
-        self._require_store("lookup")
-        ids = _as_row_ids(row_ids, len(self._sizes))
-        bad = _kernels._first_bad_row(ids.reshape(-1, len(self._sizes)), self._sizes_arr)  # ids: int64, C order
-        if bad >= 0:
-            B, L, H = ids.shape
-            b, rest = divmod(bad, L * H)
-            l, h = divmod(rest, H)
-            raise InvalidArgument(f"row_ids[{b}, {l}, {h}] = {int(ids[b, l, h])} is out of range: head {h} has "
-                                  f"{self._sizes[h]} rows (expected 0 <= id < {self._sizes[h]})")
-        return ids
-
-    def _lookup_checked(self, ids: np.ndarray, out: np.ndarray, out_aligned: bool = True) -> None:
-        """Read the rows of validated ``ids`` into ``out``; ``out_aligned``: ``out`` starts on an 8-byte boundary
-        (true of every array this class allocates; checked for a caller's buffer)."""
-        M = ids.shape[0] * ids.shape[1]
-        ids2 = ids.reshape(M, len(self._sizes))            # (M, H)
-        out3 = out.reshape(M, len(self._sizes), self._dim)  # (M, H, D)
-        if self._native is None:
-            self._lookup_mooncake(ids2, out3)
-            self._counters.add(lookups=1, rows=ids2.size)
+    def _require_source(self, what: str, lay: _Layer) -> None:
+        if lay.local is not None or self._store is not None:
             return
-        failed: set[str] = set()
-        for round_ in range(FAILOVER_ROUNDS + 1):
-            placement = self._get_placement(failed)
-            local_rows = 0
-            if placement.local:
-                flat = out3.reshape(-1).view(np.uint8)
-                for source in placement.local:
-                    if not out_aligned and flat.ctypes.data % (1 << source.shift):  # a caller's unaligned buffer
-                        source = _kernels.narrower(source, _kernels.word_shift(flat.ctypes.data))
-                    if _kernels.gather_rows(source, ids2, flat) >= 0:
-                        raise StoreError(f"layer {self.layer_id}: a row lies outside its mapped segment; the "
-                                         "stored layer does not match this configuration")
-                    local_rows += M * source.heads.size
-            bad = self._lookup_remote(placement, ids2, out3) if placement.remote else set()
-            if not bad:
-                self._counters.add(lookups=1, rows=ids2.size, local_rows=local_rows, retries=round_)
-                return
-            failed |= bad
-            with self._lock:
-                self._placement = None  # re-resolve: the master may have dropped the dead segment
-            log.warning("layer %d: segment(s) %s failed; retrying on other replicas", self.layer_id, sorted(bad))
-        raise SegmentUnavailable(f"layer {self.layer_id}: no live replica answered for some heads "
-                                 f"(failed: {', '.join(sorted(failed))})")
+        if self._local_dir is not None:
+            if not self._open_local(lay):
+                raise ObjectNotFound(f"{what}: layer {lay.layer_id} is not published under local_dir "
+                                     f"{self._local_dir.path} (no {self._local_dir.layer_path(lay.layer_id)}); "
+                                     "populate it first")
+            return
+        raise NotConnected(f"{what}: layer {lay.layer_id} has no tables to read: this EngramStore was built without "
+                           "a store (store=None); pass a DistributedStore or MooncakeDistributedStore, bind the "
+                           "layer's tables with bind_local(), or use local_dir=")
 
-    def _lookup_remote(self, placement: _Placement, ids2: np.ndarray, out3: np.ndarray) -> set[str]:
-        """Read the remote heads: one read_ranges per server, all in flight; returns addresses that failed.
-
-        With a row cache, rows found in it are not requested, and the rows that come back are added to it.
-        """
-        uniq, head_starts, inverse = _kernels.plan_unique_rows(ids2, placement.order)
-        cache = self._cache
-        rows_all = keys = miss = None
-        if cache is not None:
-            head_of = np.repeat(placement.order, np.diff(head_starts))
-            keys = (head_of << 40) | uniq
-            rows_all = np.empty((uniq.size, self._dim), dtype=self._dtype)
-            with cache.lock:
-                hit, hits = _kernels.cache_probe(keys, cache.keys, cache.rows, cache.words(rows_all))
-            miss = ~hit
-            self._counters.add(cache_hits=hits, cache_misses=int(uniq.size) - hits)
-        requests = []
-        j = 0
-        for address, heads, base_offsets in placement.remote:
-            k = j + len(heads)
-            lo = int(head_starts[j])
-            rows = uniq[lo:head_starts[k]]
-            starts = head_starts[j:k + 1] - lo
-            positions = None
-            if miss is not None:
-                wanted = miss[lo:head_starts[k]]
-                positions = lo + np.flatnonzero(wanted)
-                starts = np.concatenate(([0], np.cumsum(wanted)))[starts]
-                rows = rows[wanted]
-            j = k
-            if rows.size == 0:
-                continue  # every row of this server's heads came from the cache
-            offsets, lengths, _ = _kernels.rows_to_ranges(rows, starts, base_offsets, self._row_bytes)
-            requests.append((address, heads, lo, positions, offsets, lengths))
-        results = self._native.read_ranges_many([(a, o, n) for a, _, _, _, o, n in requests])
-        fetched = sum(int(n.sum()) for *_, n in requests)
-        self._counters.add(remote_requests=len(requests), remote_rows=fetched // self._row_bytes,
-                           remote_bytes=fetched)
-        failed = set()
-        for (address, heads, row_start, positions, _, _), result in zip(requests, results):
-            if isinstance(result, BaseException):
-                if isinstance(result, SegmentUnavailable):
-                    failed.add(address)
-                    continue
-                raise result
-            rows = np.frombuffer(result, dtype=self._dtype).reshape(-1, self._dim)
-            if rows_all is None:
-                _kernels.scatter_rows(rows, inverse, heads, row_start, out3)
+    def _run(self, jobs: list[tuple[_Layer, np.ndarray, np.ndarray]]) -> None:
+        """Read validated jobs ``(layer, ids [B, L, H], out [B, L, H, D])``: local tables, stores, failover."""
+        if len(jobs) == 1 and self._native is not None and jobs[0][0].local is None:
+            lay, ids, out = jobs[0]
+            self._lookup_one(lay, ids.reshape(-1, lay.num_heads), out.reshape(-1).view(np.uint8))
+            return
+        prepared = []
+        for lay, ids, out in jobs:
+            M = ids.shape[0] * ids.shape[1]
+            prepared.append((lay, ids.reshape(M, lay.num_heads), out.reshape(-1).view(np.uint8)))
+        store_jobs = []
+        for lay, ids2, flat in prepared:
+            if lay.local is not None:
+                self._gather_local(lay, lay.local, ids2, flat)
+                lay.counters.add(lookups=1, rows=ids2.size, local_rows=ids2.size)
+            elif self._native is None:
+                self._lookup_mooncake(lay, ids2, flat)
+                lay.counters.add(lookups=1, rows=ids2.size)
             else:
-                with cache.lock:
-                    _kernels.cache_fill(keys, positions, cache.words(rows), cache.words(rows_all), cache.keys,
-                                        cache.rows)
-        if rows_all is not None and not failed:
-            _kernels.scatter_rows(rows_all, inverse, placement.order, 0, out3)
-        return failed
+                store_jobs.append((lay, ids2, flat))
+        if store_jobs:
+            _lookup_native(self._native, [(self, lay, ids2, flat) for lay, ids2, flat in store_jobs])
 
-    def _get_placement(self, failed: set[str]) -> _Placement:
-        """The cached placement, checked with the master every PLACEMENT_TTL_S.
+    def _lookup_one(self, lay: _Layer, ids2: np.ndarray, flat: np.ndarray) -> None:
+        """One layer from the native store: the lean path of a lookup (see :func:`_lookup_native` for the rest).
+
+        With a fresh placement whose remote heads all live on one server, the rows are planned, read in one
+        request and scattered with nothing in between; any failure takes the general path, which fails over.
+        """
+        placement = lay.placement
+        if placement is None or time.monotonic() - placement.checked_at >= PLACEMENT_TTL_S \
+                or len(placement.remote) > 1 or lay.cache is not None:
+            _lookup_native(self._native, [(self, lay, ids2, flat)])
+            return
+        if placement.local:
+            self._gather_local(lay, placement, ids2, flat)
+        if placement.remote:
+            address, endpoints, _, _ = placement.remote[0]
+            pairs, r, head_rows, _, inverse = _kernels._plan_reads(ids2, placement.order, placement.bases,
+                                                                    lay.row_bytes)
+            rows = int(head_rows[-1])
+            native = self._native
+            try:
+                data = native.read_pairs(native.pick_endpoint(endpoints), pairs[:r], rows * lay.row_bytes)
+            except SegmentUnavailable:
+                with lay.lock:
+                    lay.placement = None
+                _lookup_native(native, [(self, lay, ids2, flat)], failed={address})
+                return
+            if _kernels._scatter_rows(_kernels.readonly(np.frombuffer(data, dtype=np.uint8)),
+                                      _kernels.readonly(inverse), placement.order, 0, lay.row_bytes, flat) >= 0:
+                raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")
+            lay.counters.add(lookups=1, rows=ids2.size, local_rows=placement.local_heads * ids2.shape[0],
+                             remote_requests=1, remote_rows=rows, remote_bytes=rows * lay.row_bytes)
+        else:
+            lay.counters.add(lookups=1, rows=ids2.size, local_rows=ids2.size)
+
+    def _gather_local(self, lay: _Layer, placement: _Placement, ids2: np.ndarray, flat: np.ndarray) -> None:
+        """Gather the rows of every head in ``placement.local`` from memory on this host into ``flat``."""
+        M = ids2.shape[0]
+        threads = self._threads if M * lay.num_heads >= THREADED_MIN_ROWS else 1
+        for source in placement.local:
+            if flat.ctypes.data % (1 << source.shift):  # a caller's buffer aligned to fewer bytes
+                source = _kernels.narrower(source, _kernels.word_shift(flat.ctypes.data))
+            if threads == 1:
+                bad = _kernels.gather_rows(source, ids2, flat)
+            else:
+                step = -(-M // threads)
+                pool = _gather_pool(threads - 1)
+                parts = [pool.submit(_kernels.gather_rows, source, ids2, flat, lo, min(M, lo + step))
+                         for lo in range(step, M, step)]
+                bad = _kernels.gather_rows(source, ids2, flat, 0, min(M, step))
+                for part in parts:
+                    bad = max(bad, part.result())
+            if bad >= 0:
+                raise StoreError(f"layer {lay.layer_id}: a row lies outside its mapped tables; the stored layer "
+                                 "does not match this configuration")
+
+    def _get_placement(self, lay: _Layer, failed: set[str]) -> _Placement:
+        """The layer's placement in the native store, checked with the master every PLACEMENT_TTL_S.
 
         Another client may remove and repopulate this layer; the check notices within PLACEMENT_TTL_S, and
         the master keeps a removed table's space unallocated for longer than that (its reuse delay), so a
         lookup never reads another object's bytes in between.
         """
-        with self._lock:
-            cached = self._placement
+        cached = lay.placement
         now = time.monotonic()
         if cached is not None and now - cached.checked_at < PLACEMENT_TTL_S:
             return cached
+        native = self._native
         try:
-            infos = self._native.locate(self._keys, lease=False)
+            infos = native.locate(lay.keys, lease=False)
         except ObjectNotFound:
             if self._require_manifest:
-                self._check_manifest(self._read_manifest())  # "not published" says more than a missing head
+                self._check_manifest(lay, self._read_manifest(lay))  # "not published" says more than a missing head
             raise
         signature = tuple((info.size, tuple((r.segment_id, r.address, r.offset) for r in info.replicas))
                           for info in infos)
@@ -661,76 +922,122 @@ class EngramStore:
             cached.checked_at = now
             return cached
         if self._require_manifest:
-            self._check_manifest(self._read_manifest())  # first read, or the layer changed: check its layout
-        if self._cache is not None:
-            self._cache.clear()  # rows cached from an earlier placement may belong to another table now
-        self._counters.add(placement_refreshes=1)
-        local: dict[str, tuple[np.ndarray, list[int]]] = {}
-        remote: dict[str, list[tuple[int, int]]] = {}
-        base_elems = np.zeros(len(self._keys), dtype=np.int64)
+            self._check_manifest(lay, self._read_manifest(lay))  # first read, or the layer changed: check its layout
+        if lay.cache is not None:
+            lay.cache.clear()  # rows cached from an earlier placement may belong to another table now
+        lay.counters.add(placement_refreshes=1)
+        local_tables: list[tuple[int, np.ndarray]] = []
+        remote: dict[str, list[tuple[int, int, Any]]] = {}
         for h, info in enumerate(infos):
-            if info.size != self._sizes[h] * self._row_bytes:
+            nbytes = lay.sizes[h] * lay.row_bytes
+            if info.size != nbytes:
                 raise StoreError(f"key {info.key!r} holds {info.size} bytes, but table_vocab_sizes[{h}] x "
-                                 f"row bytes = {self._sizes[h] * self._row_bytes}; the stored layer was "
-                                 "written with another geometry")
+                                 f"row bytes = {nbytes}; the stored layer was written with another geometry")
             live = [r for r in info.replicas if r.address not in failed]
             if not live:
                 raise SegmentUnavailable(f"key {info.key!r}: every replica is on a failed segment "
                                          f"({', '.join(r.address for r in info.replicas)})")
-            chosen = None
             for r in live:
-                view = self._native.local_view(r)
-                item = self._dtype.itemsize
-                if view is not None and r.offset % item == 0:
-                    chosen = r
-                    local.setdefault(r.segment_id, (view[:view.size - view.size % item].view(self._dtype), []))[1] \
-                        .append(h)
-                    base_elems[h] = r.offset // item
+                view = native.local_view(r)
+                if view is not None and 0 <= r.offset <= view.size - nbytes:
+                    local_tables.append((h, view[r.offset:r.offset + nbytes]))
                     break
-            if chosen is None:
+            else:
                 r = live[h % len(live)]
-                remote.setdefault(r.address, []).append((h, r.offset))
+                remote.setdefault(r.address, []).append((h, r.offset, r))
+        order, bases, groups = [], [], []
+        for address, entries in remote.items():
+            j0 = len(order)
+            order += [h for h, _, _ in entries]
+            bases += [offset for _, offset, _ in entries]
+            groups.append((address, native.read_endpoints(entries[0][2]), j0, len(order)))
         placement = _Placement(
-            local=[_kernels.row_source(seg.view(np.uint8), base_elems * self._dtype.itemsize,
-                                       np.asarray(heads, dtype=np.int64), self._row_bytes)
-                   for seg, heads in local.values()],
-            remote=[(a, np.asarray([h for h, _ in hs], dtype=np.int64), np.asarray([o for _, o in hs], dtype=np.int64))
-                    for a, hs in remote.items()],
-            order=np.asarray([h for hs in remote.values() for h, _ in hs], dtype=np.int64),
+            local=sources_for(local_tables, lay.num_heads, lay.row_bytes) if local_tables else [],
+            remote=groups,
+            order=_kernels.readonly(np.asarray(order, dtype=np.int64)),
+            bases=_kernels.readonly(np.asarray(bases, dtype=np.int64)),
             replicas=[info.replicas for info in infos],
             signature=signature,
             checked_at=now,
+            keep=[t for _, t in local_tables],
         )
-        with self._lock:
-            self._placement = placement
+        with lay.lock:
+            lay.placement = placement
         return placement
 
-    def _lookup_mooncake(self, ids2: np.ndarray, out3: np.ndarray) -> None:
-        """The same planning over Mooncake's ``get_into_ranges`` (one call for all heads)."""
-        if self._require_manifest and not self._published:
-            self._check_manifest(self._read_manifest())
-            self._published = True
-        H = len(self._sizes)
+    def _lookup_cached(self, lay: _Layer, placement: _Placement, ids2: np.ndarray, flat: np.ndarray) -> set[str]:
+        """The remote read of a layer with a hot-row cache: cached rows are not requested, fetched ones are added."""
+        uniq, head_starts, inverse = _kernels.plan_unique_rows(ids2, placement.order)
+        cache = lay.cache
+        head_of = np.repeat(placement.order, np.diff(head_starts))
+        keys = (head_of << 40) | uniq
+        rows_all = np.empty((uniq.size, lay.dim), dtype=lay.dtype)
+        with cache.lock:
+            hit, hits = _kernels.cache_probe(keys, cache.keys, cache.rows, cache.words(rows_all))
+        miss = ~hit
+        lay.counters.add(cache_hits=hits, cache_misses=int(uniq.size) - hits)
+        requests = []
+        for address, endpoints, j0, j1 in placement.remote:
+            endpoint = self._native.pick_endpoint(endpoints)
+            lo = int(head_starts[j0])
+            rows = uniq[lo:head_starts[j1]]
+            wanted = miss[lo:head_starts[j1]]
+            positions = lo + np.flatnonzero(wanted)
+            starts = np.concatenate(([0], np.cumsum(wanted)))[head_starts[j0:j1 + 1] - lo]
+            rows = rows[wanted]
+            if rows.size == 0:
+                continue  # every row of this server's heads came from the cache
+            offsets, lengths, _ = _kernels.rows_to_ranges(rows, starts, placement.bases[j0:j1], lay.row_bytes)
+            requests.append((address, endpoint, positions, np.stack((offsets, lengths), axis=1)))
+        results = self._native.read_pairs_many([(endpoint, pairs) for _, endpoint, _, pairs in requests])
+        fetched = sum(int(p[:, 1].sum()) for *_, p in requests)
+        lay.counters.add(remote_requests=len(requests), remote_rows=fetched // lay.row_bytes, remote_bytes=fetched)
+        failed = set()
+        for (address, _, positions, _), result in zip(requests, results):
+            if isinstance(result, BaseException):
+                if isinstance(result, SegmentUnavailable):
+                    failed.add(address)
+                    continue
+                raise result
+            rows = np.frombuffer(result, dtype=lay.dtype).reshape(-1, lay.dim)
+            with cache.lock:
+                _kernels.cache_fill(keys, positions, cache.words(rows), cache.words(rows_all), cache.keys, cache.rows)
+        if not failed:
+            bad = _kernels.scatter_rows_prepared(rows_all.reshape(-1).view(np.uint8), inverse, placement.order, 0,
+                                                 lay.row_bytes, flat)
+            if bad >= 0:
+                raise StoreError(f"layer {lay.layer_id}: a cached read returned too few rows")
+        return failed
+
+    def _lookup_mooncake(self, lay: _Layer, ids2: np.ndarray, flat: np.ndarray) -> None:
+        """The same planning over Mooncake's ``get_into_ranges`` (one call for all heads of the layer)."""
+        if self._require_manifest and not lay.published:
+            self._check_manifest(lay, self._read_manifest(lay))
+            lay.published = True
+        H = lay.num_heads
         heads = np.arange(H, dtype=np.int64)
         uniq, head_starts, inverse = _kernels.plan_unique_rows(ids2, heads)
-        need = int(uniq.size) * self._row_bytes
+        need = int(uniq.size) * lay.row_bytes
         with self._lock:
             staging = self._staging
             if staging is None or staging.nbytes < need:
-                if staging is not None:
-                    self._store.unregister_buffer(staging.ctypes.data)
+                if self._staging_release is not None:
+                    self._staging_release()  # unregisters the smaller buffer
                 staging = np.empty(max(need, 1 << 20), dtype=np.uint8)
                 _check_code(self._store.register_buffer(staging.ctypes.data, staging.nbytes), "register_buffer",
                             "staging buffer")
                 self._staging = staging
+                # Unregistered on close(), or when this EngramStore is dropped without one: a registration left
+                # behind would make the store refuse a later buffer at the same address ("overlapped memory").
+                self._staging_release = weakref.finalize(self, _unregister, self._store, staging)
             all_keys, all_dst, all_src, all_sizes = [], [], [], []
             zero = np.zeros(1, dtype=np.int64)
             for h in range(H):
                 rows = uniq[head_starts[h]:head_starts[h + 1]]
                 offsets, lengths, _ = _kernels.rows_to_ranges(rows, np.array([0, rows.size], dtype=np.int64),
-                                                              zero, self._row_bytes)
-                dst = int(head_starts[h]) * self._row_bytes + np.concatenate(([0], np.cumsum(lengths)[:-1]))
-                all_keys.append(self._keys[h])
+                                                              zero, lay.row_bytes)
+                dst = int(head_starts[h]) * lay.row_bytes + np.concatenate(([0], np.cumsum(lengths)[:-1]))
+                all_keys.append(lay.keys[h])
                 all_dst.append(dst.tolist())
                 all_src.append(offsets.tolist())
                 all_sizes.append(lengths.tolist())
@@ -740,27 +1047,28 @@ class EngramStore:
             for h, (sizes, got) in enumerate(zip(all_sizes, results[0])):
                 if list(got) != sizes:
                     if any(int(g) == _MOONCAKE_OBJECT_NOT_FOUND for g in got):
-                        raise ObjectNotFound(f"get_into_ranges: key {self._keys[h]!r} is not in the store "
+                        raise ObjectNotFound(f"get_into_ranges: key {lay.keys[h]!r} is not in the store "
                                              f"(code {_MOONCAKE_OBJECT_NOT_FOUND}); populate layer "
-                                             f"{self.layer_id} first")
-                    raise StoreError(f"get_into_ranges: key {self._keys[h]!r} returned {list(got)[:4]}..., "
+                                             f"{lay.layer_id} first")
+                    raise StoreError(f"get_into_ranges: key {lay.keys[h]!r} returned {list(got)[:4]}..., "
                                      f"expected the requested sizes")
-            rows_all = staging[:need].view(self._dtype).reshape(-1, self._dim)
-            _kernels.scatter_rows(rows_all, inverse, heads, 0, out3)
+            _kernels.scatter_rows_prepared(staging[:need], inverse, heads, 0, lay.row_bytes, flat)
 
     # ---- removal and lifecycle ------------------------------------------------------------------
 
-    def remove_from_store(self, force: bool = False) -> int:
-        """Remove this store's head tables; returns how many were removed (missing keys are skipped).
+    def remove_from_store(self, force: bool = False, *, layer: int | None = None) -> int:
+        """Remove this store's head tables of the layer; returns how many were removed (missing keys are skipped).
 
-        The layer's manifest goes first, so readers see the layer as unpublished, never half removed.
+        The layer's manifest goes first, so readers see the layer as unpublished, never half removed. Layers
+        published under ``local_dir`` are files: delete their directory to remove them.
         """
-        self._require_store("remove_from_store")
-        with self._lock:
-            self._placement = None
-            self._published = False
-        self._remove_keys([self._manifest_key], force)
-        return self._remove_keys(self._keys, force)
+        lay = self._layer(layer)
+        self._require_store("remove_from_store", lay)
+        with lay.lock:
+            lay.placement = None
+            lay.published = False
+        self._remove_keys([lay.manifest_key], force)
+        return self._remove_keys(lay.keys, force)
 
     def _remove_keys(self, keys: Sequence[str], force: bool) -> int:
         removed = 0
@@ -791,13 +1099,23 @@ class EngramStore:
         return removed
 
     def close(self) -> None:
+        """Wait for background reads, release mapped local tables and bound arrays; safe to call twice."""
         with self._lock:
+            self._closed = True
             executor, self._executor = self._executor, None
-            staging, self._staging = self._staging, None
+            self._staging = None
+            release, self._staging_release = self._staging_release, None
         if executor is not None:
             executor.shutdown(wait=True)
-        if staging is not None and self._native is None and self._store is not None:
-            self._store.unregister_buffer(staging.ctypes.data)
+        if release is not None:
+            release()
+        for lay in self._layers.values():
+            with lay.lock:
+                mapped, lay.mapped = lay.mapped, None
+                lay.local = None
+                lay.placement = None
+            if mapped is not None:
+                mapped.close()
 
     def __enter__(self) -> "EngramStore":
         return self
@@ -806,13 +1124,205 @@ class EngramStore:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"EngramStore(layer_id={self.layer_id}, heads={len(self._sizes)}, "
-                f"embedding_dim={self._dim}, store={type(self._store).__name__ if self._store else None})")
+        where = (type(self._store).__name__ if self._store is not None
+                 else f"local_dir={self._local_dir.path!r}" if self._local_dir is not None else None)
+        if self.layer_id is not None:
+            lay = self._layer(None)
+            return (f"EngramStore(layer_id={self.layer_id}, heads={lay.num_heads}, "
+                    f"embedding_dim={lay.dim}, store={where})")
+        return f"EngramStore(layers={self.get_layer_ids()}, store={where})"
 
 
-def _crc32_hex(tables: Sequence[np.ndarray]) -> list[str]:
-    """crc32 of each table's bytes, as 8 hex digits (the manifest's checksums)."""
-    return [f"{zlib.crc32(t.reshape(-1).view(np.uint8)) & 0xFFFFFFFF:08x}" for t in tables]
+# ---- reads through the native store ---------------------------------------------------------------
+
+
+def _lookup_native(native: Any, jobs: list[tuple[EngramStore, _Layer, np.ndarray, np.ndarray]],
+                   failed: set[str] | None = None) -> None:
+    """Read jobs ``(owner, layer, ids [M, H], out bytes)`` from one DistributedStore: tables mapped on this
+    host are gathered in place; the rest goes out as one request per segment server for all jobs, all at
+    once; heads on a server that fails (or is in ``failed`` already) are re-resolved and read from another
+    replica."""
+    failed = set(failed or ())
+    pending = jobs
+    for round_ in range(FAILOVER_ROUNDS + 1):
+        remote_jobs, cached_jobs, placed = [], [], []
+        for owner, lay, ids2, flat in pending:
+            placement = owner._get_placement(lay, failed)
+            placed.append(placement)
+            if placement.local:
+                owner._gather_local(lay, placement, ids2, flat)
+            if placement.remote:
+                (cached_jobs if lay.cache is not None else remote_jobs).append((owner, lay, placement, ids2, flat))
+        bad = _read_remote(native, remote_jobs) if remote_jobs else set()
+        for owner, lay, placement, ids2, flat in cached_jobs:
+            bad |= owner._lookup_cached(lay, placement, ids2, flat)
+        retry = []
+        for job, placement in zip(pending, placed):
+            owner, lay, ids2, flat = job
+            if any(address in bad for address, *_ in placement.remote):
+                retry.append(job)
+                with lay.lock:
+                    lay.placement = None  # re-resolve: the master may have dropped the dead segment
+            else:
+                lay.counters.add(lookups=1, rows=ids2.size, local_rows=placement.local_heads * ids2.shape[0],
+                                 retries=round_)
+        if not retry:
+            return
+        failed |= bad
+        log.warning("layers %s: segment(s) %s failed; retrying on other replicas",
+                    sorted({lay.layer_id for _, lay, _, _ in retry}), sorted(bad))
+        pending = retry
+    raise SegmentUnavailable(f"layers {sorted({lay.layer_id for _, lay, _, _ in pending})}: no live replica answered "
+                             f"for some heads (failed: {', '.join(sorted(failed))})")
+
+
+def _read_remote(native: Any, jobs: list) -> set[str]:
+    """One read per segment server for every job's remote heads; scatter the replies; the addresses that failed."""
+    requests: dict[str, tuple[str, list]] = {}
+    for owner, lay, placement, ids2, flat in jobs:
+        plan = _kernels.plan_reads(ids2, placement.order, placement.bases, lay.row_bytes, checked=True)
+        for address, endpoints, j0, j1 in placement.remote:
+            requests.setdefault(address, (native.pick_endpoint(endpoints), []))[1].append(
+                (lay, placement, plan, j0, j1, flat))
+    batch = []
+    for endpoint, parts in requests.values():
+        pieces = [plan.pairs[plan.head_ranges[j0]:plan.head_ranges[j1]] for _, _, plan, j0, j1, _ in parts]
+        batch.append((endpoint, pieces[0] if len(pieces) == 1 else np.concatenate(pieces)))
+    results = native.read_pairs_many(batch)
+    failed = set()
+    for (address, (_, parts)), result in zip(requests.items(), results):
+        if isinstance(result, BaseException):
+            if isinstance(result, SegmentUnavailable):
+                failed.add(address)
+                continue
+            raise result
+        data = _kernels.readonly(np.frombuffer(result, dtype=np.uint8))
+        pos = 0
+        for lay, placement, plan, j0, j1, flat in parts:
+            r0, r1 = int(plan.head_rows[j0]), int(plan.head_rows[j1])
+            n = (r1 - r0) * lay.row_bytes
+            bad = _kernels.scatter_rows_prepared(data[pos:pos + n], plan.inverse, placement.order[j0:j1], r0,
+                                                 lay.row_bytes, flat)
+            if bad >= 0:
+                raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")
+            lay.counters.add(remote_requests=1, remote_rows=r1 - r0, remote_bytes=n)
+            pos += n
+    return failed
+
+
+def lookup_many(requests: Sequence[tuple[EngramStore, Any]], *, layers: Sequence[int | None] | None = None,
+                out: Sequence[Any] | None = None, background: bool = False) -> LookupHandle:
+    """Read the rows of several EngramStores (e.g. one per Engram layer) together.
+
+    ``requests`` holds ``(engram_store, [B, L, H] row ids)``; ``layers`` names each one's layer where a store
+    holds several; ``out`` gives caller buffers. Stores on the same :class:`DistributedStore` send one request
+    per segment server for all of them. Returns a handle whose ``result()`` is the list of row arrays (or the
+    ``out`` buffers), in order; with ``background=True`` the reads run in a background thread.
+    """
+    if layers is not None and len(layers) != len(requests):
+        raise InvalidArgument(f"layers: expected {len(requests)} entries (one per request), got {len(layers)}")
+    if out is not None and len(out) != len(requests):
+        raise InvalidArgument(f"out: expected {len(requests)} entries (one per request), got {len(out)}")
+    jobs, results = [], []
+    for i, item in enumerate(requests):
+        if not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], EngramStore):
+            raise InvalidType(f"requests[{i}]: expected (EngramStore, row_ids), got {describe(item)}")
+        owner, ids = item
+        lay = owner._layer(layers[i] if layers is not None else None)
+        owner._require_source("lookup", lay)
+        ids = lay.check_ids(ids)
+        shape = ids.shape + (lay.dim,)
+        given = out[i] if out is not None else None
+        target = lay.check_out(given, shape) if given is not None else np.empty(shape, dtype=lay.dtype)
+        jobs.append((owner, lay, ids, target))
+        results.append(given if given is not None else target)
+
+    def run() -> list:
+        native_jobs: dict[int, tuple[Any, list]] = {}
+        for owner, lay, ids, target in jobs:
+            if owner._native is not None and lay.local is None:
+                M = ids.shape[0] * ids.shape[1]
+                native_jobs.setdefault(id(owner._native), (owner._native, []))[1].append(
+                    (owner, lay, ids.reshape(M, lay.num_heads), target.reshape(-1).view(np.uint8)))
+            else:
+                owner._run([(lay, ids, target)])
+        for native, group in native_jobs.values():
+            _lookup_native(native, group)
+        return results
+
+    owner0 = jobs[0][0] if jobs else None
+    if background and owner0 is not None:
+        return LookupHandle(owner0._background().submit(run), requests)
+    future: Future = Future()
+    try:
+        future.set_result(run())
+    except BaseException as exc:
+        future.set_exception(exc)
+    return LookupHandle(future, requests)
+
+
+def prefetch_many(requests: Sequence[tuple[EngramStore, Any]], *, layers: Sequence[int | None] | None = None,
+                  out: Sequence[Any] | None = None, background: bool = True) -> list[LookupHandle]:
+    """:func:`lookup_many` with one handle per request (each ``result()`` is that request's rows).
+
+    The reads still go out together (one request per segment server for all layers); every handle completes
+    when they all have, and a failure is raised by every handle.
+    """
+    combined = lookup_many(requests, layers=layers, out=out, background=background)
+    handles = [LookupHandle(Future(), ids) for _, ids in requests]
+
+    def finish(done: Future) -> None:
+        exc = done.exception()
+        for i, handle in enumerate(handles):
+            if exc is not None:
+                handle._future.set_exception(exc)
+            else:
+                handle._future.set_result(done.result()[i])
+
+    combined._future.add_done_callback(finish)
+    return handles
+
+
+# ---- helpers ----------------------------------------------------------------------------------------
+
+_POOL_LOCK = threading.Lock()
+_POOL: ThreadPoolExecutor | None = None
+_POOL_SIZE = 0
+
+
+def _gather_pool(workers: int) -> ThreadPoolExecutor:
+    """A process-wide pool for split local gathers, grown to the largest ``threads`` asked for."""
+    global _POOL, _POOL_SIZE
+    with _POOL_LOCK:
+        if _POOL is None or _POOL_SIZE < workers:
+            old = _POOL
+            _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="engram-gather")
+            _POOL_SIZE = workers
+            if old is not None:
+                old.shutdown(wait=False)
+        return _POOL
+
+
+def _checksums(tables: Sequence[np.ndarray], algorithm: str | None = None) -> tuple[str, list[str]]:
+    """Checksums of each table's bytes as hex strings: xxh3_64 (about 11 GB/s here, GIL released) when the
+    xxhash package is installed, else crc32 (zlib, about 2.3 GB/s); ``algorithm`` forces one (for verify)."""
+    if algorithm is None:
+        try:
+            import xxhash  # noqa: F401
+            algorithm = "xxh3_64"
+        except ImportError:
+            algorithm = "crc32"
+    if algorithm == "xxh3_64":
+        import xxhash
+
+        return algorithm, [xxhash.xxh3_64_hexdigest(t.reshape(-1).view(np.uint8)) for t in tables]
+    if algorithm == "crc32":
+        return algorithm, [f"{zlib.crc32(t.reshape(-1).view(np.uint8)) & 0xFFFFFFFF:08x}" for t in tables]
+    raise StoreError(f"manifest checksum {algorithm!r} is not one this engram computes (xxh3_64, crc32)")
+
+
+def _sort_key(layer_id: Any) -> Any:
+    return (0, int(layer_id)) if isinstance(layer_id, (int, np.integer)) else (1, repr(layer_id))
 
 
 def _check_heads(heads: Sequence[int] | None, num_heads: int) -> list[int]:
@@ -841,6 +1351,12 @@ def _native_store(store: Any):
     return inner if isinstance(inner, DistributedStore) else None
 
 
+def _looks_like_mooncake(store: Any) -> bool:
+    """Whether ``store`` has the calls the Mooncake path uses (a real or compatible MooncakeDistributedStore)."""
+    return all(callable(getattr(store, name, None)) for name in
+               ("batch_put_from", "get_into_ranges", "batch_is_exist", "remove", "register_buffer"))
+
+
 def _replicate_config(replica_num: int):
     """Mooncake's ReplicateConfig for a table upload: ``replica_num`` copies, hard-pinned.
 
@@ -862,7 +1378,14 @@ def _replicate_config(replica_num: int):
     return config
 
 
+def _unregister(store: Any, buffer: np.ndarray) -> None:
+    """Unregister a staging buffer from a Mooncake store (it holds ``buffer`` alive until then)."""
+    try:
+        store.unregister_buffer(buffer.ctypes.data)
+    except Exception:  # the store may be closed already: nothing left to release
+        log.debug("could not unregister a staging buffer", exc_info=True)
+
+
 def _check_code(code: Any, op: str, what: str) -> None:
     if isinstance(code, (int, np.integer)) and code < 0:
         raise StoreError(f"{op} for {what} failed with code {int(code)}")
-

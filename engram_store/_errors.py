@@ -17,7 +17,8 @@ Every error engram raises derives from :class:`EngramError`::
         │   └── SegmentUnavailable
         │       └── ObjectLost            every replica of the object sat on segments now dead
         ├── ProtocolError                 a peer sent a message that does not follow the wire protocol
-        └── RemoteError                   a server failed while handling a valid request
+        ├── RemoteError                   a server failed while handling a valid request
+        └── AuthError                     a server refused this client's credentials
 
 Servers send errors as ``{ok: false, code, message}``; :func:`error_from_reply` maps the code
 back to the class here, so a client sees the same exception a local call would raise.
@@ -125,12 +126,18 @@ class RemoteError(StoreError):
     code = "REMOTE"
 
 
+class AuthError(StoreError):
+    """A server refused this client's credentials (a raw read channel token that is unknown or expired)."""
+
+    code = "AUTH"
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (
         EngramError, InvalidArgument, ConfigError, InvalidType, NotConnected, StoreError,
         ObjectNotFound, ObjectExists, LeaseActive, OutOfSpace, Unavailable, MasterUnavailable,
-        SegmentUnavailable, ObjectLost, ProtocolError, RemoteError,
+        SegmentUnavailable, ObjectLost, ProtocolError, RemoteError, AuthError,
     )
 }
 

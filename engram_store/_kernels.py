@@ -36,7 +36,7 @@ import numpy as np
 from numba import njit
 
 __all__ = [
-    "check_ranges", "gather_ranges", "gather_pairs", "scatter_ranges", "first_bad_row", "plan_unique_rows",
+    "check_ranges", "gather_ranges", "gather_pairs", "serve_pairs", "scatter_ranges", "first_bad_row", "plan_unique_rows",
     "rows_to_ranges", "plan_reads", "ReadPlan", "scatter_rows", "scatter_rows_prepared", "gather_rows_local",
     "RowSource", "row_source", "gather_rows", "word_shift", "readonly", "cache_probe", "cache_insert",
     "cache_fill", "warmup",
@@ -79,6 +79,50 @@ def _gather_pairs(src, pairs, shift, check_limit, out):
             out[pos + np.uint64(b)] = src[o + np.uint64(b)]
         pos += n
     return -1
+
+
+@njit(cache=True, nogil=True)
+def _pairs_total(pairs, limit):
+    # (index of the first range outside [0, limit) or -1, the ranges' byte total): one pass, before any copy.
+    total = 0
+    for i in range(pairs.shape[0]):
+        o = pairs[i, 0]
+        n = pairs[i, 1]
+        if o < 0 or n < 0 or o > limit or n > limit - o:
+            return i, 0
+        total += n
+    return -1, total
+
+
+@njit(cache=True, nogil=True)
+def _gather_pairs_any(src, pairs, out):
+    # _gather_pairs on flat bytes, moving the widest words every offset, length and address allows.
+    bits = np.int64(src.ctypes.data) | np.int64(out.ctypes.data)
+    for i in range(pairs.shape[0]):
+        bits |= pairs[i, 0] | pairs[i, 1]
+    if bits % 8 == 0:
+        return _gather_pairs(src[:src.size - src.size % 8].view(np.uint64), pairs, 3, -1,
+                             out[:out.size - out.size % 8].view(np.uint64))
+    if bits % 4 == 0:
+        return _gather_pairs(src[:src.size - src.size % 4].view(np.uint32), pairs, 2, -1,
+                             out[:out.size - out.size % 4].view(np.uint32))
+    return _gather_pairs(src, pairs, 0, -1, out)
+
+
+def serve_pairs(src: np.ndarray, pairs: np.ndarray, out: np.ndarray) -> tuple[int, int, np.ndarray]:
+    """A segment's range read in two kernel calls: check every range of ``pairs`` (int64 ``[R, 2]``) against
+    ``src`` (read-only flat bytes) and total them, then gather into ``out`` (flat bytes, grown if too small).
+
+    Returns ``(bad, total, out)``: ``bad`` is -1 or the index of the first range outside ``src`` (nothing is
+    copied then); ``out[:total]`` holds the ranges back to back.
+    """
+    bad, total = _pairs_total(pairs, src.size)
+    if bad >= 0:
+        return int(bad), 0, out
+    if out.size < total:
+        out = np.empty(max(int(total), 2 * out.size), dtype=np.uint8)
+    _gather_pairs_any(src, pairs, out[:total])
+    return -1, int(total), out
 
 
 @njit(cache=True, nogil=True)
@@ -367,7 +411,7 @@ def _plan_reads(ids, order, base, row_bytes):
 
 
 @njit(cache=True, nogil=True)
-def _scatter_rows(rows, inverse, heads, row_start, row_words, out):
+def _scatter_words(rows, inverse, heads, row_start, row_words, out):
     # rows: words of the rows back to back; out: words of [M, H, row] flattened.
     M, H = inverse.shape
     n_rows = rows.size // max(row_words, 1)
@@ -385,6 +429,19 @@ def _scatter_rows(rows, inverse, heads, row_start, row_words, out):
             for w in range(row_words):
                 out[d + np.uint64(w)] = rows[s + np.uint64(w)]
     return -1
+
+
+@njit(cache=True, nogil=True)
+def _scatter_rows(rows, inverse, heads, row_start, row_bytes, out):
+    # rows, out: flat bytes. The rows move as the widest words that the row size and both addresses allow.
+    bits = np.int64(rows.ctypes.data) | np.int64(out.ctypes.data) | np.int64(row_bytes)
+    if bits % 8 == 0:
+        return _scatter_words(rows[:rows.size - rows.size % 8].view(np.uint64), inverse, heads, row_start,
+                              row_bytes // 8, out.view(np.uint64))
+    if bits % 4 == 0:
+        return _scatter_words(rows[:rows.size - rows.size % 4].view(np.uint32), inverse, heads, row_start,
+                              row_bytes // 4, out.view(np.uint32))
+    return _scatter_words(rows, inverse, heads, row_start, row_bytes, out)
 
 
 @njit(cache=True, nogil=True)
@@ -553,12 +610,10 @@ def scatter_rows(rows: np.ndarray, inverse: np.ndarray, heads: np.ndarray, row_s
 
 def scatter_rows_prepared(rows: np.ndarray, inverse: np.ndarray, heads: np.ndarray, row_start: int,
                           row_bytes: int, out: np.ndarray) -> int:
-    """:func:`scatter_rows` on flat bytes (``rows``: received rows back to back; ``out``: ``[M, H, row_bytes]``
-    flattened) for a caller that validated ``inverse`` and ``heads``. Returns -1, or the flat index of a row
-    that ``rows`` does not hold (nothing moved)."""
-    shift = word_shift(row_bytes | rows.ctypes.data | out.ctypes.data)
-    return int(_scatter_rows(readonly(_words(rows, shift)), readonly(inverse), readonly(heads), np.int64(row_start),
-                             np.int64(row_bytes >> shift), _words(out, shift)))
+    """:func:`scatter_rows` on flat bytes (``rows``: received rows back to back, read-only; ``out``: a writable
+    ``[M, H, row_bytes]`` flattened) for a caller that validated ``inverse`` and ``heads`` (read-only int64).
+    Returns -1, or the flat index of a row that ``rows`` does not hold (nothing moved)."""
+    return int(_scatter_rows(readonly(rows), readonly(inverse), readonly(heads), row_start, row_bytes, out))
 
 
 class RowSource(NamedTuple):
@@ -750,6 +805,7 @@ def warmup(word_sizes: tuple[int, ...] = (8, 4, 2, 1), cache: bool = True) -> No
         out = np.zeros(4 * word, dtype=np.uint8)
         pairs = np.array([[0, word], [8 * word, word]], dtype=np.int64)
         gather_pairs(segment, pairs, out, 2 * word)
+        serve_pairs(readonly(segment), pairs, out)  # the raw read server's pairs are writable
         scatter_ranges(out, segment, pairs[:, 0].copy(), pairs[:, 1].copy())
         source = row_source(segment, np.array([0, 16 * word], dtype=np.int64), heads, word)
         gather_rows(source, ids, np.zeros(4 * word, dtype=np.uint8))

@@ -29,29 +29,38 @@ class _OpStats:
         self.buckets = [0] * (len(BUCKETS) + 1)  # the last one is +Inf
 
 
+def _copy(stats: _OpStats) -> _OpStats:
+    out = _OpStats()
+    out.count, out.errors, out.total_s, out.buckets = stats.count, stats.errors, stats.total_s, list(stats.buckets)
+    return out
+
+
 class RequestMetrics:
     """Per-operation request counts, error counts and latency histograms of one server."""
 
     def __init__(self, prefix: str):
         self.prefix = prefix
         self._ops: dict[str, _OpStats] = {}
+        self._lock = threading.Lock()  # several threads serve requests (raw read connections)
 
     def record(self, op: str, seconds: float, ok: bool) -> None:
-        stats = self._ops.get(op)
-        if stats is None:
-            if len(self._ops) >= 64:  # ops come from clients: never let them grow the table without bound
-                op = "other"
-            stats = self._ops.setdefault(op, _OpStats())
-        stats.count += 1
-        stats.errors += not ok
-        stats.total_s += seconds
-        stats.buckets[bisect.bisect_left(BUCKETS, seconds)] += 1
+        with self._lock:
+            stats = self._ops.get(op)
+            if stats is None:
+                if len(self._ops) >= 64:  # ops come from clients: never let them grow the table without bound
+                    op = "other"
+                stats = self._ops.setdefault(op, _OpStats())
+            stats.count += 1
+            stats.errors += not ok
+            stats.total_s += seconds
+            stats.buckets[bisect.bisect_left(BUCKETS, seconds)] += 1
 
     def render(self) -> list[str]:
         p = self.prefix
         lines = [f"# HELP {p}_requests_total Requests served, by operation.",
                  f"# TYPE {p}_requests_total counter"]
-        ops = sorted(self._ops.items())
+        with self._lock:
+            ops = sorted((op, _copy(stats)) for op, stats in self._ops.items())
         lines += [f'{p}_requests_total{{op="{op}"}} {s.count}' for op, s in ops]
         lines += [f"# HELP {p}_request_errors_total Requests answered with an error, by operation.",
                   f"# TYPE {p}_request_errors_total counter"]

@@ -31,6 +31,7 @@ from . import _kernels
 from ._errors import ConfigError, EngramError, InvalidArgument, MasterUnavailable, OutOfSpace, RemoteError
 from ._protocol import PROTOCOL_VERSION, Request, frame_array, frame_bytes
 from ._auth import AuthKeys
+from ._raw import RawReadServer
 from ._transport import Connection, RpcServer, io_threads
 
 log = logging.getLogger(__name__)
@@ -329,6 +330,7 @@ class SegmentServer:
         file: str | None = None,
         auth: AuthKeys | None = None,
         readers: int | None = None,
+        raw_reads: bool = True,
     ):
         if readers is None:
             readers = default_readers()
@@ -361,22 +363,27 @@ class SegmentServer:
         self._prefault_thread.start()
         self.server: RpcServer | None = None
         self._readers: list[RpcServer] = []
+        self.raw: RawReadServer | None = None
         # With two ZeroMQ I/O threads (engram-segment starts them when it has readers), the main socket's
         # traffic (large writes) goes through one and the readers' through the other, so reads do not queue
         # behind the bytes of a populate. Without, every socket shares the one I/O thread.
         main_io, read_io = (1, 2) if readers and io_threads() >= 2 else (0, 0)
         try:
-            _kernels.warmup()
             name = f"segment {self.segment_id[:8]}"
             max_bytes = MAX_WRITE_BYTES + (1 << 20)
             self.server = RpcServer(host, port, name, {"ping": self._ping, "write": self._write,
-                                                       "read_ranges": self._read_ranges},
+                                                       "read_ranges": self._read_ranges,
+                                                       "channel_token": self._channel_token},
                                     max_message_bytes=max_bytes, auth=auth, io_affinity=main_io)
             read_handlers = {"ping": self._ping, "read_ranges": self._read_ranges}
             for i in range(readers):
                 self._readers.append(RpcServer(host, port + 1 + i if port else 0, f"{name} reader {i}",
                                                read_handlers, max_message_bytes=max_bytes, auth=auth,
                                                io_affinity=read_io))
+            if raw_reads:
+                # Range reads on a plain TCP port as well (see _raw): lookups at the network stack's speed.
+                self.raw = RawReadServer(host, self.memory.array, max_ranges=MAX_RANGES, max_bytes=MAX_READ_BYTES,
+                                         require_token=auth is not None, name=name, metrics=self.server.metrics)
         except BaseException:
             self._close_servers()
             self._release_memory()
@@ -459,7 +466,15 @@ class SegmentServer:
     # ---- handlers -------------------------------------------------------------------------------
 
     def _ping(self, req: Request) -> dict:
-        return {"role": "segment", "segment_id": self.segment_id, "size": self.size, "protocol": PROTOCOL_VERSION}
+        return {"role": "segment", "segment_id": self.segment_id, "size": self.size, "protocol": PROTOCOL_VERSION,
+                "raw_port": self.raw.port if self.raw is not None else 0,
+                "raw_token": self.raw is not None and self.raw.require_token}
+
+    def _channel_token(self, req: Request) -> dict:
+        """A one-time token for the raw read channel (asked over ZeroMQ, so CURVE decides who gets one)."""
+        if self.raw is None:
+            raise InvalidArgument("channel_token: this segment serves reads over ZeroMQ only (--no-raw-reads)")
+        return {"raw_port": self.raw.port, "token": self.raw.issue_token()}
 
     def _write(self, req: Request) -> dict:
         offset = req.int("offset", 0, self.size)
@@ -538,12 +553,16 @@ class SegmentServer:
     def start(self) -> "SegmentServer":
         self._start_heartbeats()
         self._start_readers()
+        if self.raw is not None:
+            self.raw.start()
         self.server.start()
         return self
 
     def serve_forever(self) -> None:
         self._start_heartbeats()
         self._start_readers()
+        if self.raw is not None:
+            self.raw.start()
         self.server.serve_forever()
 
     def stop(self) -> None:
@@ -557,6 +576,8 @@ class SegmentServer:
             self.server.stop()
         for reader in self._readers:
             reader.close()
+        if self.raw is not None:
+            self.raw.close()
         if self.server is not None:
             self.server.close()
 

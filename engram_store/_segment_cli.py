@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--auth", metavar="DIR", default=resolve_auth_dir(None),
                    help=f"require CURVE authentication with the keys in DIR (from 'engram-master keygen DIR'); "
                         f"default: ${AUTH_DIR_ENV} if set")
+    p.add_argument("--no-raw-reads", action="store_true",
+                   help="serve range reads over ZeroMQ only, not also on a plain TCP port (the raw read channel is "
+                        "authenticated with --auth but not encrypted)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         auth = load_keys(args.auth, server=True) if args.auth else None
         server = SegmentServer(size, f"{host}:{port}", host=args.host, port=args.port,
                                register_timeout_s=args.register_timeout, file=args.file, auth=auth,
-                               readers=args.readers)
+                               readers=args.readers, raw_reads=not args.no_raw_reads)
     except EngramError as exc:
         hint = ("; if the master runs with --auth, pass --auth DIR with its key directory"
                 if isinstance(exc, MasterUnavailable) and not args.auth else "")

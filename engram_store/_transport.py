@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Sequence
 
+import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -40,6 +41,8 @@ ZERO_COPY_MIN_BYTES = 256 << 10
 #: How often the thread reading a server's handshake events checks whether the server is closing.
 MONITOR_WAKE_MS = 200
 _MORE = zmq.SNDMORE | zmq.NOBLOCK
+#: Requests whose frames total at least this many bytes are sent without a copy.
+ZERO_COPY_SEND_BYTES = 64 << 10
 
 
 def _context() -> zmq.Context:
@@ -315,26 +318,46 @@ class Connection:
 
     def send(self, op: str, fields: dict | None = None, frames: Iterable[Any] = ()) -> int:
         request_id = next(self._ids)
-        msg = encode({"id": request_id, "op": op, **(fields or {})}, frames)
+        self._send(op, encode({"id": request_id, "op": op, **(fields or {})}, frames), copy=False)
+        return request_id
+
+    def send_frames(self, op: str, frames: Sequence[Any], copy: bool = True) -> int:
+        """Send a request with no header fields but ``op``: the hot path of reads (a header packed directly;
+        ``copy=True`` for small frames, which pyzmq copies faster than it tracks them for zero-copy)."""
+        request_id = next(self._ids)
+        self._send(op, (msgpack.packb({"v": PROTOCOL_VERSION, "id": request_id, "op": op}), *frames), copy)
+        return request_id
+
+    def _send(self, op: str, msg: Sequence[Any], copy: bool) -> None:
         try:
-            self._open().send_multipart(msg, copy=False, flags=zmq.NOBLOCK)
+            (self.socket or self._open()).send_multipart(msg, copy=copy, flags=zmq.NOBLOCK)
         except zmq.Again as exc:
             self.reset()
             raise self.unavailable(f"{op}: {self.address} is not accepting requests (queue full)") from exc
         except zmq.ZMQError as exc:
             self.reset()
             raise self.unavailable(f"{op}: cannot send to {self.address}: {exc}") from exc
-        return request_id
 
-    def recv(self, request_id: int, deadline: float, op: str = "request") -> tuple[dict, list]:
-        """Wait for the reply to ``request_id`` until ``deadline`` (time.monotonic); raise on error replies."""
+    def recv(self, request_id: int, deadline: float, op: str = "request", copy: bool = False) -> tuple[dict, list]:
+        """Wait for the reply to ``request_id`` until ``deadline`` (time.monotonic); raise on error replies.
+
+        Blocks in the receive itself (a receive timeout, no poll per call); ``copy=True`` receives bytes
+        (cheaper for small replies), else zero-copy frames.
+        """
         sock = self._open()
         while True:
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):
+            # Past the deadline a reply that is already queued is still taken (0: do not wait): several
+            # requests are received one after the other, and one server's timeout must not fail the rest.
+            remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            sock.setsockopt(zmq.RCVTIMEO, remaining_ms)
+            try:
+                msg = sock.recv_multipart(copy=copy)
+            except zmq.Again:
                 self.reset()
-                raise self.unavailable(f"{op}: no reply from {self.address} within the timeout")
-            msg = sock.recv_multipart(copy=False)
+                raise self.unavailable(f"{op}: no reply from {self.address} within the timeout") from None
+            except zmq.ZMQError as exc:
+                self.reset()
+                raise self.unavailable(f"{op}: receiving from {self.address} failed: {exc}") from exc
             header, frames = self.parse(msg, op)
             if header.get("id") != request_id:
                 continue  # a stale reply to an abandoned request

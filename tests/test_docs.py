@@ -23,3 +23,15 @@ def test_readme_store_example_runs():
 def test_readme_model_example_runs():
     block = next(b for b in _python_blocks() if "Engram(layer_id=1" in b)
     exec(compile(block, str(README), "exec"), {})
+
+
+@pytest.mark.timeout(120)
+def test_readme_mooncake_engram_example_runs():
+    block = next(b for b in _python_blocks() if "get_query_workspace_size" in b)
+    exec(compile(block, str(README), "exec"), {})
+
+
+@pytest.mark.timeout(120)
+def test_readme_step_ahead_prefetch_recipe_runs():
+    block = next(b for b in _python_blocks() if "pending = engram.prefetch(steps[0]" in b)
+    exec(compile(block, str(README), "exec"), {})

@@ -19,6 +19,7 @@ from engram_store import (
     NotConnected,
     ObjectExists,
     ObjectNotFound,
+    prefetch_many,
 )
 from engram_store.testing import Cluster
 
@@ -510,3 +511,118 @@ def test_a_layer_lost_with_its_writers_segment_can_be_removed_and_populated_agai
                 store.remove("engram:l7:h0")
             layer.populate(tables)
             assert np.array_equal(layer.lookup(ids), expected_rows(tables, ids))
+
+
+def _read_requests(store):
+    """read_ranges requests the embedded segment has served so far."""
+    for line in store.local_segment.server.metrics.render():
+        if line.startswith('engram_requests_total{op="read_ranges"}'):
+            return int(float(line.split()[-1]))
+    return 0
+
+
+@settings(max_examples=10, deadline=None)
+@given(g=st.lists(st.tuples(st.lists(st.integers(1, 500), min_size=1, max_size=4), st.sampled_from([1, 4, 16]),
+                            st.sampled_from(["float32", "float16", "bytes"])), min_size=1, max_size=3),
+       B=st.integers(1, 4), L=st.integers(1, 6), seed=st.integers(0, 2**31))
+def test_layers_read_together_in_one_request_per_server(g, B, L, seed):
+    """Several layers of one EngramStore, and several EngramStores, read in one request to their server."""
+    with DistributedStore.embedded(segment_size="32MiB", local_direct=False) as store:
+        configs = {10 + i: EngramStoreConfig(sizes, dim, row_format=fmt) for i, (sizes, dim, fmt) in enumerate(g)}
+        rng = np.random.default_rng(seed)
+        tables = {}
+        with EngramStore(configs, store=store) as layers:
+            assert layers.get_layer_ids() == sorted(configs)
+            for lid, cfg in configs.items():
+                tables[lid] = [rng.integers(0, 255, (n, cfg.row_bytes), dtype=np.uint8).view(cfg.dtype)
+                               for n in cfg.table_vocab_sizes]
+                layers.populate(tables[lid], layer=lid)
+            ids = {lid: random_ids(rng, cfg.table_vocab_sizes, B, L) for lid, cfg in configs.items()}
+            for lid in configs:  # resolve the placements (each takes a master request, not a segment one)
+                layers.lookup(ids[lid], layer=lid)
+            before = _read_requests(store)
+            rows = layers.lookup_layers(ids)
+            assert _read_requests(store) - before == 1
+            for lid in configs:
+                assert rows[lid].tobytes() == expected_rows(tables[lid], ids[lid]).tobytes()
+            out = {lid: np.zeros_like(r) for lid, r in rows.items()}
+            got = layers.prefetch_layers(ids, out=out).result(timeout=30)
+            assert all(got[lid] is out[lid] and out[lid].tobytes() == rows[lid].tobytes() for lid in configs)
+            # Separate stores on one client share the request too.
+            singles = [EngramStore(lid, cfg, store) for lid, cfg in configs.items()]
+            for single, lid in zip(singles, configs):
+                single.lookup(ids[lid])  # resolves its placement (reading the manifest is a segment request)
+            before = _read_requests(store)
+            handles = prefetch_many([(single, ids[lid]) for single, lid in zip(singles, configs)])
+            for handle, lid in zip(handles, configs):
+                assert handle.result(timeout=30).tobytes() == rows[lid].tobytes()
+            assert _read_requests(store) - before == 1
+            with pytest.raises(InvalidArgument, match="unknown Engram layer 99"):
+                layers.lookup(ids[min(configs)], layer=99)
+            if len(configs) > 1:
+                with pytest.raises(InvalidArgument, match="name one with layer="):
+                    layers.lookup(ids[min(configs)])
+
+
+class _ArrayInterface:
+    """An object exposing only ``__array_interface__`` (as some GPU-framework host tensors do)."""
+
+    def __init__(self, array):
+        self._array = array
+        self.__array_interface__ = array.__array_interface__
+
+
+def test_lookup_into_and_prefetch_fill_any_writable_buffer_without_allocating(local_store):
+    sizes, dim = [301, 257], 8
+    tables = make_tables(sizes, dim, 41)
+    ids = random_ids(np.random.default_rng(42), sizes, 3, 4)
+    want = expected_rows(tables, ids)
+    layer = next(_layers)
+    EngramStore(layer, EngramStoreConfig(sizes, dim), local_store).populate(tables)
+    try:
+        es = EngramStore(layer, EngramStoreConfig(sizes, dim), local_store)
+        shape = want.shape
+        backing = np.zeros(shape, np.float32)
+        raw = bytearray(want.nbytes)
+        for buffer, view in ((memoryview(backing), backing),
+                             (_ArrayInterface(backing), backing),
+                             (raw, np.frombuffer(raw, np.float32).reshape(shape)),  # flat bytes of the right size
+                             (memoryview(raw).cast("B"), np.frombuffer(raw, np.float32).reshape(shape))):
+            view[...] = 0
+            assert es.lookup_into(ids, buffer) is buffer
+            assert np.array_equal(view, want)
+            view[...] = 0
+            handle = es.prefetch(ids, out=buffer, background=True)
+            assert handle.result(timeout=30) is buffer and np.array_equal(view, want)
+        for bad, match in ((backing.astype(np.float64), "float32"), (backing[:, ::-1], "C-contiguous"),
+                           (bytes(want.nbytes), "writable float32 buffer"), ([[0.0]], "writable float32 buffer"),
+                           (bytearray(want.nbytes - 4), "float32 array of shape")):
+            with pytest.raises((InvalidArgument, InvalidType), match=match):
+                es.lookup_into(ids, bad)
+            with pytest.raises((InvalidArgument, InvalidType), match=match):
+                es.prefetch(ids, out=bad)  # refused now, not from result()
+        readonly = backing.copy()
+        readonly.flags.writeable = False
+        with pytest.raises(InvalidArgument, match="read-only"):
+            es.lookup_into(ids, readonly)
+        handle = es.prefetch(ids, background=False)
+        assert handle.done() and np.array_equal(handle.result(), want)
+    finally:
+        EngramStore(layer, EngramStoreConfig(sizes, dim), local_store).remove_from_store(force=True)
+
+
+def test_local_gathers_split_over_threads_equal_one_thread(local_store):
+    sizes, dim = [5000, 4000, 3000], 16
+    tables = make_tables(sizes, dim, 51)
+    layer = next(_layers)
+    EngramStore(layer, EngramStoreConfig(sizes, dim), local_store).populate(tables)
+    try:
+        threaded = EngramStore(layer, EngramStoreConfig(sizes, dim), local_store, threads=3)
+        ids = random_ids(np.random.default_rng(52), sizes, 2, 4000)  # over the threshold: split over threads
+        assert np.array_equal(threaded.lookup(ids), expected_rows(tables, ids))
+        small = random_ids(np.random.default_rng(53), sizes, 1, 3)
+        assert np.array_equal(threaded.lookup(small), expected_rows(tables, small))
+        with pytest.raises(InvalidArgument, match="threads"):
+            EngramStore(layer, EngramStoreConfig(sizes, dim), local_store, threads=0)
+    finally:
+        EngramStore(layer, EngramStoreConfig(sizes, dim), local_store).remove_from_store(force=True)

@@ -150,8 +150,8 @@ def test_forward_input_errors():
     H, D = engram.get_num_heads(), engram.get_embedding_dim()
     h = np.zeros((2, 5, 3, 12), np.float32)
     emb = np.zeros((2, 5, H, D), np.float32)
-    with pytest.raises(InvalidType, match="hidden_states: expected dtype float32, got float64"):
-        engram.forward(h.astype(np.float64), embeddings=emb)
+    with pytest.raises(InvalidType, match="hidden_states: expected a floating-point dtype .*, got int32"):
+        engram.forward(h.astype(np.int32), embeddings=emb)
     with pytest.raises(InvalidType, match="hidden_states: expected a float32 NumPy array"):
         engram.forward(h.tolist(), embeddings=emb)
     with pytest.raises(InvalidArgument, match=r"hidden_states: expected shape \[B, L, hc_mult=3, hidden_size=12\]"):
@@ -235,3 +235,15 @@ def test_engram_module_single_stream_matches_engram():
                                            embedding_table_size=70, embedding_dim=4, hidden_dim=10))
     assert high.engram.get_num_heads() == 4
     assert high.engram.hash_input_ids([[1, 2, 3]]).shape == (1, 3, 4)
+
+
+def test_forward_casts_other_float_dtypes_to_float32():
+    # Mooncake's forward takes float64 hidden states (a forcecast); here they are cast once on entry.
+    engram = make_engram()
+    rng = np.random.default_rng(7)
+    emb = rng.standard_normal((2, 5, engram.get_num_heads(), engram.get_embedding_dim()), dtype=np.float32)
+    h64 = rng.standard_normal((2, 5, 3, 12))
+    out = engram.forward(h64, embeddings=emb)
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out, engram.forward(h64.astype(np.float32), embeddings=emb))
+    assert engram.forward(h64.astype(np.float16), embeddings=emb).dtype == np.float32

@@ -98,8 +98,8 @@ def test_tables_sized_from_engram_vocab_size_are_refused(embedded):
     good = tables_for(engram)
     with pytest.raises(InvalidArgument, match=r"embedding_buffers: expected 8 tables"):
         engram.populate_store_from_buffers(good[:7])
-    with pytest.raises(InvalidType, match=r"embedding_buffers\[2\]: expected dtype float32, got float64"):
-        engram.populate_store_from_buffers(good[:2] + [good[2].astype(np.float64)] + good[3:])
+    with pytest.raises(InvalidType, match=r"embedding_buffers\[2\]: expected a floating-point dtype .*, got int32"):
+        engram.populate_store_from_buffers(good[:2] + [good[2].astype(np.int32)] + good[3:])
     with pytest.raises(InvalidArgument, match=r"buffer_sizes\[1\]: expected 64832"):
         engram.populate_store_from_buffers(good, [t.nbytes for t in good[:1]] + [1000] * 7)
     assert engram.remove_from_store() == 0  # nothing was written
@@ -214,3 +214,29 @@ def test_transformer_example_prefetches_every_layer(embedded):
     finally:
         assert model.remove_from_store() == 8
         model.close()
+
+
+def test_prefetch_layers_reads_every_layer_in_one_request_per_segment():
+    from engram_store import DistributedStore
+
+    cfg, bb = quick_start_configs()
+    with DistributedStore.embedded(segment_size="64MiB", local_direct=False) as store:
+        engrams = [Engram(lid, cfg, bb, store) for lid in (1, 15)]
+        for e in engrams:
+            e.populate_store_from_buffers(tables_for(e, e.layer_id))
+        input_ids = np.random.default_rng(4).integers(0, 128000, size=(2, 16))
+        expected = {e.layer_id: e.query_embeddings(input_ids) for e in engrams}  # also resolves placements
+
+        def served():
+            lines = store.local_segment.server.metrics.render()
+            return sum(int(float(line.split()[-1])) for line in lines
+                       if line.startswith('engram_requests_total{op="read_ranges"}'))
+
+        before = served()
+        handles = prefetch_layers(engrams, input_ids)
+        for e in engrams:
+            np.testing.assert_array_equal(handles[e.layer_id].result(timeout=30), expected[e.layer_id])
+        assert served() - before == 1  # both layers' tables sit on the one segment: one request for both
+        for e in engrams:
+            e.remove_from_store(force=True)
+            e.close()

@@ -156,3 +156,55 @@ def test_tokenizer_json_without_package(tmp_path, monkeypatch):
     path.write_text(json.dumps({}))
     with pytest.raises(InvalidArgument, match=r"pip install 'engram\[tokenizers\]'"):
         CompressedTokenizer(str(path))
+
+
+def small_engram_config(**kwargs):
+    return EngramConfig(engram_vocab_size=[30, 30], n_embed_per_ngram=4, n_head_per_ngram=2, layer_ids=[0], **kwargs)
+
+
+def test_empty_tokenizer_name_hashes_raw_ids():
+    # Mooncake's configs set tokenizer_name_or_path = "": no tokenizer, as None.
+    bb = BackboneConfig(hidden_size=4, hc_mult=1, vocab_size=1000)
+    empty = Engram(0, small_engram_config(tokenizer_name_or_path=""), bb)
+    none = Engram(0, small_engram_config(), bb)
+    assert empty.hash_mapping.compressed_tokenizer is None
+    assert empty.config.tokenizer_name_or_path == ""
+    ids = np.random.default_rng(0).integers(0, 1000, size=(2, 7))
+    np.testing.assert_array_equal(empty.hash_input_ids(ids), none.hash_input_ids(ids))
+
+
+def test_uncached_hub_name_is_refused_without_network(tmp_path, monkeypatch):
+    pytest.importorskip("huggingface_hub")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    cfg = small_engram_config(tokenizer_name_or_path="deepseek-ai/DeepSeek-V3")
+    with pytest.raises(InvalidArgument, match=r"tokenizer_name_or_path: 'deepseek-ai/DeepSeek-V3' is neither a "
+                                              r"tokenizer.json file.*never downloaded; set it to \"\" \(or None\) to "
+                                              r"hash raw token ids"):
+        Engram(0, cfg, BackboneConfig(hidden_size=4, hc_mult=1))
+    with pytest.raises(InvalidArgument, match=r"tokenizer: 'no/such-tokenizer' .* pass None"):
+        CompressedTokenizer("no/such-tokenizer")
+
+
+def test_hub_name_in_local_cache_is_loaded(tmp_path, monkeypatch):
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("huggingface_hub")
+    import huggingface_hub.constants
+    from tokenizers.models import WordLevel
+
+    words = ["<pad>", "<s>", "Hello", "hello", "world", "World"]
+    # The layout huggingface_hub leaves after a download: refs/main names a snapshot holding the file.
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    tokenizers.Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>")).save(
+        str(snapshot / "tokenizer.json"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    engram = Engram(0, small_engram_config(tokenizer_name_or_path="acme/tiny"),
+                    BackboneConfig(hidden_size=4, hc_mult=1))
+    tok = engram.hash_mapping.compressed_tokenizer
+    assert tok is not None and tok.original_vocab_size == 6 and len(tok) == 4
+    assert tok.fingerprint == CompressedTokenizer(str(snapshot / "tokenizer.json")).fingerprint

@@ -357,8 +357,10 @@ def _run_quick_start(store_import: str, master: str, tmp_path, name: str) -> tup
     script = tmp_path / f"{name}.py"
     script.write_text(QUICK_START.format(store_import=store_import))
     out = tmp_path / f"{name}.npy"
+    # PYTHONPATH: the script imports this checkout's packages, not whichever copy is installed.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run([sys.executable, str(script), master, str(out)], capture_output=True, text=True,
-                          timeout=150, cwd=REPO)
+                          timeout=150, cwd=REPO, env=env)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
     return np.load(out), proc.stdout.strip().splitlines()[-1]
 

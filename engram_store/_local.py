@@ -1,0 +1,291 @@
+"""Tables on this host without a store: caller-owned buffers and layers published under a local directory.
+
+Two ways to hold a layer's tables in this host's memory and read them with the local-direct kernel:
+
+* ``bind_local``: the caller's own immutable arrays, used in place (no copy).
+* ``local_dir``: ``populate`` copies the tables into files under a directory (``/dev/shm/engram`` keeps them
+  in memory, shared by every process on the host), published atomically per layer; any process opening the
+  same directory maps the published layers read-only and shares their pages.
+
+The directory layout is Mooncake's, so a directory written by either is read by the other::
+
+    <dir>/layer-<L>/layout        "mooncake-engram-v1\\n<row_bytes>\\n<N_0>\\n<N_1>\\n..."
+    <dir>/layer-<L>/head-<h>.bin  the rows of head h, [N_h, row_bytes], C order (mode 0400)
+    <dir>/layer-<L>.lock          flock'd by a writer for the whole populate (never removed)
+    <dir>/layer-<L>.tmp/          where a writer stages the files before one rename publishes them
+
+A reader never sees a half-written layer: the layer directory appears by ``rename`` only once every file in it
+is complete. A staging directory left by a writer that died is removed by the next writer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import shutil
+import threading
+from typing import Callable, Sequence
+
+import numpy as np
+
+from . import _kernels
+from ._errors import ConfigError, InvalidArgument, ObjectExists, OutOfSpace, StoreError
+
+log = logging.getLogger(__name__)
+
+LAYOUT_MAGIC = "mooncake-engram-v1"
+#: Mappings larger than this are prefaulted in the background, in pieces of this size.
+PREFAULT_CHUNK_BYTES = 64 << 20
+#: Tables whose addresses lie within this span are read through one source (one kernel call for all heads).
+MAX_SPAN_BYTES = 1 << 40
+
+_MADV_HUGEPAGE = 14
+_MADV_POPULATE_READ = 22
+
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _libc.madvise.restype = ctypes.c_int
+except (OSError, AttributeError):  # not Linux/glibc: no advice, everything still works
+    _libc = None
+
+
+def _madvise(address: int, size: int, advice: int) -> bool:
+    """madvise through ctypes (which releases the GIL, unlike mmap.madvise); False where refused or unknown."""
+    if _libc is None or size <= 0:
+        return False
+    page = mmap.PAGESIZE
+    start = address - address % page
+    return _libc.madvise(start, size + (address - start), advice) == 0
+
+
+def prefault(array: np.ndarray, background: bool = True) -> threading.Thread | None:
+    """Map every page of a read-only file mapping now, so the first lookups do not page-fault.
+
+    A brand-new mapping of a 2.6 GB table pays ~0.1-0.3 s of page faults on its first random reads; this
+    moves that cost into a background thread (in ``PREFAULT_CHUNK_BYTES`` pieces, GIL released). Where the
+    kernel lacks MADV_POPULATE_READ (Linux < 5.14) nothing happens.
+    """
+    address, size = array.ctypes.data, array.nbytes
+    _madvise(address, size, _MADV_HUGEPAGE)  # 2 MiB pages where the OS allows them for this mapping
+
+    def run() -> None:
+        for start in range(0, size, PREFAULT_CHUNK_BYTES):
+            if not _madvise(address + start, min(PREFAULT_CHUNK_BYTES, size - start), _MADV_POPULATE_READ):
+                return
+
+    if not background or size <= PREFAULT_CHUNK_BYTES:
+        run()
+        return None
+    thread = threading.Thread(target=run, name="engram-prefault", daemon=True)
+    thread.start()
+    return thread
+
+
+def sources_for(tables: Sequence[tuple[int, np.ndarray]], num_heads: int, row_bytes: int) -> list:
+    """Row sources (``_kernels.RowSource``) reading each head's table in place.
+
+    ``tables`` holds ``(head, flat uint8 array of that head's rows)``. Tables whose addresses lie close
+    together share one source: a read-only view spanning them all, with each head's offset in it, so one
+    kernel call gathers every head. The span also covers memory between the tables, which the kernel never
+    touches (every id is checked against its head's row count first). The caller keeps ``tables`` alive.
+    """
+    ordered = sorted(tables, key=lambda t: t[1].ctypes.data)
+    groups: list[list[tuple[int, np.ndarray]]] = []
+    for head, table in ordered:
+        if groups:
+            lo = groups[-1][0][1].ctypes.data
+            if table.ctypes.data + table.nbytes - lo <= MAX_SPAN_BYTES:
+                groups[-1].append((head, table))
+                continue
+        groups.append([(head, table)])
+    sources = []
+    for group in groups:
+        lo = group[0][1].ctypes.data
+        hi = max(t.ctypes.data + t.nbytes for _, t in group)
+        if len(group) == 1:
+            span = group[0][1]
+        else:
+            span = np.frombuffer((ctypes.c_uint8 * (hi - lo)).from_address(lo), dtype=np.uint8)
+        base = np.zeros(num_heads, dtype=np.int64)
+        heads = []
+        for head, table in group:
+            base[head] = table.ctypes.data - lo
+            heads.append(head)
+        sources.append(_kernels.row_source(_kernels.readonly(span), base, np.asarray(heads, dtype=np.int64),
+                                           row_bytes))
+    return sources
+
+
+def layout_text(row_bytes: int, sizes: Sequence[int]) -> bytes:
+    return (f"{LAYOUT_MAGIC}\n{row_bytes}\n" + "".join(f"{n}\n" for n in sizes)).encode()
+
+
+class MappedLayer:
+    """A published layer's head files mapped read-only (shared with every process mapping them)."""
+
+    def __init__(self, path: str, row_bytes: int, sizes: Sequence[int], prefault_pages: bool = True):
+        self.path = path
+        self.tables: list[np.ndarray] = []
+        self._mmaps: list[mmap.mmap] = []
+        expected = layout_text(row_bytes, sizes)
+        try:
+            with open(os.path.join(path, "layout"), "rb") as f:
+                found = f.read(len(expected) + 1)
+        except OSError as exc:
+            raise StoreError(f"local_dir: cannot read the layout of {path}: {exc.strerror}") from None
+        if found != expected:
+            raise ConfigError(f"local_dir: layer at {path} was published with layout "
+                              f"{_describe_layout(found)}, but this EngramStore is configured with "
+                              f"{_describe_layout(expected)}; use the configuration it was populated with")
+        try:
+            for h, n in enumerate(sizes):
+                file = os.path.join(path, f"head-{h}.bin")
+                fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    size = os.fstat(fd).st_size
+                    if size != n * row_bytes:
+                        raise StoreError(f"local_dir: {file} holds {size} bytes, expected {n * row_bytes} "
+                                         f"(table_vocab_sizes[{h}] = {n} rows x {row_bytes} bytes)")
+                    mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+                finally:
+                    os.close(fd)
+                self._mmaps.append(mm)
+                self.tables.append(np.frombuffer(mm, dtype=np.uint8))
+        except OSError as exc:
+            self.close()
+            raise StoreError(f"local_dir: cannot open the tables of {path}: {exc}") from None
+        except BaseException:
+            self.close()
+            raise
+        if prefault_pages:
+            for table in self.tables:
+                prefault(table)
+
+    def close(self) -> None:
+        self.tables = []
+        for mm in self._mmaps:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # a lookup result still views it; the GC unmaps it later
+        self._mmaps = []
+
+
+def _describe_layout(text: bytes) -> str:
+    lines = text.decode(errors="replace").split("\n")
+    if len(lines) < 3 or lines[0] != LAYOUT_MAGIC:
+        return repr(text[:60])
+    sizes = [s for s in lines[2:] if s]
+    return f"row_bytes={lines[1]}, table_vocab_sizes=[{', '.join(sizes[:8])}{', ...' if len(sizes) > 8 else ''}]"
+
+
+class LocalDir:
+    """A directory of published layers (see the module docstring)."""
+
+    def __init__(self, path: str | os.PathLike):
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            raise InvalidArgument(f"local_dir: expected a directory path, got {path!r}")
+        self.path = os.path.abspath(os.fspath(path))
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as exc:
+            raise InvalidArgument(f"local_dir: cannot create {self.path}: {exc.strerror}") from None
+
+    def layer_path(self, layer_id: int) -> str:
+        return os.path.join(self.path, f"layer-{layer_id}")
+
+    def open(self, layer_id: int, row_bytes: int, sizes: Sequence[int]) -> MappedLayer | None:
+        """The published layer, mapped; None if it is not published (yet). Raises if its layout differs."""
+        path = self.layer_path(layer_id)
+        if not os.path.isdir(path):
+            return None
+        return MappedLayer(path, row_bytes, sizes)
+
+    def publish(self, layer_id: int, row_bytes: int, sizes: Sequence[int], tables: Sequence[np.ndarray],
+                progress: Callable[[int], None] | None = None) -> None:
+        """Copy ``tables`` (C-contiguous, ``[N_h, row_bytes]`` bytes each) into a new published layer.
+
+        Create-only: a published layer raises ObjectExists. Writers of one layer are serialised by a lock
+        file; whatever fails, the staging directory is removed and nothing is published.
+        """
+        final = self.layer_path(layer_id)
+        try:
+            self._publish(layer_id, final, row_bytes, sizes, tables, progress)
+        except OSError as exc:  # a directory we cannot write, a failing device: say which file
+            raise StoreError(f"local_dir: cannot publish layer {layer_id} at {final}: {exc}") from exc
+
+    def _publish(self, layer_id: int, final: str, row_bytes: int, sizes: Sequence[int],
+                 tables: Sequence[np.ndarray], progress: Callable[[int], None] | None) -> None:
+        staging = final + ".tmp"
+        lock_fd = os.open(final + ".lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            if os.path.exists(final):
+                raise ObjectExists(f"local_dir: layer {layer_id} is already published at {final}; remove that "
+                                   "directory to publish it again")
+            shutil.rmtree(staging, ignore_errors=True)  # left by a writer that died
+            os.mkdir(staging, 0o700)
+            try:
+                done = 0
+                for h, table in enumerate(tables):
+                    self._write_head(os.path.join(staging, f"head-{h}.bin"), table, sizes[h] * row_bytes)
+                    done += table.nbytes
+                    if progress is not None:
+                        progress(done)
+                with open(os.path.join(staging, "layout"), "wb") as f:
+                    f.write(layout_text(row_bytes, sizes))
+                    f.flush()
+                    os.fsync(f.fileno())
+                MappedLayer(staging, row_bytes, sizes, prefault_pages=False).close()  # check it as a reader will
+                os.chmod(staging, 0o755)
+                os.rename(staging, final)
+                _fsync_dir(self.path)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+        finally:
+            os.close(lock_fd)  # releases the lock
+
+    @staticmethod
+    def _write_head(file: str, table: np.ndarray, nbytes: int) -> None:
+        fd = os.open(file, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)  # a full tmpfs fails here, not with SIGBUS later
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+                    free = shutil.disk_usage(os.path.dirname(file)).free
+                    raise OutOfSpace(f"local_dir: cannot reserve {nbytes} bytes for {file} ({free} bytes free): "
+                                     f"{exc.strerror}") from None
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+            os.ftruncate(fd, nbytes)
+            view = memoryview(table.reshape(-1).view(np.uint8))
+            step = 64 << 20
+            for start in range(0, nbytes, step):  # pwrite: no page faults in this process
+                piece = view[start:start + step]
+                written = 0
+                while written < piece.nbytes:
+                    written += os.pwrite(fd, piece[written:], start + written)
+            os.fsync(fd)
+            os.fchmod(fd, 0o400)
+        finally:
+            os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,229 @@
+"""The raw read channel (``engram_store._raw``): range reads over plain TCP next to ZeroMQ.
+
+Reads through it equal NumPy slicing; hostile bytes get error replies (and a connection whose framing is lost
+is closed) while the segment keeps serving; with CURVE keys a connection needs a one-time token from the
+ZeroMQ socket; a killed segment makes reads fail over or raise SegmentUnavailable at once; clients built with
+``raw_reads=False`` (or segments with ``--no-raw-reads``) read over ZeroMQ with the same results.
+"""
+from __future__ import annotations
+
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engram_store import (AuthError, DistributedStore, EngramStore, EngramStoreConfig, InvalidArgument,
+                          ProtocolError, SegmentUnavailable)
+from engram_store._raw import HEADER, MAGIC, OP_HELLO, OP_READ, VERSION, RawChannel
+from engram_store.testing import Cluster
+
+pytestmark = pytest.mark.timeout(240)
+
+SEGMENT_BYTES = 8 << 20
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with Cluster(segments=1, segment_size=str(SEGMENT_BYTES), heartbeat_timeout_s=10.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def filled(cluster):
+    """A client that reads over the raw channel, and a 1 MiB object of known bytes at a known offset."""
+    payload = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
+    with DistributedStore.connect(cluster.address, local_direct=False) as store:
+        store.put("raw-object", payload)
+        replica = store.locate(["raw-object"])[0].replicas[0]
+        yield store, payload, replica
+
+
+def _raw_port(store, address):
+    store._raw_channel(address)  # learns the port with a ping
+    return store._raw_info[address][1]
+
+
+def _request(sock, op, request_id, count, body=b""):
+    sock.sendall(HEADER.pack(MAGIC, VERSION, op, request_id, count) + body)
+
+
+def _reply(sock):
+    head = b""
+    while len(head) < HEADER.size:
+        chunk = sock.recv(HEADER.size - len(head))
+        if not chunk:
+            return None
+        head += chunk
+    magic, version, status, rid, count = HEADER.unpack(head)
+    body = b""
+    while len(body) < count:
+        chunk = sock.recv(count - len(body))
+        if not chunk:
+            break
+        body += chunk
+    return status, rid, body
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, (1 << 20) - 1), st.integers(0, 5000)), min_size=1, max_size=30))
+def test_raw_reads_equal_numpy_slicing(filled, ranges):
+    store, payload, replica = filled
+    pairs = np.array([[replica.offset + o, min(n, (1 << 20) - o)] for o, n in ranges], dtype=np.int64)
+    expected = b"".join(payload[o - replica.offset:o - replica.offset + n].tobytes() for o, n in pairs)
+    got = store.read_pairs(replica.address, pairs, len(expected))
+    assert bytes(got) == expected
+    # The ZeroMQ path answers the same request the same way.
+    zmq_reply = store.read_pairs_many([(replica.address, pairs)])[0]
+    assert bytes(zmq_reply) == expected
+
+
+def test_hostile_bytes_get_error_replies_and_the_segment_keeps_serving(filled, cluster):
+    store, payload, replica = filled
+    port = _raw_port(store, replica.address)
+    bad_requests = [
+        # (what is sent, expected status, whether the connection survives)
+        (lambda s: _request(s, OP_READ, 1, 1, struct.pack("<qq", SEGMENT_BYTES - 4, 8)), 1, True),  # past the end
+        (lambda s: _request(s, OP_READ, 2, 1, struct.pack("<qq", 0, -1)), 1, True),  # negative length
+        (lambda s: _request(s, OP_READ, 3, 1, struct.pack("<qq", -8, 8)), 1, True),  # negative offset
+        (lambda s: _request(s, OP_READ, 4, 1 << 40), 1, False),  # an absurd range count: framing is lost
+        (lambda s: _request(s, 99, 5, 0), 2, False),  # unknown op
+        (lambda s: s.sendall(b"GARBAGE!" * 3), 2, False),  # wrong magic
+        (lambda s: _request(s, OP_HELLO, 6, 4096), 2, False),  # a token far too long
+    ]
+    for send, status, survives in bad_requests:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            send(sock)
+            reply = _reply(sock)
+            assert reply is not None and reply[0] == status, reply
+            assert reply[2], "an error reply names what was wrong"
+            if survives:  # the same connection still serves a good read
+                _request(sock, OP_READ, 7, 1, struct.pack("<qq", replica.offset, 16))
+                ok = _reply(sock)
+                assert ok[0] == 0 and ok[1] == 7 and ok[2] == payload[:16].tobytes()
+            else:
+                assert _reply(sock) is None  # closed
+    # A peer that vanishes in the middle of a message leaves the segment unharmed.
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(HEADER.pack(MAGIC, VERSION, OP_READ, 8, 4)[:10])
+    assert bytes(store.read_pairs(replica.address, np.array([[replica.offset, 64]]), 64)) == payload[:64].tobytes()
+    assert store.get("raw-object") == payload.tobytes()
+
+
+def test_client_errors_name_the_problem(filled):
+    store, payload, replica = filled
+    with pytest.raises(InvalidArgument, match="outside the segment"):
+        store.read_pairs(replica.address, np.array([[SEGMENT_BYTES, 1]], dtype=np.int64), 1)
+    # The channel reconnects after an error and serves again.
+    assert bytes(store.read_pairs(replica.address, np.array([[replica.offset, 8]]), 8)) == payload[:8].tobytes()
+
+
+def test_many_threads_read_at_once(filled):
+    store, payload, replica = filled
+    errors = []
+
+    def reader(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(200):
+                o = int(rng.integers(0, (1 << 20) - 4096))
+                n = int(rng.integers(1, 4096))
+                got = store.read_pairs(replica.address, np.array([[replica.offset + o, n]]), n)
+                assert bytes(got) == payload[o:o + n].tobytes()
+        except BaseException as exc:  # report in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader, args=(s,)) for s in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors[0]
+
+
+def test_lookups_agree_over_raw_and_zeromq_and_with_raw_reads_off(cluster):
+    sizes, dim = [1000, 777, 31], 16
+    tables = [np.random.default_rng(h).standard_normal((n, dim), dtype=np.float32) for h, n in enumerate(sizes)]
+    ids = np.stack([np.random.default_rng(9).integers(0, n, (3, 5)) for n in sizes], axis=-1)
+    expected = np.stack([tables[h][ids[..., h]] for h in range(3)], axis=-2)
+    with DistributedStore.connect(cluster.address, local_direct=False) as raw, \
+            DistributedStore.connect(cluster.address, local_direct=False, raw_reads=False) as plain:
+        layer = EngramStore(801, EngramStoreConfig(sizes, dim), raw)
+        layer.populate(tables)
+        try:
+            assert np.array_equal(layer.lookup(ids), expected)
+            assert np.array_equal(EngramStore(801, EngramStoreConfig(sizes, dim), plain).lookup(ids), expected)
+            assert raw._raw_info and not plain._raw_info  # one learnt the raw port, the other never asked
+        finally:
+            layer.remove_from_store(force=True)
+
+
+def test_a_segment_without_the_raw_channel_is_read_over_zeromq():
+    with Cluster(segments=0, heartbeat_timeout_s=10.0) as c:
+        c.add_segment("16MiB", extra=["--no-raw-reads"])
+        with DistributedStore.connect(c.address, local_direct=False) as store:
+            store.put("k", b"x" * 1000)
+            assert store.get("k") == b"x" * 1000
+            assert list(store._raw_info.values()) == [None]
+
+
+def test_killed_segment_fails_reads_at_once_and_a_replica_takes_over():
+    with Cluster(segments=2, segment_size="16MiB", heartbeat_timeout_s=30.0) as c:
+        with DistributedStore.connect(c.address, local_direct=False, timeout_ms=20_000) as store:
+            payload = bytes(range(256)) * 64
+            store.put("both", payload, replica_num=2)
+            store.put("one", payload)
+            assert store.get("both") == payload and store.get("one") == payload
+            holder = store.locate(["one"])[0].replicas[0].address
+            victim = next(s for s in c.segments if s.address == holder)
+            victim.kill()
+            start = time.monotonic()
+            assert store.get("both") == payload  # the other replica answers
+            with pytest.raises(SegmentUnavailable):
+                store.get("one")
+            # A dead raw port is refused at once: no waiting for the 20 s timeout.
+            assert time.monotonic() - start < 10
+
+
+@pytest.mark.skipif(not __import__("zmq").has("curve"), reason="libzmq without CURVE")
+def test_with_auth_a_connection_needs_a_token_from_the_zeromq_socket(tmp_path):
+    keys = str(tmp_path / "keys")
+    result = subprocess.run([sys.executable, "-m", "master", "keygen", keys], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    with Cluster(segments=1, auth_dir=keys, heartbeat_timeout_s=10.0) as c:
+        with DistributedStore.connect(c.address, local_direct=False, auth_dir=keys) as store:
+            store.put("secret", b"s" * 4096)
+            assert store.get("secret") == b"s" * 4096  # over the raw channel, with a token
+            address = store.locate(["secret"])[0].replicas[0].address
+            host, port, needs_token = store._raw_info[address]
+            assert needs_token
+            offset = store.locate(["secret"])[0].replicas[0].offset
+            # Without a token, or with a made-up one, the segment refuses and closes.
+            with socket.create_connection((host, port), timeout=10) as sock:
+                _request(sock, OP_READ, 1, 1, struct.pack("<qq", offset, 16))
+                assert _reply(sock)[0] == 3
+            with socket.create_connection((host, port), timeout=10) as sock:
+                _request(sock, OP_HELLO, 1, 32, b"\0" * 32)
+                assert _reply(sock)[0] == 3
+            forged = RawChannel(address, host, port, token_source=lambda: "00" * 32)
+            with pytest.raises(AuthError, match="unknown or expired token"):
+                forged.send_read(np.array([[offset, 16]], dtype=np.int64), time.monotonic() + 10)
+            # A token is good for one connection only.
+            token = store._segment_conn(address).call("channel_token")[0]["token"]
+            for attempt in range(2):
+                with socket.create_connection((host, port), timeout=10) as sock:
+                    _request(sock, OP_HELLO, 1, 32, bytes.fromhex(token))
+                    assert _reply(sock)[0] == (0 if attempt == 0 else 3)
+
+
+def test_protocol_error_for_a_reply_of_the_wrong_size(filled):
+    store, payload, replica = filled
+    with pytest.raises(ProtocolError, match="expected 9"):
+        store.read_pairs(replica.address, np.array([[replica.offset, 8]]), 9)
