@@ -60,6 +60,9 @@ ZERO_COPY_REPLY_BYTES = 64 << 10
 #: After a raw read channel failed, how long the ping that looks for the segment again may take: a dead
 #: segment then fails reads within this, not the full timeout; a restarted one answers with its new port.
 REDISCOVERY_TIMEOUT_MS = 2000
+#: A segment that did not answer that ping is not asked again for this long: reads to it fail at once (and
+#: fail over to other replicas) instead of each waiting out the ping until the master drops the segment.
+DEAD_HOLD_S = 2.0
 _SUSPECT = "suspect"
 
 
@@ -149,7 +152,7 @@ class DistributedStore:
         self._closed = False
         self.local_segment: SegmentServer | None = None
         self.raw_reads = raw_reads_default() if raw_reads is None else bool(raw_reads)
-        self._raw_info: dict[str, tuple | None] = {}
+        self._raw_info: dict[str, tuple | str | float | None] = {}
         self._raw_local = threading.local()
         self._raw_channels: list[RawChannel] = []
         # Threads of this client spread their reads over a segment's reader sockets, from a random start so
@@ -641,6 +644,11 @@ class DistributedStore:
         if channel is not None:
             return channel
         info = self._raw_info.get(address, False)
+        if isinstance(info, float):  # did not answer the rediscovery ping at that time
+            if time.monotonic() - info < DEAD_HOLD_S:
+                raise SegmentUnavailable(f"read_ranges: {address} did not answer a ping "
+                                         f"{time.monotonic() - info:.1f} s ago; not asked again before {DEAD_HOLD_S} s")
+            info = _SUSPECT
         if info is False or info is _SUSPECT:
             # After a failure the segment may be dead (ask briefly) or restarted on a new port (ask again).
             timeout_ms = self.timeout_ms if info is False else min(self.timeout_ms, REDISCOVERY_TIMEOUT_MS)
@@ -649,6 +657,9 @@ class DistributedStore:
                 port = int(header.get("raw_port") or 0)
                 info = (address.rpartition(":")[0].strip("[]"), port, bool(header.get("raw_token"))) if port else None
             except SegmentUnavailable:
+                if info is _SUSPECT:
+                    with self._maps_lock:
+                        self._raw_info[address] = time.monotonic()
                 raise
             except EngramError:
                 info = None
@@ -673,7 +684,7 @@ class DistributedStore:
         if channel is not None:
             channel.close()
         with self._maps_lock:
-            if self._raw_info.get(address) is not None:
+            if isinstance(self._raw_info.get(address), tuple):
                 self._raw_info[address] = _SUSPECT
 
     def read_pairs(self, endpoint: str, pairs: np.ndarray, expected: int) -> Any:
@@ -707,10 +718,17 @@ class DistributedStore:
         uint8 array of the reply's size, or None) receives reply i in place; the entry returned is then ``outs[i]``.
         """
         self._check_open()
-        deadline = time.monotonic() + self.timeout_ms / 1000.0
-        sent: list = []
+        timeout_s = self.timeout_ms / 1000.0
+        sent: list = [None] * len(requests)
         used: set[int] = set()
-        for i, (endpoint, pairs) in enumerate(requests):
+        # Servers whose channel is ready go first: looking for a segment after a failure (a ping) must not hold
+        # up the reads of healthy ones. Each request gets the full timeout from when it is sent.
+        ready = getattr(self._raw_local, "channels", None) or {}
+        order = sorted(range(len(requests)), key=lambda i: requests[i][0] not in ready
+                       and not isinstance(self._raw_info.get(requests[i][0], False), tuple))
+        for i in order:
+            endpoint, pairs = requests[i]
+            deadline = time.monotonic() + timeout_s
             pairs = np.ascontiguousarray(pairs)
             expected = int(pairs[:, 1].sum()) if pairs.size else 0
             out = outs[i] if outs is not None else None
@@ -720,20 +738,20 @@ class DistributedStore:
                     if out is None and id(channel) in used:  # the channel's buffer holds an earlier reply
                         out = np.empty(expected, dtype=np.uint8)
                     used.add(id(channel))
-                    sent.append((channel, channel.send_read(pairs, deadline), expected, out))
+                    sent[i] = (channel, channel.send_read(pairs, deadline), expected, out, deadline)
                 else:
                     conn = self._segment_conn(endpoint)
-                    sent.append((conn, conn.send_frames("read_ranges", (pairs,),
-                                                        copy=pairs.nbytes < ZERO_COPY_SEND_BYTES), expected, out))
+                    sent[i] = (conn, conn.send_frames("read_ranges", (pairs,), copy=pairs.nbytes < ZERO_COPY_SEND_BYTES),
+                               expected, out, deadline)
             except SegmentUnavailable as exc:
                 self._drop_raw(endpoint)
-                sent.append(exc)
+                sent[i] = exc
         result = []
         for item, (endpoint, _) in zip(sent, requests):
             if isinstance(item, BaseException):
                 result.append(item)
                 continue
-            link, request_id, expected, out = item
+            link, request_id, expected, out, deadline = item
             try:
                 if isinstance(link, RawChannel):
                     data = link.recv_read(request_id, expected, deadline, out)

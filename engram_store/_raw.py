@@ -395,14 +395,14 @@ class RawChannel:
             if self._buf.size < expected:
                 self._buf = np.empty(max(expected, 2 * self._buf.size), dtype=np.uint8)
             out = self._buf[:expected]
-        self._check_deadline(deadline)
         sock = self.sock
         if sock is None:
             raise SegmentUnavailable(f"read_ranges: the raw read connection to {self.address} was reset")
         header = memoryview(self._header)
         try:
-            # Header and rows in one receive where they have arrived together.
-            got = sock.recvmsg_into([header, out])[0]
+            # Header and rows in one receive where they have arrived together. Past the deadline a reply that
+            # has arrived is still taken (the caller may have been busy with another server), but not waited for.
+            got = sock.recvmsg_into([header, out], 0, self._late(deadline))[0]
             if got == 0:
                 raise ConnectionError("closed by the segment")
             if got < HEADER.size:
@@ -461,6 +461,11 @@ class RawChannel:
         if time.monotonic() > deadline:
             self.close()
             raise SegmentUnavailable(f"read_ranges: no reply from {self.address} within the timeout")
+
+    @staticmethod
+    def _late(deadline: float) -> int:
+        """Receive flags: wait (up to the socket's timeout) before ``deadline``, only take what is there after."""
+        return socket.MSG_DONTWAIT if time.monotonic() > deadline else 0
 
     def _fail(self, exc: BaseException) -> None:
         self.close()

@@ -191,6 +191,38 @@ def test_killed_segment_fails_reads_at_once_and_a_replica_takes_over():
             assert time.monotonic() - start < 10
 
 
+def test_a_hung_segment_does_not_hold_up_reads_of_a_healthy_one(monkeypatch):
+    """After a read from a hung segment times out, the ping that looks for it again runs after the healthy
+    server's read is sent; once that ping goes unanswered, reads to it fail at once for DEAD_HOLD_S; when it
+    runs again it is found again."""
+    import signal
+
+    from engram_store import _client
+    with Cluster(segments=2, segment_size="16MiB", heartbeat_timeout_s=30.0) as c:
+        with DistributedStore.connect(c.address, local_direct=False, timeout_ms=1500) as store:
+            payload = np.arange(1 << 12, dtype=np.uint8)
+            store.put("a", payload, replica_num=2)
+            hung, healthy = (s.address for s in c.segments)
+            offsets = {r.address: r.offset for r in store.locate(["a"])[0].replicas}
+            reqs = [(hung, np.array([[offsets[hung], 64]], dtype=np.int64)),
+                    (healthy, np.array([[offsets[healthy], 64]], dtype=np.int64))]
+            assert [bytes(r) for r in store.read_pairs_many(reqs)] == [payload[:64].tobytes()] * 2
+            c.segments[0].signal(signal.SIGSTOP)
+            try:
+                first = store.read_pairs_many(reqs)  # times out on the hung one: it becomes suspect
+                assert isinstance(first[0], SegmentUnavailable) and bytes(first[1]) == payload[:64].tobytes()
+                second = store.read_pairs_many(reqs)  # the ping goes unanswered; the healthy read still lands
+                assert isinstance(second[0], SegmentUnavailable) and bytes(second[1]) == payload[:64].tobytes()
+                start = time.monotonic()
+                third = store.read_pairs_many(reqs)
+                assert time.monotonic() - start < 1.0  # refused at once, not after another timeout
+                assert "did not answer a ping" in str(third[0]) and bytes(third[1]) == payload[:64].tobytes()
+            finally:
+                c.segments[0].signal(signal.SIGCONT)
+            monkeypatch.setattr(_client, "DEAD_HOLD_S", 0.0)
+            assert [bytes(r) for r in store.read_pairs_many(reqs)] == [payload[:64].tobytes()] * 2
+
+
 @pytest.mark.skipif(not __import__("zmq").has("curve"), reason="libzmq without CURVE")
 def test_with_auth_a_connection_needs_a_token_from_the_zeromq_socket(tmp_path):
     keys = str(tmp_path / "keys")
