@@ -35,3 +35,9 @@ def test_readme_mooncake_engram_example_runs():
 def test_readme_step_ahead_prefetch_recipe_runs():
     block = next(b for b in _python_blocks() if "pending = engram.prefetch(steps[0]" in b)
     exec(compile(block, str(README), "exec"), {})
+
+
+@pytest.mark.timeout(120)
+def test_readme_several_layers_example_runs():
+    block = next(b for b in _python_blocks() if "lookup_layers({1: ids, 15: ids})" in b)
+    exec(compile(block, str(README), "exec"), {})
