@@ -304,22 +304,18 @@ class _Reader:
 def _sendmsg_all(conn: socket.socket, buffers: list) -> None:
     """sendmsg until every byte of ``buffers`` is sent (a large reply may take several calls)."""
     sent = conn.sendmsg(buffers)
-    total = sum(memoryview(b).nbytes for b in buffers)
-    if sent == total:
+    if sent == sum(memoryview(b).nbytes for b in buffers):
         return
     views = [memoryview(b).cast("B") for b in buffers]
-    while views and sent >= views[0].nbytes:
-        sent -= views[0].nbytes
-        views.pop(0)
-    if views and sent:
-        views[0] = views[0][sent:]
-    while views:
-        sent = conn.sendmsg(views)
-        while views and sent >= views[0].nbytes:
+    while True:
+        while views and sent >= views[0].nbytes:  # drop what went out
             sent -= views[0].nbytes
             views.pop(0)
-        if views and sent:
+        if not views:
+            return
+        if sent:
             views[0] = views[0][sent:]
+        sent = conn.sendmsg(views)
 
 
 class RawChannel:

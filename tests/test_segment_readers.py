@@ -59,6 +59,16 @@ def _read(address: str, frames: list, timeout_ms: int = 5000) -> bytes:
     return data
 
 
+def _assert_silent(address: str) -> None:
+    """Nothing answers a ping at ``address`` any more."""
+    conn = Connection(address, unavailable=SegmentUnavailable)
+    try:
+        with pytest.raises(SegmentUnavailable):
+            conn.call("ping", timeout_ms=300)
+    finally:
+        conn.close()
+
+
 def _raw(address: str, frames: list, timeout_ms: int = 5000) -> dict | None:
     """Send raw frames to a server; the unpacked reply header, or None if no reply came."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -162,12 +172,7 @@ def test_readers_stop_with_the_segment_and_a_killed_segment_takes_them_along():
     server.close()  # idempotent
     assert not [t for t in threading.enumerate() if tag in t.name and t.is_alive()]
     for address in addresses:
-        conn = Connection(address, unavailable=SegmentUnavailable)
-        try:
-            with pytest.raises(SegmentUnavailable):
-                conn.call("ping", timeout_ms=300)
-        finally:
-            conn.close()
+        _assert_silent(address)
     # A SIGKILLed segment process: its readers were threads, they go with it.
     with Cluster(segments=1, heartbeat_timeout_s=30.0) as c:
         proc = c.segments[0]
@@ -175,12 +180,7 @@ def test_readers_stop_with_the_segment_and_a_killed_segment_takes_them_along():
             wait_ping(address, timeout_s=5, unavailable=SegmentUnavailable)
         proc.kill()
         for address in [proc.address, *proc.read_addresses]:
-            conn = Connection(address, unavailable=SegmentUnavailable)
-            try:
-                with pytest.raises(SegmentUnavailable):
-                    conn.call("ping", timeout_ms=300)
-            finally:
-                conn.close()
+            _assert_silent(address)
 
 
 def test_the_default_reader_count_follows_the_cpus():
