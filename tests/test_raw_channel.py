@@ -199,7 +199,7 @@ def test_a_hung_segment_does_not_hold_up_reads_of_a_healthy_one(monkeypatch):
 
     from engram_store import _client
     with Cluster(segments=2, segment_size="16MiB", heartbeat_timeout_s=30.0) as c:
-        with DistributedStore.connect(c.address, local_direct=False, timeout_ms=1500) as store:
+        with DistributedStore.connect(c.address, local_direct=False, timeout_ms=3000) as store:
             payload = np.arange(1 << 12, dtype=np.uint8)
             store.put("a", payload, replica_num=2)
             hung, healthy = (s.address for s in c.segments)
@@ -210,12 +210,12 @@ def test_a_hung_segment_does_not_hold_up_reads_of_a_healthy_one(monkeypatch):
             c.segments[0].signal(signal.SIGSTOP)
             try:
                 first = store.read_pairs_many(reqs)  # times out on the hung one: it becomes suspect
-                assert isinstance(first[0], SegmentUnavailable) and bytes(first[1]) == payload[:64].tobytes()
+                assert isinstance(first[0], SegmentUnavailable) and bytes(first[1]) == payload[:64].tobytes(), first
                 second = store.read_pairs_many(reqs)  # the ping goes unanswered; the healthy read still lands
-                assert isinstance(second[0], SegmentUnavailable) and bytes(second[1]) == payload[:64].tobytes()
+                assert isinstance(second[0], SegmentUnavailable) and bytes(second[1]) == payload[:64].tobytes(), second
                 start = time.monotonic()
                 third = store.read_pairs_many(reqs)
-                assert time.monotonic() - start < 1.0  # refused at once, not after another timeout
+                assert time.monotonic() - start < 1.5  # refused at once, not after another timeout (3 s)
                 assert "did not answer a ping" in str(third[0]) and bytes(third[1]) == payload[:64].tobytes()
             finally:
                 c.segments[0].signal(signal.SIGCONT)
