@@ -38,7 +38,7 @@ from ._errors import (
 )
 from ._protocol import frame_bytes
 from ._raw import RawChannel, raw_reads_default
-from ._segment import SegmentServer, host_id
+from ._segment import SegmentServer, host_id, pwrite_all
 from ._transport import ZERO_COPY_SEND_BYTES, Connection, ConnectionPool, wait_all
 from ._units import parse_size
 
@@ -865,17 +865,11 @@ class DistributedStore:
 
 
 def _pwrite_all(fd: int, chunk: np.ndarray, offset: int, replica: dict) -> None:
-    """Write all of ``chunk`` at ``offset`` of a segment file (pwrite releases the GIL)."""
-    view = memoryview(chunk)
-    done = 0
+    """Write all of ``chunk`` at ``offset`` of a same-host segment's file; a failure is the segment's."""
     try:
-        while done < view.nbytes:
-            written = os.pwrite(fd, view[done:], offset + done)
-            if written <= 0:
-                raise OSError(0, "pwrite wrote nothing")
-            done += written
+        pwrite_all(fd, chunk, offset)
     except OSError as exc:
-        raise SegmentUnavailable(f"write of {view.nbytes} bytes at offset {offset} into segment "
+        raise SegmentUnavailable(f"write of {chunk.nbytes} bytes at offset {offset} into segment "
                                  f"{replica['segment_id']} ({replica['shm_path']}): {exc.strerror or exc}") from exc
 
 

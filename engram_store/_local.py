@@ -32,56 +32,31 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from . import _kernels
+from . import _kernels, _pages
 from ._errors import ConfigError, InvalidArgument, ObjectExists, OutOfSpace, StoreError
+from ._pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise
 
 log = logging.getLogger(__name__)
 
 LAYOUT_MAGIC = "mooncake-engram-v1"
-#: Mappings larger than this are prefaulted in the background, in pieces of this size.
-PREFAULT_CHUNK_BYTES = 64 << 20
 #: Tables whose addresses lie within this span are read through one source (one kernel call for all heads).
 MAX_SPAN_BYTES = 1 << 40
-
-_MADV_HUGEPAGE = 14
-_MADV_POPULATE_READ = 22
-
-try:
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    _libc.madvise.restype = ctypes.c_int
-except (OSError, AttributeError):  # not Linux/glibc: no advice, everything still works
-    _libc = None
-
-
-def _madvise(address: int, size: int, advice: int) -> bool:
-    """madvise through ctypes (which releases the GIL, unlike mmap.madvise); False where refused or unknown."""
-    if _libc is None or size <= 0:
-        return False
-    page = mmap.PAGESIZE
-    start = address - address % page
-    return _libc.madvise(start, size + (address - start), advice) == 0
 
 
 def prefault(array: np.ndarray, background: bool = True) -> threading.Thread | None:
     """Map every page of a read-only file mapping now, so the first lookups do not page-fault.
 
     A brand-new mapping of a 2.6 GB table pays ~0.1-0.3 s of page faults on its first random reads; this
-    moves that cost into a background thread (in ``PREFAULT_CHUNK_BYTES`` pieces, GIL released). Where the
-    kernel lacks MADV_POPULATE_READ (Linux < 5.14) nothing happens.
+    moves that cost into a background thread (see :func:`_pages.prefault`). Mappings of at most one prefault
+    chunk are mapped in at once.
     """
     address, size = array.ctypes.data, array.nbytes
-    _madvise(address, size, _MADV_HUGEPAGE)  # 2 MiB pages where the OS allows them for this mapping
-
-    def run() -> None:
-        for start in range(0, size, PREFAULT_CHUNK_BYTES):
-            if not _madvise(address + start, min(PREFAULT_CHUNK_BYTES, size - start), _MADV_POPULATE_READ):
-                return
-
+    madvise(address, size, MADV_HUGEPAGE)  # 2 MiB pages where the OS allows them for this mapping
     if not background or size <= PREFAULT_CHUNK_BYTES:
-        run()
+        _pages.prefault(address, size, name="local_dir table")
         return None
-    thread = threading.Thread(target=run, name="engram-prefault", daemon=True)
+    thread = threading.Thread(target=_pages.prefault, args=(address, size), kwargs={"name": "local_dir table"},
+                              name="engram-prefault", daemon=True)
     thread.start()
     return thread
 

@@ -13,7 +13,6 @@ the first reads do not either.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import json
 import logging
@@ -31,6 +30,7 @@ from . import _kernels
 from ._errors import ConfigError, EngramError, InvalidArgument, MasterUnavailable, OutOfSpace, RemoteError
 from ._protocol import PROTOCOL_VERSION, Request, frame_array, frame_bytes
 from ._auth import AuthKeys
+from ._pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise, prefault
 from ._raw import RawReadServer
 from ._transport import Connection, RpcServer, io_threads
 
@@ -53,12 +53,7 @@ DEFAULT_READERS = 2
 READERS_MIN_CPUS = 4
 MAX_READERS = 64
 SHM_DIR = "/dev/shm"
-#: The prefault thread maps this much of the segment per madvise call (and checks for close in between).
-PREFAULT_CHUNK_BYTES = 64 << 20
 THP_SHMEM_SETTING = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
-# madvise(2) advice values (Linux): MADV_POPULATE_READ needs 5.14; MADV_HUGEPAGE asks for 2 MiB pages.
-MADV_HUGEPAGE = 14
-MADV_POPULATE_READ = 22
 
 
 def host_id() -> str:
@@ -110,22 +105,22 @@ def default_readers() -> int:
     return DEFAULT_READERS if cpus >= READERS_MIN_CPUS else 1
 
 
-_libc: ctypes.CDLL | None = None
 _thp_logged = False
 
 
-def madvise(address: int, length: int, advice: int) -> int:
-    """``madvise(2)`` through libc: 0, or the errno. ctypes releases the GIL for the call (Python's
-    ``mmap.madvise`` does not), so prefaulting gigabytes does not stall the serving threads."""
-    global _libc
-    if _libc is None:
-        lib = ctypes.CDLL(None, use_errno=True)
-        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        lib.madvise.restype = ctypes.c_int
-        _libc = lib
-    if _libc.madvise(address, length, advice) == 0:
-        return 0
-    return ctypes.get_errno() or errno.EINVAL
+def pwrite_all(fd: int, data, offset: int) -> int:
+    """Write all of ``data`` (bytes-like) at ``offset`` of the file ``fd`` with ``pwrite``, which releases the
+    GIL; returns its length. A segment's writes and same-host clients' puts into a segment file use it."""
+    view = data if isinstance(data, memoryview) else memoryview(data)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    done, n = 0, view.nbytes
+    while done < n:
+        written = os.pwrite(fd, view[done:], offset + done)
+        if written <= 0:
+            raise OSError(errno.EIO, f"pwrite wrote nothing at offset {offset + done}")
+        done += written
+    return n
 
 
 def shmem_huge_pages() -> str:
@@ -210,29 +205,14 @@ class SegmentMemory:
 
     def write(self, offset: int, data: memoryview) -> int:
         """Write ``data`` at ``offset`` with ``pwrite`` (the caller checked that it fits); returns its length."""
-        view = data if isinstance(data, memoryview) else memoryview(data)
-        if view.ndim != 1 or view.itemsize != 1:
-            view = view.cast("B")
-        done, n = 0, view.nbytes
-        while done < n:
-            written = os.pwrite(self.fd, view[done:], offset + done)
-            if written <= 0:
-                raise OSError(errno.EIO, f"pwrite wrote nothing at offset {offset + done}")
-            done += written
-        return n
+        return pwrite_all(self.fd, data, offset)
 
     def prefault(self, stop: threading.Event, chunk_bytes: int = PREFAULT_CHUNK_BYTES) -> int:
-        """Map every page of the segment into this process (MADV_POPULATE_READ), chunk by chunk, until done
-        or ``stop`` is set; returns the bytes prefaulted. Kernels before 5.14 lack the advice: nothing happens."""
-        done = 0
-        while done < self.size and not stop.is_set() and not self._closed:
-            n = min(chunk_bytes, self.size - done)
-            err = madvise(self.address + done, n, MADV_POPULATE_READ)
-            if err:
-                log.debug("segment %s: prefault stopped at %d bytes: %s", self.path, done, os.strerror(err))
-                break
-            done += n
-        return done
+        """Map every page of the segment into this process (see :func:`_pages.prefault`) until done or ``stop``
+        is set; returns the bytes prefaulted. The caller sets ``stop`` and joins before closing the memory."""
+        if self._closed:
+            return 0
+        return prefault(self.address, self.size, stop, name=f"segment {self.path}", chunk_bytes=chunk_bytes)
 
     def flush(self) -> None:
         """Make the segment's bytes durable in its file (fsync; writes went in with pwrite)."""

@@ -1,0 +1,66 @@
+"""Page-level advice for mappings: huge pages and prefaulting, through ``madvise(2)``.
+
+Segments (their shared memory) and ``local_dir`` layers (their mapped head files) both ask for 2 MiB pages
+where the OS allows them and map their pages in ahead of the first reads, in pieces, from a background
+thread. ``madvise`` goes through ctypes, which releases the GIL for the call (Python's ``mmap.madvise`` does
+not), so prefaulting gigabytes does not stall the threads serving reads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import threading
+
+log = logging.getLogger(__name__)
+
+# madvise(2) advice values (Linux): MADV_POPULATE_READ needs 5.14; MADV_HUGEPAGE asks for 2 MiB pages.
+MADV_HUGEPAGE = 14
+MADV_POPULATE_READ = 22
+#: Prefaulting maps this much per madvise call (and checks whether to stop in between).
+PREFAULT_CHUNK_BYTES = 64 << 20
+
+_libc: ctypes.CDLL | None = None
+_libc_missing = False
+
+
+def madvise(address: int, length: int, advice: int) -> int:
+    """``madvise(2)`` of ``length`` bytes from ``address`` (widened to whole pages): 0, or the errno
+    (ENOSYS where libc cannot be loaded, e.g. not Linux/glibc; everything still works without advice)."""
+    global _libc, _libc_missing
+    if _libc is None:
+        if _libc_missing:
+            return errno.ENOSYS
+        try:
+            lib = ctypes.CDLL(None, use_errno=True)
+            lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            lib.madvise.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            _libc_missing = True
+            return errno.ENOSYS
+        _libc = lib
+    if length <= 0:
+        return 0
+    start = address - address % mmap.PAGESIZE
+    if _libc.madvise(start, length + (address - start), advice) == 0:
+        return 0
+    return ctypes.get_errno() or errno.EINVAL
+
+
+def prefault(address: int, length: int, stop: threading.Event | None = None, *, name: str = "mapping",
+             chunk_bytes: int = PREFAULT_CHUNK_BYTES) -> int:
+    """Map every page of ``length`` bytes from ``address`` into this process (MADV_POPULATE_READ), chunk by
+    chunk, until done or ``stop`` is set; returns the bytes prefaulted. Kernels before 5.14 lack the advice:
+    nothing happens."""
+    done = 0
+    while done < length and not (stop is not None and stop.is_set()):
+        n = min(chunk_bytes, length - done)
+        err = madvise(address + done, n, MADV_POPULATE_READ)
+        if err:
+            log.debug("%s: prefault stopped at %d bytes: %s", name, done, os.strerror(err))
+            break
+        done += n
+    return done
