@@ -617,7 +617,7 @@ class DistributedStore:
 
     def read_endpoints(self, replica: Replica) -> tuple[str, ...]:
         """The addresses that serve reads of ``replica``'s segment: its reader sockets, else its main address."""
-        return tuple(getattr(replica, "read_addresses", ())) or (replica.address,)
+        return replica.read_addresses or (replica.address,)
 
     def pick_endpoint(self, endpoints: Sequence[str]) -> str:
         """One of a segment's read endpoints for the calling thread: threads (and clients) spread over them."""
@@ -687,27 +687,43 @@ class DistributedStore:
             if isinstance(self._raw_info.get(address), tuple):
                 self._raw_info[address] = _SUSPECT
 
+    def _send_read(self, endpoint: str, pairs: np.ndarray, deadline: float) -> tuple[Any, int]:
+        """Send a ``read_ranges`` of ``pairs`` to ``endpoint``, over its raw channel where it has one, else over
+        ZeroMQ; returns the link it went on and the request id, for :meth:`_recv_read`."""
+        channel = self._raw_channel(endpoint)
+        if channel is not None:
+            return channel, channel.send_read(pairs, deadline)
+        conn = self._segment_conn(endpoint)
+        return conn, conn.send_frames("read_ranges", (pairs,), copy=pairs.nbytes < ZERO_COPY_SEND_BYTES)
+
+    def _recv_read(self, link: Any, endpoint: str, request_id: int, expected: int, deadline: float,
+                   out: np.ndarray | None = None) -> Any:
+        """The reply to a :meth:`_send_read`: ``expected`` bytes, in ``out`` if given (a flat writable uint8
+        array), else in the raw channel's buffer (until its next read) or a received frame."""
+        if isinstance(link, RawChannel):
+            return link.recv_read(request_id, expected, deadline, out)
+        _, frames = link.recv(request_id, deadline, "read_ranges", copy=expected < ZERO_COPY_REPLY_BYTES)
+        data = frame_bytes(frames[0]) if frames else None
+        if data is None or len(data) != expected:
+            raise ProtocolError(f"read_ranges: {endpoint} sent {0 if data is None else len(data)} bytes, "
+                                f"expected {expected}")
+        if out is None:
+            return data
+        out[:expected] = np.frombuffer(data, dtype=np.uint8)
+        return out
+
     def read_pairs(self, endpoint: str, pairs: np.ndarray, expected: int) -> Any:
         """One ``read_ranges`` of ``pairs`` (int64 ``[R, 2]``, C-contiguous) from ``endpoint``: the gathered bytes
         (``expected`` of them; over the raw channel they live in its buffer until its next read). The lookup's
         hot path when one server holds every remote head; raises on failure."""
         self._check_open()
         deadline = time.monotonic() + self.timeout_ms / 1000.0
-        channel = self._raw_channel(endpoint)
-        if channel is not None:
-            try:
-                return channel.recv_read(channel.send_read(pairs, deadline), expected, deadline)
-            except SegmentUnavailable:
-                self._drop_raw(endpoint)
-                raise
-        conn = self._segment_conn(endpoint)
-        request_id = conn.send_frames("read_ranges", (pairs,), copy=pairs.nbytes < ZERO_COPY_SEND_BYTES)
-        _, frames = conn.recv(request_id, deadline, "read_ranges", copy=expected < ZERO_COPY_REPLY_BYTES)
-        data = frame_bytes(frames[0]) if frames else None
-        if data is None or len(data) != expected:
-            raise ProtocolError(f"read_ranges: {endpoint} sent {0 if data is None else len(data)} bytes, "
-                                f"expected {expected}")
-        return data
+        try:
+            link, request_id = self._send_read(endpoint, pairs, deadline)
+            return self._recv_read(link, endpoint, request_id, expected, deadline)
+        except SegmentUnavailable:
+            self._drop_raw(endpoint)
+            raise
 
     def read_pairs_many(self, requests: Sequence[tuple[str, np.ndarray]], outs: Sequence[Any] | None = None) -> list:
         """Send one ``read_ranges`` per ``(endpoint, pairs)`` (int64 ``[R, 2]`` byte offset and length), all at
@@ -733,19 +749,16 @@ class DistributedStore:
             expected = int(pairs[:, 1].sum()) if pairs.size else 0
             out = outs[i] if outs is not None else None
             try:
-                channel = self._raw_channel(endpoint)
-                if channel is not None:
-                    if out is None and id(channel) in used:  # the channel's buffer holds an earlier reply
-                        out = np.empty(expected, dtype=np.uint8)
-                    used.add(id(channel))
-                    sent[i] = (channel, channel.send_read(pairs, deadline), expected, out, deadline)
-                else:
-                    conn = self._segment_conn(endpoint)
-                    sent[i] = (conn, conn.send_frames("read_ranges", (pairs,), copy=pairs.nbytes < ZERO_COPY_SEND_BYTES),
-                               expected, out, deadline)
+                link, request_id = self._send_read(endpoint, pairs, deadline)
             except SegmentUnavailable as exc:
                 self._drop_raw(endpoint)
                 sent[i] = exc
+                continue
+            if isinstance(link, RawChannel):
+                if out is None and id(link) in used:  # the channel's buffer holds an earlier reply
+                    out = np.empty(expected, dtype=np.uint8)
+                used.add(id(link))
+            sent[i] = (link, request_id, expected, out, deadline)
         result = []
         for item, (endpoint, _) in zip(sent, requests):
             if isinstance(item, BaseException):
@@ -753,23 +766,11 @@ class DistributedStore:
                 continue
             link, request_id, expected, out, deadline = item
             try:
-                if isinstance(link, RawChannel):
-                    data = link.recv_read(request_id, expected, deadline, out)
-                else:
-                    _, frames = link.recv(request_id, deadline, "read_ranges", copy=expected < ZERO_COPY_REPLY_BYTES)
-                    data = frame_bytes(frames[0]) if frames else None
-                    if data is None or len(data) != expected:
-                        got = 0 if data is None else len(data)
-                        raise ProtocolError(f"read_ranges: {endpoint} sent {got} bytes, expected {expected}")
-                    if out is not None:
-                        out[:expected] = np.frombuffer(data, dtype=np.uint8)
-                        data = out
+                result.append(self._recv_read(link, endpoint, request_id, expected, deadline, out))
             except EngramError as exc:
                 if isinstance(exc, SegmentUnavailable):
                     self._drop_raw(endpoint)
                 result.append(exc)
-                continue
-            result.append(data)
         return result
 
     def _read_remote(self, work: list, groups: dict[str, list[int]], failed: set[str]):

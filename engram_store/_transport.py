@@ -15,7 +15,6 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Sequence
 
-import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -231,11 +230,9 @@ class RpcServer:
                 reply.update(fields)
             head = pack_header(reply)
             ok = True
-        except EngramError as exc:
-            head = pack_header({"v": PROTOCOL_VERSION, **error_reply(request_id, exc)})
-            frames = ()
-        except Exception as exc:  # a bug in a handler: answer, log, keep serving
-            log.exception("%s: handler failed", self.name)
+        except Exception as exc:  # an error reply; a bug in a handler is also logged; the loop keeps serving
+            if not isinstance(exc, EngramError):
+                log.exception("%s: handler failed", self.name)
             head = pack_header({"v": PROTOCOL_VERSION, **error_reply(request_id, exc)})
             frames = ()
         self.metrics.record(op, time.perf_counter() - start, ok)
@@ -325,7 +322,7 @@ class Connection:
         """Send a request with no header fields but ``op``: the hot path of reads (a header packed directly;
         ``copy=True`` for small frames, which pyzmq copies faster than it tracks them for zero-copy)."""
         request_id = next(self._ids)
-        self._send(op, (msgpack.packb({"v": PROTOCOL_VERSION, "id": request_id, "op": op}), *frames), copy)
+        self._send(op, (pack_header({"v": PROTOCOL_VERSION, "id": request_id, "op": op}), *frames), copy)
         return request_id
 
     def _send(self, op: str, msg: Sequence[Any], copy: bool) -> None:
