@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+import xxhash
 
 from . import _kernels
 from ._errors import (
@@ -467,8 +468,7 @@ class EngramStore:
         published = self._read_manifest(lay)
         if published is not None:
             self._check_manifest(lay, published)  # another shard published this layer: the layouts must agree
-        total = sum(t.nbytes for t in tables)
-        bar = Progress(total, f"populate layer {lay.layer_id}", enabled=None if total > PROGRESS_MIN_BYTES else False)
+        bar = _populate_progress(lay, tables)
         with lay.lock:
             lay.placement = None
         # The manifest's checksums are computed while the tables upload (the hash releases the GIL).
@@ -489,8 +489,7 @@ class EngramStore:
             raise
 
     def _populate_local(self, lay: _Layer, tables: list[np.ndarray]) -> None:
-        total = sum(t.nbytes for t in tables)
-        bar = Progress(total, f"populate layer {lay.layer_id}", enabled=None if total > PROGRESS_MIN_BYTES else False)
+        bar = _populate_progress(lay, tables)
         try:
             self._local_dir.publish(lay.layer_id, lay.row_bytes, lay.layer_sizes, tables, progress=bar)
         finally:
@@ -547,17 +546,8 @@ class EngramStore:
             if self._native is not None:
                 self._native.put(lay.manifest_key, data, replica_num=replica_num)
             else:
-                buf = np.frombuffer(data, dtype=np.uint8).copy()
-                _check_code(self._store.register_buffer(buf.ctypes.data, buf.nbytes), "register_buffer",
-                            lay.manifest_key)
-                try:
-                    config = _replicate_config(replica_num)
-                    codes = (self._store.batch_put_from([lay.manifest_key], [buf.ctypes.data], [buf.nbytes], config)
-                             if config is not None else
-                             self._store.batch_put_from([lay.manifest_key], [buf.ctypes.data], [buf.nbytes]))
-                    _check_code(codes[0], "batch_put_from", lay.manifest_key)
-                finally:
-                    self._store.unregister_buffer(buf.ctypes.data)
+                _mooncake_put(self._store, lay.manifest_key, np.frombuffer(data, dtype=np.uint8).copy(),
+                              _replicate_config(replica_num))
         except ObjectExists:
             self._check_manifest(lay, self._read_manifest(lay))  # a concurrent shard published first
 
@@ -660,15 +650,8 @@ class EngramStore:
         done = 0
         try:
             for key, table in zip(lay.keys, tables):
-                ptr = table.ctypes.data
-                _check_code(store.register_buffer(ptr, table.nbytes), "register_buffer", key)
-                try:
-                    codes = (store.batch_put_from([key], [ptr], [table.nbytes], config) if config is not None
-                             else store.batch_put_from([key], [ptr], [table.nbytes]))
-                    _check_code(codes[0], "batch_put_from", key)
-                    written.append(key)
-                finally:
-                    store.unregister_buffer(ptr)
+                _mooncake_put(store, key, table, config)
+                written.append(key)
                 done += table.nbytes
                 bar(done)
         except BaseException:
@@ -1303,18 +1286,17 @@ def _gather_pool(workers: int) -> ThreadPoolExecutor:
         return _POOL
 
 
-def _checksums(tables: Sequence[np.ndarray], algorithm: str | None = None) -> tuple[str, list[str]]:
-    """Checksums of each table's bytes as hex strings: xxh3_64 (about 11 GB/s here, GIL released) when the
-    xxhash package is installed, else crc32 (zlib, about 2.3 GB/s); ``algorithm`` forces one (for verify)."""
-    if algorithm is None:
-        try:
-            import xxhash  # noqa: F401
-            algorithm = "xxh3_64"
-        except ImportError:
-            algorithm = "crc32"
-    if algorithm == "xxh3_64":
-        import xxhash
+def _populate_progress(lay: _Layer, tables: Sequence[np.ndarray]) -> Progress:
+    """The progress bar of a populate: shown for layers above PROGRESS_MIN_BYTES (where stderr is a terminal)."""
+    total = sum(t.nbytes for t in tables)
+    return Progress(total, f"populate layer {lay.layer_id}", enabled=None if total > PROGRESS_MIN_BYTES else False)
 
+
+def _checksums(tables: Sequence[np.ndarray], algorithm: str | None = None) -> tuple[str, list[str]]:
+    """Checksums of each table's bytes as hex strings: xxh3_64 (about 11 GB/s here, GIL released) unless
+    ``algorithm`` names another (verify of a manifest written with crc32: zlib, about 2.3 GB/s)."""
+    algorithm = algorithm or "xxh3_64"
+    if algorithm == "xxh3_64":
         return algorithm, [xxhash.xxh3_64_hexdigest(t.reshape(-1).view(np.uint8)) for t in tables]
     if algorithm == "crc32":
         return algorithm, [f"{zlib.crc32(t.reshape(-1).view(np.uint8)) & 0xFFFFFFFF:08x}" for t in tables]
@@ -1376,6 +1358,19 @@ def _replicate_config(replica_num: int):
     config.replica_num = replica_num
     config.with_hard_pin = True  # tables are immutable once published: never evicted
     return config
+
+
+def _mooncake_put(store: Any, key: str, buffer: np.ndarray, config: Any) -> None:
+    """Upload ``buffer`` (C-contiguous) under ``key`` to a Mooncake store: registered for the transfer, put
+    with ``config`` (a ReplicateConfig, or None for the store's default), unregistered whatever happens."""
+    ptr = buffer.ctypes.data
+    _check_code(store.register_buffer(ptr, buffer.nbytes), "register_buffer", key)
+    try:
+        codes = (store.batch_put_from([key], [ptr], [buffer.nbytes], config) if config is not None
+                 else store.batch_put_from([key], [ptr], [buffer.nbytes]))
+        _check_code(codes[0], "batch_put_from", key)
+    finally:
+        store.unregister_buffer(ptr)
 
 
 def _unregister(store: Any, buffer: np.ndarray) -> None:

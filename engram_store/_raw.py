@@ -294,7 +294,7 @@ class _Reader:
             while self.end - self.start < n:
                 k = self.conn.recv_into(view[self.end:])
                 if k == 0:
-                    raise ConnectionError(f"peer closed the connection in the middle of a message")
+                    raise ConnectionError("peer closed the connection in the middle of a message")
                 self.end += k
         out = memoryview(self.buf)[self.start:self.start + n]
         self.start += n

@@ -525,24 +525,22 @@ class SegmentServer:
                                                       name=f"engram-heartbeat-{self.segment_id[:8]}")
             self._heartbeat_thread.start()
 
-    def _start_readers(self) -> None:
+    def _start_helpers(self) -> None:
+        """Start what serves beside the main socket: heartbeats, reader threads, the raw read channel."""
+        self._start_heartbeats()
         for reader in self._readers:
             if reader._thread is None:
                 reader.start()
-
-    def start(self) -> "SegmentServer":
-        self._start_heartbeats()
-        self._start_readers()
         if self.raw is not None:
             self.raw.start()
+
+    def start(self) -> "SegmentServer":
+        self._start_helpers()
         self.server.start()
         return self
 
     def serve_forever(self) -> None:
-        self._start_heartbeats()
-        self._start_readers()
-        if self.raw is not None:
-            self.raw.start()
+        self._start_helpers()
         self.server.serve_forever()
 
     def stop(self) -> None:
