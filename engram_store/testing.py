@@ -77,9 +77,34 @@ class Proc:
     def alive(self) -> bool:
         return self.popen.poll() is None
 
-    def signal(self, sig: int) -> None:
-        if self.alive():
-            self.popen.send_signal(sig)
+    def signal(self, sig: int, timeout_s: float = 30.0) -> None:
+        """Send ``sig``. For SIGSTOP, return only once every thread of the process is stopped: ``kill()``
+        returns before the stop takes effect, and a thread already on a CPU may still answer a request."""
+        if not self.alive():
+            return
+        self.popen.send_signal(sig)
+        if sig == signal.SIGSTOP:
+            self._wait_stopped(timeout_s)
+
+    def _wait_stopped(self, timeout_s: float) -> None:
+        task_dir = f"/proc/{self.pid}/task"
+        if not os.path.isdir(task_dir):
+            return  # no procfs: nothing to look at
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states = []
+            for tid in os.listdir(task_dir):
+                try:
+                    with open(f"{task_dir}/{tid}/stat", encoding="ascii", errors="replace") as f:
+                        states.append(f.read().rsplit(")", 1)[1].split()[0])
+                except (OSError, IndexError):
+                    continue  # the thread exited meanwhile
+            if states and all(state in ("T", "t") for state in states):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} (pid {self.pid}) did not stop within {timeout_s} s: "
+                                   f"thread states {states}")
+            time.sleep(0.001)
 
     def kill(self) -> None:
         """SIGKILL and reap."""

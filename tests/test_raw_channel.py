@@ -207,6 +207,7 @@ def test_a_hung_segment_does_not_hold_up_reads_of_a_healthy_one(monkeypatch):
             reqs = [(hung, np.array([[offsets[hung], 64]], dtype=np.int64)),
                     (healthy, np.array([[offsets[healthy], 64]], dtype=np.int64))]
             assert [bytes(r) for r in store.read_pairs_many(reqs)] == [payload[:64].tobytes()] * 2
+            monkeypatch.setattr(_client, "DEAD_HOLD_S", 600.0)  # a stalled test machine does not end the hold
             c.segments[0].signal(signal.SIGSTOP)
             try:
                 first = store.read_pairs_many(reqs)  # times out on the hung one: it becomes suspect
