@@ -712,15 +712,16 @@ class DistributedStore:
         out[:expected] = np.frombuffer(data, dtype=np.uint8)
         return out
 
-    def read_pairs(self, endpoint: str, pairs: np.ndarray, expected: int) -> Any:
+    def read_pairs(self, endpoint: str, pairs: np.ndarray, expected: int, out: np.ndarray | None = None) -> Any:
         """One ``read_ranges`` of ``pairs`` (int64 ``[R, 2]``, C-contiguous) from ``endpoint``: the gathered bytes
-        (``expected`` of them; over the raw channel they live in its buffer until its next read). The lookup's
-        hot path when one server holds every remote head; raises on failure."""
+        (``expected`` of them; over the raw channel they live in its buffer until its next read), or ``out`` (a
+        flat writable uint8 array of that size) filled with them. The lookup's hot path when one server holds
+        every remote head; raises on failure (``out`` may then hold part of a reply)."""
         self._check_open()
         deadline = time.monotonic() + self.timeout_ms / 1000.0
         try:
             link, request_id = self._send_read(endpoint, pairs, deadline)
-            return self._recv_read(link, endpoint, request_id, expected, deadline)
+            return self._recv_read(link, endpoint, request_id, expected, deadline, out)
         except SegmentUnavailable:
             self._drop_raw(endpoint)
             raise

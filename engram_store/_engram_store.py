@@ -59,6 +59,9 @@ PLACEMENT_TTL_S = 0.5
 PREFETCH_INLINE_ROWS = 4096
 #: A local gather of at least this many rows is split over the store's ``threads``.
 THREADED_MIN_ROWS = 16384
+#: A remote lookup of at most this many rows, with every head on one server, reads each (m, h) row as it is
+#: into the output (no deduplication, no scatter); larger ones read each distinct row once.
+DIRECT_MAX_ROWS = 4096
 #: How many times a lookup re-resolves placement after a segment fails before giving up.
 FAILOVER_ROUNDS = 2
 #: Row formats and the NumPy dtype their items are returned as.
@@ -841,19 +844,29 @@ class EngramStore:
             self._gather_local(lay, placement, ids2, flat)
         if placement.remote:
             address, endpoints, _, _ = placement.remote[0]
-            pairs, r, head_rows, _, inverse = _kernels._plan_reads(ids2, placement.order, placement.bases,
-                                                                    lay.row_bytes)
-            rows = int(head_rows[-1])
             native = self._native
+            direct = not placement.local and ids2.size <= DIRECT_MAX_ROWS
+            if direct:
+                # Every head on one server and few rows: one range per (m, h) in output order, so the reply
+                # lands in ``flat`` as it is; no sort, no scatter (a repeated row is read again).
+                pairs = _kernels._direct_pairs(ids2, placement.bases, lay.row_bytes)
+                rows = ids2.size
+            else:
+                pairs, r, head_rows, _, inverse = _kernels._plan_reads(ids2, placement.order, placement.bases,
+                                                                        lay.row_bytes)
+                pairs = pairs[:r]
+                rows = int(head_rows[-1])
             try:
-                data = native.read_pairs(native.pick_endpoint(endpoints), pairs[:r], rows * lay.row_bytes)
+                data = native.read_pairs(native.pick_endpoint(endpoints), pairs, rows * lay.row_bytes,
+                                         out=flat if direct else None)
             except SegmentUnavailable:
                 with lay.lock:
                     lay.placement = None
                 _lookup_native(native, [(self, lay, ids2, flat)], failed={address})
                 return
-            if _kernels._scatter_rows(_kernels.readonly(np.frombuffer(data, dtype=np.uint8)),
-                                      _kernels.readonly(inverse), placement.order, 0, lay.row_bytes, flat) >= 0:
+            if not direct and _kernels._scatter_rows(_kernels.readonly(np.frombuffer(data, dtype=np.uint8)),
+                                                     _kernels.readonly(inverse), placement.order, 0, lay.row_bytes,
+                                                     flat) >= 0:
                 raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")
             lay.counters.add(lookups=1, rows=ids2.size, local_rows=placement.local_heads * ids2.shape[0],
                              remote_requests=1, remote_rows=rows, remote_bytes=rows * lay.row_bytes)
@@ -1160,18 +1173,29 @@ def _lookup_native(native: Any, jobs: list[tuple[EngramStore, _Layer, np.ndarray
 
 
 def _read_remote(native: Any, jobs: list) -> set[str]:
-    """One read per segment server for every job's remote heads; scatter the replies; the addresses that failed."""
+    """One read per segment server for every job's remote heads; scatter the replies; the addresses that failed.
+
+    A job of at most DIRECT_MAX_ROWS rows whose heads all live on one server reads its rows as they are, in
+    output order (the reply is its output); others read each distinct row once and scatter it."""
     requests: dict[str, tuple[str, list]] = {}
     for owner, lay, placement, ids2, flat in jobs:
+        if not placement.local and len(placement.remote) == 1 and ids2.size <= DIRECT_MAX_ROWS:
+            address, endpoints, _, _ = placement.remote[0]
+            requests.setdefault(address, (native.pick_endpoint(endpoints), []))[1].append(
+                (lay, None, _kernels._direct_pairs(ids2, placement.bases, lay.row_bytes), ids2.size, flat))
+            continue
         plan = _kernels.plan_reads(ids2, placement.order, placement.bases, lay.row_bytes, checked=True)
         for address, endpoints, j0, j1 in placement.remote:
+            pairs = plan.pairs[plan.head_ranges[j0]:plan.head_ranges[j1]]
+            rows = int(plan.head_rows[j1] - plan.head_rows[j0])
             requests.setdefault(address, (native.pick_endpoint(endpoints), []))[1].append(
-                (lay, placement, plan, j0, j1, flat))
-    batch = []
+                (lay, (plan, placement.order[j0:j1], int(plan.head_rows[j0])), pairs, rows, flat))
+    batch, outs = [], []
     for endpoint, parts in requests.values():
-        pieces = [plan.pairs[plan.head_ranges[j0]:plan.head_ranges[j1]] for _, _, plan, j0, j1, _ in parts]
+        pieces = [pairs for _, _, pairs, _, _ in parts]
         batch.append((endpoint, pieces[0] if len(pieces) == 1 else np.concatenate(pieces)))
-    results = native.read_pairs_many(batch)
+        outs.append(parts[0][4] if len(parts) == 1 and parts[0][1] is None else None)  # straight into the output
+    results = native.read_pairs_many(batch, outs)
     failed = set()
     for (address, (_, parts)), result in zip(requests.items(), results):
         if isinstance(result, BaseException):
@@ -1181,14 +1205,19 @@ def _read_remote(native: Any, jobs: list) -> set[str]:
             raise result
         data = _kernels.readonly(np.frombuffer(result, dtype=np.uint8))
         pos = 0
-        for lay, placement, plan, j0, j1, flat in parts:
-            r0, r1 = int(plan.head_rows[j0]), int(plan.head_rows[j1])
-            n = (r1 - r0) * lay.row_bytes
-            bad = _kernels.scatter_rows_prepared(data[pos:pos + n], plan.inverse, placement.order[j0:j1], r0,
-                                                 lay.row_bytes, flat)
-            if bad >= 0:
-                raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")
-            lay.counters.add(remote_requests=1, remote_rows=r1 - r0, remote_bytes=n)
+        for lay, scatter, _, rows, flat in parts:
+            n = rows * lay.row_bytes
+            if scatter is None:
+                if data.size < pos + n:
+                    raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")
+                if flat.ctypes.data != data.ctypes.data + pos:
+                    flat[:] = data[pos:pos + n]
+            else:
+                plan, heads, r0 = scatter
+                if _kernels.scatter_rows_prepared(data[pos:pos + n], plan.inverse, heads, r0, lay.row_bytes,
+                                                  flat) >= 0:
+                    raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")
+            lay.counters.add(remote_requests=1, remote_rows=rows, remote_bytes=n)
             pos += n
     return failed
 

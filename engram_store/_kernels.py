@@ -411,6 +411,20 @@ def _plan_reads(ids, order, base, row_bytes):
 
 
 @njit(cache=True, nogil=True)
+def _direct_pairs(ids, base, row_bytes):
+    # One byte range per (m, h) in output order, no deduplication: the reply is the [M, H, row] output itself.
+    M, H = ids.shape
+    pairs = np.empty((M * H, 2), dtype=np.int64)
+    i = 0
+    for m in range(M):
+        for h in range(H):
+            pairs[i, 0] = base[h] + ids[m, h] * row_bytes
+            pairs[i, 1] = row_bytes
+            i += 1
+    return pairs
+
+
+@njit(cache=True, nogil=True)
 def _scatter_words(rows, inverse, heads, row_start, row_words, out):
     # rows: words of the rows back to back; out: words of [M, H, row] flattened.
     M, H = inverse.shape
@@ -800,6 +814,8 @@ def warmup(word_sizes: tuple[int, ...] = (8, 4, 2, 1), cache: bool = True) -> No
     uniq, starts, inverse = plan_unique_rows(ids, heads)
     rows_to_ranges(uniq, starts, np.zeros(2, dtype=np.int64), 8)
     plan = plan_reads(ids, heads, np.zeros(2, dtype=np.int64), 8)
+    for a in (ids, readonly(ids)):
+        _direct_pairs(a, readonly(np.zeros(2, dtype=np.int64)), np.int64(8))
     for word in word_sizes:
         segment = np.zeros(64 * word, dtype=np.uint8)
         out = np.zeros(4 * word, dtype=np.uint8)

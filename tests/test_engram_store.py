@@ -22,6 +22,7 @@ from engram_store import (
     prefetch_many,
 )
 from engram_store.testing import Cluster
+from engram_store import _engram_store
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -109,6 +110,39 @@ def test_lookup_equals_fancy_indexing_local_direct(local_store, g):
 @given(g=geometry)
 def test_lookup_equals_fancy_indexing_remote(remote_store, g):
     _check_lookup(remote_store, g)
+
+
+@pytest.fixture(scope="module")
+def one_segment_store():
+    """Every head of a layer on one remote segment: the lean path of a lookup."""
+    with Cluster(segments=1, segment_size="64MiB", heartbeat_timeout_s=5.0) as c:
+        with DistributedStore.connect(c.address, local_direct=False) as store:
+            yield store
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["rows-as-they-are", "distinct-rows"])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(g=geometry)
+def test_lookup_equals_fancy_indexing_one_remote_segment(one_segment_store, g, direct, monkeypatch):
+    # Small lookups read every (m, h) row straight into the output; larger ones read each distinct row once.
+    monkeypatch.setattr(_engram_store, "DIRECT_MAX_ROWS", 1 << 30 if direct else 0)
+    _check_lookup(one_segment_store, g)
+
+
+def test_small_lookups_read_rows_as_they_are_and_large_ones_read_distinct_rows(one_segment_store, monkeypatch):
+    sizes = [300] * 4
+    tables = make_tables(sizes, 8, 5)
+    es = EngramStore(next(_layers), EngramStoreConfig(sizes, 8), one_segment_store)
+    es.populate(tables)
+    ids = random_ids(np.random.default_rng(6), sizes, 4, 16, dup_pool=7)  # 256 ids, at most 28 distinct
+    distinct = sum(len(np.unique(ids[..., h])) for h in range(len(sizes)))
+    for limit, rows in ((ids.size, ids.size), (ids.size - 1, distinct)):
+        monkeypatch.setattr(_engram_store, "DIRECT_MAX_ROWS", limit)
+        es.stats(reset=True)
+        np.testing.assert_array_equal(es.lookup(ids), expected_rows(tables, ids))
+        stats = es.stats()
+        assert (stats["remote_requests"], stats["remote_rows"], stats["remote_bytes"]) == (1, rows, rows * 8 * 4)
+    es.remove_from_store()
 
 
 def test_heads_spread_over_two_remote_segments_are_read_in_one_round(remote_store, remote_cluster):
