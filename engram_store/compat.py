@@ -691,6 +691,51 @@ class _MultiLayerEngramStore(EngramStore):
         if jobs:
             self._read(*(list(column) for column in zip(*jobs)))
 
+    def lookup_many_into_registered(self, layer_ids: Sequence[int], row_ids: Sequence[np.ndarray],
+                                    output_addresses: Sequence[int], output_sizes: Sequence[int]) -> None:
+        """:meth:`lookup_many_into` with each output given as a raw address and its size in bytes: memory the
+        caller owns (a framework's pinned or registered buffer), written as ``[B, L, H, row_bytes]`` uint8.
+
+        The addresses must stay valid for the call; nothing checks that they point at memory the caller may
+        write. This store reads into any memory, so registering it with the store is not required."""
+        for name, value in (("layer_ids", layer_ids), ("row_ids", row_ids), ("output_addresses", output_addresses),
+                            ("output_sizes", output_sizes)):
+            if not isinstance(value, (list, tuple)):
+                raise _RuntimeInvalidType(f"{name}: expected a list, got {type(value).__name__}")
+        layers = [self._layer(layer_id) for layer_id in layer_ids]
+        if not len(layer_ids) == len(row_ids) == len(output_addresses) == len(output_sizes):
+            raise _RuntimeInvalidArgument(
+                f"layer_ids, row_ids, output_addresses and output_sizes must have equal lengths, got "
+                f"{len(layer_ids)}, {len(row_ids)}, {len(output_addresses)} and {len(output_sizes)}")
+        jobs, outs = [], []
+        for i, (layer_id, ids, address, size) in enumerate(zip(layers, row_ids, output_addresses, output_sizes)):
+            H = self._es.get_num_heads(layer=layer_id)
+            row_bytes = self._es.get_row_bytes(layer=layer_id)
+            if not (isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.flags.c_contiguous
+                    and ids.ndim == 3 and ids.shape[2] == H):
+                raise _RuntimeInvalidArgument(f"lookup_many_into_registered requires contiguous int64 IDs [B,L,H]: "
+                                              f"expected row_ids[{i}] of shape [B, L, {H}] (layer {layer_id}), got "
+                                              f"{_describe_array(ids)}")
+            for name, value in (("output_addresses", address), ("output_sizes", size)):
+                if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+                    raise _RuntimeInvalidArgument(f"{name}[{i}]: expected a non-negative integer, got {value!r}")
+            outs.append(np.empty(0, dtype=np.uint8))
+            if ids.size == 0:
+                continue
+            if address == 0:
+                raise _RuntimeInvalidArgument(f"output_addresses[{i}]: registered output address must be nonzero")
+            shape = ids.shape + (row_bytes,)
+            need = ids.size * row_bytes
+            if size != need:
+                raise _RuntimeInvalidArgument(f"output_sizes[{i}]: expected {need} bytes ([B, L, H, row_bytes] = "
+                                              f"{list(shape)} for layer {layer_id}), got {size}")
+            out = np.ctypeslib.as_array((ctypes.c_uint8 * need).from_address(int(address))).reshape(shape)
+            jobs.append((layer_id, ids, out))
+            outs[i] = out
+        if jobs:
+            _check_disjoint(outs, "output_addresses")
+            self._read(*(list(column) for column in zip(*jobs)))
+
     def lookup(self, table_ids: Sequence[int], row_ids: np.ndarray, output: np.ndarray) -> None:
         """Mooncake's packed lookup: ``output[i, t] = row row_ids[i, t] of layer table_ids[i]``, for layers of
         one head each; an id of -1 leaves ``output[i, t]`` as it is.
@@ -834,12 +879,12 @@ def _lookup_error(exc: EngramError, from_store: bool) -> EngramError:
     return _as_runtime_error(exc)
 
 
-def _check_disjoint(outputs: list[np.ndarray]) -> None:
+def _check_disjoint(outputs: list[np.ndarray], name: str = "outputs") -> None:
     """Refuse outputs that share memory: one lookup would overwrite another's rows."""
     spans = sorted((out.ctypes.data, out.ctypes.data + out.nbytes, i) for i, out in enumerate(outputs) if out.nbytes)
     for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
         if start < end:
-            raise _RuntimeInvalidArgument(f"outputs[{min(i, j)}] and outputs[{max(i, j)}] overlap in memory; each "
+            raise _RuntimeInvalidArgument(f"{name}[{min(i, j)}] and {name}[{max(i, j)}] overlap in memory; each "
                                           "lookup needs its own output")
 
 
