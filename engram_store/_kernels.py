@@ -36,9 +36,9 @@ import numpy as np
 from numba import njit
 
 __all__ = [
-    "check_ranges", "gather_ranges", "gather_pairs", "serve_pairs", "scatter_ranges", "first_bad_row", "plan_unique_rows",
-    "rows_to_ranges", "plan_reads", "ReadPlan", "scatter_rows", "scatter_rows_prepared", "gather_rows_local",
-    "RowSource", "row_source", "gather_rows", "word_shift", "readonly", "cache_probe", "cache_insert",
+    "check_ranges", "gather_ranges", "gather_pairs", "check_pairs", "gather_pairs_unchecked", "scatter_ranges",
+    "first_bad_row", "plan_unique_rows", "rows_to_ranges", "plan_reads", "ReadPlan", "scatter_rows",
+    "scatter_rows_prepared", "gather_rows_local", "RowSource", "row_source", "gather_rows", "word_shift", "readonly", "cache_probe", "cache_insert",
     "cache_fill", "warmup",
 ]
 
@@ -109,20 +109,15 @@ def _gather_pairs_any(src, pairs, out):
     return _gather_pairs(src, pairs, 0, -1, out)
 
 
-def serve_pairs(src: np.ndarray, pairs: np.ndarray, out: np.ndarray) -> tuple[int, int, np.ndarray]:
-    """A segment's range read in two kernel calls: check every range of ``pairs`` (int64 ``[R, 2]``) against
-    ``src`` (read-only flat bytes) and total them, then gather into ``out`` (flat bytes, grown if too small).
-
-    Returns ``(bad, total, out)``: ``bad`` is -1 or the index of the first range outside ``src`` (nothing is
-    copied then); ``out[:total]`` holds the ranges back to back.
-    """
+def check_pairs(src: np.ndarray, pairs: np.ndarray) -> tuple[int, int]:
+    """``(bad, total)``: the first range of ``pairs`` outside ``src`` (or -1) and the ranges' byte total."""
     bad, total = _pairs_total(pairs, src.size)
-    if bad >= 0:
-        return int(bad), 0, out
-    if out.size < total:
-        out = np.empty(max(int(total), 2 * out.size), dtype=np.uint8)
-    _gather_pairs_any(src, pairs, out[:total])
-    return -1, int(total), out
+    return int(bad), int(total)
+
+
+def gather_pairs_unchecked(src: np.ndarray, pairs: np.ndarray, out: np.ndarray) -> None:
+    """Gather ``pairs`` that :func:`check_pairs` accepted into ``out`` (flat bytes, exactly their total)."""
+    _gather_pairs_any(src, pairs, out)
 
 
 @njit(cache=True, nogil=True)
@@ -821,7 +816,8 @@ def warmup(word_sizes: tuple[int, ...] = (8, 4, 2, 1), cache: bool = True) -> No
         out = np.zeros(4 * word, dtype=np.uint8)
         pairs = np.array([[0, word], [8 * word, word]], dtype=np.int64)
         gather_pairs(segment, pairs, out, 2 * word)
-        serve_pairs(readonly(segment), pairs, out)  # the raw read server's pairs are writable
+        check_pairs(readonly(segment), pairs)  # the raw read server's pairs are writable
+        gather_pairs_unchecked(readonly(segment), pairs, out[:2 * word])
         scatter_ranges(out, segment, pairs[:, 0].copy(), pairs[:, 1].copy())
         source = row_source(segment, np.array([0, 16 * word], dtype=np.int64), heads, word)
         gather_rows(source, ids, np.zeros(4 * word, dtype=np.uint8))

@@ -57,6 +57,10 @@ TOKEN_TTL_S = 60.0
 PARTIAL_MESSAGE_TIMEOUT_S = 30.0
 #: Connections served at once per segment; more are refused (the client reads over ZeroMQ instead).
 MAX_CONNECTIONS = 256
+#: A reply larger than this is gathered and sent in pieces of about STREAM_PIECE_BYTES, so the client receives
+#: one piece while the next is gathered (the reply on the wire is the same).
+STREAM_MIN_BYTES = 4 << 20
+STREAM_PIECE_BYTES = 1 << 20
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
@@ -206,7 +210,7 @@ class RawReadServer:
         The request is counted in the metrics before its reply goes out (so a client that has the reply sees it
         counted)."""
         start = time.perf_counter()
-        bad, total, out_buf = _kernels.serve_pairs(self.segment, pairs, out_buf)
+        bad, total = _kernels.check_pairs(self.segment, pairs)
         if bad >= 0:
             self._reply_error(conn, request_id, InvalidArgument(
                 f"read_ranges: range {bad} (offset {int(pairs[bad, 0])}, length {int(pairs[bad, 1])}) is outside "
@@ -216,9 +220,38 @@ class RawReadServer:
             self._reply_error(conn, request_id, InvalidArgument(
                 f"read_ranges: {total} bytes requested, at most {self.max_bytes} per request"))
             return out_buf
+        if total > STREAM_MIN_BYTES:
+            return self._stream(conn, request_id, pairs, total, start, out_buf)
+        if out_buf.size < total:
+            out_buf = np.empty(max(total, 2 * out_buf.size), dtype=np.uint8)
+        _kernels.gather_pairs_unchecked(self.segment, pairs, out_buf[:total])
         if self.metrics is not None:
             self.metrics.record("read_ranges", time.perf_counter() - start, True)
         _sendmsg_all(conn, [HEADER.pack(MAGIC, VERSION, STATUS_OK, request_id, total), out_buf[:total]])
+        return out_buf
+
+    def _stream(self, conn: socket.socket, request_id: int, pairs: np.ndarray, total: int, start: float,
+                out_buf: np.ndarray) -> np.ndarray:
+        """Send the reply of checked ``pairs`` as the header, then pieces of about STREAM_PIECE_BYTES gathered
+        one after another (the client receives a piece while the next one is gathered)."""
+        if out_buf.size < STREAM_PIECE_BYTES:
+            out_buf = np.empty(STREAM_PIECE_BYTES, dtype=np.uint8)
+        ends = np.cumsum(pairs[:, 1])
+        # Piece boundaries at range boundaries; a single range larger than a piece is a piece of its own.
+        cuts = np.unique(np.searchsorted(ends, np.arange(STREAM_PIECE_BYTES, total, STREAM_PIECE_BYTES), "right"))
+        if self.metrics is not None:
+            self.metrics.record("read_ranges", time.perf_counter() - start, True)
+        conn.sendall(HEADER.pack(MAGIC, VERSION, STATUS_OK, request_id, total))
+        lo = 0
+        for hi in [*cuts.tolist(), pairs.shape[0]]:
+            if hi <= lo:
+                continue
+            n = int(ends[hi - 1] - (ends[lo - 1] if lo else 0))
+            if out_buf.size < n:
+                out_buf = np.empty(n, dtype=np.uint8)
+            _kernels.gather_pairs_unchecked(self.segment, pairs[lo:hi], out_buf[:n])
+            conn.sendall(out_buf[:n])
+            lo = hi
         return out_buf
 
     def _reply_error(self, conn: socket.socket, request_id: int, exc: Exception) -> None:

@@ -84,6 +84,26 @@ def test_raw_reads_equal_numpy_slicing(filled, ranges):
     assert bytes(zmq_reply) == expected
 
 
+@settings(max_examples=10, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, (3 << 20) - 1), st.integers(0, 3 << 20)), min_size=0, max_size=12))
+def test_large_replies_stream_in_pieces_and_equal_numpy_slicing(filled, ranges):
+    """Past 4 MiB the segment sends its reply in pieces of about 1 MiB, cut at range boundaries (a range larger
+    than a piece goes alone); the bytes are those of one reply."""
+    store, _, _ = filled
+    big = np.random.default_rng(7).integers(0, 256, 3 << 20, dtype=np.uint8)
+    if not store.is_exist("raw-big"):
+        store.put("raw-big", big)  # once for all examples (a removed object's space is reused only later)
+    replica = store.locate(["raw-big"])[0].replicas[0]
+    spans = [(o, min(n, (3 << 20) - o)) for o, n in ranges] + [(0, 3 << 20), (5, (3 << 20) - 5)]
+    pairs = np.array([[replica.offset + o, n] for o, n in spans], dtype=np.int64)
+    expected = b"".join(big[o:o + n].tobytes() for o, n in spans)
+    assert len(expected) > 4 << 20
+    assert bytes(store.read_pairs(replica.address, pairs, len(expected))) == expected
+    out = np.empty(len(expected), dtype=np.uint8)
+    assert store.read_pairs(replica.address, pairs, len(expected), out=out) is out
+    assert out.tobytes() == expected
+
+
 def test_hostile_bytes_get_error_replies_and_the_segment_keeps_serving(filled, cluster):
     store, payload, replica = filled
     port = _raw_port(store, replica.address)
