@@ -372,86 +372,83 @@ def test_layer_isolation_and_shared_backend(mc_store):
         assert table.remove_from_store(second, force=True) == 2
 
 
-def test_lookup_many_into(mc_store):
+@pytest.fixture
+def two_layers(mc_store):
+    """Two populated byte-row layers (4 heads and 2 heads of 264-byte rows): (table, first, second, tables)."""
     first, second = next_layer(), next_layer()
     table = EngramStore({first: byte_config(SIZES, 264), second: byte_config([7, 11], 264)}, store_client=mc_store)
     tables = {first: spec_tables(SIZES, 264), second: spec_tables([7, 11], 264)}
     for layer_id, layer_tables in tables.items():
         table.populate(layer_id, layer_tables)
-    try:
-        rng = np.random.default_rng(0)
-        ids = [np.stack([rng.integers(0, n, (2, 3)) for n in SIZES], axis=-1),
-               np.stack([rng.integers(0, n, (1, 5)) for n in [7, 11]], axis=-1),
-               np.zeros((0, 3, 4), dtype=np.int64),                       # empty: skipped
-               np.stack([rng.integers(0, n, (4, 1)) for n in SIZES], axis=-1)]  # a layer may come twice
-        layer_ids = [first, second, first, first]
-        outputs = [np.full(i.shape + (264,), 17, dtype=np.uint8) for i in ids]
-        assert table.lookup_many_into(layer_ids, ids, outputs) is None
-        for layer_id, i, output in zip(layer_ids, ids, outputs):
-            np.testing.assert_array_equal(output, gather(tables[layer_id], i))
-
-        with pytest.raises(RuntimeError, match="must have equal lengths, got 2, 2 and 1"):
-            table.lookup_many_into([first, second], ids[:2], outputs[:1])
-        with pytest.raises(RuntimeError, match=r"row_ids\[1\]: expected a C-contiguous int64 NumPy array") as info:
-            table.lookup_many_into([first, second], [ids[0], ids[1].tolist()], outputs[:2])
-        assert isinstance(info.value, TypeError)  # also an InvalidType
-        with pytest.raises(RuntimeError, match=r"outputs\[0\] and outputs\[1\] overlap in memory"):
-            table.lookup_many_into([first, first], [ids[0], ids[0]], [outputs[0], outputs[0]])
-
-        for output in outputs:
-            output.fill(17)
-        bad = ids[1].copy()
-        bad[0, 4, 1] = 11
-        with pytest.raises(RuntimeError, match=rf"row_ids\[0, 4, 1\] = 11 is out of range: head 1 of layer {second}"):
-            table.lookup_many_into([first, second], [ids[0], bad], outputs[:2])
-        assert not outputs[0].any() and not outputs[1].any()  # every output zeroed
-    finally:
-        table.remove_from_store(first, force=True)
-        table.remove_from_store(second, force=True)
+    yield table, first, second, tables
+    table.remove_from_store(first, force=True)
+    table.remove_from_store(second, force=True)
 
 
-def test_lookup_many_into_registered_writes_raw_addresses(mc_store):
-    first, second = next_layer(), next_layer()
-    table = EngramStore({first: byte_config(SIZES, 264), second: byte_config([7, 11], 264)}, store_client=mc_store)
-    tables = {first: spec_tables(SIZES, 264), second: spec_tables([7, 11], 264)}
-    for layer_id, layer_tables in tables.items():
-        table.populate(layer_id, layer_tables)
-    try:
-        rng = np.random.default_rng(1)
-        ids = [np.stack([rng.integers(0, n, (2, 3)) for n in SIZES], axis=-1),
-               np.stack([rng.integers(0, n, (1, 5)) for n in [7, 11]], axis=-1),
-               np.zeros((0, 3, 4), dtype=np.int64)]                        # empty: its address is not used
-        layer_ids = [first, second, first]
-        # One arena with a guard byte after each output: nothing is written outside the sizes given.
-        sizes = [i.size * 264 for i in ids]
-        arena = np.full(sum(sizes) + len(sizes), 99, dtype=np.uint8)
-        starts = np.cumsum([0] + [n + 1 for n in sizes[:-1]])
-        addresses = [arena.ctypes.data + int(s) for s in starts[:2]] + [0]
-        assert table.lookup_many_into_registered(layer_ids, ids, addresses, sizes) is None
-        for layer_id, i, start, n in zip(layer_ids[:2], ids[:2], starts, sizes):
-            got = arena[start:start + n].reshape(i.shape + (264,))
-            np.testing.assert_array_equal(got, gather(tables[layer_id], i))
-            assert arena[start + n] == 99
+def test_lookup_many_into(two_layers):
+    table, first, second, tables = two_layers
+    rng = np.random.default_rng(0)
+    ids = [np.stack([rng.integers(0, n, (2, 3)) for n in SIZES], axis=-1),
+           np.stack([rng.integers(0, n, (1, 5)) for n in [7, 11]], axis=-1),
+           np.zeros((0, 3, 4), dtype=np.int64),                       # empty: skipped
+           np.stack([rng.integers(0, n, (4, 1)) for n in SIZES], axis=-1)]  # a layer may come twice
+    layer_ids = [first, second, first, first]
+    outputs = [np.full(i.shape + (264,), 17, dtype=np.uint8) for i in ids]
+    assert table.lookup_many_into(layer_ids, ids, outputs) is None
+    for layer_id, i, output in zip(layer_ids, ids, outputs):
+        np.testing.assert_array_equal(output, gather(tables[layer_id], i))
 
-        with pytest.raises(RuntimeError, match="must have equal lengths, got 2, 2, 2 and 1"):
-            table.lookup_many_into_registered(layer_ids[:2], ids[:2], addresses[:2], sizes[:1])
-        with pytest.raises(RuntimeError, match=r"output_addresses\[0\]: registered output address must be nonzero"):
-            table.lookup_many_into_registered([first], ids[:1], [0], sizes[:1])
-        with pytest.raises(RuntimeError, match=r"output_sizes\[0\]: expected 6336 bytes"):
-            table.lookup_many_into_registered([first], ids[:1], addresses[:1], [sizes[0] - 1])
-        with pytest.raises(RuntimeError, match=r"requires contiguous int64 IDs \[B,L,H\]: expected row_ids\[0\]"):
-            table.lookup_many_into_registered([first], [ids[0].astype(np.int32)], addresses[:1], sizes[:1])
-        with pytest.raises(RuntimeError, match=r"output_addresses\[0\] and output_addresses\[1\] overlap"):
-            table.lookup_many_into_registered([first, first], [ids[0], ids[0]], [addresses[0]] * 2, [sizes[0]] * 2)
-        with pytest.raises(ValueError, match="Unknown Engram layer"):
-            table.lookup_many_into_registered([first, 10 ** 6], ids[:2], addresses[:2], sizes[:2])
-        bad = ids[1].copy()
-        bad[0, 4, 1] = 11
-        with pytest.raises(RuntimeError, match=rf"row_ids\[0, 4, 1\] = 11 is out of range: head 1 of layer {second}"):
-            table.lookup_many_into_registered([second], [bad], addresses[1:2], sizes[1:2])
-    finally:
-        table.remove_from_store(first, force=True)
-        table.remove_from_store(second, force=True)
+    with pytest.raises(RuntimeError, match="must have equal lengths, got 2, 2 and 1"):
+        table.lookup_many_into([first, second], ids[:2], outputs[:1])
+    with pytest.raises(RuntimeError, match=r"row_ids\[1\]: expected a C-contiguous int64 NumPy array") as info:
+        table.lookup_many_into([first, second], [ids[0], ids[1].tolist()], outputs[:2])
+    assert isinstance(info.value, TypeError)  # also an InvalidType
+    with pytest.raises(RuntimeError, match=r"outputs\[0\] and outputs\[1\] overlap in memory"):
+        table.lookup_many_into([first, first], [ids[0], ids[0]], [outputs[0], outputs[0]])
+
+    for output in outputs:
+        output.fill(17)
+    bad = ids[1].copy()
+    bad[0, 4, 1] = 11
+    with pytest.raises(RuntimeError, match=rf"row_ids\[0, 4, 1\] = 11 is out of range: head 1 of layer {second}"):
+        table.lookup_many_into([first, second], [ids[0], bad], outputs[:2])
+    assert not outputs[0].any() and not outputs[1].any()  # every output zeroed
+
+
+def test_lookup_many_into_registered_writes_raw_addresses(two_layers):
+    table, first, second, tables = two_layers
+    rng = np.random.default_rng(1)
+    ids = [np.stack([rng.integers(0, n, (2, 3)) for n in SIZES], axis=-1),
+           np.stack([rng.integers(0, n, (1, 5)) for n in [7, 11]], axis=-1),
+           np.zeros((0, 3, 4), dtype=np.int64)]                        # empty: its address is not used
+    layer_ids = [first, second, first]
+    # One arena with a guard byte after each output: nothing is written outside the sizes given.
+    sizes = [i.size * 264 for i in ids]
+    arena = np.full(sum(sizes) + len(sizes), 99, dtype=np.uint8)
+    starts = np.cumsum([0] + [n + 1 for n in sizes[:-1]])
+    addresses = [arena.ctypes.data + int(s) for s in starts[:2]] + [0]
+    assert table.lookup_many_into_registered(layer_ids, ids, addresses, sizes) is None
+    for layer_id, i, start, n in zip(layer_ids[:2], ids[:2], starts, sizes):
+        got = arena[start:start + n].reshape(i.shape + (264,))
+        np.testing.assert_array_equal(got, gather(tables[layer_id], i))
+        assert arena[start + n] == 99
+
+    with pytest.raises(RuntimeError, match="must have equal lengths, got 2, 2, 2 and 1"):
+        table.lookup_many_into_registered(layer_ids[:2], ids[:2], addresses[:2], sizes[:1])
+    with pytest.raises(RuntimeError, match=r"output_addresses\[0\]: registered output address must be nonzero"):
+        table.lookup_many_into_registered([first], ids[:1], [0], sizes[:1])
+    with pytest.raises(RuntimeError, match=r"output_sizes\[0\]: expected 6336 bytes"):
+        table.lookup_many_into_registered([first], ids[:1], addresses[:1], [sizes[0] - 1])
+    with pytest.raises(RuntimeError, match=r"requires contiguous int64 IDs \[B,L,H\]: expected row_ids\[0\]"):
+        table.lookup_many_into_registered([first], [ids[0].astype(np.int32)], addresses[:1], sizes[:1])
+    with pytest.raises(RuntimeError, match=r"output_addresses\[0\] and output_addresses\[1\] overlap"):
+        table.lookup_many_into_registered([first, first], [ids[0], ids[0]], [addresses[0]] * 2, [sizes[0]] * 2)
+    with pytest.raises(ValueError, match="Unknown Engram layer"):
+        table.lookup_many_into_registered([first, 10 ** 6], ids[:2], addresses[:2], sizes[:2])
+    bad = ids[1].copy()
+    bad[0, 4, 1] = 11
+    with pytest.raises(RuntimeError, match=rf"row_ids\[0, 4, 1\] = 11 is out of range: head 1 of layer {second}"):
+        table.lookup_many_into_registered([second], [bad], addresses[1:2], sizes[1:2])
 
 
 def test_packed_lookup_preserves_holes_and_validates_before_writing(mc_store):
