@@ -845,7 +845,7 @@ class EngramStore:
         if placement.remote:
             address, endpoints, _, _ = placement.remote[0]
             native = self._native
-            direct = not placement.local and ids2.size <= DIRECT_MAX_ROWS
+            direct = _reads_direct(placement, ids2)
             if direct:
                 # Every head on one server and few rows: one range per (m, h) in output order, so the reply
                 # lands in ``flat`` as it is; no sort, no scatter (a repeated row is read again).
@@ -1172,6 +1172,12 @@ def _lookup_native(native: Any, jobs: list[tuple[EngramStore, _Layer, np.ndarray
                              f"for some heads (failed: {', '.join(sorted(failed))})")
 
 
+def _reads_direct(placement: _Placement, ids2: np.ndarray) -> bool:
+    """Whether a remote read asks for each (m, h) row in output order (see DIRECT_MAX_ROWS): every head of the
+    layer on one server, and few rows."""
+    return not placement.local and len(placement.remote) == 1 and ids2.size <= DIRECT_MAX_ROWS
+
+
 def _read_remote(native: Any, jobs: list) -> set[str]:
     """One read per segment server for every job's remote heads; scatter the replies; the addresses that failed.
 
@@ -1179,7 +1185,7 @@ def _read_remote(native: Any, jobs: list) -> set[str]:
     output order (the reply is its output); others read each distinct row once and scatter it."""
     requests: dict[str, tuple[str, list]] = {}
     for owner, lay, placement, ids2, flat in jobs:
-        if not placement.local and len(placement.remote) == 1 and ids2.size <= DIRECT_MAX_ROWS:
+        if _reads_direct(placement, ids2):
             address, endpoints, _, _ = placement.remote[0]
             requests.setdefault(address, (native.pick_endpoint(endpoints), []))[1].append(
                 (lay, None, _kernels._direct_pairs(ids2, placement.bases, lay.row_bytes), ids2.size, flat))

@@ -38,8 +38,8 @@ from numba import njit
 __all__ = [
     "check_ranges", "gather_ranges", "gather_pairs", "check_pairs", "gather_pairs_unchecked", "scatter_ranges",
     "first_bad_row", "plan_unique_rows", "rows_to_ranges", "plan_reads", "ReadPlan", "scatter_rows",
-    "scatter_rows_prepared", "gather_rows_local", "RowSource", "row_source", "gather_rows", "word_shift", "readonly", "cache_probe", "cache_insert",
-    "cache_fill", "warmup",
+    "scatter_rows_prepared", "gather_rows_local", "RowSource", "row_source", "gather_rows", "word_shift",
+    "readonly", "cache_probe", "cache_insert", "cache_fill", "warmup",
 ]
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

@@ -220,38 +220,26 @@ class RawReadServer:
             self._reply_error(conn, request_id, InvalidArgument(
                 f"read_ranges: {total} bytes requested, at most {self.max_bytes} per request"))
             return out_buf
+        # Past STREAM_MIN_BYTES the reply goes out in pieces of about STREAM_PIECE_BYTES cut at range boundaries
+        # (a range larger than a piece is a piece of its own), so the client receives while the rest is gathered.
+        R = pairs.shape[0]
         if total > STREAM_MIN_BYTES:
-            return self._stream(conn, request_id, pairs, total, start, out_buf)
-        if out_buf.size < total:
-            out_buf = np.empty(max(total, 2 * out_buf.size), dtype=np.uint8)
-        _kernels.gather_pairs_unchecked(self.segment, pairs, out_buf[:total])
-        if self.metrics is not None:
-            self.metrics.record("read_ranges", time.perf_counter() - start, True)
-        _sendmsg_all(conn, [HEADER.pack(MAGIC, VERSION, STATUS_OK, request_id, total), out_buf[:total]])
-        return out_buf
-
-    def _stream(self, conn: socket.socket, request_id: int, pairs: np.ndarray, total: int, start: float,
-                out_buf: np.ndarray) -> np.ndarray:
-        """Send the reply of checked ``pairs`` as the header, then pieces of about STREAM_PIECE_BYTES gathered
-        one after another (the client receives a piece while the next one is gathered)."""
-        if out_buf.size < STREAM_PIECE_BYTES:
-            out_buf = np.empty(STREAM_PIECE_BYTES, dtype=np.uint8)
-        ends = np.cumsum(pairs[:, 1])
-        # Piece boundaries at range boundaries; a single range larger than a piece is a piece of its own.
-        cuts = np.unique(np.searchsorted(ends, np.arange(STREAM_PIECE_BYTES, total, STREAM_PIECE_BYTES), "right"))
-        if self.metrics is not None:
-            self.metrics.record("read_ranges", time.perf_counter() - start, True)
-        conn.sendall(HEADER.pack(MAGIC, VERSION, STATUS_OK, request_id, total))
-        lo = 0
-        for hi in [*cuts.tolist(), pairs.shape[0]]:
-            if hi <= lo:
-                continue
-            n = int(ends[hi - 1] - (ends[lo - 1] if lo else 0))
+            cuts = np.searchsorted(np.cumsum(pairs[:, 1]), np.arange(STREAM_PIECE_BYTES, total, STREAM_PIECE_BYTES),
+                                   "right")
+            bounds = np.unique(np.concatenate(([0], cuts, [R]))).tolist()
+        else:
+            bounds = [0, R]
+        for lo, hi in zip(bounds, bounds[1:]):
+            n = total if len(bounds) == 2 else int(pairs[lo:hi, 1].sum())
             if out_buf.size < n:
-                out_buf = np.empty(n, dtype=np.uint8)
+                out_buf = np.empty(max(n, 2 * out_buf.size), dtype=np.uint8)
             _kernels.gather_pairs_unchecked(self.segment, pairs[lo:hi], out_buf[:n])
-            conn.sendall(out_buf[:n])
-            lo = hi
+            if lo == 0:  # the header goes out with the first piece
+                if self.metrics is not None:
+                    self.metrics.record("read_ranges", time.perf_counter() - start, True)
+                _sendmsg_all(conn, [HEADER.pack(MAGIC, VERSION, STATUS_OK, request_id, total), out_buf[:n]])
+            else:
+                conn.sendall(out_buf[:n])
         return out_buf
 
     def _reply_error(self, conn: socket.socket, request_id: int, exc: Exception) -> None:
