@@ -677,13 +677,10 @@ class _MultiLayerEngramStore(EngramStore):
                          outputs: Sequence[np.ndarray]) -> None:
         """:meth:`lookup_into` for several (layer, ids, output) at once; the reads of all of them go out together
         (one request per segment server). A bad id anywhere fails them all and leaves every output zeroed."""
-        for name, value in (("layer_ids", layer_ids), ("row_ids", row_ids), ("outputs", outputs)):
-            if not isinstance(value, (list, tuple)):
-                raise _RuntimeInvalidType(f"{name}: expected a list, got {type(value).__name__}")
+        lists = {"layer_ids": layer_ids, "row_ids": row_ids, "outputs": outputs}
+        _check_lists(lists)
         layers = [self._layer(layer_id) for layer_id in layer_ids]
-        if not len(layer_ids) == len(row_ids) == len(outputs):
-            raise _RuntimeInvalidArgument(f"layer_ids, row_ids and outputs must have equal lengths, got "
-                                          f"{len(layer_ids)}, {len(row_ids)} and {len(outputs)}")
+        _check_equal_lengths(lists)
         pairs = [self._check_pair(layer_id, ids, out, f"row_ids[{i}]", f"outputs[{i}]", _RuntimeInvalidType)
                  for i, (layer_id, ids, out) in enumerate(zip(layers, row_ids, outputs))]
         _check_disjoint([out for _, out in pairs])
@@ -698,15 +695,11 @@ class _MultiLayerEngramStore(EngramStore):
 
         The addresses must stay valid for the call; nothing checks that they point at memory the caller may
         write. This store reads into any memory, so registering it with the store is not required."""
-        for name, value in (("layer_ids", layer_ids), ("row_ids", row_ids), ("output_addresses", output_addresses),
-                            ("output_sizes", output_sizes)):
-            if not isinstance(value, (list, tuple)):
-                raise _RuntimeInvalidType(f"{name}: expected a list, got {type(value).__name__}")
+        lists = {"layer_ids": layer_ids, "row_ids": row_ids, "output_addresses": output_addresses,
+                 "output_sizes": output_sizes}
+        _check_lists(lists)
         layers = [self._layer(layer_id) for layer_id in layer_ids]
-        if not len(layer_ids) == len(row_ids) == len(output_addresses) == len(output_sizes):
-            raise _RuntimeInvalidArgument(
-                f"layer_ids, row_ids, output_addresses and output_sizes must have equal lengths, got "
-                f"{len(layer_ids)}, {len(row_ids)}, {len(output_addresses)} and {len(output_sizes)}")
+        _check_equal_lengths(lists)
         jobs, outs = [], []
         for i, (layer_id, ids, address, size) in enumerate(zip(layers, row_ids, output_addresses, output_sizes)):
             H = self._es.get_num_heads(layer=layer_id)
@@ -877,6 +870,22 @@ def _lookup_error(exc: EngramError, from_store: bool) -> EngramError:
     if from_store and isinstance(exc, ObjectNotFound):
         return _as_runtime_error(exc, f"{exc}: the layer is not in the store (never populated, or removed)")
     return _as_runtime_error(exc)
+
+
+def _check_lists(lists: dict[str, Any]) -> None:
+    """Each named argument of a many-lookup call is a list (or tuple)."""
+    for name, value in lists.items():
+        if not isinstance(value, (list, tuple)):
+            raise _RuntimeInvalidType(f"{name}: expected a list, got {type(value).__name__}")
+
+
+def _check_equal_lengths(lists: dict[str, Any]) -> None:
+    """The named lists of a many-lookup call are of one length (one entry per lookup)."""
+    lengths = [len(value) for value in lists.values()]
+    if len(set(lengths)) > 1:
+        names = list(lists)
+        raise _RuntimeInvalidArgument(f"{', '.join(names[:-1])} and {names[-1]} must have equal lengths, got "
+                                      f"{', '.join(map(str, lengths[:-1]))} and {lengths[-1]}")
 
 
 def _check_disjoint(outputs: list[np.ndarray], name: str = "outputs") -> None:
