@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import mmap
+import numbers
 import os
 import threading
 import time
@@ -137,6 +138,7 @@ class DistributedStore:
     def __init__(self, master: str, *, timeout_ms: int = 10_000, local_direct: bool = True,
                  auth_dir: str | None = None, raw_reads: bool | None = None, _owned: Sequence[Any] = ()):
         self.master_address = master
+        self._raw_channels: list[RawChannel] = []
         self.timeout_ms = timeout_ms
         self.local_direct = bool(local_direct)
         self.auth_dir = auth_dir or None
@@ -154,7 +156,6 @@ class DistributedStore:
         self.raw_reads = raw_reads_default() if raw_reads is None else bool(raw_reads)
         self._raw_info: dict[str, tuple | str | float | None] = {}
         self._raw_local = threading.local()
-        self._raw_channels: list[RawChannel] = []
         # Threads of this client spread their reads over a segment's reader sockets, from a random start so
         # that clients spread too.
         self._thread_slot = threading.local()
@@ -251,6 +252,23 @@ class DistributedStore:
         self.local_segment = segment
         with self._maps_lock:
             self._maps[segment.segment_id] = segment.memory.array
+
+    @property
+    def timeout_ms(self) -> int:
+        """The timeout of every call, in milliseconds. It may be changed at any time; calls made after the change
+        (including reads on connections already open) use the new value."""
+        return self._timeout_ms
+
+    @timeout_ms.setter
+    def timeout_ms(self, value: int) -> None:
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise InvalidType(f"timeout_ms: expected a positive integer, got {describe(value)}")
+        if value <= 0:
+            raise InvalidArgument(f"timeout_ms: expected a positive integer, got {describe(value)}")
+        value = int(value)
+        self._timeout_ms = value
+        for channel in list(self._raw_channels):
+            channel.set_timeout(value / 1000.0)
 
     # ---- plumbing -------------------------------------------------------------------------------
 
@@ -684,6 +702,8 @@ class DistributedStore:
         if channel is not None:
             channel.close()
         with self._maps_lock:
+            if channel is not None and channel in self._raw_channels:
+                self._raw_channels.remove(channel)
             if isinstance(self._raw_info.get(address), tuple):
                 self._raw_info[address] = _SUSPECT
 

@@ -361,6 +361,17 @@ class RawChannel:
         self._header = bytearray(HEADER.size)
         self._buf = np.empty(1 << 16, dtype=np.uint8)
 
+    def set_timeout(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` per send or receive from now on, on the open connection too."""
+        self.timeout_s = timeout_s
+        sock = self.sock
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout_s))
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout_s))
+            except OSError:
+                pass  # closed meanwhile: the next connection takes the new timeout
+
     def _connect(self, deadline: float) -> socket.socket:
         if self.sock is None:
             try:

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from engram_store import (
     DistributedStore,
     InvalidArgument,
+    InvalidType,
     LeaseActive,
     ObjectExists,
     ObjectLost,
@@ -358,15 +359,29 @@ def test_client_calls_time_out_when_master_is_gone():
 
 def test_hung_segment_hits_the_timeout():
     with Cluster(segments=1, heartbeat_timeout_s=30.0) as c:
-        with DistributedStore.connect(c.address, timeout_ms=800, local_direct=False) as store:
+        with DistributedStore.connect(c.address, timeout_ms=10_000, local_direct=False) as store:
             store.put("h", b"h" * 100)
+            assert store.get("h") == b"h" * 100  # opens the read connection with the long timeout
+            store.timeout_ms = 800
             c.segments[0].signal(signal.SIGSTOP)
             start = time.monotonic()
             with pytest.raises(SegmentUnavailable):
                 store.get("h")
             assert time.monotonic() - start < 5
+            store.timeout_ms = 10_000
             c.segments[0].signal(signal.SIGCONT)
             assert store.get("h") == b"h" * 100
+
+
+def test_timeout_ms_is_checked_when_set():
+    with DistributedStore.embedded(segment_size="16MiB") as store:
+        for bad, error in [(0, InvalidArgument), (-5, InvalidArgument), (1.5, InvalidType), ("100", InvalidType),
+                           (True, InvalidType)]:
+            with pytest.raises(error, match="timeout_ms: expected a positive integer"):
+                store.timeout_ms = bad
+            assert store.timeout_ms == 10_000
+        store.timeout_ms = np.int64(250)
+        assert store.timeout_ms == 250 and type(store.timeout_ms) is int
 
 
 def test_a_segment_larger_than_free_memory_fails_at_start_with_a_clear_error():

@@ -187,16 +187,21 @@ def test_calls_against_dead_servers_leak_no_threads_or_sockets():
         with DistributedStore.connect(c.address, timeout_ms=5000) as warm:  # load everything once
             warm.put("warm", b"w")
         threads, fds = threading.active_count(), open_fds()
-        store = DistributedStore.connect(c.address, timeout_ms=400, local_direct=False)
+        # A generous timeout while the segment is healthy (a loaded machine can take a while to answer the
+        # first read), a short one once it hangs: the change reaches the read connection already open.
+        store = DistributedStore.connect(c.address, timeout_ms=10_000, local_direct=False)
         layer = EngramStore(9, EngramStoreConfig(table_vocab_sizes=SIZES, embedding_dim=DIM), store)
         layer.populate(tables)
         layer.prefetch(_ids(6)).result()
+        store.timeout_ms = 400
         c.segments[0].signal(signal.SIGSTOP)
         for _ in range(3):
+            start = time.monotonic()
             with pytest.raises(SegmentUnavailable):
                 layer.lookup(_ids(7))
             with pytest.raises(SegmentUnavailable):
                 layer.prefetch(_ids(8)).result()
+            assert time.monotonic() - start < 8, "the shortened timeout did not reach the open connection"
         c.master.kill()
         with pytest.raises(MasterUnavailable):
             store.status()
