@@ -33,7 +33,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit
+from llvmlite import binding as _llvm
+from llvmlite import ir as _ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 __all__ = [
     "check_ranges", "gather_ranges", "gather_pairs", "check_pairs", "gather_pairs_unchecked", "scatter_ranges",
@@ -44,6 +48,37 @@ __all__ = [
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SHIFT = {1: 0, 2: 1, 4: 2, 8: 3}
+
+
+# ---- prefetching -------------------------------------------------------------------------------------------------
+#
+# A gather of random rows from a large table waits on one cache and TLB miss per row; the CPU overlaps only the
+# few misses its reorder window reaches. The gathers ask for the row PREFETCH_ROWS ahead to be fetched while they
+# copy the current one (a hint: it never faults, whatever the address).
+
+#: How many rows ahead the gathers prefetch (measured: 8-16 rows take a 64k-row gather from 2.6 GB of 4 KiB
+#: pages from 7.6-10 ms to 6.2 ms; 32 is no better).
+PREFETCH_ROWS = 16
+_PREFETCH_NAME = "llvm.prefetch.p0" if _llvm.llvm_version_info[0] >= 15 else "llvm.prefetch.p0i8"
+
+
+@intrinsic
+def _prefetch(typingctx, arr, index):
+    """Prefetch ``arr[index]`` for reading into every cache level (``llvm.prefetch``; no bounds check)."""
+    if not isinstance(arr, types.Array) or not isinstance(index, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        i8p = _ir.IntType(8).as_pointer()
+        i32 = _ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, _ir.FunctionType(_ir.VoidType(), [i8p, i32, i32, i32]),
+                                            _PREFETCH_NAME)
+        address = builder.bitcast(builder.gep(ary.data, [args[1]]), i8p)
+        builder.call(fn, [address, i32(0), i32(3), i32(1)])  # read, keep in all levels, data cache
+        return context.get_dummy_value()
+
+    return types.void(arr, index), codegen
 
 
 # ---- byte ranges ------------------------------------------------------------------------------------------------
@@ -72,7 +107,11 @@ def _gather_pairs(src, pairs, shift, check_limit, out):
                 return i
     pos = np.uint64(0)
     s = np.uint64(shift)
+    for i in range(min(R, PREFETCH_ROWS)):
+        _prefetch(src, np.uint64(pairs[i, 0]) >> s)
     for i in range(R):
+        if i + PREFETCH_ROWS < R:
+            _prefetch(src, np.uint64(pairs[i + PREFETCH_ROWS, 0]) >> s)
         o = np.uint64(pairs[i, 0]) >> s
         n = np.uint64(pairs[i, 1]) >> s
         for b in range(n):
@@ -430,9 +469,13 @@ def _scatter_words(rows, inverse, heads, row_start, row_words, out):
             if src < 0 or src >= n_rows:
                 return m * H + heads[j]
     W = np.uint64(row_words)
+    ahead = max(1, -(-PREFETCH_ROWS // max(heads.size, 1)))  # positions ahead: about PREFETCH_ROWS rows
     for m in range(M):
+        p = m + ahead
         for j in range(heads.size):
             h = heads[j]
+            if p < M:
+                _prefetch(rows, np.uint64(inverse[p, heads[j]] - row_start) * W)
             s = np.uint64(inverse[m, h] - row_start) * W
             d = np.uint64(m * H + h) * W
             for w in range(row_words):
@@ -468,9 +511,17 @@ def _gather_rows(src, base, ids, heads, row_words, m_lo, m_hi, check, out):
                 v = ids[m, h]
                 if v < 0 or base[h] < 0 or v > (limit - base[h]) // max(row_words, 1):
                     return m * H + h
-    for m in range(m_lo, m_hi):
+    ahead = max(1, -(-PREFETCH_ROWS // max(heads.size, 1)))  # positions ahead: about PREFETCH_ROWS rows
+    for m in range(m_lo, min(m_hi, m_lo + ahead)):
         for j in range(heads.size):
             h = heads[j]
+            _prefetch(src, np.uint64(base[h]) + np.uint64(ids[m, h]) * W)
+    for m in range(m_lo, m_hi):
+        p = m + ahead
+        for j in range(heads.size):
+            h = heads[j]
+            if p < m_hi:
+                _prefetch(src, np.uint64(base[heads[j]]) + np.uint64(ids[p, heads[j]]) * W)
             s = np.uint64(base[h]) + np.uint64(ids[m, h]) * W
             d = np.uint64(m * H + h) * W
             for w in range(row_words):
