@@ -33,6 +33,7 @@ import socket
 import struct
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -107,6 +108,7 @@ class RawReadServer:
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         self._closed = False
+        self._pool: ThreadPoolExecutor | None = None  # gathers the pieces of streamed replies
         self._thread = threading.Thread(target=self._accept_loop, name=f"engram-raw-{name}", daemon=True)
 
     @property
@@ -220,27 +222,59 @@ class RawReadServer:
             self._reply_error(conn, request_id, InvalidArgument(
                 f"read_ranges: {total} bytes requested, at most {self.max_bytes} per request"))
             return out_buf
-        # Past STREAM_MIN_BYTES the reply goes out in pieces of about STREAM_PIECE_BYTES cut at range boundaries
-        # (a range larger than a piece is a piece of its own), so the client receives while the rest is gathered.
-        R = pairs.shape[0]
+        head = HEADER.pack(MAGIC, VERSION, STATUS_OK, request_id, total)
         if total > STREAM_MIN_BYTES:
-            cuts = np.searchsorted(np.cumsum(pairs[:, 1]), np.arange(STREAM_PIECE_BYTES, total, STREAM_PIECE_BYTES),
-                                   "right")
-            bounds = np.unique(np.concatenate(([0], cuts, [R]))).tolist()
-        else:
-            bounds = [0, R]
-        for lo, hi in zip(bounds, bounds[1:]):
-            n = total if len(bounds) == 2 else int(pairs[lo:hi, 1].sum())
-            if out_buf.size < n:
-                out_buf = np.empty(max(n, 2 * out_buf.size), dtype=np.uint8)
-            _kernels.gather_pairs_unchecked(self.segment, pairs[lo:hi], out_buf[:n])
-            if lo == 0:  # the header goes out with the first piece
-                if self.metrics is not None:
-                    self.metrics.record("read_ranges", time.perf_counter() - start, True)
-                _sendmsg_all(conn, [HEADER.pack(MAGIC, VERSION, STATUS_OK, request_id, total), out_buf[:n]])
-            else:
-                conn.sendall(out_buf[:n])
+            self._stream(conn, head, pairs, total, start)
+            return out_buf
+        if out_buf.size < total:
+            out_buf = np.empty(max(total, 2 * out_buf.size), dtype=np.uint8)
+        _kernels.gather_pairs_unchecked(self.segment, pairs, out_buf[:total])
+        if self.metrics is not None:
+            self.metrics.record("read_ranges", time.perf_counter() - start, True)
+        _sendmsg_all(conn, [head, out_buf[:total]])
         return out_buf
+
+    def _stream(self, conn: socket.socket, head: bytes, pairs: np.ndarray, total: int, start: float) -> None:
+        """Send a large reply in pieces of about STREAM_PIECE_BYTES cut at range boundaries (a range larger than a
+        piece is a piece of its own): a helper thread gathers piece k + 1 while this one sends piece k, and the
+        client receives while the rest is gathered. The reply on the wire is the same as in one piece."""
+        R = pairs.shape[0]
+        cuts = np.searchsorted(np.cumsum(pairs[:, 1]), np.arange(STREAM_PIECE_BYTES, total, STREAM_PIECE_BYTES),
+                               "right")
+        bounds = np.unique(np.concatenate(([0], cuts, [R]))).tolist()
+        pieces = [(lo, hi, int(pairs[lo:hi, 1].sum())) for lo, hi in zip(bounds, bounds[1:])]
+        largest = max(n for _, _, n in pieces)
+        buffers = (np.empty(largest, dtype=np.uint8), np.empty(largest, dtype=np.uint8))
+        pool = self._gather_pool()
+
+        def gather(k: int) -> np.ndarray:
+            lo, hi, n = pieces[k]
+            out = buffers[k % 2][:n]
+            _kernels.gather_pairs_unchecked(self.segment, pairs[lo:hi], out)
+            return out
+
+        pending = pool.submit(gather, 0)
+        try:
+            for k in range(len(pieces)):
+                piece = pending.result()
+                # The other buffer's piece (k - 1) is sent: gather k + 1 into it while this piece goes out.
+                pending = pool.submit(gather, k + 1) if k + 1 < len(pieces) else None
+                if k == 0:  # the header goes out with the first piece
+                    if self.metrics is not None:
+                        self.metrics.record("read_ranges", time.perf_counter() - start, True)
+                    _sendmsg_all(conn, [head, piece])
+                else:
+                    conn.sendall(piece)
+        finally:
+            if pending is not None:  # a failed send: let the gather finish before its buffer is dropped
+                pending.result()
+
+    def _gather_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1),
+                                                thread_name_prefix=f"engram-raw-{self.name}-gather")
+            return self._pool
 
     def _reply_error(self, conn: socket.socket, request_id: int, exc: Exception) -> None:
         if self.metrics is not None:
@@ -271,6 +305,10 @@ class RawReadServer:
                 pass
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)
 
 
 def _timeval(seconds: float) -> bytes:
