@@ -59,9 +59,15 @@ PLACEMENT_TTL_S = 0.5
 PREFETCH_INLINE_ROWS = 4096
 #: A local gather of at least this many rows is split over the store's ``threads``.
 THREADED_MIN_ROWS = 16384
+#: A lookup from the native store reads at most this many output bytes and rows per round (one request per
+#: segment server); a larger one, or several layers batched together, is read in several rounds. This keeps
+#: every request well inside a segment's limits (MAX_READ_BYTES, MAX_RANGES).
+READ_ROUND_BYTES = 64 << 20
+READ_ROUND_ROWS = 1 << 20
 #: A remote lookup of at most this many rows, with every head on one server, reads each (m, h) row as it is
-#: into the output (no deduplication, no scatter); larger ones read each distinct row once.
-DIRECT_MAX_ROWS = 4096
+#: into the output (no sort, no deduplication, no scatter: a repeated row travels again, which costs less than
+#: sorting and scattering at every size measured); others read each distinct row once and scatter them.
+DIRECT_MAX_ROWS = READ_ROUND_ROWS
 #: How many times a lookup re-resolves placement after a segment fails before giving up.
 FAILOVER_ROUNDS = 2
 #: Row formats and the NumPy dtype their items are returned as.
@@ -142,8 +148,8 @@ class LookupCounters:
     """Running totals of a layer's lookups; read them with :meth:`EngramStore.stats`.
 
     ``lookups``: calls served; ``rows``: rows returned (B x L x H); ``local_rows``: of those, gathered straight
-    from memory on this host; ``remote_rows``: distinct rows fetched over the network (after dropping
-    duplicates); ``remote_requests`` and ``remote_bytes``: range reads sent and bytes received (a request that
+    from memory on this host; ``remote_rows``: rows fetched over the network (distinct rows only where a
+    layer's heads are spread over several servers or the hot-row cache is on); ``remote_requests`` and ``remote_bytes``: range reads sent and bytes received (a request that
     carries several layers counts once for each); ``retries``: failover rounds after a segment failed;
     ``placement_refreshes``: times the table placement was resolved from the master; ``cache_hits`` /
     ``cache_misses``: distinct remote rows found in / missing from the hot-row cache.
@@ -837,7 +843,8 @@ class EngramStore:
         """
         placement = lay.placement
         if placement is None or time.monotonic() - placement.checked_at >= PLACEMENT_TTL_S \
-                or len(placement.remote) > 1 or lay.cache is not None:
+                or len(placement.remote) > 1 or lay.cache is not None \
+                or ids2.size > READ_ROUND_ROWS or flat.size > READ_ROUND_BYTES:
             _lookup_native(self._native, [(self, lay, ids2, flat)])
             return
         if placement.local:
@@ -1132,13 +1139,47 @@ class EngramStore:
 # ---- reads through the native store ---------------------------------------------------------------
 
 
+def _read_rounds(jobs: list[tuple[EngramStore, _Layer, np.ndarray, np.ndarray]]) -> list[list]:
+    """``jobs`` regrouped into rounds of at most READ_ROUND_BYTES of output and READ_ROUND_ROWS rows each, in
+    order: a larger job is cut into position ranges (each counts towards the layer's rows, not its lookups)."""
+    rounds: list[list] = []
+    current: list = []
+    size = rows = 0
+    for owner, lay, ids2, flat in jobs:
+        M, H = ids2.shape
+        per_m = H * lay.row_bytes
+        step = max(1, min(READ_ROUND_BYTES // per_m, READ_ROUND_ROWS // H))
+        if M <= step:
+            pieces = [(ids2, flat)]
+        else:
+            pieces = [(ids2[m0:m0 + step], flat[m0 * per_m:(m0 + step) * per_m]) for m0 in range(0, M, step)]
+            lay.counters.add(lookups=1 - len(pieces))  # each piece counts one lookup as it is read
+        for ids_part, flat_part in pieces:
+            if current and (size + flat_part.size > READ_ROUND_BYTES or rows + ids_part.size > READ_ROUND_ROWS):
+                rounds.append(current)
+                current, size, rows = [], 0, 0
+            current.append((owner, lay, ids_part, flat_part))
+            size += flat_part.size
+            rows += ids_part.size
+    if current:
+        rounds.append(current)
+    return rounds
+
+
 def _lookup_native(native: Any, jobs: list[tuple[EngramStore, _Layer, np.ndarray, np.ndarray]],
                    failed: set[str] | None = None) -> None:
     """Read jobs ``(owner, layer, ids [M, H], out bytes)`` from one DistributedStore: tables mapped on this
     host are gathered in place; the rest goes out as one request per segment server for all jobs, all at
-    once; heads on a server that fails (or is in ``failed`` already) are re-resolved and read from another
-    replica."""
+    once (in rounds of at most READ_ROUND_BYTES); heads on a server that fails (or is in ``failed`` already)
+    are re-resolved and read from another replica."""
     failed = set(failed or ())
+    for round_jobs in _read_rounds(jobs):
+        _lookup_round(native, round_jobs, failed)
+
+
+def _lookup_round(native: Any, jobs: list[tuple[EngramStore, _Layer, np.ndarray, np.ndarray]],
+                  failed: set[str]) -> None:
+    """One round of :func:`_lookup_native`; servers that fail are added to ``failed``, for the next rounds."""
     pending = jobs
     for round_ in range(FAILOVER_ROUNDS + 1):
         remote_jobs, cached_jobs, placed = [], [], []
@@ -1174,7 +1215,7 @@ def _lookup_native(native: Any, jobs: list[tuple[EngramStore, _Layer, np.ndarray
 
 def _reads_direct(placement: _Placement, ids2: np.ndarray) -> bool:
     """Whether a remote read asks for each (m, h) row in output order (see DIRECT_MAX_ROWS): every head of the
-    layer on one server, and few rows."""
+    layer on one server, and at most DIRECT_MAX_ROWS rows."""
     return not placement.local and len(placement.remote) == 1 and ids2.size <= DIRECT_MAX_ROWS
 
 

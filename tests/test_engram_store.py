@@ -145,6 +145,42 @@ def test_small_lookups_read_rows_as_they_are_and_large_ones_read_distinct_rows(o
     es.remove_from_store()
 
 
+@pytest.mark.parametrize("spread", [False, True], ids=["one-segment", "two-segments"])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(g=geometry, round_bytes=st.integers(1, 6000), round_rows=st.integers(1, 300))
+def test_lookups_larger_than_a_round_are_read_in_several(one_segment_store, remote_store, spread, g, round_bytes,
+                                                        round_rows, monkeypatch):
+    # A lookup (or a batch of layers) larger than READ_ROUND_BYTES / READ_ROUND_ROWS is cut into position ranges
+    # read one round after another, so no request exceeds a segment's limits; it still counts one lookup.
+    monkeypatch.setattr(_engram_store, "READ_ROUND_BYTES", round_bytes)
+    monkeypatch.setattr(_engram_store, "READ_ROUND_ROWS", round_rows)
+    store = remote_store if spread else one_segment_store
+    tables = make_tables(g["sizes"], g["dim"], g["seed"])
+    config = EngramStoreConfig(table_vocab_sizes=g["sizes"], embedding_dim=g["dim"])
+    reversed_config = EngramStoreConfig(table_vocab_sizes=g["sizes"][::-1], embedding_dim=g["dim"])
+    first, second = next(_layers), next(_layers)
+    es = EngramStore({first: config, second: reversed_config}, store=store)
+    es.populate(tables, layer=first)
+    es.populate(tables[::-1], layer=second)
+    try:
+        ids = random_ids(np.random.default_rng(g["seed"] + 1), g["sizes"], g["B"], g["L"], g["dups"])
+        ids2 = ids[..., ::-1].copy()
+        np.testing.assert_array_equal(es.lookup(ids, layer=first), expected_rows(tables, ids))
+        stats = es.stats(layer=first)
+        assert (stats["lookups"], stats["rows"]) == (1, ids.size)
+        per_m = len(g["sizes"]) * g["dim"] * 4
+        step = max(1, min(round_bytes // per_m, round_rows // len(g["sizes"])))
+        assert stats["remote_requests"] >= -(-g["B"] * g["L"] // step)  # one round at least per position range
+        both = es.lookup_layers({first: ids, second: ids2})
+        np.testing.assert_array_equal(both[first], expected_rows(tables, ids))
+        np.testing.assert_array_equal(both[second], expected_rows(tables[::-1], ids2))
+        assert es.stats(layer=second)["lookups"] == 1
+    finally:
+        es.remove_from_store(layer=first)
+        es.remove_from_store(layer=second)
+        es.close()
+
+
 def test_heads_spread_over_two_remote_segments_are_read_in_one_round(remote_store, remote_cluster):
     sizes = [5000] * 8
     tables = make_tables(sizes, 16, 0)
