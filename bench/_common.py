@@ -370,10 +370,22 @@ def tcp_echo_main() -> int:
                 got += n
             _, _, _, nbytes, count = header.unpack_from(buf)
             need = header.size + 16 * count
+            if need > len(buf):  # a request larger than any before: grow the buffer, keep what arrived
+                buf = bytearray(buf[:got]) + bytearray(need - got)
+                view = memoryview(buf)
             while got < need:
-                got += conn.recv_into(view[got:need])
+                n = conn.recv_into(view[got:need])
+                if n == 0:
+                    return
+                got += n
             nbytes = min(nbytes, ECHO_MAX_BYTES)
-            conn.sendmsg([header.pack(b"ENGR", 1, 0, 0, nbytes), memoryview(payload)[:nbytes]])
+            head = header.pack(b"ENGR", 1, 0, 0, nbytes)
+            sent = conn.sendmsg([head, memoryview(payload)[:nbytes]])
+            if sent < len(head):  # a partial send (large replies): the rest with sendall, no copy of the payload
+                conn.sendall(head[sent:])
+                sent = len(head)
+            if sent - len(head) < nbytes:
+                conn.sendall(memoryview(payload)[sent - len(head):nbytes])
 
     while True:
         conn, _ = listener.accept()
