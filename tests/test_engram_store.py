@@ -145,6 +145,50 @@ def test_small_lookups_read_rows_as_they_are_and_large_ones_read_distinct_rows(o
     es.remove_from_store()
 
 
+@pytest.fixture(scope="module")
+def mixed_store():
+    """One segment mapped in this process (mounted by the client) and one in another process: a layer's heads
+    are read partly local-direct, partly over the network."""
+    with Cluster(segments=1, segment_size="64MiB", heartbeat_timeout_s=5.0) as c:
+        with DistributedStore.connect(c.address, segment_size="64MiB") as store:
+            # The other process's segment stands for one on another host: this client does not map it.
+            mapped = store.local_view
+            store.local_view = lambda r: mapped(r) if r.segment_id == store.local_segment.segment_id else None
+            yield store
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["rows-as-they-are", "distinct-rows"])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(g=geometry)
+def test_lookup_equals_fancy_indexing_heads_local_and_remote(mixed_store, g, direct, monkeypatch):
+    monkeypatch.setattr(_engram_store, "DIRECT_MAX_ROWS", 1 << 30 if direct else 0)
+    _check_lookup(mixed_store, g)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["rows-as-they-are", "distinct-rows"])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(g=geometry)
+def test_lookup_equals_fancy_indexing_two_remote_segments(remote_store, g, direct, monkeypatch):
+    monkeypatch.setattr(_engram_store, "DIRECT_MAX_ROWS", 1 << 30 if direct else 0)
+    _check_lookup(remote_store, g)
+
+
+def test_a_layer_spread_over_a_local_and_a_remote_segment_reads_both_ways(mixed_store):
+    sizes = [3000] * 8
+    tables = make_tables(sizes, 16, 4)
+    es = EngramStore(next(_layers), EngramStoreConfig(sizes, 16), mixed_store)
+    es.populate(tables)
+    try:
+        ids = random_ids(np.random.default_rng(8), sizes, 4, 16)
+        np.testing.assert_array_equal(es.lookup(ids), expected_rows(tables, ids))
+        stats = es.stats()
+        assert stats["local_rows"] > 0 and stats["remote_rows"] > 0, stats
+        assert stats["local_rows"] + stats["remote_rows"] == stats["rows"] == ids.size
+        assert stats["remote_requests"] == 1
+    finally:
+        es.remove_from_store()
+
+
 @pytest.mark.parametrize("spread", [False, True], ids=["one-segment", "two-segments"])
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(g=geometry, round_bytes=st.integers(1, 6000), round_rows=st.integers(1, 300))
@@ -181,17 +225,24 @@ def test_lookups_larger_than_a_round_are_read_in_several(one_segment_store, remo
         es.close()
 
 
-def test_heads_spread_over_two_remote_segments_are_read_in_one_round(remote_store, remote_cluster):
+@pytest.mark.parametrize("direct", [True, False], ids=["rows-as-they-are", "distinct-rows"])
+def test_heads_spread_over_two_remote_segments_are_read_in_one_round(remote_store, remote_cluster, direct,
+                                                                     monkeypatch):
+    # Each server sends its heads' rows in output order (placed by head), or each distinct row once (scattered).
+    monkeypatch.setattr(_engram_store, "DIRECT_MAX_ROWS", 1 << 30 if direct else 0)
     sizes = [5000] * 8
     tables = make_tables(sizes, 16, 0)
     es = EngramStore(next(_layers), EngramStoreConfig(sizes, 16), remote_store)
     es.populate(tables)
-    ids = random_ids(np.random.default_rng(3), sizes, 64, 1)
+    ids = random_ids(np.random.default_rng(3), sizes, 64, 1, dup_pool=40 if not direct else None)
+    assert len({r.segment_id for info in remote_store.locate(es.get_store_keys(), lease=False)
+                for r in info.replicas}) == 2
     np.testing.assert_array_equal(es.lookup(ids), expected_rows(tables, ids))
     stats = es.stats()
     assert stats["remote_requests"] == 2 and stats["local_rows"] == 0 and stats["retries"] == 0
     assert stats["rows"] == ids.size
-    assert stats["remote_rows"] == sum(len(np.unique(ids[..., h])) for h in range(len(sizes)))
+    distinct = sum(len(np.unique(ids[..., h])) for h in range(len(sizes)))
+    assert stats["remote_rows"] == (ids.size if direct else distinct) and (direct or distinct < ids.size)
     assert stats["remote_bytes"] == stats["remote_rows"] * 16 * 4
     np.testing.assert_array_equal(es.lookup(ids), expected_rows(tables, ids))
     assert es.stats(reset=True)["placement_refreshes"] == 1  # resolved once, then cached

@@ -130,6 +130,40 @@ def test_plan_ranges_and_scatter_reproduce_a_numpy_gather(batch, data):
     np.testing.assert_array_equal(local, expected)
 
 
+@SETTINGS
+@given(id_batches(), st.data())
+def test_direct_reads_placed_by_head_reproduce_a_numpy_gather(batch, data):
+    # A server holding some heads sends their rows in output order ([M, K, row]); placing them by head fills
+    # exactly those heads' slots of the [M, H, row] output.
+    ids, num_rows = batch
+    M, H = ids.shape
+    D = data.draw(st.integers(1, 5))
+    itemsize = data.draw(st.sampled_from([1, 2, 4, 8]))
+    dtype = {1: np.uint8, 2: np.uint16, 4: np.float32, 8: np.float64}[itemsize]
+    heads = np.array(data.draw(st.permutations(range(H))), dtype=np.int64)[:data.draw(st.integers(1, H))]
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32)))
+    tables = [rng.integers(0, 200, (int(num_rows[h]), D)).astype(dtype) for h in range(H)]
+    row_bytes = D * itemsize
+    base = np.concatenate(([0], np.cumsum([num_rows[h] * row_bytes for h in heads])[:-1])).astype(np.int64)
+    segment = np.concatenate([tables[h].ravel() for h in heads]).view(np.uint8)
+
+    pairs = k.direct_pairs(ids, heads, base, row_bytes)
+    assert pairs.shape == (M * heads.size, 2) and (pairs[:, 1] == row_bytes).all()
+    got = np.empty(M * heads.size * row_bytes, dtype=np.uint8)
+    assert k.gather_pairs(segment, pairs, got, got.size) == -1
+    sentinel = np.array(77, dtype=dtype)
+    out = np.full((M, H, D), sentinel, dtype=dtype)
+    k.place_rows(got, k.readonly(heads), H, row_bytes, out.reshape(-1).view(np.uint8))
+    expected = np.full((M, H, D), sentinel, dtype=dtype)
+    for h in heads:
+        expected[:, h] = tables[h][ids[:, h]]
+    np.testing.assert_array_equal(out, expected)
+    with pytest.raises(ValueError, match="rows: expected"):
+        k.place_rows(got[:-1], k.readonly(heads), H, row_bytes, out.reshape(-1).view(np.uint8))
+    with pytest.raises(ValueError, match="base_offsets: expected"):
+        k.direct_pairs(ids, heads, np.append(base, 0), row_bytes)
+
+
 def test_rows_to_ranges_merges_runs():
     rows = np.array([0, 1, 2, 5, 7, 8, 0, 1], dtype=np.int64)
     starts = np.array([0, 6, 8], dtype=np.int64)
