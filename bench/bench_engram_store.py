@@ -100,7 +100,7 @@ def _floor_frames(layer: EngramStore, pool: list[np.ndarray]) -> list[tuple[byte
     frames = []
     for ids in pool:
         ids2 = ids.reshape(-1, lay.num_heads)
-        if _engram_store._reads_direct(ids2):  # every row in output order, as the lookup asks
+        if _engram_store._reads_direct(placement, ids2):  # every row in output order, as the lookup asks
             pairs = _kernels.direct_pairs(ids2, placement.order, placement.bases, lay.row_bytes)
         else:  # distinct rows as merged ranges
             pairs = _kernels.plan_reads(ids2, placement.order, placement.bases, lay.row_bytes).pairs

@@ -64,9 +64,11 @@ THREADED_MIN_ROWS = 16384
 #: every request well inside a segment's limits (MAX_READ_BYTES, MAX_RANGES).
 READ_ROUND_BYTES = 64 << 20
 READ_ROUND_ROWS = 1 << 20
-#: A remote lookup of at most this many rows, with every head on one server, reads each (m, h) row as it is
-#: into the output (no sort, no deduplication, no scatter: a repeated row travels again, which costs less than
-#: sorting and scattering at every size measured); others read each distinct row once and scatter them.
+#: A remote lookup of at most this many rows, with every head of its layer on one server, reads each (m, h) row
+#: as it is into the output (no sort, no deduplication, no scatter: a repeated row travels again, which costs
+#: less than sorting and scattering at every size measured, see bench/bench_read_plans.py). A layer spread over
+#: several servers reads each distinct row once and scatters it: there the reply is not the output, and placing
+#: it by head cost more than deduplication saved once rows repeat.
 DIRECT_MAX_ROWS = READ_ROUND_ROWS
 #: How many times a lookup re-resolves placement after a segment fails before giving up.
 FAILOVER_ROUNDS = 2
@@ -852,14 +854,12 @@ class EngramStore:
         if placement.remote:
             address, endpoints, _, _ = placement.remote[0]
             native = self._native
-            direct = _reads_direct(ids2)
-            heads = placement.order
-            whole = direct and heads.size == lay.num_heads
+            direct = _reads_direct(placement, ids2)
             if direct:
-                # One range per (m, h) in output order, no sort (a repeated row is read again): with every head
-                # on this server the reply lands in ``flat`` as it is, else its rows are placed by head.
-                pairs = _kernels._direct_pairs(ids2, heads, placement.bases, lay.row_bytes)
-                rows = ids2.shape[0] * heads.size
+                # Every head on this server: one range per (m, h) in output order, so the reply lands in
+                # ``flat`` as it is; no sort, no scatter (a repeated row is read again).
+                pairs = _kernels._direct_pairs(ids2, placement.order, placement.bases, lay.row_bytes)
+                rows = ids2.size
             else:
                 pairs, r, head_rows, _, inverse = _kernels._plan_reads(ids2, placement.order, placement.bases,
                                                                         lay.row_bytes)
@@ -867,15 +867,13 @@ class EngramStore:
                 rows = int(head_rows[-1])
             try:
                 data = native.read_pairs(native.pick_endpoint(endpoints), pairs, rows * lay.row_bytes,
-                                         out=flat if whole else None)
+                                         out=flat if direct else None)
             except SegmentUnavailable:
                 with lay.lock:
                     lay.placement = None
                 _lookup_native(native, [(self, lay, ids2, flat)], failed={address})
                 return
-            if direct and not whole:
-                _kernels.place_rows(np.frombuffer(data, dtype=np.uint8), heads, lay.num_heads, lay.row_bytes, flat)
-            elif not direct and _kernels._scatter_rows(_kernels.readonly(np.frombuffer(data, dtype=np.uint8)),
+            if not direct and _kernels._scatter_rows(_kernels.readonly(np.frombuffer(data, dtype=np.uint8)),
                                                      _kernels.readonly(inverse), placement.order, 0, lay.row_bytes,
                                                      flat) >= 0:
                 raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")
@@ -1217,41 +1215,36 @@ def _lookup_round(native: Any, jobs: list[tuple[EngramStore, _Layer, np.ndarray,
                              f"for some heads (failed: {', '.join(sorted(failed))})")
 
 
-def _reads_direct(ids2: np.ndarray) -> bool:
-    """Whether a remote read asks for each (m, h) row in output order, with no sort and no deduplication (at
-    most DIRECT_MAX_ROWS rows; see there)."""
-    return ids2.size <= DIRECT_MAX_ROWS
+def _reads_direct(placement: _Placement, ids2: np.ndarray) -> bool:
+    """Whether a remote read asks for each (m, h) row in output order (see DIRECT_MAX_ROWS): every head of the
+    layer on one server, and at most DIRECT_MAX_ROWS rows."""
+    return not placement.local and len(placement.remote) == 1 and ids2.size <= DIRECT_MAX_ROWS
 
 
 def _read_remote(native: Any, jobs: list) -> set[str]:
-    """One read per segment server for every job's remote heads; place or scatter the replies; the addresses
-    that failed.
+    """One read per segment server for every job's remote heads; scatter the replies; the addresses that failed.
 
-    A job of at most DIRECT_MAX_ROWS rows asks each server for its heads' rows as they are, in output order: the
-    reply is the output itself where one server holds every head, else its rows are placed by head. Others read
-    each distinct row once and scatter it."""
+    A job whose heads all live on one server reads its rows as they are, in output order (the reply is its
+    output); others read each distinct row once and scatter it (see DIRECT_MAX_ROWS)."""
     requests: dict[str, tuple[str, list]] = {}
     for owner, lay, placement, ids2, flat in jobs:
-        direct = _reads_direct(ids2)
-        plan = None if direct else _kernels.plan_reads(ids2, placement.order, placement.bases, lay.row_bytes,
-                                                         checked=True)
-        for address, endpoints, j0, j1 in placement.remote:
-            heads = placement.order[j0:j1]
-            if direct:
-                pairs = _kernels._direct_pairs(ids2, heads, placement.bases[j0:j1], lay.row_bytes)
-                rows = ids2.shape[0] * heads.size
-                how = ("out", None) if heads.size == lay.num_heads else ("place", heads)
-            else:
-                pairs = plan.pairs[plan.head_ranges[j0]:plan.head_ranges[j1]]
-                rows = int(plan.head_rows[j1] - plan.head_rows[j0])
-                how = ("scatter", (plan, heads, int(plan.head_rows[j0])))
+        if _reads_direct(placement, ids2):
+            address, endpoints, _, _ = placement.remote[0]
+            pairs = _kernels._direct_pairs(ids2, placement.order, placement.bases, lay.row_bytes)
             requests.setdefault(address, (native.pick_endpoint(endpoints), []))[1].append(
-                (lay, how, pairs, rows, flat))
+                (lay, None, pairs, ids2.size, flat))
+            continue
+        plan = _kernels.plan_reads(ids2, placement.order, placement.bases, lay.row_bytes, checked=True)
+        for address, endpoints, j0, j1 in placement.remote:
+            pairs = plan.pairs[plan.head_ranges[j0]:plan.head_ranges[j1]]
+            rows = int(plan.head_rows[j1] - plan.head_rows[j0])
+            requests.setdefault(address, (native.pick_endpoint(endpoints), []))[1].append(
+                (lay, (plan, placement.order[j0:j1], int(plan.head_rows[j0])), pairs, rows, flat))
     batch, outs = [], []
     for endpoint, parts in requests.values():
         pieces = [pairs for _, _, pairs, _, _ in parts]
         batch.append((endpoint, pieces[0] if len(pieces) == 1 else np.concatenate(pieces)))
-        outs.append(parts[0][4] if len(parts) == 1 and parts[0][1][0] == "out" else None)  # straight into it
+        outs.append(parts[0][4] if len(parts) == 1 and parts[0][1] is None else None)  # straight into the output
     results = native.read_pairs_many(batch, outs)
     failed = set()
     for (address, (_, parts)), result in zip(requests.items(), results):
@@ -1262,17 +1255,15 @@ def _read_remote(native: Any, jobs: list) -> set[str]:
             raise result
         data = _kernels.readonly(np.frombuffer(result, dtype=np.uint8))
         pos = 0
-        for lay, (kind, detail), _, rows, flat in parts:
+        for lay, scatter, _, rows, flat in parts:
             n = rows * lay.row_bytes
             if data.size < pos + n:
                 raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")
-            if kind == "out":
+            if scatter is None:
                 if flat.ctypes.data != data.ctypes.data + pos:
                     flat[:] = data[pos:pos + n]
-            elif kind == "place":
-                _kernels.place_rows(data[pos:pos + n], detail, lay.num_heads, lay.row_bytes, flat)
             else:
-                plan, heads, r0 = detail
+                plan, heads, r0 = scatter
                 if _kernels.scatter_rows_prepared(data[pos:pos + n], plan.inverse, heads, r0, lay.row_bytes,
                                                   flat) >= 0:
                     raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")

@@ -42,7 +42,7 @@ from numba.extending import intrinsic
 __all__ = [
     "check_ranges", "gather_ranges", "gather_pairs", "check_pairs", "gather_pairs_unchecked", "scatter_ranges",
     "first_bad_row", "plan_unique_rows", "rows_to_ranges", "plan_reads", "ReadPlan", "scatter_rows",
-    "scatter_rows_prepared", "direct_pairs", "place_rows", "gather_rows_local", "RowSource", "row_source",
+    "scatter_rows_prepared", "direct_pairs", "gather_rows_local", "RowSource", "row_source",
     "gather_rows", "word_shift", "readonly", "cache_probe", "cache_insert", "cache_fill", "warmup",
 ]
 
@@ -461,56 +461,15 @@ def _direct_pairs(ids, heads, base, row_bytes):
     return pairs
 
 
-@njit(cache=True, nogil=True)
-def _place_words(rows, heads, H, row_words, out):
-    # rows: words of [M, K, row] (the listed heads' rows in output order); out: words of [M, H, row].
-    K = heads.size
-    M = rows.size // max(K * row_words, 1)
-    W = np.uint64(row_words)
-    for m in range(M):
-        for k in range(K):
-            s = np.uint64(m * K + k) * W
-            d = np.uint64(m * H + heads[k]) * W
-            for w in range(row_words):
-                out[d + np.uint64(w)] = rows[s + np.uint64(w)]
-
-
-@njit(cache=True, nogil=True)
-def _place_rows(rows, heads, H, row_bytes, out):
-    # rows, out: flat bytes, moved as the widest words that the row size and both addresses allow.
-    bits = np.int64(rows.ctypes.data) | np.int64(out.ctypes.data) | np.int64(row_bytes)
-    if bits % 8 == 0:
-        _place_words(rows[:rows.size - rows.size % 8].view(np.uint64), heads, H, row_bytes // 8,
-                     out[:out.size - out.size % 8].view(np.uint64))
-    elif bits % 4 == 0:
-        _place_words(rows[:rows.size - rows.size % 4].view(np.uint32), heads, H, row_bytes // 4,
-                     out[:out.size - out.size % 4].view(np.uint32))
-    else:
-        _place_words(rows, heads, H, row_bytes, out)
-
-
 def direct_pairs(ids: np.ndarray, heads: np.ndarray, base_offsets: np.ndarray, row_bytes: int) -> np.ndarray:
     """The byte ranges that read the rows of ``heads`` for every position of ``ids`` (validated int64 ``[M, H]``)
     in output order: ``int64 [M * K, 2]``, row ``m * K + k`` being row ``ids[m, heads[k]]`` of the table at byte
-    ``base_offsets[k]``. No deduplication: the reply is ``[M, K, row_bytes]`` (see :func:`place_rows`)."""
+    ``base_offsets[k]``. No deduplication: the reply is ``[M, K, row_bytes]``."""
     heads = readonly(np.ascontiguousarray(heads, dtype=np.int64))
     base_offsets = readonly(np.ascontiguousarray(base_offsets, dtype=np.int64))
     if base_offsets.shape != heads.shape:
         raise ValueError(f"base_offsets: expected {heads.size} entries (one per listed head), got {base_offsets.size}")
     return _direct_pairs(readonly(ids), heads, base_offsets, np.int64(row_bytes))
-
-
-def place_rows(rows: np.ndarray, heads: np.ndarray, num_heads: int, row_bytes: int, out: np.ndarray) -> None:
-    """``out[m, heads[k]] = rows[m, k]``: the reply of a :func:`direct_pairs` read (flat bytes of
-    ``[M, K, row_bytes]``) into a writable ``[M, num_heads, row_bytes]`` output (flat bytes); ``heads`` are
-    validated read-only int64 head indices."""
-    K = heads.size
-    if K == 0 or row_bytes <= 0 or out.size % (num_heads * row_bytes):
-        raise ValueError(f"out: expected whole [M, {num_heads}, {row_bytes}] rows, got {out.size} bytes")
-    M = out.size // (num_heads * row_bytes)
-    if rows.size != M * K * row_bytes:
-        raise ValueError(f"rows: expected {M} x {K} rows of {row_bytes} bytes, got {rows.size} bytes")
-    _place_rows(readonly(rows), heads, np.int64(num_heads), np.int64(row_bytes), out)
 
 
 @njit(cache=True, nogil=True)
@@ -927,7 +886,6 @@ def warmup(word_sizes: tuple[int, ...] = (8, 4, 2, 1), cache: bool = True) -> No
         source = row_source(segment, np.array([0, 16 * word], dtype=np.int64), heads, word)
         gather_rows(source, ids, np.zeros(4 * word, dtype=np.uint8))
         scatter_rows_prepared(out, plan.inverse, heads, 0, word, np.zeros(4 * word, dtype=np.uint8))
-        place_rows(out[:2 * word], readonly(heads[:1]), 2, word, np.zeros(4 * word, dtype=np.uint8))
         if cache:
             cache_keys = np.full(8, -1, dtype=np.int64)
             cache_rows = np.zeros((8, 2), dtype=_UINT[word])

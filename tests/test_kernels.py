@@ -132,9 +132,7 @@ def test_plan_ranges_and_scatter_reproduce_a_numpy_gather(batch, data):
 
 @SETTINGS
 @given(id_batches(), st.data())
-def test_direct_reads_placed_by_head_reproduce_a_numpy_gather(batch, data):
-    # A server holding some heads sends their rows in output order ([M, K, row]); placing them by head fills
-    # exactly those heads' slots of the [M, H, row] output.
+def test_direct_pairs_read_the_listed_heads_rows_in_output_order(batch, data):
     ids, num_rows = batch
     M, H = ids.shape
     D = data.draw(st.integers(1, 5))
@@ -151,15 +149,8 @@ def test_direct_reads_placed_by_head_reproduce_a_numpy_gather(batch, data):
     assert pairs.shape == (M * heads.size, 2) and (pairs[:, 1] == row_bytes).all()
     got = np.empty(M * heads.size * row_bytes, dtype=np.uint8)
     assert k.gather_pairs(segment, pairs, got, got.size) == -1
-    sentinel = np.array(77, dtype=dtype)
-    out = np.full((M, H, D), sentinel, dtype=dtype)
-    k.place_rows(got, k.readonly(heads), H, row_bytes, out.reshape(-1).view(np.uint8))
-    expected = np.full((M, H, D), sentinel, dtype=dtype)
-    for h in heads:
-        expected[:, h] = tables[h][ids[:, h]]
-    np.testing.assert_array_equal(out, expected)
-    with pytest.raises(ValueError, match="rows: expected"):
-        k.place_rows(got[:-1], k.readonly(heads), H, row_bytes, out.reshape(-1).view(np.uint8))
+    expected = np.stack([tables[h][ids[:, h]] for h in heads], axis=1)  # [M, K, D]
+    np.testing.assert_array_equal(got.view(dtype).reshape(M, heads.size, D), expected)
     with pytest.raises(ValueError, match="base_offsets: expected"):
         k.direct_pairs(ids, heads, np.append(base, 0), row_bytes)
 
