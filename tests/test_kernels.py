@@ -83,14 +83,25 @@ def test_first_bad_row_finds_the_first_offender(batch, data):
     assert got == int(np.flatnonzero(mask.ravel())[0])
 
 
+def _draw_heads(data, H: int) -> np.ndarray:
+    """A non-empty list of distinct heads in any order."""
+    return np.array(data.draw(st.permutations(range(H))), dtype=np.int64)[:data.draw(st.integers(1, H))]
+
+
+def _listed_segment(tables: list[np.ndarray], heads: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+    """The listed heads' tables back to back in one "segment": (row_bytes, base byte offsets, segment bytes)."""
+    row_bytes = tables[0].shape[1] * tables[0].dtype.itemsize
+    base = np.concatenate(([0], np.cumsum([tables[h].shape[0] * row_bytes for h in heads])[:-1])).astype(np.int64)
+    return row_bytes, base, np.concatenate([tables[h].ravel() for h in heads]).view(np.uint8)
+
+
 @SETTINGS
 @given(id_batches(), st.data())
 def test_plan_ranges_and_scatter_reproduce_a_numpy_gather(batch, data):
     ids, num_rows = batch
     M, H = ids.shape
     D = data.draw(st.integers(1, 5))
-    heads = np.array(data.draw(st.permutations(range(H))), dtype=np.int64)
-    heads = heads[:data.draw(st.integers(1, H))]
+    heads = _draw_heads(data, H)
     tables = [np.random.default_rng(h).standard_normal((int(num_rows[h]), D)).astype(np.float32) for h in range(H)]
 
     uniq, starts, inverse = k.plan_unique_rows(ids, heads)
@@ -102,9 +113,7 @@ def test_plan_ranges_and_scatter_reproduce_a_numpy_gather(batch, data):
         np.testing.assert_array_equal(uniq[inverse[:, h]], ids[:, h])
 
     # Lay the listed heads' tables out back to back in one "segment" and read the ranges back to back.
-    row_bytes = D * 4
-    base = np.concatenate(([0], np.cumsum([num_rows[h] * row_bytes for h in heads])[:-1])).astype(np.int64)
-    segment = np.concatenate([tables[h].ravel() for h in heads]).view(np.uint8)
+    row_bytes, base, segment = _listed_segment(tables, heads)
     offsets, lengths, range_head = k.rows_to_ranges(uniq, starts, base, row_bytes)
     assert k.check_ranges(offsets, lengths, segment.size) == -1
     assert lengths.sum() == uniq.size * row_bytes
@@ -138,12 +147,10 @@ def test_direct_pairs_read_the_listed_heads_rows_in_output_order(batch, data):
     D = data.draw(st.integers(1, 5))
     itemsize = data.draw(st.sampled_from([1, 2, 4, 8]))
     dtype = {1: np.uint8, 2: np.uint16, 4: np.float32, 8: np.float64}[itemsize]
-    heads = np.array(data.draw(st.permutations(range(H))), dtype=np.int64)[:data.draw(st.integers(1, H))]
+    heads = _draw_heads(data, H)
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32)))
     tables = [rng.integers(0, 200, (int(num_rows[h]), D)).astype(dtype) for h in range(H)]
-    row_bytes = D * itemsize
-    base = np.concatenate(([0], np.cumsum([num_rows[h] * row_bytes for h in heads])[:-1])).astype(np.int64)
-    segment = np.concatenate([tables[h].ravel() for h in heads]).view(np.uint8)
+    row_bytes, base, segment = _listed_segment(tables, heads)
 
     pairs = k.direct_pairs(ids, heads, base, row_bytes)
     assert pairs.shape == (M * heads.size, 2) and (pairs[:, 1] == row_bytes).all()
