@@ -150,11 +150,11 @@ class LookupCounters:
     """Running totals of a layer's lookups; read them with :meth:`EngramStore.stats`.
 
     ``lookups``: calls served; ``rows``: rows returned (B x L x H); ``local_rows``: of those, gathered straight
-    from memory on this host; ``remote_rows``: rows fetched over the network (distinct rows only where a
-    layer's heads are spread over several servers or the hot-row cache is on); ``remote_requests`` and ``remote_bytes``: range reads sent and bytes received (a request that
-    carries several layers counts once for each); ``retries``: failover rounds after a segment failed;
-    ``placement_refreshes``: times the table placement was resolved from the master; ``cache_hits`` /
-    ``cache_misses``: distinct remote rows found in / missing from the hot-row cache.
+    from memory on this host; ``remote_rows``: rows fetched over the network (each (m, h) row where one server
+    holds the whole layer, else distinct rows only); ``remote_requests`` and ``remote_bytes``: range reads sent
+    and bytes received (a request that carries several layers counts once for each); ``retries``: failover
+    rounds after a segment failed; ``placement_refreshes``: times the table placement was resolved from the
+    master; ``cache_hits`` / ``cache_misses``: distinct remote rows found in / missing from the hot-row cache.
     """
 
     FIELDS = ("lookups", "rows", "local_rows", "remote_rows", "remote_requests", "remote_bytes", "retries",
