@@ -348,6 +348,8 @@ class TcpEchoClient:
 def tcp_echo_main() -> int:
     import threading
 
+    from engram_store._raw import _sendmsg_all  # every byte of a large reply, without copying the payload
+
     header = struct.Struct("<4sHHQQ")
     payload = np.full(ECHO_MAX_BYTES, 7, dtype=np.uint8)
     listener = socket.socket()
@@ -379,13 +381,7 @@ def tcp_echo_main() -> int:
                     return
                 got += n
             nbytes = min(nbytes, ECHO_MAX_BYTES)
-            head = header.pack(b"ENGR", 1, 0, 0, nbytes)
-            sent = conn.sendmsg([head, memoryview(payload)[:nbytes]])
-            if sent < len(head):  # a partial send (large replies): the rest with sendall, no copy of the payload
-                conn.sendall(head[sent:])
-                sent = len(head)
-            if sent - len(head) < nbytes:
-                conn.sendall(memoryview(payload)[sent - len(head):nbytes])
+            _sendmsg_all(conn, [header.pack(b"ENGR", 1, 0, 0, nbytes), memoryview(payload)[:nbytes]])
 
     while True:
         conn, _ = listener.accept()

@@ -845,8 +845,7 @@ class EngramStore:
         """
         placement = lay.placement
         if placement is None or time.monotonic() - placement.checked_at >= PLACEMENT_TTL_S \
-                or len(placement.remote) > 1 or lay.cache is not None \
-                or ids2.size > READ_ROUND_ROWS or flat.size > READ_ROUND_BYTES:
+                or len(placement.remote) > 1 or lay.cache is not None or not _fits_one_round(ids2, flat):
             _lookup_native(self._native, [(self, lay, ids2, flat)])
             return
         if placement.local:
@@ -1141,21 +1140,25 @@ class EngramStore:
 # ---- reads through the native store ---------------------------------------------------------------
 
 
+def _fits_one_round(ids2: np.ndarray, flat: np.ndarray) -> bool:
+    """Whether a lookup of ``ids2`` into ``flat`` (output bytes) is read in one round (see READ_ROUND_BYTES)."""
+    return ids2.size <= READ_ROUND_ROWS and flat.size <= READ_ROUND_BYTES
+
+
 def _read_rounds(jobs: list[tuple[EngramStore, _Layer, np.ndarray, np.ndarray]]) -> list[list]:
     """``jobs`` regrouped into rounds of at most READ_ROUND_BYTES of output and READ_ROUND_ROWS rows each, in
-    order: a larger job is cut into position ranges (each counts towards the layer's rows, not its lookups)."""
+    order: a larger job is cut into position ranges."""
     rounds: list[list] = []
     current: list = []
     size = rows = 0
     for owner, lay, ids2, flat in jobs:
         M, H = ids2.shape
         per_m = H * lay.row_bytes
-        step = max(1, min(READ_ROUND_BYTES // per_m, READ_ROUND_ROWS // H))
-        if M <= step:
+        if _fits_one_round(ids2, flat):
             pieces = [(ids2, flat)]
         else:
+            step = max(1, min(READ_ROUND_BYTES // per_m, READ_ROUND_ROWS // H))
             pieces = [(ids2[m0:m0 + step], flat[m0 * per_m:(m0 + step) * per_m]) for m0 in range(0, M, step)]
-            lay.counters.add(lookups=1 - len(pieces))  # each piece counts one lookup as it is read
         for ids_part, flat_part in pieces:
             if current and (size + flat_part.size > READ_ROUND_BYTES or rows + ids_part.size > READ_ROUND_ROWS):
                 rounds.append(current)
@@ -1177,6 +1180,8 @@ def _lookup_native(native: Any, jobs: list[tuple[EngramStore, _Layer, np.ndarray
     failed = set(failed or ())
     for round_jobs in _read_rounds(jobs):
         _lookup_round(native, round_jobs, failed)
+    for _, lay, _, _ in jobs:  # one lookup per job, however many rounds it took
+        lay.counters.add(lookups=1)
 
 
 def _lookup_round(native: Any, jobs: list[tuple[EngramStore, _Layer, np.ndarray, np.ndarray]],
@@ -1203,8 +1208,7 @@ def _lookup_round(native: Any, jobs: list[tuple[EngramStore, _Layer, np.ndarray,
                 with lay.lock:
                     lay.placement = None  # re-resolve: the master may have dropped the dead segment
             else:
-                lay.counters.add(lookups=1, rows=ids2.size, local_rows=placement.local_heads * ids2.shape[0],
-                                 retries=round_)
+                lay.counters.add(rows=ids2.size, local_rows=placement.local_heads * ids2.shape[0], retries=round_)
         if not retry:
             return
         failed |= bad

@@ -224,8 +224,7 @@ class RawReadServer:
             return out_buf
         head = HEADER.pack(MAGIC, VERSION, STATUS_OK, request_id, total)
         if total > STREAM_MIN_BYTES:
-            self._stream(conn, head, pairs, total, start)
-            return out_buf
+            return self._stream(conn, head, pairs, total, start, out_buf)
         if out_buf.size < total:
             out_buf = np.empty(max(total, 2 * out_buf.size), dtype=np.uint8)
         _kernels.gather_pairs_unchecked(self.segment, pairs, out_buf[:total])
@@ -234,17 +233,21 @@ class RawReadServer:
         _sendmsg_all(conn, [head, out_buf[:total]])
         return out_buf
 
-    def _stream(self, conn: socket.socket, head: bytes, pairs: np.ndarray, total: int, start: float) -> None:
+    def _stream(self, conn: socket.socket, head: bytes, pairs: np.ndarray, total: int, start: float,
+                out_buf: np.ndarray) -> np.ndarray:
         """Send a large reply in pieces of about STREAM_PIECE_BYTES cut at range boundaries (a range larger than a
         piece is a piece of its own): a helper thread gathers piece k + 1 while this one sends piece k, and the
-        client receives while the rest is gathered. The reply on the wire is the same as in one piece."""
+        client receives while the rest is gathered. The reply on the wire is the same as in one piece. The two
+        piece buffers are halves of the connection's reusable ``out_buf`` (returned, grown if it was too small)."""
         R = pairs.shape[0]
         cuts = np.searchsorted(np.cumsum(pairs[:, 1]), np.arange(STREAM_PIECE_BYTES, total, STREAM_PIECE_BYTES),
                                "right")
         bounds = np.unique(np.concatenate(([0], cuts, [R]))).tolist()
         pieces = [(lo, hi, int(pairs[lo:hi, 1].sum())) for lo, hi in zip(bounds, bounds[1:])]
         largest = max(n for _, _, n in pieces)
-        buffers = (np.empty(largest, dtype=np.uint8), np.empty(largest, dtype=np.uint8))
+        if out_buf.size < 2 * largest:
+            out_buf = np.empty(2 * largest, dtype=np.uint8)
+        buffers = (out_buf[:largest], out_buf[largest:2 * largest])
         pool = self._gather_pool()
 
         def gather(k: int) -> np.ndarray:
@@ -266,8 +269,9 @@ class RawReadServer:
                 else:
                     conn.sendall(piece)
         finally:
-            if pending is not None:  # a failed send: let the gather finish before its buffer is dropped
+            if pending is not None:  # a failed send: let the gather finish before its buffer is reused
                 pending.result()
+        return out_buf
 
     def _gather_pool(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -315,6 +319,12 @@ def _timeval(seconds: float) -> bytes:
     """A ``struct timeval`` for SO_RCVTIMEO / SO_SNDTIMEO."""
     whole = int(seconds)
     return struct.pack("ll", whole, int((seconds - whole) * 1e6))
+
+
+def _set_timeouts(sock: socket.socket, seconds: float) -> None:
+    """Kernel-side timeouts of ``seconds`` on each send and receive of a blocking ``sock``."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(seconds))
 
 
 class _Reader:
@@ -405,8 +415,7 @@ class RawChannel:
         sock = self.sock
         if sock is not None:
             try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout_s))
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout_s))
+                _set_timeouts(sock, timeout_s)
             except OSError:
                 pass  # closed meanwhile: the next connection takes the new timeout
 
@@ -417,8 +426,7 @@ class RawChannel:
                                                 timeout=max(0.001, deadline - time.monotonic()))
                 sock.settimeout(None)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.timeout_s))
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.timeout_s))
+                _set_timeouts(sock, self.timeout_s)
             except OSError as exc:
                 raise SegmentUnavailable(f"read_ranges: cannot connect to the raw read channel of {self.address} "
                                          f"({self.host}:{self.port}): {exc}") from exc
