@@ -211,6 +211,7 @@ class _Placement:
     signature: tuple = ()             # (size, replicas) per head, to spot changes
     checked_at: float = 0.0           # time.monotonic() of the last check with the master
     keep: list = field(default_factory=list)  # the mapped tables the sources read (kept alive here)
+    tables: dict = field(default_factory=dict)  # head -> flat read-only uint8 view of its table, for heads in memory
 
     @property
     def local_heads(self) -> int:
@@ -529,7 +530,8 @@ class EngramStore:
     def _local_placement(self, lay: _Layer, flat_tables: list[np.ndarray], keep: list) -> _Placement:
         empty = _kernels.readonly(np.zeros(0, dtype=np.int64))
         return _Placement(local=sources_for(list(enumerate(flat_tables)), lay.num_heads, lay.row_bytes), remote=[],
-                          order=empty, bases=empty, replicas=[], keep=keep + flat_tables)
+                          order=empty, bases=empty, replicas=[], keep=keep + flat_tables,
+                          tables={j: _kernels.readonly(t) for j, t in enumerate(flat_tables)})
 
     def _open_local(self, lay: _Layer) -> bool:
         """Map the layer's published files if they are there (and not mapped yet); whether the layer is readable."""
@@ -693,6 +695,26 @@ class EngramStore:
             if reset:
                 lay.counters.reset()
         return total
+
+    def local_tables(self, *, layer: int | None = None) -> list[np.ndarray] | None:
+        """Each head's table as a read-only ``[N_h, row_bytes]`` uint8 view of this host's memory, in head order, or
+        None when some head is not in memory here (it is read over the network).
+
+        For kernels that read rows in place and transform them on the way (e.g. decoding FP8 rows as they are
+        gathered). Tables bound with :meth:`bind_local` or published under ``local_dir`` are always here; tables in
+        a store are here when their segment is mapped on this host. Call it per step rather than keeping the views:
+        for a store, the placement is revalidated as for a lookup (a layer removed and populated again moves).
+        """
+        lay = self._layer(layer)
+        self._require_source("local_tables", lay)
+        placement = lay.local
+        if placement is None:
+            if self._native is None:
+                return None
+            placement = self._get_placement(lay, set())
+        if len(placement.tables) != lay.num_heads:
+            return None
+        return [placement.tables[j].reshape(n, lay.row_bytes) for j, n in enumerate(lay.sizes)]
 
     # ---- lookup ---------------------------------------------------------------------------------
 
@@ -964,6 +986,7 @@ class EngramStore:
             signature=signature,
             checked_at=now,
             keep=[t for _, t in local_tables],
+            tables={h: _kernels.readonly(t) for h, t in local_tables},
         )
         with lay.lock:
             lay.placement = placement

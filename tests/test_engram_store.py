@@ -735,3 +735,39 @@ def test_local_gathers_split_over_threads_equal_one_thread(local_store):
             EngramStore(layer, EngramStoreConfig(sizes, dim), local_store, threads=0)
     finally:
         EngramStore(layer, EngramStoreConfig(sizes, dim), local_store).remove_from_store(force=True)
+
+
+def test_local_tables_are_in_place_views_or_none_when_a_head_is_remote(local_store, remote_store, tmp_path):
+    config = EngramStoreConfig(table_vocab_sizes=[11, 13, 7], embedding_dim=24, row_format="bytes")
+    rng = np.random.default_rng(7)
+    tables = [rng.integers(0, 256, (n, 24), dtype=np.uint8) for n in config.table_vocab_sizes]
+
+    def same(views):
+        assert views is not None and len(views) == 3
+        for view, table in zip(views, tables):
+            assert view.shape == table.shape and view.dtype == np.uint8 and not view.flags.writeable
+            assert np.array_equal(view, table)
+
+    bound = EngramStore(next(_layers), config)
+    bound.bind_local(tables)
+    same(bound.local_tables())
+    assert np.shares_memory(bound.local_tables()[1], tables[1])  # the caller's arrays, in place
+
+    on_disk = EngramStore(next(_layers), config, local_dir=tmp_path)
+    on_disk.populate(tables)
+    same(on_disk.local_tables())
+
+    lid = next(_layers)
+    for store, here in ((local_store, True), (remote_store, False)):
+        layer = EngramStore(lid, config, store)
+        layer.populate(tables)
+        try:
+            if here:
+                same(layer.local_tables())
+            else:
+                assert layer.local_tables() is None
+        finally:
+            layer.remove_from_store(force=True)
+
+    with pytest.raises(NotConnected):
+        EngramStore(next(_layers), config).local_tables()
