@@ -32,6 +32,7 @@ from ._errors import (
     SegmentUnavailable,
     StoreError,
     Unavailable,
+    WriteFenced,
 )
 from ._segment import SegmentServer
 from ._units import format_size, parse_size
@@ -62,6 +63,7 @@ __all__ = [
     "StoreConfig",
     "StoreError",
     "Unavailable",
+    "WriteFenced",
     "format_size",
     "lookup_many",
     "parse_size",

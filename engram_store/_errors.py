@@ -16,6 +16,7 @@ Every error engram raises derives from :class:`EngramError`::
         │   ├── MasterUnavailable
         │   └── SegmentUnavailable
         │       └── ObjectLost            every replica of the object sat on segments now dead
+        ├── WriteFenced                   a write of a put that was revoked, expired or forgotten was refused
         ├── ProtocolError                 a peer sent a message that does not follow the wire protocol
         ├── RemoteError                   a server failed while handling a valid request
         └── AuthError                     a server refused this client's credentials
@@ -114,6 +115,14 @@ class ObjectLost(SegmentUnavailable):
     code = "OBJECT_LOST"
 
 
+class WriteFenced(StoreError):
+    """A segment refused a write because its put is no longer live: revoked, expired (its writer stopped renewing
+    it), removed with ``force``, or forgotten by a master that restarted or dropped the segment meanwhile. Nothing
+    of the write landed; write the object again."""
+
+    code = "FENCED"
+
+
 class ProtocolError(StoreError):
     """A peer sent a message that does not follow the wire protocol (or a different version of it)."""
 
@@ -137,7 +146,7 @@ _BY_CODE = {
     for cls in (
         EngramError, InvalidArgument, ConfigError, InvalidType, NotConnected, StoreError,
         ObjectNotFound, ObjectExists, LeaseActive, OutOfSpace, Unavailable, MasterUnavailable,
-        SegmentUnavailable, ObjectLost, ProtocolError, RemoteError, AuthError,
+        SegmentUnavailable, ObjectLost, WriteFenced, ProtocolError, RemoteError, AuthError,
     )
 }
 

@@ -19,7 +19,8 @@ import numpy as np
 
 from ._errors import EngramError, InvalidArgument, ProtocolError, describe
 
-PROTOCOL_VERSION = 1
+#: 2: writes carry tickets (fencing); segments register with a write key and acknowledge fences in heartbeats.
+PROTOCOL_VERSION = 2
 #: A header larger than this is refused before it is unpacked.
 MAX_HEADER_BYTES = 1 << 20
 #: Limits on what msgpack may allocate while unpacking a header.
@@ -50,7 +51,13 @@ def unpack_header(raw: Any) -> dict:
     try:
         header = _unpackb(raw)
     except Exception as exc:  # msgpack raises several unrelated classes for bad input
-        raise ProtocolError(f"header frame is not valid msgpack: {exc}") from exc
+        reason = str(exc) or {"OutOfData": "the frame ends in the middle of a value",
+                              "FormatError": "the bytes are not a msgpack encoding (a reserved type byte)",
+                              "StackError": "values nested too deeply",
+                              "ExtraData": "bytes follow the header's value"}.get(type(exc).__name__,
+                                                                                  "unreadable bytes")
+        raise ProtocolError(f"header frame ({len(raw)} bytes) is not valid msgpack: {type(exc).__name__}"
+                            + (f": {reason}" if reason else "")) from exc
     if type(header) is not dict:
         raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
     version = header.get("v")
@@ -158,6 +165,38 @@ class Request:
                 f"{max_len} characters, got {len(value)} characters"
             )
         return value
+
+    def bytes(self, name: str, max_len: int = 4096, default: Any = None) -> bytes:
+        value = self._get(name, _REQUIRED if default is None else default)
+        if not isinstance(value, (bytes, bytearray)) or len(value) > max_len:
+            raise InvalidArgument(f"field {name!r}: expected binary data of at most {max_len} bytes, "
+                                  f"got {describe(value)}")
+        return bytes(value)
+
+    def int_list(self, name: str, max_items: int = 1 << 16, lo: int = 0, hi: int = (1 << 63) - 1,
+                 default: Any = None) -> list[int]:
+        value = self._get(name, _REQUIRED if default is None else default)
+        if not isinstance(value, list) or len(value) > max_items:
+            raise InvalidArgument(f"field {name!r}: expected a list of at most {max_items} integers, "
+                                  f"got {describe(value)}")
+        for i, item in enumerate(value):
+            if not isinstance(item, int) or isinstance(item, bool) or not lo <= item <= hi:
+                raise InvalidArgument(f"field {name!r}[{i}]: expected an integer in [{lo}, {hi}], got {describe(item)}")
+        return value
+
+    def ranges(self, name: str, max_items: int = 1 << 16, default: Any = None) -> list[tuple[int, int]]:
+        """A list of ``[offset, size]`` pairs of non-negative integers."""
+        value = self._get(name, _REQUIRED if default is None else default)
+        if not isinstance(value, list) or len(value) > max_items:
+            raise InvalidArgument(f"field {name!r}: expected a list of at most {max_items} [offset, size] pairs, "
+                                  f"got {describe(value)}")
+        out = []
+        for i, item in enumerate(value):
+            if not (isinstance(item, list) and len(item) == 2
+                    and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62 for v in item)):
+                raise InvalidArgument(f"field {name!r}[{i}]: expected [offset, size], got {describe(item)}")
+            out.append((item[0], item[1]))
+        return out
 
     def bool(self, name: str, default: Any = None) -> bool:
         value = self._get(name, _REQUIRED if default is None else default)

@@ -25,9 +25,19 @@ import time
 import uuid
 
 import numpy as np
+import xxhash
 
 from . import _kernels
-from ._errors import ConfigError, EngramError, InvalidArgument, MasterUnavailable, OutOfSpace, RemoteError
+from ._errors import (
+    ConfigError,
+    EngramError,
+    InvalidArgument,
+    MasterUnavailable,
+    OutOfSpace,
+    ProtocolError,
+    RemoteError,
+)
+from ._fence import WriteFence
 from ._protocol import PROTOCOL_VERSION, Request, frame_array, frame_bytes
 from ._auth import AuthKeys
 from ._pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise, prefault
@@ -236,20 +246,25 @@ class SegmentMemory:
                 pass
 
 
-class Manifest:
-    """What a file-backed segment holds, next to its data file (``<file>.manifest``), as JSON.
+class Catalog:
+    """The complete objects this segment holds, as the master last listed them: ``[key, offset, size, replica_num,
+    checksum]`` entries (checksum: xxh3_64 of the object's bytes, in hex).
 
-    ``{"segment_id", "size", "catalog", "objects": [[key, offset, size, replica_num], ...]}``. Written
-    atomically (temporary file, fsync, rename) and only after the data file was flushed, so it never names
-    bytes that are not on disk.
+    Every segment keeps it, so a segment that the master dropped (it missed heartbeats) or forgot (it restarted
+    without a journal) offers its objects back when it registers again, each one only after its bytes are
+    verified against its checksum (:meth:`verified`). A file-backed segment also keeps it next to its data file
+    (``<file>.manifest``, JSON ``{"segment_id", "size", "catalog", "objects"}``), written atomically (temporary
+    file, fsync, rename) and only after the data file was flushed, so it never names bytes that are not on disk.
     """
 
-    def __init__(self, data_path: str, size: int):
-        self.path = data_path + ".manifest"
+    def __init__(self, data_path: str | None, size: int):
+        self.path = data_path + ".manifest" if data_path is not None else None
         self.size = size
         self.segment_id = uuid.uuid4().hex
-        self.catalog = -1
+        self.version = -1
         self.objects: list[list] = []
+        if self.path is None:
+            return
         if os.path.exists(self.path):
             try:
                 with open(self.path, encoding="utf-8") as f:
@@ -264,22 +279,46 @@ class Manifest:
                 raise ConfigError(f"segment manifest {self.path!r} was written for a {recorded_size}-byte segment, "
                                   f"not {size}")
         else:
-            self.write(self.catalog, [])
+            self.record(self.version, [])
 
-    def write(self, catalog: int, objects: list[list]) -> None:
-        tmp = self.path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"segment_id": self.segment_id, "size": self.size, "catalog": catalog, "objects": objects},
-                      f, separators=(",", ":"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        dir_fd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-        self.catalog, self.objects = catalog, objects
+    @property
+    def durable(self) -> bool:
+        return self.path is not None
+
+    def record(self, version: int, objects: list[list]) -> None:
+        """Keep the master's latest list (and write it to the manifest file of a file-backed segment)."""
+        if self.path is not None:
+            tmp = self.path + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump({"segment_id": self.segment_id, "size": self.size, "catalog": version,
+                           "objects": objects}, f, separators=(",", ":"))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            dir_fd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        self.version, self.objects = version, objects
+
+    def verified(self, memory: np.ndarray) -> list[list]:
+        """The entries whose bytes in ``memory`` still match their checksum (a manifest written before checksums
+        were kept has none: its entries are trusted, as the file was flushed before they were written)."""
+        good, bad = [], []
+        for entry in self.objects:
+            key, offset, size = entry[0], int(entry[1]), int(entry[2])
+            checksum = entry[4] if len(entry) > 4 else None
+            if not 0 <= offset <= self.size - size:
+                bad.append(key)
+            elif checksum and xxhash.xxh3_64_hexdigest(memory[offset:offset + size]) != checksum:
+                bad.append(key)
+            else:
+                good.append(list(entry))
+        if bad:
+            log.warning("segment %s: %d object(s) no longer match their checksums and are not offered back (e.g. "
+                        "%s)", self.segment_id, len(bad), ", ".join(map(repr, bad[:3])))
+        return good
 
 
 class SegmentServer:
@@ -316,17 +355,18 @@ class SegmentServer:
             readers = default_readers()
         if not isinstance(readers, int) or isinstance(readers, bool) or not 0 <= readers <= MAX_READERS:
             raise InvalidArgument(f"readers: expected an integer in [0, {MAX_READERS}], got {readers!r}")
-        self.manifest: Manifest | None = None
+        self.catalog = Catalog(os.path.abspath(file) if file is not None else None, size)
         if file is not None:
-            self.manifest = Manifest(os.path.abspath(file), size)
-            if segment_id is not None and segment_id != self.manifest.segment_id:
-                raise ConfigError(f"segment_id: the manifest of {file!r} names {self.manifest.segment_id}, "
+            if segment_id is not None and segment_id != self.catalog.segment_id:
+                raise ConfigError(f"segment_id: the manifest of {file!r} names {self.catalog.segment_id}, "
                                   f"not {segment_id}")
-            segment_id = self.manifest.segment_id
+            segment_id = self.catalog.segment_id
             self.memory = SegmentMemory(size, path=os.path.abspath(file), keep_file=True)
         else:
             self.memory = SegmentMemory(size)
         self.segment_id = segment_id or uuid.uuid4().hex
+        self.catalog.segment_id = self.segment_id
+        self.fence = WriteFence(self.segment_id)
         self.master_address = master
         # With auth: serve as a CURVE server, and reach the master as a client of the cluster.
         self._master_curve = auth.client_curve if auth is not None else None
@@ -352,6 +392,8 @@ class SegmentServer:
             name = f"segment {self.segment_id[:8]}"
             max_bytes = MAX_WRITE_BYTES + (1 << 20)
             self.server = RpcServer(host, port, name, {"ping": self._ping, "write": self._write,
+                                                       "write_open": self._write_open,
+                                                       "write_close": self._write_close,
                                                        "read_ranges": self._read_ranges,
                                                        "channel_token": self._channel_token},
                                     max_message_bytes=max_bytes, auth=auth, io_affinity=main_io)
@@ -393,55 +435,94 @@ class SegmentServer:
     # ---- master registration and heartbeats ------------------------------------------------------
 
     def _register(self, deadline: float) -> None:
+        """Register with the master under a new write key (every ticket issued before is dead from now on),
+        offering back the objects this segment still holds and can prove intact."""
+        registration, key = self.fence.new_registration()
+        objects = self.catalog.verified(self.memory.array)
         conn = Connection(self.master_address, unavailable=MasterUnavailable, curve=self._master_curve)
         delay = 0.05
+        warned = False
         try:
             while True:
+                # Short attempts: a master that is not there yet (or at all) is said so at once, not after minutes.
+                attempt_ms = max(50, min(self._rpc_timeout_ms, 2000, int((deadline - time.monotonic()) * 1000)))
                 try:
                     header, _ = conn.call("register_segment", {
                         "segment_id": self.segment_id, "address": self.address, "size": self.size,
                         "read_addresses": self.read_addresses, "shm_path": self.memory.path, "host_id": host_id(),
                         "public_key": self._master_curve[0].decode() if self._master_curve else "",
-                        "objects": self.manifest.objects if self.manifest else [],
-                    }, timeout_ms=self._rpc_timeout_ms)
+                        "objects": objects, "write_key": key, "registration": registration,
+                        "held": self.fence.held(), "direct_writes": not self.catalog.durable,
+                    }, timeout_ms=attempt_ms)
                     self.heartbeat_interval_s = max(0.05, header.get("heartbeat_interval_ms", 1000) / 1000.0)
-                    log.info("segment %s registered with master %s", self.segment_id, self.master_address)
+                    log.info("segment %s registered with master %s (%d object(s) offered back)", self.segment_id,
+                             self.master_address, len(objects))
                     return
+                except ProtocolError as exc:
+                    raise ConfigError(f"segment {self.segment_id}: {self.master_address} is not an engram master "
+                                      f"({self._what_answers(conn)}): {exc}; pass the master's HOST:PORT") from None
                 except MasterUnavailable:
                     if time.monotonic() + delay > deadline:
                         raise MasterUnavailable(
                             f"segment {self.segment_id}: master {self.master_address} did not answer "
-                            f"within {self._register_timeout_s:g} s") from None
+                            f"within {self._register_timeout_s:g} s (is the address right, and is engram-master "
+                            "running there?)") from None
+                    if not warned:
+                        warned = True
+                        log.warning("segment %s: master %s does not answer yet; trying again for up to %.0f s "
+                                    "(is the address right, and is engram-master running there?)", self.segment_id,
+                                    self.master_address, max(0.0, deadline - time.monotonic()))
                     time.sleep(delay)
                     delay = min(delay * 2, 1.0)
         finally:
             conn.close()
 
+    @staticmethod
+    def _what_answers(conn: Connection) -> str:
+        try:
+            role = conn.call("ping", timeout_ms=2000)[0].get("role", "?")
+        except EngramError as exc:
+            return f"its ping failed: {exc}"
+        return f"it answers as an engram {role}"
+
     def _heartbeat_loop(self) -> None:
         conn = Connection(self.master_address, unavailable=MasterUnavailable, curve=self._master_curve)
+        wait_s = self.heartbeat_interval_s
         try:
-            while not self._stop.wait(self.heartbeat_interval_s):
+            while not self._stop.wait(wait_s):
+                wait_s = self.heartbeat_interval_s
                 try:
-                    header, _ = conn.call("heartbeat", {"segment_id": self.segment_id},
+                    fields = self.fence.heartbeat_fields()
+                    header, _ = conn.call("heartbeat", {"segment_id": self.segment_id, **fields},
                                           timeout_ms=max(200, int(self.heartbeat_interval_s * 1000)))
                     if not header.get("known", False):
-                        log.warning("segment %s: master %s does not know this segment; registering again",
-                                    self.segment_id, self.master_address)
+                        log.warning("segment %s: master %s does not know this registration of the segment (it "
+                                    "restarted, or dropped the segment); registering again", self.segment_id,
+                                    self.master_address)
                         self._register(deadline=time.monotonic() + self._register_timeout_s)
-                    elif self.manifest is not None and header.get("catalog") != self.manifest.catalog:
-                        self._sync_manifest(conn)
+                        wait_s = 0.0  # report the held writers and fetch the catalogue at once
+                        continue
+                    self.fence.acknowledged(fields["fenced"])
+                    fence = header.get("fence") or []
+                    if fence:
+                        self.fence.fence(fence)
+                        wait_s = 0.0  # acknowledge at once: the master frees the space only then
+                    if header.get("catalog") != self.catalog.version:
+                        self._sync_catalog(conn)
                 except EngramError as exc:
                     log.warning("segment %s: heartbeat to %s failed: %s", self.segment_id, self.master_address, exc)
         finally:
             conn.close()
 
-    def _sync_manifest(self, conn: Connection) -> None:
-        """Fetch this segment's catalogue from the master and record it (after flushing the data)."""
+    def _sync_catalog(self, conn: Connection) -> None:
+        """Fetch this segment's catalogue from the master and keep it (a file-backed segment flushes its data and
+        writes its manifest)."""
         header, _ = conn.call("segment_objects", {"segment_id": self.segment_id}, timeout_ms=self._rpc_timeout_ms)
-        self.memory.flush()
-        self.manifest.write(int(header["catalog"]), header["objects"])
-        log.debug("segment %s: manifest records %d objects (catalog %d)", self.segment_id,
-                  len(self.manifest.objects), self.manifest.catalog)
+        if self.catalog.durable:
+            self.memory.flush()
+        self.catalog.record(int(header["catalog"]), header["objects"])
+        log.debug("segment %s: catalogue holds %d objects (version %d)", self.segment_id,
+                  len(self.catalog.objects), self.catalog.version)
 
     # ---- handlers -------------------------------------------------------------------------------
 
@@ -458,18 +539,32 @@ class SegmentServer:
 
     def _write(self, req: Request) -> dict:
         offset = req.int("offset", 0, self.size)
+        ticket = req.bytes("ticket", 256)
         if len(req.frames) != 1:
             raise InvalidArgument(f"write: expected exactly 1 data frame, got {len(req.frames)}")
         data = frame_bytes(req.frames[0])
         if data.nbytes > self.size - offset:
             raise InvalidArgument(
                 f"write: {data.nbytes} bytes at offset {offset} end past the segment's {self.size} bytes")
+        self.fence.check(ticket, offset, data.nbytes)
         try:
             self.memory.write(offset, data)
         except OSError as exc:
             raise RemoteError(f"write: {data.nbytes} bytes at offset {offset} of segment {self.segment_id}: "
                               f"{exc.strerror or exc}") from exc
         return {"written": data.nbytes}
+
+    def _write_open(self, req: Request) -> dict:
+        """A writer on this host will write its put straight into the segment's file (see :mod:`._fence`)."""
+        if self.catalog.durable:
+            raise InvalidArgument(f"write_open: segment {self.segment_id} keeps its bytes in a file that outlives "
+                                  "it; write through requests")
+        offset, size = self.fence.open_direct(req.bytes("ticket", 256), req.int("pid", 1, 1 << 31))
+        return {"offset": offset, "size": size}
+
+    def _write_close(self, req: Request) -> dict:
+        """The writer's direct writes are done; ``fenced``: the put was fenced meanwhile (do not publish it)."""
+        return {"fenced": self.fence.close_direct(req.bytes("ticket", 256))}
 
     def _read_ranges(self, req: Request) -> tuple[dict, list]:
         """Gather byte ranges: one frame of int64 ``[R, 2]`` (offset, length) pairs, or the older two frames
@@ -572,12 +667,12 @@ class SegmentServer:
         self._stop.set()
         if self._heartbeat_thread is not None:
             self._heartbeat_thread.join(timeout=5)
-        if self.manifest is not None and self.master_address is not None:
+        if self.catalog.durable and self.master_address is not None:
             # A durable segment stays registered: its objects are back as soon as it restarts on its file.
             unregister = False
             conn = Connection(self.master_address, unavailable=MasterUnavailable, curve=self._master_curve)
             try:
-                self._sync_manifest(conn)
+                self._sync_catalog(conn)
             except EngramError as exc:
                 log.warning("segment %s: final manifest sync failed (%s); the manifest may lag the master",
                             self.segment_id, exc)
@@ -593,6 +688,7 @@ class SegmentServer:
                 conn.close()
         self._close_servers()
         self._release_memory()
+        self.fence.close()
 
     def __enter__(self) -> "SegmentServer":
         return self

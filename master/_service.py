@@ -40,6 +40,10 @@ REPAIR_IN_FLIGHT = 8
 REPAIR_SCAN_S = 1.0
 #: Objects are copied between segments in pieces of this size (below the segments' write limit).
 REPAIR_CHUNK = 16 << 20
+#: A pending put whose writer has not renewed it for this long is fenced (``engram-master --put-timeout``).
+DEFAULT_PUT_TIMEOUT_S = 30.0
+#: Keys of lost and under-replicated objects listed in a status reply (the counts are complete).
+STATUS_KEYS = 20
 
 
 class MasterServer:
@@ -58,6 +62,7 @@ class MasterServer:
         metrics_port: int | None = None,
         reuse_delay_s: float = DEFAULT_REUSE_DELAY_S,
         re_replicate: bool = False,
+        put_timeout_s: float = DEFAULT_PUT_TIMEOUT_S,
     ):
         if lease_ttl_s <= 0:
             raise InvalidArgument(f"lease_ttl_s: expected > 0, got {lease_ttl_s}")
@@ -65,8 +70,10 @@ class MasterServer:
             raise InvalidArgument(f"heartbeat_timeout_s: expected > 0, got {heartbeat_timeout_s}")
         if reuse_delay_s < 0:
             raise InvalidArgument(f"reuse_delay_s: expected >= 0, got {reuse_delay_s}")
+        if not put_timeout_s > 0:
+            raise InvalidArgument(f"put_timeout_s: expected > 0, got {put_timeout_s}")
         self.state = MasterState(lease_ttl_s=lease_ttl_s, heartbeat_timeout_s=heartbeat_timeout_s,
-                                 reuse_delay_s=reuse_delay_s)
+                                 reuse_delay_s=reuse_delay_s, put_timeout_s=put_timeout_s)
         self.journal = None
         if journal_path:
             self.journal = Journal(journal_path, fsync=journal_fsync)
@@ -92,6 +99,7 @@ class MasterServer:
             "unregister_segment": self._unregister_segment,
             "put_start": self._put_start,
             "put_end": self._put_end,
+            "put_renew": self._put_renew,
             "put_revoke": self._put_revoke,
             "get_replicas": self._get_replicas,
             "exist": self._exist,
@@ -208,18 +216,27 @@ class MasterServer:
         return {"role": "master", "protocol": PROTOCOL_VERSION}
 
     def _register_segment(self, req: Request) -> dict:
+        write_key = req.bytes("write_key", 64)
+        if len(write_key) < 16:
+            raise InvalidArgument(f"field 'write_key': expected at least 16 random bytes, got {len(write_key)}")
         known = self.state.register_segment(
             req.str("segment_id", 128), req.str("address", 512), req.int("size", 0, MAX_OBJECT_BYTES),
             req.str("shm_path", 4096, default="", allow_empty=True), req.str("host_id", 256, default="", allow_empty=True),
             req.str("public_key", 128, default="", allow_empty=True), _manifest_objects(req),
-            read_addresses=_read_addresses(req),
+            read_addresses=_read_addresses(req), write_key=write_key, registration=req.str("registration", 64),
+            held=req.ranges("held", default=[]), direct_writes=req.bool("direct_writes", default=False),
         )
-        return {"known": known, "heartbeat_interval_ms": int(self.state.heartbeat_timeout_s * 1000 / 4)}
+        return {"known": known, "heartbeat_interval_ms": self._heartbeat_interval_ms()}
+
+    def _heartbeat_interval_ms(self) -> int:
+        return int(self.state.heartbeat_timeout_s * 1000 / 4)
 
     def _heartbeat(self, req: Request) -> dict:
-        segment_id = req.str("segment_id", 128)
-        known = self.state.heartbeat(segment_id)
-        return {"known": known, "catalog": self.state.segments[segment_id].catalog_version if known else -1}
+        segment = self.state.heartbeat(req.str("segment_id", 128), req.str("registration", 64),
+                                       req.int_list("fenced", default=[]), req.ranges("held", default=[]))
+        if segment is None:
+            return {"known": False, "catalog": -1, "fence": []}
+        return {"known": True, "catalog": segment.catalog_version, "fence": sorted(segment.fences)}
 
     def _segment_objects(self, req: Request) -> dict:
         version, objects = self.state.segment_objects(req.str("segment_id", 128))
@@ -247,25 +264,37 @@ class MasterServer:
         for key, size in zip(keys, sizes):
             try:
                 placed = self.state.put_start(key, size, replica_num)
-                results.append({"ok": True, "replicas": [self._replica(s, o) for s, o in placed]})
+                put_id = self.state.objects[key].put_id
+                results.append({"ok": True, "replicas": [
+                    {**self._replica(s, o), "ticket": self.state.ticket(s, put_id, o, size),
+                     "direct_writes": s.direct_writes} for s, o in placed]})
             except EngramError as exc:
                 results.append({"ok": False, "code": exc.code, "message": str(exc)})
-        return {"results": results}
+        return {"results": results, "put_timeout_ms": int(self.state.put_timeout_s * 1000)}
+
+    def _put_renew(self, req: Request) -> dict:
+        return {"renewed": [self.state.put_renew(key) for key in self._keys(req)]}
 
     def _put_end(self, req: Request) -> dict:
+        keys = self._keys(req)
+        checksums = req.str_list("checksums", MAX_BATCH, 64, default=[]) if req.header.get("checksums") else []
+        if checksums and len(checksums) != len(keys):
+            raise InvalidArgument(f"field 'checksums': expected {len(keys)} checksums (one per key), got "
+                                  f"{len(checksums)}")
         results = []
-        for key in self._keys(req):
+        for i, key in enumerate(keys):
             try:
-                self.state.put_end(key)
+                self.state.put_end(key, checksums[i] if checksums else "")
                 results.append({"ok": True})
             except EngramError as exc:
                 results.append({"ok": False, "code": exc.code, "message": str(exc)})
         return {"results": results}
 
     def _put_revoke(self, req: Request) -> dict:
+        settled = req.bool("settled", default=False)
         for key in self._keys(req):
             try:
-                self.state.put_revoke(key)
+                self.state.put_revoke(key, settled=settled)
             except EngramError as exc:
                 log.warning("put_revoke %r: %s", key, exc)
         return {}
@@ -296,15 +325,21 @@ class MasterServer:
 
     def _status(self, req: Request) -> dict:
         complete = [m for m in self.state.objects.values() if m.state == "complete"]
+        under = self.state.under_replicated()
         return {
             "segments": [s.describe() for s in self.state.segments.values()],
             "objects": len(complete),
             "object_bytes": sum(m.size for m in complete),
             "pending": len(self.state.objects) - len(complete),
+            "fencing_bytes": self.state.fencing_bytes(),
             "lease_ttl_s": self.state.lease_ttl_s,
             "heartbeat_timeout_s": self.state.heartbeat_timeout_s,
+            "put_timeout_s": self.state.put_timeout_s,
             "journal": self.journal.path if self.journal else None,
-            "under_replicated": len(self.state.under_replicated()),
+            "under_replicated": len(under),
+            "under_replicated_keys": sorted(under)[:STATUS_KEYS],
+            "lost": len(self.state.lost),
+            "lost_keys": list(self.state.lost)[-STATUS_KEYS:],
             "re_replicating": len(self._repairs),
         }
 
@@ -324,20 +359,22 @@ def _read_addresses(req: Request) -> tuple[str, ...]:
     return tuple(addresses)
 
 
-def _manifest_objects(req: Request) -> list[tuple[str, int, int, int]]:
-    """The optional ``objects`` field of ``register_segment``: ``[[key, offset, size, replica_num], ...]``."""
+def _manifest_objects(req: Request) -> list[tuple]:
+    """The optional ``objects`` field of ``register_segment``: ``[[key, offset, size, replica_num(, checksum)], ...]``
+    (the checksum, xxh3_64 in hex, is absent from manifests written before segments verified their objects)."""
     raw = req.header.get("objects", [])
     if not isinstance(raw, list) or len(raw) > MAX_MANIFEST_OBJECTS:
         raise InvalidArgument(f"field 'objects': expected a list of at most {MAX_MANIFEST_OBJECTS} entries, "
                               f"got {type(raw).__name__}")
     objects = []
     for i, entry in enumerate(raw):
-        ok = (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
+        ok = (isinstance(entry, list) and len(entry) in (4, 5) and isinstance(entry[0], str)
               and 0 < len(entry[0]) <= MAX_KEY_LEN
               and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_OBJECT_BYTES
-                      for v in entry[1:]))
+                      for v in entry[1:4])
+              and (len(entry) == 4 or isinstance(entry[4], str) and len(entry[4]) <= 64))
         if not ok:
-            raise InvalidArgument(f"field 'objects'[{i}]: expected [key, offset, size, replica_num], "
+            raise InvalidArgument(f"field 'objects'[{i}]: expected [key, offset, size, replica_num, checksum], "
                                   f"got {entry!r:.80}")
         objects.append(tuple(entry))
     return objects
@@ -355,7 +392,8 @@ def _copy_object(job: RepairJob, timeout_ms: int, curve: tuple[bytes, bytes, byt
             _, frames = source.call("read_ranges", None,
                                     [np.array([job.source_offset + pos], dtype=np.int64),
                                      np.array([n], dtype=np.int64)], timeout_ms=timeout_ms)
-            target.call("write", {"offset": job.target_offset + pos}, frames[:1], timeout_ms=timeout_ms)
+            target.call("write", {"offset": job.target_offset + pos, "ticket": job.ticket}, frames[:1],
+                        timeout_ms=timeout_ms)
     finally:
         source.close()
         target.close()

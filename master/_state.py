@@ -1,8 +1,18 @@
-"""The master's metadata: segments, objects, placement, leases and liveness. No sockets, no files.
+"""The master's metadata: segments, objects, placement, leases, liveness and write fencing. No sockets, no files.
 
 Every change that must survive a restart is handed to ``journal`` (a callable taking one record dict), so
 the state can be rebuilt by :meth:`MasterState.replay`. Pending puts are not journalled: after a restart a
 write that had not reached ``put_end`` is absent, never half visible.
+
+Fencing: a write must never land in space another object owns. Each registration of a segment brings a fresh
+secret ``write_key`` chosen by the segment; every replica of a put gets a *ticket* (the put's id and the range it
+may write, with a MAC under that key) that the segment checks on every write (:func:`make_ticket`). A put that is
+revoked, expires or is removed with ``force`` is *fenced*: its id goes to each segment with the next heartbeat
+reply, and its space is freed only once the segment has acknowledged the fence (and reports no writer of it still
+alive that writes straight into the segment's file). A segment that registers again (it was dropped, or the master
+restarted and forgot its pending puts) picks a new key first, so every older ticket dies before this master can
+hand its space to anyone; a master restored from its journal allocates on a segment only once it has registered
+again. See DESIGN.md, "Fencing".
 """
 
 from __future__ import annotations
@@ -20,7 +30,9 @@ from engram_store._errors import (
     ObjectLost,
     ObjectNotFound,
     OutOfSpace,
+    SegmentUnavailable,
 )
+from engram_store._tickets import make_ticket
 
 from ._allocator import FreeListAllocator
 
@@ -44,9 +56,23 @@ class Segment:
     public_key: str = ""
     #: ``host:port`` of the segment's reader sockets (read_ranges and ping only); empty for older segments.
     read_addresses: tuple[str, ...] = ()
-    #: Bumped whenever the set of complete objects with a replica here changes; a durable segment compares
-    #: it with the version of its manifest and fetches its catalogue when they differ.
+    #: Bumped whenever the set of complete objects with a replica here changes; the segment compares it with
+    #: the version of its catalogue and fetches the catalogue when they differ.
     catalog_version: int = 0
+    #: The secret of the segment's current registration (tickets are MACs under it). Empty for a segment
+    #: restored from the journal: nothing is allocated on it until it registers with this master again.
+    write_key: bytes = b""
+    #: Id of the current registration (heartbeats carry it; another one means the segment registered again).
+    registration: str = ""
+    #: Put ids fenced on this segment and not yet acknowledged: sent with every heartbeat reply.
+    fences: set = field(default_factory=set)
+    #: Ranges ``(offset, size)`` the segment reports as still written by a live writer of a fenced put (straight
+    #: into its file): reserved until the segment stops reporting them.
+    held: set = field(default_factory=set)
+    #: Whether same-host clients may write into the segment's file (a file of this process only: shared memory).
+    direct_writes: bool = False
+    #: Registered with this master (not only restored from its journal): space may be allocated here.
+    confirmed: bool = True
 
     def describe(self) -> dict:
         return {
@@ -57,6 +83,9 @@ class Segment:
             "shm_path": self.shm_path,
             "host_id": self.host_id,
             "read_addresses": list(self.read_addresses),
+            "confirmed": self.confirmed,
+            "fencing": len(self.fences),
+            "held_bytes": sum(size for _, size in self.held),
         }
 
 
@@ -74,6 +103,21 @@ class ObjectMeta:
     state: str
     lease_until: float = 0.0
     started: float = 0.0
+    #: The put that is writing a pending object (its tickets name it); 0 for complete objects.
+    put_id: int = 0
+    #: When the writer last said it is still writing (put_start or put_renew); a pending put silent for longer
+    #: than ``put_timeout_s`` is fenced.
+    renewed: float = 0.0
+    #: xxh3_64 of the object's bytes (hex) as its writer computed them; empty if it gave none.
+    checksum: str = ""
+
+
+@dataclass
+class Fence:
+    """Space of a fenced put, freed replica by replica as each segment acknowledges the fence."""
+    key: str
+    size: int
+    waiting: dict  # segment id -> offset of the replica still to be acknowledged
 
 
 @dataclass
@@ -87,14 +131,17 @@ class RepairJob:
     target_address: str
     target_offset: int
     size: int
+    put_id: int = 0
+    ticket: bytes = b""
 
 
 @dataclass
 class MasterState:
     lease_ttl_s: float = 5.0
     heartbeat_timeout_s: float = 10.0
-    #: A put not finished within this many seconds is revoked and its space freed.
-    put_timeout_s: float = 600.0
+    #: A pending put whose writer has not renewed it (put_start, put_renew) for this long is fenced and its space
+    #: freed once the segments acknowledge; writers renew a few times per period while they write.
+    put_timeout_s: float = 30.0
     #: Space of a removed object becomes allocatable again only after this delay, so a reader still using a
     #: placement it resolved just before the remove reads the old bytes, never another object's.
     reuse_delay_s: float = 2.0
@@ -105,22 +152,31 @@ class MasterState:
     lost: OrderedDict = field(default_factory=OrderedDict)
     #: Freed blocks waiting out ``reuse_delay_s``: (time allocatable, allocator, offset, size), oldest first.
     quarantine: deque = field(default_factory=deque)
+    #: Fenced puts whose space waits for the segments' acknowledgements, by put id.
+    fencing: dict = field(default_factory=dict)
+    next_put_id: int = 1
 
     # ---- segments -------------------------------------------------------------------------------
 
     def register_segment(
         self, segment_id: str, address: str, size: int, shm_path: str, host_id: str, public_key: str = "",
-        objects: list[tuple[str, int, int, int]] | None = None, read_addresses: tuple[str, ...] = (),
+        objects: list[tuple] | None = None, read_addresses: tuple[str, ...] = (), *,
+        write_key: bytes = b"", registration: str = "", held: list[tuple[int, int]] | None = None,
+        direct_writes: bool = False, confirmed: bool = True,
     ) -> bool:
         """Add a segment (or refresh a known one); returns True when it was already known.
 
-        ``read_addresses`` are the segment's reader sockets (they change when it restarts, so a known
-        segment's are replaced).
+        ``write_key`` and ``registration`` are the secret and id of this registration, chosen by the segment.
+        ``confirmed=False`` (a journal replay) records a segment nothing is allocated on until it registers with
+        this master again. A new registration of a known segment ends every put still writing to it (the
+        segment refuses their old tickets already); ``held`` are ranges the segment reports as still written by
+        live writers of such puts, reserved until it stops reporting them.
 
-        ``objects`` is what a durable segment's manifest says it holds, as ``(key, offset, size, replica_num)``.
-        They are adopted only when this master does not know the segment (it lost its state, or dropped the
-        segment while it was down): a known segment's objects are the ones this master recorded, which
-        already include every write and every remove.
+        ``objects`` is what the segment says it holds, as ``(key, offset, size, replica_num[, checksum])`` (a
+        durable segment's manifest, or a segment's catalogue, the bytes verified against their checksums). They
+        are adopted only when this master does not know the segment (it lost its state, or dropped the segment
+        while it was away): a known segment's objects are the ones this master recorded, which already include
+        every write and every remove.
         """
         now = self.clock()
         known = self.segments.get(segment_id)
@@ -133,6 +189,8 @@ class MasterState:
             known.public_key = public_key
             known.read_addresses = tuple(read_addresses)
             known.last_heartbeat = now
+            if confirmed and (registration != known.registration or not known.confirmed):
+                self._end_registration(known)
         else:
             self.segments[segment_id] = Segment(
                 segment_id, address, size, shm_path, host_id, FreeListAllocator(size), now, public_key,
@@ -140,18 +198,37 @@ class MasterState:
             )
             log.info("segment %s registered at %s (%d bytes, %d reader sockets)", segment_id, address, size,
                      len(read_addresses))
+        segment = self.segments[segment_id]
+        segment.confirmed = confirmed
+        if confirmed:
+            segment.write_key, segment.registration = bytes(write_key), registration
+            segment.direct_writes = bool(direct_writes)
+            self._report_held(segment, held or [])
         self.journal({"op": "segment", "segment_id": segment_id, "address": address, "size": size,
                       "shm_path": shm_path, "host_id": host_id, "public_key": public_key,
                       "read_addresses": list(read_addresses)})
         if known is None and objects:
-            self._adopt(self.segments[segment_id], objects)
+            self._adopt(segment, objects)
         return known is not None
 
-    def _adopt(self, segment: Segment, objects: list[tuple[str, int, int, int]]) -> None:
+    def _end_registration(self, segment: Segment) -> None:
+        """The segment registered again: every ticket of its old registration is dead, so its space held by pending
+        or fenced puts is free, except ranges it reports as still written (see :meth:`_report_held`)."""
+        for key in [k for k, m in self.objects.items() if m.state == PENDING
+                    and any(r.segment_id == segment.segment_id for r in m.replicas)]:
+            self._fence(key, self.objects[key], settled={segment.segment_id})
+        for put_id in list(segment.fences):
+            self._fence_acknowledged(segment, put_id)
+        segment.fences.clear()
+
+    def _adopt(self, segment: Segment, objects: list[tuple]) -> None:
         adopted = skipped = 0
-        for key, offset, size, replica_num in objects:
+        for entry in objects:
+            key, offset, size, replica_num = entry[:4]
+            checksum = entry[4] if len(entry) > 4 else ""
             meta = self.objects.get(key)
-            if meta is not None and (meta.state != COMPLETE or meta.size != size):
+            if meta is not None and (meta.state != COMPLETE or meta.size != size
+                                     or (checksum and meta.checksum and checksum != meta.checksum)):
                 log.warning("segment %s holds %r (%d bytes) but this master has another object under that key; "
                             "ignoring the segment's copy", segment.segment_id, key, size)
                 skipped += 1
@@ -162,22 +239,24 @@ class MasterState:
                 skipped += 1
                 continue
             if meta is None:
-                meta = self.objects[key] = ObjectMeta(size, max(1, replica_num), [], COMPLETE)
+                meta = self.objects[key] = ObjectMeta(size, max(1, replica_num), [], COMPLETE, checksum=checksum)
                 self.lost.pop(key, None)
+            elif checksum and not meta.checksum:
+                meta.checksum = checksum
             meta.replicas.append(Replica(segment.segment_id, offset))
             self._journal_object(key, meta)
             adopted += 1
         segment.catalog_version += 1
-        log.info("segment %s: adopted %d object(s) from its manifest, ignored %d", segment.segment_id, adopted,
-                 skipped)
+        log.info("segment %s: adopted %d object(s) it still holds, ignored %d", segment.segment_id, adopted, skipped)
 
     def segment_objects(self, segment_id: str) -> tuple[int, list[list]]:
-        """``(catalog_version, [[key, offset, size, replica_num], ...])`` of the complete objects on a segment."""
+        """``(catalog_version, [[key, offset, size, replica_num, checksum], ...])`` of the complete objects on a
+        segment."""
         segment = self.segments.get(segment_id)
         if segment is None:
             raise ObjectNotFound(f"segment {segment_id} is not registered")
-        held = [[key, r.offset, m.size, m.replica_num] for key, m in self.objects.items() if m.state == COMPLETE
-                for r in m.replicas if r.segment_id == segment_id]
+        held = [[key, r.offset, m.size, m.replica_num, m.checksum] for key, m in self.objects.items()
+                if m.state == COMPLETE for r in m.replicas if r.segment_id == segment_id]
         return segment.catalog_version, held
 
     def _touch(self, meta: ObjectMeta) -> None:
@@ -188,20 +267,58 @@ class MasterState:
 
     def _journal_object(self, key: str, meta: ObjectMeta) -> None:
         self.journal({"op": "object", "key": key, "size": meta.size, "replica_num": meta.replica_num,
-                      "replicas": [[r.segment_id, r.offset] for r in meta.replicas]})
+                      "replicas": [[r.segment_id, r.offset] for r in meta.replicas], "checksum": meta.checksum})
 
-    def heartbeat(self, segment_id: str) -> bool:
+    def heartbeat(self, segment_id: str, registration: str | None = None, fenced: list[int] = (),
+                  held: list[tuple[int, int]] | None = None) -> Segment | None:
+        """Record a heartbeat; returns the segment, or None when this master does not know it under that
+        registration (it must register again).
+
+        ``fenced`` are put ids whose fence the segment has applied (no write of theirs lands any more), ``held``
+        the ranges it reports as still written by live writers of fenced puts (None: a segment that predates
+        fencing)."""
         segment = self.segments.get(segment_id)
-        if segment is None:
-            return False
+        if segment is None or (registration is not None and registration != segment.registration):
+            return None
         segment.last_heartbeat = self.clock()
-        return True
+        for put_id in fenced:
+            if put_id in segment.fences:
+                segment.fences.discard(put_id)
+                self._fence_acknowledged(segment, put_id, held)
+        if held is not None:
+            self._report_held(segment, held)
+        return segment
+
+    def _report_held(self, segment: Segment, held: list[tuple[int, int]]) -> None:
+        """The segment's current list of ranges still written by live writers of fenced puts: reserve the new
+        ones, free those no longer reported."""
+        reported = {(int(o), int(n)) for o, n in held}
+        for offset, size in reported - segment.held:
+            # A range this master may not know as allocated (a registration after a restart): reserve it; one it
+            # already reserves for the fenced put stays reserved as held.
+            if not self._reserved_by_fence(segment.segment_id, offset, size):
+                if not segment.allocator.reserve(offset, size):
+                    log.warning("segment %s reports a live writer in [%d, %d), which overlaps objects this master "
+                                "placed there", segment.segment_id, offset, offset + size)
+                    continue
+            segment.held.add((offset, size))
+        for offset, size in segment.held - reported:
+            segment.held.discard((offset, size))
+            segment.allocator.free(offset, size)
+            log.info("segment %s: [%d, %d) is free again: its stale writer finished or died", segment.segment_id,
+                     offset, offset + size)
+
+    def _reserved_by_fence(self, segment_id: str, offset: int, size: int) -> bool:
+        return any(f.waiting.get(segment_id) == offset and f.size == size for f in self.fencing.values())
 
     def drop_segment(self, segment_id: str, reason: str) -> int:
         """Forget a segment and every replica on it; returns how many objects lost their last replica."""
         segment = self.segments.pop(segment_id, None)
         if segment is None:
             return 0
+        for fence in self.fencing.values():
+            fence.waiting.pop(segment_id, None)  # its space went with it
+        self._forget_settled_fences()
         lost = 0
         for key in list(self.objects):
             meta = self.objects[key]
@@ -209,7 +326,8 @@ class MasterState:
             if len(kept) == len(meta.replicas):
                 continue
             if meta.state == PENDING:
-                self._release(key, meta)  # a write that cannot complete as asked
+                meta.replicas = kept
+                self._fence(key, meta)  # a write that cannot complete as asked: its other replicas are fenced
                 continue
             meta.replicas = kept
             if not kept:
@@ -231,6 +349,8 @@ class MasterState:
         if running_gap_s > 0:
             for segment in self.segments.values():
                 segment.last_heartbeat += running_gap_s
+            for meta in self.objects.values():
+                meta.renewed += running_gap_s  # nor does it expire the puts being written meanwhile
         dead = [s.segment_id for s in self.segments.values()
                 if now - s.last_heartbeat > self.heartbeat_timeout_s]
         for segment_id in dead:
@@ -238,30 +358,44 @@ class MasterState:
         return dead
 
     def expire_puts(self) -> list[str]:
+        """Fence pending puts whose writer has not renewed them for ``put_timeout_s`` (it died or stalled)."""
         now = self.clock()
-        stale = [k for k, m in self.objects.items() if m.state == PENDING and now - m.started > self.put_timeout_s]
+        stale = [k for k, m in self.objects.items() if m.state == PENDING and now - m.renewed > self.put_timeout_s]
         for key in stale:
-            log.warning("put of %r not finished within %g s; revoked", key, self.put_timeout_s)
-            self._release(key, self.objects[key])
+            log.warning("put of %r not renewed by its writer for %g s; fenced and revoked", key, self.put_timeout_s)
+            self._fence(key, self.objects[key])
         return stale
 
     # ---- objects --------------------------------------------------------------------------------
 
     def put_start(self, key: str, size: int, replica_num: int) -> list[tuple[Segment, int]]:
-        """Reserve space for ``replica_num`` replicas on distinct segments; the object stays invisible."""
+        """Reserve space for ``replica_num`` replicas on distinct segments; the object stays invisible.
+
+        Returns the placement; the put's id (its tickets name it) is ``objects[key].put_id``."""
         if key in self.objects:
-            state = self.objects[key].state
-            raise ObjectExists(f"key {key!r} already exists" + (" (a write is in progress)" if state == PENDING else ""))
+            meta = self.objects[key]
+            if meta.state == PENDING:
+                raise ObjectExists(
+                    f"key {key!r} already exists (a write is in progress, last renewed by its writer "
+                    f"{self.clock() - meta.renewed:.1f} s ago; a writer that died lets go within "
+                    f"{self.put_timeout_s:g} s, or remove it with force=True)")
+            raise ObjectExists(f"key {key!r} already exists")
         if replica_num < 1:
             raise InvalidArgument(f"replica_num: expected >= 1, got {replica_num}")
         self.release_quarantine()
-        if replica_num > len(self.segments):
+        confirmed = [s for s in self.segments.values() if s.confirmed]
+        if replica_num > len(confirmed):
+            waiting = len(self.segments) - len(confirmed)
+            if replica_num <= len(self.segments):
+                raise SegmentUnavailable(
+                    f"put {key!r}: {waiting} of {len(self.segments)} segments have not registered with this master "
+                    "since it restarted (they do within a heartbeat); retry")
             raise OutOfSpace(
                 f"put {key!r}: replica_num={replica_num} needs {replica_num} distinct segments, "
                 f"but {len(self.segments)} are registered"
             )
         # Most free space first spreads objects over segments; ties broken by id for determinism.
-        candidates = sorted(self.segments.values(), key=lambda s: (-s.allocator.free_bytes, s.segment_id))
+        candidates = sorted(confirmed, key=lambda s: (-s.allocator.free_bytes, s.segment_id))
         placed: list[tuple[Segment, int]] = []
         for segment in candidates:
             offset = segment.allocator.allocate(size)
@@ -272,36 +406,100 @@ class MasterState:
         if len(placed) < replica_num:
             for segment, offset in placed:
                 segment.allocator.free(offset, size)
-            largest = max((s.allocator.largest_free() for s in self.segments.values()), default=0)
-            waiting = self.quarantined_bytes()
+            largest = max((s.allocator.largest_free() for s in confirmed), default=0)
+            removed, abandoned = self.quarantined_bytes(), self.fencing_bytes()
             raise OutOfSpace(
                 f"put {key!r}: no room for {replica_num} replica(s) of {size} bytes on distinct segments "
-                f"(largest free block: {largest} bytes over {len(self.segments)} segments"
-                + (f"; {waiting} bytes of removed objects become free within {self.reuse_delay_s:g} s)"
-                   if waiting else ")")
+                f"(largest free block: {largest} bytes over {len(confirmed)} segments"
+                + (f"; {removed} bytes of removed objects become free within {self.reuse_delay_s:g} s"
+                   if removed else "")
+                + (f"; {abandoned} bytes of abandoned writes become free once their segments have fenced them "
+                   "(within a heartbeat, or when their writer exits)" if abandoned else "") + ")"
             )
         self.lost.pop(key, None)
+        put_id = self.next_put_id
+        self.next_put_id += 1
+        now = self.clock()
         self.objects[key] = ObjectMeta(size, replica_num, [Replica(s.segment_id, o) for s, o in placed],
-                                       PENDING, started=self.clock())
+                                       PENDING, started=now, put_id=put_id, renewed=now)
         return placed
 
-    def put_end(self, key: str) -> None:
+    def ticket(self, segment: Segment, put_id: int, offset: int, size: int) -> bytes:
+        return make_ticket(segment.write_key, segment.segment_id, put_id, offset, size)
+
+    def put_renew(self, key: str) -> bool:
+        """The writer of a pending put is still writing; False when the put is not pending any more (revoked,
+        expired, or forgotten by a restart): the writer must stop."""
+        meta = self.objects.get(key)
+        if meta is None or meta.state != PENDING:
+            return False
+        meta.renewed = self.clock()
+        return True
+
+    def put_end(self, key: str, checksum: str = "") -> None:
         meta = self.objects.get(key)
         if meta is None:
-            raise ObjectNotFound(f"put_end {key!r}: no write in progress (revoked, timed out, or never started)")
+            raise ObjectNotFound(f"put_end {key!r}: no write in progress (revoked, timed out, fenced, or "
+                                 "forgotten by a master restart)")
         if meta.state == COMPLETE:
             return
         meta.state = COMPLETE
+        meta.put_id = 0
+        meta.checksum = checksum
         self._touch(meta)
         self._journal_object(key, meta)
 
-    def put_revoke(self, key: str) -> None:
+    def put_revoke(self, key: str, settled: bool = False) -> None:
+        """Abandon a pending put. ``settled``: its writer has no write in flight any more (every write it sent was
+        answered), so the space is free at once; otherwise the put is fenced first."""
         meta = self.objects.get(key)
         if meta is None:
             return
         if meta.state != PENDING:
             raise InvalidArgument(f"put_revoke {key!r}: the object is complete; use remove")
-        self._release(key, meta)
+        self._fence(key, meta, settled={r.segment_id for r in meta.replicas} if settled else set())
+
+    def _fence(self, key: str, meta: ObjectMeta, settled: set[str] = frozenset()) -> None:
+        """Forget a pending put. Its replicas on ``settled`` segments are free at once; the others wait until each
+        segment has acknowledged the fence (sent with its heartbeat replies), so no late write lands in space
+        that another object owns."""
+        del self.objects[key]
+        waiting = {}
+        for replica in meta.replicas:
+            segment = self.segments.get(replica.segment_id)
+            if segment is None:
+                continue
+            if replica.segment_id in settled or not meta.size:
+                segment.allocator.free(replica.offset, meta.size)
+            else:
+                segment.fences.add(meta.put_id)
+                waiting[replica.segment_id] = replica.offset
+        if waiting:
+            self.fencing[meta.put_id] = Fence(key, meta.size, waiting)
+
+    def _fence_acknowledged(self, segment: Segment, put_id: int, held: list[tuple[int, int]] | None = None) -> None:
+        """The segment applied the fence of ``put_id``: free its replica there, unless the segment reports a live
+        writer still writing that range (then it stays reserved as held)."""
+        fence = self.fencing.get(put_id)
+        if fence is None:
+            return
+        offset = fence.waiting.pop(segment.segment_id, None)
+        if offset is not None:
+            if held is not None and (offset, fence.size) in {(int(o), int(n)) for o, n in held}:
+                segment.held.add((offset, fence.size))
+            else:
+                segment.allocator.free(offset, fence.size)
+        if not fence.waiting:
+            del self.fencing[put_id]
+
+    def _forget_settled_fences(self) -> None:
+        for put_id in [p for p, f in self.fencing.items() if not f.waiting]:
+            del self.fencing[put_id]
+
+    def fencing_bytes(self) -> int:
+        """Bytes of fenced puts waiting for the segments' acknowledgements, and of ranges held by stale writers."""
+        return (sum(f.size * len(f.waiting) for f in self.fencing.values())
+                + sum(size for s in self.segments.values() for _, size in s.held))
 
     def get(self, key: str, lease: bool = True) -> ObjectMeta:
         meta = self.objects.get(key)
@@ -318,15 +516,23 @@ class MasterState:
         return meta is not None and meta.state == COMPLETE
 
     def remove(self, key: str, force: bool = False) -> None:
-        """Remove a complete object. Removing a lost one (its data died with its segments) forgets the loss,
-        so the key reads as absent again, as ``exists`` already says, and can be written anew."""
+        """Remove a complete object, or with ``force`` a put still being written (it is fenced). Removing a lost
+        object (its data died with its segments) forgets the loss, so the key reads as absent again, as ``exists``
+        already says, and can be written anew."""
         meta = self.objects.get(key)
         if meta is None and key in self.lost:
             del self.lost[key]
             self.journal({"op": "remove", "key": key})
             return
-        if meta is None or meta.state != COMPLETE:
+        if meta is None:
             raise ObjectNotFound(f"remove: no object under key {key!r}")
+        if meta.state == PENDING:
+            if not force:
+                raise LeaseActive(f"remove {key!r}: a write is in progress (last renewed by its writer "
+                                  f"{self.clock() - meta.renewed:.1f} s ago); pass force=True to revoke it")
+            log.warning("put of %r revoked by a forced remove", key)
+            self._fence(key, meta)
+            return
         remaining = meta.lease_until - self.clock()
         if remaining > 0 and not force:
             raise LeaseActive(f"remove {key!r}: a read lease is live for {remaining:.2f} s more; pass force=True")
@@ -334,12 +540,13 @@ class MasterState:
         self.journal({"op": "remove", "key": key})
 
     def remove_all(self, force: bool = False) -> tuple[int, int]:
-        """Remove every complete object (and forget every lost one); returns (removed, refused by a lease)."""
+        """Remove every complete object (and forget every lost one; with ``force`` also revoke every pending put);
+        returns (removed, refused by a lease or a write in progress)."""
         removed = refused = 0
         if self.lost:
             self.lost.clear()
             self.journal({"op": "forget_lost"})
-        for key in [k for k, m in self.objects.items() if m.state == COMPLETE]:
+        for key in list(self.objects):
             try:
                 self.remove(key, force)
                 removed += 1
@@ -348,17 +555,14 @@ class MasterState:
         return removed, refused
 
     def _release(self, key: str, meta: ObjectMeta) -> None:
-        """Forget an object. A complete one's space is quarantined (readers may hold its placement); a
-        pending one's is free at once (no reader was ever told where it is)."""
-        complete = meta.state == COMPLETE
-        if complete:
-            self._touch(meta)
+        """Forget a complete object; its space is quarantined (readers may hold its placement)."""
+        self._touch(meta)
         reusable_at = self.clock() + self.reuse_delay_s
         for replica in meta.replicas:
             segment = self.segments.get(replica.segment_id)
             if segment is None:
                 continue
-            if complete and self.reuse_delay_s > 0 and meta.size:
+            if self.reuse_delay_s > 0 and meta.size:
                 self.quarantine.append((reusable_at, segment.allocator, replica.offset, meta.size))
             else:
                 segment.allocator.free(replica.offset, meta.size)
@@ -401,14 +605,17 @@ class MasterState:
             if meta.state != COMPLETE or len(meta.replicas) >= meta.replica_num or key in busy or not meta.replicas:
                 continue
             holders = {r.segment_id for r in meta.replicas}
-            candidates = sorted((s for s in self.segments.values() if s.segment_id not in holders),
+            candidates = sorted((s for s in self.segments.values() if s.segment_id not in holders and s.confirmed),
                                 key=lambda s: (-s.allocator.free_bytes, s.segment_id))
             for target in candidates:
                 offset = target.allocator.allocate(meta.size)
                 if offset is not None:
                     source = meta.replicas[0]
+                    put_id = self.next_put_id
+                    self.next_put_id += 1
                     jobs.append(RepairJob(key, meta, self.segments[source.segment_id].address, source.offset,
-                                          target.segment_id, target.address, offset, meta.size))
+                                          target.segment_id, target.address, offset, meta.size, put_id,
+                                          self.ticket(target, put_id, offset, meta.size)))
                     break
         return jobs
 
@@ -422,8 +629,12 @@ class MasterState:
         usable = (ok and target is not None and meta is job.meta
                   and job.target_id not in {r.segment_id for r in meta.replicas})
         if not usable:
-            if target is not None:
-                target.allocator.free(job.target_offset, job.size)
+            if target is not None and ok:
+                target.allocator.free(job.target_offset, job.size)  # every write of the copy was answered
+            elif target is not None:
+                # A copy that failed may have a write still queued at the target: fence it like a revoked put.
+                target.fences.add(job.put_id)
+                self.fencing[job.put_id] = Fence(job.key, job.size, {job.target_id: job.target_offset})
             return False
         meta.replicas.append(Replica(job.target_id, job.target_offset))
         target.catalog_version += 1
@@ -436,7 +647,9 @@ class MasterState:
         """Rebuild state from journal records (without re-journalling); returns the record count.
 
         Restored segments get a fresh heartbeat deadline; a segment that died while the master was
-        down misses it and is dropped then. Leases are not restored: they only ever delay a remove.
+        down misses it and is dropped then. They are unconfirmed: nothing is allocated on one until it registers
+        again, with a new write key that fences every put the old master had started there. Leases are not
+        restored: they only ever delay a remove.
         """
         journal, self.journal = self.journal, (lambda record: None)
         count = 0
@@ -447,7 +660,8 @@ class MasterState:
                 if op == "segment":
                     self.register_segment(record["segment_id"], record["address"], record["size"],
                                           record["shm_path"], record["host_id"], record.get("public_key", ""),
-                                          read_addresses=tuple(record.get("read_addresses") or ()))
+                                          read_addresses=tuple(record.get("read_addresses") or ()),
+                                          confirmed=False)
                 elif op == "drop_segment":
                     self.drop_segment(record["segment_id"], record.get("reason", "was dropped"))
                 elif op == "object":
@@ -476,7 +690,8 @@ class MasterState:
             if segment is not None and segment.allocator.reserve(offset, size):
                 replicas.append(Replica(segment_id, offset))
         if replicas:
-            self.objects[key] = ObjectMeta(size, record.get("replica_num", len(replicas)), replicas, COMPLETE)
+            self.objects[key] = ObjectMeta(size, record.get("replica_num", len(replicas)), replicas, COMPLETE,
+                                           checksum=str(record.get("checksum") or ""))
 
     def snapshot(self) -> list[dict]:
         """The journal records that rebuild the current durable state (used to compact the journal)."""
@@ -485,6 +700,6 @@ class MasterState:
                     "read_addresses": list(s.read_addresses)}
                    for s in self.segments.values()]
         records += [{"op": "object", "key": k, "size": m.size, "replica_num": m.replica_num,
-                     "replicas": [[r.segment_id, r.offset] for r in m.replicas]}
+                     "replicas": [[r.segment_id, r.offset] for r in m.replicas], "checksum": m.checksum}
                     for k, m in self.objects.items() if m.state == COMPLETE]
         return records

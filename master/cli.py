@@ -1,7 +1,7 @@
 """``engram-master``: run the metadata master, or ask a running one for its status.
 
     engram-master [--host 127.0.0.1] [--port 50051] [--lease-ttl 5] [--heartbeat-timeout 10]
-                  [--journal PATH] [--auth DIR] [--log-level INFO]
+                  [--put-timeout 30] [--journal PATH] [--auth DIR] [--log-level INFO]
     engram-master status --master HOST:PORT [--auth DIR]
     engram-master keygen DIR [--force]
 """
@@ -22,6 +22,7 @@ from ._service import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     DEFAULT_LEASE_TTL_S,
     DEFAULT_PORT,
+    DEFAULT_PUT_TIMEOUT_S,
     DEFAULT_REUSE_DELAY_S,
     MasterServer,
 )
@@ -48,7 +49,12 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-timeout", type=_positive_float, default=DEFAULT_HEARTBEAT_TIMEOUT_S,
                    metavar="SECONDS", help="a segment silent this long (while the master runs) is declared dead "
                    f"(default: {DEFAULT_HEARTBEAT_TIMEOUT_S:g})")
-    p.add_argument("--journal", metavar="PATH", help="append metadata changes to PATH and replay it at start")
+    p.add_argument("--put-timeout", type=_positive_float, default=DEFAULT_PUT_TIMEOUT_S, metavar="SECONDS",
+                   help="a write whose client has not said it is still writing for this long (it died or hung) is "
+                        "fenced and its key and space freed; clients renew several times per period "
+                        f"(default: {DEFAULT_PUT_TIMEOUT_S:g})")
+    p.add_argument("--journal", metavar="PATH", help="append metadata changes to PATH and replay it at start "
+                   "(its directory must exist)")
     p.add_argument("--reuse-delay", type=float, default=DEFAULT_REUSE_DELAY_S, metavar="SECONDS",
                    help="reuse a removed object's space only after this long, so readers holding its old placement "
                         f"never see another object's bytes (default: {DEFAULT_REUSE_DELAY_S:g})")
@@ -134,6 +140,19 @@ def status(argv: list[str]) -> int:
     print(f"master {host}:{port}: {len(segments)} segment(s), {header['objects']} object(s), "
           f"{format_size(header['object_bytes'])} stored" + (f", {header['pending']} write(s) in progress"
                                                              if header["pending"] else ""))
+    for count, keys, what in ((header.get("under_replicated", 0), header.get("under_replicated_keys", []),
+                               "under-replicated (fewer replicas than asked for)"),
+                              (header.get("lost", 0), header.get("lost_keys", []),
+                               "lost (every replica was on segments that died)")):
+        if count:
+            shown = ", ".join(keys) + (f", ... ({count - len(keys)} more)" if count > len(keys) else "")
+            print(f"  {count} object(s) {what}: {shown}")
+    if header.get("fencing_bytes"):
+        print(f"  {format_size(header['fencing_bytes'])} of abandoned writes waiting for their segments to fence "
+              "them")
+    unconfirmed = sum(1 for s in segments if not s.get("confirmed", True))
+    if unconfirmed:
+        print(f"  {unconfirmed} segment(s) restored from the journal have not registered again yet")
     if segments:
         width = max(len(s["address"]) for s in segments)
         print(f"  {'address':<{width}}  {'size':>12}  {'used':>12}  {'used%':>6}  {'readers':>7}  segment")
@@ -161,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         server = MasterServer(args.host, args.port, lease_ttl_s=args.lease_ttl,
                               heartbeat_timeout_s=args.heartbeat_timeout, journal_path=args.journal,
                               journal_fsync=not args.no_fsync, re_replicate=args.re_replicate,
-                              metrics_port=args.metrics_port, reuse_delay_s=args.reuse_delay, auth=auth)
+                              metrics_port=args.metrics_port, reuse_delay_s=args.reuse_delay, auth=auth,
+                              put_timeout_s=args.put_timeout)
     except EngramError as exc:
         print(f"engram-master: {exc}", file=sys.stderr)
         return 2

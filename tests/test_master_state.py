@@ -4,7 +4,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engram_store import InvalidArgument, LeaseActive, ObjectExists, ObjectLost, ObjectNotFound, OutOfSpace
+from engram_store import (
+    InvalidArgument,
+    LeaseActive,
+    ObjectExists,
+    ObjectLost,
+    ObjectNotFound,
+    OutOfSpace,
+    SegmentUnavailable,
+)
+from engram_store._tickets import make_ticket, read_ticket
 from master import ALIGNMENT, FreeListAllocator, MasterState
 
 
@@ -82,7 +91,7 @@ def test_put_lifecycle_and_visibility():
     assert state.exists("k")
     assert journal[-1]["op"] == "object"
     state.put_start("r", 10, 1)
-    state.put_revoke("r")
+    state.put_revoke("r", settled=True)  # its writer has no write in flight: the space is free at once
     assert "r" not in state.objects
     assert sum(s.allocator.used for s in state.segments.values()) == 2 * _align(100)
 
@@ -226,9 +235,9 @@ def test_removed_space_is_reused_only_after_the_delay():
     assert state.quarantined_bytes() == 2 * 4000
     clock.now += 2.01
     state.put_start("new", 4000, 1)
-    # A revoked (never visible) write frees its space at once.
+    # A revoked (never visible) write whose writer has nothing in flight frees its space at once.
     state.put_start("pending", 2000, 1)
-    state.put_revoke("pending")
+    state.put_revoke("pending", settled=True)
     state.put_start("again", 2000, 1)
 
 
@@ -244,3 +253,160 @@ def test_quarantine_of_a_dropped_segment_is_forgotten():
     clock.now += 1.5
     assert state.release_quarantine() == 1
     assert sorted(s.allocator.used for s in state.segments.values()) == [_align(4000)] * 2  # nothing freed twice
+
+
+# ---- fencing ---------------------------------------------------------------------------------------------------
+
+
+def _used(state):
+    return {sid: s.allocator.used for sid, s in state.segments.items()}
+
+
+def _ack(state, segment_id, held=()):
+    """A heartbeat of ``segment_id`` acknowledging every fence the master sent it."""
+    seg = state.segments[segment_id]
+    return state.heartbeat(segment_id, seg.registration, sorted(seg.fences), [list(r) for r in held])
+
+
+def test_an_abandoned_put_keeps_its_space_until_every_segment_acknowledges_its_fence():
+    state, _, _ = _state()
+    state.put_start("w", 1000, 2)
+    put_id = state.objects["w"].put_id
+    state.put_revoke("w")  # its writer may still have writes in flight
+    assert "w" not in state.objects and not state.exists("w")
+    assert _used(state) == {"s1": _align(1000), "s2": _align(1000)}
+    assert state.segments["s1"].fences == {put_id} == state.segments["s2"].fences
+    assert state.fencing_bytes() == 2 * 1000
+    state.put_start("w", 100, 1)  # the key is free at once, for another object in other space
+    _ack(state, "s1")
+    assert state.segments["s1"].fences == set()
+    assert state.segments["s2"].fences == {put_id}  # still sent with every heartbeat reply until acknowledged
+    _ack(state, "s2")
+    assert sorted(_used(state).values()) == [0, _align(100)]
+    assert not state.fencing
+
+
+def test_a_range_still_written_by_a_live_writer_stays_reserved_until_it_is_released():
+    state, _, _ = _state()
+    state.put_start("w", 1000, 1)
+    replica = state.objects["w"].replicas[0]
+    state.remove("w", force=True)  # a forced remove fences a put in progress
+    _ack(state, replica.segment_id, held=[(replica.offset, 1000)])  # its writer pwrites into the file: held
+    assert _used(state)[replica.segment_id] == _align(1000)
+    assert state.segments[replica.segment_id].held == {(replica.offset, 1000)}
+    _ack(state, replica.segment_id, held=[(replica.offset, 1000)])
+    assert _used(state)[replica.segment_id] == _align(1000)
+    _ack(state, replica.segment_id)  # the writer closed its put or exited
+    assert _used(state)[replica.segment_id] == 0 and state.fencing_bytes() == 0
+
+
+def test_a_put_whose_writer_stops_renewing_it_expires_and_its_key_is_free():
+    state, clock, _ = _state(put_timeout_s=30.0)
+    state.put_start("w", 10, 1)
+    with pytest.raises(ObjectExists, match="in progress.*force=True"):
+        state.put_start("w", 10, 1)
+    with pytest.raises(LeaseActive, match="write is in progress"):
+        state.remove("w")
+    clock.now += 20
+    assert state.put_renew("w") and state.expire_puts() == []
+    clock.now += 25
+    assert state.expire_puts() == []  # renewed 25 s ago
+    state.expire_segments(running_gap_s=60)  # a stalled master does not count its stall against writers
+    clock.now += 60
+    assert state.expire_puts() == []
+    clock.now += 6
+    assert state.expire_puts() == ["w"]
+    assert not state.put_renew("w")  # its writer learns it must stop
+    state.put_start("w", 10, 1)
+    with pytest.raises(ObjectNotFound, match="no write in progress"):
+        state.put_end("nothing")
+
+
+def test_segments_restored_from_the_journal_take_no_puts_until_they_register_again():
+    state, _, journal = _state()
+    state.put_start("k", 100, 1)
+    state.put_end("k", checksum="00ff")
+    restored = MasterState()
+    restored.replay(journal)
+    assert restored.objects["k"].checksum == "00ff" and restored.get("k")
+    assert not any(s.confirmed for s in restored.segments.values())
+    with pytest.raises(SegmentUnavailable, match="have not registered with this master since it restarted"):
+        restored.put_start("new", 10, 1)
+    assert restored.heartbeat("s1", "old-registration") is None  # it must register again
+    restored.register_segment("s1", "127.0.0.1:1", 4096, "", "h", write_key=b"k" * 32, registration="r2",
+                              held=[(2048, 500)])  # a writer of the old master still pwrites there
+    assert restored.segments["s1"].held == {(2048, 500)}
+    placed = restored.put_start("new", 10, 1)
+    assert [s.segment_id for s, _ in placed] == ["s1"]
+    gap = restored.segments["s1"].allocator.largest_free() + 512  # the held range and the block before it
+    with pytest.raises(OutOfSpace):
+        restored.put_start("big", gap, 1)  # the held range is not free
+    restored.heartbeat("s1", "r2", [], [])  # the writer is gone
+    restored.put_start("big", gap, 1)
+
+
+def test_a_segment_that_registers_again_ends_the_puts_writing_to_it():
+    state, _, _ = _state()
+    state.put_start("w", 1000, 2)
+    put_id = state.objects["w"].put_id
+    state.register_segment("s1", "127.0.0.1:1", 4096, "", "h", write_key=b"n" * 32, registration="again")
+    assert "w" not in state.objects
+    assert _used(state)["s1"] == 0  # the segment's new key already refuses the old tickets
+    assert state.segments["s2"].fences == {put_id}  # the other replica's writer may still send
+    _ack(state, "s2")
+    assert _used(state) == {"s1": 0, "s2": 0}
+
+
+def test_a_dropped_segment_fences_the_other_replicas_of_puts_in_progress():
+    state, _, _ = _state()
+    state.put_start("w", 1000, 2)
+    put_id = state.objects["w"].put_id
+    state.drop_segment("s1", "missed heartbeats")
+    assert "w" not in state.objects and state.segments["s2"].fences == {put_id}
+    _ack(state, "s2")
+    assert _used(state) == {"s2": 0}
+
+
+def test_objects_offered_back_by_a_segment_are_adopted_unless_another_object_has_the_key():
+    state, _, _ = _state()
+    state.put_start("mine", 100, 1)
+    state.put_end("mine", checksum="aa")
+    state.register_segment("s9", "127.0.0.1:9", 4096, "", "h", write_key=b"x" * 32, registration="r", objects=[
+        ["held", 0, 100, 1, "bb"], ["mine", 128, 100, 1, "cc"], ["old", 256, 50, 1]])
+    assert state.get("held").checksum == "bb" and state.get("old").checksum == ""
+    assert [r.segment_id for r in state.get("mine").replicas] != ["s9"]  # another object: the copy is ignored
+    assert state.segment_objects("s9")[1] == [["held", 0, 100, 1, "bb"], ["old", 256, 50, 1, ""]]
+
+
+def test_repair_targets_that_fail_are_fenced_and_those_that_were_answered_free_at_once():
+    state, _, _ = _state()
+    state.put_start("x", 100, 2)
+    state.put_end("x")
+    state.drop_segment("s2", "died")
+    state.register_segment("s3", "127.0.0.1:3", 4096, "", "h", write_key=b"y" * 32, registration="r3")
+    state.register_segment("s4", "127.0.0.1:4", 4096, "", "h", write_key=b"z" * 32, registration="r4")
+    job = state.plan_repairs(set(), 1)[0]
+    assert read_ticket((b"z" if job.target_id == "s4" else b"y") * 32, job.target_id, job.ticket)[1:] == (job.target_offset, 100)
+    assert not state.finish_repair(job, ok=False)  # a write may still be queued there: fenced
+    assert state.segments[job.target_id].fences == {job.put_id}
+    job2 = state.plan_repairs(set(), 1)[0]
+    state.remove("x", force=True)  # the object went away meanwhile
+    used = state.segments[job2.target_id].allocator.used
+    assert not state.finish_repair(job2, ok=True)  # every write of the copy was answered: freed at once
+    assert job2.put_id not in state.segments[job2.target_id].fences
+    assert state.segments[job2.target_id].allocator.used == used - _align(100)
+
+
+@settings(max_examples=100, deadline=None)
+@given(key=st.binary(min_size=1, max_size=64), segment=st.text(min_size=1, max_size=32),
+       put_id=st.integers(0, 2**64 - 1), offset=st.integers(0, 2**64 - 1), size=st.integers(0, 2**64 - 1),
+       flip=st.integers(0, 39))
+def test_tickets_verify_only_under_their_key_segment_and_bytes(key, segment, put_id, offset, size, flip):
+    ticket = make_ticket(key, segment, put_id, offset, size)
+    assert read_ticket(key, segment, ticket) == (put_id, offset, size)
+    assert read_ticket(key + b"!", segment, ticket) is None
+    assert read_ticket(key, segment + "!", ticket) is None
+    forged = bytearray(ticket)
+    forged[flip] ^= 1
+    assert read_ticket(key, segment, bytes(forged)) is None
+    assert read_ticket(b"", segment, ticket) is None and read_ticket(key, segment, ticket[:-1]) is None

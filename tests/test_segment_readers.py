@@ -20,6 +20,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engram_store._protocol import PROTOCOL_VERSION as V
 from engram_store import DistributedStore, InvalidArgument, ProtocolError, SegmentServer, SegmentUnavailable
 from engram_store import _client
 from engram_store._segment import MAX_RANGES, MAX_READ_BYTES, SegmentMemory, default_readers, shmem_huge_pages
@@ -115,7 +116,7 @@ def test_reads_through_every_endpoint_equal_numpy_slicing(reader_cluster, spans)
 
 
 def _bad_requests(replica) -> list[tuple[str, list, str]]:
-    head = msgpack.packb({"v": 1, "id": 7, "op": "read_ranges"})
+    head = msgpack.packb({"v": V, "id": 7, "op": "read_ranges"})
     end = SEGMENT_SIZE
 
     def pairs(*ps):
@@ -137,9 +138,9 @@ def _bad_requests(replica) -> list[tuple[str, list, str]]:
         ("garbage header", [b"\xc1", pairs((0, 8))], "msgpack"),
         ("header not a map", [msgpack.packb([1, 2]), pairs((0, 8))], "map"),
         ("wrong version", [msgpack.packb({"v": 99, "id": 1, "op": "read_ranges"}), pairs((0, 8))], "version"),
-        ("id not an integer", [msgpack.packb({"v": 1, "id": "x", "op": "read_ranges"})], "'id'"),
-        ("op not a string", [msgpack.packb({"v": 1, "id": 1, "op": 5})], "'op'"),
-        ("writes go to the main socket", [msgpack.packb({"v": 1, "id": 1, "op": "write", "offset": 0}), b"x"],
+        ("id not an integer", [msgpack.packb({"v": V, "id": "x", "op": "read_ranges"})], "'id'"),
+        ("op not a string", [msgpack.packb({"v": V, "id": 1, "op": 5})], "'op'"),
+        ("writes go to the main socket", [msgpack.packb({"v": V, "id": 1, "op": "write", "offset": 0}), b"x"],
          "unknown op"),
     ]
 
@@ -252,17 +253,27 @@ def test_puts_round_trip_exactly_with_odd_sizes_and_offsets(monkeypatch, local_d
                     assert _read(replica.read_addresses[0], [pairs]) == obj.tobytes(), key
                 assert reader.get(key) == obj.tobytes()
             assert reader.get("empty") == b""
-        # Writes straight to the main socket at odd offsets land exactly there.
-        address = c.segments[0].address
-        conn = Connection(address, unavailable=SegmentUnavailable)
+        # Writes straight to the main socket at odd offsets, under a ticket the master issued, land exactly there.
+        master = Connection(c.address, unavailable=SegmentUnavailable)
+        try:
+            (placed,) = master.call("put_start", {"keys": ["raw"], "sizes": [100_014], "replica_num": 1})[0]["results"]
+        finally:
+            master.close()
+        replica = placed["replicas"][0]
+        conn = Connection(replica["address"], unavailable=SegmentUnavailable)
         try:
             payload = rng.integers(0, 256, 100_001, dtype=np.uint8)
-            offset = (20 << 20) + 13
-            assert conn.call("write", {"offset": offset}, [payload])[0]["written"] == payload.size
+            offset = replica["offset"] + 13
+            written = conn.call("write", {"offset": offset, "ticket": replica["ticket"]}, [payload])[0]["written"]
+            assert written == payload.size
             pairs = np.array([[offset, payload.size]], dtype=np.int64)
-            assert _read(address, [pairs]) == payload.tobytes()
+            assert _read(replica["address"], [pairs]) == payload.tobytes()
             with pytest.raises(InvalidArgument, match="end past"):
-                conn.call("write", {"offset": (32 << 20) - 10}, [payload])
+                conn.call("write", {"offset": (32 << 20) - 10, "ticket": replica["ticket"]}, [payload])
+            with pytest.raises(InvalidArgument, match="outside the range"):
+                conn.call("write", {"offset": offset + 1, "ticket": replica["ticket"]}, [payload])
+            with pytest.raises(InvalidArgument, match="missing field 'ticket'"):
+                conn.call("write", {"offset": offset}, [payload])
         finally:
             conn.close()
 

@@ -13,6 +13,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engram_store._protocol import PROTOCOL_VERSION as V
 from engram_store import (
     DistributedStore,
     InvalidArgument,
@@ -203,27 +204,27 @@ BAD_FRAMES = [
     [b"\xc1"],  # never valid msgpack
     [msgpack.packb([1, 2, 3])],
     [msgpack.packb({"v": 99, "id": 1, "op": "ping"})],
-    [msgpack.packb({"v": 1, "id": "x", "op": "ping"})],
-    [msgpack.packb({"v": 1, "id": 1, "op": 5})],
-    [msgpack.packb({"v": 1, "id": 1, "op": "no_such_op"})],
-    [msgpack.packb({"v": 1, "id": 1, "op": "put_start", "keys": ["a"], "sizes": [-1], "replica_num": 1})],
-    [msgpack.packb({"v": 1, "id": 1, "op": "put_start", "keys": [1], "sizes": [1], "replica_num": 1})],
-    [msgpack.packb({"v": 1, "id": 1, "op": "put_start", "keys": ["a"], "sizes": [2**60], "replica_num": 1})],
-    [msgpack.packb({"v": 1, "id": 1, "op": "get_replicas", "keys": "notalist"})],
-    [msgpack.packb({"v": 1, "id": 1, "op": "register_segment", "segment_id": "bad", "address": "127.0.0.1:1",
-                    "size": 4096, "read_addresses": "127.0.0.1:2"})],
-    [msgpack.packb({"v": 1, "id": 1, "op": "register_segment", "segment_id": "bad", "address": "127.0.0.1:1",
-                    "size": 4096, "read_addresses": ["no-port"]})],
-    [msgpack.packb({"v": 1, "id": 1, "op": "remove", "key": "", "force": "yes"})],
-    [msgpack.packb({"v": 1, "id": 1, "op": "write", "offset": -5}), b"data"],
-    [msgpack.packb({"v": 1, "id": 1, "op": "write", "offset": 2**62}), b"data"],
-    [msgpack.packb({"v": 1, "id": 1, "op": "write", "offset": 0})],
-    [msgpack.packb({"v": 1, "id": 1, "op": "read_ranges"}), np.array([0], np.int64).tobytes()],
-    [msgpack.packb({"v": 1, "id": 1, "op": "read_ranges"}), np.array([-1], np.int64).tobytes(),
+    [msgpack.packb({"v": V, "id": "x", "op": "ping"})],
+    [msgpack.packb({"v": V, "id": 1, "op": 5})],
+    [msgpack.packb({"v": V, "id": 1, "op": "no_such_op"})],
+    [msgpack.packb({"v": V, "id": 1, "op": "put_start", "keys": ["a"], "sizes": [-1], "replica_num": 1})],
+    [msgpack.packb({"v": V, "id": 1, "op": "put_start", "keys": [1], "sizes": [1], "replica_num": 1})],
+    [msgpack.packb({"v": V, "id": 1, "op": "put_start", "keys": ["a"], "sizes": [2**60], "replica_num": 1})],
+    [msgpack.packb({"v": V, "id": 1, "op": "get_replicas", "keys": "notalist"})],
+    [msgpack.packb({"v": V, "id": 1, "op": "register_segment", "segment_id": "bad", "address": "127.0.0.1:1",
+                    "size": 4096, "write_key": b"k" * 32, "registration": "r", "read_addresses": "127.0.0.1:2"})],
+    [msgpack.packb({"v": V, "id": 1, "op": "register_segment", "segment_id": "bad", "address": "127.0.0.1:1",
+                    "size": 4096, "write_key": b"k" * 32, "registration": "r", "read_addresses": ["no-port"]})],
+    [msgpack.packb({"v": V, "id": 1, "op": "remove", "key": "", "force": "yes"})],
+    [msgpack.packb({"v": V, "id": 1, "op": "write", "offset": -5}), b"data"],
+    [msgpack.packb({"v": V, "id": 1, "op": "write", "offset": 2**62}), b"data"],
+    [msgpack.packb({"v": V, "id": 1, "op": "write", "offset": 0})],
+    [msgpack.packb({"v": V, "id": 1, "op": "read_ranges"}), np.array([0], np.int64).tobytes()],
+    [msgpack.packb({"v": V, "id": 1, "op": "read_ranges"}), np.array([-1], np.int64).tobytes(),
      np.array([8], np.int64).tobytes()],
-    [msgpack.packb({"v": 1, "id": 1, "op": "read_ranges"}), np.array([2**62], np.int64).tobytes(),
+    [msgpack.packb({"v": V, "id": 1, "op": "read_ranges"}), np.array([2**62], np.int64).tobytes(),
      np.array([2**62], np.int64).tobytes()],
-    [msgpack.packb({"v": 1, "id": 1, "op": "read_ranges"}), b"abc", b"de"],
+    [msgpack.packb({"v": V, "id": 1, "op": "read_ranges"}), b"abc", b"de"],
 ]
 
 
