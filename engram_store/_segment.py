@@ -528,6 +528,7 @@ class SegmentServer:
 
     def _ping(self, req: Request) -> dict:
         return {"role": "segment", "segment_id": self.segment_id, "size": self.size, "protocol": PROTOCOL_VERSION,
+                "catalog": self.catalog.version, "registration": self.fence.registration,
                 "raw_port": self.raw.port if self.raw is not None else 0,
                 "raw_token": self.raw is not None and self.raw.require_token}
 

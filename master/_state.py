@@ -84,6 +84,7 @@ class Segment:
             "host_id": self.host_id,
             "read_addresses": list(self.read_addresses),
             "confirmed": self.confirmed,
+            "catalog": self.catalog_version,
             "fencing": len(self.fences),
             "held_bytes": sum(size for _, size in self.held),
         }
