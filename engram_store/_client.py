@@ -26,7 +26,7 @@ import xxhash
 import zmq
 
 from . import _kernels
-from ._auth import load_keys
+from ._auth import AUTH_DIR_ENV, load_keys, resolve_auth_dir
 from ._config import DEFAULT_EMBEDDED_SEGMENT_SIZE, StoreConfig
 from ._errors import (
     ConfigError,
@@ -70,6 +70,10 @@ REDISCOVERY_TIMEOUT_MS = 2000
 #: fail over to other replicas) instead of each waiting out the ping until the master drops the segment.
 DEAD_HOLD_S = 2.0
 _SUSPECT = "suspect"
+#: How long a put waits, at least, for segments to register with a master that has just restarted.
+PUT_START_WAIT_S = 5.0
+#: How long connect() waits for the master's first answer.
+DEFAULT_CONNECT_TIMEOUT_MS = 3000
 #: A put of at least this many bytes computes its checksums in a thread while its bytes go out.
 CHECKSUM_THREAD_BYTES = 4 << 20
 #: A writer renews its pending puts this many times per put timeout of the master.
@@ -175,29 +179,41 @@ class DistributedStore:
     @classmethod
     def connect(cls, master: str, segment_size: int | str = 0, *, timeout_ms: int = 10_000,
                 host: str = "127.0.0.1", local_direct: bool = True, auth_dir: str | None = None,
-                raw_reads: bool | None = None) -> "DistributedStore":
+                raw_reads: bool | None = None, connect_timeout_ms: int = DEFAULT_CONNECT_TIMEOUT_MS
+                ) -> "DistributedStore":
         """Connect to the master at ``host:port``; a non-zero ``segment_size`` mounts a segment in this process.
 
         Data in a mounted segment lives only as long as this process; run ``engram-segment`` for
         segments that outlive clients. ``local_direct=False`` sends every read over the network even when
         the segment is mapped on this host (to measure or test the remote path). ``auth_dir`` is the key
-        directory of a cluster started with ``--auth`` (a mounted segment then needs its server keys too).
-        A master that refuses this client's keys looks like one that does not answer: MasterUnavailable.
+        directory of a cluster started with ``--auth`` (default: ``$ENGRAM_AUTH_DIR``; a mounted segment then
+        needs its server keys too). The master must answer within ``connect_timeout_ms``; a master that refuses
+        this client's keys looks like one that does not answer (MasterUnavailable), and an address that answers
+        as something else (a segment) is refused at once (ConfigError).
         """
         config = StoreConfig(master_server_address=master, global_segment_size=segment_size,
                              local_hostname=host, timeout_ms=timeout_ms,
-                             auth_dir=os.fspath(auth_dir) if auth_dir else "")
+                             auth_dir=os.fspath(auth_dir) if auth_dir else resolve_auth_dir(None) or "")
+        if not isinstance(connect_timeout_ms, numbers.Integral) or isinstance(connect_timeout_ms, bool) \
+                or connect_timeout_ms <= 0:
+            raise InvalidArgument(f"connect_timeout_ms: expected a positive integer, got {describe(connect_timeout_ms)}")
         store = cls(config.master_server_address, timeout_ms=config.timeout_ms, local_direct=local_direct,
                     auth_dir=config.auth_dir, raw_reads=raw_reads)
         try:
             try:
-                store.ping()
+                reply = store._master_call("ping", timeout_ms=int(connect_timeout_ms))
             except MasterUnavailable as exc:
-                hint = ("check that the master runs with --auth and the key directory given as auth_dir"
+                hint = (f"check that the master runs with --auth and that auth_dir={store.auth_dir!r} holds its keys"
                         if store.auth_dir else
-                        "if it was started with --auth, pass auth_dir= (or set ENGRAM_AUTH_DIR) with its key "
-                        "directory")
-                raise MasterUnavailable(f"{exc} (is the master running? {hint})") from exc
+                        f"if it runs with --auth, pass auth_dir= or set {AUTH_DIR_ENV} to its key directory")
+                raise MasterUnavailable(
+                    f"no engram master answered at {config.master_server_address} within "
+                    f"{connect_timeout_ms / 1000:g} s ({exc}); is the address right and engram-master running "
+                    f"there? {hint}") from exc
+            role = reply.get("role", "master")
+            if role != "master":
+                raise ConfigError(f"master: {config.master_server_address} is an engram {role}, not a master; pass "
+                                  "the master's HOST:PORT (engram-master prints it when it starts)")
             if config.global_segment_size:
                 store._mount(config.global_segment_size, config.local_hostname)
         except BaseException:
@@ -285,10 +301,10 @@ class DistributedStore:
         if self._closed:
             raise StoreError("the store is closed")
 
-    def _master_call(self, op: str, fields: dict | None = None) -> dict:
+    def _master_call(self, op: str, fields: dict | None = None, timeout_ms: int | None = None) -> dict:
         self._check_open()
         conn = self._pool.get(self.master_address, MasterUnavailable)
-        header, _ = conn.call(op, fields, timeout_ms=self.timeout_ms)
+        header, _ = conn.call(op, fields, timeout_ms=timeout_ms or self.timeout_ms)
         return header
 
     def _segment_conn(self, address: str) -> Connection:
@@ -373,9 +389,10 @@ class DistributedStore:
 
     # ---- metadata -------------------------------------------------------------------------------
 
-    def locate(self, keys: Sequence[str], lease: bool = True) -> list[ObjectInfo]:
-        """Replica placement of each key, in one master request (raises ObjectNotFound / ObjectLost)."""
-        header = self._master_call("get_replicas", {"keys": list(keys), "lease": lease})
+    def locate(self, keys: Sequence[str], lease: bool = True, timeout_ms: int | None = None) -> list[ObjectInfo]:
+        """Replica placement of each key, in one master request (raises ObjectNotFound / ObjectLost);
+        ``timeout_ms`` overrides the store's timeout for this request."""
+        header = self._master_call("get_replicas", {"keys": list(keys), "lease": lease}, timeout_ms)
         out = []
         for key, obj in zip(keys, header["objects"]):
             if not obj.get("ok"):
@@ -492,7 +509,7 @@ class DistributedStore:
     def _put_start(self, keys: list[str], sizes: list[int], replica_num: int) -> tuple[list[dict], int]:
         """``put_start`` of every key; while segments are registering with a master that just restarted, the master
         asks to retry, and this does so until the timeout. Returns the per-key results and the put timeout."""
-        deadline = time.monotonic() + self.timeout_ms / 1000.0
+        deadline = time.monotonic() + max(self.timeout_ms / 1000.0, PUT_START_WAIT_S)
         while True:
             header = self._master_call("put_start", {"keys": keys, "sizes": sizes, "replica_num": replica_num})
             results = header["results"]

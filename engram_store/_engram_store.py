@@ -35,6 +35,7 @@ import xxhash
 from . import _kernels
 from ._errors import (
     ConfigError,
+    EngramError,
     InvalidArgument,
     InvalidType,
     LeaseActive,
@@ -44,6 +45,7 @@ from ._errors import (
     ObjectNotFound,
     SegmentUnavailable,
     StoreError,
+    Unavailable,
     describe,
 )
 from ._local import LocalDir, MappedLayer, sources_for
@@ -53,8 +55,16 @@ log = logging.getLogger(__name__)
 
 #: Tables larger than this (all heads together) show a progress bar while they upload.
 PROGRESS_MIN_BYTES = 256 << 20
-#: How long a resolved table placement is used before it is checked with the master again (one request).
+#: How long a resolved table placement is used before it is checked with the master again (one request, in the
+#: background up to PLACEMENT_STALE_S, before use past it). Both stay well below the master's reuse delay (2 s).
 PLACEMENT_TTL_S = 0.5
+PLACEMENT_STALE_S = 1.0
+#: The longest a lookup waits for the master to check a placement it already has, before reading from it anyway.
+REFRESH_TIMEOUT_MS = 2000
+#: After the master failed a placement check, lookups do not wait for it for this long (checks go on behind).
+MASTER_RETRY_S = 2.0
+#: At most one warning per EngramStore this often while the master does not answer.
+MASTER_WARN_INTERVAL_S = 10.0
 #: A prefetch of at most this many rows from tables that are all read in place runs at once (see prefetch).
 PREFETCH_INLINE_ROWS = 4096
 #: A local gather of at least this many rows is split over the store's ``threads``.
@@ -244,6 +254,9 @@ class _Layer:
         self.counters = LookupCounters()
         self.lock = threading.Lock()
         self.placement: _Placement | None = None
+        self.known: tuple | None = None        # (infos, signature, time) of the master's last answer
+        self.validated: tuple = ()             # the signature whose manifest was checked
+        self.refreshing = False                # a background placement check is running
         self.published = False                 # Mooncake path: manifest checked
         self.local: _Placement | None = None   # tables read in place without a store (bind_local, local_dir)
         self.mapped: MappedLayer | None = None  # local_dir: the published files this layer reads
@@ -399,6 +412,9 @@ class EngramStore:
         self._executor: ThreadPoolExecutor | None = None
         self._staging: np.ndarray | None = None  # Mooncake path: registered buffer for unique rows
         self._staging_release: weakref.finalize | None = None
+        self._refresher: ThreadPoolExecutor | None = None  # background placement checks
+        self._master_trouble_at = 0.0
+        self._master_warned_at = -MASTER_WARN_INTERVAL_S
         self._closed = False
 
     # ---- layers and getters (work without a store) ------------------------------------------------
@@ -925,32 +941,74 @@ class EngramStore:
                                  "does not match this configuration")
 
     def _get_placement(self, lay: _Layer, failed: set[str]) -> _Placement:
-        """The layer's placement in the native store, checked with the master every PLACEMENT_TTL_S.
+        """The layer's placement in the native store.
 
-        Another client may remove and repopulate this layer; the check notices within PLACEMENT_TTL_S, and
-        the master keeps a removed table's space unallocated for longer than that (its reuse delay), so a
-        lookup never reads another object's bytes in between.
+        Published layers are immutable, but another client may remove one and populate it again elsewhere; the
+        master keeps a removed table's space unallocated for its reuse delay (2 s by default), so a placement
+        checked with the master within that delay never leads to another object's bytes. A placement younger than
+        PLACEMENT_TTL_S is used as it is; up to PLACEMENT_STALE_S it is used while a background thread checks it;
+        older (a client that was idle), it is checked before use. When the master does not answer, reads go on
+        from the last placement it gave (see DESIGN.md, "Reads outlive the master") and the check is retried in
+        the background; only a layer this client never resolved needs the master to be read.
         """
         cached = lay.placement
-        now = time.monotonic()
-        if cached is not None and now - cached.checked_at < PLACEMENT_TTL_S:
-            return cached
+        if cached is not None:
+            age = time.monotonic() - cached.checked_at
+            if age < PLACEMENT_TTL_S:
+                return cached
+            if age < PLACEMENT_STALE_S or self._master_trouble():
+                self._refresh_later(lay)
+                return cached
+            return self._resolve(lay, failed, timeout_ms=min(self._native.timeout_ms, REFRESH_TIMEOUT_MS))
+        return self._resolve(lay, failed)
+
+    def _resolve(self, lay: _Layer, failed: set[str], timeout_ms: int | None = None) -> _Placement:
+        """Ask the master where the layer's heads are and build the placement (reading and checking the layer's
+        manifest when its tables are new to this client or have moved); on a master that does not answer, rebuild
+        it from the last answer, without the ``failed`` segments."""
         native = self._native
+        cached = lay.placement
+        now = time.monotonic()
         try:
-            infos = native.locate(lay.keys, lease=False)
+            infos = native.locate(lay.keys, lease=False, timeout_ms=timeout_ms)
         except ObjectNotFound:
             if self._require_manifest:
                 self._check_manifest(lay, self._read_manifest(lay))  # "not published" says more than a missing head
             raise
-        signature = tuple((info.size, tuple((r.segment_id, r.address, r.offset) for r in info.replicas))
-                          for info in infos)
-        if cached is not None and signature == cached.signature:
-            cached.checked_at = now
-            return cached
-        if self._require_manifest:
-            self._check_manifest(lay, self._read_manifest(lay))  # first read, or the layer changed: check its layout
-        if lay.cache is not None:
-            lay.cache.clear()  # rows cached from an earlier placement may belong to another table now
+        except Unavailable as exc:
+            if lay.known is None:
+                raise
+            self._master_unreachable(lay, exc)
+            if cached is not None and not any(address in failed for address, *_ in cached.remote):
+                return cached
+            infos, signature, checked_at = lay.known
+        else:
+            self._master_trouble_at = 0.0
+            signature = tuple((info.size, tuple((r.segment_id, r.address, r.offset) for r in info.replicas))
+                              for info in infos)
+            checked_at = now
+            if cached is not None and signature == cached.signature \
+                    and not any(address in failed for address, *_ in cached.remote):
+                cached.checked_at = now
+                lay.known = (infos, signature, now)
+                return cached
+            if signature != lay.validated:
+                # First read, or the layer changed: check its layout (a failover to the same tables does not).
+                if self._require_manifest:
+                    self._check_manifest(lay, self._read_manifest(lay))
+                if lay.cache is not None:
+                    lay.cache.clear()  # rows cached from an earlier placement may belong to another table now
+                lay.validated = signature
+            lay.known = (infos, signature, now)
+        placement = self._build_placement(lay, infos, failed, signature, checked_at)
+        with lay.lock:
+            lay.placement = placement
+        return placement
+
+    def _build_placement(self, lay: _Layer, infos: list, failed: set[str], signature: tuple,
+                         checked_at: float) -> _Placement:
+        """Which heads are read in place (a segment mapped on this host) and which from which server."""
+        native = self._native
         lay.counters.add(placement_refreshes=1)
         local_tables: list[tuple[int, np.ndarray]] = []
         remote: dict[str, list[tuple[int, int, Any]]] = {}
@@ -961,8 +1019,9 @@ class EngramStore:
                                  f"row bytes = {nbytes}; the stored layer was written with another geometry")
             live = [r for r in info.replicas if r.address not in failed]
             if not live:
-                raise SegmentUnavailable(f"key {info.key!r}: every replica is on a failed segment "
-                                         f"({', '.join(r.address for r in info.replicas)})")
+                raise SegmentUnavailable(f"layer {lay.layer_id}: segment {', '.join(r.address for r in info.replicas)}"
+                                         f" holding head {lay.heads[h]} ({info.key!r}) did not answer, and no other "
+                                         "replica of it is left")
             for r in live:
                 view = native.local_view(r)
                 if view is not None and 0 <= r.offset <= view.size - nbytes:
@@ -977,22 +1036,58 @@ class EngramStore:
             order += [h for h, _, _ in entries]
             bases += [offset for _, offset, _ in entries]
             groups.append((address, native.read_endpoints(entries[0][2]), j0, len(order)))
-        placement = _Placement(
+        return _Placement(
             local=sources_for(local_tables, lay.num_heads, lay.row_bytes) if local_tables else [],
             remote=groups,
             order=_kernels.readonly(np.asarray(order, dtype=np.int64)),
             bases=_kernels.readonly(np.asarray(bases, dtype=np.int64)),
             replicas=[info.replicas for info in infos],
             signature=signature,
-            checked_at=now,
+            checked_at=checked_at,
             keep=[t for _, t in local_tables],
             tables={h: _kernels.readonly(t) for h, t in local_tables},
         )
-        with lay.lock:
-            lay.placement = placement
-        return placement
 
-    def _lookup_cached(self, lay: _Layer, placement: _Placement, ids2: np.ndarray, flat: np.ndarray) -> set[str]:
+    def _master_trouble(self) -> bool:
+        """Whether a placement check failed recently (then lookups do not wait for the master)."""
+        return time.monotonic() - self._master_trouble_at < MASTER_RETRY_S
+
+    def _master_unreachable(self, lay: _Layer, exc: Exception) -> None:
+        now = time.monotonic()
+        self._master_trouble_at = now
+        if now - self._master_warned_at >= MASTER_WARN_INTERVAL_S:
+            self._master_warned_at = now
+            log.warning("layer %d: the master did not answer a placement check (%s); reading from the placement it "
+                        "gave %.1f s ago, and checking again in the background", lay.layer_id, exc,
+                        now - lay.known[2])
+
+    def _refresh_later(self, lay: _Layer) -> None:
+        """Check the layer's placement with the master in a background thread (one check per layer at a time)."""
+        with self._lock:
+            if lay.refreshing or self._closed:
+                return
+            lay.refreshing = True
+            if self._refresher is None:
+                self._refresher = ThreadPoolExecutor(1, thread_name_prefix="engram-placement")
+            refresher = self._refresher
+        refresher.submit(self._refresh, lay)
+
+    def _refresh(self, lay: _Layer) -> None:
+        try:
+            self._resolve(lay, set())
+        except Unavailable:
+            pass  # logged by _resolve; the next lookup past the TTL asks again
+        except EngramError as exc:  # the layer is gone or changed: the next lookup resolves it and says so
+            log.info("layer %d: placement check found %s; resolving again on the next lookup", lay.layer_id, exc)
+            with lay.lock:
+                lay.placement = None
+        except Exception:
+            log.exception("layer %d: placement check failed", lay.layer_id)
+        finally:
+            lay.refreshing = False
+
+    def _lookup_cached(self, lay: _Layer, placement: _Placement, ids2: np.ndarray, flat: np.ndarray,
+                       tally: dict) -> set[str]:
         """The remote read of a layer with a hot-row cache: cached rows are not requested, fetched ones are added."""
         uniq, head_starts, inverse = _kernels.plan_unique_rows(ids2, placement.order)
         cache = lay.cache
@@ -1002,7 +1097,7 @@ class EngramStore:
         with cache.lock:
             hit, hits = _kernels.cache_probe(keys, cache.keys, cache.rows, cache.words(rows_all))
         miss = ~hit
-        lay.counters.add(cache_hits=hits, cache_misses=int(uniq.size) - hits)
+        _tally(tally, flat, cache_hits=hits, cache_misses=int(uniq.size) - hits)
         requests = []
         for address, endpoints, j0, j1 in placement.remote:
             endpoint = self._native.pick_endpoint(endpoints)
@@ -1018,7 +1113,7 @@ class EngramStore:
             requests.append((address, endpoint, positions, np.stack((offsets, lengths), axis=1)))
         results = self._native.read_pairs_many([(endpoint, pairs) for _, endpoint, _, pairs in requests])
         fetched = sum(int(p[:, 1].sum()) for *_, p in requests)
-        lay.counters.add(remote_requests=len(requests), remote_rows=fetched // lay.row_bytes, remote_bytes=fetched)
+        _tally(tally, flat, remote_requests=len(requests), remote_rows=fetched // lay.row_bytes, remote_bytes=fetched)
         failed = set()
         for (address, _, positions, _), result in zip(requests, results):
             if isinstance(result, BaseException):
@@ -1130,6 +1225,10 @@ class EngramStore:
         with self._lock:
             self._closed = True
             executor, self._executor = self._executor, None
+            refresher, self._refresher = self._refresher, None
+        if refresher is not None:
+            refresher.shutdown(wait=False, cancel_futures=True)  # a check waiting on a paused master ends by itself
+        with self._lock:
             self._staging = None
             release, self._staging_release = self._staging_release, None
         if executor is not None:
@@ -1213,6 +1312,7 @@ def _lookup_round(native: Any, jobs: list[tuple[EngramStore, _Layer, np.ndarray,
     pending = jobs
     for round_ in range(FAILOVER_ROUNDS + 1):
         remote_jobs, cached_jobs, placed = [], [], []
+        tally: dict[int, dict] = {}  # remote counters of this attempt, per job: counted only if the job is done
         for owner, lay, ids2, flat in pending:
             placement = owner._get_placement(lay, failed)
             placed.append(placement)
@@ -1220,9 +1320,9 @@ def _lookup_round(native: Any, jobs: list[tuple[EngramStore, _Layer, np.ndarray,
                 owner._gather_local(lay, placement, ids2, flat)
             if placement.remote:
                 (cached_jobs if lay.cache is not None else remote_jobs).append((owner, lay, placement, ids2, flat))
-        bad = _read_remote(native, remote_jobs) if remote_jobs else set()
+        bad = _read_remote(native, remote_jobs, tally) if remote_jobs else set()
         for owner, lay, placement, ids2, flat in cached_jobs:
-            bad |= owner._lookup_cached(lay, placement, ids2, flat)
+            bad |= owner._lookup_cached(lay, placement, ids2, flat, tally)
         retry = []
         for job, placement in zip(pending, placed):
             owner, lay, ids2, flat = job
@@ -1231,7 +1331,8 @@ def _lookup_round(native: Any, jobs: list[tuple[EngramStore, _Layer, np.ndarray,
                 with lay.lock:
                     lay.placement = None  # re-resolve: the master may have dropped the dead segment
             else:
-                lay.counters.add(rows=ids2.size, local_rows=placement.local_heads * ids2.shape[0], retries=round_)
+                lay.counters.add(rows=ids2.size, local_rows=placement.local_heads * ids2.shape[0], retries=round_,
+                                 **tally.get(id(flat), {}))
         if not retry:
             return
         failed |= bad
@@ -1248,7 +1349,14 @@ def _reads_direct(placement: _Placement, ids2: np.ndarray) -> bool:
     return not placement.local and len(placement.remote) == 1 and ids2.size <= DIRECT_MAX_ROWS
 
 
-def _read_remote(native: Any, jobs: list) -> set[str]:
+def _tally(tally: dict, flat: np.ndarray, **deltas: int) -> None:
+    """Add counters of one attempt at the job whose output is ``flat``."""
+    entry = tally.setdefault(id(flat), {})
+    for name, delta in deltas.items():
+        entry[name] = entry.get(name, 0) + delta
+
+
+def _read_remote(native: Any, jobs: list, tally: dict) -> set[str]:
     """One read per segment server for every job's remote heads; scatter the replies; the addresses that failed.
 
     A job whose heads all live on one server reads its rows as they are, in output order (the reply is its
@@ -1294,7 +1402,7 @@ def _read_remote(native: Any, jobs: list) -> set[str]:
                 if _kernels.scatter_rows_prepared(data[pos:pos + n], plan.inverse, heads, r0, lay.row_bytes,
                                                   flat) >= 0:
                     raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")
-            lay.counters.add(remote_requests=1, remote_rows=rows, remote_bytes=n)
+            _tally(tally, flat, remote_requests=1, remote_rows=rows, remote_bytes=n)
             pos += n
     return failed
 

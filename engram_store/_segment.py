@@ -62,6 +62,8 @@ DEFAULT_READERS = 2
 #: 2 and 4 client processes, within noise with 1 and 8; bench/bench_store.py's readers section).
 READERS_MIN_CPUS = 4
 MAX_READERS = 64
+#: After a failed heartbeat, the next one goes out this soon (or at the usual interval, if shorter).
+RETRY_HEARTBEAT_S = 0.25
 SHM_DIR = "/dev/shm"
 THP_SHMEM_SETTING = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 
@@ -469,7 +471,7 @@ class SegmentServer:
                             "running there?)") from None
                     if not warned:
                         warned = True
-                        log.warning("segment %s: master %s does not answer yet; trying again for up to %.0f s "
+                        log.warning("segment %s: master %s does not answer yet; trying again for up to %.1f s "
                                     "(is the address right, and is engram-master running there?)", self.segment_id,
                                     self.master_address, max(0.0, deadline - time.monotonic()))
                     time.sleep(delay)
@@ -511,6 +513,9 @@ class SegmentServer:
                         self._sync_catalog(conn)
                 except EngramError as exc:
                     log.warning("segment %s: heartbeat to %s failed: %s", self.segment_id, self.master_address, exc)
+                    # Ask again soon: a master that restarts has no segment to place puts on until this one
+                    # registers with it again.
+                    wait_s = min(self.heartbeat_interval_s, RETRY_HEARTBEAT_S)
         finally:
             conn.close()
 

@@ -414,3 +414,50 @@ def test_puts_to_a_segment_on_this_host_are_memory_copies():
         store.put("remote", payload)
         assert store.get("remote") == payload.tobytes()
         assert any('op="write"' in line for line in store.local_segment.server.metrics.render())
+
+
+def test_connect_fails_fast_and_says_what_answered(shared_cluster):
+    from engram_store import ConfigError
+    from engram_store.testing import free_port
+
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    start = time.monotonic()
+    with pytest.raises(MasterUnavailable, match=f"no engram master answered at {address} within 0.5 s.*"
+                                                "is the address right"):
+        DistributedStore.connect(address, connect_timeout_ms=500)
+    assert time.monotonic() - start < 5
+    segment = shared_cluster.segments[0].address
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=f"{segment} is an engram segment, not a master"):
+        DistributedStore.connect(segment)
+    assert time.monotonic() - start < 5
+    with pytest.raises(InvalidArgument, match="connect_timeout_ms"):
+        DistributedStore.connect(shared_cluster.address, connect_timeout_ms=0)
+
+
+def test_a_segment_pointed_at_a_wrong_master_says_so(shared_cluster):
+    from engram_store.testing import free_port
+
+    def run(master: str, timeout: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "engram_store._segment_cli", "--master", master, "--size",
+                               "4MiB", "--register-timeout", timeout, "--readers", "0"],
+                              capture_output=True, text=True, timeout=120)
+
+    nobody = f"127.0.0.1:{free_port()}"
+    out = run(nobody, "3")
+    assert out.returncode == 2 and f"master {nobody} did not answer within 3 s" in out.stderr, out.stderr
+    assert "does not answer yet; trying again" in out.stderr  # said at once, while it keeps trying
+    start = time.monotonic()
+    out = run(shared_cluster.segments[0].address, "30")  # a segment given as the master: refused at once
+    assert out.returncode == 2 and "is not an engram master (it answers as an engram segment)" in out.stderr, \
+        out.stderr
+    assert time.monotonic() - start < 30
+
+
+def test_malformed_headers_get_a_reason():
+    from engram_store import ProtocolError
+    from engram_store._protocol import unpack_header
+
+    for raw, reason in [(b"\x85", "incomplete"), (b"\xc1", "not a msgpack encoding"), (b"\x81\xa1v\x01\x00", "extra")]:
+        with pytest.raises(ProtocolError, match=f"not valid msgpack: \\w+: .*{reason}"):
+            unpack_header(raw)

@@ -1,0 +1,103 @@
+"""Reads outlive the master, and failures say what happened within one timeout."""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from engram_store import DistributedStore, EngramStore, EngramStoreConfig, SegmentUnavailable
+from engram_store.testing import Cluster
+
+pytestmark = pytest.mark.timeout(180)
+
+SIZES = [1009, 1013, 1019, 1021]
+DIM = 16
+CONFIG = EngramStoreConfig(table_vocab_sizes=SIZES, embedding_dim=DIM)
+
+
+def _tables(seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((n, DIM), dtype=np.float32) for n in SIZES]
+
+
+def _ids(seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.integers(0, n, size=(4, 32)) for n in SIZES], axis=-1)
+
+
+def _expected(tables, ids):
+    return np.stack([tables[h][ids[..., h]] for h in range(len(tables))], axis=-2)
+
+
+@pytest.mark.parametrize("local_direct", [True, False], ids=["local-direct", "remote"])
+def test_published_layers_stay_readable_while_the_master_is_paused_and_gone(tmp_path, local_direct, caplog):
+    journal = str(tmp_path / "master.journal")
+    tables = _tables(1)
+    with Cluster(segments=1, heartbeat_timeout_s=5.0, journal=journal) as c:
+        with DistributedStore.connect(c.address, timeout_ms=1000, local_direct=local_direct) as store:
+            layer = EngramStore(1, CONFIG, store)
+            layer.populate(tables)
+            ids = _ids(0)
+            np.testing.assert_array_equal(layer.lookup(ids), _expected(tables, ids))
+            caplog.set_level(logging.WARNING, logger="engram_store._engram_store")
+            c.master.signal(signal.SIGSTOP)
+            slowest = 0.0
+            for phase in ("paused", "gone"):
+                deadline = time.monotonic() + 2.5  # several placement checks fall due meanwhile
+                n = 0
+                while time.monotonic() < deadline or n < 5:
+                    ids = _ids(n)
+                    start = time.monotonic()
+                    got = layer.prefetch(ids).result() if n % 2 else layer.lookup(ids)
+                    slowest = max(slowest, time.monotonic() - start)
+                    np.testing.assert_array_equal(got, _expected(tables, ids))
+                    n += 1
+                if phase == "paused":
+                    c.master.kill()
+            # One lookup at most waits for a placement check (bounded by the store's timeout), none fails.
+            assert slowest < 1.0 + 1.5
+            assert "the master did not answer a placement check" in caplog.text
+            c.restart_master(journal=journal, heartbeat_timeout_s=5.0)
+            np.testing.assert_array_equal(layer.lookup(ids), _expected(tables, ids))
+            other = EngramStore(2, CONFIG, store)
+            other.populate(_tables(2))  # writes work again once the segment has registered anew
+            np.testing.assert_array_equal(other.lookup(ids), _expected(_tables(2), ids))
+
+
+def test_a_paused_segment_fails_a_lookup_within_one_timeout_and_names_the_segment():
+    tables = _tables(3)
+    with Cluster(segments=1, heartbeat_timeout_s=30.0) as c:
+        with DistributedStore.connect(c.address, timeout_ms=10_000, local_direct=False) as store:
+            layer = EngramStore(3, CONFIG, store)
+            layer.populate(tables)
+            ids = _ids(3)
+            np.testing.assert_array_equal(layer.lookup(ids), _expected(tables, ids))
+            store.timeout_ms = 1000
+            c.segments[0].signal(signal.SIGSTOP)
+            start = time.monotonic()
+            with pytest.raises(SegmentUnavailable, match=f"segment {c.segments[0].address} holding head"):
+                layer.lookup(ids)
+            assert time.monotonic() - start < 1.9  # one timeout, not one for the tables and one for the manifest
+            store.timeout_ms = 10_000
+            c.segments[0].signal(signal.SIGCONT)
+            np.testing.assert_array_equal(layer.lookup(ids), _expected(tables, ids))
+
+
+def test_rows_read_again_after_a_failover_are_counted_once():
+    tables = _tables(4)
+    with Cluster(segments=2, heartbeat_timeout_s=30.0) as c:
+        with DistributedStore.connect(c.address, timeout_ms=5000, local_direct=False) as store:
+            layer = EngramStore(4, CONFIG, store)
+            layer.populate(tables, replica_num=2)
+            ids = _ids(4)
+            layer.lookup(ids)  # heads are read from both segments
+            c.segments[0].kill()
+            layer.stats(reset=True)
+            np.testing.assert_array_equal(layer.lookup(ids), _expected(tables, ids))
+            stats = layer.stats()
+            assert stats["retries"] == 1 and stats["rows"] == ids.size
+            assert stats["remote_rows"] == ids.size  # the attempt that delivered: every row from one segment
+            assert stats["remote_requests"] == 1
