@@ -7,13 +7,14 @@ Run ``engram-demo`` or ``python -m engram_model.demo``; by default the store run
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import numpy as np
 
-from engram_store import DistributedStore
+from engram_store import DistributedStore, ObjectExists
 
 from ._config import BackboneConfig, EngramConfig
 from ._engram import Engram
@@ -79,9 +80,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Size every table from get_table_vocab_sizes(): head h hashes into [0, sizes[h]).
         embedding_buffers = [rng.standard_normal((n, embed_D), dtype=np.float32) for n in sizes]
         buffer_sizes = [t.nbytes for t in embedding_buffers]
+        populated = False
         try:
             with _step("populate_store_from_buffers"):
-                engram.populate_store_from_buffers(embedding_buffers, buffer_sizes)
+                try:
+                    engram.populate_store_from_buffers(embedding_buffers, buffer_sizes)
+                except ObjectExists as exc:
+                    print(f"engram-demo: layer 1 is already in the store ({exc}); the demo leaves it as it is. "
+                          "Remove it first, or run the demo on its own embedded store (no --master).",
+                          file=sys.stderr)
+                    return 1
+            populated = True
             B, L = args.batch, args.seq_len
             hidden_states = rng.standard_normal((B, L, bb.hc_mult, bb.hidden_size), dtype=np.float32)
             input_ids = rng.integers(0, bb.vocab_size, size=(B, L)).tolist()
@@ -97,8 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             assert np.array_equal(output, prefetched)
             print(f"Output shape: {output.shape}")
         finally:
-            with _step("remove_from_store"):
-                engram.remove_from_store()
+            if populated:  # only what this run wrote: never a layer someone else populated
+                with _step("remove_from_store"):
+                    engram.remove_from_store()
             engram.close()
     finally:
         with _step("store close"):

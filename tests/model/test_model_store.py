@@ -240,3 +240,24 @@ def test_prefetch_layers_reads_every_layer_in_one_request_per_segment():
         for e in engrams:
             e.remove_from_store(force=True)
             e.close()
+
+
+@pytest.mark.timeout(180)
+def test_demo_against_a_master_leaves_a_layer_it_did_not_create(capsys):
+    from engram_store import DistributedStore, EngramStore, EngramStoreConfig
+    from engram_store.testing import Cluster
+
+    with Cluster(segments=0) as c:
+        with DistributedStore.connect(c.address, segment_size="64MiB") as store:
+            cfg, bb = demo_quick_start_configs()
+            sizes = Engram(layer_id=1, config=cfg, backbone_cfg=bb).get_table_vocab_sizes()
+            mine = EngramStore(1, EngramStoreConfig(table_vocab_sizes=sizes, embedding_dim=64), store)
+            tables = [np.full((n, 64), h, dtype=np.float32) for h, n in enumerate(sizes)]
+            mine.populate(tables)
+            assert demo.main(["--master", c.address, "--segment-size", "0"]) == 1
+            assert "layer 1 is already in the store" in capsys.readouterr().err
+            assert mine.verify() == list(range(len(sizes)))  # still there, untouched
+            assert demo.main(["--master", c.address, "--segment-size", "0"]) == 1  # and again
+            mine.remove_from_store(force=True)
+            assert demo.main(["--master", c.address, "--segment-size", "0"]) == 0
+            assert not any(store.batch_is_exist(mine.get_store_keys()))  # the demo removed only its own layer
