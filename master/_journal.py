@@ -25,7 +25,12 @@ class Journal:
         self._file = None
         directory = os.path.dirname(self.path)
         if not os.path.isdir(directory):
-            raise ConfigError(f"journal: directory {directory!r} does not exist")
+            try:
+                os.makedirs(directory, mode=0o700)  # a first start on a fresh machine
+                log.info("journal: created directory %s", directory)
+            except OSError as exc:
+                raise ConfigError(f"journal: cannot create directory {directory!r} for {self.path!r}: "
+                                  f"{exc.strerror or exc}; choose a path you may write (--journal PATH)") from None
 
     def read(self) -> list[dict]:
         if not os.path.exists(self.path):
