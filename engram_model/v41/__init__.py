@@ -1,0 +1,18 @@
+"""engram_model.v41: DeepSeek-V4.1's Engram (hash, FP8 rows, gate), tables in the store.
+
+Public surface::
+
+    V41Config                       geometry: primes, column offsets, multipliers, row bytes; from_hf_config()
+    build_token_map                 tokenizer -> compressed token ids (save_token_map / load_token_map)
+"""
+
+from ._config import V41Config
+from ._tokens import build_token_map, check_token_map, load_token_map, save_token_map
+
+__all__ = [
+    "V41Config",
+    "build_token_map",
+    "check_token_map",
+    "load_token_map",
+    "save_token_map",
+]
