@@ -4,13 +4,17 @@ Public surface::
 
     V41Config                       geometry: primes, column offsets, multipliers, row bytes; from_hf_config()
     build_token_map                 tokenizer -> compressed token ids (save_token_map / load_token_map)
+    V41Hasher, V41HashState         token ids -> rows of every layer's table; begin/step/copy for decode
 """
 
 from ._config import V41Config
+from ._hasher import V41Hasher, V41HashState
 from ._tokens import build_token_map, check_token_map, load_token_map, save_token_map
 
 __all__ = [
     "V41Config",
+    "V41HashState",
+    "V41Hasher",
     "build_token_map",
     "check_token_map",
     "load_token_map",
