@@ -93,7 +93,7 @@ class V41Config:
 
     @property
     def cols(self) -> int:
-        """Table columns (hash heads) per layer: ``(max_ngram_size - 1) * n_heads``; column ``(n - 2) * n_heads + h``."""
+        """Columns (hash heads) per layer, ``(max_ngram_size - 1) * n_heads``; column ``(n - 2) * n_heads + h``."""
         return (self.max_ngram_size - 1) * self.n_heads
 
     @property

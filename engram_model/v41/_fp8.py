@@ -64,14 +64,14 @@ def bad_row_message(name: str, rows: np.ndarray, flat_index: int, lead_shape: tu
     """Why row ``flat_index`` of ``rows`` (viewed ``[N, row_bytes]``) was refused, naming it by its index."""
     row = rows.reshape(-1, rows.shape[-1])[flat_index]
     head_dim = head_dim_of(rows.shape[-1])
-    where = tuple(int(i) for i in np.unravel_index(flat_index, lead_shape)) if lead_shape else ()
+    where = f" row {[int(i) for i in np.unravel_index(flat_index, lead_shape)]}" if lead_shape else ""
     scales = row[head_dim:]
     if (scales == 255).any():
         what = f"scale byte 255 (e8m0 NaN) in block {int(np.flatnonzero(scales == 255)[0])}"
     else:
         j = int(np.flatnonzero((row[:head_dim] & 0x7F) == 0x7F)[0])
         what = f"e4m3 NaN code 0x{int(row[j]):02X} at value {j}"
-    return f"{name}: row {list(where)} holds {what}; the table is corrupt or not V4.1 FP8 rows"
+    return f"{name}:{where} holds {what}; the table is corrupt or not V4.1 FP8 rows"
 
 
 def decode_fp8_rows(rows: Any) -> np.ndarray:

@@ -19,7 +19,7 @@ SPECIALS = ["<|bos|>", "<|EOS|>", "<｜User｜>"]
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table (what the ByteLevel decoder inverts)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs, n = bs[:], 0
     for b in range(256):
         if b not in bs:
