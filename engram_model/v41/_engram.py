@@ -25,6 +25,7 @@ into a reused buffer and decoded there.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -118,6 +119,7 @@ class V41Engram:
         self._staging_lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._owns_store = False  # from_checkpoint built the EngramStore: close() closes it
         self.fused_reads = 0  # gathers decoded in place from this host's memory
         self.staged_reads = 0  # gathers read with lookup_into, then decoded
 
@@ -301,14 +303,62 @@ class V41Engram:
                                   f"with B, L >= 1, got {hidden_states.shape}")
         return np.ascontiguousarray(hidden_states, dtype=np.float32)
 
+    # ---- checkpoints --------------------------------------------------------------------------
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike, config: V41Config, layer_id: int, store: Any,
+                        hasher: V41Hasher | None = None, *, replica_num: int = 1,
+                        progress: bool | None = None) -> "V41Engram":
+        """Layer ``layer_id`` of a V4.1 safetensors checkpoint (a file, or a directory of shards with or without
+        ``model.safetensors.index.json``).
+
+        ``store`` is an :class:`EngramStore` already holding the layer's table, or a ``DistributedStore``: then
+        the layer's EngramStore is built here (and closed with this layer), and a table not yet in the store is
+        streamed in from the checkpoint first, column by column (:func:`engram_model.v41.load_v41_table`;
+        ``replica_num``, ``progress`` go there). The weights are read and checked before anything is written.
+        """
+        from ._checkpoint import SafetensorsCheckpoint, load_v41_table, load_v41_weights
+
+        if not isinstance(config, V41Config):
+            raise InvalidType(f"config: expected a V41Config, got {type(config).__name__}")
+        ckpt = SafetensorsCheckpoint(path)
+        weights = load_v41_weights(ckpt, config, layer_id)
+        owned = not isinstance(store, EngramStore)
+        if owned:
+            if not hasattr(store, "batch_is_exist"):
+                raise InvalidType(f"store: expected an EngramStore or a DistributedStore, got {type(store).__name__}")
+            layer = EngramStore(layer_id, v41_store_config(config, layer_id), store)
+            present = store.batch_is_exist(layer.get_store_keys())
+            if not any(present):
+                layer.close()
+                layer = load_v41_table(ckpt, config, layer_id, store, replica_num=replica_num, progress=progress)
+            elif not all(present):
+                layer.close()
+                raise InvalidArgument(f"store: {sum(present)} of {config.cols} columns of layer {layer_id} are in "
+                                      "the store (an interrupted load?); remove them and load again")
+        else:
+            layer = store
+        try:
+            engram = cls(config, layer_id, weights["wkv"], weights["q_weight"], weights["k_weight"], layer, hasher)
+        except BaseException:
+            if owned:
+                layer.close()
+            raise
+        engram._owns_store = owned
+        return engram
+
     # ---- lifetime -----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait for background reads and stop their thread; the table stays in the store. Safe to call twice."""
+        """Wait for background reads and stop their thread; the table stays in the store. Safe to call twice.
+
+        An EngramStore built by :meth:`from_checkpoint` is closed too (its table stays in the store)."""
         with self._lock:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
+        if self._owns_store:
+            self.store.close()
 
     def __enter__(self) -> "V41Engram":
         return self

@@ -206,3 +206,48 @@ def gate_output(h, kv, w, eps, mask, has_mask, out):
                 g = np.float32(1.0 / (1.0 + np.exp(-math.copysign(root, dot))))
             for j in range(D):
                 out[n, s, j] = _bf16(h[n, s, j] + g * kv[n, hc * D + j])
+
+
+# ---- checkpoint -------------------------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def pack_rows(weight, scale, out):
+    """Interleave checkpoint rows into packed rows, checking them; returns -1, or the first row holding a NaN.
+
+    weight uint8 [N, head_dim] (e4m3 codes), scale uint8 [N, head_dim // 32] (e8m0 bytes), out uint8
+    [N, head_dim + head_dim // 32].
+    """
+    N, head_dim = weight.shape
+    blocks = scale.shape[1]
+    for i in range(N):
+        nan = False
+        for j in range(head_dim):  # branch-free, so it runs at memory speed
+            c = weight[i, j]
+            nan |= (c & 0x7F) == 0x7F
+            out[i, j] = c
+        for k in range(blocks):
+            s = scale[i, k]
+            nan |= s == 255
+            out[i, head_dim + k] = s
+        if nan:
+            return i
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def dequantize_blocks(codes, scales, e4m3, out):
+    """float32 out[i, j] = e4m3[codes[i, j]] * scales[i // 32, j // 32] (32x32 weight blocks); returns -1, or the
+    flat index of the first NaN code."""
+    R, K = codes.shape
+    for i in range(R):
+        nan = False
+        for j in range(K):
+            c = codes[i, j]
+            nan |= (c & 0x7F) == 0x7F
+            out[i, j] = e4m3[c] * scales[i // BLOCK, j // BLOCK]
+        if nan:
+            for j in range(K):
+                if (codes[i, j] & 0x7F) == 0x7F:
+                    return i * K + j
+    return -1
