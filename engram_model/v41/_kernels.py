@@ -118,6 +118,24 @@ def hash_step(ids, token_map, mask, has_mask, positions, has_positions, history,
 
 # ---- FP8 rows ---------------------------------------------------------------------------------------------
 
+#: Rows whose cache lines are touched together before they are decoded (see :func:`gather_decode`).
+TOUCH_AHEAD = 32
+
+
+@njit(inline="always")
+def _decode_row(src, dst, lut, head_dim):
+    # Decode one packed row src (uint8 [head_dim + head_dim // 32]) into dst (float32 [head_dim]) through the
+    # [scale byte, code] table; returns True if the row holds a NaN (scale byte 255, or a code 0x7F / 0xFF).
+    nan = False
+    for k in range(head_dim // BLOCK):
+        s = src[head_dim + k]
+        nan |= s == 255
+        for j in range(k * BLOCK, (k + 1) * BLOCK):
+            c = src[j]
+            nan |= (c & 0x7F) == 0x7F
+            dst[j] = lut[s, c]
+    return nan
+
 
 @njit(cache=True, nogil=True)
 def decode_rows(rows, lut, head_dim, out):
@@ -128,15 +146,8 @@ def decode_rows(rows, lut, head_dim, out):
     """
     N = rows.shape[0]
     for i in range(N):
-        for k in range(head_dim // BLOCK):
-            s = rows[i, head_dim + k]
-            if s == 255:
-                return i
-            for j in range(k * BLOCK, (k + 1) * BLOCK):
-                code = rows[i, j]
-                if (code & 0x7F) == 0x7F:
-                    return i
-                out[i, j] = lut[s, code]
+        if _decode_row(rows[i], out[i], lut, head_dim):
+            return i
     return -1
 
 
@@ -149,22 +160,26 @@ def gather_decode(tables, row_ids, offsets, lut, head_dim, out):
     (0, -1) on success, (1, i) if flat id i = n * cols + c is outside its column, (2, i) if its row holds a NaN.
     """
     N, cols = row_ids.shape
-    for n in range(N):
-        for c in range(cols):
+    total = N * cols
+    row_bytes = tables[0].shape[1]
+    touched = 0
+    for first in range(0, total, TOUCH_AHEAD):
+        last = min(first + TOUCH_AHEAD, total)
+        # Random rows of tables far larger than the caches: load one byte of every cache line of the next rows
+        # first, so their misses overlap (a short loop keeps many in flight), then decode them from cache.
+        for i in range(first, last):
+            n, c = divmod(i, cols)
             table = tables[c]
             r = row_ids[n, c] - offsets[c]
             if r < 0 or r >= table.shape[0]:
-                return 1, n * cols + c
-            for k in range(head_dim // BLOCK):
-                s = table[r, head_dim + k]
-                if s == 255:
-                    return 2, n * cols + c
-                for j in range(k * BLOCK, (k + 1) * BLOCK):
-                    code = table[r, j]
-                    if (code & 0x7F) == 0x7F:
-                        return 2, n * cols + c
-                    out[n, c, j] = lut[s, code]
-    return 0, -1
+                return 1, i
+            for b in range(0, row_bytes, 64):
+                touched += table[r, b]
+        for i in range(first, last):
+            n, c = divmod(i, cols)
+            if _decode_row(tables[c][row_ids[n, c] - offsets[c]], out[n, c], lut, head_dim):
+                return 2, i
+    return 0, -1 if touched >= 0 else -2  # (uses the touched bytes, so the loads stay)
 
 
 # ---- gate -------------------------------------------------------------------------------------------------
