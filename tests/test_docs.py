@@ -41,3 +41,9 @@ def test_readme_step_ahead_prefetch_recipe_runs():
 def test_readme_several_layers_example_runs():
     block = next(b for b in _python_blocks() if "lookup_layers({1: ids, 15: ids})" in b)
     exec(compile(block, str(README), "exec"), {})
+
+
+@pytest.mark.timeout(120)
+def test_readme_v41_example_runs():
+    block = next(b for b in _python_blocks() if "V41Hasher(config, token_map)" in b)
+    exec(compile(block, str(README), "exec"), {})

@@ -156,3 +156,13 @@ def test_refusals_name_the_argument():
     with pytest.raises(InvalidArgument, match=r"layer 2, column 0, table row 5: holds scale byte 255"):
         engram.forward(h, row_ids=np.full((1, 2, 1), offset + 5))
     es.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_demo_runs(capsys):
+    from engram_model.v41 import demo
+
+    assert demo.main(["--batch", "2", "--prompt-len", "8", "--decode-steps", "2", "--segment-size", "64MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "the masked position passed through unchanged: True" in out
+    assert "layer 1: 4 fused, 0 staged" in out  # warm-up, prefill, 2 decode steps: all decoded in place
