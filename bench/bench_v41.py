@@ -14,11 +14,16 @@
   both layers, then per layer the gather + decode, the kv projection (BLAS), its bf16 rounding and the gate.
 
 Times are medians (p50) of repeated calls in one process, on a shared machine: compare columns within a run.
+BLAS runs on one thread (``OPENBLAS_NUM_THREADS=1`` unless set), like everything else here: two threads on a
+shared 2-core machine made the kv projection's time swing threefold between identical calls.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before NumPy loads its BLAS
 
 import numpy as np
 from _common import default_json_path, fmt, measure, print_table, write_json

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from engram_store import EngramStore
-from engram_store._errors import EngramError, InvalidArgument, ObjectExists, describe
+from engram_store._errors import EngramError, InvalidArgument, InvalidType, ObjectExists, describe
 from engram_store._progress import Progress
 
 from .._fp8 import E4M3_TABLE
@@ -256,6 +256,9 @@ def load_v41_table(path: Any, config: V41Config, layer_id: int, store: Any, *, r
     ckpt = _as_checkpoint(path)
     layout = v41_store_config(config, layer_id)
     weight, scale = _table_tensors(ckpt, config, layer_id)
+    if store is None or isinstance(store, EngramStore) or not hasattr(store, "batch_is_exist"):
+        raise InvalidType(f"store: expected a DistributedStore (the table goes in as head shards of layer "
+                          f"{layer_id}), got {type(store).__name__}")
     layer = EngramStore(layer_id, layout, store)
     present = [k for k, e in zip(layer.get_store_keys(), store.batch_is_exist(layer.get_store_keys())) if e]
     if present:

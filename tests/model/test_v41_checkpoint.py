@@ -12,7 +12,7 @@ import pytest
 from engram_model.v41 import (SafetensorsCheckpoint, V41Config, V41Engram, load_v41_table, load_v41_weights,
                               v41_store_config)
 from engram_model.v41.load import main as load_main
-from engram_store import DistributedStore, EngramStore, InvalidArgument, ObjectExists
+from engram_store import DistributedStore, EngramStore, InvalidArgument, InvalidType, ObjectExists
 
 CFG = V41Config(layer_ids=[1, 3], max_ngram_size=3, n_heads=2, head_dim=64, engram_vocab_size=300,
                 compressed_vocab_size=100, hidden_size=32, hc_mult=2)
@@ -172,6 +172,9 @@ def test_refusals_name_the_tensor(tmp_path):
     write_safetensors(tmp_path / "d.safetensors", tensors)
     with pytest.raises(InvalidArgument, match="embed.weight: expected dtype F8_E4M3 or U8, got I32"):
         load_v41_table(tmp_path / "d.safetensors", CFG, 1, None)
+    write_safetensors(tmp_path / "f.safetensors", layer_tensors(1, rng))
+    with pytest.raises(InvalidType, match="store: expected a DistributedStore"):
+        load_v41_table(tmp_path / "f.safetensors", CFG, 1, None)
     (tmp_path / "e.safetensors").write_bytes(struct.pack("<Q", 10 ** 6) + b"{}")
     with pytest.raises(InvalidArgument, match="not a safetensors file"):
         SafetensorsCheckpoint(tmp_path / "e.safetensors")
