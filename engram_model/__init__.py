@@ -15,7 +15,10 @@ Public surface::
     EngramModule(Config)           the same layer for a single residual stream ``[B, L, hidden_dim]``
     save_checkpoint, load_checkpoint, save_safetensors, load_safetensors, split_embedding_table
 
-Quick start: ``engram-demo`` (or ``python -m engram_model.demo``).
+DeepSeek-V4.1's Engram (its hash, FP8 rows with e8m0 scales, gate and checkpoint loading) is the subpackage
+:mod:`engram_model.v41`.
+
+Quick start: ``engram-demo`` (or ``python -m engram_model.demo``); V4.1: ``python -m engram_model.v41.demo``.
 """
 
 from ._checkpoint import load_checkpoint, load_safetensors, save_checkpoint, save_safetensors

@@ -173,33 +173,38 @@ class V41Engram:
         elif not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == shape
                   and out.flags.c_contiguous and out.flags.writeable):
             raise InvalidArgument(f"out: expected a writable C-contiguous float32 array of shape {shape}")
-        flat_ids = ids.reshape(-1, cols)
-        tables = self.store.local_tables(layer=self.layer_id)
+        tables = self.store.local_tables(layer=self.layer_id)  # per call: a layer populated again moves
         if tables is not None and all(t.flags.c_contiguous for t in tables):
-            views = []
-            for t in tables:  # one array type for all columns, so the kernel indexes them as one tuple
-                if t.flags.writeable:
-                    t = t.view()
-                    t.flags.writeable = False
-                views.append(t)
-            status, index = _kernels.gather_decode(tuple(views), flat_ids, self.offsets, DECODE_TABLE,
-                                                   self.config.head_dim, out.reshape(-1, cols, self.config.head_dim))
+            self._gather_fused(tables, ids, out)
             self.fused_reads += 1
-            if status == 1:
-                self._bad_id(ids, int(index))
-            if status == 2:
-                n, c = divmod(int(index), cols)
-                packed = tables[c][flat_ids[n, c] - self.offsets[c]].reshape(1, -1)
-                raise InvalidArgument(bad_row_message(f"layer {self.layer_id}, column {c}, table row "
-                                                      f"{int(flat_ids[n, c] - self.offsets[c])}", packed, 0, ()))
             return out
-        store_ids = ids - self.offsets
+        store_ids = ids - self.offsets                                      # (B, L, cols), each column from 0
         bad = (store_ids < 0) | (store_ids >= self.primes)
         if bad.any():
             self._bad_id(ids, int(np.flatnonzero(bad.ravel())[0]))
         self._read_staged(store_ids, out)
         self.staged_reads += 1
         return out
+
+    def _gather_fused(self, tables: list[np.ndarray], ids: np.ndarray, out: np.ndarray) -> None:
+        """Gather and decode from the tables in this host's memory, in one kernel."""
+        cols, head_dim = self.config.cols, self.config.head_dim
+        views = []
+        for t in tables:  # one array type for every column, so the kernel indexes them as one tuple
+            if t.flags.writeable:
+                t = t.view()
+                t.flags.writeable = False
+            views.append(t)
+        flat_ids = ids.reshape(-1, cols)                                     # (B * L, cols)
+        status, index = _kernels.gather_decode(tuple(views), flat_ids, self.offsets, DECODE_TABLE, head_dim,
+                                               out.reshape(-1, cols, head_dim))
+        if status == 1:
+            self._bad_id(ids, int(index))
+        if status == 2:
+            n, c = divmod(int(index), cols)
+            row = int(flat_ids[n, c] - self.offsets[c])
+            raise InvalidArgument(bad_row_message(f"layer {self.layer_id}, column {c}, table row {row}",
+                                                  tables[c][row].reshape(1, -1), 0, ()))
 
     def _read_staged(self, store_ids: np.ndarray, out: np.ndarray) -> None:
         """Read packed rows with lookup_into into the reused staging buffer, then decode them into ``out``."""
