@@ -6,7 +6,8 @@ Public surface::
     CompressedTokenizer            token ids -> ids of normalised token texts
     NgramHashMapping               token ids -> per-head table rows (Numba), prime table sizes, multipliers
     IncrementalHasher              per-request n-gram context for decode steps (rollback, export/import)
-    dequantize_fp8_rows, ...       FP8 (e4m3fn) rows with float32 block scales, as DeepSeek stores them
+    dequantize_fp8_rows_f32_scales FP8 (e4m3fn) rows with float32 block scales (not DeepSeek-V4.1's rows:
+    quantize_fp8_rows_f32_scales   those have e8m0 scales per 32 values, see engram_model.v41)
     Engram                         one layer: tables in an EngramStore, gate, short convolution, weights I/O
                                    (also Mooncake's first Engram API: forward, query, populate_store_from_buffers)
     EngramPrefetch                 a background row read, accepted by ``Engram.forward(prefetched=...)``
@@ -14,20 +15,24 @@ Public surface::
     EngramModule(Config)           the same layer for a single residual stream ``[B, L, hidden_dim]``
     save_checkpoint, load_checkpoint, save_safetensors, load_safetensors, split_embedding_table
 
-Quick start: ``engram-demo`` (or ``python -m engram_model.demo``).
+DeepSeek-V4.1's Engram (its hash, FP8 rows with e8m0 scales, gate and checkpoint loading) is the subpackage
+:mod:`engram_model.v41`.
+
+Quick start: ``engram-demo`` (or ``python -m engram_model.demo``); V4.1: ``python -m engram_model.v41.demo``.
 """
 
 from ._checkpoint import load_checkpoint, load_safetensors, save_checkpoint, save_safetensors
 from ._config import BackboneConfig, EngramConfig
 from ._engram import Engram, EngramPrefetch, prefetch_layers, split_embedding_table
-from ._fp8 import DEEPSEEK_FP8_ROWS, FP8RowFormat, dequantize_fp8_rows, quantize_fp8_rows
+from ._fp8 import (FP8_ROWS_F32_SCALES, FP8RowFormatF32Scales, dequantize_fp8_rows_f32_scales,
+                   quantize_fp8_rows_f32_scales)
 from ._hashing import NgramHashMapping, get_hash_mapping
 from ._incremental import IncrementalHasher
 from ._module import EngramModule, EngramModuleConfig
 from ._tokenizer import CompressedTokenizer
 
 __all__ = [
-    "DEEPSEEK_FP8_ROWS",
+    "FP8_ROWS_F32_SCALES",
     "BackboneConfig",
     "CompressedTokenizer",
     "Engram",
@@ -35,15 +40,15 @@ __all__ = [
     "EngramModule",
     "EngramModuleConfig",
     "EngramPrefetch",
-    "FP8RowFormat",
+    "FP8RowFormatF32Scales",
     "IncrementalHasher",
     "NgramHashMapping",
-    "dequantize_fp8_rows",
+    "dequantize_fp8_rows_f32_scales",
     "get_hash_mapping",
     "load_checkpoint",
     "load_safetensors",
     "prefetch_layers",
-    "quantize_fp8_rows",
+    "quantize_fp8_rows_f32_scales",
     "save_checkpoint",
     "save_safetensors",
     "split_embedding_table",

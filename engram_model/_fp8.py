@@ -1,10 +1,14 @@
-"""FP8 rows with block scales: the opaque row format of recent DeepSeek checkpoints, in NumPy.
+"""FP8 rows with float32 block scales, in NumPy: an opaque row format for ``row_format="bytes"`` tables.
 
 A row of ``row_bytes = values + 4 * values / block`` bytes holds ``values`` float8 e4m3fn codes followed by one
-float32 scale per block of ``block`` values (DeepSeek-V3 quantises in blocks of 128 with float32 scales; 256
-values in two blocks give the 264-byte rows of its Engram tables). Store such tables in an ``EngramStore`` with
-``row_format="bytes"`` and ``embedding_dim=row_bytes``; :func:`dequantize_fp8_rows` turns looked-up rows into
-float32, :func:`quantize_fp8_rows` makes them from float32.
+float32 scale per block of ``block`` values (:data:`FP8_ROWS_F32_SCALES`: 256 values in two blocks of 128, 264
+bytes). Store such tables in an ``EngramStore`` with ``row_format="bytes"`` and ``embedding_dim=row_bytes``;
+:func:`dequantize_fp8_rows_f32_scales` turns looked-up rows into float32, :func:`quantize_fp8_rows_f32_scales`
+makes them from float32.
+
+This is **not** the row format of DeepSeek-V4.1's Engram tables, which are also 264 bytes for 256 values but
+carry one e8m0 (power-of-two) scale byte per 32 values: see :func:`engram_model.v41.decode_fp8_rows`. The two
+read each other's bytes as garbage, hence the explicit names.
 
 e4m3fn: 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal; no infinities; codes
 0x7F and 0xFF are NaN; the largest finite value is 448.
@@ -39,8 +43,8 @@ _POSITIVE = E4M3_TABLE[:0x7F].astype(np.float64)
 
 
 @dataclass(frozen=True)
-class FP8RowFormat:
-    """``values`` e4m3fn codes, then one float32 scale per ``block`` values (DeepSeek: 256 values, block 128)."""
+class FP8RowFormatF32Scales:
+    """``values`` e4m3fn codes, then one float32 scale per ``block`` values (default: 256 values, block 128)."""
 
     values: int = 256
     block: int = 128
@@ -49,9 +53,10 @@ class FP8RowFormat:
         for name in ("values", "block"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-                raise InvalidArgument(f"FP8RowFormat.{name}: expected a positive integer, got {v!r}")
+                raise InvalidArgument(f"FP8RowFormatF32Scales.{name}: expected a positive integer, got {v!r}")
         if self.values % self.block:
-            raise InvalidArgument(f"FP8RowFormat: values ({self.values}) must be a multiple of block ({self.block})")
+            raise InvalidArgument(f"FP8RowFormatF32Scales: values ({self.values}) must be a multiple of block "
+                                  f"({self.block})")
 
     @property
     def blocks(self) -> int:
@@ -62,10 +67,11 @@ class FP8RowFormat:
         return self.values + 4 * self.blocks
 
 
-DEEPSEEK_FP8_ROWS = FP8RowFormat()
+#: 256 e4m3fn values and two float32 scales (blocks of 128): 264-byte rows, not DeepSeek-V4.1's (see above).
+FP8_ROWS_F32_SCALES = FP8RowFormatF32Scales()
 
 
-def _check_rows(rows: np.ndarray, fmt: FP8RowFormat) -> np.ndarray:
+def _check_rows(rows: np.ndarray, fmt: FP8RowFormatF32Scales) -> np.ndarray:
     if not isinstance(rows, np.ndarray):
         raise InvalidType(f"rows: expected a uint8 NumPy array [..., {fmt.row_bytes}], got {type(rows).__name__}")
     if rows.dtype != np.uint8:
@@ -76,7 +82,7 @@ def _check_rows(rows: np.ndarray, fmt: FP8RowFormat) -> np.ndarray:
     return np.ascontiguousarray(rows)
 
 
-def dequantize_fp8_rows(rows: np.ndarray, fmt: FP8RowFormat = DEEPSEEK_FP8_ROWS) -> np.ndarray:
+def dequantize_fp8_rows_f32_scales(rows: np.ndarray, fmt: FP8RowFormatF32Scales = FP8_ROWS_F32_SCALES) -> np.ndarray:
     """float32 ``[..., values]`` from FP8-plus-scale rows ``uint8 [..., row_bytes]`` (e.g. an EngramStore lookup)."""
     rows = _check_rows(rows, fmt)
     lead = rows.shape[:-1]
@@ -97,11 +103,11 @@ def _nearest_e4m3(magnitude: np.ndarray) -> np.ndarray:
     return np.where(take_upper, upper, lower).astype(np.uint8)
 
 
-def quantize_fp8_rows(values: np.ndarray, fmt: FP8RowFormat = DEEPSEEK_FP8_ROWS) -> np.ndarray:
+def quantize_fp8_rows_f32_scales(values: np.ndarray, fmt: FP8RowFormatF32Scales = FP8_ROWS_F32_SCALES) -> np.ndarray:
     """FP8-plus-scale rows ``uint8 [..., row_bytes]`` from float32 ``[..., values]``.
 
     Each block's scale is its largest magnitude / 448 (1 for an all-zero block), and each value is rounded to
-    the nearest e4m3fn value (ties to even), as DeepSeek's block quantisation does.
+    the nearest e4m3fn value (ties to even).
     """
     if not isinstance(values, np.ndarray):
         raise InvalidType(f"values: expected a float NumPy array [..., {fmt.values}], got {type(values).__name__}")

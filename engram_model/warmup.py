@@ -1,6 +1,7 @@
 """Compile every Numba kernel of engram ahead of time: ``engram-warmup`` (or ``python -m engram_model.warmup``).
 
-The store's kernels (row gathers, range reads, planning) and the model's hashing kernels (prefill and decode).
+The store's kernels (row gathers, range reads, planning), the model's hashing kernels (prefill and decode), and
+DeepSeek-V4.1's (hash, FP8 row decoding fused with the gather for 12 and 24 columns, gate, checkpoint packing).
 Nothing needs this: kernels compile on first use and are cached on disk (see :mod:`engram_store.warmup` for
 where, and ``NUMBA_CACHE_DIR``). Run it when building a deployment image, so no request pays for compilation.
 """
@@ -35,6 +36,78 @@ def warm_model(verbose: bool = True) -> float:
     return elapsed
 
 
+def warm_v41(verbose: bool = True) -> float:
+    """Run DeepSeek-V4.1's kernels once on tiny inputs, through the same wrappers serving uses; returns seconds.
+
+    The fused gather is compiled per column count: 24 (the release) and 12 (``engram_model.v41.demo``).
+    """
+    import os
+    import tempfile
+
+    from engram_store import EngramStore
+
+    from .v41 import V41Config, V41Engram, V41Hasher, decode_fp8_rows, encode_fp8_rows, v41_store_config
+    from .v41 import _kernels as v41_kernels
+    from .v41._checkpoint import SafetensorsCheckpoint, load_v41_weights
+
+    start = time.perf_counter()
+    for n_heads in (8, 4):
+        config = V41Config(layer_ids=[1, 14], max_ngram_size=4, n_heads=n_heads, head_dim=32, engram_vocab_size=40,
+                           compressed_vocab_size=8, hidden_size=8, hc_mult=4)
+        hasher = V41Hasher(config, np.arange(16, dtype=np.int64) % 8)
+        layout = v41_store_config(config, 1)
+        table = EngramStore(1, layout, None)
+        table.bind_local([encode_fp8_rows(np.ones((n, 32), dtype=np.float32)) for n in layout.table_vocab_sizes])
+        K = config.cols * config.head_dim
+        engram = V41Engram(config, 1, np.zeros((40, K), np.float32), np.ones((4, 8), np.float32),
+                           np.ones((4, 8), np.float32), table, hasher)
+        ids = np.arange(6, dtype=np.int64).reshape(2, 3)
+        hidden = np.zeros((2, 3, 4, 8), dtype=np.float32)
+        engram.forward(hidden, ids, token_mask=np.ones((2, 3), dtype=bool), position_ids=np.zeros((2, 3), np.int64))
+        engram.forward(hidden, ids)
+        hasher.step(hasher.begin(2), ids)
+        table.close()
+    decode_fp8_rows(encode_fp8_rows(np.ones((2, 32), dtype=np.float32)))
+    # Checkpoint reading: a one-layer file with the dtypes of the release, read as load_v41_table reads it.
+    config = V41Config(layer_ids=[1], max_ngram_size=2, n_heads=1, head_dim=32, engram_vocab_size=2,
+                       compressed_vocab_size=8, hidden_size=32, hc_mult=1)
+    rows = config.num_embeddings(1)
+    tensors = {"layers.1.engram.embed.weight": ("F8_E4M3", np.zeros((rows, 32), np.uint8)),
+               "layers.1.engram.embed.scale": ("F8_E8M0", np.full((rows, 1), 127, np.uint8)),
+               "layers.1.engram.wkv.weight": ("F8_E4M3", np.zeros((64, 32), np.uint8)),
+               "layers.1.engram.wkv.scale": ("F8_E8M0", np.full((2, 1), 127, np.uint8)),
+               "layers.1.engram.q_weight": ("BF16", np.zeros((1, 32), np.uint16)),
+               "layers.1.engram.k_weight": ("BF16", np.zeros((1, 32), np.uint16))}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "model.safetensors")
+        _write_safetensors(path, tensors)
+        ckpt = SafetensorsCheckpoint(path)
+        load_v41_weights(ckpt, config, 1)
+        weight, scale = (np.asarray(ckpt.raw(n)) for n in list(tensors)[:2])
+        v41_kernels.pack_rows(weight, scale, np.empty((rows, config.row_bytes), np.uint8))
+        del ckpt, weight, scale
+    elapsed = time.perf_counter() - start
+    if verbose:
+        print(f"engram_model.v41 kernels ready in {elapsed:.1f} s", flush=True)
+    return elapsed
+
+
+def _write_safetensors(path: str, tensors: dict) -> None:
+    """A safetensors file from ``{name: (dtype name, array of raw values)}`` (the float8 dtypes included)."""
+    import json
+    import struct
+
+    header, offset = {}, 0
+    for name, (dtype, arr) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob + b"".join(np.ascontiguousarray(a).tobytes()
+                                                              for _, a in tensors.values()))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="engram-warmup", description=__doc__.split("\n\n")[0])
     p.parse_args(argv)
@@ -42,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
     warm_store()
     warm_model()
+    warm_v41()
     return 0
 
 

@@ -1,0 +1,40 @@
+"""engram_model.v41: DeepSeek-V4.1's Engram (hash, FP8 table rows, gate), its tables in the store.
+
+Public surface::
+
+    V41Config                        geometry: primes, column offsets, multipliers, row bytes; from_hf_config()
+    build_token_map                  tokenizer -> compressed ids; save_token_map / load_token_map / check_token_map
+    V41Hasher, V41HashState          token ids -> rows of every layer's table in one pass; begin/step/copy for decode
+    decode_fp8_rows, encode_fp8_rows packed FP8 rows (e4m3 + an e8m0 scale per 32 values) <-> bf16-exact float32
+    V41Engram, V41Prefetch           one layer: the FP8 table in an EngramStore (v41_store_config), rows gathered
+                                     and decoded in one kernel, the gate; prefetch() reads in the background
+    V41Engram.from_checkpoint        a layer from safetensors shards, its table streamed into the store
+    load_v41_weights, load_v41_table the same in parts; SafetensorsCheckpoint memory-maps F8/BF16 tensors
+
+Demo: ``python -m engram_model.v41.demo``. Loading a checkpoint into a running store: ``engram-load-v41``.
+"""
+
+from ._checkpoint import SafetensorsCheckpoint, load_v41_table, load_v41_weights
+from ._config import V41Config
+from ._engram import V41Engram, V41Prefetch, v41_store_config
+from ._fp8 import decode_fp8_rows, encode_fp8_rows
+from ._hasher import V41Hasher, V41HashState
+from ._tokens import build_token_map, check_token_map, load_token_map, save_token_map
+
+__all__ = [
+    "SafetensorsCheckpoint",
+    "V41Config",
+    "V41Engram",
+    "V41HashState",
+    "V41Hasher",
+    "V41Prefetch",
+    "build_token_map",
+    "check_token_map",
+    "decode_fp8_rows",
+    "encode_fp8_rows",
+    "load_token_map",
+    "load_v41_table",
+    "load_v41_weights",
+    "save_token_map",
+    "v41_store_config",
+]

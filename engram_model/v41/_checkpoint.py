@@ -1,0 +1,304 @@
+"""Reading DeepSeek-V4.1's Engram tensors from safetensors shards, and streaming a layer's table into the store.
+
+Per Engram layer L the checkpoint holds::
+
+    layers.{L}.engram.embed.weight   F8_E4M3  [num_embeddings, head_dim]          the table's codes
+    layers.{L}.engram.embed.scale    F8_E8M0  [num_embeddings, head_dim / 32]     one scale byte per 32 values
+    layers.{L}.engram.wkv.weight     F8_E4M3  [(hc + 1) * hidden, cols * head_dim]
+    layers.{L}.engram.wkv.scale      F8_E8M0  [(hc + 1) * hidden / 32, cols * head_dim / 32]   32x32 blocks
+    layers.{L}.engram.q_weight       BF16     [hc, hidden]
+    layers.{L}.engram.k_weight       BF16     [hc, hidden]
+
+Other stacks add a ``model.`` prefix or call the scales ``weight_scale_inv``; both are accepted. NumPy has no
+name for F8_E4M3, F8_E8M0 or BF16, so the header is parsed here and the data memory-mapped as bytes: a table
+(101 GB in the release) is never read into memory at once. :func:`load_v41_table` copies it into the store one
+column (one head shard of the layer) at a time, so memory stays bounded by one column (about 4.2 GB); the last
+shard publishes the layer's manifest. If a column fails, the columns this call wrote are removed first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from typing import Any
+
+import numpy as np
+
+from engram_store import EngramStore
+from engram_store._errors import EngramError, InvalidArgument, InvalidType, ObjectExists, describe
+from engram_store._progress import Progress
+
+from .._fp8 import E4M3_TABLE
+from . import _kernels
+from ._config import FP8_BLOCK, V41Config
+from ._engram import v41_store_config
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+#: Largest header accepted (as the safetensors reference implementation bounds it).
+MAX_HEADER_BYTES = 100 << 20
+#: Rows packed per chunk while a column is copied (16 MiB of 264-byte rows); the progress bar moves per chunk.
+CHUNK_ROWS = 1 << 16
+#: Columns smaller than this show no progress bar.
+PROGRESS_MIN_BYTES = 64 << 20
+#: How each safetensors dtype is mapped: raw bytes for the float8 types, bit patterns for BF16.
+_DTYPES = {"F8_E4M3": np.dtype("u1"), "F8_E8M0": np.dtype("u1"), "U8": np.dtype("u1"), "I8": np.dtype("i1"),
+           "BF16": np.dtype("<u2"), "F16": np.dtype("<f2"), "F32": np.dtype("<f4"), "F64": np.dtype("<f8"),
+           "I16": np.dtype("<i2"), "I32": np.dtype("<i4"), "I64": np.dtype("<i8"), "U16": np.dtype("<u2"),
+           "U32": np.dtype("<u4"), "U64": np.dtype("<u8"), "BOOL": np.dtype("?")}
+_FLOATS = ("BF16", "F16", "F32", "F64")
+
+
+class SafetensorsCheckpoint:
+    """The tensors of a safetensors checkpoint, memory-mapped on demand.
+
+    ``path`` is a ``.safetensors`` file or a directory: with ``model.safetensors.index.json`` its ``weight_map``
+    says which shard holds each tensor (only the shards asked for are opened), without one every
+    ``*.safetensors`` file in it is read.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        where = os.fspath(path)
+        self.path = where
+        self._headers: dict[str, dict[str, Any]] = {}
+        if os.path.isfile(where):
+            self._where = {name: where for name in self._header(where)}
+        elif os.path.isdir(where):
+            index = os.path.join(where, INDEX_FILE)
+            if os.path.isfile(index):
+                self._where = self._read_index(index)
+            else:
+                shards = sorted(f for f in os.listdir(where) if f.endswith(".safetensors"))
+                if not shards:
+                    raise InvalidArgument(f"path: {where!r} holds no {INDEX_FILE} and no .safetensors file")
+                self._where = {name: os.path.join(where, f) for f in shards for name in self._header(
+                    os.path.join(where, f))}
+        else:
+            raise InvalidArgument(f"path: no such checkpoint file or directory {where!r}")
+
+    def _read_index(self, index: str) -> dict[str, str]:
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+            raise InvalidArgument(f"{index}: not a safetensors index ({exc})") from None
+        if not isinstance(weight_map, dict):
+            raise InvalidArgument(f"{index}: expected a \"weight_map\" object, got {describe(weight_map)}")
+        base = os.path.dirname(index)
+        return {str(name): os.path.join(base, str(file)) for name, file in weight_map.items()}
+
+    def _header(self, file: str) -> dict[str, Any]:
+        header = self._headers.get(file)
+        if header is not None:
+            return header
+        try:
+            size = os.path.getsize(file)
+            with open(file, "rb") as f:
+                raw = f.read(8)
+                (n,) = struct.unpack("<Q", raw) if len(raw) == 8 else (-1,)
+                if not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
+                    raise InvalidArgument(f"{file}: not a safetensors file (header length {n}, file {size} bytes)")
+                header = json.loads(f.read(n).decode("utf-8"))
+        except FileNotFoundError:
+            raise InvalidArgument(f"{file}: shard listed in the index does not exist") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InvalidArgument(f"{file}: not a safetensors file (header is not JSON: {exc})") from None
+        if not isinstance(header, dict):
+            raise InvalidArgument(f"{file}: safetensors header must be a JSON object, got {describe(header)}")
+        header.pop("__metadata__", None)
+        data_bytes = size - 8 - n
+        for name, info in header.items():
+            _check_entry(file, name, info, data_bytes)
+            info["_start"] = 8 + n + info["data_offsets"][0]
+        self._headers[file] = header
+        return header
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def names(self) -> list[str]:
+        return sorted(self._where)
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """``(safetensors dtype name, shape)`` of a tensor."""
+        entry = self._entry(name)
+        return entry["dtype"], tuple(entry["shape"])
+
+    def _entry(self, name: str) -> dict[str, Any]:
+        file = self._where.get(name)
+        if file is None:
+            raise InvalidArgument(f"{self.path}: no tensor {name!r}")
+        entry = self._header(file).get(name)
+        if entry is None:
+            raise InvalidArgument(f"{file}: the index places {name!r} here, but the shard does not hold it")
+        return entry
+
+    def raw(self, name: str) -> np.ndarray:
+        """A read-only memory map of the tensor's data: uint8 for the float8 types, uint16 bits for BF16."""
+        entry = self._entry(name)
+        dtype, shape = _DTYPES[entry["dtype"]], tuple(entry["shape"])
+        count = int(np.prod(shape, dtype=np.int64))
+        if count == 0:
+            return np.zeros(shape, dtype=dtype)
+        return np.memmap(self._where[name], dtype=dtype, mode="r", offset=entry["_start"], shape=shape)
+
+    def float32(self, name: str) -> np.ndarray:
+        """A float tensor (BF16, F16, F32, F64) read into a new float32 array (BF16 widened exactly)."""
+        dtype, _ = self.info(name)
+        if dtype not in _FLOATS:
+            raise InvalidArgument(f"{name}: expected a float tensor ({', '.join(_FLOATS)}), got {dtype}")
+        arr = self.raw(name)
+        if dtype == "BF16":
+            return (arr.astype(np.uint32) << 16).view(np.float32)
+        return np.array(arr, dtype=np.float32)
+
+
+def _check_entry(file: str, name: str, info: Any, data_bytes: int) -> None:
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise InvalidArgument(f"{file}: tensor {name!r} needs dtype, shape and data_offsets, got {describe(info)}")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if dtype not in _DTYPES:
+        raise InvalidArgument(f"{file}: tensor {name!r} has dtype {dtype!r}, which this reader does not know "
+                              f"(known: {', '.join(sorted(_DTYPES))})")
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise InvalidArgument(f"{file}: tensor {name!r} has a bad shape {describe(shape)}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= data_bytes):
+        raise InvalidArgument(f"{file}: tensor {name!r} has data_offsets {describe(offsets)} outside the "
+                              f"{data_bytes} data bytes")
+    need = int(np.prod(shape, dtype=np.int64)) * _DTYPES[dtype].itemsize
+    if offsets[1] - offsets[0] != need:
+        raise InvalidArgument(f"{file}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes, but {dtype} "
+                              f"{shape} needs {need}")
+
+
+def _as_checkpoint(path: Any) -> SafetensorsCheckpoint:
+    return path if isinstance(path, SafetensorsCheckpoint) else SafetensorsCheckpoint(path)
+
+
+def tensor_name(ckpt: SafetensorsCheckpoint, layer_id: int, part: str) -> str:
+    """The checkpoint's name for ``layers.{L}.engram.{part}``, with or without ``model.``; ``weight_scale_inv``
+    stands for ``scale``."""
+    parts = [part] + ([part[:-len("scale")] + "weight_scale_inv"] if part.endswith(".scale") else [])
+    tried = [f"{prefix}layers.{layer_id}.engram.{p}" for prefix in ("", "model.") for p in parts]
+    for name in tried:
+        if name in ckpt:
+            return name
+    raise InvalidArgument(f"{ckpt.path}: layer {layer_id} has no Engram tensor {part!r} (tried {', '.join(tried)})")
+
+
+def _expect(ckpt: SafetensorsCheckpoint, name: str, dtypes: tuple[str, ...], shape: tuple[int, ...]) -> str:
+    dtype, got = ckpt.info(name)
+    if dtype not in dtypes:
+        raise InvalidArgument(f"{name}: expected dtype {' or '.join(dtypes)}, got {dtype}")
+    if got != shape:
+        raise InvalidArgument(f"{name}: expected shape {list(shape)} for this config, got {list(got)}")
+    return dtype
+
+
+def load_v41_weights(path: Any, config: V41Config, layer_id: int) -> dict[str, np.ndarray]:
+    """``{"wkv", "q_weight", "k_weight"}`` of one layer as float32, ``wkv`` dequantised by its 32x32 block scales."""
+    ckpt = _as_checkpoint(path)
+    config.layer_index(layer_id)
+    hc, hidden, K = config.hc_mult, config.hidden_size, config.cols * config.head_dim
+    out: dict[str, np.ndarray] = {}
+    for part in ("q_weight", "k_weight"):
+        name = tensor_name(ckpt, layer_id, part)
+        _expect(ckpt, name, _FLOATS, (hc, hidden))
+        out[part] = ckpt.float32(name)
+    name = tensor_name(ckpt, layer_id, "wkv.weight")
+    shape = ((hc + 1) * hidden, K)
+    dtype = _expect(ckpt, name, ("F8_E4M3",) + _FLOATS, shape)
+    if dtype in _FLOATS:  # already dequantised by another stack
+        out["wkv"] = ckpt.float32(name)
+        return out
+    scale_name = tensor_name(ckpt, layer_id, "wkv.scale")
+    blocks = (-(-shape[0] // FP8_BLOCK), -(-shape[1] // FP8_BLOCK))
+    scale_dtype = _expect(ckpt, scale_name, ("F8_E8M0", "U8") + _FLOATS, blocks)
+    if scale_dtype in _FLOATS:  # scales stored as their values
+        scales = ckpt.float32(scale_name)
+    else:
+        raw = np.asarray(ckpt.raw(scale_name))
+        if (raw == 255).any():
+            i, j = (int(v) for v in np.argwhere(raw == 255)[0])
+            raise InvalidArgument(f"{scale_name}: block [{i}, {j}] has e8m0 byte 255 (NaN)")
+        scales = np.ldexp(1.0, raw.astype(np.int64) - 127).astype(np.float32)
+    wkv = np.empty(shape, dtype=np.float32)
+    bad = _kernels.dequantize_blocks(np.asarray(ckpt.raw(name)), np.ascontiguousarray(scales), E4M3_TABLE, wkv)
+    if bad >= 0:
+        raise InvalidArgument(f"{name}: e4m3 NaN code at {list(divmod(int(bad), shape[1]))}")
+    out["wkv"] = wkv
+    return out
+
+
+def _table_tensors(ckpt: SafetensorsCheckpoint, config: V41Config, layer_id: int) -> tuple[np.ndarray, np.ndarray]:
+    rows, hd = config.num_embeddings(layer_id), config.head_dim
+    weight = tensor_name(ckpt, layer_id, "embed.weight")
+    _expect(ckpt, weight, ("F8_E4M3", "U8"), (rows, hd))
+    scale = tensor_name(ckpt, layer_id, "embed.scale")
+    _expect(ckpt, scale, ("F8_E8M0", "U8"), (rows, hd // FP8_BLOCK))
+    return np.asarray(ckpt.raw(weight)), np.asarray(ckpt.raw(scale))
+
+
+def load_v41_table(path: Any, config: V41Config, layer_id: int, store: Any, *, replica_num: int = 1,
+                   progress: bool | None = None) -> EngramStore:
+    """Stream one layer's FP8 table from the checkpoint into ``store`` (a DistributedStore), column by column.
+
+    Each column is packed (codes then scale bytes, checked for NaNs) into one reused buffer and populated as a
+    head shard of the layer; the last publishes the layer's manifest. Refuses a layer already (or partly) in the
+    store. On any failure the columns written so far are removed before the error propagates. ``progress``
+    shows a bar per column on stderr (None: where stderr is a terminal and the column is large). Returns the
+    layer's EngramStore, ready for :class:`V41Engram`.
+    """
+    ckpt = _as_checkpoint(path)
+    layout = v41_store_config(config, layer_id)
+    weight, scale = _table_tensors(ckpt, config, layer_id)
+    if store is None or isinstance(store, EngramStore) or not hasattr(store, "batch_is_exist"):
+        raise InvalidType(f"store: expected a DistributedStore (the table goes in as head shards of layer "
+                          f"{layer_id}), got {type(store).__name__}")
+    layer = EngramStore(layer_id, layout, store)
+    present = [k for k, e in zip(layer.get_store_keys(), store.batch_is_exist(layer.get_store_keys())) if e]
+    if present:
+        layer.close()
+        raise ObjectExists(f"layer {layer_id}: {len(present)} of {config.cols} columns are already in the store "
+                           f"(first {present[0]!r}); remove the layer first")
+    offsets, primes = config.offsets(layer_id), layout.table_vocab_sizes
+    buffer = np.empty((max(primes), config.row_bytes), dtype=np.uint8)
+    written: list[EngramStore] = []
+    try:
+        for c, (offset, prime) in enumerate(zip(offsets.tolist(), primes)):
+            column = buffer[:prime]
+            nbytes = column.nbytes
+            bar = Progress(nbytes, f"layer {layer_id} column {c + 1}/{config.cols}",
+                           enabled=progress if progress is not None else (None if nbytes >= PROGRESS_MIN_BYTES
+                                                                          else False))
+            try:
+                for lo in range(0, prime, CHUNK_ROWS):
+                    hi = min(lo + CHUNK_ROWS, prime)
+                    bad = _kernels.pack_rows(weight[offset + lo:offset + hi], scale[offset + lo:offset + hi],
+                                             column[lo:hi])
+                    if bad >= 0:
+                        raise InvalidArgument(f"layer {layer_id}: table row {offset + lo + int(bad)} (column {c}) "
+                                              "holds an e4m3 NaN code or e8m0 byte 255")
+                    bar(hi * config.row_bytes)
+            finally:
+                bar.close()
+            shard = EngramStore(layer_id, layout, store, heads=[c])
+            shard.populate([column], replica_num=replica_num)
+            written.append(shard)
+            log.info("layer %d: column %d/%d written (%d rows)", layer_id, c + 1, config.cols, prime)
+    except BaseException:
+        for shard in written:
+            try:
+                shard.remove_from_store(force=True)
+            except EngramError as exc:  # keep the original error; say what could not be cleaned up
+                log.error("layer %d: removing a column this load wrote failed: %s", layer_id, exc)
+        layer.close()
+        raise
+    finally:
+        for shard in written:
+            shard.close()
+    return layer

@@ -1,0 +1,208 @@
+"""V4.1 checkpoints written here (F8_E4M3 / F8_E8M0 / BF16 safetensors, sharded or not): weights read and
+dequantised, the table streamed into the store column by column, failures rolled back, and engram-load-v41."""
+from __future__ import annotations
+
+import json
+import math
+import struct
+
+import numpy as np
+import pytest
+
+from engram_model.v41 import (SafetensorsCheckpoint, V41Config, V41Engram, load_v41_table, load_v41_weights,
+                              v41_store_config)
+from engram_model.v41.load import main as load_main
+from engram_store import DistributedStore, EngramStore, InvalidArgument, InvalidType, ObjectExists
+
+CFG = V41Config(layer_ids=[1, 3], max_ngram_size=3, n_heads=2, head_dim=64, engram_vocab_size=300,
+                compressed_vocab_size=100, hidden_size=32, hc_mult=2)
+
+
+def write_safetensors(path, tensors):
+    """tensors: name -> (safetensors dtype name, array holding the raw values)."""
+    header, blobs, offset = {}, [], 0
+    for name, (dtype, arr) in tensors.items():
+        data = np.ascontiguousarray(arr).tobytes()
+        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob + b"".join(blobs))
+
+
+def e4m3(code):
+    exponent, mantissa = (code >> 3) & 0xF, code & 0x7
+    value = math.ldexp(mantissa, -9) if exponent == 0 else math.ldexp(8 + mantissa, exponent - 10)
+    return -value if code & 0x80 else value
+
+
+def layer_tensors(layer_id, rng, prefix="", scale_name="scale"):
+    """Random but valid tensors of one layer, under the names a checkpoint uses."""
+    hc, D, K = CFG.hc_mult, CFG.hidden_size, CFG.cols * CFG.head_dim
+    rows = CFG.num_embeddings(layer_id)
+    no_nan = lambda shape: rng.integers(0, 256, size=shape, dtype=np.uint8) & 0xF7  # noqa: E731 (clears a bit)
+    bf16_bits = lambda shape: (rng.standard_normal(shape).astype(np.float32).view(np.uint32) >> 16  # noqa: E731
+                               ).astype(np.uint16)
+    base = f"{prefix}layers.{layer_id}.engram."
+    return {
+        base + "embed.weight": ("F8_E4M3", no_nan((rows, CFG.head_dim))),
+        base + f"embed.{scale_name}": ("F8_E8M0", rng.integers(110, 140, (rows, CFG.head_dim // 32), dtype=np.uint8)),
+        base + "wkv.weight": ("F8_E4M3", no_nan(((hc + 1) * D, K))),
+        base + f"wkv.{scale_name}": ("F8_E8M0", rng.integers(118, 124, ((hc + 1) * D // 32, K // 32), dtype=np.uint8)),
+        base + "q_weight": ("BF16", bf16_bits((hc, D))),
+        base + "k_weight": ("BF16", bf16_bits((hc, D))),
+    }
+
+
+def write_checkpoint(directory, rng, sharded=True, **names):
+    tensors = {**layer_tensors(1, rng, **names), **layer_tensors(3, rng, **names),
+               "embed.weight": ("BF16", np.zeros((4, 4), np.uint16))}
+    if sharded:
+        shards = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
+        for i, (name, value) in enumerate(tensors.items()):
+            shards[sorted(shards)[i % 2]][name] = value
+        for file, part in shards.items():
+            write_safetensors(directory / file, part)
+        weight_map = {name: file for file, part in shards.items() for name in part}
+        (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    else:
+        write_safetensors(directory / "model.safetensors", tensors)
+    return {name: arr for name, (_, arr) in tensors.items()}
+
+
+def expected_wkv(codes, scale_bytes):
+    values = np.array([e4m3(c) for c in range(256)], dtype=np.float64)[codes]
+    scales = np.ldexp(1.0, scale_bytes.astype(np.int64) - 127)
+    return (values * np.repeat(np.repeat(scales, 32, axis=0), 32, axis=1)).astype(np.float32)
+
+
+@pytest.mark.parametrize("sharded,names", [(True, {}), (False, {"prefix": "model.", "scale_name": "weight_scale_inv"})])
+def test_weights_are_read_and_dequantised(tmp_path, sharded, names):
+    raw = write_checkpoint(tmp_path, np.random.default_rng(0), sharded, **names)
+    prefix, scale = names.get("prefix", ""), names.get("scale_name", "scale")
+    got = load_v41_weights(tmp_path, CFG, 3)
+    base = f"{prefix}layers.3.engram."
+    np.testing.assert_array_equal(got["wkv"], expected_wkv(raw[base + "wkv.weight"], raw[base + f"wkv.{scale}"]))
+    for part in ("q_weight", "k_weight"):
+        np.testing.assert_array_equal(got[part], (raw[base + part].astype(np.uint32) << 16).view(np.float32))
+        assert got[part].dtype == np.float32
+    ckpt = SafetensorsCheckpoint(tmp_path)
+    assert ckpt.info(base + "embed.weight") == ("F8_E4M3", (CFG.num_embeddings(3), 64))
+    table = ckpt.raw(base + "embed.weight")
+    assert isinstance(table, np.memmap) and not table.flags.writeable  # mapped, not read
+
+
+@pytest.mark.timeout(120)
+def test_from_checkpoint_streams_the_table_and_matches_a_layer_built_by_hand(tmp_path, embedded):
+    rng = np.random.default_rng(1)
+    raw = write_checkpoint(tmp_path, rng)
+    engram = V41Engram.from_checkpoint(tmp_path, CFG, 1, embedded)
+    try:
+        table = EngramStore(1, v41_store_config(CFG, 1), embedded)
+        # Every row of every column is the checkpoint's codes followed by its scale bytes.
+        packed = np.concatenate([raw["layers.1.engram.embed.weight"], raw["layers.1.engram.embed.scale"]], axis=1)
+        offsets = CFG.offsets(1)
+        for c, prime in enumerate(v41_store_config(CFG, 1).table_vocab_sizes):
+            ids = np.zeros((prime, 1, CFG.cols), dtype=np.int64)
+            ids[:, 0, c] = np.arange(prime)
+            np.testing.assert_array_equal(table.lookup(ids)[:, 0, c], packed[offsets[c]:offsets[c] + prime])
+        weights = load_v41_weights(tmp_path, CFG, 1)
+        by_hand = V41Engram(CFG, 1, weights["wkv"], weights["q_weight"], weights["k_weight"], table)
+        row_ids = offsets + rng.integers(0, 300, size=(2, 5, CFG.cols))
+        h = rng.standard_normal((2, 5, 2, 32)).astype(np.float32)
+        np.testing.assert_array_equal(engram.forward(h, row_ids=row_ids), by_hand.forward(h, row_ids=row_ids))
+        # A second from_checkpoint finds the table in the store and only reads the weights.
+        again = V41Engram.from_checkpoint(tmp_path, CFG, 1, embedded)
+        np.testing.assert_array_equal(again.forward(h, row_ids=row_ids), by_hand.forward(h, row_ids=row_ids))
+        again.close()
+        with pytest.raises(ObjectExists, match="layer 1: 4 of 4 columns are already in the store"):
+            load_v41_table(tmp_path, CFG, 1, embedded)
+        table.close()
+    finally:
+        engram.close()
+        EngramStore(1, v41_store_config(CFG, 1), embedded).remove_from_store()
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_column_removes_the_columns_written(tmp_path, embedded):
+    raw = write_checkpoint(tmp_path, np.random.default_rng(2))
+    bad_row = int(CFG.offsets(3)[2]) + 7  # a NaN code in column 2: columns 0 and 1 are already written
+    raw["layers.3.engram.embed.weight"][bad_row, 5] = 0x7F
+    write_checkpoint_from(tmp_path, raw)
+    layer = EngramStore(3, v41_store_config(CFG, 3), embedded)
+    with pytest.raises(InvalidArgument, match=f"layer 3: table row {bad_row} \\(column 2\\) holds an e4m3 NaN"):
+        load_v41_table(tmp_path, CFG, 3, embedded)
+    assert embedded.batch_is_exist(layer.get_store_keys()) == [False] * CFG.cols
+    assert not embedded.batch_is_exist(["engram:l3:manifest"])[0]
+    layer.close()
+
+
+def write_checkpoint_from(directory, raw):
+    """Rewrite the sharded checkpoint with (modified) raw arrays, same dtypes and shards as write_checkpoint."""
+    index = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
+    dtypes = {}
+    for file in set(index.values()):
+        ckpt = SafetensorsCheckpoint(directory / file)
+        dtypes.update({name: ckpt.info(name)[0] for name in ckpt.names()})
+    for file in set(index.values()):
+        write_safetensors(directory / file, {n: (dtypes[n], np.array(raw[n])) for n, f in index.items() if f == file})
+
+
+def test_refusals_name_the_tensor(tmp_path):
+    rng = np.random.default_rng(3)
+    tensors = layer_tensors(1, rng)
+    write_safetensors(tmp_path / "a.safetensors", {k: v for k, v in tensors.items() if "k_weight" not in k})
+    with pytest.raises(InvalidArgument, match=r"no Engram tensor 'k_weight' \(tried layers.1.engram.k_weight, "
+                                              r"model.layers.1.engram.k_weight\)"):
+        load_v41_weights(tmp_path / "a.safetensors", CFG, 1)
+    tensors["layers.1.engram.q_weight"] = ("BF16", np.zeros((2, 31), np.uint16))
+    write_safetensors(tmp_path / "b.safetensors", tensors)
+    with pytest.raises(InvalidArgument, match=r"layers.1.engram.q_weight: expected shape \[2, 32\] for this config, "
+                                              r"got \[2, 31\]"):
+        load_v41_weights(tmp_path / "b.safetensors", CFG, 1)
+    tensors = layer_tensors(1, rng)
+    tensors["layers.1.engram.wkv.scale"][1][0, 3] = 255
+    write_safetensors(tmp_path / "c.safetensors", tensors)
+    with pytest.raises(InvalidArgument, match=r"wkv.scale: block \[0, 3\] has e8m0 byte 255"):
+        load_v41_weights(tmp_path / "c.safetensors", CFG, 1)
+    tensors = layer_tensors(1, rng)
+    tensors["layers.1.engram.embed.weight"] = ("I32", np.zeros((CFG.num_embeddings(1), 64), np.int32))
+    write_safetensors(tmp_path / "d.safetensors", tensors)
+    with pytest.raises(InvalidArgument, match="embed.weight: expected dtype F8_E4M3 or U8, got I32"):
+        load_v41_table(tmp_path / "d.safetensors", CFG, 1, None)
+    write_safetensors(tmp_path / "f.safetensors", layer_tensors(1, rng))
+    with pytest.raises(InvalidType, match="store: expected a DistributedStore"):
+        load_v41_table(tmp_path / "f.safetensors", CFG, 1, None)
+    (tmp_path / "e.safetensors").write_bytes(struct.pack("<Q", 10 ** 6) + b"{}")
+    with pytest.raises(InvalidArgument, match="not a safetensors file"):
+        SafetensorsCheckpoint(tmp_path / "e.safetensors")
+    shard_dir = tmp_path / "shards"
+    shard_dir.mkdir()
+    (shard_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "missing.safetensors"}}))
+    with pytest.raises(InvalidArgument, match="shard listed in the index does not exist"):
+        SafetensorsCheckpoint(shard_dir).info("x")
+    with pytest.raises(InvalidArgument, match="no such checkpoint"):
+        SafetensorsCheckpoint(tmp_path / "nothing")
+
+
+@pytest.mark.timeout(120)
+def test_engram_load_v41_cli(tmp_path, capsys):
+    write_checkpoint(tmp_path, np.random.default_rng(4))
+    text = {"engram_layer_ids": [1, 3], "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 64,
+            "engram_vocab_size": 300, "engram_compressed_vocab_size": 100, "engram_pad_id": 2, "hidden_size": 32,
+            "hc_mult": 2, "rms_norm_eps": 1e-20,
+            "engram_num_embeddings": [CFG.num_embeddings(1), CFG.num_embeddings(3)]}
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": text}))
+    with DistributedStore.embedded(segment_size="16MiB") as store:
+        assert load_main([str(tmp_path), "--master", store.master_address, "--layers", "3", "--verify",
+                          "--no-progress"]) == 0
+        out = capsys.readouterr().out
+        assert f"layer 3: 4 columns, {CFG.num_embeddings(3)} rows" in out and "checksums of columns [3]" in out
+        layer = EngramStore(3, v41_store_config(CFG, 3), store)
+        assert all(store.batch_is_exist(layer.get_store_keys()))
+        assert load_main([str(tmp_path), "--master", store.master_address, "--layers", "3"]) == 1
+        assert "already in the store" in capsys.readouterr().err
+        layer.remove_from_store()
+        layer.close()
