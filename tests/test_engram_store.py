@@ -771,3 +771,43 @@ def test_local_tables_are_in_place_views_or_none_when_a_head_is_remote(local_sto
 
     with pytest.raises(NotConnected):
         EngramStore(next(_layers), config).local_tables()
+
+
+class _DLPackTensor:
+    """A tensor that offers its memory only through DLPack (as torch and JAX CPU tensors do)."""
+
+    def __init__(self, array, device=(1, 0)):
+        self._array, self._device = array, device
+
+    def __dlpack__(self, **kwargs):
+        return self._array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._device
+
+
+@pytest.mark.parametrize("path", ["local", "remote"])
+def test_lookups_fill_dlpack_tensors_in_place(local_store, remote_store, path):
+    store = local_store if path == "local" else remote_store
+    sizes, dim = [301, 257], 8
+    tables = make_tables(sizes, dim, 43)
+    ids = random_ids(np.random.default_rng(44), sizes, 3, 4)
+    want = expected_rows(tables, ids)
+    layer = EngramStore(next(_layers), EngramStoreConfig(sizes, dim), store)
+    layer.populate(tables)
+    try:
+        backing = np.zeros(want.shape, np.float32)
+        tensor = _DLPackTensor(backing)
+        assert layer.lookup_into(ids, tensor) is tensor and np.array_equal(backing, want)
+        backing[...] = 0
+        assert layer.prefetch(ids, out=tensor, background=True).result(timeout=30) is tensor
+        assert np.array_equal(backing, want)
+        flat = np.zeros(want.nbytes, np.uint8)  # a flat byte tensor of the right size is viewed as the rows
+        layer.lookup_into(ids, _DLPackTensor(flat))
+        assert np.array_equal(flat.view(np.float32).reshape(want.shape), want)
+        with pytest.raises(InvalidArgument, match="DLPack device type 2"):
+            layer.lookup_into(ids, _DLPackTensor(backing, device=(2, 0)))  # a CUDA tensor
+        with pytest.raises(InvalidArgument, match="float32 array of shape"):
+            layer.lookup_into(ids, _DLPackTensor(np.zeros((2, 2), np.float32)))
+    finally:
+        layer.remove_from_store(force=True)
