@@ -102,6 +102,8 @@ class ObjectInfo:
     key: str
     size: int
     replicas: tuple[Replica, ...]
+    #: xxh3_64 of the object's bytes (hex) as its writer computed them; "" where none was given.
+    checksum: str = ""
 
 
 def _replica(d: dict) -> Replica:
@@ -397,7 +399,8 @@ class DistributedStore:
         for key, obj in zip(keys, header["objects"]):
             if not obj.get("ok"):
                 raise error_from_reply(obj.get("code"), obj.get("message"))
-            out.append(ObjectInfo(key, obj["size"], tuple(_replica(r) for r in obj["replicas"])))
+            out.append(ObjectInfo(key, obj["size"], tuple(_replica(r) for r in obj["replicas"]),
+                                  str(obj.get("checksum") or "")))
         return out
 
     def is_exist(self, key: str) -> bool:

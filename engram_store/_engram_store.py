@@ -310,11 +310,10 @@ class _Layer:
                                   f"{'' if arr.flags.writeable else ' (read-only)'}")
         return arr
 
-    def manifest_record(self, checksums: Sequence[str] = (), algorithm: str = "xxh3_64") -> dict:
-        """The manifest of this layer; ``checksums`` of this store's heads, if it wrote them."""
-        values: list[str | None] = [None] * len(self.layer_sizes)
-        for h, value in zip(self.heads, checksums):
-            values[h] = value
+    def manifest_record(self, checksums: Mapping[int, str | None] | None = None, algorithm: str = "xxh3_64") -> dict:
+        """The manifest of this layer; ``checksums`` by head index (heads without one record None)."""
+        checksums = checksums or {}
+        values = [checksums.get(h) for h in range(len(self.layer_sizes))]
         return {"format": "engram-layer", "version": MANIFEST_VERSION, "layer_id": self.layer_id,
                 "table_vocab_sizes": list(self.layer_sizes), "embedding_dim": self.dim,
                 "row_format": self.row_format, "checksum": algorithm, "checksums": values}
@@ -523,18 +522,20 @@ class EngramStore:
         bar = _populate_progress(lay, tables)
         with lay.lock:
             lay.placement = None
-        # The manifest's checksums are computed while the tables upload (the hash releases the GIL).
-        with ThreadPoolExecutor(1, thread_name_prefix=f"engram-l{lay.layer_id}-checksum") as pool:
-            checksums = pool.submit(_checksums, tables)
-            try:
-                if self._native is not None:
-                    self._native.batch_put_from(lay.keys, tables, replica_num=replica_num, progress=bar)
-                else:
-                    self._populate_mooncake(lay, tables, replica_num, bar)
-            finally:
-                bar.close()
         try:
-            algorithm, values = checksums.result()
+            if self._native is not None:
+                # The store computes each table's xxh3_64 while it uploads (and the master keeps them).
+                algorithm, values = "xxh3_64", self._native.put_objects(lay.keys, tables, replica_num=replica_num,
+                                                                        progress=bar)
+            else:
+                # The manifest's checksums are computed while the tables upload (the hash releases the GIL).
+                with ThreadPoolExecutor(1, thread_name_prefix=f"engram-l{lay.layer_id}-checksum") as pool:
+                    checksums = pool.submit(_checksums, tables)
+                    self._populate_mooncake(lay, tables, replica_num, bar)
+                    algorithm, values = checksums.result()
+        finally:
+            bar.close()
+        try:
             self._publish(lay, values, replica_num, algorithm)
         except BaseException:
             self._remove_keys(lay.keys, force=True)  # all-or-nothing: no tables without their manifest
@@ -592,9 +593,15 @@ class EngramStore:
         """Write the manifest last, once every head of the layer is in the store (this call's or other shards')."""
         if self._read_manifest(lay) is not None:
             return
-        if len(lay.heads) < len(lay.layer_sizes) and not all(self._batch_is_exist(lay.layer_keys)):
-            return  # other shards have yet to write their heads; the last one publishes
-        data = json.dumps(lay.manifest_record(checksums, algorithm), sort_keys=True).encode()
+        by_head = dict(zip(lay.heads, checksums))
+        if len(lay.heads) < len(lay.layer_sizes):
+            if not all(self._batch_is_exist(lay.layer_keys)):
+                return  # other shards have yet to write their heads; the last one publishes
+            if self._native is not None and algorithm == "xxh3_64":
+                # The other shards' checksums, as their writers gave them to the master with their tables.
+                infos = self._native.locate(lay.layer_keys, lease=False)
+                by_head = {h: by_head.get(h) or info.checksum or None for h, info in enumerate(infos)}
+        data = json.dumps(lay.manifest_record(by_head, algorithm), sort_keys=True).encode()
         try:
             if self._native is not None:
                 self._native.put(lay.manifest_key, data, replica_num=replica_num)

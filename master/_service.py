@@ -309,7 +309,7 @@ class MasterServer:
                 objects.append({"ok": False, "code": exc.code, "message": str(exc)})
                 continue
             replicas = [self._replica(self.state.segments[r.segment_id], r.offset) for r in meta.replicas]
-            objects.append({"ok": True, "size": meta.size, "replicas": replicas})
+            objects.append({"ok": True, "size": meta.size, "replicas": replicas, "checksum": meta.checksum})
         return {"objects": objects, "lease_ttl_ms": int(self.state.lease_ttl_s * 1000)}
 
     def _exist(self, req: Request) -> dict:

@@ -484,7 +484,7 @@ def test_head_shards_populate_and_read_a_layer_together(remote_store):
     np.testing.assert_array_equal(full.lookup(ids), expected_rows(tables, ids))
     np.testing.assert_array_equal(second.lookup(ids[..., 2:]), expected_rows(tables[2:], ids[..., 2:]))
     assert second.get_heads() == [2, 3] and second.get_table_vocab_sizes() == [107, 109]
-    assert second.verify() == [2, 3]  # checksums of the heads the publishing shard wrote
+    assert second.verify() == [2, 3] and full.verify() == [0, 1, 2, 3]  # every shard's checksums, from the master
     with pytest.raises(InvalidArgument, match="H = 2"):
         second.lookup(ids)
     with pytest.raises(InvalidArgument, match=r"heads\[0\]: expected a head index in \[0, 4\)"):

@@ -36,8 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--replica-num", type=int, default=1, help="replicas of every column (default 1)")
     parser.add_argument("--auth", metavar="DIR", help="key directory of a cluster started with --auth")
     parser.add_argument("--verify", action="store_true",
-                        help="read back the columns whose checksums the layer's manifest records and check them "
-                             "(a layer loaded in head shards records those of its last column)")
+                        help="read every column back and check it against the checksum its writer gave the store")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="progress bars on stderr (default: when stderr is a terminal)")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")

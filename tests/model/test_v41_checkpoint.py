@@ -199,7 +199,7 @@ def test_engram_load_v41_cli(tmp_path, capsys):
         assert load_main([str(tmp_path), "--master", store.master_address, "--layers", "3", "--verify",
                           "--no-progress"]) == 0
         out = capsys.readouterr().out
-        assert f"layer 3: 4 columns, {CFG.num_embeddings(3)} rows" in out and "checksums of columns [3]" in out
+        assert f"layer 3: 4 columns, {CFG.num_embeddings(3)} rows" in out and "checksums of columns [0, 1, 2, 3]" in out
         layer = EngramStore(3, v41_store_config(CFG, 3), store)
         assert all(store.batch_is_exist(layer.get_store_keys()))
         assert load_main([str(tmp_path), "--master", store.master_address, "--layers", "3"]) == 1
