@@ -52,7 +52,8 @@ import numpy as np
 from _common import TIMEOUT_MS, FrameEcho, FrameEchoClient, Stats, TcpEcho, TcpEchoClient, default_json_path, \
     fmt, print_table, start_cluster, time_ns, write_json
 from engram_store import DistributedStore, EngramStore, EngramStoreConfig
-from engram_store import _engram_store, _kernels
+from engram_store import _engram_store
+from engram_store import kernels as _kernels
 
 MOONCAKE_HEADS, MOONCAKE_ROWS, MOONCAKE_DIM = 8, 50_000, 16
 MOONCAKE_BATCHES = (1, 4, 16, 64, 128, 256)

@@ -16,7 +16,7 @@ import time
 import numpy as np
 from _common import default_json_path, write_json
 
-from engram_store import _kernels as k
+from engram_store import kernels as k
 
 
 def _median_us(fn, min_time_s: float) -> float:

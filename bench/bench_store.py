@@ -256,7 +256,7 @@ def populate_section() -> list[dict]:
 
 def reader_client_main(spec: dict) -> int:
     """One client process of the readers section: lookups, then raw read_ranges, each on a 'go' line."""
-    from engram_store import _kernels
+    from engram_store import kernels as _kernels
 
     sizes = [ROWS] * HEADS
     with DistributedStore.connect(spec["master"], timeout_ms=TIMEOUT_MS, local_direct=False) as store:

@@ -25,7 +25,7 @@ import numpy as np
 import xxhash
 import zmq
 
-from . import _kernels
+from . import kernels as _kernels
 from ._auth import AUTH_DIR_ENV, load_keys, resolve_auth_dir
 from ._config import DEFAULT_EMBEDDED_SEGMENT_SIZE, StoreConfig
 from ._errors import (

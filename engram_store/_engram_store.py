@@ -32,7 +32,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import xxhash
 
-from . import _kernels
+from . import kernels as _kernels
+from .kernels._gather import _scatter_rows
+from .kernels._planning import _direct_pairs, _first_bad_row, _plan_reads
 from ._errors import (
     ConfigError,
     EngramError,
@@ -269,7 +271,7 @@ class _Layer:
         if not (type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 3 and ids.shape[2] == H
                 and ids.size and ids.flags.c_contiguous):
             ids = _as_row_ids(row_ids, H)
-        bad = _kernels._first_bad_row(_kernels.readonly(ids.reshape(-1, H)), self.sizes_arr)
+        bad = _first_bad_row(_kernels.readonly(ids.reshape(-1, H)), self.sizes_arr)
         if bad >= 0:
             B, L, _ = ids.shape
             b, rest = divmod(int(bad), L * H)
@@ -926,10 +928,10 @@ class EngramStore:
             if direct:
                 # Every head on this server: one range per (m, h) in output order, so the reply lands in
                 # ``flat`` as it is; no sort, no scatter (a repeated row is read again).
-                pairs = _kernels._direct_pairs(ids2, placement.order, placement.bases, lay.row_bytes)
+                pairs = _direct_pairs(ids2, placement.order, placement.bases, lay.row_bytes)
                 rows = ids2.size
             else:
-                pairs, r, head_rows, _, inverse = _kernels._plan_reads(ids2, placement.order, placement.bases,
+                pairs, r, head_rows, _, inverse = _plan_reads(ids2, placement.order, placement.bases,
                                                                         lay.row_bytes)
                 pairs = pairs[:r]
                 rows = int(head_rows[-1])
@@ -941,7 +943,7 @@ class EngramStore:
                     lay.placement = None
                 _lookup_native(native, [(self, lay, ids2, flat)], failed={address})
                 return
-            if not direct and _kernels._scatter_rows(_kernels.readonly(np.frombuffer(data, dtype=np.uint8)),
+            if not direct and _scatter_rows(_kernels.readonly(np.frombuffer(data, dtype=np.uint8)),
                                                      _kernels.readonly(inverse), placement.order, 0, lay.row_bytes,
                                                      flat) >= 0:
                 raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")
@@ -1396,7 +1398,7 @@ def _read_remote(native: Any, jobs: list, tally: dict) -> set[str]:
     for owner, lay, placement, ids2, flat in jobs:
         if _reads_direct(placement, ids2):
             address, endpoints, _, _ = placement.remote[0]
-            pairs = _kernels._direct_pairs(ids2, placement.order, placement.bases, lay.row_bytes)
+            pairs = _direct_pairs(ids2, placement.order, placement.bases, lay.row_bytes)
             requests.setdefault(address, (native.pick_endpoint(endpoints), []))[1].append(
                 (lay, None, pairs, ids2.size, flat))
             continue

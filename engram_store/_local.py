@@ -32,7 +32,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from . import _kernels, _pages
+from . import _pages
+from . import kernels as _kernels
 from ._errors import ConfigError, InvalidArgument, ObjectExists, OutOfSpace, StoreError
 from ._pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise
 

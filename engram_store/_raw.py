@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _kernels
+from . import kernels as _kernels
 from ._errors import AuthError, InvalidArgument, ProtocolError, RemoteError, SegmentUnavailable
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ import uuid
 import numpy as np
 import xxhash
 
-from . import _kernels
+from . import kernels as _kernels
 from ._errors import (
     ConfigError,
     EngramError,

@@ -17,17 +17,17 @@ import time
 
 def cache_location() -> str:
     """Where Numba keeps this package's compiled kernels."""
-    from . import _kernels
+    from .kernels._gather import _gather_rows
 
-    return _kernels._gather_rows.stats.cache_path
+    return _gather_rows.stats.cache_path
 
 
 def warm_store(verbose: bool = True) -> float:
     """Compile (or load) every store kernel for every word size; returns the seconds it took."""
     start = time.perf_counter()
-    from . import _kernels
+    from . import kernels
 
-    _kernels.warmup()
+    kernels.warmup()
     elapsed = time.perf_counter() - start
     if verbose:
         print(f"engram_store kernels ready in {elapsed:.1f} s (cache: {cache_location()})", flush=True)

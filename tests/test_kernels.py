@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engram_store import _kernels as k
+from engram_store import kernels as k
 
 SETTINGS = settings(max_examples=60, deadline=None)
 
