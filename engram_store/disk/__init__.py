@@ -17,12 +17,12 @@ cache is set-associative with CLOCK eviction and a doorkeeper for admission (``_
 from ._cache import RowCache
 from ._dir import DiskDir, verify_layer
 from ._layout import PAGE_BYTES, DiskLayout
-from ._reader import DEFAULT_THREADS, DiskLayer, DiskReadError, IOEngine, default_engine, read_many
+from ._reader import DEFAULT_DEPTH, DiskLayer, DiskReadError, IOEngine, aio_available, default_engine, read_many
 from ._writer import LayerWriter, write_layer
 
 __all__ = [
     "DiskDir", "DiskLayer", "DiskLayout", "DiskReadError", "IOEngine", "LayerWriter", "RowCache", "PAGE_BYTES",
-    "DEFAULT_THREADS", "default_engine", "read_many", "verify_layer", "write_layer", "warmup",
+    "DEFAULT_DEPTH", "aio_available", "default_engine", "read_many", "verify_layer", "write_layer", "warmup",
 ]
 
 
@@ -39,8 +39,9 @@ def warmup() -> None:
         d.write(0, 8, sizes, [tables[0], lambda start, out: out.__setitem__(slice(None), tables[1][start:])],
                 progress=False)
         d.verify(0)
-        with IOEngine(2) as engine, d.open(0, 8, sizes, cache=RowCache(1 << 12, 8), engine=engine) as layer:
-            ids = np.array([[0, 1], [19, 2], [5, 0]], dtype=np.int64)
-            out = np.empty(ids.size * 8, dtype=np.uint8)
-            layer.read_rows(ids, out)
-            layer.read_rows(ids, out)
+        ids = np.array([[0, 1], [19, 2], [5, 0]], dtype=np.int64)
+        out = np.empty(ids.size * 8, dtype=np.uint8)
+        for mode in ("auto", "threads"):
+            with IOEngine(2, mode) as engine, d.open(0, 8, sizes, cache=RowCache(1 << 12, 8), engine=engine) as layer:
+                layer.read_rows(ids, out)
+                layer.read_rows(ids, out)

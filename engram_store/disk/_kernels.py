@@ -24,8 +24,8 @@ import numpy as np
 from numba import njit
 
 from .._kernels import _prefetch
-from ._native import (atomic_add, atomic_and, atomic_or, fence_acquire, fence_release, load_acquire, memcpy,
-                      pread, errno)
+from ._native import (address, atomic_add, atomic_and, atomic_or, errno, fence_acquire, fence_release, load_acquire,
+                      memcpy, memcpy_to, pread, syscall3, syscall5)
 
 WAYS = 7                    # ways per set: 7 keys and the version word fill one 64-byte line
 META_WORDS = 8
@@ -184,35 +184,127 @@ def _plan_read(ids, n_rows, head_offset, row_base, rows_per_block, block_bytes, 
 
 
 # ---- reading blocks -------------------------------------------------------------------------------------------
+#
+# A *batch* is what one read moves, for one or several layers: ``fds[j]``, ``offsets[j]``, ``lens[j]`` describe
+# block j; the rows it serves are ``starts[j] .. starts[j + 1]``, row t copied from ``src_off[t]`` bytes into the
+# block to the address ``dst[t]`` (``row_len[t]`` bytes). ``status[j]`` ends as the bytes read or -errno.
 
 @njit(cache=True, nogil=True)
-def _read_blocks(fd, offsets, starts, order, miss_pos, in_block, row_bytes, block_bytes, out, buf, counter,
-                 status):
-    """Read blocks until none is left (claimed one at a time through ``counter[0]``), each into ``buf``, and copy
-    the rows it serves into ``out``. ``status[j]``: the bytes read, or -errno; a failed or short read stops every
-    worker of this read (the counter jumps past the end). Returns the number of blocks this worker read.
-    """
+def _serve_block(j, buf, buf_at, starts, dst, src_off, row_len):
+    for t in range(starts[j], starts[j + 1]):
+        memcpy_to(dst[t], buf, buf_at + src_off[t], row_len[t])
+
+
+@njit(cache=True, nogil=True)
+def _pread_drive(fds, offsets, lens, starts, dst, src_off, row_len, buf, counter, status):
+    """One of several threads reading a batch with blocking ``pread``: claim the next block through
+    ``counter[0]``, read it into ``buf``, serve its rows. A failed or short read stops every thread of the batch
+    (the counter jumps past the end). Returns the number of blocks this thread read."""
     P = offsets.size
     done = 0
     while True:
         j = atomic_add(counter, 0, 1)
         if j >= P:
             break
-        got = pread(fd, buf, 0, block_bytes, offsets[j])
+        got = pread(fds[j], buf, 0, lens[j], offsets[j])
         while got < 0 and errno() == EINTR:
-            got = pread(fd, buf, 0, block_bytes, offsets[j])
-        if got < 0:
-            status[j] = -errno()
-        else:
-            status[j] = got
-        if got != block_bytes:
+            got = pread(fds[j], buf, 0, lens[j], offsets[j])
+        status[j] = got if got >= 0 else -errno()
+        if got != lens[j]:
             atomic_add(counter, 0, P)
             break
         done += 1
-        for t in range(starts[j], starts[j + 1]):
-            k = order[t]
-            memcpy(out, miss_pos[k] * row_bytes, buf, in_block[k], row_bytes)
+        _serve_block(j, buf, 0, starts, dst, src_off, row_len)
     return done
+
+
+IOCB_WORDS = 8      # struct iocb: 64 bytes
+EVENT_WORDS = 4     # struct io_event: 32 bytes
+SLOT_SHIFT = 40     # an iocb's aio_data: block index | slot << 40
+EAGAIN = 11
+
+
+@njit(cache=True, nogil=True)
+def _aio_drive(ctx, nr_submit, nr_getevents, fds, offsets, lens, starts, dst, src_off, row_len, bufs, slot_bytes,
+               iocbs, ptrs, events, counter, status):
+    """Read a batch with Linux native AIO from one thread, ``ptrs.size`` reads in flight: submit a read into
+    every free slot, wait for at least one completion, serve its rows, repeat. Returns 0, or -errno if
+    ``io_getevents`` itself failed (reads may then still be in flight: the context must be destroyed)."""
+    P = offsets.size
+    depth = ptrs.size
+    free = np.arange(depth)
+    n_free = depth
+    inflight = 0
+    pending = 0  # ptrs[:pending]: prepared, not yet accepted by io_submit
+    stopped = False
+    bufs_at = address(bufs, 0)
+    iocbs_at = address(iocbs, 0)
+    low = (np.int64(1) << SLOT_SHIFT) - 1
+    while True:
+        while n_free > 0 and not stopped:
+            j = atomic_add(counter, 0, 1)
+            if j >= P:
+                stopped = True
+                break
+            n_free -= 1
+            slot = free[n_free]
+            w = slot * IOCB_WORDS
+            iocbs[w] = j | (slot << SLOT_SHIFT)                    # aio_data
+            iocbs[w + 1] = 0                                       # aio_key, aio_rw_flags
+            iocbs[w + 2] = np.int64(fds[j]) << 32                  # IOCB_CMD_PREAD (0), aio_reqprio, aio_fildes
+            iocbs[w + 3] = bufs_at + slot * slot_bytes             # aio_buf
+            iocbs[w + 4] = lens[j]                                 # aio_nbytes
+            iocbs[w + 5] = offsets[j]                              # aio_offset
+            iocbs[w + 6] = 0
+            iocbs[w + 7] = 0                                       # aio_flags, aio_resfd
+            ptrs[pending] = iocbs_at + w * 8
+            pending += 1
+        if pending > 0:
+            r = syscall3(nr_submit, ctx, pending, address(ptrs, 0))
+            if r > 0:
+                for t in range(r, pending):
+                    ptrs[t - r] = ptrs[t]
+                pending -= r
+                inflight += r
+            else:
+                e = errno() if r < 0 else EAGAIN
+                if e != EINTR and e != EAGAIN:
+                    # the kernel refused the first read outright (a bad descriptor, a misaligned O_DIRECT
+                    # read): report it, stop claiming, drop what was not submitted, drain what was
+                    j = iocbs[(ptrs[0] - iocbs_at) >> 3] & low
+                    status[j] = -e
+                    if not stopped:
+                        stopped = True
+                    atomic_add(counter, 0, P)
+                    for t in range(pending):
+                        free[n_free] = iocbs[(ptrs[t] - iocbs_at) >> 3] >> SLOT_SHIFT
+                        n_free += 1
+                    pending = 0
+        if inflight == 0:
+            if pending == 0:
+                break
+            continue  # EINTR or EAGAIN with nothing in flight: submit again
+        got = syscall5(nr_getevents, ctx, 1, depth, address(events, 0), 0)
+        if got < 0:
+            e = errno()
+            if e == EINTR:
+                continue
+            return -e
+        for i in range(got):
+            data = events[i * EVENT_WORDS]
+            res = events[i * EVENT_WORDS + 2]
+            j = data & low
+            slot = data >> SLOT_SHIFT
+            status[j] = res
+            if res == lens[j]:
+                _serve_block(j, bufs, slot * slot_bytes, starts, dst, src_off, row_len)
+            elif not stopped:
+                stopped = True
+                atomic_add(counter, 0, P)
+            free[n_free] = slot
+            n_free += 1
+        inflight -= got
+    return 0
 
 
 # ---- the cache: fills -----------------------------------------------------------------------------------------

@@ -122,3 +122,59 @@ def errno(typingctx):
         return builder.sext(value, _I64)
 
     return types.int64(), codegen
+
+
+@intrinsic
+def address(typingctx, arr, index):
+    """The address of ``arr[index]`` as an int64 (for structures handed to the kernel)."""
+    if not isinstance(arr, types.Array):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.ptrtoint(_address(context, builder, signature.args[0], args[0], args[1]), _I64)
+
+    return types.int64(arr, index), codegen
+
+
+@intrinsic
+def memcpy_to(typingctx, dst_address, src, src_index, nbytes):
+    """Copy ``nbytes`` bytes from ``&src[src_index]`` to the address ``dst_address`` (an int64)."""
+    if not isinstance(src, types.Array):
+        return None
+
+    def codegen(context, builder, signature, args):
+        d = builder.inttoptr(context.cast(builder, args[0], signature.args[0], types.int64), _I8P)
+        s = builder.bitcast(_address(context, builder, signature.args[1], args[1], args[2]), _I8P)
+        n = context.cast(builder, args[3], signature.args[3], types.int64)
+        cgutils.raw_memcpy(builder, d, s, n, 1)
+        return context.get_dummy_value()
+
+    return types.void(dst_address, src, src_index, nbytes), codegen
+
+
+def _syscall(arity):
+    def typer(typingctx, number, *args):
+        if len(args) != arity:
+            return None
+
+        def codegen(context, builder, signature, llargs):
+            fnty = ir.FunctionType(_I64, [_I64], var_arg=True)
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "syscall")
+            values = [context.cast(builder, v, t, types.int64) for v, t in zip(llargs, signature.args)]
+            return builder.call(fn, values)
+
+        return types.int64(number, *args), codegen
+
+    return typer
+
+
+@intrinsic
+def syscall3(typingctx, number, a, b, c):
+    """libc ``syscall(number, a, b, c)`` with int64 arguments: the result, or -1 with errno set."""
+    return _syscall(3)(typingctx, number, a, b, c)
+
+
+@intrinsic
+def syscall5(typingctx, number, a, b, c, d, e):
+    """libc ``syscall(number, a, b, c, d, e)`` with int64 arguments: the result, or -1 with errno set."""
+    return _syscall(5)(typingctx, number, a, b, c, d, e)
