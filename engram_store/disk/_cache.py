@@ -31,7 +31,8 @@ class RowCache:
         if admission not in ADMISSIONS:
             raise InvalidArgument(f"admission: expected one of {sorted(ADMISSIONS)}, got {describe(admission)}")
         row_bytes = int(row_bytes)
-        # per set: the rows, the metadata line, the CLOCK hand, one byte of doorkeeper bits per way
+        # per set: the rows, the metadata line, the CLOCK hand, one byte of doorkeeper bits per way (the
+        # doorkeeper's floor of 512 bytes is not counted)
         per_set = k.WAYS * row_bytes + k.META_WORDS * 8 + 1 + k.WAYS
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, (int, np.integer)) \
                 or capacity_bytes < per_set:
@@ -44,7 +45,7 @@ class RowCache:
         self.meta[::k.META_WORDS] = 0
         self.hands = np.zeros(self.n_sets, dtype=np.uint8)
         self.rows = np.zeros(self.n_sets * k.WAYS * row_bytes, dtype=np.uint8)
-        door_words = max(1, self.n_sets * k.WAYS // 8)
+        door_words = max(64, self.n_sets * k.WAYS // 8)  # 8 bits a row: few false positives
         self.door = np.zeros(door_words, dtype=np.uint64)
         self.door_state = np.array([0, self.capacity_rows], dtype=np.int64)
         self.lock = threading.Lock()  # held by fills only

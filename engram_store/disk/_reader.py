@@ -70,8 +70,9 @@ class _AioContext:
 
     def destroy(self) -> None:
         ctx, self.ctx = self.ctx, 0
-        if ctx:
-            _libc.syscall(ctypes.c_long(self.numbers[1]), ctypes.c_ulong(ctx))  # waits for reads still in flight
+        libc = _libc  # None while the interpreter shuts down: the process exit frees the context then
+        if ctx and libc is not None:
+            libc.syscall(ctypes.c_long(self.numbers[1]), ctypes.c_ulong(ctx))  # waits for reads still in flight
 
     def __del__(self) -> None:
         self.destroy()
