@@ -104,6 +104,18 @@ def _probe(meta, rows, slot_bytes, key, out, out_at, row_bytes):
     return True
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _prefetch_row(meta, rows, slot_bytes, key, n_sets, row_bytes):
+    s = _set_of(key, n_sets)
+    base = s * META_WORDS
+    for w in range(WAYS):
+        if meta[base + 1 + w] == key:
+            at = (s * WAYS + w) * slot_bytes
+            for line in range(0, row_bytes, 64):
+                _prefetch(rows, at + line)
+            return
+
+
 @njit(cache=True, nogil=True)
 def _plan_read(ids, n_rows, head_offset, row_base, rows_per_block, block_bytes, row_bytes, tag,
                meta, rows, slot_bytes, out):
@@ -133,10 +145,15 @@ def _plan_read(ids, n_rows, head_offset, row_base, rows_per_block, block_bytes, 
         h = i % H
         key = tag_bits | (row_base[h] + ids[i // H, h])
         if cached:
-            ahead = i + PREFETCH_AHEAD
-            if ahead < n:
+            ahead = i + 2 * PREFETCH_AHEAD
+            if ahead < n:  # the set's metadata line, far enough ahead for the load to land
                 ha = ahead % H
                 _prefetch(meta, _set_of(tag_bits | (row_base[ha] + ids[ahead // H, ha]), n_sets) * META_WORDS)
+            ahead = i + PREFETCH_AHEAD
+            if ahead < n:  # its line has arrived by now: find the way and fetch the row's lines too
+                ha = ahead % H
+                _prefetch_row(meta, rows, slot_bytes, tag_bits | (row_base[ha] + ids[ahead // H, ha]), n_sets,
+                              row_bytes)
             if _probe(meta, rows, slot_bytes, key, out, i * row_bytes, row_bytes):
                 continue
         miss_pos[K] = i
