@@ -25,9 +25,10 @@ def cache_location() -> str:
 def warm_store(verbose: bool = True) -> float:
     """Compile (or load) every store kernel for every word size; returns the seconds it took."""
     start = time.perf_counter()
-    from . import kernels
+    from . import disk, kernels
 
     kernels.warmup()
+    disk.warmup()
     elapsed = time.perf_counter() - start
     if verbose:
         print(f"engram_store kernels ready in {elapsed:.1f} s (cache: {cache_location()})", flush=True)

@@ -1,0 +1,491 @@
+"""The SSD tier: the device's own floor, the I/O engines, the hot-row cache policies and the tier's lookups.
+
+    python bench/bench_disk.py [--dir DIR] [--size 30GB] [--quick] [--sections floor,engine,policy,tier,hit]
+                               [--json PATH]
+
+Sections (all by default):
+
+* ``floor``: random 4 KiB O_DIRECT reads of the layer's file at queue depths 1, 8, 32, 64: IOPS and p50/p99
+  latency, from ``fio`` (io_uring) when it is installed and from plain ``os.preadv`` calls in Python threads.
+* ``engine``: the same random page reads through the tier's engine (Numba ``nogil`` ``pread`` loops in T
+  threads) beside a pool of Python threads calling ``os.preadv`` per page, at the same queue depths.
+* ``policy``: hit rate and cost per lookup of the hot-row caches on Zipfian (s = 0.8, 1.0, 1.2) and uniform row
+  streams, cache at 1%, 10% and 50% of a scaled-down layer: the project's direct-mapped cache
+  (``engram_store._kernels.cache_probe``), the tier's 7-way set-associative cache with CLOCK eviction, and the
+  same with doorkeeper admission.
+* ``tier``: ``DiskLayer.read_rows`` on the full layer: decode-sized (64 x 48 rows) and prefill-sized
+  (4,096 x 48 rows) lookups, cold (no cache) and with a cache of 1%, 10% and 50% of the layer, Zipf(1.0) and
+  uniform ids: rows/s, p50/p99, hit rate, pages per lookup.
+* ``hit``: a lookup served wholly from the cache beside a plain in-memory NumPy gather of the same rows.
+
+The layer (48 heads of 264-byte rows, ``--size`` bytes, 30 GB by default: more than this machine's memory) is
+written once under ``--dir`` and reused by later runs. Row ``r`` of head ``h`` starts with the 8 bytes of
+``h << 40 | r``, so every read is checked.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from _common import Stats, default_json_path, fmt, print_table, write_json
+
+from engram_store import _kernels as ground
+from engram_store._units import parse_size
+from engram_store.disk import DiskDir, DiskLayer, IOEngine, RowCache, read_many
+from engram_store.disk import _kernels as dk
+from engram_store.disk._files import aligned_empty, open_direct
+
+HEADS = 48
+ROW_BYTES = 264
+LAYER_ID = 0
+QUEUE_DEPTHS = (1, 8, 32, 64)
+DECODE_ROWS = 64      # requests of a decode step, one token each
+PREFILL_ROWS = 4096   # tokens of a prefill
+
+
+# ---- the layer ----------------------------------------------------------------------------------------------
+
+
+def layer_sizes(size_bytes: int) -> list[int]:
+    """Per-head row counts of a layer whose file is about ``size_bytes`` (15 rows a 4 KiB page)."""
+    rows = size_bytes // 4096 * (4096 // ROW_BYTES)
+    per_head = rows // HEADS
+    return [per_head - h for h in range(HEADS)]
+
+
+def fill_head(h: int):
+    def fill(start: int, out: np.ndarray) -> None:
+        n = out.shape[0]
+        keys = (np.int64(h) << 40) | np.arange(start, start + n, dtype=np.int64)
+        out[:, :8] = keys.view(np.uint8).reshape(n, 8)
+        out[:, 8:] = (keys % 251).astype(np.uint8)[:, None]
+    return fill
+
+
+def ensure_layer(directory: str, size_bytes: int) -> tuple[DiskDir, list[int]]:
+    d = DiskDir(directory)
+    sizes = layer_sizes(size_bytes)
+    path = d.layer_path(LAYER_ID)
+    if os.path.isdir(path):
+        with open(os.path.join(path, "manifest.json")) as f:
+            if json.load(f)["sizes"] == sizes:
+                return d, sizes
+        d.remove(LAYER_ID)
+    free = shutil.disk_usage(directory).free
+    need = sum(sizes) // 15 * 4096
+    if need > free - (2 << 30):
+        sys.exit(f"{directory}: {free / 1e9:.1f} GB free, the layer needs {need / 1e9:.1f} GB (use --size)")
+    t0 = time.perf_counter()
+    d.write(LAYER_ID, ROW_BYTES, sizes, [fill_head(h) for h in range(HEADS)])
+    dt = time.perf_counter() - t0
+    print(f"wrote {need / 1e9:.1f} GB in {dt:.0f} s ({need / dt / 1e9:.2f} GB/s)")
+    return d, sizes
+
+
+def check_rows(ids: np.ndarray, out: np.ndarray) -> None:
+    got = out.reshape(ids.shape[0], HEADS, ROW_BYTES)[:, :, :8].copy().view(np.int64)[..., 0]
+    want = (np.arange(HEADS, dtype=np.int64) << 40)[None, :] | ids
+    if not np.array_equal(got, want):
+        bad = np.argwhere(got != want)[0]
+        raise SystemExit(f"wrong row at {tuple(bad)}: got {got[tuple(bad)]:#x}, want {want[tuple(bad)]:#x}")
+
+
+# ---- floor ---------------------------------------------------------------------------------------------------
+
+
+def random_pages(rng: np.random.Generator, file_bytes: int, n: int) -> np.ndarray:
+    return rng.integers(0, file_bytes // 4096, n, dtype=np.int64) * 4096
+
+
+def fio_floor(file: str, qd: int, seconds: float) -> dict | None:
+    """fio's random 4 KiB O_DIRECT reads (io_uring, one job, ``qd`` in flight); None without fio."""
+    if shutil.which("fio") is None:
+        return None
+    cmd = ["fio", "--name=floor", f"--filename={file}", "--readonly", "--rw=randread", "--bs=4k", "--direct=1",
+           "--ioengine=io_uring", f"--iodepth={qd}", f"--runtime={seconds:g}", "--time_based",
+           "--output-format=json"]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60, check=True)
+    except (subprocess.SubprocessError, OSError):
+        cmd[cmd.index("--ioengine=io_uring")] = "--ioengine=libaio"
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60, check=True)
+    job = json.loads(res.stdout)["jobs"][0]["read"]
+    pct = job["clat_ns"]["percentile"]
+    return {"iops": job["iops"], "p50_us": pct["50.000000"] / 1e3, "p99_us": pct["99.000000"] / 1e3}
+
+
+def python_floor(file: str, qd: int, seconds: float, seed: int) -> dict:
+    """Random 4 KiB reads with ``os.preadv`` from ``qd`` Python threads (O_DIRECT), each one read at a time."""
+    fd, direct = open_direct(file, os.O_RDONLY)
+    size = os.fstat(fd).st_size
+    lat: list[list[int]] = [[] for _ in range(qd)]
+    stop = time.perf_counter() + seconds
+
+    def worker(t: int) -> None:
+        rng = np.random.default_rng(seed + t)
+        buf = [memoryview(aligned_empty(4096))]
+        offsets = random_pages(rng, size, 1 << 16).tolist()
+        mine = lat[t]
+        i = 0
+        while time.perf_counter() < stop:
+            t0 = time.perf_counter_ns()
+            os.preadv(fd, buf, offsets[i & 0xFFFF])
+            mine.append(time.perf_counter_ns() - t0)
+            i += 1
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(qd)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    os.close(fd)
+    all_ns = np.concatenate([np.asarray(x, dtype=np.int64) for x in lat])
+    return {"iops": all_ns.size / elapsed, "p50_us": float(np.percentile(all_ns, 50)) / 1e3,
+            "p99_us": float(np.percentile(all_ns, 99)) / 1e3, "direct": direct}
+
+
+def section_floor(file: str, seconds: float) -> list[dict]:
+    rows = []
+    for qd in QUEUE_DEPTHS:
+        rows.append({"qd": qd, "fio": fio_floor(file, qd, seconds), "python": python_floor(file, qd, seconds, qd)})
+    print_table(["queue depth", "fio IOPS", "fio p50 us", "fio p99 us", "py preadv IOPS", "py p50 us", "py p99 us"],
+                [[r["qd"], fmt(r["fio"] and r["fio"]["iops"], 0), fmt(r["fio"] and r["fio"]["p50_us"]),
+                  fmt(r["fio"] and r["fio"]["p99_us"]), fmt(r["python"]["iops"], 0), fmt(r["python"]["p50_us"]),
+                  fmt(r["python"]["p99_us"])] for r in rows],
+                title="floor: random 4 KiB O_DIRECT reads of the layer's file")
+    return rows
+
+
+# ---- engines ---------------------------------------------------------------------------------------------------
+
+
+def python_engine_read(fd: int, offsets: np.ndarray, in_page: np.ndarray, out: np.ndarray, threads: int) -> None:
+    """The candidate engine in Python: ``threads`` pool workers, each ``os.preadv`` a page and copy its row out."""
+    n = offsets.size
+    rows = out.reshape(n, ROW_BYTES)
+    next_page = iter(range(n))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        page = aligned_empty(4096)
+        view = [memoryview(page)]
+        while True:
+            with lock:
+                j = next(next_page, -1)
+            if j < 0:
+                return
+            if os.preadv(fd, view, int(offsets[j])) != 4096:
+                raise OSError(f"short read at {offsets[j]}")
+            rows[j] = page[in_page[j]:in_page[j] + ROW_BYTES]
+
+    with ThreadPoolExecutor(threads) as pool:
+        for f in [pool.submit(worker) for _ in range(threads)]:
+            f.result()
+
+
+def section_engine(d: DiskDir, sizes: list[int], pages: int, rounds: int, seed: int) -> list[dict]:
+    """Per queue depth, ``rounds`` rounds of: one cold lookup through each engine, then fio for a second; the
+    median of each and of each engine's ratio to the fio run beside it (the machine's load moves all of them)."""
+    rng = np.random.default_rng(seed)
+    results = []
+    for qd in QUEUE_DEPTHS:
+        n = pages if qd > 1 else pages // 8
+        m = max(1, n // HEADS)
+        runs: dict[str, list[float]] = {"aio": [], "threads": [], "python": [], "fio": []}
+        engines = {mode: IOEngine(qd, mode) for mode in ("aio", "threads")}
+        layers = {mode: d.open(LAYER_ID, ROW_BYTES, sizes, engine=e) for mode, e in engines.items()}
+        for layer in layers.values():
+            layer.read_rows(np.zeros((2, HEADS), np.int64), np.empty(2 * HEADS * ROW_BYTES, np.uint8))
+        lay = layers["aio"].layout
+        fd, _ = open_direct(layers["aio"].file, os.O_RDONLY)
+        for _ in range(rounds):
+            for mode, layer in layers.items():
+                ids = np.stack([rng.integers(0, sizes[h], m) for h in range(HEADS)], axis=1)
+                out = np.empty(ids.size * ROW_BYTES, dtype=np.uint8)
+                layer.stats(reset=True)
+                t0 = time.perf_counter()
+                layer.read_rows(ids, out)
+                runs[mode].append(layer.stats()["pages_read"] / (time.perf_counter() - t0))
+                check_rows(ids, out)
+            ids = np.stack([rng.integers(0, sizes[h], m) for h in range(HEADS)], axis=1)
+            offs = np.array([lay.row_offset(h, int(r)) for (_, h), r in np.ndenumerate(ids)], dtype=np.int64)
+            out = np.empty(ids.size * ROW_BYTES, dtype=np.uint8)
+            t0 = time.perf_counter()
+            python_engine_read(fd, offs // 4096 * 4096, offs % 4096, out, qd)
+            runs["python"].append(ids.size / (time.perf_counter() - t0))
+            check_rows(ids, out)
+            fio = fio_floor(layers["aio"].file, qd, 1.0)
+            runs["fio"].append(fio["iops"] if fio else python_floor(layers["aio"].file, qd, 1.0, qd)["iops"])
+        os.close(fd)
+        for mode in layers:
+            layers[mode].close()
+            engines[mode].close()
+        row = {"qd": qd, "pages": m * HEADS, "rounds": rounds, "floor": "fio" if shutil.which("fio") else "python"}
+        for key, values in runs.items():
+            row[f"{key}_iops"] = float(np.median(values))
+            row[f"{key}_runs"] = values
+        for key in ("aio", "threads", "python"):
+            row[f"{key}_ratio"] = float(np.median(np.asarray(runs[key]) / np.asarray(runs["fio"])))
+        results.append(row)
+    print_table(["queue depth", "pages", "aio IOPS", "numba threads IOPS", "python preadv IOPS", "floor IOPS",
+                 "aio/floor", "threads/floor", "python/floor"],
+                [[r["qd"], r["pages"], fmt(r["aio_iops"], 0), fmt(r["threads_iops"], 0), fmt(r["python_iops"], 0),
+                  fmt(r["fio_iops"], 0), fmt(r["aio_ratio"], 2), fmt(r["threads_ratio"], 2),
+                  fmt(r["python_ratio"], 2)] for r in results],
+                title=f"engines: cold lookups of random rows (a page each), medians of {rounds} rounds; each ratio is "
+                      "the median of (engine / the floor measured beside it)")
+    return results
+
+
+# ---- id streams ----------------------------------------------------------------------------------------------
+
+_SCATTER = np.int64(2654435761)  # a prime: rank -> row is a bijection of [0, N) for any N below it
+
+
+class Stream:
+    """Row ids ``[M, H]``: Zipf(s) ranks (or uniform) per head, ranks scattered over each table."""
+
+    def __init__(self, sizes: list[int], s: float | None, seed: int):
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        self.s = s
+        self.rng = np.random.default_rng(seed)
+        n = int(self.sizes.min())
+        if s is not None:
+            w = np.arange(1, n + 1, dtype=np.float64) ** -s
+            self.cdf = np.cumsum(w) / w.sum()
+
+    def batch(self, M: int) -> np.ndarray:
+        H = self.sizes.size
+        if self.s is None:
+            return (self.rng.random((M, H)) * self.sizes).astype(np.int64)
+        ranks = np.minimum(np.searchsorted(self.cdf, self.rng.random((M, H))), self.cdf.size - 1).astype(np.int64)
+        return (ranks * _SCATTER + np.arange(H, dtype=np.int64) * 7919) % self.sizes
+
+    def label(self) -> str:
+        return "uniform" if self.s is None else f"zipf {self.s:g}"
+
+
+# ---- cache policies -----------------------------------------------------------------------------------------
+
+
+def simulate(policy: str, sizes: list[int], cap_rows: int, stream: Stream, batches: int, M: int) -> tuple[float, float]:
+    """(hit rate over the last two thirds of the stream, ns per lookup) of one cache policy (8-byte rows)."""
+    H = len(sizes)
+    row_base = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+    out = np.zeros(M * H * 8, dtype=np.uint8)
+    if policy == "direct-mapped":
+        cache_keys = np.full(cap_rows, -1, dtype=np.int64)
+        cache_rows = np.zeros((cap_rows, 1), dtype=np.uint64)
+        got = np.empty((M * H, 1), dtype=np.uint64)
+    else:
+        admission = "doorkeeper" if policy.endswith("doorkeeper") else "always"
+        cache = RowCache(-(-cap_rows // dk.WAYS) * (dk.WAYS * 8 + dk.META_WORDS * 8 + 1 + dk.WAYS), 8, admission)
+        lay = __import__("engram_store.disk._layout", fromlist=["DiskLayout"]).DiskLayout.of(8, sizes)
+        n_rows, offs = np.asarray(sizes, dtype=np.int64), np.asarray(lay.head_offsets, dtype=np.int64)
+    hits = looked = 0
+    ns = 0
+    for b in range(batches):
+        ids = stream.batch(M)
+        t0 = time.perf_counter_ns()
+        if policy == "direct-mapped":
+            keys = (np.arange(H, dtype=np.int64)[None, :] << 40 | ids).reshape(-1)
+            hit, n_hit = ground.cache_probe(keys, cache_keys, cache_rows, got)
+            miss = np.flatnonzero(~hit)
+            ground.cache_insert(keys[miss], got[miss], cache_keys, cache_rows)
+        else:
+            bad, n_hit, miss_pos, miss_key, *_ = dk._plan_read(ids, n_rows, offs, row_base, lay.rows_per_block,
+                                                                lay.block_bytes, 8, 1, cache.meta, cache.rows, 8, out)
+            cache.fill(miss_key, miss_pos, out)
+        ns += time.perf_counter_ns() - t0
+        if b >= batches // 3:
+            hits += int(n_hit)
+            looked += ids.size
+    return hits / looked, ns / (batches * M * H)
+
+
+def section_policy(quick: bool, seed: int) -> list[dict]:
+    per_head = 20_000 if quick else 100_000
+    sizes = [per_head - h for h in range(HEADS)]
+    total = sum(sizes)
+    batches = 300 if quick else 1500
+    results = []
+    for s in (0.8, 1.0, 1.2, None):
+        for frac in (0.01, 0.10, 0.50):
+            row = {"stream": Stream(sizes, s, 0).label(), "cache": frac}
+            for policy in ("direct-mapped", "clock", "clock+doorkeeper"):
+                rate, ns = simulate(policy, sizes, int(total * frac), Stream(sizes, s, seed), batches, DECODE_ROWS)
+                row[policy] = {"hit_rate": rate, "ns_per_lookup": ns}
+            results.append(row)
+    print_table(["stream", "cache", "direct-mapped hit", "clock hit", "clock+doorkeeper hit", "dm ns/lookup",
+                 "clock ns", "clock+dk ns"],
+                [[r["stream"], f"{r['cache']:.0%}"] + [f"{r[p]['hit_rate']:.1%}" for p in
+                                                       ("direct-mapped", "clock", "clock+doorkeeper")]
+                 + [fmt(r[p]["ns_per_lookup"]) for p in ("direct-mapped", "clock", "clock+doorkeeper")]
+                 for r in results],
+                title=f"cache policies: {HEADS} heads x {per_head:,} rows, {batches} decode batches "
+                      f"({DECODE_ROWS} x {HEADS} rows), hit rate over the last 2/3 (ns/lookup: probe + fill, "
+                      "whole stream)")
+    return results
+
+
+# ---- the tier ---------------------------------------------------------------------------------------------------
+
+
+def timed_reads(layer: DiskLayer, batches: list[np.ndarray], out: np.ndarray, warm_s: float,
+                stream: Stream, M: int, reps: int) -> dict:
+    t_end = time.perf_counter() + warm_s
+    warm = 0
+    while time.perf_counter() < t_end:
+        layer.read_rows(stream.batch(M), out)
+        warm += 1
+    layer.stats(reset=True)
+    times = []
+    for ids in batches[:reps]:
+        t0 = time.perf_counter_ns()
+        layer.read_rows(ids, out)
+        times.append(time.perf_counter_ns() - t0)
+        check_rows(ids, out)
+    st = layer.stats()
+    lat = Stats.from_ns(times)
+    rows = st["rows"]
+    return {"latency": lat.as_dict(), "rows_per_s": rows / (sum(times) / 1e9), "hit_rate": st["cache_hits"] / rows,
+            "pages_per_lookup": st["pages_read"] / len(times), "iops": st["pages_read"] / (sum(times) / 1e9),
+            "warm_calls": warm}
+
+
+def section_tier(d: DiskDir, sizes: list[int], quick: bool, seed: int, floor: list[dict]) -> list[dict]:
+    file_bytes = sum(-(-n // 15) for n in sizes) * 4096
+    results = []
+    for M, label in ((DECODE_ROWS, "decode"), (PREFILL_ROWS, "prefill")):
+        reps = (20 if quick else 100) if M == DECODE_ROWS else (2 if quick else 6)
+        for s in (1.0, None):
+            for frac in (0.0, 0.01, 0.10, 0.50):
+                stream = Stream(sizes, s, seed)
+                batches = [stream.batch(M) for _ in range(reps)]
+                cache = RowCache(int(file_bytes * frac), ROW_BYTES) if frac else None
+                warm_s = 0.0 if not frac else (3.0 if quick else 20.0)
+                out = np.empty(M * HEADS * ROW_BYTES, dtype=np.uint8)
+                with d.open(LAYER_ID, ROW_BYTES, sizes, cache=cache) as layer:
+                    layer.read_rows(batches[0][:1], out[:HEADS * ROW_BYTES])
+                    r = timed_reads(layer, batches, out, warm_s, stream, M, reps)
+                r.update({"lookup": label, "rows": M * HEADS, "stream": stream.label(), "cache": frac})
+                results.append(r)
+                del cache
+    qd64 = next((f for f in floor if f["qd"] == 64), None)
+    fl = (qd64["fio"] or qd64["python"])["iops"] if qd64 else None
+    print_table(["lookup", "stream", "cache", "rows/s", "p50 ms", "p99 ms", "hit rate", "pages/lookup", "IOPS",
+                 "IOPS/floor(64)"],
+                [[f"{r['lookup']} {r['rows']:,}", r["stream"], f"{r['cache']:.0%}" if r["cache"] else "none",
+                  fmt(r["rows_per_s"], 0), fmt(r["latency"]["p50_us"] / 1e3, 2), fmt(r["latency"]["p99_us"] / 1e3, 2),
+                  f"{r['hit_rate']:.1%}", fmt(r["pages_per_lookup"], 0), fmt(r["iops"], 0),
+                  fmt(fl and r["iops"] / fl, 2)] for r in results],
+                title=f"tier: DiskLayer.read_rows on the {file_bytes / 1e9:.0f} GB layer (cache warmed by "
+                      f"{'3' if quick else '20'} s of the same stream first)")
+    return results
+
+
+# ---- cache hits beside an in-memory gather --------------------------------------------------------------------
+
+
+def section_hit(d: DiskDir, sizes: list[int], quick: bool, seed: int) -> list[dict]:
+    working = 200_000 if quick else 1_000_000          # distinct rows held (264 MB at full size)
+    cache = RowCache(4 * working // dk.WAYS * (dk.WAYS * ROW_BYTES + 72 + dk.WAYS) // 3, ROW_BYTES)
+    rng = np.random.default_rng(seed)
+    heads = rng.integers(0, HEADS, working)
+    rows = (rng.random(working) * np.asarray(sizes)[heads]).astype(np.int64)
+    results = []
+    with d.open(LAYER_ID, ROW_BYTES, sizes, cache=cache) as layer:
+        # fill the cache with the working set's rows as a read would (synthetic rows in the layer's pattern)
+        table = np.empty((working, ROW_BYTES), dtype=np.uint8)
+        keys = (heads.astype(np.int64) << 40) | rows
+        table[:, :8] = keys.view(np.uint8).reshape(working, 8)
+        table[:, 8:] = (keys % 251).astype(np.uint8)[:, None]
+        cache_keys = (np.int64(layer.tag) << 40) | (layer.row_base[heads] + rows)
+        pos = np.arange(working, dtype=np.int64)
+        for _ in range(2):  # the second offer passes the doorkeeper where a set is full
+            cache.fill(cache_keys, pos, table.reshape(-1))
+        held = set(np.flatnonzero(_held_mask(cache, cache_keys)).tolist())
+        pick = np.fromiter(held, dtype=np.int64)
+        for M, label in ((DECODE_ROWS, "decode"), (PREFILL_ROWS, "prefill")):
+            reps = (200 if quick else 1000) if M == DECODE_ROWS else (10 if quick else 40)
+            # lookups whose rows all sit in the cache: head h of each token asks for a held row of head h
+            by_head = [pick[heads[pick] == h] for h in range(HEADS)]
+            batches = []
+            for _ in range(reps):
+                idx = np.stack([by_head[h][rng.integers(0, by_head[h].size, M)] for h in range(HEADS)], axis=1)
+                batches.append(idx)
+            out = np.empty(M * HEADS * ROW_BYTES, dtype=np.uint8)
+            out2 = out.reshape(M * HEADS, ROW_BYTES)
+            layer.stats(reset=True)
+            t_cache, t_numpy = [], []
+            for idx in batches:  # interleaved, so both see the same moments of a busy machine
+                ids = rows[idx]
+                t0 = time.perf_counter_ns()
+                layer.read_rows(ids, out)
+                t_cache.append(time.perf_counter_ns() - t0)
+                check_rows(ids, out)
+                flat_idx = idx.reshape(-1)
+                t0 = time.perf_counter_ns()
+                np.take(table, flat_idx, axis=0, out=out2)
+                t_numpy.append(time.perf_counter_ns() - t0)
+            check_rows(rows[batches[-1]], out)
+            st = layer.stats()
+            c, g = Stats.from_ns(t_cache), Stats.from_ns(t_numpy)
+            results.append({"lookup": label, "rows": M * HEADS, "cache": c.as_dict(), "numpy_gather": g.as_dict(),
+                            "hit_rate": st["cache_hits"] / st["rows"], "ratio_p50": c.p50_us / g.p50_us})
+    print_table(["lookup", "cache hit p50 us", "p99 us", "numpy gather p50 us", "p99 us", "ratio (p50)", "hit rate"],
+                [[f"{r['lookup']} {r['rows']:,}", fmt(r["cache"]["p50_us"]), fmt(r["cache"]["p99_us"]),
+                  fmt(r["numpy_gather"]["p50_us"]), fmt(r["numpy_gather"]["p99_us"]), fmt(r["ratio_p50"], 2),
+                  f"{r['hit_rate']:.1%}"] for r in results],
+                title=f"cache hits: read_rows served from the cache ({working:,} rows held) beside np.take of the same "
+                      "rows from an in-memory table")
+    return results
+
+
+def _held_mask(cache: RowCache, keys: np.ndarray) -> np.ndarray:
+    held = cache.meta.reshape(-1, dk.META_WORDS)[:, 1:]
+    return np.isin(keys, held[held >= 0])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dir", default="/var/tmp/engram-disk-bench", help="where the layer is written once and reused")
+    p.add_argument("--size", default="30GB", help="the layer's size (default 30GB)")
+    p.add_argument("--quick", action="store_true", help="shorter runs")
+    p.add_argument("--sections", default="floor,engine,policy,tier,hit")
+    p.add_argument("--json", default=default_json_path("bench_disk"))
+    args = p.parse_args(argv)
+    sections = args.sections.split(",")
+    d, sizes = ensure_layer(args.dir, parse_size(args.size))
+    print(f"layer: {HEADS} heads x {sizes[0]:,} rows x {ROW_BYTES} B ({sum(sizes) // 15 * 4096 / 1e9:.1f} GB) "
+          f"under {args.dir}")
+    file = os.path.join(d.layer_path(LAYER_ID), "rows.bin")
+    payload: dict = {"heads": HEADS, "row_bytes": ROW_BYTES, "sizes": sizes, "dir": args.dir,
+                     "file_bytes": os.path.getsize(file)}
+    floor: list[dict] = []
+    if "floor" in sections:
+        floor = payload["floor"] = section_floor(file, 2.0 if args.quick else 5.0)
+    if "engine" in sections:
+        payload["engine"] = section_engine(d, sizes, 10_000 if args.quick else 30_000, 2 if args.quick else 5, 1)
+    if "policy" in sections:
+        payload["policy"] = section_policy(args.quick, 2)
+    if "tier" in sections:
+        payload["tier"] = section_tier(d, sizes, args.quick, 3, floor)
+    if "hit" in sections:
+        payload["hit"] = section_hit(d, sizes, args.quick, 4)
+    write_json(args.json, payload)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""The SSD tier: Engram layers published as files on local disk, read a page per row behind a hot-row cache.
+
+For tables larger than the host's memory (DeepSeek-V4.1's ~101 GB layers of 264-byte FP8 rows)::
+
+    from engram_store.disk import DiskDir, RowCache
+
+    d = DiskDir("/nvme/engram")
+    d.write(1, row_bytes, sizes, heads)            # arrays or fill(start_row, out) callbacks, streamed
+    cache = RowCache(8 << 30, row_bytes)           # one cache for every layer of the process
+    with d.open(1, row_bytes, sizes, cache=cache) as layer:
+        layer.read_rows(ids, out)                  # ids int64 [M, H]; out flat uint8 [M * H * row_bytes]
+        read_many([(layer, ids, out), ...])        # several layers' reads in flight together
+
+Rows never straddle a 4 KiB page (``_layout``); reads go through O_DIRECT with many in flight (``_reader``); the
+cache is set-associative with CLOCK eviction and a doorkeeper for admission (``_cache``).
+"""
+from ._cache import RowCache
+from ._dir import DiskDir, verify_layer
+from ._layout import PAGE_BYTES, DiskLayout
+from ._reader import DEFAULT_DEPTH, DiskLayer, DiskReadError, IOEngine, aio_available, default_engine, read_many
+from ._writer import LayerWriter, write_layer
+
+__all__ = [
+    "DiskDir", "DiskLayer", "DiskLayout", "DiskReadError", "IOEngine", "LayerWriter", "RowCache", "PAGE_BYTES",
+    "DEFAULT_DEPTH", "aio_available", "default_engine", "read_many", "verify_layer", "write_layer", "warmup",
+]
+
+
+def warmup() -> None:
+    """Compile (or load from the on-disk cache) the disk kernels: a tiny layer written, cached and read back."""
+    import tempfile
+
+    import numpy as np
+
+    sizes = [20, 3]
+    tables = [np.arange(n * 8, dtype=np.uint8).reshape(n, 8) for n in sizes]
+    with tempfile.TemporaryDirectory(prefix="engram-disk-warmup-") as tmp:
+        d = DiskDir(tmp)
+        d.write(0, 8, sizes, [tables[0], lambda start, out: out.__setitem__(slice(None), tables[1][start:])],
+                progress=False)
+        d.verify(0)
+        ids = np.array([[0, 1], [19, 2], [5, 0]], dtype=np.int64)
+        out = np.empty(ids.size * 8, dtype=np.uint8)
+        for mode in ("auto", "threads"):
+            with IOEngine(2, mode) as engine, d.open(0, 8, sizes, cache=RowCache(1 << 12, 8), engine=engine) as layer:
+                layer.read_rows(ids, out)
+                layer.read_rows(ids, out)

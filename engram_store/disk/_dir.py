@@ -1,0 +1,124 @@
+"""A directory of published disk layers: open, write, list, remove and verify them by layer id."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from typing import Callable, Sequence
+
+import numpy as np
+import xxhash
+
+from .._errors import InvalidArgument, ObjectNotFound, StoreError, describe
+from . import _kernels as k
+from ._cache import RowCache
+from ._files import LayerLock, aligned_empty, open_direct
+from ._layout import DATA_FILE, check_layer_id, layer_dir_name, read_manifest
+from ._reader import DiskLayer, DiskReadError, IOEngine
+from ._writer import DEFAULT_CHUNK_BYTES, DEFAULT_LOCK_TIMEOUT_S, HeadSource, LayerWriter, write_layer
+
+_LAYER_DIR = re.compile(r"^layer-(\d+)$")
+#: How much of a layer ``verify`` reads at a time.
+VERIFY_CHUNK_BYTES = 32 << 20
+
+
+class DiskDir:
+    """Layers published under one directory (see ``_layout`` for the files). Creates the directory."""
+
+    def __init__(self, path: str | os.PathLike):
+        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+            raise InvalidArgument(f"path: expected a directory path, got {describe(path)}")
+        self.path = os.path.abspath(os.fspath(path))
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as exc:
+            raise InvalidArgument(f"path: cannot create {self.path}: {exc.strerror}") from None
+
+    def layer_path(self, layer_id: int) -> str:
+        return os.path.join(self.path, layer_dir_name(check_layer_id(layer_id)))
+
+    def layers(self) -> list[int]:
+        """The ids of the published layers, sorted."""
+        found = (_LAYER_DIR.match(name) for name in os.listdir(self.path))
+        return sorted(int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(self.path, m.group(0))))
+
+    def open(self, layer_id: int, row_bytes: int | None = None, sizes: Sequence[int] | None = None, *,
+             cache: RowCache | None = None, engine: IOEngine | None = None, direct: bool = True) -> DiskLayer | None:
+        """The published layer (see :class:`DiskLayer`), or None if it is not published (yet)."""
+        if not os.path.isdir(self.layer_path(layer_id)):
+            return None
+        return DiskLayer(self.path, layer_id, row_bytes, sizes, cache=cache, engine=engine, direct=direct)
+
+    def writer(self, layer_id: int, row_bytes: int, sizes: Sequence[int], **kwargs) -> LayerWriter:
+        """A :class:`LayerWriter` for a new layer here (keyword arguments as LayerWriter's)."""
+        return LayerWriter(self.path, layer_id, row_bytes, sizes, **kwargs)
+
+    def write(self, layer_id: int, row_bytes: int, sizes: Sequence[int], heads: Sequence[HeadSource], *,
+              progress: Callable[[int], None] | bool | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+              direct: bool = True) -> str:
+        """Write and publish a layer (see :func:`write_layer`); returns its directory."""
+        return write_layer(self.path, layer_id, row_bytes, sizes, heads, progress=progress, chunk_bytes=chunk_bytes,
+                           direct=direct)
+
+    def remove(self, layer_id: int, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> None:
+        """Unpublish a layer (ObjectNotFound if it is not published). Readers that have it open keep reading the
+        removed file until they close it."""
+        path = self.layer_path(layer_id)
+        lock = LayerLock(path + ".lock", lock_timeout_s)
+        try:
+            if not os.path.isdir(path):
+                raise ObjectNotFound(f"disk layer {layer_id} is not published under {self.path}")
+            doomed = path + ".removing"
+            os.rename(path, doomed)  # readers opening by name stop seeing it at once
+            shutil.rmtree(doomed)
+        finally:
+            lock.close()
+
+    def verify(self, layer_id: int) -> None:
+        """Re-read a published layer and check each head against the manifest's checksum (StoreError if one
+        differs). Reads the whole file once, with O_DIRECT where allowed."""
+        verify_layer(self.path, layer_id)
+
+
+def verify_layer(directory: str | os.PathLike, layer_id: int) -> None:
+    """See :meth:`DiskDir.verify`."""
+    path = os.path.join(os.path.abspath(os.fspath(directory)), layer_dir_name(check_layer_id(layer_id)))
+    if not os.path.isdir(path):
+        raise ObjectNotFound(f"disk layer {layer_id} is not published under {os.fspath(directory)}")
+    record, lay = read_manifest(path)
+    file = os.path.join(path, DATA_FILE)
+    fd, _ = open_direct(file, os.O_RDONLY)
+    try:
+        blocks_per_chunk = max(1, VERIFY_CHUNK_BYTES // lay.block_bytes)
+        buf = aligned_empty(blocks_per_chunk * lay.block_bytes)
+        rows = np.empty(blocks_per_chunk * lay.rows_per_block * lay.row_bytes, dtype=np.uint8)
+        for h, expected in enumerate(record["checksum"]["heads"]):
+            hasher = xxhash.xxh3_64()
+            left = lay.sizes[h]
+            offset = lay.head_offsets[h]
+            while left > 0:
+                count = min(left, blocks_per_chunk * lay.rows_per_block)
+                nbytes = -(-count // lay.rows_per_block) * lay.block_bytes
+                got = _read_exact(fd, buf[:nbytes], offset, file)
+                assert got == nbytes, "short reads raise"
+                k._unpack_rows(buf, lay.row_bytes, lay.rows_per_block, lay.block_bytes, count, rows)
+                hasher.update(rows[:count * lay.row_bytes])
+                offset += nbytes
+                left -= count
+            if hasher.hexdigest() != expected:
+                raise StoreError(f"disk layer {layer_id}: head {h} of {file} has checksum {hasher.hexdigest()}, the "
+                                 f"manifest records {expected} (the file was damaged)")
+    finally:
+        os.close(fd)
+
+
+def _read_exact(fd: int, buf: np.ndarray, offset: int, file: str) -> int:
+    view = memoryview(buf)
+    try:
+        got = os.preadv(fd, [view], offset)
+    except OSError as exc:
+        raise DiskReadError(f"reading {view.nbytes} bytes of {file} at offset {offset} failed: {exc.strerror}") from None
+    if got != view.nbytes:
+        raise DiskReadError(f"short read of {file} at offset {offset}: got {got} of {view.nbytes} bytes "
+                            "(truncated?)")
+    return got

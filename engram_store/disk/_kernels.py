@@ -1,0 +1,402 @@
+"""Numba kernels of the disk tier: page layout, read planning, block reads and the hot-row cache.
+
+Vocabulary (see ``_layout`` for the file format):
+
+* A *block* is the unit of a read: one 4 KiB page holding ``rows_per_block`` whole rows (rows of at most
+  4 KiB), or the ``block_bytes / 4096`` pages one larger row fills. Row ``r`` of head ``h`` lies in the block at
+  file offset ``head_offset[h] + (r // rows_per_block) * block_bytes``, ``(r % rows_per_block) * row_bytes``
+  bytes into it.
+* ``ids`` is a validated C-contiguous ``int64 [M, H]`` array; position ``i = m * H + h`` of the output holds row
+  ``ids[m, h]`` of head ``h`` at byte ``i * row_bytes``.
+* A cache *key* is ``(tag << 40) | (row_base[h] + r)``: the layer's tag and the row's index among all rows of
+  the layer, so one cache serves several layers. Keys are >= 0; -1 marks an empty way.
+
+The cache is set-associative: ``meta[s]`` is one 64-byte line per set, word 0 a version and the CLOCK reference
+bits, words 1-7 the keys of its 7 ways; ``rows[s * 7 + w]`` holds way ``w``'s row. Readers take no lock: they
+read a set as a sequence lock (version, keys and row, version again) and count a row as a hit only if the version
+did not move and no writer was busy in the set. Writers (cache fills) are serialised by the caller and mark the
+set busy while they replace a way. A hit reads one metadata line and the row, as many cache lines as the row
+itself plus one, so a hit costs little more than the plain in-memory gather of the same row.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ..kernels._common import _prefetch
+from ._native import (address, atomic_add, atomic_and, atomic_or, errno, fence_acquire, fence_release, load_acquire,
+                      memcpy, memcpy_to, pread, syscall3, syscall5)
+
+WAYS = 7                    # ways per set: 7 keys and the version word fill one 64-byte line
+META_WORDS = 8
+BUSY = np.int64(1 << 8)     # set while a writer changes a set; the version counts in steps of BUSY
+REF_MASK = np.int64(0x7F)   # CLOCK reference bits of the 7 ways
+KEY_ROW_BITS = 40           # a key's row part: up to 2**40 rows per layer
+MAX_TAG = (1 << 23) - 1     # a key's layer tag keeps keys positive
+#: status of a block that no worker reached (another block's failure stopped the read)
+NOT_READ = np.int64(-(1 << 62))
+EINTR = 4
+PREFETCH_AHEAD = 8
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX2 = np.uint64(0xC2B2AE3D27D4EB4F)
+
+ADMIT_ALWAYS = 0
+ADMIT_DOORKEEPER = 1
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _set_of(key, n_sets):
+    return np.int64(((np.uint64(key) * _GOLDEN) >> np.uint64(24)) % np.uint64(n_sets))
+
+
+# ---- layout (the writer) --------------------------------------------------------------------------------------
+
+@njit(cache=True, nogil=True)
+def _pack_rows(rows, row_bytes, rows_per_block, block_bytes, out):
+    """Lay ``rows`` (flat bytes of n whole rows, the first one at a block start) out as whole blocks in ``out``."""
+    n = rows.size // row_bytes
+    blocks = (n + rows_per_block - 1) // rows_per_block
+    for b in range(blocks):
+        first = b * rows_per_block
+        count = min(rows_per_block, n - first)
+        memcpy(out, b * block_bytes, rows, first * row_bytes, count * row_bytes)
+        pad_from = b * block_bytes + count * row_bytes
+        for p in range(pad_from, (b + 1) * block_bytes):
+            out[p] = 0
+    return blocks * block_bytes
+
+
+@njit(cache=True, nogil=True)
+def _unpack_rows(blocks, row_bytes, rows_per_block, block_bytes, n_rows, out):
+    """The inverse of ``_pack_rows``: the first ``n_rows`` rows held by whole ``blocks``, packed in ``out``."""
+    for r in range(n_rows):
+        memcpy(out, r * row_bytes, blocks, (r // rows_per_block) * block_bytes + (r % rows_per_block) * row_bytes,
+               row_bytes)
+    return n_rows * row_bytes
+
+
+# ---- planning a read ------------------------------------------------------------------------------------------
+
+@njit(cache=True, nogil=True)
+def _probe(meta, rows, slot_bytes, key, out, out_at, row_bytes):
+    """Copy the cached row of ``key`` to ``out[out_at:]``; True on a hit (consistent copy), False otherwise."""
+    n_sets = meta.size // META_WORDS
+    s = _set_of(key, n_sets)
+    base = s * META_WORDS
+    v1 = load_acquire(meta, base)
+    if v1 & BUSY:
+        return False
+    way = -1
+    for w in range(WAYS):
+        if meta[base + 1 + w] == key:
+            way = w
+            break
+    if way < 0:
+        return False
+    memcpy(out, out_at, rows, (s * WAYS + way) * slot_bytes, row_bytes)
+    fence_acquire()
+    v2 = meta[base]
+    if (v1 >> 8) != (v2 >> 8):
+        return False  # a writer changed the set while we copied: read it from disk
+    if not (v1 & (np.int64(1) << way)):
+        atomic_or(meta, base, np.int64(1) << way)
+    return True
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _prefetch_row(meta, rows, slot_bytes, key, n_sets, row_bytes):
+    s = _set_of(key, n_sets)
+    base = s * META_WORDS
+    for w in range(WAYS):
+        if meta[base + 1 + w] == key:
+            at = (s * WAYS + w) * slot_bytes
+            for line in range(0, row_bytes, 64):
+                _prefetch(rows, at + line)
+            return
+
+
+@njit(cache=True, nogil=True)
+def _plan_read(ids, n_rows, head_offset, row_base, rows_per_block, block_bytes, row_bytes, tag,
+               meta, rows, slot_bytes, out):
+    """Serve what the cache holds and plan the block reads of the rest.
+
+    Returns ``(bad, hits, miss_pos, miss_key, offsets, starts, order, in_block)``: ``bad`` the first position
+    whose id lies outside its head (-1 if none; nothing else is valid then); ``miss_pos[k]`` / ``miss_key[k]``
+    the output position and cache key of the k-th row not served from the cache; ``offsets[j]`` the file offset
+    of the j-th distinct block to read; the rows it serves are ``order[starts[j]:starts[j + 1]]`` (indices into
+    the misses), ``in_block[k]`` bytes into their block.
+    """
+    M, H = ids.shape
+    for m in range(M):
+        for h in range(H):
+            v = ids[m, h]
+            if v < 0 or v >= n_rows[h]:
+                return (m * H + h, 0, np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64),
+                        np.zeros(1, np.int64), np.empty(0, np.int64), np.empty(0, np.int64))
+    n = M * H
+    miss_pos = np.empty(n, dtype=np.int64)
+    miss_key = np.empty(n, dtype=np.int64)
+    K = 0
+    cached = meta.size > 0
+    n_sets = meta.size // META_WORDS
+    tag_bits = np.int64(tag) << KEY_ROW_BITS
+    for i in range(n):
+        h = i % H
+        key = tag_bits | (row_base[h] + ids[i // H, h])
+        if cached:
+            ahead = i + 2 * PREFETCH_AHEAD
+            if ahead < n:  # the set's metadata line, far enough ahead for the load to land
+                ha = ahead % H
+                _prefetch(meta, _set_of(tag_bits | (row_base[ha] + ids[ahead // H, ha]), n_sets) * META_WORDS)
+            ahead = i + PREFETCH_AHEAD
+            if ahead < n:  # its line has arrived by now: find the way and fetch the row's lines too
+                ha = ahead % H
+                _prefetch_row(meta, rows, slot_bytes, tag_bits | (row_base[ha] + ids[ahead // H, ha]), n_sets,
+                              row_bytes)
+            if _probe(meta, rows, slot_bytes, key, out, i * row_bytes, row_bytes):
+                continue
+        miss_pos[K] = i
+        miss_key[K] = key
+        K += 1
+    hits = n - K
+    # distinct blocks of the misses: an open-addressing table of block offsets
+    size = 16
+    while size < 2 * K:
+        size *= 2
+    table = np.full(size, -1, dtype=np.int64)
+    slot_block = np.empty(size, dtype=np.int64)
+    block_of = np.empty(K, dtype=np.int64)
+    in_block = np.empty(K, dtype=np.int64)
+    offsets = np.empty(K, dtype=np.int64)
+    P = 0
+    mask = np.uint64(size - 1)
+    for k in range(K):
+        i = miss_pos[k]
+        h = i % H
+        r = ids[i // H, h]
+        off = head_offset[h] + (r // rows_per_block) * block_bytes
+        in_block[k] = (r % rows_per_block) * row_bytes
+        s = np.int64((np.uint64(off) * _GOLDEN >> np.uint64(20)) & mask)
+        while table[s] != -1 and table[s] != off:
+            s = np.int64((np.uint64(s) + np.uint64(1)) & mask)
+        if table[s] == -1:
+            table[s] = off
+            slot_block[s] = P
+            offsets[P] = off
+            P += 1
+        block_of[k] = slot_block[s]
+    starts = np.zeros(P + 1, dtype=np.int64)
+    for k in range(K):
+        starts[block_of[k] + 1] += 1
+    for j in range(P):
+        starts[j + 1] += starts[j]
+    fill = starts[:P].copy()
+    order = np.empty(K, dtype=np.int64)
+    for k in range(K):
+        j = block_of[k]
+        order[fill[j]] = k
+        fill[j] += 1
+    return -1, hits, miss_pos[:K], miss_key[:K], offsets[:P], starts, order, in_block
+
+
+# ---- reading blocks -------------------------------------------------------------------------------------------
+#
+# A *batch* is what one read moves, for one or several layers: ``fds[j]``, ``offsets[j]``, ``lens[j]`` describe
+# block j; the rows it serves are ``starts[j] .. starts[j + 1]``, row t copied from ``src_off[t]`` bytes into the
+# block to the address ``dst[t]`` (``row_len[t]`` bytes). ``status[j]`` ends as the bytes read or -errno.
+
+@njit(cache=True, nogil=True)
+def _serve_block(j, buf, buf_at, starts, dst, src_off, row_len):
+    for t in range(starts[j], starts[j + 1]):
+        memcpy_to(dst[t], buf, buf_at + src_off[t], row_len[t])
+
+
+@njit(cache=True, nogil=True)
+def _pread_drive(fds, offsets, lens, starts, dst, src_off, row_len, buf, counter, status):
+    """One of several threads reading a batch with blocking ``pread``: claim the next block through
+    ``counter[0]``, read it into ``buf``, serve its rows. A failed or short read stops every thread of the batch
+    (the counter jumps past the end). Returns the number of blocks this thread read."""
+    P = offsets.size
+    done = 0
+    while True:
+        j = atomic_add(counter, 0, 1)
+        if j >= P:
+            break
+        got = pread(fds[j], buf, 0, lens[j], offsets[j])
+        while got < 0 and errno() == EINTR:
+            got = pread(fds[j], buf, 0, lens[j], offsets[j])
+        status[j] = got if got >= 0 else -errno()
+        if got != lens[j]:
+            atomic_add(counter, 0, P)
+            break
+        done += 1
+        _serve_block(j, buf, 0, starts, dst, src_off, row_len)
+    return done
+
+
+IOCB_WORDS = 8      # struct iocb: 64 bytes
+EVENT_WORDS = 4     # struct io_event: 32 bytes
+SLOT_SHIFT = 40     # an iocb's aio_data: block index | slot << 40
+EAGAIN = 11
+
+
+@njit(cache=True, nogil=True)
+def _aio_drive(ctx, nr_submit, nr_getevents, fds, offsets, lens, starts, dst, src_off, row_len, bufs, slot_bytes,
+               iocbs, ptrs, events, counter, status):
+    """Read a batch with Linux native AIO from one thread, ``ptrs.size`` reads in flight: submit a read into
+    every free slot, wait for at least one completion, serve its rows, repeat. Returns 0, or -errno if
+    ``io_getevents`` itself failed (reads may then still be in flight: the context must be destroyed)."""
+    P = offsets.size
+    depth = ptrs.size
+    free = np.arange(depth)
+    n_free = depth
+    inflight = 0
+    pending = 0  # ptrs[:pending]: prepared, not yet accepted by io_submit
+    stopped = False
+    bufs_at = address(bufs, 0)
+    iocbs_at = address(iocbs, 0)
+    low = (np.int64(1) << SLOT_SHIFT) - 1
+    while True:
+        while n_free > 0 and not stopped:
+            j = atomic_add(counter, 0, 1)
+            if j >= P:
+                stopped = True
+                break
+            n_free -= 1
+            slot = free[n_free]
+            w = slot * IOCB_WORDS
+            iocbs[w] = j | (slot << SLOT_SHIFT)                    # aio_data
+            iocbs[w + 1] = 0                                       # aio_key, aio_rw_flags
+            iocbs[w + 2] = np.int64(fds[j]) << 32                  # IOCB_CMD_PREAD (0), aio_reqprio, aio_fildes
+            iocbs[w + 3] = bufs_at + slot * slot_bytes             # aio_buf
+            iocbs[w + 4] = lens[j]                                 # aio_nbytes
+            iocbs[w + 5] = offsets[j]                              # aio_offset
+            iocbs[w + 6] = 0
+            iocbs[w + 7] = 0                                       # aio_flags, aio_resfd
+            ptrs[pending] = iocbs_at + w * 8
+            pending += 1
+        if pending > 0:
+            r = syscall3(nr_submit, ctx, pending, address(ptrs, 0))
+            if r > 0:
+                for t in range(r, pending):
+                    ptrs[t - r] = ptrs[t]
+                pending -= r
+                inflight += r
+            else:
+                e = errno() if r < 0 else EAGAIN
+                if e != EINTR and e != EAGAIN:
+                    # the kernel refused the first read outright (a bad descriptor, a misaligned O_DIRECT
+                    # read): report it, stop claiming, drop what was not submitted, drain what was
+                    j = iocbs[(ptrs[0] - iocbs_at) >> 3] & low
+                    status[j] = -e
+                    if not stopped:
+                        stopped = True
+                    atomic_add(counter, 0, P)
+                    for t in range(pending):
+                        free[n_free] = iocbs[(ptrs[t] - iocbs_at) >> 3] >> SLOT_SHIFT
+                        n_free += 1
+                    pending = 0
+        if inflight == 0:
+            if pending == 0:
+                break
+            continue  # EINTR or EAGAIN with nothing in flight: submit again
+        got = syscall5(nr_getevents, ctx, 1, depth, address(events, 0), 0)
+        if got < 0:
+            e = errno()
+            if e == EINTR:
+                continue
+            return -e
+        for i in range(got):
+            data = events[i * EVENT_WORDS]
+            res = events[i * EVENT_WORDS + 2]
+            j = data & low
+            slot = data >> SLOT_SHIFT
+            status[j] = res
+            if res == lens[j]:
+                _serve_block(j, bufs, slot * slot_bytes, starts, dst, src_off, row_len)
+            elif not stopped:
+                stopped = True
+                atomic_add(counter, 0, P)
+            free[n_free] = slot
+            n_free += 1
+        inflight -= got
+    return 0
+
+
+# ---- the cache: fills -----------------------------------------------------------------------------------------
+
+@njit(cache=True, nogil=True)
+def _door_bits(key, n_bits):
+    x = np.uint64(key)
+    a = np.int64(((x * _GOLDEN) >> np.uint64(17)) % np.uint64(n_bits))
+    b = np.int64(((x * _MIX2) >> np.uint64(19)) % np.uint64(n_bits))
+    return a, b
+
+
+@njit(cache=True, nogil=True)
+def _door_check_add(door, door_state, key):
+    """The doorkeeper: True if ``key`` was seen since the last reset; otherwise remember it and return False.
+    ``door_state = [additions, reset_after]``: the filter is cleared after that many additions."""
+    n_bits = door.size * 64
+    a, b = _door_bits(key, n_bits)
+    ma = np.uint64(1) << np.uint64(a & 63)
+    mb = np.uint64(1) << np.uint64(b & 63)
+    if (door[a >> 6] & ma) and (door[b >> 6] & mb):
+        return True
+    if door_state[0] >= door_state[1]:
+        door[:] = 0
+        door_state[0] = 0
+    door[a >> 6] |= ma
+    door[b >> 6] |= mb
+    door_state[0] += 1
+    return False
+
+
+@njit(cache=True, nogil=True)
+def _cache_fill(meta, hands, rows, slot_bytes, miss_key, miss_pos, out, row_bytes, admission, door, door_state):
+    """Offer each missed row (now in ``out``) to the cache; returns how many were inserted.
+
+    A key already cached is skipped. An empty way is used first; otherwise CLOCK picks the victim (the first
+    way from the set's hand whose reference bit is clear, clearing bits as it passes). With the doorkeeper a row
+    evicts another only on its second miss within the doorkeeper's window. The caller holds the writer lock.
+    """
+    n_sets = meta.size // META_WORDS
+    inserted = 0
+    for k in range(miss_key.size):
+        key = miss_key[k]
+        s = _set_of(key, n_sets)
+        base = s * META_WORDS
+        way = -1
+        present = False
+        for w in range(WAYS):
+            t = meta[base + 1 + w]
+            if t == key:
+                present = True
+                break
+            if t == -1 and way < 0:
+                way = w
+        if present:
+            continue
+        if way < 0:
+            if admission == ADMIT_DOORKEEPER and not _door_check_add(door, door_state, key):
+                continue
+            hand = np.int64(hands[s])
+            for _ in range(2 * WAYS):
+                bit = np.int64(1) << hand
+                if meta[base] & bit:
+                    atomic_and(meta, base, ~bit)
+                    hand = (hand + 1) % WAYS
+                else:
+                    break
+            way = hand
+            hands[s] = (hand + 1) % WAYS
+        atomic_add(meta, base, BUSY)  # odd version: readers of this set back off
+        fence_release()
+        meta[base + 1 + way] = key
+        memcpy(rows, (s * WAYS + way) * slot_bytes, out, miss_pos[k] * row_bytes, row_bytes)
+        atomic_and(meta, base, ~(np.int64(1) << way))
+        fence_release()
+        atomic_add(meta, base, BUSY)
+        inserted += 1
+    return inserted

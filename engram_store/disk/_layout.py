@@ -1,0 +1,148 @@
+"""Where each row of a layer lies in its file, and the manifest that records it.
+
+A published layer is a directory::
+
+    <dir>/layer-<L>/manifest.json   layer id, row_bytes, sizes, the layout below, xxh3_64 of each head's rows
+    <dir>/layer-<L>/rows.bin        every head's table, one after the other (mode 0444)
+    <dir>/layer-<L>.lock            flock'd by a writer for the whole write (never removed)
+    <dir>/layer-<L>.tmp/            where a writer stages both files before one rename publishes them
+
+No row straddles a 4 KiB page, so one row costs one page read: rows of at most 4 KiB are packed
+``4096 // row_bytes`` to a page (264-byte rows: 15 a page, 136 bytes of padding), larger rows start on a page
+boundary and take whole pages. Each head's table starts on a page boundary. The unit of a read, the *block*, is
+one page for small rows and one row's pages for large ones.
+
+The checksum of a head is xxh3_64 of its logical rows (``N_h * row_bytes`` bytes, no padding), the value
+``EngramStore`` records in its own manifests for the same table.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .._errors import ConfigError, InvalidArgument, InvalidType, StoreError, describe
+
+PAGE_BYTES = 4096
+FORMAT = "engram-disk-v1"
+MANIFEST = "manifest.json"
+DATA_FILE = "rows.bin"
+#: A key's row part in the hot-row cache has 40 bits: no layer may hold more rows than that.
+MAX_LAYER_ROWS = 1 << 40
+
+
+def layer_dir_name(layer_id: int) -> str:
+    return f"layer-{layer_id}"
+
+
+def check_layer_id(layer_id: Any) -> int:
+    if isinstance(layer_id, bool) or not hasattr(layer_id, "__index__"):
+        raise InvalidType(f"layer_id: expected an int >= 0, got {describe(layer_id)}")
+    value = int(layer_id.__index__())
+    if value < 0:
+        raise InvalidArgument(f"layer_id: expected an int >= 0, got {value}")
+    return value
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise InvalidType(f"{name}: expected an int > 0, got {describe(value)}")
+    value = int(value.__index__())
+    if value <= 0:
+        raise InvalidArgument(f"{name}: expected an int > 0, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class DiskLayout:
+    """The geometry of one layer's file. Build it with :meth:`of`; every field follows from ``row_bytes`` and
+    ``sizes``."""
+
+    row_bytes: int
+    sizes: tuple[int, ...]            # rows of each head's table
+    rows_per_block: int               # rows in one block (1 for rows over a page)
+    block_bytes: int                  # bytes of one block: a page, or one large row's pages
+    head_offsets: tuple[int, ...]     # byte offset of each head's first block in the file (page-aligned)
+    file_bytes: int                   # the file's size: a whole number of pages
+
+    @classmethod
+    def of(cls, row_bytes: int, sizes: Sequence[int]) -> "DiskLayout":
+        row_bytes = _positive_int(row_bytes, "row_bytes")
+        if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__len__") or len(sizes) == 0:
+            raise InvalidArgument(f"sizes: expected a non-empty list of row counts, one per head, "
+                                  f"got {describe(sizes)}")
+        sizes = tuple(_positive_int(n, f"sizes[{h}]") for h, n in enumerate(sizes))
+        if sum(sizes) > MAX_LAYER_ROWS:
+            raise InvalidArgument(f"sizes: expected at most {MAX_LAYER_ROWS} rows in all, got {sum(sizes)}")
+        if row_bytes <= PAGE_BYTES:
+            rows_per_block, block_bytes = PAGE_BYTES // row_bytes, PAGE_BYTES
+        else:
+            rows_per_block, block_bytes = 1, -(-row_bytes // PAGE_BYTES) * PAGE_BYTES
+        offsets, at = [], 0
+        for n in sizes:
+            offsets.append(at)
+            at += -(-n // rows_per_block) * block_bytes
+        return cls(row_bytes, sizes, rows_per_block, block_bytes, tuple(offsets), at)
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.sizes)
+
+    def head_blocks(self, head: int) -> int:
+        return -(-self.sizes[head] // self.rows_per_block)
+
+    def row_offset(self, head: int, row: int) -> int:
+        """File offset of row ``row`` of head ``head``."""
+        block, slot = divmod(row, self.rows_per_block)
+        return self.head_offsets[head] + block * self.block_bytes + slot * self.row_bytes
+
+    def as_dict(self) -> dict:
+        return {"page_bytes": PAGE_BYTES, "rows_per_block": self.rows_per_block, "block_bytes": self.block_bytes,
+                "head_offsets": list(self.head_offsets), "file": DATA_FILE, "file_bytes": self.file_bytes}
+
+
+def manifest(layer_id: int, layout: DiskLayout, checksums: Sequence[str]) -> dict:
+    return {"format": FORMAT, "layer_id": layer_id, "row_bytes": layout.row_bytes, "sizes": list(layout.sizes),
+            "layout": layout.as_dict(), "checksum": {"algorithm": "xxh3_64", "heads": list(checksums)}}
+
+
+def read_manifest(path: str) -> tuple[dict, DiskLayout]:
+    """The manifest of the layer directory ``path`` and the layout it describes (checked against its fields)."""
+    file = os.path.join(path, MANIFEST)
+    try:
+        with open(file, "rb") as f:
+            record = json.loads(f.read())
+    except OSError as exc:
+        raise StoreError(f"disk layer: cannot read {file}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise StoreError(f"disk layer: {file} is not valid JSON: {exc}") from None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise StoreError(f"disk layer: {file} is not an {FORMAT} manifest (format "
+                         f"{describe(record.get('format') if isinstance(record, dict) else record)})")
+    try:
+        layout = DiskLayout.of(record["row_bytes"], record["sizes"])
+        stored = record["layout"]
+        checksums = record["checksum"]["heads"]
+    except (KeyError, TypeError, InvalidArgument, InvalidType) as exc:
+        raise StoreError(f"disk layer: {file} is malformed: {exc}") from None
+    if stored != layout.as_dict() or len(checksums) != layout.num_heads:
+        raise StoreError(f"disk layer: {file} records layout {describe(stored, 200)}, but row_bytes="
+                         f"{layout.row_bytes} and {layout.num_heads} heads give {describe(layout.as_dict(), 200)}")
+    return record, layout
+
+
+def check_expected(path: str, layout: DiskLayout, row_bytes: int | None, sizes: Sequence[int] | None) -> None:
+    """Raise ConfigError if the caller expects another geometry than the published one."""
+    want_rows = layout.row_bytes if row_bytes is None else row_bytes
+    want_sizes = layout.sizes if sizes is None else tuple(int(n) for n in sizes)
+    if want_rows != layout.row_bytes or want_sizes != layout.sizes:
+        def show(rb, sz):
+            listed = ", ".join(str(n) for n in sz[:8]) + (", ..." if len(sz) > 8 else "")
+            return f"row_bytes={rb}, sizes=[{listed}] ({len(sz)} heads)"
+        raise ConfigError(f"disk layer at {path} was published with {show(layout.row_bytes, layout.sizes)}, "
+                          f"but the caller expects {show(want_rows, want_sizes)}")
+
+
+def dumps(record: dict) -> bytes:
+    return (json.dumps(record, indent=1) + "\n").encode()

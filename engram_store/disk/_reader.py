@@ -1,0 +1,467 @@
+"""Reading rows of published layers: distinct blocks, many reads in flight, a hot-row cache in front.
+
+A read of ``ids [M, H]`` (``DiskLayer.read_rows`` or several layers at once with :func:`read_many`):
+
+1. one kernel pass checks every id, copies the rows the cache holds straight into the output, and turns the
+   rest into distinct blocks (rows sharing a page are read once);
+2. the blocks are read by the engine's worker threads, each a Numba ``nogil`` loop that claims the next block,
+   ``pread``\\ s it into its own page-aligned buffer (O_DIRECT: the page cache neither serves nor keeps it) and
+   copies the rows it holds into the output. With ``threads`` workers, that many reads are in flight; every
+   layer of a :func:`read_many` is queued at once, so all their blocks share the same queue depth;
+3. the rows read are offered to the cache.
+
+A failed read (an I/O error, a file that shrank) raises :class:`DiskReadError` naming the file and offset; no
+row is ever left as zeros. The data files are read with ``pread`` only, never mapped, so a truncated file is an
+error, not a SIGBUS.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno as _errno
+import logging
+import os
+import platform
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+import numpy as np
+
+from .._errors import InvalidArgument, InvalidType, ObjectNotFound, StoreError, describe
+from . import _kernels as k
+from ._cache import RowCache
+from ._files import aligned_empty, open_direct
+from ._layout import DATA_FILE, PAGE_BYTES, check_expected, check_layer_id, layer_dir_name, read_manifest
+
+log = logging.getLogger(__name__)
+
+#: Reads in flight per engine (per calling thread with native AIO). The device here (a virtio SSD) gives 65-70k
+#: IOPS at 32 and 70-80k at 64 in flight with fio; see ``bench/bench_disk.py``.
+DEFAULT_DEPTH = 64
+
+# Linux native AIO system calls: (io_setup, io_destroy, io_getevents, io_submit)
+_AIO_SYSCALLS = {"x86_64": (206, 207, 208, 209), "aarch64": (0, 1, 4, 2)}
+_ENGINE_MODES = ("auto", "aio", "threads")
+
+
+class DiskReadError(StoreError):
+    """Reading a layer's file failed: an I/O error, or fewer bytes than the layout promises (a truncated file)."""
+
+    code = "DISK_READ"
+
+
+class _AioContext:
+    """One thread's Linux AIO context and the buffers of its ``depth`` read slots (destroyed with the thread)."""
+
+    def __init__(self, depth: int, slot_bytes: int):
+        self.numbers = _AIO_SYSCALLS[platform.machine()]
+        ctx = ctypes.c_ulong(0)
+        if _libc.syscall(ctypes.c_long(self.numbers[0]), ctypes.c_uint(depth), ctypes.byref(ctx)) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"io_setup: {os.strerror(err)}")
+        self.ctx = int(ctx.value)
+        self.depth = depth
+        self.slot_bytes = slot_bytes
+        self.bufs = aligned_empty(depth * slot_bytes)
+        self.iocbs = np.zeros(depth * k.IOCB_WORDS, dtype=np.int64)
+        self.ptrs = np.zeros(depth, dtype=np.int64)
+        self.events = np.zeros(depth * k.EVENT_WORDS, dtype=np.int64)
+
+    def destroy(self) -> None:
+        ctx, self.ctx = self.ctx, 0
+        libc = _libc  # None while the interpreter shuts down: the process exit frees the context then
+        if ctx and libc is not None:
+            libc.syscall(ctypes.c_long(self.numbers[1]), ctypes.c_ulong(ctx))  # waits for reads still in flight
+
+    def __del__(self) -> None:
+        self.destroy()
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def aio_available() -> bool:
+    """Whether this host has Linux native AIO (a known architecture, and ``io_setup`` succeeds)."""
+    if sys.platform != "linux" or platform.machine() not in _AIO_SYSCALLS:
+        return False
+    try:
+        _AioContext(1, PAGE_BYTES).destroy()
+        return True
+    except OSError as exc:
+        log.info("Linux native AIO is unavailable (%s); reading with threads", exc)
+        return False
+
+
+class IOEngine:
+    """How reads are issued: ``depth`` reads in flight.
+
+    ``mode="aio"``: Linux native AIO driven by the calling thread (one context per thread, kept for its life), so
+    each thread that reads has ``depth`` reads in flight with no thread hand-off. ``mode="threads"``: a pool of
+    ``depth`` threads each blocking in ``pread``. ``"auto"`` (default) picks AIO where the host has it. Files
+    read through the page cache (no O_DIRECT) always use the threads: AIO on them would block in submit.
+
+    Measured on a 2-core VM shared with other work (``bench/bench_disk.py``): AIO keeps ~0.9x fio's IOPS at
+    every depth, while 32-64 blocking threads fall to a tenth of it whenever the cores are busy: each read's
+    completion must wake a thread, and there are no idle cores to run it.
+    """
+
+    def __init__(self, depth: int = DEFAULT_DEPTH, mode: str = "auto"):
+        if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or not 1 <= depth <= 1024:
+            raise InvalidArgument(f"depth: expected an int in [1, 1024], got {describe(depth)}")
+        if mode not in _ENGINE_MODES:
+            raise InvalidArgument(f"mode: expected one of {list(_ENGINE_MODES)}, got {describe(mode)}")
+        self.depth = int(depth)
+        if mode == "aio" and not aio_available():
+            raise StoreError("mode='aio': Linux native AIO is not available on this host (use 'auto' or 'threads')")
+        self.aio = mode == "aio" or (mode == "auto" and aio_available())
+        self.mode = "aio" if self.aio else "threads"
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._local = threading.local()
+        self._closed = False
+
+    def buffer(self, nbytes: int) -> np.ndarray:
+        """This thread's page-aligned read buffer of at least ``nbytes`` (the threads engine)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.size < nbytes:
+            buf = self._local.buf = aligned_empty(max(nbytes, PAGE_BYTES))
+        return buf
+
+    def _context(self, slot_bytes: int) -> _AioContext:
+        ctx = getattr(self._local, "aio", None)
+        if ctx is None or ctx.slot_bytes < slot_bytes or not ctx.ctx:
+            if ctx is not None:
+                ctx.destroy()
+            ctx = self._local.aio = _AioContext(self.depth, max(slot_bytes, PAGE_BYTES))
+        return ctx
+
+    def _submit(self, fn, n: int) -> list:
+        with self._pool_lock:
+            if self._closed:
+                raise StoreError("disk: this IOEngine is closed")
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.depth, thread_name_prefix="engram-disk-io")
+            return [self._pool.submit(fn) for _ in range(n)]
+
+    def read(self, batch: "_Batch", direct: bool) -> None:
+        """Read every block of ``batch`` and serve its rows; failures are left in ``batch.status``."""
+        P = batch.offsets.size
+        if P == 0:
+            return
+        if self.aio and direct:
+            ctx = self._context(batch.max_block)
+            rc = k._aio_drive(ctx.ctx, ctx.numbers[3], ctx.numbers[2], *batch.arrays(), ctx.bufs, ctx.slot_bytes,
+                              ctx.iocbs, ctx.ptrs, ctx.events, batch.counter, batch.status)
+            if rc < 0:
+                ctx.destroy()
+                raise DiskReadError(f"disk: io_getevents failed: {os.strerror(-rc)}")
+            return
+        run = lambda: k._pread_drive(*batch.arrays(), self.buffer(batch.max_block), batch.counter, batch.status)
+        if P <= INLINE_BLOCKS:
+            run()
+            return
+        errors = []
+        for f in self._submit(run, min(self.depth, P)):
+            try:
+                f.result()
+            except BaseException as exc:  # a kernel never raises; keep the first error after all are done
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        with self._pool_lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def __enter__(self) -> "IOEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"IOEngine(depth={self.depth}, mode={self.mode!r})"
+
+
+#: A read of at most this many blocks through the threads engine runs in the calling thread.
+INLINE_BLOCKS = 1
+
+_default_engine: IOEngine | None = None
+_default_lock = threading.Lock()
+
+
+def default_engine() -> IOEngine:
+    """The process's shared engine (``DEFAULT_DEPTH`` reads in flight), made on first use."""
+    global _default_engine
+    with _default_lock:
+        if _default_engine is None:
+            _default_engine = IOEngine()
+        return _default_engine
+
+
+class DiskLayer:
+    """A published layer, opened read-only. Thread-safe; a context manager; ``close()`` is idempotent.
+
+    Raises ObjectNotFound if the layer is not published under ``directory``, ConfigError if it was published with
+    another ``row_bytes`` or ``sizes`` than the caller's (None accepts what was published), StoreError if its
+    files are damaged (a manifest that does not parse, a data file of the wrong size).
+
+    ``cache``: a :class:`RowCache` (possibly shared with other layers) or None. ``engine``: an :class:`IOEngine`,
+    by default the process's. ``direct=False`` reads through the page cache; where the file system refuses
+    O_DIRECT the layer falls back to that and says so in a warning and in ``direct``.
+    """
+
+    def __init__(self, directory: str | os.PathLike, layer_id: int, row_bytes: int | None = None,
+                 sizes: Sequence[int] | None = None, *, cache: RowCache | None = None,
+                 engine: IOEngine | None = None, direct: bool = True):
+        if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+            raise InvalidArgument(f"directory: expected a directory path, got {describe(directory)}")
+        if cache is not None and not isinstance(cache, RowCache):
+            raise InvalidType(f"cache: expected a RowCache or None, got {type(cache).__name__}")
+        if engine is not None and not isinstance(engine, IOEngine):
+            raise InvalidType(f"engine: expected an IOEngine or None, got {type(engine).__name__}")
+        self.layer_id = check_layer_id(layer_id)
+        self.path = os.path.join(os.path.abspath(os.fspath(directory)), layer_dir_name(self.layer_id))
+        self.file = os.path.join(self.path, DATA_FILE)
+        self._fd = -1
+        if not os.path.isdir(self.path):
+            raise ObjectNotFound(f"disk layer {self.layer_id} is not published under {os.fspath(directory)} "
+                                 f"(no {self.path})")
+        record, layout = read_manifest(self.path)
+        if record.get("layer_id") != self.layer_id:
+            raise StoreError(f"disk layer: {self.path} holds layer {describe(record.get('layer_id'))}, "
+                             f"expected {self.layer_id}")
+        check_expected(self.path, layout, row_bytes, sizes)
+        self.layout = layout
+        self.checksums: tuple[str, ...] = tuple(record["checksum"]["heads"])
+        try:
+            self._fd, self.direct = open_direct(self.file, os.O_RDONLY, direct=direct)
+            size = os.fstat(self._fd).st_size
+        except OSError as exc:
+            self.close()
+            raise StoreError(f"disk layer {self.layer_id}: cannot open {self.file}: {exc.strerror}") from None
+        if size != layout.file_bytes:
+            self.close()
+            raise DiskReadError(f"disk layer {self.layer_id}: {self.file} holds {size} bytes, the manifest "
+                                f"promises {layout.file_bytes} (truncated or replaced)")
+        if self.direct and not self._direct_read_works():
+            os.close(self._fd)
+            self._fd, self.direct = open_direct(self.file, os.O_RDONLY, direct=False)
+        self.engine = engine
+        self.cache = cache
+        self.tag = cache.new_tag(layout.row_bytes) if cache is not None else 0
+        H = layout.num_heads
+        self.n_rows = np.asarray(layout.sizes, dtype=np.int64)
+        self.head_offsets = np.asarray(layout.head_offsets, dtype=np.int64)
+        self.row_base = np.concatenate(([0], np.cumsum(self.n_rows)[:-1])).astype(np.int64)
+        assert self.row_base.size == H, "one row base per head"
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(STAT_FIELDS, 0)
+
+    def _direct_read_works(self) -> bool:
+        """Some file systems accept O_DIRECT at open and refuse the reads (EINVAL): try one block."""
+        buf = aligned_empty(self.layout.block_bytes)
+        try:
+            os.preadv(self._fd, [memoryview(buf)], 0)
+            return True
+        except OSError as exc:
+            if exc.errno != _errno.EINVAL:
+                raise DiskReadError(f"disk layer {self.layer_id}: reading {self.file} at offset 0 failed: "
+                                    f"{exc.strerror}") from None
+            log.warning("%s: O_DIRECT reads refused (EINVAL); reading through the page cache", self.file)
+            return False
+
+    @property
+    def num_heads(self) -> int:
+        return self.layout.num_heads
+
+    @property
+    def row_bytes(self) -> int:
+        return self.layout.row_bytes
+
+    def read_rows(self, ids: np.ndarray, out: np.ndarray) -> None:
+        """Fill ``out`` (flat, ``M * H * row_bytes`` bytes) with row ``ids[m, h]`` of head ``h`` at byte
+        ``(m * H + h) * row_bytes``. ``ids``: C-contiguous int64 ``[M, H]``, each within its head."""
+        read_many([(self, ids, out)])
+
+    def stats(self, reset: bool = False) -> dict:
+        """Counters since open (or the last reset): ``reads`` (calls), ``rows``, ``pages_read``, ``bytes_read``,
+        ``cache_hits`` and ``cache_misses`` (per row looked up), ``direct`` (1 if reads bypass the page cache)."""
+        with self._lock:
+            snapshot = dict(self._counts)
+            if reset:
+                self._counts = dict.fromkeys(STAT_FIELDS, 0)
+        snapshot["direct"] = int(self.direct)
+        return snapshot
+
+    def _count(self, rows: int, hits: int, blocks: int) -> None:
+        with self._lock:
+            c = self._counts
+            c["reads"] += 1
+            c["rows"] += rows
+            c["cache_hits"] += hits
+            c["cache_misses"] += rows - hits
+            c["pages_read"] += blocks * (self.layout.block_bytes // PAGE_BYTES)
+            c["bytes_read"] += blocks * self.layout.block_bytes
+
+    def _fileno(self) -> int:
+        if self._fd < 0:
+            raise StoreError(f"disk layer {self.layer_id}: this DiskLayer is closed")
+        return self._fd
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __enter__(self) -> "DiskLayer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return (f"DiskLayer({self.layer_id}, {self.num_heads} heads, row_bytes={self.row_bytes}, "
+                f"{self.layout.file_bytes} bytes, direct={self.direct})")
+
+
+STAT_FIELDS = ("reads", "rows", "pages_read", "bytes_read", "cache_hits", "cache_misses")
+
+_EMPTY_META = np.empty(0, dtype=np.int64)
+_EMPTY_ROWS = np.empty(0, dtype=np.uint8)
+
+
+def _check_request(index: int, request: Any) -> tuple[DiskLayer, np.ndarray, np.ndarray]:
+    where = f"requests[{index}]"
+    if not isinstance(request, (tuple, list)) or len(request) != 3:
+        raise InvalidArgument(f"{where}: expected a (layer, ids, out) tuple, got {describe(request)}")
+    layer, ids, out = request
+    if not isinstance(layer, DiskLayer):
+        raise InvalidType(f"{where}: expected a DiskLayer first, got {type(layer).__name__}")
+    if not isinstance(ids, np.ndarray) or ids.dtype != np.int64:
+        raise InvalidType(f"ids: expected an int64 array [M, H], got "
+                          f"{type(ids).__name__ if not isinstance(ids, np.ndarray) else ids.dtype}")
+    if ids.ndim != 2 or ids.shape[1] != layer.num_heads:
+        raise InvalidArgument(f"ids: expected shape [M, {layer.num_heads}] (layer {layer.layer_id} has "
+                              f"{layer.num_heads} heads), got {ids.shape}")
+    if not ids.flags.c_contiguous:
+        raise InvalidArgument("ids: expected a C-contiguous array (use np.ascontiguousarray)")
+    if not isinstance(out, np.ndarray):
+        raise InvalidType(f"out: expected a writable numpy array, got {type(out).__name__}")
+    want = ids.size * layer.row_bytes
+    if not out.flags.c_contiguous or not out.flags.writeable or out.nbytes != want:
+        raise InvalidArgument(f"out: expected a writable C-contiguous buffer of {want} bytes "
+                              f"({ids.shape[0]} x {layer.num_heads} rows x {layer.row_bytes} bytes), got shape "
+                              f"{out.shape} dtype {out.dtype} ({out.nbytes} bytes, writable={out.flags.writeable}, "
+                              f"C-contiguous={out.flags.c_contiguous})")
+    return layer, ids, out.reshape(-1).view(np.uint8)
+
+
+class _Job:
+    """One layer's part of a read: what the cache served, and the blocks still to read."""
+
+    def __init__(self, layer: DiskLayer, ids: np.ndarray, out: np.ndarray):
+        self.layer, self.ids, self.out = layer, ids, out
+        cache = layer.cache
+        meta, rows = (cache.meta, cache.rows) if cache is not None else (_EMPTY_META, _EMPTY_ROWS)
+        lay = layer.layout
+        (bad, hits, self.miss_pos, self.miss_key, self.offsets, self.starts, self.order,
+         self.in_block) = k._plan_read(ids, layer.n_rows, layer.head_offsets, layer.row_base, lay.rows_per_block,
+                                       lay.block_bytes, lay.row_bytes, layer.tag, meta, rows, lay.row_bytes, out)
+        if bad >= 0:
+            m, h = divmod(int(bad), layer.num_heads)
+            raise InvalidArgument(f"ids[{m}, {h}] = {int(ids[m, h])} is out of range for head {h} of layer "
+                                  f"{layer.layer_id} (expected 0 <= id < {lay.sizes[h]})")
+        self.hits = int(hits)
+        self.blocks = int(self.offsets.size)
+
+
+class _Batch:
+    """The blocks of several jobs as one read (see ``_kernels``: fds, offsets, lens, starts, dst, src_off,
+    row_len), with the status of each block and the job it belongs to."""
+
+    def __init__(self, jobs: list[_Job], fds: list[int]):
+        self.jobs = jobs
+        parts = []
+        rows_before = 0
+        for job, fd in zip(jobs, fds):
+            lay = job.layer.layout
+            P, K = job.blocks, job.order.size
+            at = job.out.ctypes.data
+            parts.append((np.full(P, fd, dtype=np.int64), job.offsets, np.full(P, lay.block_bytes, dtype=np.int64),
+                          job.starts[1:] + rows_before, at + job.miss_pos[job.order] * lay.row_bytes,
+                          job.in_block[job.order], np.full(K, lay.row_bytes, dtype=np.int64)))
+            rows_before += K
+        cat = [np.concatenate(column) for column in zip(*parts)]
+        self.fds, self.offsets, self.lens = cat[0], cat[1], cat[2]
+        self.starts = np.concatenate(([0], cat[3])).astype(np.int64)
+        self.dst, self.src_off, self.row_len = cat[4], cat[5], cat[6]
+        self.first_block = np.cumsum([0] + [job.blocks for job in jobs])
+        self.max_block = max(job.layer.layout.block_bytes for job in jobs)
+        self.status = np.full(self.offsets.size, k.NOT_READ, dtype=np.int64)
+        self.counter = np.zeros(1, dtype=np.int64)
+
+    def arrays(self) -> tuple:
+        return self.fds, self.offsets, self.lens, self.starts, self.dst, self.src_off, self.row_len
+
+    def check(self) -> None:
+        ok = self.status == self.lens
+        if ok.all():
+            return
+        failed = np.flatnonzero(~ok & (self.status != k.NOT_READ))
+        j = int(failed[0]) if failed.size else int(np.flatnonzero(~ok)[0])
+        layer = self.jobs[int(np.searchsorted(self.first_block, j, side="right")) - 1].layer
+        got, offset, want = int(self.status[j]), int(self.offsets[j]), int(self.lens[j])
+        if got == k.NOT_READ:
+            raise DiskReadError(f"disk layer {layer.layer_id}: {layer.file}: the block at offset {offset} was not "
+                                "read")
+        if got < 0:
+            raise DiskReadError(f"disk layer {layer.layer_id}: reading {want} bytes of {layer.file} at offset "
+                                f"{offset} failed: {os.strerror(-got)} (errno {-got})")
+        raise DiskReadError(f"disk layer {layer.layer_id}: short read of {layer.file} at offset {offset}: got {got} "
+                            f"of {want} bytes (the file is shorter than its manifest says: truncated?)")
+
+
+def read_many(requests: Sequence[tuple[DiskLayer, np.ndarray, np.ndarray]], engine: IOEngine | None = None) -> None:
+    """Serve several ``(layer, ids, out)`` reads at once, as :meth:`DiskLayer.read_rows` would each: every
+    request is checked before any read starts, then the blocks of all of them are in flight together.
+
+    ``engine`` overrides the layers' own engines (by default each layer's, else the process's); layers with
+    different engines are read one engine after the other."""
+    if isinstance(requests, (str, bytes)) or not hasattr(requests, "__len__"):
+        raise InvalidType(f"requests: expected a list of (layer, ids, out) tuples, got {type(requests).__name__}")
+    if engine is not None and not isinstance(engine, IOEngine):
+        raise InvalidType(f"engine: expected an IOEngine or None, got {type(engine).__name__}")
+    checked = [_check_request(i, r) for i, r in enumerate(requests)]
+    fds = [layer._fileno() for layer, _, _ in checked]
+    jobs = [_Job(layer, ids, out) for layer, ids, out in checked]
+    groups: dict[tuple[int, bool], tuple[IOEngine, list, list]] = {}
+    for job, fd in zip(jobs, fds):
+        if job.blocks:
+            eng = engine or job.layer.engine or default_engine()
+            group = groups.setdefault((id(eng), job.layer.direct), (eng, [], []))
+            group[1].append(job)
+            group[2].append(fd)
+    batches = []
+    for (_, direct), (eng, group_jobs, group_fds) in groups.items():
+        batch = _Batch(group_jobs, group_fds)
+        eng.read(batch, direct)
+        batches.append(batch)
+    for batch in batches:
+        batch.check()
+    for job in jobs:
+        layer = job.layer
+        if layer.cache is not None and job.miss_key.size:
+            layer.cache.fill(job.miss_key, job.miss_pos, job.out)
+        layer._count(job.ids.size, job.hits, job.blocks)
