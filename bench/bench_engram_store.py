@@ -52,7 +52,8 @@ import numpy as np
 from _common import TIMEOUT_MS, FrameEcho, FrameEchoClient, Stats, TcpEcho, TcpEchoClient, default_json_path, \
     fmt, print_table, start_cluster, time_ns, write_json
 from engram_store import DistributedStore, EngramStore, EngramStoreConfig
-from engram_store import _engram_store
+from engram_store._protocol import PROTOCOL_VERSION
+from engram_store.tables import _plan
 from engram_store import kernels as _kernels
 
 MOONCAKE_HEADS, MOONCAKE_ROWS, MOONCAKE_DIM = 8, 50_000, 16
@@ -96,12 +97,12 @@ def _floor_frames(layer: EngramStore, pool: list[np.ndarray]) -> list[tuple[byte
     floor server how many row bytes to send back; the pairs are the very ranges the lookup requests.
     """
     lay = layer._layer(None)
-    placement = layer._get_placement(lay, set())
-    header_len = len(msgpack.packb({"v": 1, "id": 1 << 20, "op": "read_ranges"}))
+    placement = layer._source.placements.get(lay, set())
+    header_len = len(msgpack.packb({"v": PROTOCOL_VERSION, "id": 1 << 20, "op": "read_ranges"}))
     frames = []
     for ids in pool:
         ids2 = ids.reshape(-1, lay.num_heads)
-        if _engram_store._reads_direct(placement, ids2):  # every row in output order, as the lookup asks
+        if _plan.reads_direct(placement, ids2):  # every row in output order, as the lookup asks
             pairs = _kernels.direct_pairs(ids2, placement.order, placement.bases, lay.row_bytes)
         else:  # distinct rows as merged ranges
             pairs = _kernels.plan_reads(ids2, placement.order, placement.bases, lay.row_bytes).pairs

@@ -27,7 +27,7 @@ import numpy as np
 from _common import Stats, default_json_path, fmt, print_table, start_cluster, time_ns, write_json
 
 from engram_store import DistributedStore, EngramStore, EngramStoreConfig
-from engram_store import _engram_store
+from engram_store.tables import _plan as _engram_store
 
 HEADS, ROWS, DIM = 16, 646_403, 64
 SHAPES = ((1, 4096), (256, 1))

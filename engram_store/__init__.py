@@ -13,7 +13,7 @@ Public surface::
 
 from ._client import DistributedStore, ObjectInfo, Replica
 from ._config import StoreConfig
-from ._engram_store import EngramStore, EngramStoreConfig, LookupHandle, lookup_many, prefetch_many
+from .tables import EngramStore, EngramStoreConfig, LookupHandle, lookup_many, prefetch_many
 from ._errors import (
     AuthError,
     ConfigError,

@@ -38,9 +38,9 @@ import numpy as np
 
 from ._client import DistributedStore
 from ._config import DEFAULT_EMBEDDED_SEGMENT_SIZE, StoreConfig
-from ._engram_store import EngramStore as NativeEngramStore
-from ._engram_store import EngramStoreConfig as NativeEngramStoreConfig
-from ._engram_store import lookup_many
+from .tables import EngramStore as NativeEngramStore
+from .tables import EngramStoreConfig as NativeEngramStoreConfig
+from .tables import lookup_many
 from ._errors import (
     ConfigError,
     EngramError,

@@ -22,7 +22,7 @@ from engram_store import (
     prefetch_many,
 )
 from engram_store.testing import Cluster
-from engram_store import _engram_store
+from engram_store.tables import _plan as _engram_store
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -287,12 +287,12 @@ def test_invalid_inputs_raise_and_write_nothing(local_store):
             continue
         with pytest.raises(exc, match=match):
             es.populate(tables)
-        assert es._batch_is_exist(es.get_store_keys()) == [False, False]
+        assert local_store.batch_is_exist(es.get_store_keys()) == [False, False]
     with pytest.raises(InvalidArgument, match="non-contiguous|C-contiguous"):
         es.populate([good[0], np.zeros((4, 20), np.float32).T])
     with pytest.raises(InvalidArgument, match="replica_num"):
         es.populate(good, replica_num=0)
-    assert es._batch_is_exist(es.get_store_keys()) == [False, False]
+    assert local_store.batch_is_exist(es.get_store_keys()) == [False, False]
 
     es.populate(good)
     bad_lookups = [
@@ -513,11 +513,11 @@ def test_an_unpublished_or_differently_shaped_layer_is_refused(local_store):
             EngramStore(layer, other, local_store).lookup(np.zeros((1, 1, 2), dtype=np.int64))
     # An interrupted populate rolls back everything it wrote, the manifest included.
     es.remove_from_store()
-    original = es._publish
-    es._publish = lambda *a: (_ for _ in ()).throw(KeyboardInterrupt())
+    source = es._source  # the interruption strikes between the tables and their manifest
+    source.publish = lambda *a: (_ for _ in ()).throw(KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         es.populate(tables)
-    es._publish = original
+    del source.publish
     assert local_store.batch_is_exist(es.get_store_keys() + [f"engram:l{layer}:manifest"]) == [False] * 3
 
 

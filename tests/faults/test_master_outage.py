@@ -42,7 +42,7 @@ def test_published_layers_stay_readable_while_the_master_is_paused_and_gone(tmp_
             layer.populate(tables)
             ids = _ids(0)
             np.testing.assert_array_equal(layer.lookup(ids), _expected(tables, ids))
-            caplog.set_level(logging.WARNING, logger="engram_store._engram_store")
+            caplog.set_level(logging.WARNING, logger="engram_store.tables._placement")
             c.master.signal(signal.SIGSTOP)
             slowest = 0.0
             for phase in ("paused", "gone"):

@@ -32,10 +32,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from . import _pages
-from . import kernels as _kernels
-from ._errors import ConfigError, InvalidArgument, ObjectExists, OutOfSpace, StoreError
-from ._pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise
+from .. import _pages
+from .. import kernels as _kernels
+from .._errors import ConfigError, InvalidArgument, ObjectExists, OutOfSpace, StoreError
+from .._pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise
 
 log = logging.getLogger(__name__)
 

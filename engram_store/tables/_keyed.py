@@ -1,0 +1,132 @@
+"""Layers kept as objects of a key-value store: one per head (``engram:l{L}:h{h}``) and the layer's manifest.
+
+What this project's store and a Mooncake store have in common: populate is create-only and all-or-nothing and
+publishes the manifest last; remove takes the manifest first, so readers see a layer whole or not at all; verify
+reads each head back against the manifest's checksums. The subclasses say how to put, get, test and remove keys.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from .._errors import ObjectExists, StoreError
+from . import _manifest as manifest
+from ._layout import Layer
+from ._source import Source, progress
+
+log = logging.getLogger(__name__)
+
+
+class KeyedSource(Source):
+    """A layer's heads and manifest as keys of a store (the primitives below are the subclass's)."""
+
+    def __init__(self, store: Any, require_manifest: bool, threads: int = 1):
+        super().__init__(threads)
+        self.store = store
+        self.require_manifest = require_manifest
+        self.where = type(store).__name__
+
+    # ---- primitives -------------------------------------------------------------------------------------------
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        raise NotImplementedError
+
+    def get_manifest(self, lay: Layer) -> bytes | None:
+        """The manifest's bytes, or None when the layer has none (never taking a lease that would block remove)."""
+        raise NotImplementedError
+
+    def put_manifest(self, lay: Layer, data: bytes, replica_num: int) -> None:
+        raise NotImplementedError
+
+    def put_tables(self, lay: Layer, tables: list[np.ndarray], replica_num: int, bar: Any) -> tuple[str, list[str]]:
+        """Upload this store's heads; all or nothing. Returns the checksum algorithm and each table's checksum."""
+        raise NotImplementedError
+
+    def remove_key(self, key: str, force: bool) -> bool:
+        """Remove one key; False when it was not there."""
+        raise NotImplementedError
+
+    def read_head(self, lay: Layer, j: int) -> np.ndarray:
+        """This store's j-th head's whole table as flat bytes (for verify)."""
+        raise NotImplementedError
+
+    def recorded_checksums(self, lay: Layer) -> dict[int, str]:
+        """Checksums the store itself recorded for the layer's heads (none by default)."""
+        return {}
+
+    def forget(self, lay: Layer) -> None:
+        """The layer is about to change: drop what was learnt about where its tables are."""
+
+    # ---- the layer lifecycle ----------------------------------------------------------------------------------
+
+    def ready(self, lay: Layer, what: str) -> None:
+        pass  # a store is there; whether the layer is published is checked by the read itself
+
+    def populate(self, lay: Layer, tables: list[np.ndarray], replica_num: int) -> None:
+        existing = [k for k, e in zip(lay.keys, self.exists(lay.keys)) if e]
+        if existing:
+            raise ObjectExists(f"populate layer {lay.layer_id}: key {existing[0]!r} already exists "
+                               f"({len(existing)} of {len(lay.keys)} heads present); call "
+                               "remove_from_store() first")
+        published = self.read_manifest(lay)
+        if published is not None:
+            manifest.check(lay, published)  # another shard published this layer: the layouts must agree
+        bar = progress(lay, tables)
+        self.forget(lay)
+        try:
+            algorithm, values = self.put_tables(lay, tables, replica_num, bar)
+        finally:
+            bar.close()
+        try:
+            self.publish(lay, values, replica_num, algorithm)
+        except BaseException:
+            self.remove_keys(lay.keys, force=True)  # all-or-nothing: no tables without their manifest
+            raise
+
+    def publish(self, lay: Layer, checksums: list[str], replica_num: int, algorithm: str = "xxh3_64") -> None:
+        """Write the manifest last, once every head of the layer is in the store (this call's or other shards')."""
+        if self.read_manifest(lay) is not None:
+            return
+        by_head = dict(zip(lay.heads, checksums))
+        if lay.sharded:
+            if not all(self.exists(lay.layer_keys)):
+                return  # other shards have yet to write their heads; the last one publishes
+            if algorithm == "xxh3_64":
+                # The other shards' checksums, as their writers gave them to the store with their tables.
+                by_head = {**self.recorded_checksums(lay), **by_head}
+        try:
+            self.put_manifest(lay, manifest.encode(manifest.manifest_record(lay, by_head, algorithm)), replica_num)
+        except ObjectExists:
+            manifest.check(lay, self.read_manifest(lay))  # a concurrent shard published first
+
+    def read_manifest(self, lay: Layer) -> dict | None:
+        """The layer's manifest, or None if it has none (not populated, or a populate still running)."""
+        data = self.get_manifest(lay)
+        return manifest.decode(lay, data) if data else None
+
+    def check_published(self, lay: Layer) -> None:
+        if self.require_manifest:
+            manifest.check(lay, self.read_manifest(lay))
+
+    def verify(self, lay: Layer) -> list[int]:
+        record = self.read_manifest(lay)
+        manifest.check(lay, record)
+        return manifest.verify(lay, record, lambda j: self.read_head(lay, j))
+
+    def remove(self, lay: Layer, force: bool) -> int:
+        """The manifest goes first, so readers see the layer as unpublished, never half removed."""
+        self.forget(lay)
+        self.remove_keys([lay.manifest_key], force)
+        return self.remove_keys(lay.keys, force)
+
+    def remove_keys(self, keys: list[str], force: bool) -> int:
+        return sum(1 for key in keys if self.remove_key(key, force))
+
+
+def check_code(code: Any, op: str, what: str) -> None:
+    """Raise for a negative Mooncake return code."""
+    if isinstance(code, (int, np.integer)) and code < 0:
+        raise StoreError(f"{op} for {what} failed with code {int(code)}")

@@ -1,0 +1,217 @@
+"""Where a store layer's head tables are: which are mapped on this host and which are read from which server.
+
+Published layers are immutable, but another client may remove one and populate it again elsewhere; the master
+keeps a removed table's space unallocated for its reuse delay (2 s by default), so a placement checked with the
+master within that delay never leads to another object's bytes. A placement younger than PLACEMENT_TTL_S is used
+as it is; up to PLACEMENT_STALE_S it is used while a background thread checks it; older (a client that was idle),
+it is checked before use. When the master does not answer, reads go on from the last placement it gave and the
+check is retried in the background; only a layer this client never resolved needs the master to be read.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import kernels as _kernels
+from .._errors import EngramError, ObjectNotFound, SegmentUnavailable, StoreError, Unavailable
+from ._layout import Layer
+from ._source import InMemory
+
+log = logging.getLogger(__name__)
+
+#: How long a resolved table placement is used before it is checked with the master again (one request, in the
+#: background up to PLACEMENT_STALE_S, before use past it). Both stay well below the master's reuse delay (2 s).
+PLACEMENT_TTL_S = 0.5
+PLACEMENT_STALE_S = 1.0
+#: The longest a lookup waits for the master to check a placement it already has, before reading from it anyway.
+REFRESH_TIMEOUT_MS = 2000
+#: After the master failed a placement check, lookups do not wait for it for this long (checks go on behind).
+MASTER_RETRY_S = 2.0
+#: At most one warning per EngramStore this often while the master does not answer.
+MASTER_WARN_INTERVAL_S = 10.0
+
+
+@dataclass
+class Placement:
+    """Where a layer's head tables live, as the master said at ``checked_at``."""
+
+    memory: InMemory                  # the heads whose tables are mapped on this host
+    remote: list[tuple[str, tuple, int, int]]  # (segment address, endpoints that serve its reads, j0, j1): the
+                                               # segment holds heads order[j0:j1]
+    order: np.ndarray                 # remote heads, grouped by server (read-only int64)
+    bases: np.ndarray                 # byte offset of head order[j]'s table in its segment (read-only int64)
+    signature: tuple = ()             # (size, replicas) per head, to spot changes
+    checked_at: float = 0.0           # time.monotonic() of the last check with the master
+
+    @property
+    def fresh(self) -> bool:
+        return time.monotonic() - self.checked_at < PLACEMENT_TTL_S
+
+    def reads_from(self, failed: set[str]) -> bool:
+        return any(address in failed for address, *_ in self.remote)
+
+
+class PlacementState:
+    """What a store source knows of one layer: its placement, the master's last answer, the hot-row cache."""
+
+    def __init__(self, cache: Any = None):
+        self.placement: Placement | None = None
+        self.known: tuple | None = None  # (infos, signature, time) of the master's last answer
+        self.validated: tuple = ()       # the signature whose manifest was checked
+        self.refreshing = False          # a background check is running
+        self.cache = cache
+
+
+class Placements:
+    """Resolves and keeps the placements of a store source's layers (see the module docstring)."""
+
+    def __init__(self, native: Any, check_published: Callable[[Layer], None], clear_cache: Callable[[Layer], None]):
+        self.native = native
+        self.check_published = check_published
+        self.clear_cache = clear_cache
+        self._lock = threading.Lock()
+        self._refresher: ThreadPoolExecutor | None = None
+        self._trouble_at = 0.0
+        self._warned_at = -MASTER_WARN_INTERVAL_S
+        self._closed = False
+
+    def get(self, lay: Layer, failed: set[str]) -> Placement:
+        """The layer's placement, checked with the master as the module docstring says."""
+        cached = lay.state.placement
+        if cached is not None:
+            age = time.monotonic() - cached.checked_at
+            if age < PLACEMENT_TTL_S:
+                return cached
+            if age < PLACEMENT_STALE_S or self._trouble():
+                self._refresh_later(lay)
+                return cached
+            return self.resolve(lay, failed, timeout_ms=min(self.native.timeout_ms, REFRESH_TIMEOUT_MS))
+        return self.resolve(lay, failed)
+
+    def resolve(self, lay: Layer, failed: set[str], timeout_ms: int | None = None) -> Placement:
+        """Ask the master where the layer's heads are and build the placement (reading and checking the layer's
+        manifest when its tables are new to this client or have moved); on a master that does not answer, rebuild
+        it from the last answer, without the ``failed`` segments."""
+        state = lay.state
+        cached = state.placement
+        now = time.monotonic()
+        try:
+            infos = self.native.locate(lay.keys, lease=False, timeout_ms=timeout_ms)
+        except ObjectNotFound:
+            self.check_published(lay)  # "not published" says more than a missing head
+            raise
+        except Unavailable as exc:
+            if state.known is None:
+                raise
+            self._unreachable(lay, exc)
+            if cached is not None and not cached.reads_from(failed):
+                return cached
+            infos, signature, checked_at = state.known
+        else:
+            self._trouble_at = 0.0
+            signature = tuple((info.size, tuple((r.segment_id, r.address, r.offset) for r in info.replicas))
+                              for info in infos)
+            checked_at = now
+            if cached is not None and signature == cached.signature and not cached.reads_from(failed):
+                cached.checked_at = now
+                state.known = (infos, signature, now)
+                return cached
+            if signature != state.validated:
+                # First read, or the layer changed: check its layout (a failover to the same tables does not).
+                self.check_published(lay)
+                self.clear_cache(lay)  # rows cached from an earlier placement may belong to another table now
+                state.validated = signature
+            state.known = (infos, signature, now)
+        placement = self._build(lay, infos, failed, signature, checked_at)
+        with lay.lock:
+            state.placement = placement
+        return placement
+
+    def _build(self, lay: Layer, infos: list, failed: set[str], signature: tuple, checked_at: float) -> Placement:
+        """Which heads are read in place (a segment mapped on this host) and which from which server."""
+        native = self.native
+        lay.counters.add(placement_refreshes=1)
+        local_tables: list[tuple[int, np.ndarray]] = []
+        remote: dict[str, list[tuple[int, int, Any]]] = {}
+        for h, info in enumerate(infos):
+            nbytes = lay.sizes[h] * lay.row_bytes
+            if info.size != nbytes:
+                raise StoreError(f"key {info.key!r} holds {info.size} bytes, but table_vocab_sizes[{h}] x "
+                                 f"row bytes = {nbytes}; the stored layer was written with another geometry")
+            live = [r for r in info.replicas if r.address not in failed]
+            if not live:
+                raise SegmentUnavailable(f"layer {lay.layer_id}: segment {', '.join(r.address for r in info.replicas)}"
+                                         f" holding head {lay.heads[h]} ({info.key!r}) did not answer, and no other "
+                                         "replica of it is left")
+            for r in live:
+                view = native.local_view(r)
+                if view is not None and 0 <= r.offset <= view.size - nbytes:
+                    local_tables.append((h, view[r.offset:r.offset + nbytes]))
+                    break
+            else:
+                r = live[h % len(live)]
+                remote.setdefault(r.address, []).append((h, r.offset, r))
+        order, bases, groups = [], [], []
+        for address, entries in remote.items():
+            j0 = len(order)
+            order += [h for h, _, _ in entries]
+            bases += [offset for _, offset, _ in entries]
+            groups.append((address, native.read_endpoints(entries[0][2]), j0, len(order)))
+        return Placement(InMemory.of(lay, local_tables), groups,
+                         _kernels.readonly(np.asarray(order, dtype=np.int64)),
+                         _kernels.readonly(np.asarray(bases, dtype=np.int64)), signature, checked_at)
+
+    def _trouble(self) -> bool:
+        """Whether a placement check failed recently (then lookups do not wait for the master)."""
+        return time.monotonic() - self._trouble_at < MASTER_RETRY_S
+
+    def _unreachable(self, lay: Layer, exc: Exception) -> None:
+        now = time.monotonic()
+        self._trouble_at = now
+        if now - self._warned_at >= MASTER_WARN_INTERVAL_S:
+            self._warned_at = now
+            log.warning("layer %d: the master did not answer a placement check (%s); reading from the placement it "
+                        "gave %.1f s ago, and checking again in the background", lay.layer_id, exc,
+                        now - lay.state.known[2])
+
+    def _refresh_later(self, lay: Layer) -> None:
+        """Check the layer's placement with the master in a background thread (one check per layer at a time)."""
+        with self._lock:
+            if lay.state.refreshing or self._closed:
+                return
+            lay.state.refreshing = True
+            if self._refresher is None:
+                self._refresher = ThreadPoolExecutor(1, thread_name_prefix="engram-placement")
+            refresher = self._refresher
+        refresher.submit(self._refresh, lay)
+
+    def _refresh(self, lay: Layer) -> None:
+        state = lay.state
+        if state is None:  # the EngramStore closed meanwhile
+            return
+        try:
+            self.resolve(lay, set())
+        except Unavailable:
+            pass  # logged by resolve; the next lookup past the TTL asks again
+        except EngramError as exc:  # the layer is gone or changed: the next lookup resolves it and says so
+            log.info("layer %d: placement check found %s; resolving again on the next lookup", lay.layer_id, exc)
+            with lay.lock:
+                state.placement = None
+        except Exception:
+            log.exception("layer %d: placement check failed", lay.layer_id)
+        finally:
+            state.refreshing = False
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            refresher, self._refresher = self._refresher, None
+        if refresher is not None:
+            refresher.shutdown(wait=False, cancel_futures=True)  # a check waiting on a paused master ends by itself

@@ -1,0 +1,276 @@
+"""Read planning: which rows go out in which requests, in which rounds, and what happens when a server fails.
+
+For a store's layers (:func:`read_native`): tables mapped on this host are gathered in place; a layer whose remote
+heads all sit on one server asks for each (m, h) row in output order, so the reply lands in the output as it is
+(no sort, no deduplication, no scatter: a repeated row travels again, which costs less than sorting and
+scattering at every size measured, ``bench/bench_read_plans.py``); a layer spread over several servers reads each
+distinct row once and scatters it. Every layer of a call that goes to one server travels in one request, all
+servers at once; large lookups go in rounds of at most READ_ROUND_BYTES of output and READ_ROUND_ROWS rows, so no
+request outgrows a segment's limits; heads on a server that fails are re-resolved and read from another replica.
+
+:func:`read_jobs` sends each source its jobs (sources on the same store together); :func:`lookup_many` and
+:func:`prefetch_many` read the layers of several EngramStores with it.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from typing import Any, Sequence
+
+import numpy as np
+
+from .. import kernels as _kernels
+from .._errors import InvalidArgument, InvalidType, SegmentUnavailable, StoreError, describe
+from ..kernels._planning import _direct_pairs
+from ._placement import Placement
+from ._source import Job, gather
+
+log = logging.getLogger(__name__)
+
+#: A lookup from the native store reads at most this many output bytes and rows per round (one request per
+#: segment server); a larger one, or several layers batched together, is read in several rounds. This keeps
+#: every request well inside a segment's limits (MAX_READ_BYTES, MAX_RANGES).
+READ_ROUND_BYTES = 64 << 20
+READ_ROUND_ROWS = 1 << 20
+#: A remote lookup of at most this many rows, with every head of its layer on one server, reads each (m, h) row
+#: as it is into the output. A layer spread over several servers reads each distinct row once and scatters it:
+#: there the reply is not the output, and placing it by head cost more than deduplication saved once rows repeat.
+DIRECT_MAX_ROWS = READ_ROUND_ROWS
+#: How many times a lookup re-resolves placement after a segment fails before giving up.
+FAILOVER_ROUNDS = 2
+
+
+class LookupHandle:
+    """A lookup that may be running in the background: ``done()``, ``result(timeout=None)``, ``cancel()``.
+
+    ``result()`` returns the rows (the caller's ``out`` buffer if one was given) or raises what the read raised.
+    """
+
+    def __init__(self, future: Future, row_ids: Any):
+        self._future = future
+        self.row_ids = row_ids
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self._future.result(timeout)
+
+    def cancel(self) -> bool:
+        return self._future.cancel()
+
+
+def read_jobs(jobs: list[Job]) -> None:
+    """Read validated jobs ``(source, layer, ids [M, H], out bytes)``: each source reads its own, and sources that
+    share a batch key (EngramStores on one store) read theirs together."""
+    groups: dict[Any, list[Job]] = {}
+    for job in jobs:
+        key = job[0].batch_key
+        groups.setdefault(id(job) if key is None else key, []).append(job)
+    for group in groups.values():
+        group[0][0].read(group)
+
+
+def fits_one_round(ids2: np.ndarray, flat: np.ndarray) -> bool:
+    """Whether a lookup of ``ids2`` into ``flat`` (output bytes) is read in one round (see READ_ROUND_BYTES)."""
+    return ids2.size <= READ_ROUND_ROWS and flat.size <= READ_ROUND_BYTES
+
+
+def _read_rounds(jobs: list[Job]) -> list[list]:
+    """``jobs`` regrouped into rounds of at most READ_ROUND_BYTES of output and READ_ROUND_ROWS rows each, in
+    order: a larger job is cut into position ranges."""
+    rounds: list[list] = []
+    current: list = []
+    size = rows = 0
+    for owner, lay, ids2, flat in jobs:
+        M, H = ids2.shape
+        per_m = H * lay.row_bytes
+        if fits_one_round(ids2, flat):
+            pieces = [(ids2, flat)]
+        else:
+            step = max(1, min(READ_ROUND_BYTES // per_m, READ_ROUND_ROWS // H))
+            pieces = [(ids2[m0:m0 + step], flat[m0 * per_m:(m0 + step) * per_m]) for m0 in range(0, M, step)]
+        for ids_part, flat_part in pieces:
+            if current and (size + flat_part.size > READ_ROUND_BYTES or rows + ids_part.size > READ_ROUND_ROWS):
+                rounds.append(current)
+                current, size, rows = [], 0, 0
+            current.append((owner, lay, ids_part, flat_part))
+            size += flat_part.size
+            rows += ids_part.size
+    if current:
+        rounds.append(current)
+    return rounds
+
+
+def read_native(native: Any, jobs: list[Job], failed: set[str] | None = None) -> None:
+    """Read jobs ``(owner, layer, ids [M, H], out bytes)`` from one DistributedStore: tables mapped on this
+    host are gathered in place; the rest goes out as one request per segment server for all jobs, all at
+    once (in rounds of at most READ_ROUND_BYTES); heads on a server that fails (or is in ``failed`` already)
+    are re-resolved and read from another replica."""
+    failed = set(failed or ())
+    for round_jobs in _read_rounds(jobs):
+        _read_round(native, round_jobs, failed)
+    for _, lay, _, _ in jobs:  # one lookup per job, however many rounds it took
+        lay.counters.add(lookups=1)
+
+
+def _read_round(native: Any, jobs: list[Job], failed: set[str]) -> None:
+    """One round of :func:`read_native`; servers that fail are added to ``failed``, for the next rounds."""
+    pending = jobs
+    for round_ in range(FAILOVER_ROUNDS + 1):
+        remote_jobs, cached_jobs, placed = [], [], []
+        counts: dict[int, dict] = {}  # remote counters of this attempt, per job: counted only if the job is done
+        for owner, lay, ids2, flat in pending:
+            placement = owner.placements.get(lay, failed)
+            placed.append(placement)
+            if placement.memory.sources:
+                gather(lay, placement.memory, ids2, flat, owner.threads)
+            if placement.remote:
+                jobs_of = cached_jobs if lay.state.cache is not None else remote_jobs
+                jobs_of.append((owner, lay, placement, ids2, flat))
+        bad = _read_remote(native, remote_jobs, counts) if remote_jobs else set()
+        for owner, lay, placement, ids2, flat in cached_jobs:
+            bad |= owner.read_cached(lay, placement, ids2, flat, counts)
+        retry = []
+        for job, placement in zip(pending, placed):
+            owner, lay, ids2, flat = job
+            if any(address in bad for address, *_ in placement.remote):
+                retry.append(job)
+                with lay.lock:
+                    lay.state.placement = None  # re-resolve: the master may have dropped the dead segment
+            else:
+                lay.counters.add(rows=ids2.size, local_rows=placement.memory.heads * ids2.shape[0], retries=round_,
+                                 **counts.get(id(flat), {}))
+        if not retry:
+            return
+        failed |= bad
+        log.warning("layers %s: segment(s) %s failed; retrying on other replicas",
+                    sorted({lay.layer_id for _, lay, _, _ in retry}), sorted(bad))
+        pending = retry
+    raise SegmentUnavailable(f"layers {sorted({lay.layer_id for _, lay, _, _ in pending})}: no live replica answered "
+                             f"for some heads (failed: {', '.join(sorted(failed))})")
+
+
+def reads_direct(placement: Placement, ids2: np.ndarray) -> bool:
+    """Whether a remote read asks for each (m, h) row in output order (see DIRECT_MAX_ROWS): every head of the
+    layer on one server, and at most DIRECT_MAX_ROWS rows."""
+    return not placement.memory.sources and len(placement.remote) == 1 and ids2.size <= DIRECT_MAX_ROWS
+
+
+def tally(counts: dict, flat: np.ndarray, **deltas: int) -> None:
+    """Add counters of one attempt at the job whose output is ``flat``."""
+    entry = counts.setdefault(id(flat), {})
+    for name, delta in deltas.items():
+        entry[name] = entry.get(name, 0) + delta
+
+
+def _read_remote(native: Any, jobs: list, counts: dict) -> set[str]:
+    """One read per segment server for every job's remote heads; scatter the replies; the addresses that failed.
+
+    A job whose heads all live on one server reads its rows as they are, in output order (the reply is its
+    output); others read each distinct row once and scatter it (see DIRECT_MAX_ROWS)."""
+    requests: dict[str, tuple[str, list]] = {}
+    for owner, lay, placement, ids2, flat in jobs:
+        if reads_direct(placement, ids2):
+            address, endpoints, _, _ = placement.remote[0]
+            pairs = _direct_pairs(ids2, placement.order, placement.bases, lay.row_bytes)
+            requests.setdefault(address, (native.pick_endpoint(endpoints), []))[1].append(
+                (lay, None, pairs, ids2.size, flat))
+            continue
+        plan = _kernels.plan_reads(ids2, placement.order, placement.bases, lay.row_bytes, checked=True)
+        for address, endpoints, j0, j1 in placement.remote:
+            pairs = plan.pairs[plan.head_ranges[j0]:plan.head_ranges[j1]]
+            rows = int(plan.head_rows[j1] - plan.head_rows[j0])
+            requests.setdefault(address, (native.pick_endpoint(endpoints), []))[1].append(
+                (lay, (plan, placement.order[j0:j1], int(plan.head_rows[j0])), pairs, rows, flat))
+    batch, outs = [], []
+    for endpoint, parts in requests.values():
+        pieces = [pairs for _, _, pairs, _, _ in parts]
+        batch.append((endpoint, pieces[0] if len(pieces) == 1 else np.concatenate(pieces)))
+        outs.append(parts[0][4] if len(parts) == 1 and parts[0][1] is None else None)  # straight into the output
+    results = native.read_pairs_many(batch, outs)
+    failed = set()
+    for (address, (_, parts)), result in zip(requests.items(), results):
+        if isinstance(result, BaseException):
+            if isinstance(result, SegmentUnavailable):
+                failed.add(address)
+                continue
+            raise result
+        data = _kernels.readonly(np.frombuffer(result, dtype=np.uint8))
+        pos = 0
+        for lay, scatter, _, rows, flat in parts:
+            n = rows * lay.row_bytes
+            if data.size < pos + n:
+                raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")
+            if scatter is None:
+                if flat.ctypes.data != data.ctypes.data + pos:
+                    flat[:] = data[pos:pos + n]
+            else:
+                plan, heads, r0 = scatter
+                if _kernels.scatter_rows_prepared(data[pos:pos + n], plan.inverse, heads, r0, lay.row_bytes,
+                                                  flat) >= 0:
+                    raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")
+            tally(counts, flat, remote_requests=1, remote_rows=rows, remote_bytes=n)
+            pos += n
+    return failed
+
+
+def lookup_many(requests: Sequence[tuple[Any, Any]], *, layers: Sequence[int | None] | None = None,
+                out: Sequence[Any] | None = None, background: bool = False) -> LookupHandle:
+    """Read the rows of several EngramStores (e.g. one per Engram layer) together.
+
+    ``requests`` holds ``(engram_store, [B, L, H] row ids)``; ``layers`` names each one's layer where a store
+    holds several; ``out`` gives caller buffers. Stores on the same :class:`DistributedStore` send one request
+    per segment server for all of them. Returns a handle whose ``result()`` is the list of row arrays (or the
+    ``out`` buffers), in order; with ``background=True`` the reads run in a background thread.
+    """
+    from ._store import EngramStore
+
+    if layers is not None and len(layers) != len(requests):
+        raise InvalidArgument(f"layers: expected {len(requests)} entries (one per request), got {len(layers)}")
+    if out is not None and len(out) != len(requests):
+        raise InvalidArgument(f"out: expected {len(requests)} entries (one per request), got {len(out)}")
+    jobs, results = [], []
+    for i, item in enumerate(requests):
+        if not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], EngramStore):
+            raise InvalidType(f"requests[{i}]: expected (EngramStore, row_ids), got {describe(item)}")
+        owner, ids = item
+        job, result = owner._job(ids, out[i] if out is not None else None, layers[i] if layers is not None else None)
+        jobs.append(job)
+        results.append(result)
+
+    def run() -> list:
+        read_jobs(jobs)
+        return results
+
+    if background and requests:
+        return LookupHandle(requests[0][0]._background().submit(run), requests)
+    future: Future = Future()
+    try:
+        future.set_result(run())
+    except BaseException as exc:
+        future.set_exception(exc)
+    return LookupHandle(future, requests)
+
+
+def prefetch_many(requests: Sequence[tuple[Any, Any]], *, layers: Sequence[int | None] | None = None,
+                  out: Sequence[Any] | None = None, background: bool = True) -> list[LookupHandle]:
+    """:func:`lookup_many` with one handle per request (each ``result()`` is that request's rows).
+
+    The reads still go out together (one request per segment server for all layers); every handle completes
+    when they all have, and a failure is raised by every handle.
+    """
+    combined = lookup_many(requests, layers=layers, out=out, background=background)
+    handles = [LookupHandle(Future(), ids) for _, ids in requests]
+
+    def finish(done: Future) -> None:
+        exc = done.exception()
+        for i, handle in enumerate(handles):
+            if exc is not None:
+                handle._future.set_exception(exc)
+            else:
+                handle._future.set_result(done.result()[i])
+
+    combined._future.add_done_callback(finish)
+    return handles

@@ -1,0 +1,181 @@
+"""Where a layer's rows come from: the interface every row source implements, and the in-memory gather they share.
+
+An :class:`~engram_store.EngramStore` holds one :class:`Source`; the facade validates arguments and hands the
+source what is left: populate checked tables, read checked ids into checked output bytes, remove, verify. The
+sources, one module each:
+
+* ``_source_memory``: in-process arrays (``bind_local``) and files under ``local_dir`` mapped read-only;
+* ``_source_store``: this project's ``DistributedStore`` (segments mapped on this host or read over the network);
+* ``_source_mooncake``: a real ``mooncake.store.MooncakeDistributedStore``;
+* ``_source_disk``: page-aligned files on local SSD (``disk_dir``), read behind a hot-row cache.
+
+A new place for tables is a new subclass in a module of its own.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from .. import kernels as _kernels
+from .._errors import InvalidArgument, NotConnected, StoreError
+from .._progress import Progress
+from ._layout import Layer
+
+#: A local gather of at least this many rows is split over the store's ``threads``.
+THREADED_MIN_ROWS = 16384
+#: Tables larger than this (all heads together) show a progress bar while they are written.
+PROGRESS_MIN_BYTES = 256 << 20
+
+#: A read job: (the source that owns the layer, the layer, validated ids [M, H], the output's flat bytes).
+Job = tuple  # (Source, Layer, np.ndarray, np.ndarray)
+
+
+class Source:
+    """The tables of one EngramStore's layers: where they live and how rows come out of them.
+
+    The base class is an EngramStore with nowhere to read from (no store, no directory): getters work, and
+    everything that needs tables says what to pass instead.
+    """
+
+    #: Sources with equal keys (not None) read their jobs together: one :meth:`read` for all of them.
+    batch_key: Any = None
+    #: How ``repr`` names where the tables are.
+    where = "None"
+    #: The directory of tables in files on this host (``local_dir=``, ``disk_dir=``), else None.
+    local_dir: str | None = None
+    disk_dir: str | None = None
+
+    def __init__(self, threads: int = 1):
+        self.threads = threads
+
+    def attach(self, lay: Layer) -> None:
+        """Prepare a layer of the EngramStore (called once per layer when the EngramStore is built)."""
+
+    def ready(self, lay: Layer, what: str) -> None:
+        """Raise unless the layer has tables to read (``what`` names the call, for the message)."""
+        raise NotConnected(f"{what}: layer {lay.layer_id} has no tables to read: this EngramStore was built without "
+                           "a store (store=None); pass a DistributedStore or MooncakeDistributedStore, bind the "
+                           "layer's tables with bind_local(), or use local_dir= or disk_dir=")
+
+    def unsupported(self, lay: Layer, what: str) -> NotConnected:
+        return NotConnected(f"{what}: this EngramStore for layer {lay.layer_id} was built without a store "
+                            "(store=None); pass a DistributedStore or MooncakeDistributedStore, or local_dir= or "
+                            "disk_dir= for tables in files on this host")
+
+    def populate(self, lay: Layer, tables: list[np.ndarray], replica_num: int) -> None:
+        """Write the layer's (this store's heads') tables, create-only and all-or-nothing."""
+        raise self.unsupported(lay, "populate")
+
+    def bind(self, lay: Layer, tables: list[np.ndarray], keep: list) -> None:
+        raise InvalidArgument(f"bind_local: layer {lay.layer_id} of this EngramStore is read from {self.where}; "
+                              "bind_local is for an EngramStore built with store=None and no local_dir")
+
+    def remove(self, lay: Layer, force: bool) -> int:
+        """Remove this store's heads of the layer; how many were removed."""
+        raise self.unsupported(lay, "remove_from_store")
+
+    def verify(self, lay: Layer) -> list[int]:
+        """Check this store's heads of the layer against their recorded checksums; the heads checked."""
+        raise self.unsupported(lay, "verify")
+
+    def read(self, jobs: list[Job]) -> None:
+        """Fill each job's output with its rows and count the lookup (jobs of sources sharing this batch key)."""
+        raise NotImplementedError
+
+    def inline(self, lay: Layer, rows: int) -> bool:
+        """Whether a read of ``rows`` rows is cheaper in the caller's thread than handed to a background one."""
+        return False
+
+    def local_tables(self, lay: Layer) -> list[np.ndarray] | None:
+        """Each head's table as a read-only ``[N_h, row_bytes]`` view of this host's memory, or None."""
+        return None
+
+    def stats(self, lay: Layer, reset: bool) -> dict[str, int]:
+        """Counters the source keeps itself, added to the layer's :class:`LookupCounters`."""
+        return {}
+
+    def detach(self, lay: Layer) -> None:
+        """Let go of what the source holds for a layer (the EngramStore is closing)."""
+        with lay.lock:
+            lay.state = None
+
+    def close(self) -> None:
+        """Release what the source holds beyond its layers (after every layer was detached)."""
+
+
+@dataclass
+class InMemory:
+    """Tables of a layer readable in this host's memory: kernel row sources over them, and each head's view."""
+
+    sources: list                               # kernels.RowSource per group of tables close together
+    tables: dict = field(default_factory=dict)  # head index j -> flat read-only uint8 view of its table
+    keep: list = field(default_factory=list)    # what must stay alive while the sources are used
+
+    @classmethod
+    def of(cls, lay: Layer, tables: Sequence[tuple[int, np.ndarray]], keep: list = ()) -> "InMemory":
+        """From ``(head index, flat uint8 table)`` pairs of ``lay``."""
+        from ._local_dir import sources_for
+
+        return cls(sources_for(list(tables), lay.num_heads, lay.row_bytes) if tables else [],
+                   {j: _kernels.readonly(t) for j, t in tables}, list(keep) + [t for _, t in tables])
+
+    @property
+    def heads(self) -> int:
+        return sum(int(source.heads.size) for source in self.sources)
+
+    def views(self, lay: Layer) -> list[np.ndarray] | None:
+        if len(self.tables) != lay.num_heads:
+            return None
+        return [self.tables[j].reshape(n, lay.row_bytes) for j, n in enumerate(lay.sizes)]
+
+
+def gather(lay: Layer, memory: InMemory, ids2: np.ndarray, flat: np.ndarray, threads: int = 1) -> None:
+    """Gather the rows of every head in ``memory`` from this host's memory into ``flat``; a gather of at least
+    THREADED_MIN_ROWS rows is split over ``threads`` threads (the kernel releases the GIL)."""
+    M = ids2.shape[0]
+    threads = threads if M * lay.num_heads >= THREADED_MIN_ROWS else 1
+    for source in memory.sources:
+        if flat.ctypes.data % (1 << source.shift):  # a caller's buffer aligned to fewer bytes
+            source = _kernels.narrower(source, _kernels.word_shift(flat.ctypes.data))
+        if threads == 1:
+            bad = _kernels.gather_rows(source, ids2, flat)
+        else:
+            step = -(-M // threads)
+            pool = _gather_pool(threads - 1)
+            parts = [pool.submit(_kernels.gather_rows, source, ids2, flat, lo, min(M, lo + step))
+                     for lo in range(step, M, step)]
+            bad = _kernels.gather_rows(source, ids2, flat, 0, min(M, step))
+            for part in parts:
+                bad = max(bad, part.result())
+        if bad >= 0:
+            raise StoreError(f"layer {lay.layer_id}: a row lies outside its mapped tables; the stored layer "
+                             "does not match this configuration")
+
+
+def progress(lay: Layer, tables: Sequence[Any]) -> Progress:
+    """The progress bar of a populate: shown for layers above PROGRESS_MIN_BYTES (where stderr is a terminal)."""
+    total = sum(t.nbytes for t in tables)
+    return Progress(total, f"populate layer {lay.layer_id}", enabled=None if total > PROGRESS_MIN_BYTES else False)
+
+
+_POOL_LOCK = threading.Lock()
+_POOL: ThreadPoolExecutor | None = None
+_POOL_SIZE = 0
+
+
+def _gather_pool(workers: int) -> ThreadPoolExecutor:
+    """A process-wide pool for split local gathers, grown to the largest ``threads`` asked for."""
+    global _POOL, _POOL_SIZE
+    with _POOL_LOCK:
+        if _POOL is None or _POOL_SIZE < workers:
+            old = _POOL
+            _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="engram-gather")
+            _POOL_SIZE = workers
+            if old is not None:
+                old.shutdown(wait=False)
+        return _POOL

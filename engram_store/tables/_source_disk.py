@@ -1,0 +1,109 @@
+"""Tables on local SSD (``disk_dir``): layers larger than memory, read a page per row behind a hot-row cache.
+
+``populate`` writes a layer as page-aligned files under the directory (see :mod:`engram_store.disk`), published
+atomically; any EngramStore opened on the same directory, in any process, reads it. Reads turn rows into
+distinct page reads with many in flight (O_DIRECT); ``row_cache_bytes`` keeps hot rows in memory, one cache for
+all layers of a row size. Every layer of a call is read in one batch, so all their pages are in flight together.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+
+from .._errors import InvalidArgument, ObjectExists, ObjectNotFound
+from ..disk import DiskDir, RowCache, read_many
+from ._layout import Layer
+from ._source import Job, Source, progress
+
+#: Counters a disk layer keeps that EngramStore.stats() reports.
+DISK_STATS = ("pages_read", "bytes_read", "cache_hits", "cache_misses")
+
+
+class DiskSource(Source):
+    """Layers published under ``disk_dir``; ``lay.state`` is the layer's open :class:`~engram_store.disk.DiskLayer`."""
+
+    def __init__(self, path: str | os.PathLike, row_cache_bytes: int, row_sizes: Sequence[int], threads: int = 1):
+        super().__init__(threads)
+        self.dir = DiskDir(path)
+        self.disk_dir = self.dir.path
+        self.where = f"disk_dir={self.dir.path!r}"
+        self.batch_key = self
+        # One cache per row size, the bytes shared out by how many layers use each size.
+        self.caches: dict[int, RowCache] = {}
+        for size in sorted(set(row_sizes)):
+            share = int(row_cache_bytes) * row_sizes.count(size) // len(row_sizes)
+            if share:
+                self.caches[size] = RowCache(share, size)
+
+    def attach(self, lay: Layer) -> None:
+        self._open(lay)  # a published layer is opened (and its layout checked) now
+
+    def _open(self, lay: Layer) -> bool:
+        """Open the layer's published files if they are there (and not open yet); whether the layer is readable."""
+        if lay.state is not None:
+            return True
+        with lay.lock:
+            if lay.state is None:
+                lay.state = self.dir.open(lay.layer_id, lay.row_bytes, lay.layer_sizes,
+                                          cache=self.caches.get(lay.row_bytes))
+        return lay.state is not None
+
+    def ready(self, lay: Layer, what: str) -> None:
+        if not self._open(lay):
+            raise ObjectNotFound(f"{what}: layer {lay.layer_id} is not published under disk_dir {self.dir.path} "
+                                 f"(no {self.dir.layer_path(lay.layer_id)}); populate it first")
+
+    def populate(self, lay: Layer, tables: list[np.ndarray], replica_num: int) -> None:
+        if lay.sharded:
+            raise InvalidArgument(f"heads: a disk layer is written whole; build the EngramStore for layer "
+                                  f"{lay.layer_id} without heads= to populate it")
+        if replica_num != 1:
+            raise InvalidArgument(f"replica_num: a disk layer is one set of files on this host; expected 1, got "
+                                  f"{replica_num}")
+        if self._open(lay):
+            raise ObjectExists(f"populate layer {lay.layer_id}: it is already published under disk_dir "
+                               f"{self.dir.path}; call remove_from_store() first")
+        bar = progress(lay, tables)
+        try:
+            self.dir.write(lay.layer_id, lay.row_bytes, lay.layer_sizes,
+                           [t.reshape(-1).view(np.uint8).reshape(n, lay.row_bytes) for t, n in zip(tables, lay.sizes)],
+                           progress=bar)
+        finally:
+            bar.close()
+        self._open(lay)
+
+    def read(self, jobs: list[Job]) -> None:
+        read_many([(lay.state, ids2, flat) for _, lay, ids2, flat in jobs])
+        for _, lay, ids2, _ in jobs:
+            lay.counters.add(lookups=1, rows=ids2.size)
+
+    def stats(self, lay: Layer, reset: bool) -> dict[str, int]:
+        if lay.state is None:
+            return {}
+        counts = lay.state.stats(reset)
+        return {name: counts[name] for name in DISK_STATS}
+
+    def remove(self, lay: Layer, force: bool) -> int:
+        """Delete the layer's files (processes that have them open read on until they close them)."""
+        if not self._open(lay):
+            return 0
+        self.detach(lay)
+        try:
+            self.dir.remove(lay.layer_id)
+        except ObjectNotFound:
+            return 0
+        return len(lay.heads)
+
+    def verify(self, lay: Layer) -> list[int]:
+        self.ready(lay, "verify")
+        self.dir.verify(lay.layer_id)
+        return list(lay.heads)
+
+    def detach(self, lay: Layer) -> None:
+        with lay.lock:
+            state, lay.state = lay.state, None
+        if state is not None:
+            state.close()

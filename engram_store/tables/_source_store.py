@@ -1,0 +1,208 @@
+"""Tables in this project's store: each head an object on segments, read in place where a segment is mapped here.
+
+For the others a Numba kernel plans the reads (see :mod:`._plan`), and one request per segment server goes out for
+every layer of the call, all at once. Where the tables are comes from the master (:mod:`._placement`); a hot-row
+cache (``row_cache_bytes``) keeps recently read remote rows in this process.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from .. import kernels as _kernels
+from .._errors import ObjectLost, ObjectNotFound, SegmentUnavailable, StoreError
+from ..kernels._gather import _scatter_rows
+from ..kernels._planning import _direct_pairs, _plan_reads
+from ._keyed import KeyedSource
+from ._layout import Layer
+from ._placement import Placement, Placements, PlacementState
+from ._plan import fits_one_round, read_native, reads_direct, tally
+from ._source import Job, gather
+from ._source_memory import PREFETCH_INLINE_ROWS
+
+
+class StoreSource(KeyedSource):
+    """Layers in a :class:`~engram_store.DistributedStore` (or the one a Mooncake-compatible wrapper holds)."""
+
+    def __init__(self, native: Any, store: Any, require_manifest: bool, row_cache_bytes: int, threads: int = 1):
+        super().__init__(store, require_manifest, threads)
+        self.native = native
+        self.batch_key = native  # EngramStores on one store read together: one request per server for all
+        self.row_cache_bytes = int(row_cache_bytes)
+        self.placements = Placements(native, self.check_published, self._clear_cache)
+
+    def attach(self, lay: Layer) -> None:
+        lay.state = PlacementState(_RowCache(self.row_cache_bytes, lay.row_bytes) if self.row_cache_bytes else None)
+
+    def _clear_cache(self, lay: Layer) -> None:
+        if lay.state.cache is not None:
+            lay.state.cache.clear()
+
+    # ---- the store's primitives (see KeyedSource) -------------------------------------------------------------
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        return self.native.batch_is_exist(keys)
+
+    def get_manifest(self, lay: Layer) -> bytes | None:
+        try:
+            return self.native.get(lay.manifest_key, lease=False)  # a lease would block remove
+        except (ObjectNotFound, ObjectLost):
+            return None  # a lost manifest (its segment died) publishes nothing, like a missing one
+
+    def put_manifest(self, lay: Layer, data: bytes, replica_num: int) -> None:
+        self.native.put(lay.manifest_key, data, replica_num=replica_num)
+
+    def put_tables(self, lay: Layer, tables: list[np.ndarray], replica_num: int, bar: Any) -> tuple[str, list[str]]:
+        # The store computes each table's xxh3_64 while it uploads (and the master keeps them).
+        return "xxh3_64", self.native.put_objects(lay.keys, tables, replica_num=replica_num, progress=bar)
+
+    def remove_key(self, key: str, force: bool) -> bool:
+        try:
+            self.native.remove(key, force=force)
+            return True
+        except ObjectNotFound:
+            return False
+
+    def read_head(self, lay: Layer, j: int) -> np.ndarray:
+        rows = np.empty(lay.sizes[j] * lay.row_bytes, dtype=np.uint8)
+        # The whole table in one read, no lease (it would block a remove).
+        self.native.read_object(self.native.locate([lay.keys[j]], lease=False)[0], rows)
+        return rows
+
+    def recorded_checksums(self, lay: Layer) -> dict[int, str]:
+        infos = self.native.locate(lay.layer_keys, lease=False)
+        return {h: info.checksum for h, info in enumerate(infos) if info.checksum}
+
+    def forget(self, lay: Layer) -> None:
+        with lay.lock:
+            lay.state.placement = None
+
+    # ---- reads ------------------------------------------------------------------------------------------------
+
+    def read(self, jobs: list[Job]) -> None:
+        if len(jobs) == 1:
+            self._read_one(*jobs[0][1:])
+        else:
+            read_native(self.native, jobs)
+
+    def inline(self, lay: Layer, rows: int) -> bool:
+        placement = lay.state.placement
+        return placement is not None and not placement.remote and rows <= PREFETCH_INLINE_ROWS and placement.fresh
+
+    def local_tables(self, lay: Layer) -> list[np.ndarray] | None:
+        return self.placements.get(lay, set()).memory.views(lay)
+
+    def _read_one(self, lay: Layer, ids2: np.ndarray, flat: np.ndarray) -> None:
+        """One layer: the lean path of a lookup (see :func:`._plan.read_native` for the rest).
+
+        With a fresh placement whose remote heads all live on one server, the rows are planned, read in one
+        request and scattered with nothing in between; any failure takes the general path, which fails over.
+        """
+        placement = lay.state.placement
+        if placement is None or not placement.fresh or len(placement.remote) > 1 or lay.state.cache is not None \
+                or not fits_one_round(ids2, flat):
+            read_native(self.native, [(self, lay, ids2, flat)])
+            return
+        if placement.memory.sources:
+            gather(lay, placement.memory, ids2, flat, self.threads)
+        if placement.remote:
+            address, endpoints, _, _ = placement.remote[0]
+            native = self.native
+            direct = reads_direct(placement, ids2)
+            if direct:
+                # Every head on this server: one range per (m, h) in output order, so the reply lands in
+                # ``flat`` as it is; no sort, no scatter (a repeated row is read again).
+                pairs = _direct_pairs(ids2, placement.order, placement.bases, lay.row_bytes)
+                rows = ids2.size
+            else:
+                pairs, r, head_rows, _, inverse = _plan_reads(ids2, placement.order, placement.bases,
+                                                                        lay.row_bytes)
+                pairs = pairs[:r]
+                rows = int(head_rows[-1])
+            try:
+                data = native.read_pairs(native.pick_endpoint(endpoints), pairs, rows * lay.row_bytes,
+                                         out=flat if direct else None)
+            except SegmentUnavailable:
+                with lay.lock:
+                    lay.state.placement = None
+                read_native(native, [(self, lay, ids2, flat)], failed={address})
+                return
+            if not direct and _scatter_rows(_kernels.readonly(np.frombuffer(data, dtype=np.uint8)),
+                                                     _kernels.readonly(inverse), placement.order, 0, lay.row_bytes,
+                                                     flat) >= 0:
+                raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")
+            lay.counters.add(lookups=1, rows=ids2.size, local_rows=placement.memory.heads * ids2.shape[0],
+                             remote_requests=1, remote_rows=rows, remote_bytes=rows * lay.row_bytes)
+        else:
+            lay.counters.add(lookups=1, rows=ids2.size, local_rows=ids2.size)
+
+    def read_cached(self, lay: Layer, placement: Placement, ids2: np.ndarray, flat: np.ndarray,
+                    counts: dict) -> set[str]:
+        """The remote read of a layer with a hot-row cache: cached rows are not requested, fetched ones are added."""
+        uniq, head_starts, inverse = _kernels.plan_unique_rows(ids2, placement.order)
+        cache = lay.state.cache
+        head_of = np.repeat(placement.order, np.diff(head_starts))
+        keys = (head_of << 40) | uniq
+        rows_all = np.empty((uniq.size, lay.dim), dtype=lay.dtype)
+        with cache.lock:
+            hit, hits = _kernels.cache_probe(keys, cache.keys, cache.rows, cache.words(rows_all))
+        miss = ~hit
+        tally(counts, flat, cache_hits=hits, cache_misses=int(uniq.size) - hits)
+        requests = []
+        for address, endpoints, j0, j1 in placement.remote:
+            endpoint = self.native.pick_endpoint(endpoints)
+            lo = int(head_starts[j0])
+            rows = uniq[lo:head_starts[j1]]
+            wanted = miss[lo:head_starts[j1]]
+            positions = lo + np.flatnonzero(wanted)
+            starts = np.concatenate(([0], np.cumsum(wanted)))[head_starts[j0:j1 + 1] - lo]
+            rows = rows[wanted]
+            if rows.size == 0:
+                continue  # every row of this server's heads came from the cache
+            offsets, lengths, _ = _kernels.rows_to_ranges(rows, starts, placement.bases[j0:j1], lay.row_bytes)
+            requests.append((address, endpoint, positions, np.stack((offsets, lengths), axis=1)))
+        results = self.native.read_pairs_many([(endpoint, pairs) for _, endpoint, _, pairs in requests])
+        fetched = sum(int(p[:, 1].sum()) for *_, p in requests)
+        tally(counts, flat, remote_requests=len(requests), remote_rows=fetched // lay.row_bytes, remote_bytes=fetched)
+        failed = set()
+        for (address, _, positions, _), result in zip(requests, results):
+            if isinstance(result, BaseException):
+                if isinstance(result, SegmentUnavailable):
+                    failed.add(address)
+                    continue
+                raise result
+            rows = np.frombuffer(result, dtype=lay.dtype).reshape(-1, lay.dim)
+            with cache.lock:
+                _kernels.cache_fill(keys, positions, cache.words(rows), cache.words(rows_all), cache.keys, cache.rows)
+        if not failed:
+            bad = _kernels.scatter_rows_prepared(rows_all.reshape(-1).view(np.uint8), inverse, placement.order, 0,
+                                                 lay.row_bytes, flat)
+            if bad >= 0:
+                raise StoreError(f"layer {lay.layer_id}: a cached read returned too few rows")
+        return failed
+
+    def close(self) -> None:
+        self.placements.close()
+
+
+class _RowCache:
+    """A bounded, direct-mapped cache of remote rows (see ``kernels.cache_probe``); thread-safe."""
+
+    def __init__(self, capacity_bytes: int, row_bytes: int):
+        self.word = 8 if row_bytes % 8 == 0 else 4 if row_bytes % 4 == 0 else 1
+        self.words_per_row = row_bytes // self.word
+        slots = max(1, capacity_bytes // (row_bytes + 8))
+        self.keys = np.full(slots, -1, dtype=np.int64)
+        self.rows = np.zeros((slots, self.words_per_row), dtype={8: np.uint64, 4: np.uint32, 1: np.uint8}[self.word])
+        self.lock = threading.Lock()
+
+    def words(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` ([n, D] of any dtype, C-contiguous) seen as the cache's words."""
+        return rows.reshape(rows.shape[0], -1).view(self.rows.dtype)
+
+    def clear(self) -> None:
+        with self.lock:
+            self.keys.fill(-1)

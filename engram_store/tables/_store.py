@@ -1,0 +1,395 @@
+"""EngramStore: the per-head embedding tables of one or more Engram layers, read by row id.
+
+Keeps the contract of Mooncake's EngramStore: keys ``engram:l{layer_id}:h{head}``, each a C-contiguous
+``[N_h, D]`` table (float32 by default, or 16-bit floats, or opaque byte rows); ``populate`` is create-only and
+all-or-nothing; ``lookup`` maps ``[B, L, H]`` row ids to ``[B, L, H, D]`` rows and never clamps an id or fills
+zeros. This class checks arguments and hands the rest to its row source (see :mod:`._source`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .._errors import InvalidArgument, InvalidType, NotConnected, describe
+from ._layout import EngramStoreConfig, Layer, LookupCounters, sort_key
+from ._plan import LookupHandle, read_jobs
+from ._source import Job, Source
+
+
+class EngramStore:
+    """The tables of one or more Engram layers. A context manager; ``close()`` stops background reads.
+
+    One layer (the form of Mooncake's first EngramStore)::
+
+        EngramStore(layer_id, config, store)
+
+    Several layers, each with its own geometry, read together (one request per segment server for all)::
+
+        EngramStore({1: config_1, 15: config_15}, store=store)
+
+    Where the tables are: ``store``, this project's :class:`DistributedStore`, ``engram_store.compat``'s
+    ``MooncakeDistributedStore`` or a real ``mooncake.store.MooncakeDistributedStore``; or, with ``store=None``,
+    files under ``local_dir`` (mapped in memory, shared by the host's processes), page-aligned files under
+    ``disk_dir`` on local SSD (for layers larger than memory; ``row_cache_bytes`` keeps hot rows in memory, in all),
+    or the caller's own arrays bound with :meth:`bind_local`. With none of these, getters work and reads raise
+    :class:`NotConnected`.
+
+    Methods act on the only layer, or on the one named with ``layer=``. ``heads`` (one layer only) makes a
+    head shard: the store owns and reads just those heads. ``threads`` > 1 splits large gathers from memory on
+    this host over that many threads (the kernel releases the GIL). ``row_cache_bytes`` with a store keeps each
+    layer's recently read remote rows in this process.
+    """
+
+    def __init__(self, layer_id: int | Mapping[int, EngramStoreConfig], config: EngramStoreConfig | None = None,
+                 store: Any = None, *, heads: Sequence[int] | None = None, require_manifest: bool = True,
+                 row_cache_bytes: int = 0, local_dir: str | os.PathLike | None = None,
+                 disk_dir: str | os.PathLike | None = None, threads: int = 1):
+        if isinstance(row_cache_bytes, bool) or not isinstance(row_cache_bytes, (int, np.integer)) \
+                or row_cache_bytes < 0:
+            raise InvalidArgument(f"row_cache_bytes: expected a byte count >= 0, got {describe(row_cache_bytes)}")
+        if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or not 1 <= threads <= 256:
+            raise InvalidArgument(f"threads: expected an integer in [1, 256], got {describe(threads)}")
+        if isinstance(layer_id, Mapping):
+            if config is not None:
+                raise InvalidArgument("config: a multi-layer EngramStore takes its configs in the layers mapping; "
+                                      "pass the store as store=")
+            if heads is not None:
+                raise InvalidArgument("heads: head shards are for a single-layer EngramStore")
+            if not layer_id:
+                raise InvalidArgument("layers: expected at least one {layer_id: EngramStoreConfig} entry, got none")
+            layers = [Layer(lid, cfg, None) for lid, cfg in sorted(layer_id.items(), key=lambda kv: sort_key(kv[0]))]
+            self.layer_id: int | None = None
+        else:
+            layers = [Layer(layer_id, EngramStoreConfig() if config is None else config, heads)]
+            self.layer_id = layers[0].layer_id
+        self._layers = {layer.layer_id: layer for layer in layers}
+        self._store = store
+        self._source = _source_for(store, local_dir, disk_dir, bool(require_manifest), int(row_cache_bytes),
+                                   int(threads), layers)
+        for layer in layers:
+            self._source.attach(layer)
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    # ---- layers and getters (work without a store) ------------------------------------------------
+
+    def _layer(self, layer: int | None) -> Layer:
+        if layer is None:
+            if len(self._layers) == 1:
+                return next(iter(self._layers.values()))
+            raise InvalidArgument(f"layer: this EngramStore holds layers {self.get_layer_ids()}; name one with "
+                                  "layer=")
+        found = self._layers.get(layer) if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool) \
+            else None
+        if found is None:
+            raise InvalidArgument(f"layer: unknown Engram layer {describe(layer)}; this EngramStore holds "
+                                  f"{self.get_layer_ids()}")
+        return found
+
+    def get_layer_ids(self) -> list[int]:
+        return sorted(self._layers)
+
+    def get_table_vocab_sizes(self, layer: int | None = None) -> list[int]:
+        """Rows of each head this store owns (all heads of the layer unless built with ``heads=``)."""
+        return list(self._layer(layer).sizes)
+
+    def get_heads(self, layer: int | None = None) -> list[int]:
+        """The layer's head indices this store owns, in the order of the last axis of its row ids."""
+        return list(self._layer(layer).heads)
+
+    def get_row_format(self, layer: int | None = None) -> str:
+        return self._layer(layer).row_format
+
+    def get_row_bytes(self, layer: int | None = None) -> int:
+        return self._layer(layer).row_bytes
+
+    def get_store_keys(self, layer: int | None = None) -> list[str]:
+        return list(self._layer(layer).keys)
+
+    def get_num_heads(self, layer: int | None = None) -> int:
+        return self._layer(layer).num_heads
+
+    def get_embedding_dim(self, layer: int | None = None) -> int:
+        return self._layer(layer).dim
+
+    @property
+    def store(self) -> Any:
+        """The store the tables are in (None for tables on this host)."""
+        return self._store
+
+    @property
+    def local_dir(self) -> str | None:
+        return self._source.local_dir
+
+    @property
+    def disk_dir(self) -> str | None:
+        return self._source.disk_dir
+
+    # ---- tables ---------------------------------------------------------------------------------
+
+    def populate(self, embedding_buffers: Sequence[np.ndarray], replica_num: int = 1, *,
+                 layer: int | None = None) -> None:
+        """Write one ``[N_h, D]`` table per head of the layer; create-only and all-or-nothing.
+
+        Into a store: refuses (naming the key) if any head already exists; if an upload fails, or the call is
+        interrupted, every table this call wrote is removed before the error propagates. Under ``local_dir`` or
+        ``disk_dir``: the tables are written into files and published atomically. The caller's buffers may be
+        reused or freed once this returns.
+        """
+        lay = self._layer(layer)
+        tables = _check_tables(lay, embedding_buffers)
+        if not isinstance(replica_num, int) or isinstance(replica_num, bool) or replica_num < 1:
+            raise InvalidArgument(f"replica_num: expected an integer >= 1, got {describe(replica_num)}")
+        self._source.populate(lay, tables, replica_num)
+
+    def bind_local(self, embedding_buffers: Sequence[np.ndarray], *, layer: int | None = None) -> None:
+        """Read the layer from the caller's own ``[N_h, D]`` arrays, in place: no copy, no store.
+
+        The arrays are kept referenced until :meth:`close`; do not modify, resize or unmap them while bound.
+        Only for an EngramStore without a store, ``local_dir`` or ``disk_dir``, and once per layer.
+        """
+        lay = self._layer(layer)
+        tables = _check_tables(lay, embedding_buffers)
+        self._source.bind(lay, tables, keep=list(embedding_buffers))
+
+    def verify(self, *, layer: int | None = None) -> list[int]:
+        """Read this store's heads of the layer in full and compare them with their recorded checksums.
+
+        Returns the heads that were checked (heads of a layer written without checksums have none); raises
+        :class:`StoreError` naming the first head whose bytes differ.
+        """
+        return self._source.verify(self._layer(layer))
+
+    def remove_from_store(self, force: bool = False, *, layer: int | None = None) -> int:
+        """Remove this store's head tables of the layer; returns how many were removed (missing keys are skipped).
+
+        The layer's manifest goes first, so readers see the layer as unpublished, never half removed. Layers
+        published under ``local_dir`` are files: delete their directory to remove them; layers under ``disk_dir``
+        are deleted (processes reading them keep their open files until they close them).
+        """
+        return self._source.remove(self._layer(layer), force)
+
+    def stats(self, reset: bool = False, *, layer: int | None = None) -> dict[str, int]:
+        """Lookup counters (see :class:`LookupCounters`) of the layer, or summed over all layers of a multi-layer
+        store when none is named; ``reset=True`` zeroes them after reading."""
+        layers = [self._layer(layer)] if layer is not None or len(self._layers) == 1 else list(self._layers.values())
+        total = dict.fromkeys(LookupCounters.FIELDS, 0)
+        for lay in layers:
+            for counts in (lay.counters.snapshot(), self._source.stats(lay, reset)):
+                for name, value in counts.items():
+                    total[name] += value
+            if reset:
+                lay.counters.reset()
+        return total
+
+    def local_tables(self, *, layer: int | None = None) -> list[np.ndarray] | None:
+        """Each head's table as a read-only ``[N_h, row_bytes]`` uint8 view of this host's memory, in head order, or
+        None when some head is not in memory here (it is read over the network, or from disk).
+
+        For kernels that read rows in place and transform them on the way (e.g. decoding FP8 rows as they are
+        gathered). Tables bound with :meth:`bind_local` or published under ``local_dir`` are always here; tables in
+        a store are here when their segment is mapped on this host. Call it per step rather than keeping the views:
+        for a store, the placement is revalidated as for a lookup (a layer removed and populated again moves).
+        """
+        lay = self._layer(layer)
+        self._source.ready(lay, "local_tables")
+        return self._source.local_tables(lay)
+
+    # ---- lookups --------------------------------------------------------------------------------
+
+    def _job(self, row_ids: Any, out: Any, layer: int | None, what: str = "lookup") -> tuple[Job, Any]:
+        """A checked read job, and what the call returns (the caller's ``out``, else a new array)."""
+        lay = self._layer(layer)
+        self._source.ready(lay, what)
+        ids = lay.check_ids(row_ids)
+        shape = ids.shape + (lay.dim,)
+        target = lay.check_out(out, shape) if out is not None else np.empty(shape, dtype=lay.dtype)
+        M = ids.shape[0] * ids.shape[1]
+        job = (self._source, lay, ids.reshape(M, lay.num_heads), target.reshape(-1).view(np.uint8))
+        return job, out if out is not None else target
+
+    def lookup(self, row_ids: Any, *, layer: int | None = None) -> np.ndarray:
+        """Rows for ``[B, L, H]`` ids as ``[B, L, H, D]`` in the stored format (float32 by default)."""
+        job, result = self._job(row_ids, None, layer)
+        read_jobs([job])
+        return result
+
+    def lookup_into(self, row_ids: Any, out: Any, *, layer: int | None = None) -> Any:
+        """Fill ``out`` (a writable C-contiguous ``[B, L, H, D]`` buffer of the stored dtype) with the rows.
+
+        ``out`` may be a NumPy array, a CPU tensor that speaks DLPack, or anything NumPy views without copying
+        (see :meth:`Layer.check_out`); nothing else is allocated for it. Returns ``out``.
+        """
+        job, result = self._job(row_ids, out, layer)
+        read_jobs([job])
+        return result
+
+    def lookup_layers(self, row_ids: Mapping[int, Any], out: Mapping[int, Any] | None = None) -> dict[int, Any]:
+        """Rows of several layers in one call: ``{layer_id: [B, L, H] ids}`` -> ``{layer_id: rows}``.
+
+        Remote reads of every layer that go to the same segment server travel in one request. ``out`` may give
+        a caller buffer per layer (as in :meth:`lookup_into`).
+        """
+        jobs, results = self._jobs(row_ids, out)
+        read_jobs(jobs)
+        return results
+
+    def prefetch(self, row_ids: Any, out: Any = None, background: bool | None = None, *,
+                 layer: int | None = None) -> LookupHandle:
+        """Start a lookup; the ids (and ``out``) are checked now, errors of the read come from ``result()``.
+
+        ``out``: a caller buffer to fill (as in :meth:`lookup_into`; nothing is allocated), else a new array.
+        ``background=True`` always reads in a background thread and returns at once (so the caller can launch
+        other work, e.g. on a GPU); ``False`` reads now; None (default) reads a small lookup whose tables are all
+        in memory on this host at once (a few microseconds, cheaper than a thread hand-off) and the rest in the
+        background.
+        """
+        job, result = self._job(row_ids, out, layer, "prefetch")
+        if background is None:
+            background = not self._source.inline(job[1], job[2].size)
+        return self._start([job], result, background, row_ids)
+
+    def prefetch_layers(self, row_ids: Mapping[int, Any], out: Mapping[int, Any] | None = None,
+                        background: bool = True) -> LookupHandle:
+        """:meth:`lookup_layers` in the background: ``result()`` returns ``{layer_id: rows}``."""
+        jobs, results = self._jobs(row_ids, out)
+        return self._start(jobs, results, background, row_ids)
+
+    def _jobs(self, row_ids: Mapping[int, Any], out: Mapping[int, Any] | None) -> tuple[list[Job], dict[int, Any]]:
+        if not isinstance(row_ids, Mapping) or not row_ids:
+            raise InvalidType(f"row_ids: expected a non-empty {{layer_id: [B, L, H] ids}} mapping, "
+                              f"got {describe(row_ids)}")
+        if out is not None and not isinstance(out, Mapping):
+            raise InvalidType(f"out: expected a {{layer_id: buffer}} mapping or None, got {type(out).__name__}")
+        jobs, results = [], {}
+        for layer_id, ids in row_ids.items():
+            job, results[self._layer(layer_id).layer_id] = self._job(
+                ids, out.get(layer_id) if out is not None else None, layer_id)
+            jobs.append(job)
+        return jobs, results
+
+    def _start(self, jobs: list[Job], result: Any, background: bool, row_ids: Any) -> LookupHandle:
+        def run() -> Any:
+            read_jobs(jobs)
+            return result
+
+        if background:
+            return LookupHandle(self._background().submit(run), row_ids)
+        future: Future = Future()
+        try:
+            future.set_result(run())
+        except BaseException as exc:
+            future.set_exception(exc)
+        return LookupHandle(future, row_ids)
+
+    def _background(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise NotConnected("this EngramStore is closed")
+            if self._executor is None:
+                name = f"engram-l{self.layer_id}" if self.layer_id is not None else "engram-layers"
+                self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix=name)
+            return self._executor
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for background reads, release mapped tables, open files and bound arrays; safe to call twice."""
+        with self._lock:
+            self._closed = True
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+        for lay in self._layers.values():
+            self._source.detach(lay)
+        self._source.close()
+
+    def __enter__(self) -> "EngramStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if self.layer_id is not None:
+            lay = self._layer(None)
+            return (f"EngramStore(layer_id={self.layer_id}, heads={lay.num_heads}, "
+                    f"embedding_dim={lay.dim}, store={self._source.where})")
+        return f"EngramStore(layers={self.get_layer_ids()}, store={self._source.where})"
+
+
+def _check_tables(lay: Layer, buffers: Sequence[np.ndarray]) -> list[np.ndarray]:
+    n_heads = lay.num_heads
+    if isinstance(buffers, np.ndarray) or not isinstance(buffers, (list, tuple)):
+        raise InvalidType(f"embedding_buffers: expected a list of {n_heads} arrays (one per head), "
+                          f"got {type(buffers).__name__}")
+    if len(buffers) != n_heads:
+        raise InvalidArgument(f"embedding_buffers: expected {n_heads} tables (one per head), got {len(buffers)}")
+    for h, (t, n) in enumerate(zip(buffers, lay.sizes)):
+        if not isinstance(t, np.ndarray):
+            raise InvalidType(f"embedding_buffers[{h}]: expected a {lay.row_format} NumPy array, "
+                              f"got {type(t).__name__}")
+        if t.dtype != lay.dtype and not (lay.row_format == "bfloat16" and t.dtype.name == "bfloat16"):
+            raise InvalidType(f"embedding_buffers[{h}]: expected dtype {lay.dtype} (row_format="
+                              f"{lay.row_format!r}), got {t.dtype}")
+        if t.shape != (n, lay.dim):
+            raise InvalidArgument(f"embedding_buffers[{h}]: expected shape ({n}, {lay.dim}) "
+                                  f"(table_vocab_sizes[{h}] rows x embedding_dim), got {t.shape}")
+        if not t.flags.c_contiguous:
+            raise InvalidArgument(f"embedding_buffers[{h}]: expected a C-contiguous array "
+                                  "(use np.ascontiguousarray)")
+    return [t.view(lay.dtype) for t in buffers]
+
+
+def _source_for(store: Any, local_dir: Any, disk_dir: Any, require_manifest: bool, row_cache_bytes: int,
+                threads: int, layers: list[Layer]) -> Source:
+    """The row source an EngramStore's arguments name (each kind of place for tables is one module)."""
+    local_dir = local_dir if local_dir is not None and os.fspath(local_dir) != "" else None
+    disk_dir = disk_dir if disk_dir is not None and os.fspath(disk_dir) != "" else None
+    if store is not None and (local_dir is not None or disk_dir is not None):
+        name = "local_dir" if local_dir is not None else "disk_dir"
+        raise InvalidArgument(f"{name}: tables are either in a store or under {name}, not both; pass store=None to "
+                              f"use {name}")
+    if local_dir is not None and disk_dir is not None:
+        raise InvalidArgument("disk_dir: tables are either under local_dir (in memory) or under disk_dir (on disk), "
+                              "not both")
+    if disk_dir is not None:
+        from ._source_disk import DiskSource
+
+        return DiskSource(disk_dir, row_cache_bytes, [lay.row_bytes for lay in layers], threads)
+    if local_dir is not None:
+        from ._source_memory import DirSource
+
+        return DirSource(local_dir, threads)
+    if store is None:
+        from ._source_memory import ArraySource
+
+        return ArraySource(threads)
+    native = _native_store(store)
+    if native is not None:
+        from ._source_store import StoreSource
+
+        return StoreSource(native, store, require_manifest, row_cache_bytes, threads)
+    if all(callable(getattr(store, name, None)) for name in
+           ("batch_put_from", "get_into_ranges", "batch_is_exist", "remove", "register_buffer")):
+        from ._source_mooncake import MooncakeSource
+
+        return MooncakeSource(store, require_manifest, threads)
+    raise InvalidType(f"store: expected a DistributedStore, a MooncakeDistributedStore or None, "
+                      f"got {type(store).__name__}")
+
+
+def _native_store(store: Any):
+    """The DistributedStore behind ``store`` (itself, or the one a compat wrapper holds), else None."""
+    from .._client import DistributedStore
+
+    if isinstance(store, DistributedStore):
+        return store
+    inner = getattr(store, "native_store", None)
+    return inner if isinstance(inner, DistributedStore) else None
