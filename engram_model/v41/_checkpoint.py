@@ -243,20 +243,28 @@ def _table_tensors(ckpt: SafetensorsCheckpoint, config: V41Config, layer_id: int
     return np.asarray(ckpt.raw(weight)), np.asarray(ckpt.raw(scale))
 
 
-def load_v41_table(path: Any, config: V41Config, layer_id: int, store: Any, *, replica_num: int = 1,
-                   progress: bool | None = None) -> EngramStore:
-    """Stream one layer's FP8 table from the checkpoint into ``store`` (a DistributedStore), column by column.
+def load_v41_table(path: Any, config: V41Config, layer_id: int, store: Any = None, *, disk_dir: Any = None,
+                   replica_num: int = 1, progress: bool | None = None, row_cache_bytes: int = 0) -> EngramStore:
+    """Stream one layer's FP8 table from the checkpoint into ``store`` (a DistributedStore) or under ``disk_dir`` (a
+    directory on local SSD, for tables larger than memory), column by column.
 
-    Each column is packed (codes then scale bytes, checked for NaNs) into one reused buffer and populated as a
-    head shard of the layer; the last publishes the layer's manifest. Refuses a layer already (or partly) in the
-    store. On any failure the columns written so far are removed before the error propagates. ``progress``
-    shows a bar per column on stderr (None: where stderr is a terminal and the column is large). Returns the
-    layer's EngramStore, ready for :class:`V41Engram`.
+    Into a store, each column is packed (codes then scale bytes, checked for NaNs) into one reused buffer and
+    populated as a head shard of the layer; the last publishes the layer's manifest. Under ``disk_dir`` the disk
+    writer pulls the rows column by column in chunks and publishes the layer's files at the end. Either way memory
+    stays bounded by one column (store) or one chunk (disk). Refuses a layer already (or partly) there. On any
+    failure nothing of the layer stays. ``progress`` shows a bar on stderr (None: where stderr is a terminal and
+    the data is large). Returns the layer's EngramStore (``row_cache_bytes``: its hot-row cache on disk), ready for
+    :class:`V41Engram`.
     """
     ckpt = _as_checkpoint(path)
     layout = v41_store_config(config, layer_id)
-    weight, scale = _table_tensors(ckpt, config, layer_id)
-    if store is None or isinstance(store, EngramStore) or not hasattr(store, "batch_is_exist"):
+    weight, scale = _table_tensors(ckpt, config, layer_id)  # the tensors are checked before anything else
+    if store is not None and disk_dir is not None:
+        raise InvalidArgument(f"store, disk_dir: expected exactly one place for the table of layer {layer_id}, got "
+                              f"store={type(store).__name__} and disk_dir={describe(disk_dir)}")
+    if disk_dir is not None:
+        return _load_to_disk(ckpt, config, layer_id, disk_dir, progress, row_cache_bytes)
+    if isinstance(store, EngramStore) or not hasattr(store, "batch_is_exist"):
         raise InvalidType(f"store: expected a DistributedStore (the table goes in as head shards of layer "
                           f"{layer_id}), got {type(store).__name__}")
     layer = EngramStore(layer_id, layout, store)
@@ -302,3 +310,35 @@ def load_v41_table(path: Any, config: V41Config, layer_id: int, store: Any, *, r
         for shard in written:
             shard.close()
     return layer
+
+
+def _load_to_disk(ckpt: "SafetensorsCheckpoint", config: V41Config, layer_id: int, disk_dir: Any,
+                  progress: bool | None, row_cache_bytes: int) -> EngramStore:
+    """:func:`load_v41_table` into a ``disk_dir``: each column's rows are packed chunk by chunk as the writer asks."""
+    from engram_store.disk import DiskDir
+
+    layout = v41_store_config(config, layer_id)
+    weight, scale = _table_tensors(ckpt, config, layer_id)
+    directory = DiskDir(disk_dir)
+    if layer_id in directory.layers():
+        raise ObjectExists(f"layer {layer_id} is already published under disk_dir {directory.path}; remove it first")
+
+    def column(c: int, offset: int):
+        def fill(start: int, out: np.ndarray) -> None:
+            rows = slice(offset + start, offset + start + out.shape[0])
+            bad = _kernels.pack_rows(weight[rows], scale[rows], out)
+            if bad >= 0:
+                raise InvalidArgument(f"layer {layer_id}: table row {offset + start + int(bad)} (column {c}) holds an "
+                                      "e4m3 NaN code or e8m0 byte 255")
+        return fill
+
+    nbytes = config.num_embeddings(layer_id) * config.row_bytes
+    bar = Progress(nbytes, f"layer {layer_id} to {directory.path}",
+                   enabled=progress if progress is not None else (None if nbytes >= PROGRESS_MIN_BYTES else False))
+    try:
+        directory.write(layer_id, config.row_bytes, layout.table_vocab_sizes,
+                        [column(c, offset) for c, offset in enumerate(config.offsets(layer_id).tolist())],
+                        progress=bar)
+    finally:
+        bar.close()
+    return EngramStore(layer_id, layout, disk_dir=directory.path, row_cache_bytes=row_cache_bytes)

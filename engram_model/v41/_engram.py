@@ -311,25 +311,39 @@ class V41Engram:
     # ---- checkpoints --------------------------------------------------------------------------
 
     @classmethod
-    def from_checkpoint(cls, path: str | os.PathLike, config: V41Config, layer_id: int, store: Any,
-                        hasher: V41Hasher | None = None, *, replica_num: int = 1,
-                        progress: bool | None = None) -> "V41Engram":
+    def from_checkpoint(cls, path: str | os.PathLike, config: V41Config, layer_id: int, store: Any = None,
+                        hasher: V41Hasher | None = None, *, disk_dir: str | os.PathLike | None = None,
+                        row_cache_bytes: int = 0, replica_num: int = 1, progress: bool | None = None) -> "V41Engram":
         """Layer ``layer_id`` of a V4.1 safetensors checkpoint (a file, or a directory of shards with or without
         ``model.safetensors.index.json``).
 
-        ``store`` is an :class:`EngramStore` already holding the layer's table, or a ``DistributedStore``: then
-        the layer's EngramStore is built here (and closed with this layer), and a table not yet in the store is
-        streamed in from the checkpoint first, column by column (:func:`engram_model.v41.load_v41_table`;
-        ``replica_num``, ``progress`` go there). The weights are read and checked before anything is written.
+        ``store`` is an :class:`EngramStore` already holding the layer's table, or a ``DistributedStore``; or, with
+        ``disk_dir``, the table lives in files on local SSD (``row_cache_bytes`` of hot rows kept in memory). For a
+        ``DistributedStore`` or a ``disk_dir`` the layer's EngramStore is built here (and closed with this layer),
+        and a table not yet there is streamed in from the checkpoint first, column by column
+        (:func:`engram_model.v41.load_v41_table`; ``replica_num``, ``progress`` go there). The weights are read and
+        checked before anything is written.
         """
         from ._checkpoint import SafetensorsCheckpoint, load_v41_table, load_v41_weights
 
         if not isinstance(config, V41Config):
             raise InvalidType(f"config: expected a V41Config, got {type(config).__name__}")
+        if (store is None) == (disk_dir is None):
+            raise InvalidArgument(f"store, disk_dir: expected exactly one place for the table of layer {layer_id}, "
+                                  f"got store={type(store).__name__} and disk_dir={disk_dir!r}")
         ckpt = SafetensorsCheckpoint(path)
         weights = load_v41_weights(ckpt, config, layer_id)
         owned = not isinstance(store, EngramStore)
-        if owned:
+        if disk_dir is not None:
+            from engram_store.disk import DiskDir
+
+            if layer_id in DiskDir(disk_dir).layers():
+                layer = EngramStore(layer_id, v41_store_config(config, layer_id), disk_dir=disk_dir,
+                                    row_cache_bytes=row_cache_bytes)
+            else:
+                layer = load_v41_table(ckpt, config, layer_id, disk_dir=disk_dir, progress=progress,
+                                       row_cache_bytes=row_cache_bytes)
+        elif owned:
             if not hasattr(store, "batch_is_exist"):
                 raise InvalidType(f"store: expected an EngramStore or a DistributedStore, got {type(store).__name__}")
             layer = EngramStore(layer_id, v41_store_config(config, layer_id), store)

@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from engram_model.v41 import (SafetensorsCheckpoint, V41Config, V41Engram, load_v41_table, load_v41_weights,
+from engram_model.v41 import (SafetensorsCheckpoint, V41Config, V41Engram, V41Hasher, load_v41_table, load_v41_weights,
                               v41_store_config)
 from engram_model.v41.load import main as load_main
 from engram_store import DistributedStore, EngramStore, InvalidArgument, InvalidType, ObjectExists
@@ -206,3 +206,37 @@ def test_engram_load_v41_cli(tmp_path, capsys):
         assert "already in the store" in capsys.readouterr().err
         layer.remove_from_store()
         layer.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_loads_onto_ssd_and_matches_the_store(tmp_path, embedded):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    write_checkpoint(ckpt, np.random.default_rng(9))
+    in_store = V41Engram.from_checkpoint(ckpt, CFG, 3, embedded)
+    on_disk = V41Engram.from_checkpoint(ckpt, CFG, 3, disk_dir=tmp_path / "ssd", row_cache_bytes=1 << 16)
+    rng = np.random.default_rng(10)
+    ids = rng.integers(0, 100, size=(2, 9))
+    hidden = rng.standard_normal((2, 9, CFG.hc_mult, CFG.hidden_size), dtype=np.float32)
+    hasher = V41Hasher(CFG, np.arange(100))
+    rows = hasher(ids)
+    np.testing.assert_array_equal(on_disk.forward(hidden, row_ids=rows), in_store.forward(hidden, row_ids=rows))
+    assert on_disk.store.disk_dir == str(tmp_path / "ssd") and on_disk.store.verify() == [0, 1, 2, 3]
+    again = V41Engram.from_checkpoint(ckpt, CFG, 3, disk_dir=tmp_path / "ssd")  # published: opened, not rewritten
+    np.testing.assert_array_equal(again.forward(hidden, row_ids=rows), in_store.forward(hidden, row_ids=rows))
+    with pytest.raises(ObjectExists, match="already published under disk_dir"):
+        load_v41_table(ckpt, CFG, 3, disk_dir=tmp_path / "ssd")
+    with pytest.raises(InvalidArgument, match="exactly one place"):
+        load_v41_table(ckpt, CFG, 3, embedded, disk_dir=tmp_path / "ssd")
+    for engram in (in_store, on_disk, again):
+        engram.close()
+    text = {"engram_layer_ids": [1, 3], "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 64,
+            "engram_vocab_size": 300, "engram_compressed_vocab_size": 100, "engram_pad_id": 2, "hidden_size": 32,
+            "hc_mult": 2, "rms_norm_eps": 1e-20,
+            "engram_num_embeddings": [CFG.num_embeddings(1), CFG.num_embeddings(3)]}
+    (ckpt / "config.json").write_text(json.dumps({"text_config": text}))
+    assert load_main([str(ckpt), "--disk-dir", str(tmp_path / "cli"), "--layers", "3", "--verify",
+                      "--no-progress"]) == 0
+    with EngramStore(3, v41_store_config(CFG, 3), disk_dir=tmp_path / "cli") as layer:
+        assert layer.verify() == [0, 1, 2, 3]
+    assert load_main([str(ckpt), "--disk-dir", str(tmp_path / "cli"), "--layers", "3", "--no-progress"]) == 1
