@@ -20,6 +20,7 @@ from ._engram import V41Engram, V41Prefetch, v41_store_config
 from ._fp8 import decode_fp8_rows, encode_fp8_rows
 from ._hasher import V41Hasher, V41HashState
 from ._tokens import build_token_map, check_token_map, load_token_map, save_token_map
+from ._toy import write_toy_checkpoint
 
 __all__ = [
     "SafetensorsCheckpoint",
@@ -37,4 +38,5 @@ __all__ = [
     "load_v41_weights",
     "save_token_map",
     "v41_store_config",
+    "write_toy_checkpoint",
 ]
