@@ -329,7 +329,7 @@ class SegmentServer:
     The main socket (``address``) serves everything: writes, reads and pings. ``readers`` reader threads
     (default :func:`default_readers`: 2, or 1 on a host with fewer than 4 CPUs; 0 for none) each bind a
     ROUTER socket of their own on the same host (ports ``port + 1 ...`` when ``port`` is given, else any free
-    ports), serve ``read_ranges`` and ``ping`` only, and are registered with the master as
+    ports), serve ``read_ranges``, ``ping`` and ``channel_token`` only, and are registered with the master as
     ``read_addresses``; with ``auth`` they require the same CURVE keys as the main socket. They stop with the
     segment.
 
@@ -399,7 +399,10 @@ class SegmentServer:
                                                        "read_ranges": self._read_ranges,
                                                        "channel_token": self._channel_token},
                                     max_message_bytes=max_bytes, auth=auth, io_affinity=main_io)
-            read_handlers = {"ping": self._ping, "read_ranges": self._read_ranges}
+            # Readers hand out raw-channel tokens too: a client asks the endpoint it reads from, and a reader's
+            # socket requires the same CURVE keys as the main one.
+            read_handlers = {"ping": self._ping, "read_ranges": self._read_ranges,
+                             "channel_token": self._channel_token}
             for i in range(readers):
                 self._readers.append(RpcServer(host, port + 1 + i if port else 0, f"{name} reader {i}",
                                                read_handlers, max_message_bytes=max_bytes, auth=auth,
@@ -427,7 +430,7 @@ class SegmentServer:
 
     @property
     def read_addresses(self) -> list[str]:
-        """``host:port`` of each reader thread's socket (``read_ranges`` and ``ping`` only)."""
+        """``host:port`` of each reader thread's socket (``read_ranges``, ``ping`` and ``channel_token`` only)."""
         return [reader.address for reader in self._readers]
 
     @property
