@@ -41,6 +41,7 @@ from ._fence import WriteFence
 from ._protocol import PROTOCOL_VERSION, Request, frame_array, frame_bytes
 from ._auth import AuthKeys
 from ._pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise, prefault
+from ._raw import VERSION as RAW_VERSION
 from ._raw import RawReadServer
 from ._transport import Connection, RpcServer, io_threads
 
@@ -331,7 +332,8 @@ class SegmentServer:
     ROUTER socket of their own on the same host (ports ``port + 1 ...`` when ``port`` is given, else any free
     ports), serve ``read_ranges``, ``ping`` and ``channel_token`` only, and are registered with the master as
     ``read_addresses``; with ``auth`` they require the same CURVE keys as the main socket. They stop with the
-    segment.
+    segment. With ``raw_reads`` (default) it also serves range reads on a plain TCP port, the raw read channel
+    (:mod:`engram_store._raw`), holding at most ``raw_max_connections`` connections (default its MAX_CONNECTIONS).
 
     A context manager; :meth:`close` unregisters from the master, stops serving and removes the
     shared-memory file. Use :meth:`start` to serve from a background thread (a segment mounted in a client
@@ -352,6 +354,7 @@ class SegmentServer:
         auth: AuthKeys | None = None,
         readers: int | None = None,
         raw_reads: bool = True,
+        raw_max_connections: int | None = None,
     ):
         if readers is None:
             readers = default_readers()
@@ -410,7 +413,8 @@ class SegmentServer:
             if raw_reads:
                 # Range reads on a plain TCP port as well (see _raw): lookups at the network stack's speed.
                 self.raw = RawReadServer(host, self.memory.array, max_ranges=MAX_RANGES, max_bytes=MAX_READ_BYTES,
-                                         require_token=auth is not None, name=name, metrics=self.server.metrics)
+                                         require_token=auth is not None, name=name, metrics=self.server.metrics,
+                                         max_connections=raw_max_connections)
         except BaseException:
             self._close_servers()
             self._release_memory()
@@ -535,10 +539,12 @@ class SegmentServer:
     # ---- handlers -------------------------------------------------------------------------------
 
     def _ping(self, req: Request) -> dict:
+        # raw_stats: the raw channel's connections, refusals and deadlines (RawReadServer.stats).
         return {"role": "segment", "segment_id": self.segment_id, "size": self.size, "protocol": PROTOCOL_VERSION,
                 "catalog": self.catalog.version, "registration": self.fence.registration,
-                "raw_port": self.raw.port if self.raw is not None else 0,
-                "raw_token": self.raw is not None and self.raw.require_token}
+                "raw_port": self.raw.port if self.raw is not None else 0, "raw_version": RAW_VERSION,
+                "raw_token": self.raw is not None and self.raw.require_token,
+                "raw_stats": self.raw.stats() if self.raw is not None else {}}
 
     def _channel_token(self, req: Request) -> dict:
         """A one-time token for the raw read channel (asked over ZeroMQ, so CURVE decides who gets one)."""
