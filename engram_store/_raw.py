@@ -19,9 +19,11 @@ Wire format, version 2 (little-endian). Every message starts with a 24-byte head
 Busy (5) means "read this over ZeroMQ", not "the segment is down": a segment whose channel is full answers a
 new connection busy (request id 0) and closes it; a read whose ranges would take the segment past its bound on
 request bytes in flight has its ranges read and dropped and is answered busy on a connection that stays open.
-Version 1 took tokens of any length up to 1 KiB and had no busy status. A header of another version is answered
-with a protocol error naming both versions, and the connection is closed; segments say their version in their
-ping (``raw_version``), and a client of another version reads over ZeroMQ.
+A client sends its next request after the reply to the last (requests are not pipelined); a segment may answer
+bytes that come ahead with a protocol error and close. Version 1 took tokens of any length up to 1 KiB, had no
+busy status and read pipelined requests. A header of another version is answered with a protocol error naming
+both versions, and the connection is closed; segments say their version in their ping (``raw_version``), and a
+client of another version reads over ZeroMQ.
 
 Authentication: when the segment runs with ``--auth``, a client first asks for a token on the segment's ZeroMQ
 socket, main or reader (``op: "channel_token"``, so only a client holding the cluster's CURVE keys gets one),
@@ -30,17 +32,19 @@ authenticates who may read but does not encrypt; clients that need encryption re
 (``raw_reads=False``).
 
 Serving. One event-loop thread (``selectors``: epoll on Linux) holds every connection that is idle or has a
-message only partly received; such a connection costs its socket and a 56-byte header buffer, no thread and no
-other buffer. The loop receives a header; before authentication it accepts only a hello, and anything else is
-answered with an authentication error and closed with its body unread. A read's ranges are received once their
-bytes are reserved against a bound for the whole segment (``BODY_BYTES_IN_FLIGHT``), then the complete request
-goes to one of at most ``SERVING_THREADS`` serving threads. A serving thread checks the ranges, gathers and sends
-the reply (blocking, GIL-free gather), then waits up to ``LINGER_S`` on the same connection for the next request
-and serves that too, so a client reading in a loop is served as by a thread of its own; a connection that goes
-quiet is handed back to the loop. A reply above ``STREAM_MIN_BYTES`` goes out in pieces of at most
-``STREAM_PIECE_BYTES`` through two piece buffers (a helper gathers piece k + 1 while piece k is sent), and each
-range of a piece's size or more goes out straight from the segment's memory, so a serving thread keeps at most
-``STREAM_MIN_BYTES`` of buffer, and drops it when idle.
+message only partly received: a socket and a 56-byte header buffer each, no thread and no other buffer. It
+receives headers; before authentication it accepts only a hello, and a read is answered with an authentication
+error and closed with its ranges unread. A read header goes to one of at most ``SERVING_THREADS`` serving
+threads, which receives the ranges (they come with the header) into a buffer of its own, checks them, gathers
+(GIL-free) and sends the reply, then waits on the same connection for the next request: ``LINGER_S`` in a
+blocking receive (one call per request, so a client reading in a loop is served as by a thread of its own),
+then up to ``STICKY_S`` in poll, giving the thread up at once when another request waits for one; a connection
+that stays quiet goes back to the loop. Ranges that come slowly go back to the loop too, which receives them
+into a buffer counted against ``BODY_BYTES_IN_FLIGHT`` (as are ranges beyond ``REQUEST_KEEP_BYTES``); past it a
+read is answered busy. A reply above ``STREAM_MIN_BYTES`` goes out in pieces of at most ``STREAM_PIECE_BYTES``
+through two halves of the thread's reply buffer (a helper gathers piece k + 1 while piece k is sent), and a
+range of a piece's size or more goes out straight from the segment's memory; so a serving thread keeps at most
+``STREAM_MIN_BYTES + REQUEST_KEEP_BYTES`` of buffers, and drops them after ``SERVING_IDLE_S`` without work.
 
 Deadlines: a new connection must complete its first message (its hello, with ``--auth``) within
 ``HELLO_TIMEOUT_S``; any message must arrive whole within ``MESSAGE_TIMEOUT_S`` of its first byte (a drip
@@ -48,7 +52,8 @@ cannot outlive it); a connection idle for ``IDLE_TIMEOUT_S`` is closed (clients 
 reads being idempotent); a reply must be taken within ``SEND_TIMEOUT_S`` plus its size at
 ``SEND_MIN_BYTES_PER_S``. At ``MAX_CONNECTIONS`` (or what the open-files limit allows) a new connection first
 displaces the oldest one that has not completed a message, else it is answered busy. Refusals and deadlines
-are counted (:meth:`RawReadServer.stats`, in the segment's ping) and logged at WARNING at a bounded rate.
+are counted (:meth:`RawReadServer.stats`, in the segment's ping as ``raw_stats``) and logged at WARNING at most
+once per peer and reason every ``_auth.REFUSAL_LOG_INTERVAL_S``.
 
 A bad request gets an error reply and the connection keeps serving; a message whose framing cannot be
 trusted (wrong magic or version, an absurd count, a read before the token) gets the reply and then the
@@ -123,10 +128,11 @@ MAX_CONNECTIONS = 4096
 FD_RESERVE = 128
 #: Threads that gather and send replies: the gather releases the GIL, so a few serve many clients.
 SERVING_THREADS = 16
-#: A serving thread with no request for this long drops its reply buffer.
+#: A serving thread with no request for this long drops its buffers.
 SERVING_IDLE_S = 10.0
-#: Bytes of request ranges being received or served at once, over all connections (the largest lookup round,
-#: 2^20 ranges, is 16 MiB; one request may carry up to 64 MiB). Past it a read is answered busy.
+#: Bytes of request ranges in buffers of their own (ranges that come slowly, or past REQUEST_KEEP_BYTES) at once,
+#: over all connections: four of the largest lookup rounds (2^20 ranges, 16 MiB), or one request of the most
+#: ranges (64 MiB). Past it a read is answered busy.
 BODY_BYTES_IN_FLIGHT = 64 << 20
 #: A reply larger than this is sent in pieces of at most STREAM_PIECE_BYTES (a range of a piece's size or more
 #: is a piece of its own, sent straight from the segment), gathered into two halves of a serving thread's
@@ -134,8 +140,8 @@ BODY_BYTES_IN_FLIGHT = 64 << 20
 STREAM_MIN_BYTES = 2 << 20
 STREAM_PIECE_BYTES = STREAM_MIN_BYTES // 2
 #: A serving thread receives a request's ranges into a buffer of its own (kept while it serves) up to this size
-#: (65536 ranges: a full-size prefill lookup of one layer); larger ones, and ranges the loop receives, get a
-#: buffer of their own, counted in flight. The buffer starts with room for SMALL_RANGES.
+#: (65536 ranges: a full-size prefill lookup of one layer, reused without a page fault); larger ones, and ranges
+#: the loop receives, get a buffer of their own, counted in flight. The buffer starts with room for SMALL_RANGES.
 REQUEST_KEEP_BYTES = 1 << 20
 SMALL_RANGES = 4096
 #: Request buffers at least this large are mapped on their own, so their memory goes back to the system at once.
