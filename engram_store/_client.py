@@ -844,7 +844,8 @@ class DistributedStore:
             try:
                 return channel, channel.send_read(pairs, deadline)
             except RawChannelRefused as exc:
-                self._raw_refused(endpoint, exc)
+                if exc.first:
+                    self._raw_refused(endpoint, exc)
         conn = self._segment_conn(endpoint)
         return conn, conn.send_frames("read_ranges", (pairs,), copy=pairs.nbytes < ZERO_COPY_SEND_BYTES)
 
@@ -856,8 +857,9 @@ class DistributedStore:
             try:
                 return link.recv_read(request_id, expected, deadline, out)
             except RawChannelRefused as exc:  # read it over ZeroMQ, with the full timeout from now
-                pairs = link.pending_pairs
-                self._raw_refused(endpoint, exc)
+                pairs = exc.pairs
+                if exc.first:  # (not again for the reads sent after it on that connection)
+                    self._raw_refused(endpoint, exc)
                 deadline = time.monotonic() + self.timeout_ms / 1000.0
                 link = self._segment_conn(endpoint)
                 request_id = link.send_frames("read_ranges", (pairs,), copy=pairs.nbytes < ZERO_COPY_SEND_BYTES)

@@ -19,11 +19,10 @@ Wire format, version 2 (little-endian). Every message starts with a 24-byte head
 Busy (5) means "read this over ZeroMQ", not "the segment is down": a segment whose channel is full answers a
 new connection busy (request id 0) and closes it; a read whose ranges would take the segment past its bound on
 request bytes in flight has its ranges read and dropped and is answered busy on a connection that stays open.
-A client sends its next request after the reply to the last (requests are not pipelined); a segment may answer
-bytes that come ahead with a protocol error and close. Version 1 took tokens of any length up to 1 KiB, had no
-busy status and read pipelined requests. A header of another version is answered with a protocol error naming
-both versions, and the connection is closed; segments say their version in their ping (``raw_version``), and a
-client of another version reads over ZeroMQ.
+A client may send several requests before it receives (a client reading a large object does); replies come
+in order. Version 1 took tokens of any length up to 1 KiB and had no busy status. A header of another version
+is answered with a protocol error naming both versions, and the connection is closed; segments say their
+version in their ping (``raw_version``), and a client of another version reads over ZeroMQ.
 
 Authentication: when the segment runs with ``--auth``, a client first asks for a token on the segment's ZeroMQ
 socket, main or reader (``op: "channel_token"``, so only a client holding the cluster's CURVE keys gets one),
@@ -36,10 +35,10 @@ message only partly received: a socket and a 56-byte header buffer each, no thre
 receives headers; before authentication it accepts only a hello, and a read is answered with an authentication
 error and closed with its ranges unread. A read header goes to one of at most ``SERVING_THREADS`` serving
 threads, which receives the ranges (they come with the header) into a buffer of its own, checks them, gathers
-(GIL-free) and sends the reply, then waits on the same connection for the next request: ``LINGER_S`` in a
-blocking receive (one call per request, so a client reading in a loop is served as by a thread of its own),
-then up to ``STICKY_S`` in poll, giving the thread up at once when another request waits for one; a connection
-that stays quiet goes back to the loop. Ranges that come slowly go back to the loop too, which receives them
+(GIL-free) and sends the reply, serves the requests that came behind it, then waits on the same connection for
+the next: ``LINGER_S`` in a blocking receive (one call per request, so a client reading in a loop is served as
+by a thread of its own), then up to ``STICKY_S`` in poll, giving the thread up at once when another request
+waits for one; a connection that stays quiet goes back to the loop. Ranges that come slowly go back to the loop too, which receives them
 into a buffer counted against ``BODY_BYTES_IN_FLIGHT`` (as are ranges beyond ``REQUEST_KEEP_BYTES``); past it a
 read is answered busy. A reply above ``STREAM_MIN_BYTES`` goes out in pieces of at most ``STREAM_PIECE_BYTES``
 through two halves of the thread's reply buffer (a helper gathers piece k + 1 while piece k is sent), and a
@@ -82,7 +81,7 @@ import numpy as np
 
 from . import kernels as _kernels
 from ._auth import REFUSALS
-from ._errors import AuthError, InvalidArgument, ProtocolError, RemoteError, SegmentUnavailable
+from ._errors import AuthError, EngramError, InvalidArgument, ProtocolError, RemoteError, SegmentUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +148,6 @@ MMAP_MIN_BYTES = 256 << 10
 #: How often the event loop looks for connections past a deadline.
 SWEEP_S = 0.25
 
-_PIPELINED = "a request arrived before the reply to the previous one (send the next request after the reply)"
 # Receiving states of a connection, and what advancing it can end in.
 _HEAD, _TOKEN, _BODY, _DROP = range(4)
 _READY, _WAIT, _GONE = range(3)
@@ -192,27 +190,37 @@ def _open_files_cap(requested: int) -> int:
 
 class _Buffers:
     """A serving thread's buffers, grown on demand and dropped when it is idle: the reply (at most
-    STREAM_MIN_BYTES) and a request (a header and at most REQUEST_KEEP_BYTES of ranges)."""
+    STREAM_MIN_BYTES) and the requests received from the connection it serves (a header and at most
+    REQUEST_KEEP_BYTES of ranges; ``request[start:end]`` holds bytes received and not used yet: the start of the
+    next request, or whole requests a client sent ahead)."""
 
-    __slots__ = ("reply", "request")
+    __slots__ = ("reply", "request", "start", "end")
 
     def __init__(self) -> None:
         self.reply: np.ndarray | None = None
         self.request: np.ndarray | None = None
+        self.start = self.end = 0
 
-    def request_for(self, nbytes: int, keep: int = 0) -> np.ndarray | None:
-        """The request buffer with room for a header and ``nbytes`` of ranges (its first ``keep`` bytes kept),
-        or None past REQUEST_KEEP_BYTES."""
-        if nbytes > REQUEST_KEEP_BYTES:
+    def drop(self) -> None:
+        self.reply = self.request = None
+        self.start = self.end = 0
+
+    def room(self, nbytes: int) -> np.ndarray | None:
+        """The request buffer, with room for ``request[start:start + nbytes]`` and ``start`` 8-byte aligned (the
+        bytes not used yet kept), or None past a header and REQUEST_KEEP_BYTES."""
+        if nbytes > HEADER.size + REQUEST_KEEP_BYTES:
             return None
         buf = self.request
-        if buf is None or buf.size < HEADER.size + nbytes:
-            size = HEADER.size + min(REQUEST_KEEP_BYTES, max(nbytes, 16 * SMALL_RANGES,
+        if buf is None or buf.size < nbytes:
+            size = HEADER.size + min(REQUEST_KEEP_BYTES, max(nbytes - HEADER.size, 16 * SMALL_RANGES,
                                                              0 if buf is None else 2 * (buf.size - HEADER.size)))
             grown = np.empty(size, dtype=np.uint8)
-            if keep:
-                grown[:keep] = buf[:keep]
-            buf = self.request = grown
+            if self.end > self.start:
+                grown[:self.end - self.start] = buf[self.start:self.end]
+            buf, self.request, self.end, self.start = grown, grown, self.end - self.start, 0
+        elif self.start + nbytes > buf.size or self.start % 8:
+            buf[:self.end - self.start] = buf[self.start:self.end].copy()
+            self.end, self.start = self.end - self.start, 0
         return buf
 
 
@@ -221,7 +229,7 @@ class _Conn:
 
     __slots__ = ("sock", "peer", "head", "got", "state", "body", "reserved", "borrowed", "slow", "left",
                  "request_id", "count", "accepted", "msg_start", "last_active", "authenticated", "pending",
-                 "in_loop")
+                 "in_loop", "fed")
 
     def __init__(self, sock: socket.socket, peer: str, now: float, authenticated: bool):
         self.sock = sock
@@ -242,6 +250,7 @@ class _Conn:
         self.authenticated = authenticated
         self.pending = True  # no complete message yet
         self.in_loop = True  # held by the event loop (else by a serving thread)
+        self.fed = 0  # bytes _advance took from the data it was given
 
     def complete(self) -> bool:
         """Whether a whole read request is in (its ranges in ``body``)."""
@@ -565,11 +574,11 @@ class RawReadServer:
         ``loop``, its header: a serving thread receives the ranges), _WAIT when more bytes must come first, _GONE
         when the connection must close (any error reply has been sent).
 
-        ``data``: bytes a serving thread already received on ``c``, taken before the socket's. ``into``: a serving
-        thread's request buffer, for ranges that fit (not counted in flight; moved out if ``c`` goes back to the
-        loop half-way)."""
+        ``data``: bytes a serving thread already received on ``c``, taken before the socket's (``c.fed`` says how
+        many were taken: a request may be followed by the next). ``into``: a serving thread's request buffer, for
+        ranges that fit (not counted in flight; moved out if ``c`` goes back to the loop half-way)."""
         sock = c.sock
-        pos = 0
+        pos = c.fed = 0
         while True:
             state = c.state
             if state == _BODY and c.body is None:
@@ -596,7 +605,7 @@ class RawReadServer:
             if fed:
                 n = min(want, len(data) - pos)
                 view[:n] = data[pos:pos + n]
-                pos += n
+                pos = c.fed = pos + n
             else:
                 try:
                     n = sock.recv_into(view, want, flags)
@@ -627,8 +636,6 @@ class RawReadServer:
                 if not self._on_token(c):
                     return _GONE
             elif state == _BODY:
-                if data is not None and pos < len(data):
-                    return self._refuse(c, ProtocolError(f"raw read channel {self.address}: {_PIPELINED}"))
                 c.pending = False
                 return _READY
             else:  # the ranges of a read refused for lack of room are dropped: answer busy, keep serving
@@ -778,19 +785,21 @@ class RawReadServer:
             if c is None:
                 return  # closing
             if c is False:
-                bufs.reply = bufs.request = None  # idle: give the buffers back
+                bufs.drop()  # idle: give the buffers back
                 continue
             self._serve(c, bufs)
 
     def _serve(self, c: _Conn, bufs: "_Buffers") -> None:
-        """Answer ``c``'s read (receiving its ranges first where the loop handed over a header), then, while no
-        other connection waits for a thread, the reads that follow within LINGER_S each; then hand ``c`` back to
-        the loop (or close it)."""
+        """Answer ``c``'s read (receiving its ranges first where the loop handed over a header), then the reads
+        that follow: those already received at once, and while no other connection waits for a thread, those
+        that come within LINGER_S (then STICKY_S); then hand ``c`` back to the loop (or close it)."""
         alive = False
         sticky = False  # counted in _lingering: this thread waits on c between requests
         try:
-            result = _READY if c.complete() else self._advance(
-                c, socket.MSG_WAITALL, into=bufs.request_for(16 * c.count))
+            if c.complete():
+                result = _READY
+            else:
+                result = self._advance(c, socket.MSG_WAITALL, into=bufs.room(HEADER.size + 16 * c.count))
             if result != _READY:
                 alive = result == _WAIT  # the ranges are slow: the loop receives the rest
             else:
@@ -799,11 +808,13 @@ class RawReadServer:
                     self._answer(c.sock, request_id, pairs, bufs)
                     self._release(c)
                     c.next_message()
-                    if self._closed or self._queued or not (sticky or self._start_linger()):
-                        alive = True
-                        break
-                    sticky = True
-                    request = self._next_request(c, bufs)
+                    ahead = bufs.end > bufs.start  # sent before this reply: served now, whatever waits
+                    if not ahead:
+                        if self._closed or self._queued or not (sticky or self._start_linger()):
+                            alive = True
+                            break
+                        sticky = True
+                    request = self._next_request(c, bufs, wait=sticky)
                     if not isinstance(request, tuple):
                         alive = request == _WAIT  # quiet, or part of a message: the loop waits for the rest
                         break
@@ -819,6 +830,7 @@ class RawReadServer:
                 log.debug("%s: connection from %s ended: %s", self._where, c.peer, exc)
         except Exception:  # a bug: log it, drop this connection, keep serving the others
             log.exception("%s: serving a read from %s failed", self._where, c.peer)
+        bufs.start = bufs.end = 0
         if not alive or self._closed:
             self._drop(c)
             alive = False
@@ -860,44 +872,56 @@ class RawReadServer:
                     pass  # another lingering thread went
         return False
 
-    def _next_request(self, c: _Conn, bufs: "_Buffers") -> tuple | int:
-        """The next read on ``c`` within LINGER_S (the socket's receive timeout): ``(request_id, pairs)``, or
-        _WAIT (nothing, or part of a message: the loop takes over) or _GONE (closed). A read of up to
-        REQUEST_KEEP_BYTES of ranges lands in this thread's buffer, header and all (the hot path); anything
-        else takes the general way."""
-        rq = bufs.request_for(16 * SMALL_RANGES)
+    def _next_request(self, c: _Conn, bufs: "_Buffers", wait: bool) -> tuple | int:
+        """The next read on ``c``: ``(request_id, pairs)``, or _WAIT (nothing, or part of a message: the loop
+        takes over) or _GONE (closed). Bytes come into this thread's buffer as they are (a read of up to
+        REQUEST_KEEP_BYTES of ranges is served from there, the hot path; a client may have sent several);
+        anything else takes the general way. ``wait``: wait LINGER_S for bytes in a blocking receive, then
+        STICKY_S in poll; else take only what has come."""
         sock = c.sock
-        try:
+        while True:
+            start = bufs.start
+            have = bufs.end - start
+            if have >= HEADER.size:
+                rq = bufs.request
+                magic, version, op, request_id, count = HEADER.unpack_from(rq, start)
+                need = HEADER.size + 16 * count
+                if op != OP_READ or magic != MAGIC or version != VERSION or count > self.max_ranges:
+                    return self._general(c, bufs, wait)
+                if have >= need and not start % 8:  # the hot path: a whole read, its ranges aligned
+                    bufs.start = start + need
+                    return request_id, rq[start + HEADER.size:start + need].view(np.int64).reshape(count, 2)
+                if bufs.room(need) is None:  # too large for this thread's buffer
+                    return self._general(c, bufs, wait)
+                if have >= need:
+                    continue  # moved to an aligned start
+            elif have == 0 and bufs.request is not None:
+                bufs.start = bufs.end = 0  # nothing kept: receive from the buffer's start
+            else:
+                bufs.room(HEADER.size + 16 * SMALL_RANGES)
+            view = memoryview(bufs.request)[bufs.end:]
             try:
-                n = sock.recv_into(rq)
+                try:
+                    n = sock.recv_into(view, 0, 0 if wait else socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    if not (wait and have == 0 and self._linger_more(c)):
+                        raise
+                    n = sock.recv_into(view, 0, socket.MSG_DONTWAIT)  # readable now: bytes, or the end
             except (BlockingIOError, InterruptedError):
-                if not self._linger_more(c):
-                    return _WAIT
-                n = sock.recv_into(rq, 0, socket.MSG_DONTWAIT)  # readable now: bytes, or the end
-        except (BlockingIOError, InterruptedError):
-            return _WAIT
-        except OSError as exc:
-            log.debug("%s: connection from %s ended: %s", self._where, c.peer, exc)
-            return _GONE
-        if n == 0:
-            return _GONE
-        if n >= HEADER.size:
-            magic, version, op, request_id, count = HEADER.unpack_from(rq)
-            need = HEADER.size + 16 * count
-            if op == OP_READ and magic == MAGIC and version == VERSION and n <= need and count <= self.max_ranges:
-                if n < need and (grown := bufs.request_for(16 * count, keep=n)) is not None:
-                    rq = grown  # the rest of the ranges, within LINGER_S
-                    try:
-                        n += sock.recv_into(rq[n:need], need - n, socket.MSG_WAITALL)
-                    except (BlockingIOError, InterruptedError):
-                        pass
-                    except OSError as exc:
-                        log.debug("%s: connection from %s ended: %s", self._where, c.peer, exc)
-                        return _GONE
-                if n == need:
-                    return request_id, rq[HEADER.size:need].view(np.int64).reshape(count, 2)
-        # Anything else (part of a request, one past REQUEST_KEEP_BYTES, a hello, a bad header) the general way.
-        result = self._advance(c, socket.MSG_WAITALL, memoryview(rq)[:n])
+                return self._general(c, bufs, False) if have else _WAIT
+            except OSError as exc:
+                log.debug("%s: connection from %s ended: %s", self._where, c.peer, exc)
+                return _GONE
+            if n == 0:
+                return _GONE
+            bufs.end += n
+
+    def _general(self, c: _Conn, bufs: "_Buffers", wait: bool) -> tuple | int:
+        """The next message of ``c`` by _advance, from the bytes in this thread's buffer on: anything but a read
+        that fits the buffer, or part of a message going back to the loop."""
+        data = memoryview(bufs.request)[bufs.start:bufs.end]
+        result = self._advance(c, socket.MSG_WAITALL if wait else socket.MSG_DONTWAIT, data)
+        bufs.start += c.fed
         if result != _READY:
             return result
         return c.request_id, c.body.view(np.int64).reshape(c.count, 2)
@@ -1069,12 +1093,16 @@ def _set_timeouts(sock: socket.socket, seconds: float) -> None:
 
 class RawChannelRefused(SegmentUnavailable):
     """The raw read channel did not take a read, though the segment may be well: it answered busy (``busy``), or
-    a new connection was refused or closed before any answer. The client reads over ZeroMQ instead; a segment
-    that does not answer a ZeroMQ ping either is unavailable."""
+    a new connection was refused or closed before any answer. The client reads over ZeroMQ instead (``pairs``:
+    that read's ranges); a segment that does not answer a ZeroMQ ping either is unavailable. ``first``: False for
+    a read sent ahead on a connection that a refusal of an earlier read closed."""
 
-    def __init__(self, message: str, busy: bool = False):
+    def __init__(self, message: str, busy: bool = False, first: bool = True):
         super().__init__(message)
         self.busy = busy
+        self.first = first
+        self.pairs: np.ndarray | None = None
+        self.reported = False  # raised to the caller once: the reads it orphaned say first=False
 
 
 class _Stale(Exception):
@@ -1085,12 +1113,13 @@ class RawChannel:
     """A client's TCP connection to one segment's raw read port; one thread uses it at a time.
 
     :meth:`send_read` and :meth:`recv_read` are split so a client can have requests out to several segments at
-    once. A read on a connection the segment has closed (it closes idle ones) is sent again on a new one: reads
-    are idempotent. A busy answer, or a new connection refused or closed before answering, raises
-    :class:`RawChannelRefused`; any other failure closes the connection (a late reply can never be read as the
-    answer to a later request) and raises :class:`SegmentUnavailable`; the next use connects again. Sends and
-    receives block with a kernel-side timeout of ``timeout_s`` each (no poll per call) and the caller's deadline
-    is checked between them, so no call waits much past it.
+    once, and several to one (answered in order). Reads on a connection the segment has closed (it closes idle
+    ones) are sent again on a new one: reads are idempotent. A busy answer, or a new connection refused or
+    closed before answering, raises :class:`RawChannelRefused` (for that read and for every read sent after it
+    on the connection); any other failure closes the connection (a late reply can never be read as the answer
+    to a later request) and raises :class:`SegmentUnavailable`; the next use connects again. Sends and receives
+    block with a kernel-side timeout of ``timeout_s`` each (no poll per call) and the caller's deadline is
+    checked between them, so no call waits much past it.
     """
 
     _ids = iter(range(1, 1 << 62))
@@ -1103,7 +1132,8 @@ class RawChannel:
         self._token_source = token_source
         self.sock: socket.socket | None = None
         self._served = 0  # replies received on this connection: after one, a closed connection is stale
-        self.pending_pairs: np.ndarray | None = None  # the read in flight, to send again (or over ZeroMQ)
+        self._pending: dict[int, np.ndarray] = {}  # reads sent on this connection, not answered yet (in order)
+        self._orphans: dict[int, tuple[np.ndarray, Exception]] = {}  # reads whose connection is gone, and why
         self._header = bytearray(HEADER.size)
         self._buf = np.empty(1 << 16, dtype=np.uint8)
 
@@ -1155,29 +1185,38 @@ class RawChannel:
                 self.sock.sendall(data)
         except OSError as exc:
             self._closed_early(exc)
-            self.close()
-            raise SegmentUnavailable(f"read_ranges: sending to {self.address} failed: {exc}") from exc
+            self._fail(exc, f"sending failed: {exc}")
 
     def _closed_early(self, exc: BaseException | None) -> None:
         """Raise for a connection the segment closed before answering (``exc``: the error, None for an orderly
         close): stale if it had served reads, else refused."""
         if exc is not None and not isinstance(exc, (ConnectionResetError, BrokenPipeError)):
             return
-        served = self._served
-        self.close()
-        if served:
+        if self._served:
+            self._close_socket()  # the reads sent on it are sent again
             raise _Stale() from exc
-        raise RawChannelRefused(f"read_ranges: the raw read channel of {self.address} closed a new connection "
-                                "before answering") from exc
+        refused = RawChannelRefused(f"read_ranges: the raw read channel of {self.address} closed a new connection "
+                                    "before answering")
+        self.close(refused)
+        raise refused from exc
 
     def send_read(self, pairs: np.ndarray, deadline: float) -> int:
         """Send a read of ``pairs`` (int64 ``[R, 2]``, C-contiguous); returns its request id."""
         request_id = next(self._ids)
-        self.pending_pairs = pairs
         try:
-            self._send_request(request_id, pairs, deadline)
-        except _Stale:  # closed while idle: ask again on a new connection
-            self._send_request(request_id, pairs, deadline)
+            try:
+                self._send_request(request_id, pairs, deadline)
+            except _Stale:  # closed while idle: ask again on a new connection, with the reads sent before
+                self._pending[request_id] = pairs
+                self._send_again(deadline)
+                self._raise_orphan(request_id)
+        except RawChannelRefused as exc:
+            self._orphans.pop(request_id, None)
+            exc.pairs, exc.reported = pairs, True
+            raise
+        except BaseException:
+            self._orphans.pop(request_id, None)
+            raise
         return request_id
 
     def _send_request(self, request_id: int, pairs: np.ndarray, deadline: float) -> None:
@@ -1187,15 +1226,58 @@ class RawChannel:
             self._send(head + pairs.tobytes())
         else:
             self._send([head, pairs])
+        self._pending[request_id] = pairs
+
+    def _send_again(self, deadline: float) -> None:
+        """Send the pending reads again, in order, on a new connection (a failure orphans the rest)."""
+        reads, self._pending = list(self._pending.items()), {}
+        for k, (request_id, pairs) in enumerate(reads):
+            try:
+                self._send_request(request_id, pairs, deadline)
+            except BaseException as exc:
+                why = exc if isinstance(exc, EngramError) else SegmentUnavailable(
+                    f"read_ranges: {self.address}: {exc}")
+                for rid, p in reads[k:]:
+                    self._orphans[rid] = (p, why)
+                return
+
+    def _raise_orphan(self, request_id: int) -> None:
+        """If the connection that carried ``request_id`` is gone, raise why (a refusal: for this read too)."""
+        orphan = self._orphans.pop(request_id, None)
+        if orphan is None:
+            return
+        pairs, why = orphan
+        if isinstance(why, RawChannelRefused):  # the first read to hear of it handles it (a ping, a hold-off)
+            exc = RawChannelRefused(str(why), busy=why.busy, first=not why.reported)
+            exc.pairs, exc.reported, why.reported = pairs, True, True
+            raise exc
+        raise SegmentUnavailable(str(why)) if not isinstance(why, SegmentUnavailable) else why
 
     def recv_read(self, request_id: int, expected: int, deadline: float, out: np.ndarray | None = None) -> np.ndarray:
         """The reply to ``request_id``: ``expected`` bytes, received into ``out`` (a flat writable uint8 array of
         that size) or else into this channel's buffer (valid until its next read)."""
+        self._raise_orphan(request_id)
+        if request_id not in self._pending:
+            raise SegmentUnavailable(f"read_ranges: {self.address}: no read {request_id} in flight on its raw "
+                                     "read connection")
         try:
-            return self._recv_read(request_id, expected, deadline, out)
-        except _Stale:  # closed while idle, before our read got there: ask again on a new connection
-            self._send_request(request_id, self.pending_pairs, deadline)
-            return self._recv_read(request_id, expected, deadline, out)
+            try:
+                data = self._recv_read(request_id, expected, deadline, out)
+            except _Stale:  # closed while idle, before our reads got there: ask again on a new connection
+                self._send_again(deadline)
+                self._raise_orphan(request_id)
+                data = self._recv_read(request_id, expected, deadline, out)
+        except RawChannelRefused as exc:
+            orphan = self._orphans.pop(request_id, None)
+            if orphan is not None:
+                exc.pairs = orphan[0]
+            exc.reported = True
+            raise
+        except BaseException:
+            self._orphans.pop(request_id, None)
+            raise
+        del self._pending[request_id]
+        return data
 
     def _recv_read(self, request_id: int, expected: int, deadline: float, out: np.ndarray | None) -> np.ndarray:
         if out is None:
@@ -1229,7 +1311,6 @@ class RawChannel:
             except (OSError, ConnectionError) as exc:
                 self._fail(exc)
         self._served += 1
-        self.pending_pairs = None
         return out
 
     def _recv_reply(self, request_id: int, deadline: float) -> int:
@@ -1275,11 +1356,14 @@ class RawChannel:
                 message += rest
         except (OSError, ConnectionError):
             pass
-        finally:
-            self.close()  # the server closes after most errors; start clean either way
         text = f"{message.decode(errors='replace')} (from {self.address})"
         if status == STATUS_BUSY:
-            raise RawChannelRefused(text, busy=True)
+            refused = RawChannelRefused(text, busy=True)
+            self.close(refused)  # reads sent after this one are read over ZeroMQ too
+            raise refused
+        # The server closes after most errors; start clean either way (reads sent after this one fail with it).
+        self.close(SegmentUnavailable(f"read_ranges: {self.address}: the raw read connection was closed after an "
+                                      f"error in an earlier read: {text}"))
         raise _STATUS_ERRORS.get(status, RemoteError)(text)
 
     def _check_deadline(self, deadline: float) -> None:
@@ -1292,13 +1376,23 @@ class RawChannel:
         """Receive flags: wait (up to the socket's timeout) before ``deadline``, only take what is there after."""
         return socket.MSG_DONTWAIT if time.monotonic() > deadline else 0
 
-    def _fail(self, exc: BaseException) -> None:
-        self.close()
+    def _fail(self, exc: BaseException, what: str | None = None) -> None:
         timeout = isinstance(exc, (BlockingIOError, TimeoutError, socket.timeout))
-        what = "no reply within the timeout" if timeout else str(exc)
-        raise SegmentUnavailable(f"read_ranges: {self.address}: {what}") from exc
+        failure = SegmentUnavailable(f"read_ranges: {self.address}: "
+                                     f"{what or ('no reply within the timeout' if timeout else exc)}")
+        self.close(failure)
+        raise failure from exc
 
-    def close(self) -> None:
+    def close(self, reason: Exception | None = None) -> None:
+        """Close the connection; reads sent on it and not answered fail with ``reason`` when received."""
+        if self._pending:
+            why = reason or SegmentUnavailable(f"read_ranges: the raw read connection to {self.address} was closed")
+            for request_id, pairs in self._pending.items():
+                self._orphans[request_id] = (pairs, why)
+            self._pending = {}
+        self._close_socket()
+
+    def _close_socket(self) -> None:
         sock, self.sock = self.sock, None
         self._served = 0
         if sock is not None:

@@ -177,6 +177,28 @@ def test_a_client_fails_clearly_against_a_server_of_another_version():
     assert DistributedStore._raw_info_from("h:1", {"raw_port": 5}) is None
 
 
+def test_reads_sent_ahead_are_answered_in_order(filled):
+    """A client may send several reads before it receives: on a new connection (whose first read the event loop
+    hands over) and on one a serving thread waits on, in one send or a byte at a time."""
+    store, payload, replica = filled
+    port = _raw_port(store, replica.address)
+    rng = np.random.default_rng(4)
+    spans = [(int(o), int(n)) for o, n in zip(rng.integers(0, 1 << 19, 12), rng.integers(1, 5000, 12))]
+    messages = [HEADER.pack(MAGIC, VERSION, OP_READ, 10 + i, 1) + struct.pack("<qq", replica.offset + o, n)
+                for i, (o, n) in enumerate(spans)]
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"".join(messages[:4]))  # a new connection
+        sock.sendall(b"".join(messages[4:8]))
+        for byte in b"".join(messages[8:]):  # a byte at a time
+            sock.sendall(bytes([byte]))
+        for i, (o, n) in enumerate(spans):
+            assert _reply(sock) == (0, 10 + i, payload[o:o + n].tobytes())
+    # The client sends every read to one segment before it receives the first.
+    requests = [(replica.address, np.array([[replica.offset + o, n]], dtype=np.int64)) for o, n in spans]
+    replies = store.read_pairs_many(requests)
+    assert [bytes(r) for r in replies] == [payload[o:o + n].tobytes() for o, n in spans]
+
+
 def test_client_errors_name_the_problem(filled):
     store, payload, replica = filled
     with pytest.raises(InvalidArgument, match="outside the segment"):

@@ -447,3 +447,32 @@ def test_a_lookup_answered_busy_is_read_over_zeromq(monkeypatch, short):
         np.testing.assert_array_equal(layer.lookup(ids), expected)  # 80,000 ranges: 1.25 MiB, answered busy
         assert store.local_segment.raw.stats()["busy"] >= 1
         assert store._raw_backoff  # the endpoint read over ZeroMQ for a while
+
+
+@pytest.mark.timeout(60)
+def test_reads_sent_ahead_survive_an_idle_close_and_a_busy_answer(monkeypatch, short):
+    """Several reads to one segment go out on one connection before the first reply is received: after the
+    segment closed that connection while idle they are all sent again; when one is answered busy, it and those
+    sent after it are read over ZeroMQ."""
+    monkeypatch.setattr(_raw, "BODY_BYTES_IN_FLIGHT", 1 << 20)
+    monkeypatch.setattr(_raw, "REQUEST_KEEP_BYTES", 64 << 10)
+    with DistributedStore.embedded(segment_size="16MiB", local_direct=False, raw_reads=True) as store:
+        raw = store.local_segment.raw
+        payload = np.random.default_rng(6).integers(0, 256, 4 << 20, dtype=np.uint8)
+        store.put("ahead", payload)
+        replica = store.locate(["ahead"])[0].replicas[0]
+        endpoint = store.pick_endpoint(store.read_endpoints(replica))
+        small = [np.array([[replica.offset + 1000 * i, 100 + i]], dtype=np.int64) for i in range(4)]
+        expected = [payload[1000 * i:1000 * i + 100 + i].tobytes() for i in range(4)]
+        assert [bytes(r) for r in store.read_pairs_many([(endpoint, p) for p in small])] == expected
+        before = raw.stats()["timeout_idle"]
+        _wait_for(lambda: raw.stats()["timeout_idle"] > before, 20, "the idle connection to be closed")
+        assert [bytes(r) for r in store.read_pairs_many([(endpoint, p) for p in small])] == expected
+        assert not store._raw_backoff
+        # The second read carries 2 MiB of ranges: answered busy; it and the two after it go over ZeroMQ.
+        big = np.stack([replica.offset + np.arange(1 << 17) * 16, np.full(1 << 17, 16)], axis=1).astype(np.int64)
+        big_expected = payload[:(1 << 17) * 16].tobytes()
+        replies = store.read_pairs_many([(endpoint, small[0]), (endpoint, big), (endpoint, small[1]),
+                                         (endpoint, small[2])])
+        assert [bytes(r) for r in replies] == [expected[0], big_expected, expected[1], expected[2]]
+        assert raw.stats()["busy"] >= 1 and store._raw_backoff
