@@ -297,7 +297,7 @@ def test_large_reads_leave_no_buffer_behind():
 def short(monkeypatch):
     """Deadlines of a second or less for the servers built in the test."""
     for name, value in (("HELLO_TIMEOUT_S", 0.5), ("MESSAGE_TIMEOUT_S", 1.0), ("IDLE_TIMEOUT_S", 0.5),
-                        ("SEND_TIMEOUT_S", 1.0), ("PARTIAL_MESSAGE_TIMEOUT_S", 1.0)):
+                        ("SEND_TIMEOUT_S", 1.0), ("STICKY_S", 0.2), ("PARTIAL_MESSAGE_TIMEOUT_S", 1.0)):
         monkeypatch.setattr(_raw, name, value, raising=False)
 
 
