@@ -62,7 +62,7 @@ def cluster(request, keys):
         with DistributedStore.connect(c.address, auth_dir=auth_dir, local_direct=False) as writer:
             for layer_id, sizes in LAYERS.items():
                 EngramStore(layer_id, EngramStoreConfig(sizes, DIM), writer).populate(_tables(layer_id))
-            replica = writer.locate([f"engram:l5:h0"])[0].replicas[0]
+            replica = writer.locate(["engram:l5:h0"])[0].replicas[0]
             assert len(replica.read_addresses) == readers
         yield c, auth_dir
 

@@ -14,10 +14,8 @@ segment is resident too once read, and is the table itself, not a cost of connec
 from __future__ import annotations
 
 import contextlib
-import os
 import select
 import socket
-import struct
 import subprocess
 import sys
 import threading
