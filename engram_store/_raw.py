@@ -1251,7 +1251,7 @@ class RawChannel:
             exc = RawChannelRefused(str(why), busy=why.busy, first=not why.reported)
             exc.pairs, exc.reported, why.reported = pairs, True, True
             raise exc
-        raise SegmentUnavailable(str(why)) if not isinstance(why, SegmentUnavailable) else why
+        raise SegmentUnavailable(str(why))
 
     def recv_read(self, request_id: int, expected: int, deadline: float, out: np.ndarray | None = None) -> np.ndarray:
         """The reply to ``request_id``: ``expected`` bytes, received into ``out`` (a flat writable uint8 array of
