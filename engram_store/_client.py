@@ -43,7 +43,8 @@ from ._errors import (
     error_from_reply,
 )
 from ._protocol import frame_bytes
-from ._raw import RawChannel, raw_reads_default
+from ._raw import VERSION as RAW_VERSION
+from ._raw import RawChannel, RawChannelRefused, raw_reads_default
 from ._segment import SegmentServer, host_id, pwrite_all
 from ._transport import ZERO_COPY_SEND_BYTES, Connection, ConnectionPool, wait_all
 from ._units import parse_size
@@ -69,6 +70,9 @@ REDISCOVERY_TIMEOUT_MS = 2000
 #: A segment that did not answer that ping is not asked again for this long: reads to it fail at once (and
 #: fail over to other replicas) instead of each waiting out the ping until the master drops the segment.
 DEAD_HOLD_S = 2.0
+#: After a segment's raw read channel refused a read (busy, or a new connection refused or closed before any
+#: answer) while its ZeroMQ socket answers, this client reads from it over ZeroMQ for this long.
+RAW_BACKOFF_S = 1.0
 _SUSPECT = "suspect"
 #: How long a put waits, at least, for segments to register with a master that has just restarted.
 PUT_START_WAIT_S = 5.0
@@ -170,6 +174,7 @@ class DistributedStore:
         self.local_segment: SegmentServer | None = None
         self.raw_reads = raw_reads_default() if raw_reads is None else bool(raw_reads)
         self._raw_info: dict[str, tuple | str | float | None] = {}
+        self._raw_backoff: dict[str, float] = {}  # address -> until when its reads go over ZeroMQ
         self._raw_local = threading.local()
         # Threads of this client spread their reads over a segment's reader sockets, from a random start so
         # that clients spread too.
@@ -742,6 +747,8 @@ class DistributedStore:
         channel = channels.get(address)
         if channel is not None:
             return channel
+        if self._raw_backoff and self._raw_backoff.get(address, 0.0) > time.monotonic():
+            return None  # the channel refused a read a moment ago: ZeroMQ for now
         info = self._raw_info.get(address, False)
         if isinstance(info, float):  # did not answer the rediscovery ping at that time
             if time.monotonic() - info < DEAD_HOLD_S:
@@ -752,9 +759,7 @@ class DistributedStore:
             # After a failure the segment may be dead (ask briefly) or restarted on a new port (ask again).
             timeout_ms = self.timeout_ms if info is False else min(self.timeout_ms, REDISCOVERY_TIMEOUT_MS)
             try:
-                header = self._segment_conn(address).call("ping", timeout_ms=timeout_ms)[0]
-                port = int(header.get("raw_port") or 0)
-                info = (address.rpartition(":")[0].strip("[]"), port, bool(header.get("raw_token"))) if port else None
+                info = self._raw_info_from(address, self._segment_conn(address).call("ping", timeout_ms=timeout_ms)[0])
             except SegmentUnavailable:
                 if info is _SUSPECT:
                     with self._maps_lock:
@@ -777,23 +782,70 @@ class DistributedStore:
             self._raw_channels.append(channel)
         return channel
 
-    def _drop_raw(self, address: str) -> None:
+    @staticmethod
+    def _raw_info_from(address: str, ping: dict) -> tuple | None:
+        """(host, port, needs_token) of the raw channel a segment's ping reply offers, or None to read over ZeroMQ
+        (no channel, or one of another version)."""
+        port = int(ping.get("raw_port") or 0)
+        if not port:
+            return None
+        version = ping.get("raw_version", 1)
+        if version != RAW_VERSION:
+            log.warning("%s serves raw read channel version %s, this client speaks version %d: reading from it "
+                        "over ZeroMQ", address, version, RAW_VERSION)
+            return None
+        return address.rpartition(":")[0].strip("[]"), port, bool(ping.get("raw_token"))
+
+    def _close_raw(self, address: str) -> None:
+        """Close and forget this thread's raw channel to ``address``."""
         channels = getattr(self._raw_local, "channels", None)
         channel = channels.pop(address, None) if channels is not None else None
         if channel is not None:
             channel.close()
+            with self._maps_lock:
+                if channel in self._raw_channels:
+                    self._raw_channels.remove(channel)
+
+    def _drop_raw(self, address: str) -> None:
+        """After a failed read: close the channel, and look for the segment again (a ping) before the next one."""
+        self._close_raw(address)
         with self._maps_lock:
-            if channel is not None and channel in self._raw_channels:
-                self._raw_channels.remove(channel)
             if isinstance(self._raw_info.get(address), tuple):
                 self._raw_info[address] = _SUSPECT
+
+    def _raw_refused(self, address: str, exc: RawChannelRefused) -> None:
+        """``address``'s raw channel refused a read: read from it over ZeroMQ for RAW_BACKOFF_S. A busy answer
+        comes from a live segment; after a refused or closed connection a ping tells a live segment (read it over
+        ZeroMQ, or over the raw port it now names) from a gone one (SegmentUnavailable, as a failed read)."""
+        self._close_raw(address)
+        if not exc.busy:
+            try:
+                ping = self._segment_conn(address).call(
+                    "ping", timeout_ms=min(self.timeout_ms, REDISCOVERY_TIMEOUT_MS))[0]
+            except SegmentUnavailable as gone:
+                with self._maps_lock:
+                    self._raw_info[address] = time.monotonic()
+                raise SegmentUnavailable(f"{exc}, and it did not answer a ping over ZeroMQ either") from gone
+            info = self._raw_info_from(address, ping)
+            with self._maps_lock:
+                moved = info != self._raw_info.get(address)
+                self._raw_info[address] = info
+            if moved:
+                return  # restarted on another port (or without the channel): the next read goes by the ping
+        log.debug("%s; reading from it over ZeroMQ for %g s", exc, RAW_BACKOFF_S)
+        with self._maps_lock:
+            self._raw_backoff[address] = time.monotonic() + RAW_BACKOFF_S
 
     def _send_read(self, endpoint: str, pairs: np.ndarray, deadline: float) -> tuple[Any, int]:
         """Send a ``read_ranges`` of ``pairs`` to ``endpoint``, over its raw channel where it has one, else over
         ZeroMQ; returns the link it went on and the request id, for :meth:`_recv_read`."""
         channel = self._raw_channel(endpoint)
         if channel is not None:
-            return channel, channel.send_read(pairs, deadline)
+            try:
+                return channel, channel.send_read(pairs, deadline)
+            except RawChannelRefused as exc:
+                if exc.first:
+                    self._raw_refused(endpoint, exc)
         conn = self._segment_conn(endpoint)
         return conn, conn.send_frames("read_ranges", (pairs,), copy=pairs.nbytes < ZERO_COPY_SEND_BYTES)
 
@@ -802,7 +854,15 @@ class DistributedStore:
         """The reply to a :meth:`_send_read`: ``expected`` bytes, in ``out`` if given (a flat writable uint8
         array), else in the raw channel's buffer (until its next read) or a received frame."""
         if isinstance(link, RawChannel):
-            return link.recv_read(request_id, expected, deadline, out)
+            try:
+                return link.recv_read(request_id, expected, deadline, out)
+            except RawChannelRefused as exc:  # read it over ZeroMQ, with the full timeout from now
+                pairs = exc.pairs
+                if exc.first:  # (not again for the reads sent after it on that connection)
+                    self._raw_refused(endpoint, exc)
+                deadline = time.monotonic() + self.timeout_ms / 1000.0
+                link = self._segment_conn(endpoint)
+                request_id = link.send_frames("read_ranges", (pairs,), copy=pairs.nbytes < ZERO_COPY_SEND_BYTES)
         _, frames = link.recv(request_id, deadline, "read_ranges", copy=expected < ZERO_COPY_REPLY_BYTES)
         data = frame_bytes(frames[0]) if frames else None
         if data is None or len(data) != expected:

@@ -41,6 +41,7 @@ from ._fence import WriteFence
 from ._protocol import PROTOCOL_VERSION, Request, frame_array, frame_bytes
 from ._auth import AuthKeys
 from ._pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise, prefault
+from ._raw import VERSION as RAW_VERSION
 from ._raw import RawReadServer
 from ._transport import Connection, RpcServer, io_threads
 
@@ -329,9 +330,10 @@ class SegmentServer:
     The main socket (``address``) serves everything: writes, reads and pings. ``readers`` reader threads
     (default :func:`default_readers`: 2, or 1 on a host with fewer than 4 CPUs; 0 for none) each bind a
     ROUTER socket of their own on the same host (ports ``port + 1 ...`` when ``port`` is given, else any free
-    ports), serve ``read_ranges`` and ``ping`` only, and are registered with the master as
+    ports), serve ``read_ranges``, ``ping`` and ``channel_token`` only, and are registered with the master as
     ``read_addresses``; with ``auth`` they require the same CURVE keys as the main socket. They stop with the
-    segment.
+    segment. With ``raw_reads`` (default) it also serves range reads on a plain TCP port, the raw read channel
+    (:mod:`engram_store._raw`), holding at most ``raw_max_connections`` connections (default its MAX_CONNECTIONS).
 
     A context manager; :meth:`close` unregisters from the master, stops serving and removes the
     shared-memory file. Use :meth:`start` to serve from a background thread (a segment mounted in a client
@@ -352,6 +354,7 @@ class SegmentServer:
         auth: AuthKeys | None = None,
         readers: int | None = None,
         raw_reads: bool = True,
+        raw_max_connections: int | None = None,
     ):
         if readers is None:
             readers = default_readers()
@@ -399,7 +402,10 @@ class SegmentServer:
                                                        "read_ranges": self._read_ranges,
                                                        "channel_token": self._channel_token},
                                     max_message_bytes=max_bytes, auth=auth, io_affinity=main_io)
-            read_handlers = {"ping": self._ping, "read_ranges": self._read_ranges}
+            # Readers hand out raw-channel tokens too: a client asks the endpoint it reads from, and a reader's
+            # socket requires the same CURVE keys as the main one.
+            read_handlers = {"ping": self._ping, "read_ranges": self._read_ranges,
+                             "channel_token": self._channel_token}
             for i in range(readers):
                 self._readers.append(RpcServer(host, port + 1 + i if port else 0, f"{name} reader {i}",
                                                read_handlers, max_message_bytes=max_bytes, auth=auth,
@@ -407,7 +413,8 @@ class SegmentServer:
             if raw_reads:
                 # Range reads on a plain TCP port as well (see _raw): lookups at the network stack's speed.
                 self.raw = RawReadServer(host, self.memory.array, max_ranges=MAX_RANGES, max_bytes=MAX_READ_BYTES,
-                                         require_token=auth is not None, name=name, metrics=self.server.metrics)
+                                         require_token=auth is not None, name=name, metrics=self.server.metrics,
+                                         max_connections=raw_max_connections)
         except BaseException:
             self._close_servers()
             self._release_memory()
@@ -427,7 +434,7 @@ class SegmentServer:
 
     @property
     def read_addresses(self) -> list[str]:
-        """``host:port`` of each reader thread's socket (``read_ranges`` and ``ping`` only)."""
+        """``host:port`` of each reader thread's socket (``read_ranges``, ``ping`` and ``channel_token`` only)."""
         return [reader.address for reader in self._readers]
 
     @property
@@ -532,10 +539,12 @@ class SegmentServer:
     # ---- handlers -------------------------------------------------------------------------------
 
     def _ping(self, req: Request) -> dict:
+        # raw_stats: the raw channel's connections, refusals and deadlines (RawReadServer.stats).
         return {"role": "segment", "segment_id": self.segment_id, "size": self.size, "protocol": PROTOCOL_VERSION,
                 "catalog": self.catalog.version, "registration": self.fence.registration,
-                "raw_port": self.raw.port if self.raw is not None else 0,
-                "raw_token": self.raw is not None and self.raw.require_token}
+                "raw_port": self.raw.port if self.raw is not None else 0, "raw_version": RAW_VERSION,
+                "raw_token": self.raw is not None and self.raw.require_token,
+                "raw_stats": self.raw.stats() if self.raw is not None else {}}
 
     def _channel_token(self, req: Request) -> dict:
         """A one-time token for the raw read channel (asked over ZeroMQ, so CURVE decides who gets one)."""

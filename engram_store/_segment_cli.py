@@ -1,6 +1,7 @@
 """``engram-segment``: run one segment server that registers with a master.
 
     engram-segment --master 127.0.0.1:50051 --size 4GiB [--host 127.0.0.1] [--port 0] [--readers 2] [--auth DIR]
+                   [--no-raw-reads] [--raw-max-connections N]
 """
 
 from __future__ import annotations
@@ -13,9 +14,23 @@ import zmq
 
 from ._auth import AUTH_DIR_ENV, exposure_warning, load_keys, resolve_auth_dir
 from ._errors import EngramError, MasterUnavailable
+from ._raw import MAX_CONNECTIONS as RAW_MAX_CONNECTIONS
 from ._segment import DEFAULT_READERS, MAX_READERS, READERS_MIN_CPUS, SegmentServer, default_readers
 from ._transport import serve_until_signalled
 from ._units import parse_address, parse_size
+
+
+def _raise_open_files_limit() -> None:
+    """Raise the soft open-files limit toward the hard one (65536 at most): each raw read connection holds a
+    descriptor."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = 1 << 16 if hard == resource.RLIM_INFINITY else min(hard, 1 << 16)
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ImportError, OSError, ValueError) as exc:  # keep the limit there is; the channel holds fewer
+        logging.getLogger(__name__).debug("cannot raise the open-files limit: %s", exc)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,9 +55,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-raw-reads", action="store_true",
                    help="serve range reads over ZeroMQ only, not also on a plain TCP port (the raw read channel is "
                         "authenticated with --auth but not encrypted)")
+    p.add_argument("--raw-max-connections", type=int, default=None, metavar="N",
+                   help=f"connections the raw read channel holds at once; past them a new one is answered busy and "
+                        f"its client reads over ZeroMQ (default: {RAW_MAX_CONNECTIONS}, or what the open-files limit "
+                        f"allows; engram-segment raises its soft limit toward the hard one)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.raw_max_connections is not None and args.raw_max_connections < 1:
+        p.error(f"--raw-max-connections: expected an integer >= 1, got {args.raw_max_connections}")
+    _raise_open_files_limit()
     warning = exposure_warning(args.host, args.auth)
     if warning:
         print(f"engram-segment: {warning}", file=sys.stderr, flush=True)
@@ -57,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         auth = load_keys(args.auth, server=True) if args.auth else None
         server = SegmentServer(size, f"{host}:{port}", host=args.host, port=args.port,
                                register_timeout_s=args.register_timeout, file=args.file, auth=auth,
-                               readers=args.readers, raw_reads=not args.no_raw_reads)
+                               readers=args.readers, raw_reads=not args.no_raw_reads,
+                               raw_max_connections=args.raw_max_connections)
     except EngramError as exc:
         hint = ("; if the master runs with --auth, pass --auth DIR with its key directory"
                 if isinstance(exc, MasterUnavailable) and not args.auth else "")

@@ -44,6 +44,37 @@ def test_gather_then_scatter_equals_slicing(case, seed, scale, slack):
     np.testing.assert_array_equal(dst, ref)
 
 
+def _pieces_reference(lengths: list[int], piece: int) -> list[list[int]]:
+    """Plain Python: a range of >= piece bytes alone, the others run greedily into pieces of <= piece bytes."""
+    pieces: list[list[int]] = []
+    run: list[int] = []
+    for i, n in enumerate(lengths):
+        if n >= piece or sum(lengths[j] for j in run) + n > piece:
+            if run:
+                pieces.append(run)
+            run = []
+        run.append(i)
+        if n >= piece:
+            pieces.append(run)
+            run = []
+    if run:
+        pieces.append(run)
+    return pieces
+
+
+@SETTINGS
+@given(st.lists(st.one_of(st.integers(0, 40), st.integers(0, 300)), max_size=60), st.integers(1, 100))
+def test_plan_pieces_matches_a_greedy_python_cut(lengths, piece):
+    pairs = np.zeros((len(lengths), 2), dtype=np.int64)
+    pairs[:, 0] = np.arange(len(lengths)) * 1000
+    pairs[:, 1] = lengths
+    bounds, sizes = k.plan_pieces(pairs, sum(lengths), piece)
+    expected = _pieces_reference(lengths, piece)
+    assert [list(range(lo, hi)) for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist())] == expected
+    assert sizes.tolist() == [sum(lengths[i] for i in p) for p in expected]
+    assert all(s <= piece or hi - lo == 1 for s, lo, hi in zip(sizes, bounds[:-1], bounds[1:]))
+
+
 _I64 = st.integers(-2**63, 2**63 - 1)
 
 

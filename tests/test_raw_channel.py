@@ -1,12 +1,14 @@
 """The raw read channel (``engram_store._raw``): range reads over plain TCP next to ZeroMQ.
 
 Reads through it equal NumPy slicing; hostile bytes get error replies (and a connection whose framing is lost
-is closed) while the segment keeps serving; with CURVE keys a connection needs a one-time token from the
-ZeroMQ socket; a killed segment makes reads fail over or raise SegmentUnavailable at once; clients built with
-``raw_reads=False`` (or segments with ``--no-raw-reads``) read over ZeroMQ with the same results.
+is closed) while the segment keeps serving; a header of another version is refused naming both versions; with
+CURVE keys a connection needs a one-time token from the ZeroMQ socket; a killed segment makes reads fail over or
+raise SegmentUnavailable at once; clients built with ``raw_reads=False`` (or segments with ``--no-raw-reads``)
+read over ZeroMQ with the same results.
 """
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import subprocess
@@ -115,7 +117,7 @@ def test_hostile_bytes_get_error_replies_and_the_segment_keeps_serving(filled, c
         (lambda s: _request(s, OP_READ, 4, 1 << 40), 1, False),  # an absurd range count: framing is lost
         (lambda s: _request(s, 99, 5, 0), 2, False),  # unknown op
         (lambda s: s.sendall(b"GARBAGE!" * 3), 2, False),  # wrong magic
-        (lambda s: _request(s, OP_HELLO, 6, 4096), 2, False),  # a token far too long
+        (lambda s: _request(s, OP_HELLO, 6, 4096), 2, False),  # a token of the wrong size
     ]
     for send, status, survives in bad_requests:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
@@ -134,6 +136,67 @@ def test_hostile_bytes_get_error_replies_and_the_segment_keeps_serving(filled, c
         sock.sendall(HEADER.pack(MAGIC, VERSION, OP_READ, 8, 4)[:10])
     assert bytes(store.read_pairs(replica.address, np.array([[replica.offset, 64]]), 64)) == payload[:64].tobytes()
     assert store.get("raw-object") == payload.tobytes()
+
+
+def test_a_header_of_another_version_is_refused_naming_both_versions(filled):
+    store, payload, replica = filled
+    port = _raw_port(store, replica.address)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(HEADER.pack(MAGIC, 1, OP_READ, 3, 1) + struct.pack("<qq", replica.offset, 8))
+        status, rid, message = _reply(sock)
+        assert status == 2 and rid == 3
+        assert f"speaks version {VERSION}, the request is version 1".encode() in message
+        with contextlib.suppress(ConnectionResetError):  # reset: the segment closed with the ranges unread
+            assert _reply(sock) is None  # closed
+
+
+def test_a_client_fails_clearly_against_a_server_of_another_version():
+    """A server answering with another version's header: the client names both versions; a segment whose ping
+    names another version (or none: version 1) is read over ZeroMQ."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(1 << 16)
+            conn.sendall(HEADER.pack(MAGIC, VERSION + 1, 0, 1, 0))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        channel = RawChannel("segment-x", "127.0.0.1", port)
+        deadline = time.monotonic() + 10
+        with pytest.raises(ProtocolError, match=f"version {VERSION + 1}, this client version {VERSION}"):
+            channel.recv_read(channel.send_read(np.array([[0, 8]], dtype=np.int64), deadline), 8, deadline)
+    finally:
+        thread.join(timeout=10)
+        listener.close()
+    assert DistributedStore._raw_info_from("h:1", {"raw_port": 5, "raw_version": VERSION}) == ("h", 5, False)
+    assert DistributedStore._raw_info_from("h:1", {"raw_port": 5, "raw_version": VERSION + 1}) is None
+    assert DistributedStore._raw_info_from("h:1", {"raw_port": 5}) is None
+
+
+def test_reads_sent_ahead_are_answered_in_order(filled):
+    """A client may send several reads before it receives: on a new connection (whose first read the event loop
+    hands over) and on one a serving thread waits on, in one send or a byte at a time."""
+    store, payload, replica = filled
+    port = _raw_port(store, replica.address)
+    rng = np.random.default_rng(4)
+    spans = [(int(o), int(n)) for o, n in zip(rng.integers(0, 1 << 19, 12), rng.integers(1, 5000, 12))]
+    messages = [HEADER.pack(MAGIC, VERSION, OP_READ, 10 + i, 1) + struct.pack("<qq", replica.offset + o, n)
+                for i, (o, n) in enumerate(spans)]
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"".join(messages[:4]))  # a new connection
+        sock.sendall(b"".join(messages[4:8]))
+        for byte in b"".join(messages[8:]):  # a byte at a time
+            sock.sendall(bytes([byte]))
+        for i, (o, n) in enumerate(spans):
+            assert _reply(sock) == (0, 10 + i, payload[o:o + n].tobytes())
+    # The client sends every read to one segment before it receives the first.
+    requests = [(replica.address, np.array([[replica.offset + o, n]], dtype=np.int64)) for o, n in spans]
+    replies = store.read_pairs_many(requests)
+    assert [bytes(r) for r in replies] == [payload[o:o + n].tobytes() for o, n in spans]
 
 
 def test_client_errors_name_the_problem(filled):

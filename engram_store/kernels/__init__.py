@@ -54,6 +54,7 @@ from ._planning import (
     check_ranges,
     direct_pairs,
     first_bad_row,
+    plan_pieces,
     plan_reads,
     plan_unique_rows,
     rows_to_ranges,
@@ -62,8 +63,9 @@ from ._planning import (
 __all__ = [
     "PREFETCH_ROWS", "ReadPlan", "RowSource", "cache_fill", "cache_insert", "cache_probe", "check_pairs",
     "check_ranges", "direct_pairs", "first_bad_row", "gather_pairs", "gather_pairs_unchecked", "gather_ranges",
-    "gather_rows", "gather_rows_local", "narrower", "plan_reads", "plan_unique_rows", "readonly", "row_source",
-    "rows_to_ranges", "scatter_ranges", "scatter_rows", "scatter_rows_prepared", "warmup", "word_shift",
+    "gather_rows", "gather_rows_local", "narrower", "plan_pieces", "plan_reads", "plan_unique_rows", "readonly",
+    "row_source", "rows_to_ranges", "scatter_ranges", "scatter_rows", "scatter_rows_prepared", "warmup",
+    "word_shift",
 ]
 
 
@@ -88,6 +90,7 @@ def warmup(word_sizes: tuple[int, ...] = (8, 4, 2, 1), cache: bool = True) -> No
         gather_pairs(segment, pairs, out, 2 * word)
         check_pairs(readonly(segment), pairs)  # the raw read server's pairs are writable
         gather_pairs_unchecked(readonly(segment), pairs, out[:2 * word])
+        plan_pieces(pairs, 2 * word, word)
         scatter_ranges(out, segment, pairs[:, 0].copy(), pairs[:, 1].copy())
         source = row_source(segment, np.array([0, 16 * word], dtype=np.int64), heads, word)
         gather_rows(source, ids, np.zeros(4 * word, dtype=np.uint8))

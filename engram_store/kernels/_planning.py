@@ -52,6 +52,51 @@ def check_pairs(src: np.ndarray, pairs: np.ndarray) -> tuple[int, int]:
     return int(bad), int(total)
 
 
+@njit(cache=True, nogil=True)
+def _plan_pieces(pairs, piece_bytes, bounds, sizes):
+    # Cut the ranges of pairs into pieces in order: a range of >= piece_bytes alone, the others greedily into
+    # runs of at most piece_bytes. Piece j is ranges bounds[j]:bounds[j + 1] of sizes[j] bytes; returns the count.
+    R = pairs.shape[0]
+    k = 0
+    bounds[0] = 0
+    size = 0
+    for i in range(R):
+        n = pairs[i, 1]
+        if n >= piece_bytes or size + n > piece_bytes:
+            if i > bounds[k]:  # close the open run
+                sizes[k] = size
+                k += 1
+                bounds[k] = i
+            size = 0
+        size += n
+        if n >= piece_bytes:
+            sizes[k] = size
+            k += 1
+            bounds[k] = i + 1
+            size = 0
+    if bounds[k] < R:
+        sizes[k] = size
+        k += 1
+        bounds[k] = R
+    return k
+
+
+def plan_pieces(pairs: np.ndarray, total: int, piece_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Cut the ranges of ``pairs`` (int64 ``[R, 2]``, byte lengths summing to ``total``) into pieces, in order:
+    each range of ``piece_bytes`` or more is a piece of its own, the others run together into pieces of at most
+    ``piece_bytes``. Returns ``(bounds, sizes)``: piece j is ``pairs[bounds[j]:bounds[j + 1]]`` of ``sizes[j]``
+    bytes (how the raw read channel streams a large reply through two fixed piece buffers)."""
+    if piece_bytes <= 0:
+        raise ValueError(f"piece_bytes: expected > 0, got {piece_bytes}")
+    # At most total // piece_bytes lone ranges; a run closed by an overflow holds more than piece_bytes together
+    # with the piece after it, and every byte is in at most two such sums: fewer than 2 * total / piece_bytes.
+    most = min(pairs.shape[0], 3 * (total // piece_bytes) + 3)
+    bounds = np.empty(most + 1, dtype=np.int64)
+    sizes = np.empty(max(most, 1), dtype=np.int64)
+    k = _plan_pieces(pairs, piece_bytes, bounds, sizes)
+    return bounds[:k + 1], sizes[:k]
+
+
 def _pairs(offsets: np.ndarray, lengths: np.ndarray, off_name: str = "offsets") -> np.ndarray:
     offsets = _int64_1d(offsets, off_name)
     lengths = _int64_1d(lengths, "lengths")

@@ -1,9 +1,16 @@
 """Protocol fuzzing: well-formed-looking requests with hostile fields against a real master and segment.
 
 Every request gets a reply (an error for anything invalid), the servers (and a segment's reader sockets) keep
-answering valid requests, and no stored object changes.
+answering valid requests, and no stored object changes. On the raw read channel: random headers (magic, version,
+op, counts up to 2^64 - 1), random or range-shaped bodies, messages cut short; every message whose framing is
+whole gets a well-formed reply of an expected status, and afterwards the channel serves reads, holds no
+connection and no request bytes.
 """
 from __future__ import annotations
+
+import socket
+import struct
+import time
 
 import msgpack
 import numpy as np
@@ -13,6 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engram_store import DistributedStore, SegmentUnavailable
+from engram_store._raw import HEADER, MAGIC, OP_HELLO, OP_READ, TOKEN_BYTES, VERSION
+from engram_store._segment import MAX_RANGES
 from engram_store.testing import Cluster, wait_ping
 
 pytestmark = pytest.mark.timeout(300)
@@ -120,9 +129,71 @@ def test_segment_reader_answers_hostile_requests(fuzz_cluster, request):
     _assert_reply(reply, header, truncate > 0)
 
 
+counts = st.one_of(st.integers(0, 64), st.sampled_from([TOKEN_BYTES, MAX_RANGES, MAX_RANGES + 1, 2**32, 2**64 - 1]),
+                   st.integers(0, 2**64 - 1))
+raw_headers = st.tuples(st.one_of(st.just(MAGIC), st.binary(min_size=4, max_size=4)),
+                        st.one_of(st.just(VERSION), st.integers(0, 2**16 - 1)),
+                        st.one_of(st.sampled_from([OP_READ, OP_HELLO]), st.integers(0, 2**16 - 1)),
+                        st.integers(0, 2**64 - 1), counts)
+range_bodies = st.lists(st.tuples(st.one_of(st.integers(0, SEGMENT_SIZE), huge_ints.filter(lambda v: v < 2**63)),
+                                  st.one_of(st.integers(0, 4096), huge_ints.filter(lambda v: v < 2**63))),
+                        max_size=64).map(lambda xs: b"".join(struct.pack("<qq", o, n) for o, n in xs))
+
+
+def _raw_statuses(message: bytes) -> set[int] | None:
+    """The statuses a reply to ``message`` may carry, or None when its framing is not whole (no reply is due)."""
+    if len(message) < HEADER.size:
+        return None
+    magic, version, op, _, count = HEADER.unpack_from(message)
+    body = len(message) - HEADER.size
+    if magic != MAGIC or version != VERSION:
+        return {2}
+    if op == OP_HELLO:
+        return {2} if count != TOKEN_BYTES else ({0} if body >= TOKEN_BYTES else None)
+    if op != OP_READ:
+        return {2}
+    if count > MAX_RANGES:
+        return {1}
+    # Whole: served (0), ranges outside the segment (1), or bytes past the request taken as pipelining (2).
+    return {0, 1, 2} if body >= 16 * count else None
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(header=raw_headers, body=st.one_of(st.binary(max_size=256), range_bodies), cut=st.one_of(
+    st.none(), st.integers(0, 300)))
+def test_segment_raw_channel_answers_hostile_bytes(fuzz_cluster, header, body, cut):
+    cluster, store, payloads = fuzz_cluster
+    port = wait_ping(cluster.segments[0].address, timeout_s=10, unavailable=SegmentUnavailable)["raw_port"]
+    message = HEADER.pack(*header) + body
+    if cut is not None:
+        message = message[:cut]
+    expected = _raw_statuses(message)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(message)
+        if expected is None:
+            return  # cut short: the segment waits for the rest until this connection closes
+        head = sock.recv(HEADER.size, socket.MSG_WAITALL)
+        assert len(head) == HEADER.size, f"no reply to {message[:64]!r}"
+        magic, version, status, request_id, count = HEADER.unpack(head)
+        assert (magic, version, request_id) == (MAGIC, VERSION, header[3]) and status in expected, \
+            (status, expected, message[:64])
+        if status:
+            text = sock.recv(count, socket.MSG_WAITALL).decode()
+            assert text and len(text) == count, text
+
+
 def test_nothing_changed_after_fuzzing(fuzz_cluster):
     cluster, store, payloads = fuzz_cluster
     _check_untouched(cluster, store, payloads)
+    segment = cluster.segments[0].address
+    deadline = time.monotonic() + 20  # the fuzzers' connections are closed; the segment lets go of them
+    while True:
+        stats = wait_ping(segment, timeout_s=10, unavailable=SegmentUnavailable)["raw_stats"]
+        if stats["connections"] <= 1 and stats["body_bytes_in_flight"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert stats["connections"] <= 1 and stats["body_bytes_in_flight"] == 0, stats
+    assert store._raw_channels  # the guard reads went over the raw channel
     status = store.status()
     assert status["objects"] == len(payloads)
     # Registrations with made-up fields may add phantom segments; the real one still holds everything.
