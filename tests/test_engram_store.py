@@ -811,3 +811,18 @@ def test_lookups_fill_dlpack_tensors_in_place(local_store, remote_store, path):
             layer.lookup_into(ids, _DLPackTensor(np.zeros((2, 2), np.float32)))
     finally:
         layer.remove_from_store(force=True)
+
+
+def test_a_closed_engram_store_still_removes_and_reads_synchronously(remote_store):
+    sizes, dim = [31, 37], 4
+    tables = make_tables(sizes, dim, 45)
+    ids = random_ids(np.random.default_rng(46), sizes, 2, 3)
+    layer = EngramStore(next(_layers), EngramStoreConfig(sizes, dim), remote_store)
+    layer.populate(tables)
+    layer.lookup(ids)
+    layer.close()
+    np.testing.assert_array_equal(layer.lookup(ids), expected_rows(tables, ids))  # resolved again
+    with pytest.raises(NotConnected, match="closed"):
+        layer.prefetch(ids, background=True)  # no background reads once closed
+    assert layer.remove_from_store() == 2
+    layer.close()

@@ -94,7 +94,10 @@ class MooncakeSource(KeyedSource):
         return np.ascontiguousarray(out[:, j]).reshape(-1)
 
     def forget(self, lay: Layer) -> None:
-        lay.state = None
+        lay.state = None  # the manifest is checked again on the next read
+
+    def detach(self, lay: Layer) -> None:
+        self.forget(lay)
 
     # ---- reads ------------------------------------------------------------------------------------------------
 

@@ -37,6 +37,10 @@ class StoreSource(KeyedSource):
     def attach(self, lay: Layer) -> None:
         lay.state = PlacementState(_RowCache(self.row_cache_bytes, lay.row_bytes) if self.row_cache_bytes else None)
 
+    def detach(self, lay: Layer) -> None:
+        """Forget the layer's placement and cached rows (a closed EngramStore's next read resolves them again)."""
+        self.attach(lay)
+
     def _clear_cache(self, lay: Layer) -> None:
         if lay.state.cache is not None:
             lay.state.cache.clear()

@@ -193,7 +193,7 @@ def test_non_loopback_bind_without_auth_warns(keys):
 def test_re_replication_between_auth_segments(keys):
     # The master copies objects between segments as a client of the cluster, with the cluster's client keys.
     payload = os.urandom(1 << 20)
-    with Cluster(segments=2, auth_dir=keys, heartbeat_timeout_s=1.0, extra=["--re-replicate"]) as c:
+    with Cluster(segments=2, auth_dir=keys, heartbeat_timeout_s=3.0, extra=["--re-replicate"]) as c:
         with DistributedStore.connect(c.address, timeout_ms=3000, local_direct=False, auth_dir=keys) as store:
             store.put("precious", payload, replica_num=2)
             c.segments[0].kill()
