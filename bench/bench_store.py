@@ -42,8 +42,8 @@ import numpy as np
 from _common import HEARTBEAT_TIMEOUT_S, EchoClient, EchoServer, TIMEOUT_MS, default_json_path, fmt, measure, \
     print_table, size_label, start_cluster, write_json
 from engram_store import DistributedStore, EngramStore, EngramStoreConfig, SegmentUnavailable
-from engram_store._segment import default_readers
-from engram_store._transport import Connection
+from engram_store.segment import default_readers
+from engram_store.wire._transport import Connection
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES = [4 << 10, 1 << 20, 16 << 20]

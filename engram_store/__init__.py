@@ -11,7 +11,7 @@ Public surface::
     EngramError, ...      the exception tree (see ``engram_store._errors``)
 """
 
-from ._client import DistributedStore, ObjectInfo, Replica
+from .client import DistributedStore, ObjectInfo, Replica
 from ._config import StoreConfig
 from .tables import EngramStore, EngramStoreConfig, LookupHandle, lookup_many, prefetch_many
 from ._errors import (
@@ -34,7 +34,7 @@ from ._errors import (
     Unavailable,
     WriteFenced,
 )
-from ._segment import SegmentServer
+from .segment import SegmentServer
 from ._units import format_size, parse_size
 
 __all__ = [

@@ -22,10 +22,10 @@ import sys
 import tempfile
 import time
 
-from engram_store._auth import load_keys
+from engram_store.wire._auth import load_keys
 from engram_store._errors import EngramError, MasterUnavailable, SegmentUnavailable
-from engram_store._segment import reap_orphans
-from engram_store._transport import Connection
+from engram_store.segment import reap_orphans
+from engram_store.wire._transport import Connection
 
 START_TIMEOUT_S = 60.0
 
@@ -164,7 +164,7 @@ def start_master(*, port: int | None = None, heartbeat_timeout_s: float = 10.0, 
 
 def start_segment(master: str, size: str = "64MiB", extra: list[str] | None = None,
                   auth_dir: str | None = None) -> Proc:
-    args = [sys.executable, "-m", "engram_store._segment_cli", "--master", master, "--size", size,
+    args = [sys.executable, "-m", "engram_store.segment.cli", "--master", master, "--size", size,
             "--host", "127.0.0.1", "--port", "0", "--log-level", "INFO"]
     if auth_dir:
         args += ["--auth", str(auth_dir)]

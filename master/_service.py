@@ -9,14 +9,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from engram_store._errors import EngramError, InvalidArgument, SegmentUnavailable, Unavailable
-from engram_store._protocol import PROTOCOL_VERSION, Request
-from engram_store._auth import AuthKeys
+from engram_store.wire._protocol import PROTOCOL_VERSION, Request
+from engram_store.wire._auth import AuthKeys
 from engram_store._metrics import MetricsEndpoint, gauge
-from engram_store._transport import Connection, RpcServer
+from engram_store.wire._transport import Connection, RpcServer
 from engram_store._units import parse_address
 
 from ._journal import Journal
-from ._state import MasterState, RepairJob, Segment
+from ._records import Segment
+from ._repairs import RepairJob
+from ._state import MasterState
 
 log = logging.getLogger(__name__)
 

@@ -32,112 +32,18 @@ from engram_store._errors import (
     OutOfSpace,
     SegmentUnavailable,
 )
-from engram_store._tickets import make_ticket
+from engram_store.wire._tickets import make_ticket
 
 from ._allocator import FreeListAllocator
+from ._fencing import Fencing
+from ._records import COMPLETE, LOST_KEYS_KEPT, PENDING, ObjectMeta, Replica, Segment
+from ._repairs import Repairs
+from ._replay import Replay
 
 log = logging.getLogger(__name__)
 
-PENDING = "pending"
-COMPLETE = "complete"
-#: How many keys of objects lost with their segments are remembered, to explain later reads.
-LOST_KEYS_KEPT = 10_000
-
-
 @dataclass
-class Segment:
-    segment_id: str
-    address: str
-    size: int
-    shm_path: str
-    host_id: str
-    allocator: FreeListAllocator
-    last_heartbeat: float
-    public_key: str = ""
-    #: ``host:port`` of the segment's reader sockets (read_ranges and ping only); empty for older segments.
-    read_addresses: tuple[str, ...] = ()
-    #: Bumped whenever the set of complete objects with a replica here changes; the segment compares it with
-    #: the version of its catalogue and fetches the catalogue when they differ.
-    catalog_version: int = 0
-    #: The secret of the segment's current registration (tickets are MACs under it). Empty for a segment
-    #: restored from the journal: nothing is allocated on it until it registers with this master again.
-    write_key: bytes = b""
-    #: Id of the current registration (heartbeats carry it; another one means the segment registered again).
-    registration: str = ""
-    #: Put ids fenced on this segment and not yet acknowledged: sent with every heartbeat reply.
-    fences: set = field(default_factory=set)
-    #: Ranges ``(offset, size)`` the segment reports as still written by a live writer of a fenced put (straight
-    #: into its file): reserved until the segment stops reporting them.
-    held: set = field(default_factory=set)
-    #: Whether same-host clients may write into the segment's file (a file of this process only: shared memory).
-    direct_writes: bool = False
-    #: Registered with this master (not only restored from its journal): space may be allocated here.
-    confirmed: bool = True
-
-    def describe(self) -> dict:
-        return {
-            "segment_id": self.segment_id,
-            "address": self.address,
-            "size": self.size,
-            "used": self.allocator.used,
-            "shm_path": self.shm_path,
-            "host_id": self.host_id,
-            "read_addresses": list(self.read_addresses),
-            "confirmed": self.confirmed,
-            "catalog": self.catalog_version,
-            "fencing": len(self.fences),
-            "held_bytes": sum(size for _, size in self.held),
-        }
-
-
-@dataclass
-class Replica:
-    segment_id: str
-    offset: int
-
-
-@dataclass
-class ObjectMeta:
-    size: int
-    replica_num: int
-    replicas: list[Replica]
-    state: str
-    lease_until: float = 0.0
-    started: float = 0.0
-    #: The put that is writing a pending object (its tickets name it); 0 for complete objects.
-    put_id: int = 0
-    #: When the writer last said it is still writing (put_start or put_renew); a pending put silent for longer
-    #: than ``put_timeout_s`` is fenced.
-    renewed: float = 0.0
-    #: xxh3_64 of the object's bytes (hex) as its writer computed them; empty if it gave none.
-    checksum: str = ""
-
-
-@dataclass
-class Fence:
-    """Space of a fenced put, freed replica by replica as each segment acknowledges the fence."""
-    key: str
-    size: int
-    waiting: dict  # segment id -> offset of the replica still to be acknowledged
-
-
-@dataclass
-class RepairJob:
-    """A copy of one object onto a segment that lacks it (the target space is reserved)."""
-    key: str
-    meta: ObjectMeta
-    source_address: str
-    source_offset: int
-    target_id: str
-    target_address: str
-    target_offset: int
-    size: int
-    put_id: int = 0
-    ticket: bytes = b""
-
-
-@dataclass
-class MasterState:
+class MasterState(Fencing, Repairs, Replay):
     lease_ttl_s: float = 5.0
     heartbeat_timeout_s: float = 10.0
     #: A pending put whose writer has not renewed it (put_start, put_renew) for this long is fenced and its space
@@ -212,16 +118,6 @@ class MasterState:
             self._adopt(segment, objects)
         return known is not None
 
-    def _end_registration(self, segment: Segment) -> None:
-        """The segment registered again: every ticket of its old registration is dead, so its space held by pending
-        or fenced puts is free, except ranges it reports as still written (see :meth:`_report_held`)."""
-        for key in [k for k, m in self.objects.items() if m.state == PENDING
-                    and any(r.segment_id == segment.segment_id for r in m.replicas)]:
-            self._fence(key, self.objects[key], settled={segment.segment_id})
-        for put_id in list(segment.fences):
-            self._fence_acknowledged(segment, put_id)
-        segment.fences.clear()
-
     def _adopt(self, segment: Segment, objects: list[tuple]) -> None:
         adopted = skipped = 0
         for entry in objects:
@@ -289,28 +185,6 @@ class MasterState:
         if held is not None:
             self._report_held(segment, held)
         return segment
-
-    def _report_held(self, segment: Segment, held: list[tuple[int, int]]) -> None:
-        """The segment's current list of ranges still written by live writers of fenced puts: reserve the new
-        ones, free those no longer reported."""
-        reported = {(int(o), int(n)) for o, n in held}
-        for offset, size in reported - segment.held:
-            # A range this master may not know as allocated (a registration after a restart): reserve it; one it
-            # already reserves for the fenced put stays reserved as held.
-            if not self._reserved_by_fence(segment.segment_id, offset, size):
-                if not segment.allocator.reserve(offset, size):
-                    log.warning("segment %s reports a live writer in [%d, %d), which overlaps objects this master "
-                                "placed there", segment.segment_id, offset, offset + size)
-                    continue
-            segment.held.add((offset, size))
-        for offset, size in segment.held - reported:
-            segment.held.discard((offset, size))
-            segment.allocator.free(offset, size)
-            log.info("segment %s: [%d, %d) is free again: its stale writer finished or died", segment.segment_id,
-                     offset, offset + size)
-
-    def _reserved_by_fence(self, segment_id: str, offset: int, size: int) -> bool:
-        return any(f.waiting.get(segment_id) == offset and f.size == size for f in self.fencing.values())
 
     def drop_segment(self, segment_id: str, reason: str) -> int:
         """Forget a segment and every replica on it; returns how many objects lost their last replica."""
@@ -460,48 +334,6 @@ class MasterState:
             raise InvalidArgument(f"put_revoke {key!r}: the object is complete; use remove")
         self._fence(key, meta, settled={r.segment_id for r in meta.replicas} if settled else set())
 
-    def _fence(self, key: str, meta: ObjectMeta, settled: set[str] = frozenset()) -> None:
-        """Forget a pending put. Its replicas on ``settled`` segments are free at once; the others wait until each
-        segment has acknowledged the fence (sent with its heartbeat replies), so no late write lands in space
-        that another object owns."""
-        del self.objects[key]
-        waiting = {}
-        for replica in meta.replicas:
-            segment = self.segments.get(replica.segment_id)
-            if segment is None:
-                continue
-            if replica.segment_id in settled or not meta.size:
-                segment.allocator.free(replica.offset, meta.size)
-            else:
-                segment.fences.add(meta.put_id)
-                waiting[replica.segment_id] = replica.offset
-        if waiting:
-            self.fencing[meta.put_id] = Fence(key, meta.size, waiting)
-
-    def _fence_acknowledged(self, segment: Segment, put_id: int, held: list[tuple[int, int]] | None = None) -> None:
-        """The segment applied the fence of ``put_id``: free its replica there, unless the segment reports a live
-        writer still writing that range (then it stays reserved as held)."""
-        fence = self.fencing.get(put_id)
-        if fence is None:
-            return
-        offset = fence.waiting.pop(segment.segment_id, None)
-        if offset is not None:
-            if held is not None and (offset, fence.size) in {(int(o), int(n)) for o, n in held}:
-                segment.held.add((offset, fence.size))
-            else:
-                segment.allocator.free(offset, fence.size)
-        if not fence.waiting:
-            del self.fencing[put_id]
-
-    def _forget_settled_fences(self) -> None:
-        for put_id in [p for p, f in self.fencing.items() if not f.waiting]:
-            del self.fencing[put_id]
-
-    def fencing_bytes(self) -> int:
-        """Bytes of fenced puts waiting for the segments' acknowledgements, and of ranges held by stale writers."""
-        return (sum(f.size * len(f.waiting) for f in self.fencing.values())
-                + sum(size for s in self.segments.values() for _, size in s.held))
-
     def get(self, key: str, lease: bool = True) -> ObjectMeta:
         meta = self.objects.get(key)
         if meta is None or meta.state != COMPLETE:
@@ -589,118 +421,3 @@ class MasterState:
         self.lost[key] = message
         while len(self.lost) > LOST_KEYS_KEPT:
             self.lost.popitem(last=False)
-
-    # ---- re-replication -------------------------------------------------------------------------
-
-    def plan_repairs(self, busy: set[str], limit: int) -> list["RepairJob"]:
-        """Reserve space for copies of objects below their replica count.
-
-        Returns up to ``limit`` jobs, skipping keys in ``busy`` (copies in flight). Each job's target space
-        stays reserved until :meth:`finish_repair`.
-        """
-        self.release_quarantine()
-        jobs = []
-        for key, meta in self.objects.items():
-            if len(jobs) >= limit:
-                break
-            if meta.state != COMPLETE or len(meta.replicas) >= meta.replica_num or key in busy or not meta.replicas:
-                continue
-            holders = {r.segment_id for r in meta.replicas}
-            candidates = sorted((s for s in self.segments.values() if s.segment_id not in holders and s.confirmed),
-                                key=lambda s: (-s.allocator.free_bytes, s.segment_id))
-            for target in candidates:
-                offset = target.allocator.allocate(meta.size)
-                if offset is not None:
-                    source = meta.replicas[0]
-                    put_id = self.next_put_id
-                    self.next_put_id += 1
-                    jobs.append(RepairJob(key, meta, self.segments[source.segment_id].address, source.offset,
-                                          target.segment_id, target.address, offset, meta.size, put_id,
-                                          self.ticket(target, put_id, offset, meta.size)))
-                    break
-        return jobs
-
-    def under_replicated(self) -> list[str]:
-        return [k for k, m in self.objects.items() if m.state == COMPLETE and len(m.replicas) < m.replica_num]
-
-    def finish_repair(self, job: "RepairJob", ok: bool) -> bool:
-        """Record a finished copy, or release its space if it failed or the object changed meanwhile."""
-        target = self.segments.get(job.target_id)
-        meta = self.objects.get(job.key)
-        usable = (ok and target is not None and meta is job.meta
-                  and job.target_id not in {r.segment_id for r in meta.replicas})
-        if not usable:
-            if target is not None and ok:
-                target.allocator.free(job.target_offset, job.size)  # every write of the copy was answered
-            elif target is not None:
-                # A copy that failed may have a write still queued at the target: fence it like a revoked put.
-                target.fences.add(job.put_id)
-                self.fencing[job.put_id] = Fence(job.key, job.size, {job.target_id: job.target_offset})
-            return False
-        meta.replicas.append(Replica(job.target_id, job.target_offset))
-        target.catalog_version += 1
-        self._journal_object(job.key, meta)
-        return True
-
-    # ---- journal replay -------------------------------------------------------------------------
-
-    def replay(self, records) -> int:
-        """Rebuild state from journal records (without re-journalling); returns the record count.
-
-        Restored segments get a fresh heartbeat deadline; a segment that died while the master was
-        down misses it and is dropped then. They are unconfirmed: nothing is allocated on one until it registers
-        again, with a new write key that fences every put the old master had started there. Leases are not
-        restored: they only ever delay a remove.
-        """
-        journal, self.journal = self.journal, (lambda record: None)
-        count = 0
-        try:
-            for record in records:
-                count += 1
-                op = record.get("op")
-                if op == "segment":
-                    self.register_segment(record["segment_id"], record["address"], record["size"],
-                                          record["shm_path"], record["host_id"], record.get("public_key", ""),
-                                          read_addresses=tuple(record.get("read_addresses") or ()),
-                                          confirmed=False)
-                elif op == "drop_segment":
-                    self.drop_segment(record["segment_id"], record.get("reason", "was dropped"))
-                elif op == "object":
-                    self._replay_object(record)
-                elif op == "remove":
-                    meta = self.objects.get(record["key"])
-                    if meta is not None:
-                        self._release(record["key"], meta)
-                    else:
-                        self.lost.pop(record["key"], None)
-                elif op == "forget_lost":
-                    self.lost.clear()
-                else:
-                    log.warning("journal: skipping unknown record %r", op)
-        finally:
-            self.journal = journal
-        return count
-
-    def _replay_object(self, record: dict) -> None:
-        key, size = record["key"], record["size"]
-        if key in self.objects:
-            self._release(key, self.objects[key])
-        replicas = []
-        for segment_id, offset in record["replicas"]:
-            segment = self.segments.get(segment_id)
-            if segment is not None and segment.allocator.reserve(offset, size):
-                replicas.append(Replica(segment_id, offset))
-        if replicas:
-            self.objects[key] = ObjectMeta(size, record.get("replica_num", len(replicas)), replicas, COMPLETE,
-                                           checksum=str(record.get("checksum") or ""))
-
-    def snapshot(self) -> list[dict]:
-        """The journal records that rebuild the current durable state (used to compact the journal)."""
-        records = [{"op": "segment", "segment_id": s.segment_id, "address": s.address, "size": s.size,
-                    "shm_path": s.shm_path, "host_id": s.host_id, "public_key": s.public_key,
-                    "read_addresses": list(s.read_addresses)}
-                   for s in self.segments.values()]
-        records += [{"op": "object", "key": k, "size": m.size, "replica_num": m.replica_num,
-                     "replicas": [[r.segment_id, r.offset] for r in m.replicas], "checksum": m.checksum}
-                    for k, m in self.objects.items() if m.state == COMPLETE]
-        return records

@@ -13,9 +13,9 @@ import json
 import logging
 import sys
 
-from engram_store._auth import AUTH_DIR_ENV, exposure_warning, keygen, load_keys, resolve_auth_dir
+from engram_store.wire._auth import AUTH_DIR_ENV, exposure_warning, keygen, load_keys, resolve_auth_dir
 from engram_store._errors import EngramError
-from engram_store._transport import serve_until_signalled
+from engram_store.wire._transport import serve_until_signalled
 from engram_store._units import format_size, parse_address
 
 from ._service import (
@@ -114,7 +114,7 @@ certificate (*.key) into {args.dir}/authorized_clients/ and restart the servers.
 def status(argv: list[str]) -> int:
     args = _status_parser().parse_args(argv)
     from engram_store._errors import MasterUnavailable
-    from engram_store._transport import Connection
+    from engram_store.wire._transport import Connection
 
     try:
         host, port = parse_address(args.master, "--master")

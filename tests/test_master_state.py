@@ -13,7 +13,7 @@ from engram_store import (
     OutOfSpace,
     SegmentUnavailable,
 )
-from engram_store._tickets import make_ticket, read_ticket
+from engram_store.wire import make_ticket, read_ticket
 from master import ALIGNMENT, FreeListAllocator, MasterState
 
 

@@ -20,11 +20,12 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engram_store._protocol import PROTOCOL_VERSION as V
+from engram_store.wire._protocol import PROTOCOL_VERSION as V
 from engram_store import DistributedStore, InvalidArgument, ProtocolError, SegmentServer, SegmentUnavailable
-from engram_store import _client
-from engram_store._segment import MAX_RANGES, MAX_READ_BYTES, SegmentMemory, default_readers, shmem_huge_pages
-from engram_store._transport import Connection
+from engram_store.client import _writes as _client
+from engram_store.segment import MAX_RANGES, MAX_READ_BYTES, SegmentMemory, default_readers
+from engram_store.segment._memory import shmem_huge_pages
+from engram_store.wire._transport import Connection
 from engram_store.testing import Cluster, wait_ping
 
 pytestmark = pytest.mark.timeout(180)

@@ -13,7 +13,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engram_store._protocol import PROTOCOL_VERSION as V
+from engram_store.wire._protocol import PROTOCOL_VERSION as V
 from engram_store import (
     DistributedStore,
     InvalidArgument,
@@ -439,7 +439,7 @@ def test_a_segment_pointed_at_a_wrong_master_says_so(shared_cluster):
     from engram_store.testing import free_port
 
     def run(master: str, timeout: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "engram_store._segment_cli", "--master", master, "--size",
+        return subprocess.run([sys.executable, "-m", "engram_store.segment.cli", "--master", master, "--size",
                                "4MiB", "--register-timeout", timeout, "--readers", "0"],
                               capture_output=True, text=True, timeout=120)
 
@@ -456,7 +456,7 @@ def test_a_segment_pointed_at_a_wrong_master_says_so(shared_cluster):
 
 def test_malformed_headers_get_a_reason():
     from engram_store import ProtocolError
-    from engram_store._protocol import unpack_header
+    from engram_store.wire._protocol import unpack_header
 
     for raw, reason in [(b"\x85", "incomplete"), (b"\xc1", "not a msgpack encoding"), (b"\x81\xa1v\x01\x00", "extra")]:
         with pytest.raises(ProtocolError, match=f"not valid msgpack: \\w+: .*{reason}"):

@@ -7,7 +7,7 @@ import sys
 from typing import Any, Iterable, Mapping
 
 
-from .._client import DistributedStore
+from ..client import DistributedStore
 from ..tables import EngramStore as NativeEngramStore
 from .._errors import (
     EngramError,

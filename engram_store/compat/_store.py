@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .._client import DistributedStore
+from ..client import DistributedStore
 from .._config import DEFAULT_EMBEDDED_SEGMENT_SIZE, StoreConfig
 from .._errors import (
     EngramError,

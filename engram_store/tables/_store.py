@@ -387,7 +387,7 @@ def _source_for(store: Any, local_dir: Any, disk_dir: Any, require_manifest: boo
 
 def _native_store(store: Any):
     """The DistributedStore behind ``store`` (itself, or the one a compat wrapper holds), else None."""
-    from .._client import DistributedStore
+    from ..client import DistributedStore
 
     if isinstance(store, DistributedStore):
         return store

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 
 from engram_store import DistributedStore, EngramError
-from engram_store import _client
+from engram_store.client import _writes as _client
 
 
 def main() -> int:

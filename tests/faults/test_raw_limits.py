@@ -26,9 +26,10 @@ import numpy as np
 import pytest
 
 from engram_store import DistributedStore, EngramStore, EngramStoreConfig, SegmentUnavailable
-from engram_store import _raw
-from engram_store._raw import (HEADER, MAGIC, OP_HELLO, OP_READ, STATUS_BUSY, TOKEN_BYTES, VERSION, RawChannel,
-                               RawChannelRefused, RawReadServer)
+from engram_store.client import RawChannel, RawChannelRefused
+from engram_store.segment import RawReadServer
+from engram_store.segment import _raw_limits as _raw
+from engram_store.wire._raw import HEADER, MAGIC, OP_HELLO, OP_READ, STATUS_BUSY, TOKEN_BYTES, VERSION
 from engram_store.testing import Cluster, wait_ping
 
 HAS_CURVE = __import__("zmq").has("curve")

@@ -19,8 +19,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ._auth import AuthKeys, HandshakeWatch, ensure_authenticator
-from ._errors import EngramError, ProtocolError, Unavailable, describe, error_from_reply
-from ._metrics import RequestMetrics
+from .._errors import EngramError, ProtocolError, Unavailable, describe, error_from_reply
+from .._metrics import RequestMetrics
 from ._protocol import PROTOCOL_VERSION, Request, decode, encode, error_reply, pack_header, unpack_header
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class RpcServer:
     threads, so one busy socket does not delay another's messages (see :func:`io_threads`).
 
     With ``auth`` (keys loaded with ``load_keys(dir, server=True)``) the socket is a CURVE server that admits
-    only the clients authorised in that key directory (see :mod:`engram_store._auth`); refused connections
+    only the clients authorised in that key directory (see :mod:`engram_store.wire._auth`); refused connections
     are logged at WARNING by a small thread that reads the socket's monitor events.
     """
 

@@ -33,7 +33,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from ._errors import ConfigError
+from .._errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -13,37 +13,31 @@ the first reads do not either.
 
 from __future__ import annotations
 
-import errno
-import json
 import logging
-import mmap
 import os
-import shutil
-import socket
 import threading
 import time
 import uuid
 
 import numpy as np
-import xxhash
 
-from . import kernels as _kernels
-from ._errors import (
+from .. import kernels as _kernels
+from .._errors import (
     ConfigError,
     EngramError,
     InvalidArgument,
     MasterUnavailable,
-    OutOfSpace,
     ProtocolError,
     RemoteError,
 )
+from ..wire._auth import AuthKeys
+from ..wire._protocol import PROTOCOL_VERSION, Request, frame_array, frame_bytes
+from ..wire._raw import VERSION as RAW_VERSION
+from ..wire._transport import Connection, RpcServer, io_threads
+from ._catalog import Catalog
 from ._fence import WriteFence
-from ._protocol import PROTOCOL_VERSION, Request, frame_array, frame_bytes
-from ._auth import AuthKeys
-from ._pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise, prefault
-from ._raw import VERSION as RAW_VERSION
-from ._raw import RawReadServer
-from ._transport import Connection, RpcServer, io_threads
+from ._memory import SegmentMemory, host_id
+from ._raw_server import RawReadServer
 
 log = logging.getLogger(__name__)
 
@@ -65,47 +59,6 @@ READERS_MIN_CPUS = 4
 MAX_READERS = 64
 #: After a failed heartbeat, the next one goes out this soon (or at the usual interval, if shorter).
 RETRY_HEARTBEAT_S = 0.25
-SHM_DIR = "/dev/shm"
-THP_SHMEM_SETTING = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
-
-
-def host_id() -> str:
-    """Identifies this machine (and boot), so a client can tell whether a segment's file is local."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
-def reap_orphans(directory: str = SHM_DIR) -> list[str]:
-    """Remove segment files left by processes that died without cleaning up (e.g. after SIGKILL)."""
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        parts = name.split("-")
-        if len(parts) != 3 or parts[0] != "engram" or not parts[1].isdigit():
-            continue
-        pid = int(parts[1])
-        try:
-            os.kill(pid, 0)
-            continue  # still running
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # someone else's live process
-        try:
-            os.unlink(os.path.join(directory, name))
-            removed.append(name)
-        except OSError:
-            pass
-    if removed:
-        log.info("removed %d segment file(s) left by dead processes in %s", len(removed), directory)
-    return removed
 
 
 def default_readers() -> int:
@@ -118,212 +71,6 @@ def default_readers() -> int:
     return DEFAULT_READERS if cpus >= READERS_MIN_CPUS else 1
 
 
-_thp_logged = False
-
-
-def pwrite_all(fd: int, data, offset: int) -> int:
-    """Write all of ``data`` (bytes-like) at ``offset`` of the file ``fd`` with ``pwrite``, which releases the
-    GIL; returns its length. A segment's writes and same-host clients' puts into a segment file use it."""
-    view = data if isinstance(data, memoryview) else memoryview(data)
-    if view.ndim != 1 or view.itemsize != 1:
-        view = view.cast("B")
-    done, n = 0, view.nbytes
-    while done < n:
-        written = os.pwrite(fd, view[done:], offset + done)
-        if written <= 0:
-            raise OSError(errno.EIO, f"pwrite wrote nothing at offset {offset + done}")
-        done += written
-    return n
-
-
-def shmem_huge_pages() -> str:
-    """The kernel's transparent-huge-page policy for shared memory: ``never``, ``advise``, ``within_size``,
-    ``always``, ... (the bracketed word of /sys/kernel/mm/transparent_hugepage/shmem_enabled), or ``""``."""
-    try:
-        with open(THP_SHMEM_SETTING) as f:
-            text = f.read()
-    except OSError:
-        return ""
-    start, end = text.find("["), text.find("]")
-    return text[start + 1:end] if 0 <= start < end else ""
-
-
-def _log_huge_page_policy(policy: str) -> None:
-    global _thp_logged
-    if _thp_logged:
-        return
-    _thp_logged = True
-    if policy in ("advise", "within_size", "always", "force"):
-        log.info("transparent huge pages for shared memory: shmem_enabled=%s; segment mappings ask for 2 MiB "
-                 "pages (madvise MADV_HUGEPAGE)", policy)
-    else:
-        log.info("transparent huge pages for shared memory: shmem_enabled=%s; segments use 4 KiB pages "
-                 "(set it to 'advise' or 'within_size' for 2 MiB pages)", policy or "unavailable")
-
-
-class SegmentMemory:
-    """A segment's bytes: a shared-memory (or regular) file mapped read-write, removed on close.
-
-    The file stays open (``fd``): writes go in with ``pwrite`` (:meth:`write`), which moves bytes at
-    memory speed where a copy into a freshly mapped page pays a fault per 4 KiB, and :meth:`flush` is an
-    ``fsync`` of it. The mapping is what reads gather from; :meth:`prefault` maps it in ahead of them.
-    """
-
-    def __init__(self, size: int, path: str | None = None, keep_file: bool = False):
-        if size <= 0:
-            raise InvalidArgument(f"segment size: expected > 0 bytes, got {size}")
-        if path is None:
-            directory = SHM_DIR if os.path.isdir(SHM_DIR) else os.environ.get("TMPDIR", "/tmp")
-            reap_orphans(directory)
-            path = os.path.join(directory, f"engram-{os.getpid()}-{uuid.uuid4().hex}")
-        self.path = path
-        self.size = size
-        self._keep_file = keep_file
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if keep_file else os.O_EXCL), 0o600)
-        try:
-            existing = os.fstat(fd).st_size
-            if keep_file and existing not in (0, size):
-                raise ConfigError(f"segment file {path!r} holds {existing} bytes but the segment size is {size}; "
-                                  "pass the size it was created with, or another file")
-            os.ftruncate(fd, size)
-            # Reserve every page now: a write into a shared-memory page that cannot be allocated kills the
-            # process with SIGBUS, so a segment that does not fit fails here with a clear error instead; and
-            # writes into reserved pages run about 4x faster than into holes (first populate of a table).
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-                    free = shutil.disk_usage(os.path.dirname(path)).free
-                    raise OutOfSpace(f"segment size: cannot reserve {size} bytes in {os.path.dirname(path)} "
-                                     f"({free} bytes free): {exc.strerror}") from None
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # file systems without fallocate
-                    raise
-            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except (OSError, ConfigError, OutOfSpace):
-            os.close(fd)
-            if not keep_file:
-                os.unlink(path)
-            raise
-        self.fd = fd
-        self.array = np.frombuffer(self._mmap, dtype=np.uint8)
-        self.address = self.array.ctypes.data
-        self._closed = False
-        if os.path.dirname(path) == SHM_DIR:
-            policy = shmem_huge_pages()
-            _log_huge_page_policy(policy)
-            if policy in ("advise", "within_size", "always", "force"):
-                err = madvise(self.address, size, MADV_HUGEPAGE)
-                if err:
-                    log.debug("segment %s: madvise(MADV_HUGEPAGE) failed: %s", path, os.strerror(err))
-
-    def write(self, offset: int, data: memoryview) -> int:
-        """Write ``data`` at ``offset`` with ``pwrite`` (the caller checked that it fits); returns its length."""
-        return pwrite_all(self.fd, data, offset)
-
-    def prefault(self, stop: threading.Event, chunk_bytes: int = PREFAULT_CHUNK_BYTES) -> int:
-        """Map every page of the segment into this process (see :func:`_pages.prefault`) until done or ``stop``
-        is set; returns the bytes prefaulted. The caller sets ``stop`` and joins before closing the memory."""
-        if self._closed:
-            return 0
-        return prefault(self.address, self.size, stop, name=f"segment {self.path}", chunk_bytes=chunk_bytes)
-
-    def flush(self) -> None:
-        """Make the segment's bytes durable in its file (fsync; writes went in with pwrite)."""
-        if not self._closed:
-            os.fsync(self.fd)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.array = None
-        try:
-            self._mmap.close()
-        except BufferError:
-            log.debug("segment %s: memory still referenced at close; leaving the mapping to the GC", self.path)
-        os.close(self.fd)
-        if not self._keep_file:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-
-
-class Catalog:
-    """The complete objects this segment holds, as the master last listed them: ``[key, offset, size, replica_num,
-    checksum]`` entries (checksum: xxh3_64 of the object's bytes, in hex).
-
-    Every segment keeps it, so a segment that the master dropped (it missed heartbeats) or forgot (it restarted
-    without a journal) offers its objects back when it registers again, each one only after its bytes are
-    verified against its checksum (:meth:`verified`). A file-backed segment also keeps it next to its data file
-    (``<file>.manifest``, JSON ``{"segment_id", "size", "catalog", "objects"}``), written atomically (temporary
-    file, fsync, rename) and only after the data file was flushed, so it never names bytes that are not on disk.
-    """
-
-    def __init__(self, data_path: str | None, size: int):
-        self.path = data_path + ".manifest" if data_path is not None else None
-        self.size = size
-        self.segment_id = uuid.uuid4().hex
-        self.version = -1
-        self.objects: list[list] = []
-        if self.path is None:
-            return
-        if os.path.exists(self.path):
-            try:
-                with open(self.path, encoding="utf-8") as f:
-                    record = json.load(f)
-                self.segment_id = str(record["segment_id"])
-                recorded_size = int(record["size"])
-                self.objects = [list(o) for o in record.get("objects", [])]
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise ConfigError(f"segment manifest {self.path!r} is unreadable ({exc}); move it away to start "
-                                  "the segment empty") from None
-            if recorded_size != size:
-                raise ConfigError(f"segment manifest {self.path!r} was written for a {recorded_size}-byte segment, "
-                                  f"not {size}")
-        else:
-            self.record(self.version, [])
-
-    @property
-    def durable(self) -> bool:
-        return self.path is not None
-
-    def record(self, version: int, objects: list[list]) -> None:
-        """Keep the master's latest list (and write it to the manifest file of a file-backed segment)."""
-        if self.path is not None:
-            tmp = self.path + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump({"segment_id": self.segment_id, "size": self.size, "catalog": version,
-                           "objects": objects}, f, separators=(",", ":"))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-            dir_fd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-        self.version, self.objects = version, objects
-
-    def verified(self, memory: np.ndarray) -> list[list]:
-        """The entries whose bytes in ``memory`` still match their checksum (a manifest written before checksums
-        were kept has none: its entries are trusted, as the file was flushed before they were written)."""
-        good, bad = [], []
-        for entry in self.objects:
-            key, offset, size = entry[0], int(entry[1]), int(entry[2])
-            checksum = entry[4] if len(entry) > 4 else None
-            if not 0 <= offset <= self.size - size:
-                bad.append(key)
-            elif checksum and xxhash.xxh3_64_hexdigest(memory[offset:offset + size]) != checksum:
-                bad.append(key)
-            else:
-                good.append(list(entry))
-        if bad:
-            log.warning("segment %s: %d object(s) no longer match their checksums and are not offered back (e.g. "
-                        "%s)", self.segment_id, len(bad), ", ".join(map(repr, bad[:3])))
-        return good
-
-
 class SegmentServer:
     """One memory segment behind a ROUTER socket, registered with (and heartbeating to) a master.
 
@@ -333,7 +80,7 @@ class SegmentServer:
     ports), serve ``read_ranges``, ``ping`` and ``channel_token`` only, and are registered with the master as
     ``read_addresses``; with ``auth`` they require the same CURVE keys as the main socket. They stop with the
     segment. With ``raw_reads`` (default) it also serves range reads on a plain TCP port, the raw read channel
-    (:mod:`engram_store._raw`), holding at most ``raw_max_connections`` connections (default its MAX_CONNECTIONS).
+    (:mod:`engram_store.segment._raw_server`), holding at most ``raw_max_connections`` connections (default its MAX_CONNECTIONS).
 
     A context manager; :meth:`close` unregisters from the master, stops serving and removes the
     shared-memory file. Use :meth:`start` to serve from a background thread (a segment mounted in a client

@@ -1,4 +1,4 @@
-"""A segment's side of fencing: which writes may land (see :mod:`engram_store._tickets` and DESIGN.md, "Fencing").
+"""A segment's side of fencing: which writes may land (see :mod:`engram_store.wire._tickets` and DESIGN.md, "Fencing").
 
 Every write carries a ticket from the master. :class:`WriteFence` admits a write only if its ticket was issued
 under the segment's current write key, its put has not been fenced, and its bytes lie inside the ticket's range.
@@ -21,8 +21,8 @@ import threading
 import uuid
 from dataclasses import dataclass
 
-from ._errors import InvalidArgument, WriteFenced
-from ._tickets import WRITE_KEY_BYTES, read_ticket
+from .._errors import InvalidArgument, WriteFenced
+from ..wire._tickets import WRITE_KEY_BYTES, read_ticket
 
 log = logging.getLogger(__name__)
 

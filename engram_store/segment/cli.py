@@ -12,12 +12,12 @@ import sys
 
 import zmq
 
-from ._auth import AUTH_DIR_ENV, exposure_warning, load_keys, resolve_auth_dir
-from ._errors import EngramError, MasterUnavailable
-from ._raw import MAX_CONNECTIONS as RAW_MAX_CONNECTIONS
-from ._segment import DEFAULT_READERS, MAX_READERS, READERS_MIN_CPUS, SegmentServer, default_readers
-from ._transport import serve_until_signalled
-from ._units import parse_address, parse_size
+from .._errors import EngramError, MasterUnavailable
+from .._units import parse_address, parse_size
+from ..wire._auth import AUTH_DIR_ENV, exposure_warning, load_keys, resolve_auth_dir
+from ..wire._transport import serve_until_signalled
+from ._raw_limits import MAX_CONNECTIONS as RAW_MAX_CONNECTIONS
+from ._server import DEFAULT_READERS, MAX_READERS, READERS_MIN_CPUS, SegmentServer, default_readers
 
 
 def _raise_open_files_limit() -> None:

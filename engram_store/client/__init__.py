@@ -1,0 +1,14 @@
+"""The client room: :class:`DistributedStore`, metadata from the master and bytes from segment servers.
+
+* ``_store``: the class itself: construction (``connect``, ``embedded``, ``from_env``), metadata, lifecycle;
+* ``_writes``: the write path (tickets, same-host ``pwrite``, write requests in flight, renewals, revokes);
+* ``_reads``: the read path (local-direct copies, the raw channel or ZeroMQ, failover);
+* ``_raw_client``: a connection to one segment's raw read channel; ``_objects``: replicas and argument checks.
+"""
+
+from ._objects import ObjectInfo, Replica, as_bytes_view
+from ._raw_client import RawChannel, RawChannelRefused, raw_reads_default
+from ._store import DistributedStore
+
+__all__ = ["DistributedStore", "ObjectInfo", "RawChannel", "RawChannelRefused", "Replica", "as_bytes_view",
+           "raw_reads_default"]

@@ -1,0 +1,456 @@
+"""The read path of :class:`DistributedStore`: local-direct copies, the raw channel where segments offer it, else
+ZeroMQ; one request per segment server, all in flight at once, failing over to another replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from .. import kernels as _kernels
+from .._errors import EngramError, InvalidArgument, ProtocolError, SegmentUnavailable
+from ..wire._protocol import frame_bytes
+from ..wire._raw import VERSION as RAW_VERSION
+from ..wire._transport import ZERO_COPY_SEND_BYTES
+from ._objects import ObjectInfo, Replica, as_bytes_view, check_key
+from ._raw_client import RawChannel, RawChannelRefused
+
+log = logging.getLogger("engram_store.client")
+
+#: Size of one read message for large objects; several are kept in flight per server.
+CHUNK_BYTES = 16 << 20
+#: Replies at least this large are received without a copy (smaller ones are cheaper to copy).
+ZERO_COPY_REPLY_BYTES = 64 << 10
+#: After a raw read channel failed, how long the ping that looks for the segment again may take: a dead
+#: segment then fails reads within this, not the full timeout; a restarted one answers with its new port.
+REDISCOVERY_TIMEOUT_MS = 2000
+#: A segment that did not answer that ping is not asked again for this long: reads to it fail at once (and
+#: fail over to other replicas) instead of each waiting out the ping until the master drops the segment.
+DEAD_HOLD_S = 2.0
+#: After a segment's raw read channel refused a read (busy, or a new connection refused or closed before any
+#: answer) while its ZeroMQ socket answers, this client reads from it over ZeroMQ for this long.
+RAW_BACKOFF_S = 1.0
+_SUSPECT = "suspect"
+
+
+class ReadPath:
+    """The reads of a :class:`DistributedStore` (a mixin: the store holds the connections, mappings and channels)."""
+
+    def local_view(self, replica: Replica) -> np.ndarray | None:
+        """The whole segment holding ``replica`` as a read-only uint8 array, if it is mapped on this host.
+
+        A mapping outlives a killed segment process (its file stays until reaped), so reads through it keep
+        returning the intact bytes until the master declares the segment dead and ``locate`` stops naming it.
+        """
+        if not self.local_direct:
+            return None
+        view = self._maps.get(replica.segment_id, False)
+        if view is not False:
+            return view
+        with self._maps_lock:
+            if replica.segment_id in self._maps:
+                return self._maps[replica.segment_id]
+            view = None
+            if replica.host_id == self._host_id and replica.shm_path:
+                try:
+                    fd = os.open(replica.shm_path, os.O_RDONLY)
+                    try:
+                        if os.fstat(fd).st_size == replica.segment_size:
+                            mm = mmap.mmap(fd, replica.segment_size, mmap.MAP_SHARED, mmap.PROT_READ)
+                            self._mmaps.append(mm)
+                            view = np.frombuffer(mm, dtype=np.uint8)
+                    finally:
+                        os.close(fd)
+                except OSError as exc:
+                    log.debug("segment %s not mappable here (%s); reading remotely", replica.segment_id, exc)
+            self._maps[replica.segment_id] = view
+            return view
+
+    def get(self, key: str, lease: bool = True) -> bytes:
+        """The bytes stored under ``key``; ``lease=False`` reads without taking a read lease."""
+        info = self.locate([check_key(key)], lease=lease)[0]
+        out = np.empty(info.size, dtype=np.uint8)
+        self.read_object(info, out)
+        return out.tobytes()
+
+    def get_into(self, key: str, buffer: object) -> int:
+        """Copy the object into ``buffer`` (at least as large as the object); returns the byte count."""
+        dst = as_bytes_view(buffer, "buffer", writable=True)
+        info = self.locate([check_key(key)])[0]
+        if dst.nbytes < info.size:
+            raise InvalidArgument(f"buffer: object {key!r} is {info.size} bytes, the buffer holds {dst.nbytes}")
+        self.read_object(info, dst[:info.size])
+        return info.size
+
+    def read_object(self, info: ObjectInfo, dst: np.ndarray) -> None:
+        """Read a whole object in CHUNK_BYTES pieces (so large objects span several requests in flight)."""
+        work = []
+        for start in range(0, info.size, CHUNK_BYTES):
+            offsets = np.array([start], dtype=np.int64)
+            lengths = np.array([min(CHUNK_BYTES, info.size - start)], dtype=np.int64)
+            work.append((info, offsets, lengths, dst, offsets))
+        self.read_into(work)
+
+    def get_into_ranges(self, buffers: Sequence[object], all_keys: Sequence[Sequence[str]],
+                        all_dst_offsets: Sequence, all_src_offsets: Sequence, all_sizes: Sequence) -> list:
+        """Mooncake's ranged read: for each buffer i and key j, copy ranges of the object into buffer i.
+
+        ``all_dst_offsets[i][j][k]`` / ``all_src_offsets[i][j][k]`` / ``all_sizes[i][j][k]`` describe range k
+        of key j for buffer i. Returns the same nesting with the bytes copied per range. All keys are
+        located in one master request; all segment servers are read at once.
+        """
+        n = len(buffers)
+        for name, seq in (("all_keys", all_keys), ("all_dst_offsets", all_dst_offsets),
+                          ("all_src_offsets", all_src_offsets), ("all_sizes", all_sizes)):
+            if len(seq) != n:
+                raise InvalidArgument(f"{name}: expected {n} entries (one per buffer), got {len(seq)}")
+        dsts = [as_bytes_view(b, f"buffers[{i}]", writable=True) for i, b in enumerate(buffers)]
+        unique = sorted({check_key(k, "all_keys") for keys in all_keys for k in keys})
+        infos = dict(zip(unique, self.locate(unique))) if unique else {}
+        work = []
+        result = []
+        for i, keys in enumerate(all_keys):
+            if not (len(all_dst_offsets[i]) == len(all_src_offsets[i]) == len(all_sizes[i]) == len(keys)):
+                raise InvalidArgument(f"buffer {i}: expected one offset/size list per key ({len(keys)} keys)")
+            per_key = []
+            for j, key in enumerate(keys):
+                dst_off = np.asarray(all_dst_offsets[i][j], dtype=np.int64).reshape(-1)
+                src_off = np.asarray(all_src_offsets[i][j], dtype=np.int64).reshape(-1)
+                sizes = np.asarray(all_sizes[i][j], dtype=np.int64).reshape(-1)
+                if not (dst_off.size == src_off.size == sizes.size):
+                    raise InvalidArgument(f"buffer {i}, key {key!r}: offsets and sizes differ in length")
+                info = infos[key]
+                bad = _kernels.check_ranges(src_off, sizes, info.size)
+                if bad >= 0:
+                    raise InvalidArgument(f"all_src_offsets[{i}][{j}][{bad}]: range ({int(src_off[bad])}, "
+                                          f"{int(sizes[bad])}) is outside object {key!r} of {info.size} bytes")
+                bad = _kernels.check_ranges(dst_off, sizes, dsts[i].nbytes)
+                if bad >= 0:
+                    raise InvalidArgument(f"all_dst_offsets[{i}][{j}][{bad}]: range ({int(dst_off[bad])}, "
+                                          f"{int(sizes[bad])}) is outside buffer {i} of {dsts[i].nbytes} bytes")
+                work.append((info, src_off, sizes, dsts[i], dst_off))
+                per_key.append(sizes.tolist())
+            result.append(per_key)
+        self.read_into(work)
+        return result
+
+    def read_into(self, work: list) -> None:
+        """Copy ranges of objects into buffers: ``work`` holds ``(info, src_offsets, sizes, dst, dst_offsets)``.
+
+        Local-direct replicas are copied from the mapping; the rest is grouped by segment server, one
+        request per server, all in flight at once; ranges whose server fails are retried on the next replica.
+        """
+        attempt = [0] * len(work)
+        pending = list(range(len(work)))
+        failed: set[str] = set()
+        while pending:
+            groups: dict[str, list[int]] = {}
+            for w in pending:
+                info = work[w][0]
+                replica = self._choose(info, failed, attempt[w])
+                if replica is None:
+                    tried = ", ".join(sorted(r.address for r in info.replicas))
+                    raise SegmentUnavailable(f"object {info.key!r}: no replica could be read (tried {tried})")
+                view = self.local_view(replica)
+                if view is not None:
+                    src_off = work[w][1] + replica.offset
+                    _copy_local(view, src_off, work[w][2], work[w][3], work[w][4])
+                else:
+                    groups.setdefault(replica.address, []).append(w)
+            pending = []
+            if not groups:
+                break
+            for address, failed_items in self._read_remote(work, groups, failed):
+                failed.add(address)
+                for w in failed_items:
+                    attempt[w] += 1
+                pending.extend(failed_items)
+
+    def _choose(self, info: ObjectInfo, failed: set[str], attempt: int) -> Replica | None:
+        live = [r for r in info.replicas if r.address not in failed]
+        if not live:
+            return None
+        for r in live:
+            if self.local_view(r) is not None:
+                return r
+        return live[(hash(info.key) + attempt) % len(live)]
+
+    # ---- the read path: the raw channel where the segment offers it, else ZeroMQ ---------------------
+
+    def read_endpoints(self, replica: Replica) -> tuple[str, ...]:
+        """The addresses that serve reads of ``replica``'s segment: its reader sockets, else its main address."""
+        return replica.read_addresses or (replica.address,)
+
+    def pick_endpoint(self, endpoints: Sequence[str]) -> str:
+        """One of a segment's read endpoints for the calling thread: threads (and clients) spread over them."""
+        if len(endpoints) == 1:
+            return endpoints[0]
+        slot = getattr(self._thread_slot, "value", None)
+        if slot is None:
+            slot = self._thread_slot.value = next(self._slots)
+        return endpoints[slot % len(endpoints)]
+
+    def _raw_channel(self, address: str) -> RawChannel | None:
+        """This thread's raw read channel to the segment at ``address``, or None to read over ZeroMQ.
+
+        The segment's raw port is learnt once, from a ping; with CURVE keys each new connection first fetches
+        a one-time token over ZeroMQ. A channel that fails is dropped, and the port asked again next time
+        (a restarted segment listens on a new one).
+        """
+        if not self.raw_reads:
+            return None
+        channels = getattr(self._raw_local, "channels", None)
+        if channels is None:
+            channels = self._raw_local.channels = {}
+        channel = channels.get(address)
+        if channel is not None:
+            return channel
+        if self._raw_backoff and self._raw_backoff.get(address, 0.0) > time.monotonic():
+            return None  # the channel refused a read a moment ago: ZeroMQ for now
+        info = self._raw_info.get(address, False)
+        if isinstance(info, float):  # did not answer the rediscovery ping at that time
+            if time.monotonic() - info < DEAD_HOLD_S:
+                raise SegmentUnavailable(f"read_ranges: {address} did not answer a ping "
+                                         f"{time.monotonic() - info:.1f} s ago; not asked again before {DEAD_HOLD_S} s")
+            info = _SUSPECT
+        if info is False or info is _SUSPECT:
+            # After a failure the segment may be dead (ask briefly) or restarted on a new port (ask again).
+            timeout_ms = self.timeout_ms if info is False else min(self.timeout_ms, REDISCOVERY_TIMEOUT_MS)
+            try:
+                info = self._raw_info_from(address, self._segment_conn(address).call("ping", timeout_ms=timeout_ms)[0])
+            except SegmentUnavailable:
+                if info is _SUSPECT:
+                    with self._maps_lock:
+                        self._raw_info[address] = time.monotonic()
+                raise
+            except EngramError:
+                info = None
+            with self._maps_lock:
+                self._raw_info[address] = info
+        if info is None:
+            return None
+        host, port, needs_token = info
+
+        def token() -> str:
+            return str(self._segment_conn(address).call("channel_token", timeout_ms=self.timeout_ms)[0]["token"])
+
+        channel = channels[address] = RawChannel(address, host, port, token if needs_token else None,
+                                                 timeout_s=self.timeout_ms / 1000.0)
+        with self._maps_lock:
+            self._raw_channels.append(channel)
+        return channel
+
+    @staticmethod
+    def _raw_info_from(address: str, ping: dict) -> tuple | None:
+        """(host, port, needs_token) of the raw channel a segment's ping reply offers, or None to read over ZeroMQ
+        (no channel, or one of another version)."""
+        port = int(ping.get("raw_port") or 0)
+        if not port:
+            return None
+        version = ping.get("raw_version", 1)
+        if version != RAW_VERSION:
+            log.warning("%s serves raw read channel version %s, this client speaks version %d: reading from it "
+                        "over ZeroMQ", address, version, RAW_VERSION)
+            return None
+        return address.rpartition(":")[0].strip("[]"), port, bool(ping.get("raw_token"))
+
+    def _close_raw(self, address: str) -> None:
+        """Close and forget this thread's raw channel to ``address``."""
+        channels = getattr(self._raw_local, "channels", None)
+        channel = channels.pop(address, None) if channels is not None else None
+        if channel is not None:
+            channel.close()
+            with self._maps_lock:
+                if channel in self._raw_channels:
+                    self._raw_channels.remove(channel)
+
+    def _drop_raw(self, address: str) -> None:
+        """After a failed read: close the channel, and look for the segment again (a ping) before the next one."""
+        self._close_raw(address)
+        with self._maps_lock:
+            if isinstance(self._raw_info.get(address), tuple):
+                self._raw_info[address] = _SUSPECT
+
+    def _raw_refused(self, address: str, exc: RawChannelRefused) -> None:
+        """``address``'s raw channel refused a read: read from it over ZeroMQ for RAW_BACKOFF_S. A busy answer
+        comes from a live segment; after a refused or closed connection a ping tells a live segment (read it over
+        ZeroMQ, or over the raw port it now names) from a gone one (SegmentUnavailable, as a failed read)."""
+        self._close_raw(address)
+        if not exc.busy:
+            try:
+                ping = self._segment_conn(address).call(
+                    "ping", timeout_ms=min(self.timeout_ms, REDISCOVERY_TIMEOUT_MS))[0]
+            except SegmentUnavailable as gone:
+                with self._maps_lock:
+                    self._raw_info[address] = time.monotonic()
+                raise SegmentUnavailable(f"{exc}, and it did not answer a ping over ZeroMQ either") from gone
+            info = self._raw_info_from(address, ping)
+            with self._maps_lock:
+                moved = info != self._raw_info.get(address)
+                self._raw_info[address] = info
+            if moved:
+                return  # restarted on another port (or without the channel): the next read goes by the ping
+        log.debug("%s; reading from it over ZeroMQ for %g s", exc, RAW_BACKOFF_S)
+        with self._maps_lock:
+            self._raw_backoff[address] = time.monotonic() + RAW_BACKOFF_S
+
+    def _send_read(self, endpoint: str, pairs: np.ndarray, deadline: float) -> tuple[Any, int]:
+        """Send a ``read_ranges`` of ``pairs`` to ``endpoint``, over its raw channel where it has one, else over
+        ZeroMQ; returns the link it went on and the request id, for :meth:`_recv_read`."""
+        channel = self._raw_channel(endpoint)
+        if channel is not None:
+            try:
+                return channel, channel.send_read(pairs, deadline)
+            except RawChannelRefused as exc:
+                if exc.first:
+                    self._raw_refused(endpoint, exc)
+        conn = self._segment_conn(endpoint)
+        return conn, conn.send_frames("read_ranges", (pairs,), copy=pairs.nbytes < ZERO_COPY_SEND_BYTES)
+
+    def _recv_read(self, link: Any, endpoint: str, request_id: int, expected: int, deadline: float,
+                   out: np.ndarray | None = None) -> Any:
+        """The reply to a :meth:`_send_read`: ``expected`` bytes, in ``out`` if given (a flat writable uint8
+        array), else in the raw channel's buffer (until its next read) or a received frame."""
+        if isinstance(link, RawChannel):
+            try:
+                return link.recv_read(request_id, expected, deadline, out)
+            except RawChannelRefused as exc:  # read it over ZeroMQ, with the full timeout from now
+                pairs = exc.pairs
+                if exc.first:  # (not again for the reads sent after it on that connection)
+                    self._raw_refused(endpoint, exc)
+                deadline = time.monotonic() + self.timeout_ms / 1000.0
+                link = self._segment_conn(endpoint)
+                request_id = link.send_frames("read_ranges", (pairs,), copy=pairs.nbytes < ZERO_COPY_SEND_BYTES)
+        _, frames = link.recv(request_id, deadline, "read_ranges", copy=expected < ZERO_COPY_REPLY_BYTES)
+        data = frame_bytes(frames[0]) if frames else None
+        if data is None or len(data) != expected:
+            raise ProtocolError(f"read_ranges: {endpoint} sent {0 if data is None else len(data)} bytes, "
+                                f"expected {expected}")
+        if out is None:
+            return data
+        out[:expected] = np.frombuffer(data, dtype=np.uint8)
+        return out
+
+    def read_pairs(self, endpoint: str, pairs: np.ndarray, expected: int, out: np.ndarray | None = None) -> Any:
+        """One ``read_ranges`` of ``pairs`` (int64 ``[R, 2]``, C-contiguous) from ``endpoint``: the gathered bytes
+        (``expected`` of them; over the raw channel they live in its buffer until its next read), or ``out`` (a
+        flat writable uint8 array of that size) filled with them. The lookup's hot path when one server holds
+        every remote head; raises on failure (``out`` may then hold part of a reply)."""
+        self._check_open()
+        deadline = time.monotonic() + self.timeout_ms / 1000.0
+        try:
+            link, request_id = self._send_read(endpoint, pairs, deadline)
+            return self._recv_read(link, endpoint, request_id, expected, deadline, out)
+        except SegmentUnavailable:
+            self._drop_raw(endpoint)
+            raise
+
+    def read_pairs_many(self, requests: Sequence[tuple[str, np.ndarray]], outs: Sequence[Any] | None = None) -> list:
+        """Send one ``read_ranges`` per ``(endpoint, pairs)`` (int64 ``[R, 2]`` byte offset and length), all at
+        once; wait for every reply.
+
+        Returns, aligned with ``requests``, the gathered bytes or the exception of that request; it does not
+        raise for one server's failure, so the caller can fail over per server. ``outs[i]`` (a flat writable
+        uint8 array of the reply's size, or None) receives reply i in place; the entry returned is then ``outs[i]``.
+        """
+        self._check_open()
+        timeout_s = self.timeout_ms / 1000.0
+        sent: list = [None] * len(requests)
+        used: set[int] = set()
+        # Servers whose channel is ready go first: looking for a segment after a failure (a ping) must not hold
+        # up the reads of healthy ones. Each request gets the full timeout from when it is sent.
+        ready = getattr(self._raw_local, "channels", None) or {}
+        order = sorted(range(len(requests)), key=lambda i: requests[i][0] not in ready
+                       and not isinstance(self._raw_info.get(requests[i][0], False), tuple))
+        for i in order:
+            endpoint, pairs = requests[i]
+            deadline = time.monotonic() + timeout_s
+            pairs = np.ascontiguousarray(pairs)
+            expected = int(pairs[:, 1].sum()) if pairs.size else 0
+            out = outs[i] if outs is not None else None
+            try:
+                link, request_id = self._send_read(endpoint, pairs, deadline)
+            except SegmentUnavailable as exc:
+                self._drop_raw(endpoint)
+                sent[i] = exc
+                continue
+            if isinstance(link, RawChannel):
+                if out is None and id(link) in used:  # the channel's buffer holds an earlier reply
+                    out = np.empty(expected, dtype=np.uint8)
+                used.add(id(link))
+            sent[i] = (link, request_id, expected, out, deadline)
+        result = []
+        for item, (endpoint, _) in zip(sent, requests):
+            if isinstance(item, BaseException):
+                result.append(item)
+                continue
+            link, request_id, expected, out, deadline = item
+            try:
+                result.append(self._recv_read(link, endpoint, request_id, expected, deadline, out))
+            except EngramError as exc:
+                if isinstance(exc, SegmentUnavailable):
+                    self._drop_raw(endpoint)
+                result.append(exc)
+        return result
+
+    def _read_remote(self, work: list, groups: dict[str, list[int]], failed: set[str]):
+        """Read grouped work items, one request per server (split past the reply limit); yield failures."""
+        requests = []  # (address, items, offsets, lengths)
+        for address, items in groups.items():
+            batch, offs, lens, total = [], [], [], 0
+            for w in items:
+                info, src_off, sizes = work[w][0], work[w][1], work[w][2]
+                replica = next(r for r in info.replicas if r.address == address)
+                nbytes = int(sizes.sum())
+                if batch and total + nbytes > CHUNK_BYTES:
+                    requests.append((address, batch, np.concatenate(offs), np.concatenate(lens)))
+                    batch, offs, lens, total = [], [], [], 0
+                batch.append(w)
+                offs.append(src_off + replica.offset)
+                lens.append(sizes)
+                total += nbytes
+            requests.append((address, batch, np.concatenate(offs), np.concatenate(lens)))
+        outs = []
+        for _, items, _, lens in requests:
+            # A request for one range of one item (a chunk of a whole object) lands straight in its destination.
+            if len(items) == 1 and lens.size == 1:
+                dst, dst_off = work[items[0]][3], work[items[0]][4]
+                outs.append(dst[int(dst_off[0]):int(dst_off[0]) + int(lens[0])])
+            else:
+                outs.append(None)
+        replies = self.read_pairs_many([(a, np.stack((o, n), axis=1)) for a, _, o, n in requests], outs)
+        failures: dict[str, list[int]] = {}
+        for (address, items, _, _), reply, out in zip(requests, replies, outs):
+            if isinstance(reply, BaseException):
+                if not isinstance(reply, SegmentUnavailable):
+                    raise reply
+                log.warning("read from %s failed (%s); trying other replicas", address, reply)
+                failures.setdefault(address, []).extend(items)
+                continue
+            if out is not None:
+                continue  # already in place
+            data = np.frombuffer(reply, dtype=np.uint8)
+            pos = 0
+            for w in items:
+                sizes, dst, dst_off = work[w][2], work[w][3], work[w][4]
+                n = int(sizes.sum())
+                _kernels.scatter_ranges(data[pos:pos + n], dst, dst_off, sizes)
+                pos += n
+        yield from failures.items()
+
+
+def _copy_local(view: np.ndarray, src_off: np.ndarray, sizes: np.ndarray, dst: np.ndarray,
+                dst_off: np.ndarray) -> None:
+    """Copy ranges of a mapped segment straight into a destination buffer."""
+    if sizes.size == 1:
+        s, n, d = int(src_off[0]), int(sizes[0]), int(dst_off[0])
+        dst[d:d + n] = view[s:s + n]
+        return
+    tmp = np.empty(int(sizes.sum()), dtype=np.uint8)
+    _kernels.gather_ranges(view, src_off, sizes, tmp)
+    _kernels.scatter_ranges(tmp, dst, dst_off, sizes)

@@ -1,0 +1,317 @@
+"""DistributedStore: the native client. Metadata from the master, bytes from segment servers.
+
+Reads prefer a replica in a segment mapped on this host (local-direct: a memory copy, no request);
+otherwise the client sends one request per segment server, to all servers at once, and fails over to
+another replica when a server does not answer. Writes follow Mooncake's lifecycle: ``put_start`` (the
+master places replicas on distinct segments), the bytes go to every replica, ``put_end`` publishes; any
+failure revokes, so a failed write leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import mmap
+import numbers
+import os
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+from .._config import DEFAULT_EMBEDDED_SEGMENT_SIZE, StoreConfig
+from .._errors import (
+    ConfigError,
+    InvalidArgument,
+    InvalidType,
+    MasterUnavailable,
+    SegmentUnavailable,
+    StoreError,
+    describe,
+    error_from_reply,
+)
+from .._units import parse_size
+from ..segment import SegmentServer, host_id
+from ..wire._auth import AUTH_DIR_ENV, load_keys, resolve_auth_dir
+from ..wire._transport import Connection, ConnectionPool
+from ._objects import ObjectInfo, check_key, replica_of
+from ._raw_client import RawChannel, raw_reads_default
+from ._reads import ReadPath
+from ._writes import WritePath
+
+log = logging.getLogger("engram_store.client")
+
+#: How long connect() waits for the master's first answer.
+DEFAULT_CONNECT_TIMEOUT_MS = 3000
+
+
+class DistributedStore(ReadPath, WritePath):
+    """The native client of the engram store. A context manager; ``close()`` is idempotent.
+
+    Build it with :meth:`connect` (a running master), :meth:`embedded` (master and segment inside this
+    process) or :meth:`from_env`. Every call has a timeout (``timeout_ms``) and raises a
+    :class:`~engram_store.StoreError` subclass on failure. With ``auth_dir`` (a key directory from
+    ``engram-master keygen``) every connection, to the master and to segments, uses CURVE with its keys.
+    """
+
+    def __init__(self, master: str, *, timeout_ms: int = 10_000, local_direct: bool = True,
+                 auth_dir: str | None = None, raw_reads: bool | None = None, _owned: Sequence[Any] = ()):
+        self.master_address = master
+        self._raw_channels: list[RawChannel] = []
+        self.timeout_ms = timeout_ms
+        self.local_direct = bool(local_direct)
+        self.auth_dir = auth_dir or None
+        self._auth = load_keys(auth_dir, server=False) if auth_dir else None
+        self._pool = ConnectionPool(curve=self._auth.client_curve if self._auth else None)
+        self._owned = list(_owned)  # servers this client started (mounted segment, embedded master)
+        self._maps: dict[str, np.ndarray | None] = {}
+        self._wfds: dict[str, int | None] = {}  # segment files open for same-host puts (None: not here)
+        self._retired_fds: list[int] = []
+        self._maps_lock = threading.Lock()
+        self._mmaps: list[mmap.mmap] = []
+        self._host_id = host_id()
+        self._closed = False
+        self.local_segment: SegmentServer | None = None
+        self.raw_reads = raw_reads_default() if raw_reads is None else bool(raw_reads)
+        self._raw_info: dict[str, tuple | str | float | None] = {}
+        self._raw_backoff: dict[str, float] = {}  # address -> until when its reads go over ZeroMQ
+        self._raw_local = threading.local()
+        # Threads of this client spread their reads over a segment's reader sockets, from a random start so
+        # that clients spread too.
+        self._thread_slot = threading.local()
+        self._slots = itertools.count(int.from_bytes(os.urandom(2), "little"))
+
+    # ---- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def connect(cls, master: str, segment_size: int | str = 0, *, timeout_ms: int = 10_000,
+                host: str = "127.0.0.1", local_direct: bool = True, auth_dir: str | None = None,
+                raw_reads: bool | None = None, connect_timeout_ms: int = DEFAULT_CONNECT_TIMEOUT_MS
+                ) -> "DistributedStore":
+        """Connect to the master at ``host:port``; a non-zero ``segment_size`` mounts a segment in this process.
+
+        Data in a mounted segment lives only as long as this process; run ``engram-segment`` for
+        segments that outlive clients. ``local_direct=False`` sends every read over the network even when
+        the segment is mapped on this host (to measure or test the remote path). ``auth_dir`` is the key
+        directory of a cluster started with ``--auth`` (default: ``$ENGRAM_AUTH_DIR``; a mounted segment then
+        needs its server keys too). The master must answer within ``connect_timeout_ms``; a master that refuses
+        this client's keys looks like one that does not answer (MasterUnavailable), and an address that answers
+        as something else (a segment) is refused at once (ConfigError).
+        """
+        config = StoreConfig(master_server_address=master, global_segment_size=segment_size,
+                             local_hostname=host, timeout_ms=timeout_ms,
+                             auth_dir=os.fspath(auth_dir) if auth_dir else resolve_auth_dir(None) or "")
+        if not isinstance(connect_timeout_ms, numbers.Integral) or isinstance(connect_timeout_ms, bool) \
+                or connect_timeout_ms <= 0:
+            raise InvalidArgument(f"connect_timeout_ms: expected a positive integer, got {describe(connect_timeout_ms)}")
+        store = cls(config.master_server_address, timeout_ms=config.timeout_ms, local_direct=local_direct,
+                    auth_dir=config.auth_dir, raw_reads=raw_reads)
+        try:
+            try:
+                reply = store._master_call("ping", timeout_ms=int(connect_timeout_ms))
+            except MasterUnavailable as exc:
+                hint = (f"check that the master runs with --auth and that auth_dir={store.auth_dir!r} holds its keys"
+                        if store.auth_dir else
+                        f"if it runs with --auth, pass auth_dir= or set {AUTH_DIR_ENV} to its key directory")
+                raise MasterUnavailable(
+                    f"no engram master answered at {config.master_server_address} within "
+                    f"{connect_timeout_ms / 1000:g} s ({exc}); is the address right and engram-master running "
+                    f"there? {hint}") from exc
+            role = reply.get("role", "master")
+            if role != "master":
+                raise ConfigError(f"master: {config.master_server_address} is an engram {role}, not a master; pass "
+                                  "the master's HOST:PORT (engram-master prints it when it starts)")
+            if config.global_segment_size:
+                store._mount(config.global_segment_size, config.local_hostname)
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    @classmethod
+    def embedded(cls, segment_size: int | str = DEFAULT_EMBEDDED_SEGMENT_SIZE, *, timeout_ms: int = 10_000,
+                 lease_ttl_s: float = 5.0, heartbeat_timeout_s: float = 10.0,
+                 local_direct: bool = True, auth_dir: str | None = None,
+                 raw_reads: bool | None = None) -> "DistributedStore":
+        """A master and one segment inside this process, on 127.0.0.1 ports chosen by the OS.
+
+        The default for demos, notebooks and tests: nothing to start by hand, everything stops on close.
+        With ``auth_dir`` the master and segment require CURVE keys from that directory, so other processes
+        on this host need the keys too.
+        """
+        from master import MasterServer  # the master depends on this package, not the reverse
+
+        size = parse_size(segment_size, "segment_size")
+        if size <= 0:
+            raise InvalidArgument(f"segment_size: an embedded store needs a segment of > 0 bytes, got {size}")
+        server_auth = load_keys(auth_dir, server=True) if auth_dir else None
+        master = MasterServer("127.0.0.1", 0, lease_ttl_s=lease_ttl_s,
+                              heartbeat_timeout_s=heartbeat_timeout_s, auth=server_auth).start()
+        try:
+            store = cls(master.address, timeout_ms=timeout_ms, local_direct=local_direct, auth_dir=auth_dir,
+                        raw_reads=raw_reads, _owned=[master])
+        except BaseException:
+            master.close()
+            raise
+        try:
+            store._mount(size, "127.0.0.1")
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    @classmethod
+    def from_config(cls, config: StoreConfig) -> "DistributedStore":
+        if not config.master_server_address:
+            return cls.embedded(config.global_segment_size or DEFAULT_EMBEDDED_SEGMENT_SIZE,
+                                timeout_ms=config.timeout_ms, auth_dir=config.auth_dir or None)
+        return cls.connect(config.master_server_address, config.global_segment_size,
+                           timeout_ms=config.timeout_ms, host=config.local_hostname,
+                           auth_dir=config.auth_dir or None)
+
+    @classmethod
+    def from_env(cls) -> "DistributedStore":
+        """Build from ENGRAM_MASTER / ENGRAM_SEGMENT_SIZE / ENGRAM_AUTH_DIR / ENGRAM_CONFIG_PATH (or Mooncake's names).
+
+        With no master configured, an embedded store is started.
+        """
+        return cls.from_config(StoreConfig.load_from_env())
+
+    def _mount(self, size: int, host: str) -> None:
+        auth = load_keys(self.auth_dir, server=True) if self.auth_dir else None
+        segment = SegmentServer(size, self.master_address, host=host, port=0, auth=auth).start()
+        self._owned.insert(0, segment)
+        self.local_segment = segment
+        with self._maps_lock:
+            self._maps[segment.segment_id] = segment.memory.array
+
+    @property
+    def timeout_ms(self) -> int:
+        """The timeout of every call, in milliseconds. It may be changed at any time; calls made after the change
+        (including reads on connections already open) use the new value."""
+        return self._timeout_ms
+
+    @timeout_ms.setter
+    def timeout_ms(self, value: int) -> None:
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise InvalidType(f"timeout_ms: expected a positive integer, got {describe(value)}")
+        if value <= 0:
+            raise InvalidArgument(f"timeout_ms: expected a positive integer, got {describe(value)}")
+        value = int(value)
+        self._timeout_ms = value
+        for channel in list(self._raw_channels):
+            channel.set_timeout(value / 1000.0)
+
+    # ---- plumbing -------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError("the store is closed")
+
+    def _master_call(self, op: str, fields: dict | None = None, timeout_ms: int | None = None) -> dict:
+        self._check_open()
+        conn = self._pool.get(self.master_address, MasterUnavailable)
+        header, _ = conn.call(op, fields, timeout_ms=timeout_ms or self.timeout_ms)
+        return header
+
+    def _segment_conn(self, address: str) -> Connection:
+        self._check_open()
+        return self._pool.get(address, SegmentUnavailable)
+
+    def ping(self) -> dict:
+        """Ask the master to answer; returns its reply (raises MasterUnavailable on timeout)."""
+        return self._master_call("ping")
+
+    def status(self) -> dict:
+        """The master's view: segments (address, size, used), object count and bytes."""
+        header = self._master_call("status")
+        return {k: v for k, v in header.items() if k not in ("v", "id", "ok")}
+
+    def forget_segment(self, segment_id: str) -> None:
+        """Stop using a mapping of a segment (after it was declared dead)."""
+        with self._maps_lock:
+            if self.local_segment is None or segment_id != self.local_segment.segment_id:
+                self._maps.pop(segment_id, None)
+            fd = self._wfds.pop(segment_id, None)
+            if fd is not None:
+                self._retired_fds.append(fd)  # another thread may be writing with it; closed with the client
+
+    # ---- metadata -------------------------------------------------------------------------------
+
+    def locate(self, keys: Sequence[str], lease: bool = True, timeout_ms: int | None = None) -> list[ObjectInfo]:
+        """Replica placement of each key, in one master request (raises ObjectNotFound / ObjectLost);
+        ``timeout_ms`` overrides the store's timeout for this request."""
+        header = self._master_call("get_replicas", {"keys": list(keys), "lease": lease}, timeout_ms)
+        out = []
+        for key, obj in zip(keys, header["objects"]):
+            if not obj.get("ok"):
+                raise error_from_reply(obj.get("code"), obj.get("message"))
+            out.append(ObjectInfo(key, obj["size"], tuple(replica_of(r) for r in obj["replicas"]),
+                                  str(obj.get("checksum") or "")))
+        return out
+
+    def is_exist(self, key: str) -> bool:
+        return self.batch_is_exist([key])[0]
+
+    def batch_is_exist(self, keys: Sequence[str]) -> list[bool]:
+        keys = [check_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
+        if not keys:
+            return []
+        return [bool(x) for x in self._master_call("exist", {"keys": keys})["exist"]]
+
+    def get_size(self, key: str) -> int:
+        return self.locate([check_key(key)], lease=False)[0].size
+
+    def remove(self, key: str, force: bool = False) -> None:
+        """Remove an object; refused with LeaseActive while a read lease is live, unless ``force``."""
+        self._master_call("remove", {"key": check_key(key), "force": bool(force)})
+
+    def remove_all(self, force: bool = False) -> int:
+        """Remove every object (those under a live lease only with ``force``); returns how many were removed."""
+        return int(self._master_call("remove_all", {"force": bool(force)})["removed"])
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close connections, stop any segment or master this client started; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.close()
+        with self._maps_lock:
+            channels, self._raw_channels = self._raw_channels, []
+        for channel in channels:
+            channel.close()
+        with self._maps_lock:
+            self._maps.clear()
+            fds = [fd for fd in self._wfds.values() if fd is not None] + self._retired_fds
+            self._wfds.clear()
+            self._retired_fds = []
+        for fd in fds:
+            os.close(fd)
+        master_owned = any(not isinstance(server, SegmentServer) for server in self._owned)
+        for server in self._owned:
+            try:
+                if isinstance(server, SegmentServer):
+                    # With the master going too, unregistering would only log the loss of every object.
+                    server.close(unregister=not master_owned)
+                else:
+                    server.close()
+            except Exception:
+                log.exception("closing %r failed", server)
+        for mm in self._mmaps:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # an array still views it; the GC unmaps it later
+        self._mmaps.clear()
+
+    def __enter__(self) -> "DistributedStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"DistributedStore(master={self.master_address!r}, {state})"

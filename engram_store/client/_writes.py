@@ -1,0 +1,349 @@
+"""The write path of :class:`DistributedStore`: puts placed by the master, fenced by tickets, renewed while written.
+
+Writes follow Mooncake's lifecycle: ``put_start`` (the master places replicas on distinct segments and hands a
+ticket per replica), the bytes go to every replica (``pwrite`` into a segment file on this host, else write
+requests, several in flight per server), ``put_end`` publishes with each object's checksum; any failure
+revokes, so a failed write leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import xxhash
+import zmq
+
+from .._errors import (
+    EngramError,
+    InvalidArgument,
+    MasterUnavailable,
+    ProtocolError,
+    SegmentUnavailable,
+    Unavailable,
+    WriteFenced,
+    describe,
+    error_from_reply,
+)
+from ..segment import pwrite_all
+from ..wire._transport import wait_all
+from ._objects import as_bytes_view, check_key
+
+log = logging.getLogger("engram_store.client")
+
+#: Size of one write message to a remote segment, and how many are kept in flight per segment server
+#: (a sliding window). Measured with bench/bench_store.py's puts on 2-core VMs: 2-16 MiB chunks with 4-8
+#: in flight move the same ~2.5 GB/s within noise, 16 MiB a little less and 32 MiB clearly less; 8 x 8
+#: MiB keeps the segment's receive buffers at 64 MiB.
+WRITE_CHUNK_BYTES = 8 << 20
+WINDOW = 8
+#: Same-host puts go into the segment file in pieces of this size (the progress callback's granularity).
+LOCAL_WRITE_CHUNK_BYTES = 64 << 20
+#: How long a put waits, at least, for segments to register with a master that has just restarted.
+PUT_START_WAIT_S = 5.0
+#: A put of at least this many bytes computes its checksums in a thread while its bytes go out.
+CHECKSUM_THREAD_BYTES = 4 << 20
+#: A writer renews its pending puts this many times per put timeout of the master.
+RENEWALS_PER_TIMEOUT = 3
+
+
+class WritePath:
+    """The writes of a :class:`DistributedStore` (a mixin: the store holds the connections and open files)."""
+
+    def put(self, key: str, data: object, replica_num: int = 1) -> None:
+        """Store ``data`` (bytes-like or a C-contiguous array) under a new key; create-only."""
+        self.batch_put_from([key], [data], replica_num=replica_num)
+
+    def batch_put_from(self, keys: Sequence[str], buffers: Sequence[object], replica_num: int = 1,
+                       progress: Callable[[int], None] | None = None) -> None:
+        """Store each buffer under its key, all or nothing: on any failure nothing of this call stays.
+
+        ``progress(n)`` is called with the bytes written so far (all replicas counted once).
+        """
+        self.put_objects(keys, buffers, replica_num=replica_num, progress=progress)
+
+    def put_objects(self, keys: Sequence[str], buffers: Sequence[object], replica_num: int = 1,
+                    progress: Callable[[int], None] | None = None) -> list[str]:
+        """:meth:`batch_put_from`, returning the xxh3_64 checksum (hex) of each object's bytes.
+
+        The master records each checksum, so a segment that comes back after the master lost track of it (a
+        restart without a journal, missed heartbeats) can prove the object intact and have it adopted again.
+        Every write carries the ticket the master issued for its replica; the put is renewed with the master
+        while it is written, so a writer that dies or hangs lets go of its keys after the master's put timeout,
+        and a write of a put that was ended meanwhile is refused (:class:`WriteFenced`) instead of landing in
+        space another object owns.
+        """
+        keys = [check_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
+        if len(buffers) != len(keys):
+            raise InvalidArgument(f"buffers: expected {len(keys)} buffers (one per key), got {len(buffers)}")
+        if len(set(keys)) != len(keys):
+            raise InvalidArgument("keys: the same key appears more than once")
+        if not isinstance(replica_num, int) or isinstance(replica_num, bool) or replica_num < 1:
+            raise InvalidArgument(f"replica_num: expected an integer >= 1, got {describe(replica_num)}")
+        views = [as_bytes_view(b, f"buffers[{i}]") for i, b in enumerate(buffers)]
+        if not keys:
+            return []
+        results, put_timeout_ms = self._put_start(keys, [v.nbytes for v in views], replica_num)
+        started = [k for k, r in zip(keys, results) if r.get("ok")]
+        writes = _Writes(self, started, put_timeout_ms)
+        checksums: Any = None
+        try:
+            for result in results:
+                if not result.get("ok"):
+                    raise error_from_reply(result.get("code"), result.get("message"))
+            # The checksums are computed while the bytes go out (xxh3 releases the GIL).
+            if sum(v.nbytes for v in views) >= CHECKSUM_THREAD_BYTES:
+                checksums = _checksum_pool().submit(_checksums, views)
+            jobs, direct = [], []
+            for view, result in zip(views, results):
+                for r in result["replicas"]:
+                    share = 1 / len(result["replicas"])
+                    fd = self._local_write_fd(r, view.nbytes) if r.get("direct_writes") else None
+                    if fd is not None and writes.open_direct(r):  # a segment file on this host: pwrite, no request
+                        direct.append((fd, r, view, share))
+                        continue
+                    for start in range(0, view.nbytes, WRITE_CHUNK_BYTES):
+                        chunk = view[start:start + WRITE_CHUNK_BYTES]
+                        jobs.append((r["address"], {"offset": r["offset"] + start, "ticket": r["ticket"]}, chunk,
+                                     chunk.nbytes * share))
+            done = 0.0
+            for fd, r, view, share in direct:
+                for start in range(0, view.nbytes, LOCAL_WRITE_CHUNK_BYTES):
+                    writes.renew_if_due()
+                    chunk = view[start:start + LOCAL_WRITE_CHUNK_BYTES]
+                    _pwrite_all(fd, chunk, r["offset"] + start, r)
+                    done += chunk.nbytes * share
+                    if progress is not None:
+                        progress(int(done))
+            self._run_writes(jobs, progress, done, writes)
+            writes.close_direct()  # raises if a put was fenced while its bytes went straight into the file
+            if direct:
+                # A mapping outlives its segment process: make sure every segment written to directly is alive
+                # before the objects are published, so a segment that died mid-write fails the put.
+                self._ping_segments({r["address"] for _, r, _, _ in direct})
+            sums = checksums.result() if checksums is not None else _checksums(views)
+            ended = self._master_call("put_end", {"keys": keys, "checksums": sums})["results"]
+            for key, result in zip(keys, ended):
+                if not result.get("ok"):
+                    raise error_from_reply(result.get("code"), result.get("message"))
+            return sums
+        except BaseException:
+            writes.close_direct(quiet=True)
+            self._revoke(started, settled=writes.in_flight == 0)
+            if checksums is not None:
+                checksums.cancel()
+            raise
+
+    def _put_start(self, keys: list[str], sizes: list[int], replica_num: int) -> tuple[list[dict], int]:
+        """``put_start`` of every key; while segments are registering with a master that just restarted, the master
+        asks to retry, and this does so until the timeout. Returns the per-key results and the put timeout."""
+        deadline = time.monotonic() + max(self.timeout_ms / 1000.0, PUT_START_WAIT_S)
+        while True:
+            header = self._master_call("put_start", {"keys": keys, "sizes": sizes, "replica_num": replica_num})
+            results = header["results"]
+            waiting = any(not r.get("ok") and r.get("code") == SegmentUnavailable.code for r in results)
+            if not waiting or time.monotonic() > deadline:
+                return results, int(header.get("put_timeout_ms") or 30_000)
+            self._revoke([k for k, r in zip(keys, results) if r.get("ok")], settled=True)  # nothing written yet
+            time.sleep(0.05)
+
+    def _ping_segments(self, addresses: set[str]) -> None:
+        """Ping segment servers, all at once; raise SegmentUnavailable if one does not answer in time."""
+        pending = []
+        for address in sorted(addresses):
+            conn = self._segment_conn(address)
+            pending.append((conn, conn.send("ping")))
+        for result in wait_all(pending, time.monotonic() + self.timeout_ms / 1000.0, "ping"):
+            if isinstance(result, BaseException):
+                raise result
+
+    def _run_writes(self, jobs: list, progress: Callable[[int], None] | None, done_bytes: float,
+                    writes: "_Writes") -> None:
+        """Keep up to WINDOW write requests in flight per segment server, all servers at once.
+
+        A server gets its next chunk as soon as one of its writes is answered (whichever server answers
+        first), so no pipe drains between batches and a slow server does not hold up a fast one. Replies on
+        one connection come in the order its requests went out. ``writes.in_flight`` counts the requests sent and
+        not yet answered (on failure, a revoke frees the space at once only when none is left).
+        """
+        queues: dict[str, deque] = {}
+        for job in jobs:
+            queues.setdefault(job[0], deque()).append(job)
+        in_flight: dict[str, deque] = {address: deque() for address in queues}  # (request id, weight, deadline)
+        conns = {address: self._segment_conn(address) for address in queues}
+        timeout_s = self.timeout_ms / 1000.0
+        poller = zmq.Poller()
+        waiting: dict[Any, str] = {}  # socket -> address, for servers with writes in flight
+
+        def fill(address: str) -> None:
+            queue, sent, conn = queues[address], in_flight[address], conns[address]
+            while queue and len(sent) < WINDOW:
+                _, fields, chunk, weight = queue.popleft()
+                writes.in_flight += 1
+                sent.append((conn.send("write", fields, [chunk]), weight, time.monotonic() + timeout_s))
+            if sent and conn.socket not in waiting:
+                waiting[conn.socket] = address
+                poller.register(conn.socket, zmq.POLLIN)
+
+        for address in queues:
+            fill(address)
+        while waiting:
+            writes.renew_if_due()
+            deadline = min(in_flight[a][0][2] for a in waiting.values())
+            ready = dict(poller.poll(max(0, int((min(deadline, writes.next_renewal) - time.monotonic()) * 1000))))
+            if not ready and time.monotonic() < deadline:
+                continue  # woke up to renew the put
+            addresses = [waiting[sock] for sock in ready] or [min(waiting.values(), key=lambda a: in_flight[a][0][2])]
+            for address in addresses:
+                conn = conns[address]
+                request_id, weight, request_deadline = in_flight[address][0]
+                sock = conn.socket
+                try:
+                    conn.recv(request_id, request_deadline, "write")  # raises on an error reply or past the deadline
+                except EngramError as exc:
+                    if not isinstance(exc, Unavailable):
+                        writes.in_flight -= 1  # answered, with an error
+                    raise
+                in_flight[address].popleft()
+                writes.in_flight -= 1
+                done_bytes += weight
+                if not in_flight[address] and not queues[address]:
+                    poller.unregister(sock)
+                    del waiting[sock]
+                else:
+                    fill(address)
+            if progress is not None:
+                progress(int(done_bytes))
+
+    def _revoke(self, keys: list[str], settled: bool = False) -> None:
+        """Give up unfinished puts. ``settled``: every write sent for them was answered (none can land later), so
+        the master frees their space at once; otherwise it fences them first."""
+        if not keys:
+            return
+        try:
+            self._master_call("put_revoke", {"keys": keys, "settled": bool(settled)})
+        except EngramError as exc:
+            log.warning("could not revoke %d unfinished write(s) (the master frees them after its put "
+                        "timeout): %s", len(keys), exc)
+
+    def _local_write_fd(self, replica: dict, nbytes: int) -> int | None:
+        """A write descriptor of the segment file of a freshly placed replica, if that file is on this host.
+
+        Writes to a same-host segment are then ``pwrite`` calls into its file (memory speed, no page faults
+        in this process) instead of requests; the master still decides where they go, and the object stays
+        invisible until ``put_end``. The file is opened once per segment and kept open.
+        """
+        if not self.local_direct or replica.get("host_id") != self._host_id or not replica.get("shm_path"):
+            return None
+        segment_id = replica["segment_id"]
+        fd = self._wfds.get(segment_id, False)
+        if fd is False:
+            with self._maps_lock:
+                fd = self._wfds.get(segment_id, False)
+                if fd is False:
+                    fd = None
+                    try:
+                        fd = os.open(replica["shm_path"], os.O_WRONLY | os.O_CLOEXEC)
+                        if os.fstat(fd).st_size != replica["size"]:
+                            os.close(fd)
+                            fd = None
+                    except OSError as exc:
+                        log.debug("segment %s not writable here (%s); writing remotely", segment_id, exc)
+                    self._wfds[segment_id] = fd
+        if fd is None or not 0 <= replica["offset"] <= replica["size"] - nbytes:
+            return None
+        return fd
+
+
+class _Writes:
+    """One put call's dealings beside the bytes: renewing its pending keys with the master, the same-host writers it
+    opened at segments (see :mod:`engram_store.segment._fence`), and how many write requests are still unanswered."""
+
+    def __init__(self, store: Any, keys: list[str], put_timeout_ms: int):
+        self.store = store
+        self.keys = keys
+        self.interval_s = max(0.05, put_timeout_ms / 1000.0 / RENEWALS_PER_TIMEOUT)
+        self.next_renewal = time.monotonic() + self.interval_s
+        self.in_flight = 0
+        self.opened: list[dict] = []
+
+    def renew_if_due(self) -> None:
+        """Tell the master the keys are still being written, when it is time; raise WriteFenced if it ended them."""
+        now = time.monotonic()
+        if now < self.next_renewal or not self.keys:
+            return
+        self.next_renewal = now + self.interval_s
+        try:
+            renewed = self.store._master_call("put_renew", {"keys": self.keys})["renewed"]
+        except MasterUnavailable as exc:
+            self.next_renewal = now + min(self.interval_s, 1.0)
+            log.warning("could not renew %d pending put(s) with the master (%s); trying again", len(self.keys), exc)
+            return
+        ended = [k for k, ok in zip(self.keys, renewed) if not ok]
+        if ended:
+            raise WriteFenced(f"put of {ended[0]!r}: the master ended it while it was being written (it expired, "
+                              "was removed with force, or the master restarted); nothing of it is published")
+
+    def open_direct(self, replica: dict) -> bool:
+        """Tell a same-host segment that this process writes the replica straight into its file; False when the
+        segment cannot watch this process (then the replica is written through requests)."""
+        conn = self.store._segment_conn(replica["address"])
+        try:
+            conn.call("write_open", {"ticket": replica["ticket"], "pid": os.getpid()}, timeout_ms=self.store.timeout_ms)
+        except (InvalidArgument, ProtocolError) as exc:
+            log.debug("segment %s takes no direct writes from this process (%s); writing through requests",
+                      replica["segment_id"], exc)
+            return False
+        self.opened.append(replica)
+        return True
+
+    def close_direct(self, quiet: bool = False) -> None:
+        """Tell the segments the direct writes are done; raise WriteFenced if a put was fenced meanwhile (``quiet``:
+        after a failure, best effort)."""
+        opened, self.opened = self.opened, []
+        fenced = []
+        for replica in opened:
+            try:
+                header, _ = self.store._segment_conn(replica["address"]).call(
+                    "write_close", {"ticket": replica["ticket"]}, timeout_ms=self.store.timeout_ms)
+                if header.get("fenced"):
+                    fenced.append(replica)
+            except EngramError:
+                if not quiet:
+                    raise
+        if fenced and not quiet:
+            raise WriteFenced(f"segment {fenced[0]['segment_id']} fenced a put while its bytes were being written "
+                              "(it expired, was removed with force, or the master restarted); nothing of it is "
+                              "published")
+
+
+_CHECKSUM_POOL: ThreadPoolExecutor | None = None
+_CHECKSUM_POOL_LOCK = threading.Lock()
+
+
+def _checksum_pool() -> ThreadPoolExecutor:
+    global _CHECKSUM_POOL
+    with _CHECKSUM_POOL_LOCK:
+        if _CHECKSUM_POOL is None:
+            _CHECKSUM_POOL = ThreadPoolExecutor(1, thread_name_prefix="engram-checksum")
+        return _CHECKSUM_POOL
+
+
+def _checksums(views: Sequence[np.ndarray]) -> list[str]:
+    """xxh3_64 of each object's bytes, in hex (about 11 GB/s, with the GIL released)."""
+    return [xxhash.xxh3_64_hexdigest(v) for v in views]
+
+
+def _pwrite_all(fd: int, chunk: np.ndarray, offset: int, replica: dict) -> None:
+    """Write all of ``chunk`` at ``offset`` of a same-host segment's file; a failure is the segment's."""
+    try:
+        pwrite_all(fd, chunk, offset)
+    except OSError as exc:
+        raise SegmentUnavailable(f"write of {chunk.nbytes} bytes at offset {offset} into segment "
+                                 f"{replica['segment_id']} ({replica['shm_path']}): {exc.strerror or exc}") from exc

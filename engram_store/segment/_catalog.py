@@ -1,0 +1,90 @@
+"""A segment's catalogue: the complete objects it holds, kept so that it can offer them back, verified."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+
+import numpy as np
+import xxhash
+
+from .._errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class Catalog:
+    """The complete objects this segment holds, as the master last listed them: ``[key, offset, size, replica_num,
+    checksum]`` entries (checksum: xxh3_64 of the object's bytes, in hex).
+
+    Every segment keeps it, so a segment that the master dropped (it missed heartbeats) or forgot (it restarted
+    without a journal) offers its objects back when it registers again, each one only after its bytes are
+    verified against its checksum (:meth:`verified`). A file-backed segment also keeps it next to its data file
+    (``<file>.manifest``, JSON ``{"segment_id", "size", "catalog", "objects"}``), written atomically (temporary
+    file, fsync, rename) and only after the data file was flushed, so it never names bytes that are not on disk.
+    """
+
+    def __init__(self, data_path: str | None, size: int):
+        self.path = data_path + ".manifest" if data_path is not None else None
+        self.size = size
+        self.segment_id = uuid.uuid4().hex
+        self.version = -1
+        self.objects: list[list] = []
+        if self.path is None:
+            return
+        if os.path.exists(self.path):
+            try:
+                with open(self.path, encoding="utf-8") as f:
+                    record = json.load(f)
+                self.segment_id = str(record["segment_id"])
+                recorded_size = int(record["size"])
+                self.objects = [list(o) for o in record.get("objects", [])]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise ConfigError(f"segment manifest {self.path!r} is unreadable ({exc}); move it away to start "
+                                  "the segment empty") from None
+            if recorded_size != size:
+                raise ConfigError(f"segment manifest {self.path!r} was written for a {recorded_size}-byte segment, "
+                                  f"not {size}")
+        else:
+            self.record(self.version, [])
+
+    @property
+    def durable(self) -> bool:
+        return self.path is not None
+
+    def record(self, version: int, objects: list[list]) -> None:
+        """Keep the master's latest list (and write it to the manifest file of a file-backed segment)."""
+        if self.path is not None:
+            tmp = self.path + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump({"segment_id": self.segment_id, "size": self.size, "catalog": version,
+                           "objects": objects}, f, separators=(",", ":"))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            dir_fd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        self.version, self.objects = version, objects
+
+    def verified(self, memory: np.ndarray) -> list[list]:
+        """The entries whose bytes in ``memory`` still match their checksum (a manifest written before checksums
+        were kept has none: its entries are trusted, as the file was flushed before they were written)."""
+        good, bad = [], []
+        for entry in self.objects:
+            key, offset, size = entry[0], int(entry[1]), int(entry[2])
+            checksum = entry[4] if len(entry) > 4 else None
+            if not 0 <= offset <= self.size - size:
+                bad.append(key)
+            elif checksum and xxhash.xxh3_64_hexdigest(memory[offset:offset + size]) != checksum:
+                bad.append(key)
+            else:
+                good.append(list(entry))
+        if bad:
+            log.warning("segment %s: %d object(s) no longer match their checksums and are not offered back (e.g. "
+                        "%s)", self.segment_id, len(bad), ", ".join(map(repr, bad[:3])))
+        return good

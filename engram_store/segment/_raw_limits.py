@@ -1,0 +1,51 @@
+"""The raw read channel's bounds and deadlines, in one place (see :mod:`._raw_server`): the event loop and the
+serving threads read them as ``limits.NAME`` when they act, so a deployment (or a test) may change them."""
+
+#: How long a token handed out over ZeroMQ may wait for its connection, and how many may wait at once.
+TOKEN_TTL_S = 60.0
+MAX_TOKENS = 4096
+#: A new connection must complete its first message (the hello, with --auth) within this: a client sends it as
+#: soon as it connects, so only a stranger or a wedged client waits this long.
+HELLO_TIMEOUT_S = 5.0
+#: Any message must arrive whole within this of its first byte (a header and up to 64 MiB of ranges: 6 s at
+#: 10 MB/s), however slowly it drips.
+MESSAGE_TIMEOUT_S = 10.0
+#: A connection with no request for this long is closed (clients reconnect transparently).
+IDLE_TIMEOUT_S = 60.0
+#: A reply must be taken by the client within SEND_TIMEOUT_S plus its size at SEND_MIN_BYTES_PER_S (a 256 MiB
+#: reply: 26 s); a client that stops reading loses its connection, not a serving thread.
+SEND_TIMEOUT_S = 10.0
+SEND_MIN_BYTES_PER_S = 16 << 20
+#: After a reply, a serving thread waits on the connection for its next request, LINGER_S in a blocking receive
+#: (one call per request: a client reading in a loop keeps a thread, as with a thread per connection), then up
+#: to STICKY_S more in poll, ready to give the thread up at once to a request that waits for one; then the
+#: connection goes back to the event loop. A model step's lookups come tens of ms apart: one thread hand-off
+#: less each.
+LINGER_S = 0.05
+STICKY_S = 5.0
+#: Connections held at once (at most the open-files limit less FD_RESERVE); past this a new one displaces the
+#: oldest that has not completed a message yet, else it is answered busy and the client reads over ZeroMQ.
+MAX_CONNECTIONS = 4096
+FD_RESERVE = 128
+#: Threads that gather and send replies: the gather releases the GIL, so a few serve many clients.
+SERVING_THREADS = 16
+#: A serving thread with no request for this long drops its buffers.
+SERVING_IDLE_S = 10.0
+#: Bytes of request ranges in buffers of their own (ranges that come slowly, or past REQUEST_KEEP_BYTES) at once,
+#: over all connections: four of the largest lookup rounds (2^20 ranges, 16 MiB), or one request of the most
+#: ranges (64 MiB). Past it a read is answered busy.
+BODY_BYTES_IN_FLIGHT = 64 << 20
+#: A reply larger than this is sent in pieces of at most STREAM_PIECE_BYTES (a range of a piece's size or more
+#: is a piece of its own, sent straight from the segment), gathered into two halves of a serving thread's
+#: buffer, which therefore never exceeds this; the client receives one piece while the next is gathered.
+STREAM_MIN_BYTES = 2 << 20
+STREAM_PIECE_BYTES = STREAM_MIN_BYTES // 2
+#: A serving thread receives a request's ranges into a buffer of its own (kept while it serves) up to this size
+#: (65536 ranges: a full-size prefill lookup of one layer, reused without a page fault); larger ones, and ranges
+#: the loop receives, get a buffer of their own, counted in flight. The buffer starts with room for SMALL_RANGES.
+REQUEST_KEEP_BYTES = 1 << 20
+SMALL_RANGES = 4096
+#: Request buffers at least this large are mapped on their own, so their memory goes back to the system at once.
+MMAP_MIN_BYTES = 256 << 10
+#: How often the event loop looks for connections past a deadline.
+SWEEP_S = 0.25

@@ -1,0 +1,81 @@
+"""What the master records: segments, objects and their replicas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ._allocator import FreeListAllocator
+
+PENDING = "pending"
+COMPLETE = "complete"
+#: How many keys of objects lost with their segments are remembered, to explain later reads.
+LOST_KEYS_KEPT = 10_000
+
+
+@dataclass
+class Segment:
+    segment_id: str
+    address: str
+    size: int
+    shm_path: str
+    host_id: str
+    allocator: FreeListAllocator
+    last_heartbeat: float
+    public_key: str = ""
+    #: ``host:port`` of the segment's reader sockets (read_ranges and ping only); empty for older segments.
+    read_addresses: tuple[str, ...] = ()
+    #: Bumped whenever the set of complete objects with a replica here changes; the segment compares it with
+    #: the version of its catalogue and fetches the catalogue when they differ.
+    catalog_version: int = 0
+    #: The secret of the segment's current registration (tickets are MACs under it). Empty for a segment
+    #: restored from the journal: nothing is allocated on it until it registers with this master again.
+    write_key: bytes = b""
+    #: Id of the current registration (heartbeats carry it; another one means the segment registered again).
+    registration: str = ""
+    #: Put ids fenced on this segment and not yet acknowledged: sent with every heartbeat reply.
+    fences: set = field(default_factory=set)
+    #: Ranges ``(offset, size)`` the segment reports as still written by a live writer of a fenced put (straight
+    #: into its file): reserved until the segment stops reporting them.
+    held: set = field(default_factory=set)
+    #: Whether same-host clients may write into the segment's file (a file of this process only: shared memory).
+    direct_writes: bool = False
+    #: Registered with this master (not only restored from its journal): space may be allocated here.
+    confirmed: bool = True
+
+    def describe(self) -> dict:
+        return {
+            "segment_id": self.segment_id,
+            "address": self.address,
+            "size": self.size,
+            "used": self.allocator.used,
+            "shm_path": self.shm_path,
+            "host_id": self.host_id,
+            "read_addresses": list(self.read_addresses),
+            "confirmed": self.confirmed,
+            "catalog": self.catalog_version,
+            "fencing": len(self.fences),
+            "held_bytes": sum(size for _, size in self.held),
+        }
+
+
+@dataclass
+class Replica:
+    segment_id: str
+    offset: int
+
+
+@dataclass
+class ObjectMeta:
+    size: int
+    replica_num: int
+    replicas: list[Replica]
+    state: str
+    lease_until: float = 0.0
+    started: float = 0.0
+    #: The put that is writing a pending object (its tickets name it); 0 for complete objects.
+    put_id: int = 0
+    #: When the writer last said it is still writing (put_start or put_renew); a pending put silent for longer
+    #: than ``put_timeout_s`` is fenced.
+    renewed: float = 0.0
+    #: xxh3_64 of the object's bytes (hex) as its writer computed them; empty if it gave none.
+    checksum: str = ""

@@ -1,0 +1,77 @@
+"""Re-replication in the master's state: copies of objects below their replica count onto segments with room."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._fencing import Fence
+from ._records import COMPLETE, ObjectMeta, Replica
+
+
+@dataclass
+class RepairJob:
+    """A copy of one object onto a segment that lacks it (the target space is reserved)."""
+    key: str
+    meta: ObjectMeta
+    source_address: str
+    source_offset: int
+    target_id: str
+    target_address: str
+    target_offset: int
+    size: int
+    put_id: int = 0
+    ticket: bytes = b""
+
+
+class Repairs:
+    """The re-replication part of :class:`~._state.MasterState` (a mixin)."""
+
+    def plan_repairs(self, busy: set[str], limit: int) -> list["RepairJob"]:
+        """Reserve space for copies of objects below their replica count.
+
+        Returns up to ``limit`` jobs, skipping keys in ``busy`` (copies in flight). Each job's target space
+        stays reserved until :meth:`finish_repair`.
+        """
+        self.release_quarantine()
+        jobs = []
+        for key, meta in self.objects.items():
+            if len(jobs) >= limit:
+                break
+            if meta.state != COMPLETE or len(meta.replicas) >= meta.replica_num or key in busy or not meta.replicas:
+                continue
+            holders = {r.segment_id for r in meta.replicas}
+            candidates = sorted((s for s in self.segments.values() if s.segment_id not in holders and s.confirmed),
+                                key=lambda s: (-s.allocator.free_bytes, s.segment_id))
+            for target in candidates:
+                offset = target.allocator.allocate(meta.size)
+                if offset is not None:
+                    source = meta.replicas[0]
+                    put_id = self.next_put_id
+                    self.next_put_id += 1
+                    jobs.append(RepairJob(key, meta, self.segments[source.segment_id].address, source.offset,
+                                          target.segment_id, target.address, offset, meta.size, put_id,
+                                          self.ticket(target, put_id, offset, meta.size)))
+                    break
+        return jobs
+
+    def under_replicated(self) -> list[str]:
+        return [k for k, m in self.objects.items() if m.state == COMPLETE and len(m.replicas) < m.replica_num]
+
+    def finish_repair(self, job: "RepairJob", ok: bool) -> bool:
+        """Record a finished copy, or release its space if it failed or the object changed meanwhile."""
+        target = self.segments.get(job.target_id)
+        meta = self.objects.get(job.key)
+        usable = (ok and target is not None and meta is job.meta
+                  and job.target_id not in {r.segment_id for r in meta.replicas})
+        if not usable:
+            if target is not None and ok:
+                target.allocator.free(job.target_offset, job.size)  # every write of the copy was answered
+            elif target is not None:
+                # A copy that failed may have a write still queued at the target: fence it like a revoked put.
+                target.fences.add(job.put_id)
+                self.fencing[job.put_id] = Fence(job.key, job.size, {job.target_id: job.target_offset})
+            return False
+        meta.replicas.append(Replica(job.target_id, job.target_offset))
+        target.catalog_version += 1
+        self._journal_object(job.key, meta)
+        return True

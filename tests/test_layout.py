@@ -1,0 +1,88 @@
+"""The house rules of the code's layout: imports run one way between rooms, modules stay small, and every package
+says its public names in ``__all__``.
+
+Rooms, from the top: ``engram_model`` -> ``engram_store.compat`` -> ``engram_store.tables`` ->
+``engram_store.client`` -> ``engram_store.segment`` and ``master`` -> ``engram_store.wire`` and
+``engram_store.disk`` -> ``engram_store.kernels`` and the ground modules (errors, units, config, metrics, pages,
+progress). A module may import its own room and rooms below it, never one above.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Each room's level: imports go to rooms of a lower level (or the same room).
+LEVELS = {"model": 6, "compat": 5, "tables": 4, "client": 3, "segment": 2, "master": 2, "wire": 1, "disk": 1,
+          "kernels": 0, "ground": 0}
+#: Modules that tie rooms together on purpose: the package surface, the test and warm-up helpers.
+JOINERS = {"engram_store", "engram_store.testing", "engram_store.warmup", "engram_model.warmup"}
+MAX_LINES = 550
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] == "master":
+        return "master"
+    if parts[0] == "engram_model":
+        return "model"
+    if parts[0] != "engram_store":
+        return None
+    if len(parts) > 1 and parts[1] in LEVELS:
+        return parts[1]
+    return "ground"
+
+
+def _modules():
+    for package in ("engram_store", "master", "engram_model"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            yield name.removesuffix(".__init__"), path
+
+
+def _imports(name: str, path: Path):
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            # ``from .. import kernels`` names a room by the imported name
+            yield from ([f"{target}.{alias.name}" for alias in node.names] if not node.module else [target])
+        elif isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+
+
+def test_imports_run_one_way_between_rooms():
+    upward = []
+    for name, path in _modules():
+        if name in JOINERS:
+            continue
+        room = _room(name)
+        for target in _imports(name, path):
+            other = _room(target)
+            if other is not None and other != room and LEVELS[other] >= LEVELS[room]:
+                upward.append(f"{name} ({room}) imports {target} ({other})")
+    assert not upward, "imports against the direction of the rooms:\n" + "\n".join(upward)
+
+
+def test_modules_stay_small():
+    large = [f"{path.relative_to(ROOT)}: {n} lines" for _, path in _modules()
+             if (n := len(path.read_text().splitlines())) > MAX_LINES]
+    assert not large, "modules over the house limit of ~500 lines:\n" + "\n".join(large)
+
+
+@pytest.mark.parametrize("package", ["engram_store", "engram_store.wire", "engram_store.segment",
+                                     "engram_store.client", "engram_store.tables", "engram_store.compat",
+                                     "engram_store.disk", "engram_store.kernels", "master", "engram_model",
+                                     "engram_model.v41"])
+def test_every_package_names_its_public_surface(package):
+    module = importlib.import_module(package)
+    assert isinstance(getattr(module, "__all__", None), list) and module.__all__, f"{package} has no __all__"
+    missing = [name for name in module.__all__ if not hasattr(module, name)]
+    assert not missing, f"{package}.__all__ names what it does not define: {missing}"
