@@ -40,10 +40,13 @@ class _DirectWriter:
     fenced: bool = False
 
     def alive(self) -> bool:
-        """Whether the writer's process still runs (a pidfd becomes readable when it exits)."""
+        """Whether the writer's process still runs (a pidfd becomes readable when it exits). poll, not select: a
+        segment holding many connections has descriptors past select's limit of 1024."""
+        poller = select.poll()
+        poller.register(self.pidfd, select.POLLIN)
         try:
-            return not select.select([self.pidfd], [], [], 0)[0]
-        except (OSError, ValueError):
+            return not poller.poll(0)
+        except OSError:
             return False
 
 
