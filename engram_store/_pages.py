@@ -1,4 +1,5 @@
-"""Page-level advice for mappings: huge pages and prefaulting, through ``madvise(2)``.
+"""Pages of files and mappings: reserving a file's blocks up front, and huge pages and prefaulting through
+``madvise(2)``.
 
 Segments (their shared memory) and ``local_dir`` layers (their mapped head files) both ask for 2 MiB pages
 where the OS allows them and map their pages in ahead of the first reads, in pieces, from a background
@@ -13,7 +14,10 @@ import errno
 import logging
 import mmap
 import os
+import shutil
 import threading
+
+from ._errors import OutOfSpace
 
 log = logging.getLogger(__name__)
 
@@ -64,3 +68,24 @@ def prefault(address: int, length: int, stop: threading.Event | None = None, *, 
             break
         done += n
     return done
+
+
+def reserve(fd: int, nbytes: int, path: str, what: str) -> None:
+    """Allocate the first ``nbytes`` of the file ``fd`` (at ``path``) now and make that its size.
+
+    A write into a shared-memory page that cannot be allocated kills the process with SIGBUS, and a disk that
+    fills half way through a long write wastes it; so a file that does not fit fails here, with OutOfSpace naming
+    ``what`` and the free bytes. Writes into reserved blocks are also faster than into holes. File systems without
+    fallocate allocate on write.
+    """
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EDQUOT):
+            directory = os.path.dirname(path) or "."
+            raise OutOfSpace(f"{what}: cannot reserve {nbytes} bytes in {directory} "
+                             f"({shutil.disk_usage(directory).free} bytes free) for {os.path.basename(path)}: "
+                             f"{exc.strerror}") from None
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+    os.ftruncate(fd, nbytes)

@@ -25,6 +25,7 @@ import numpy as np
 import xxhash
 
 from .._errors import InvalidArgument, InvalidType, ObjectExists, OutOfSpace, StoreError, describe
+from .._pages import reserve
 from .._progress import Progress
 from . import _kernels
 from ._files import LayerLock, aligned_empty, fsync_dir, open_direct
@@ -261,16 +262,7 @@ def _table_bytes(table: np.ndarray, n: int, row_bytes: int, head: int) -> np.nda
 
 def _reserve(fd: int, file: str, nbytes: int) -> None:
     """Reserve the file's blocks now, so a full disk fails here rather than half way through the write."""
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-            free = shutil.disk_usage(os.path.dirname(file)).free
-            raise OutOfSpace(f"disk layer: cannot reserve {nbytes} bytes for {file} ({free} bytes free): "
-                             f"{exc.strerror}") from None
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-            raise
-    os.ftruncate(fd, nbytes)
+    reserve(fd, nbytes, file, "disk layer")
 
 
 def _pwrite_all(fd: int, data: np.ndarray, offset: int, where: str) -> None:

@@ -10,7 +10,6 @@ import errno
 import logging
 import mmap
 import os
-import shutil
 import socket
 import threading
 import uuid
@@ -18,7 +17,7 @@ import uuid
 import numpy as np
 
 from .._errors import ConfigError, InvalidArgument, OutOfSpace
-from .._pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise, prefault
+from .._pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise, prefault, reserve
 
 log = logging.getLogger(__name__)
 
@@ -132,19 +131,7 @@ class SegmentMemory:
             if keep_file and existing not in (0, size):
                 raise ConfigError(f"segment file {path!r} holds {existing} bytes but the segment size is {size}; "
                                   "pass the size it was created with, or another file")
-            os.ftruncate(fd, size)
-            # Reserve every page now: a write into a shared-memory page that cannot be allocated kills the
-            # process with SIGBUS, so a segment that does not fit fails here with a clear error instead; and
-            # writes into reserved pages run about 4x faster than into holes (first populate of a table).
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-                    free = shutil.disk_usage(os.path.dirname(path)).free
-                    raise OutOfSpace(f"segment size: cannot reserve {size} bytes in {os.path.dirname(path)} "
-                                     f"({free} bytes free): {exc.strerror}") from None
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # file systems without fallocate
-                    raise
+            reserve(fd, size, path, "segment size")  # every page now: no SIGBUS later, faster first writes
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, ConfigError, OutOfSpace):
             os.close(fd)

@@ -21,7 +21,6 @@ is complete. A staging directory left by a writer that died is removed by the ne
 from __future__ import annotations
 
 import ctypes
-import errno
 import fcntl
 import logging
 import mmap
@@ -34,8 +33,8 @@ import numpy as np
 
 from .. import _pages
 from .. import kernels as _kernels
-from .._errors import ConfigError, InvalidArgument, ObjectExists, OutOfSpace, StoreError
-from .._pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise
+from .._errors import ConfigError, InvalidArgument, ObjectExists, StoreError
+from .._pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise, reserve
 
 log = logging.getLogger(__name__)
 
@@ -231,16 +230,7 @@ class LocalDir:
     def _write_head(file: str, table: np.ndarray, nbytes: int) -> None:
         fd = os.open(file, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
         try:
-            try:
-                os.posix_fallocate(fd, 0, nbytes)  # a full tmpfs fails here, not with SIGBUS later
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
-                    free = shutil.disk_usage(os.path.dirname(file)).free
-                    raise OutOfSpace(f"local_dir: cannot reserve {nbytes} bytes for {file} ({free} bytes free): "
-                                     f"{exc.strerror}") from None
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-            os.ftruncate(fd, nbytes)
+            reserve(fd, nbytes, file, "local_dir")  # a full tmpfs fails here, not with SIGBUS later
             view = memoryview(table.reshape(-1).view(np.uint8))
             step = 64 << 20
             for start in range(0, nbytes, step):  # pwrite: no page faults in this process

@@ -8,6 +8,7 @@ cache (``row_cache_bytes``) keeps recently read remote rows in this process.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,7 @@ from ..kernels._gather import _scatter_rows
 from ..kernels._planning import _direct_pairs, _plan_reads
 from ._keyed import KeyedSource
 from ._layout import Layer
-from ._placement import Placement, Placements, PlacementState
+from ._placement import PLACEMENT_TTL_S, Placement, Placements, PlacementState
 from ._plan import fits_one_round, read_native, reads_direct, tally
 from ._source import Job, gather
 from ._source_memory import PREFETCH_INLINE_ROWS
@@ -88,7 +89,8 @@ class StoreSource(KeyedSource):
 
     def read(self, jobs: list[Job]) -> None:
         if len(jobs) == 1:
-            self._read_one(*jobs[0][1:])
+            _, lay, ids2, flat = jobs[0]
+            self._read_one(lay, ids2, flat)
         else:
             read_native(self.native, jobs)
 
@@ -106,12 +108,13 @@ class StoreSource(KeyedSource):
         request and scattered with nothing in between; any failure takes the general path, which fails over.
         """
         placement = lay.state.placement
-        if placement is None or not placement.fresh or len(placement.remote) > 1 or lay.state.cache is not None \
-                or not fits_one_round(ids2, flat):
+        if placement is None or time.monotonic() - placement.checked_at >= PLACEMENT_TTL_S \
+                or len(placement.remote) > 1 or lay.state.cache is not None or not fits_one_round(ids2, flat):
             read_native(self.native, [(self, lay, ids2, flat)])
             return
-        if placement.memory.sources:
-            gather(lay, placement.memory, ids2, flat, self.threads)
+        memory = placement.memory
+        if memory.sources:
+            gather(lay, memory, ids2, flat, self.threads)
         if placement.remote:
             address, endpoints, _, _ = placement.remote[0]
             native = self.native

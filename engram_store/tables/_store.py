@@ -68,6 +68,7 @@ class EngramStore:
             layers = [Layer(layer_id, EngramStoreConfig() if config is None else config, heads)]
             self.layer_id = layers[0].layer_id
         self._layers = {layer.layer_id: layer for layer in layers}
+        self._only = layers[0] if len(layers) == 1 else None  # the layer methods act on without layer=
         self._store = store
         self._source = _source_for(store, local_dir, disk_dir, bool(require_manifest), int(row_cache_bytes),
                                    int(threads), layers)
@@ -81,8 +82,8 @@ class EngramStore:
 
     def _layer(self, layer: int | None) -> Layer:
         if layer is None:
-            if len(self._layers) == 1:
-                return next(iter(self._layers.values()))
+            if self._only is not None:
+                return self._only
             raise InvalidArgument(f"layer: this EngramStore holds layers {self.get_layer_ids()}; name one with "
                                   "layer=")
         found = self._layers.get(layer) if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool) \
@@ -217,7 +218,7 @@ class EngramStore:
     def lookup(self, row_ids: Any, *, layer: int | None = None) -> np.ndarray:
         """Rows for ``[B, L, H]`` ids as ``[B, L, H, D]`` in the stored format (float32 by default)."""
         job, result = self._job(row_ids, None, layer)
-        read_jobs([job])
+        self._source.read([job])  # one job: nothing to group
         return result
 
     def lookup_into(self, row_ids: Any, out: Any, *, layer: int | None = None) -> Any:
@@ -227,7 +228,7 @@ class EngramStore:
         (see :meth:`Layer.check_out`); nothing else is allocated for it. Returns ``out``.
         """
         job, result = self._job(row_ids, out, layer)
-        read_jobs([job])
+        self._source.read([job])  # one job: nothing to group
         return result
 
     def lookup_layers(self, row_ids: Mapping[int, Any], out: Mapping[int, Any] | None = None) -> dict[int, Any]:
