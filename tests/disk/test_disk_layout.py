@@ -7,7 +7,7 @@ import tempfile
 
 import numpy as np
 import pytest
-from conftest import make_tables
+from disk_helpers import make_tables
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

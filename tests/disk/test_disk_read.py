@@ -10,7 +10,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import expected_rows, make_tables
+from disk_helpers import expected_rows, make_tables
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
