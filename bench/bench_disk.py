@@ -11,7 +11,7 @@ Sections (all by default):
   threads) beside a pool of Python threads calling ``os.preadv`` per page, at the same queue depths.
 * ``policy``: hit rate and cost per lookup of the hot-row caches on Zipfian (s = 0.8, 1.0, 1.2) and uniform row
   streams, cache at 1%, 10% and 50% of a scaled-down layer: the project's direct-mapped cache
-  (``engram_store._kernels.cache_probe``), the tier's 7-way set-associative cache with CLOCK eviction, and the
+  (``engram_store.kernels.cache_probe``), the tier's 7-way set-associative cache with CLOCK eviction, and the
   same with doorkeeper admission.
 * ``tier``: ``DiskLayer.read_rows`` on the full layer: decode-sized (64 x 48 rows) and prefill-sized
   (4,096 x 48 rows) lookups, cold (no cache) and with a cache of 1%, 10% and 50% of the layer, Zipf(1.0) and
@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from _common import Stats, default_json_path, fmt, print_table, write_json
 
-from engram_store import _kernels as ground
+from engram_store import kernels as ground
 from engram_store._units import parse_size
 from engram_store.disk import DiskDir, DiskLayer, IOEngine, RowCache, read_many
 from engram_store.disk import _kernels as dk
