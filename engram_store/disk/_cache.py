@@ -14,6 +14,9 @@ import numpy as np
 
 from .._errors import InvalidArgument, describe
 from . import _kernels as k
+from ._files import aligned_empty
+
+LINE_BYTES = 64
 
 ADMISSIONS = {"always": k.ADMIT_ALWAYS, "doorkeeper": k.ADMIT_DOORKEEPER}
 
@@ -41,10 +44,16 @@ class RowCache:
         self.row_bytes = row_bytes
         self.admission = admission
         self.n_sets = int(capacity_bytes) // per_set
-        self.meta = np.full(self.n_sets * k.META_WORDS, -1, dtype=np.int64)
+        if self.n_sets >= 1 << 32:
+            raise InvalidArgument(f"capacity_bytes: expected at most {((1 << 32) - 1) * per_set} bytes "
+                                  f"(2**32 - 1 sets), got {capacity_bytes}")
+        # each set's metadata on one cache line of its own, and rows from a line's start: a probe reads one
+        # line of keys, not two
+        self.meta = aligned_empty(self.n_sets * k.META_WORDS * 8, LINE_BYTES).view(np.int64)
+        self.meta[:] = -1
         self.meta[::k.META_WORDS] = 0
         self.hands = np.zeros(self.n_sets, dtype=np.uint8)
-        self.rows = np.zeros(self.n_sets * k.WAYS * row_bytes, dtype=np.uint8)
+        self.rows = aligned_empty(self.n_sets * k.WAYS * row_bytes, LINE_BYTES)  # an empty way's row is never read
         door_words = max(64, self.n_sets * k.WAYS // 8)  # 8 bits a row: few false positives
         self.door = np.zeros(door_words, dtype=np.uint64)
         self.door_state = np.array([0, self.capacity_rows], dtype=np.int64)

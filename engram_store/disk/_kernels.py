@@ -15,8 +15,8 @@ The cache is set-associative: ``meta[s]`` is one 64-byte line per set, word 0 a 
 bits, words 1-7 the keys of its 7 ways; ``rows[s * 7 + w]`` holds way ``w``'s row. Readers take no lock: they
 read a set as a sequence lock (version, keys and row, version again) and count a row as a hit only if the version
 did not move and no writer was busy in the set. Writers (cache fills) are serialised by the caller and mark the
-set busy while they replace a way. A hit reads one metadata line and the row, as many cache lines as the row
-itself plus one, so a hit costs little more than the plain in-memory gather of the same row.
+set busy while they replace a way. A hit reads one metadata line and the row (the cache's arrays start on a
+cache line), and marks its way used only after the lookup's rows are copied, with a plain byte store.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ import numpy as np
 from numba import njit
 
 from ..kernels._common import _prefetch
-from ._native import (address, atomic_add, atomic_and, atomic_or, errno, fence_acquire, fence_release, load_acquire,
-                      memcpy, memcpy_to, pread, syscall3, syscall5)
+from ._native import (address, atomic_add, atomic_and, errno, fence_acquire, fence_release, load_acquire, memcpy,
+                      memcpy_to, or_low_byte_relaxed, pread, syscall3, syscall5)
 
 WAYS = 7                    # ways per set: 7 keys and the version word fill one 64-byte line
 META_WORDS = 8
@@ -47,7 +47,8 @@ ADMIT_DOORKEEPER = 1
 
 @njit(cache=True, nogil=True, inline="always")
 def _set_of(key, n_sets):
-    return np.int64(((np.uint64(key) * _GOLDEN) >> np.uint64(24)) % np.uint64(n_sets))
+    # the product's top 32 bits scaled onto [0, n_sets) by a multiply and a shift, not a division
+    return np.int64((((np.uint64(key) * _GOLDEN) >> np.uint64(32)) * np.uint64(n_sets)) >> np.uint64(32))
 
 
 # ---- layout (the writer) --------------------------------------------------------------------------------------
@@ -80,28 +81,43 @@ def _unpack_rows(blocks, row_bytes, rows_per_block, block_bytes, n_rows, out):
 
 @njit(cache=True, nogil=True)
 def _probe(meta, rows, slot_bytes, key, out, out_at, row_bytes):
-    """Copy the cached row of ``key`` to ``out[out_at:]``; True on a hit (consistent copy), False otherwise."""
+    """Copy the cached row of ``key`` to ``out[out_at:]``. Returns -1 on a miss, -2 on a hit whose way is marked
+    used already, else ``base * 8 + way`` for a hit whose way's reference bit (in ``meta[base]``) is still clear."""
     n_sets = meta.size // META_WORDS
     s = _set_of(key, n_sets)
     base = s * META_WORDS
     v1 = load_acquire(meta, base)
     if v1 & BUSY:
-        return False
+        return -1
     way = -1
     for w in range(WAYS):
         if meta[base + 1 + w] == key:
             way = w
             break
     if way < 0:
-        return False
+        return -1
     memcpy(out, out_at, rows, (s * WAYS + way) * slot_bytes, row_bytes)
     fence_acquire()
     v2 = meta[base]
     if (v1 >> 8) != (v2 >> 8):
-        return False  # a writer changed the set while we copied: read it from disk
-    if not (v1 & (np.int64(1) << way)):
-        atomic_or(meta, base, np.int64(1) << way)
-    return True
+        return -1  # a writer changed the set while we copied: read it from disk
+    if v1 & (np.int64(1) << way):
+        return -2
+    return base * 8 + way
+
+
+@njit(cache=True, nogil=True)
+def _mark_used(meta, marks, count):
+    """Set the CLOCK reference bits of the ways ``marks[:count]`` (from ``_probe``) once a lookup's rows are copied.
+
+    The bit lives in the version word's lowest byte and is set with a plain byte store: writes among a lookup's
+    probes stall on the misses in flight (a locked one on all of them) and cost a decode-sized hit a fifth of its
+    time, while here the lines are still cached. A racing fill may lose a bit; the row then waits one more round
+    of CLOCK.
+    """
+    for k in range(count):
+        r = marks[k]
+        or_low_byte_relaxed(meta, r >> 3, np.int64(1) << (r & 7))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -139,6 +155,8 @@ def _plan_read(ids, n_rows, head_offset, row_base, rows_per_block, block_bytes, 
     miss_key = np.empty(n, dtype=np.int64)
     K = 0
     cached = meta.size > 0
+    marks = np.empty(n if cached else 0, dtype=np.int64)  # hits whose reference bit is set after the loop
+    n_marks = 0
     n_sets = meta.size // META_WORDS
     tag_bits = np.int64(tag) << KEY_ROW_BITS
     for i in range(n):
@@ -154,12 +172,17 @@ def _plan_read(ids, n_rows, head_offset, row_base, rows_per_block, block_bytes, 
                 ha = ahead % H
                 _prefetch_row(meta, rows, slot_bytes, tag_bits | (row_base[ha] + ids[ahead // H, ha]), n_sets,
                               row_bytes)
-            if _probe(meta, rows, slot_bytes, key, out, i * row_bytes, row_bytes):
+            r = _probe(meta, rows, slot_bytes, key, out, i * row_bytes, row_bytes)
+            if r != -1:
+                if r >= 0:
+                    marks[n_marks] = r
+                    n_marks += 1
                 continue
         miss_pos[K] = i
         miss_key[K] = key
         K += 1
     hits = n - K
+    _mark_used(meta, marks, n_marks)
     # distinct blocks of the misses: an open-addressing table of block offsets
     size = 16
     while size < 2 * K:

@@ -9,6 +9,8 @@ None of them checks bounds: the kernels that call them check every offset first.
 """
 from __future__ import annotations
 
+import sys
+
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -17,6 +19,7 @@ from numba.extending import intrinsic
 _I8P = ir.IntType(8).as_pointer()
 _I64 = ir.IntType(64)
 _I32 = ir.IntType(32)
+_LOW_BYTE = 0 if sys.byteorder == "little" else 7   # where an int64's lowest byte lies
 
 
 def _address(context, builder, array_type, array, index):
@@ -74,6 +77,26 @@ def load_acquire(typingctx, arr, index):
         return builder.load_atomic(ptr, "acquire", 8)
 
     return types.int64(arr, index), codegen
+
+
+@intrinsic
+def or_low_byte_relaxed(typingctx, arr, index, bits):
+    """``arr[index] |= bits`` for ``bits`` within the word's lowest byte (int64 arrays), as a relaxed
+    byte load and store: no locked instruction, so a reader that marks a cache way as used does not stall on the
+    memory it has in flight. Bytes above the lowest one are never written, so a writer's concurrent atomic update
+    of them (a set's version) is never lost; a concurrent change of the lowest byte may be."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, signature, args):
+        word = builder.bitcast(_address(context, builder, signature.args[0], args[0], args[1]), _I8P)
+        ptr = builder.gep(word, [ir.Constant(_I64, _LOW_BYTE)])
+        val = builder.trunc(context.cast(builder, args[2], signature.args[2], types.int64), ir.IntType(8))
+        old = builder.load_atomic(ptr, "monotonic", 1)
+        builder.store_atomic(builder.or_(old, val), ptr, "monotonic", 1)
+        return context.get_dummy_value()
+
+    return types.void(arr, index, bits), codegen
 
 
 def _fence(ordering):

@@ -130,6 +130,26 @@ def test_the_cache_keeps_layers_apart_and_admits_on_a_second_miss(tmp_path):
         assert (out == 1).all()
 
 
+@pytest.mark.timeout(30)
+def test_a_hit_marks_its_row_used_so_clock_evicts_another(tmp_path):
+    d = DiskDir(tmp_path)
+    table = np.arange(16 * 8, dtype=np.uint8).reshape(16, 8)
+    d.write(0, 8, [16], [table], progress=False)
+    cache = RowCache(7 * 8 + 72 + 7, 8, admission="always")  # one set of 7 ways
+    with d.open(0, cache=cache) as layer:
+        out = np.empty(7 * 8, np.uint8)
+        layer.read_rows(np.arange(7, dtype=np.int64)[:, None], out)    # rows 0-6 take the free ways
+        one = np.empty(8, np.uint8)
+        layer.read_rows(np.array([[3]], dtype=np.int64), one)          # a hit: row 3 is marked used
+        assert layer.stats()["cache_hits"] == 1
+        for victim in range(7, 13):                                    # six misses evict six rows ...
+            layer.read_rows(np.array([[victim]], dtype=np.int64), one)
+            assert (one == table[victim]).all()
+        layer.stats(reset=True)
+        layer.read_rows(np.array([[3]], dtype=np.int64), one)          # ... and CLOCK spared the used one
+        assert layer.stats()["cache_hits"] == 1 and (one == table[3]).all()
+
+
 # ---- errors ---------------------------------------------------------------------------------------------------
 
 
