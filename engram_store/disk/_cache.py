@@ -53,7 +53,10 @@ class RowCache:
         self.meta[:] = -1
         self.meta[::k.META_WORDS] = 0
         self.hands = np.zeros(self.n_sets, dtype=np.uint8)
-        self.rows = aligned_empty(self.n_sets * k.WAYS * row_bytes, LINE_BYTES)  # an empty way's row is never read
+        # committed now (written once): fills land on random sets, and in memory not yet touched each would fault
+        # in a page (2 MiB with transparent huge pages) while a lookup waits; a large cache takes seconds here
+        self.rows = aligned_empty(self.n_sets * k.WAYS * row_bytes, LINE_BYTES)
+        self.rows.fill(0)
         door_words = max(64, self.n_sets * k.WAYS // 8)  # 8 bits a row: few false positives
         self.door = np.zeros(door_words, dtype=np.uint64)
         self.door_state = np.array([0, self.capacity_rows], dtype=np.int64)
