@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,9 @@ def test_shell_block_runs(block, tmp_path):
     wrapped = (f"set -euo pipefail\nexec >{log} 2>&1\ntrap 'kill $(jobs -p) 2>/dev/null; wait' EXIT\n{script}\n"
                f"for i in $(seq 1200); do [ \"$(grep -c 'engram-segment ready' {log})\" -ge {segments} ] && exit 0; "
                "sleep 0.1; done; echo 'segments did not come up'; exit 1\n")
-    env = {**os.environ, "HOME": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    # the console scripts installed beside this interpreter, also when its venv is not activated
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    env = {**os.environ, "HOME": str(tmp_path), "PYTHONUNBUFFERED": "1", "PATH": path}
     env.pop("ENGRAM_AUTH_DIR", None)
     result = subprocess.run(["bash", "-c", wrapped], cwd=tmp_path, env=env, timeout=200)
     out = log.read_text()
