@@ -262,6 +262,8 @@ def test_bad_arguments_are_refused_before_any_read(small_layer):
     with pytest.raises(InvalidArgument, match=r"capacity_bytes: expected a byte count >= 1920 \(one set of 7 rows "
                                               r"of 264 bytes\), got 100"):
         RowCache(100, 264)
+    with pytest.raises(InvalidArgument, match=r"capacity_bytes: expected at most \d+ bytes \(2\*\*32 - 1 sets\)"):
+        RowCache((1 << 32) * 1920, 264)  # refused before anything is allocated
     with pytest.raises(InvalidArgument, match="admission: expected one of"):
         RowCache(1 << 20, 264, admission="lru")
     with pytest.raises(InvalidArgument, match=r"depth: expected an int in \[1, 1024\], got 0"):
