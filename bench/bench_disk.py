@@ -106,11 +106,12 @@ def random_pages(rng: np.random.Generator, file_bytes: int, n: int) -> np.ndarra
 
 
 def fio_floor(file: str, qd: int, seconds: float) -> dict | None:
-    """fio's random 4 KiB O_DIRECT reads (io_uring, one job, ``qd`` in flight); None without fio."""
+    """fio's random 4 KiB O_DIRECT reads (io_uring, one job, ``qd`` in flight, fresh offsets every run: a host that
+    caches the VM's disk serves fio's default repeatable offsets from memory); None without fio."""
     if shutil.which("fio") is None:
         return None
     cmd = ["fio", "--name=floor", f"--filename={file}", "--readonly", "--rw=randread", "--bs=4k", "--direct=1",
-           "--ioengine=io_uring", f"--iodepth={qd}", f"--runtime={seconds:g}", "--time_based",
+           "--ioengine=io_uring", f"--iodepth={qd}", f"--runtime={seconds:g}", "--time_based", "--randrepeat=0",
            "--output-format=json"]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60, check=True)
@@ -154,10 +155,11 @@ def python_floor(file: str, qd: int, seconds: float, seed: int) -> dict:
             "p99_us": float(np.percentile(all_ns, 99)) / 1e3, "direct": direct}
 
 
-def section_floor(file: str, seconds: float) -> list[dict]:
+def section_floor(file: str, seconds: float, seed: int) -> list[dict]:
     rows = []
     for qd in QUEUE_DEPTHS:
-        rows.append({"qd": qd, "fio": fio_floor(file, qd, seconds), "python": python_floor(file, qd, seconds, qd)})
+        rows.append({"qd": qd, "fio": fio_floor(file, qd, seconds),
+                     "python": python_floor(file, qd, seconds, seed + 100 * qd)})
     print_table(["queue depth", "fio IOPS", "fio p50 us", "fio p99 us", "py preadv IOPS", "py p50 us", "py p99 us"],
                 [[r["qd"], fmt(r["fio"] and r["fio"]["iops"], 0), fmt(r["fio"] and r["fio"]["p50_us"]),
                   fmt(r["fio"] and r["fio"]["p99_us"]), fmt(r["python"]["iops"], 0), fmt(r["python"]["p50_us"]),
@@ -260,6 +262,7 @@ class Stream:
         self.s = s
         self.rng = np.random.default_rng(seed)
         n = int(self.sizes.min())
+        self.shift = int(self.rng.integers(0, n))  # where the hot rows lie differs from seed to seed
         if s is not None:
             w = np.arange(1, n + 1, dtype=np.float64) ** -s
             self.cdf = np.cumsum(w) / w.sum()
@@ -269,7 +272,7 @@ class Stream:
         if self.s is None:
             return (self.rng.random((M, H)) * self.sizes).astype(np.int64)
         ranks = np.minimum(np.searchsorted(self.cdf, self.rng.random((M, H))), self.cdf.size - 1).astype(np.int64)
-        return (ranks * _SCATTER + np.arange(H, dtype=np.int64) * 7919) % self.sizes
+        return (ranks * _SCATTER + np.arange(H, dtype=np.int64) * 7919 + self.shift) % self.sizes
 
     def label(self) -> str:
         return "uniform" if self.s is None else f"zipf {self.s:g}"
@@ -363,13 +366,17 @@ def timed_reads(layer: DiskLayer, batches: list[np.ndarray], out: np.ndarray, wa
             "warm_calls": warm}
 
 
-def section_tier(d: DiskDir, sizes: list[int], quick: bool, seed: int, floor: list[dict]) -> list[dict]:
+def section_tier(d: DiskDir, sizes: list[int], quick: bool, seed: int, floor: list[dict],
+                 lookups: list[str]) -> list[dict]:
     file_bytes = sum(-(-n // 15) for n in sizes) * 4096
     results = []
     for M, label in ((DECODE_ROWS, "decode"), (PREFILL_ROWS, "prefill")):
+        if label not in lookups:
+            continue
         reps = (20 if quick else 100) if M == DECODE_ROWS else (2 if quick else 6)
         for s in (1.0, None):
             for frac in (0.0, 0.01, 0.10, 0.50):
+                seed += 1  # every configuration reads rows of its own, not pages an earlier one brought in
                 stream = Stream(sizes, s, seed)
                 batches = [stream.batch(M) for _ in range(reps)]
                 cache = RowCache(int(file_bytes * frac), ROW_BYTES) if frac else None
@@ -475,26 +482,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="30GB", help="the layer's size (default 30GB)")
     p.add_argument("--quick", action="store_true", help="shorter runs")
     p.add_argument("--sections", default="floor,engine,policy,tier,hit")
+    p.add_argument("--tier-lookups", default="decode,prefill", help="the tier section's lookup sizes")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of every id stream (default: a fresh one, printed; a disk or VM host that caches pages "
+                        "would serve a repeated run's reads from memory)")
     p.add_argument("--json", default=default_json_path("bench_disk"))
     args = p.parse_args(argv)
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(3), "little")
     sections = args.sections.split(",")
     d, sizes = ensure_layer(args.dir, parse_size(args.size))
     print(f"layer: {HEADS} heads x {sizes[0]:,} rows x {ROW_BYTES} B ({sum(sizes) // 15 * 4096 / 1e9:.1f} GB) "
           f"under {args.dir}")
     file = os.path.join(d.layer_path(LAYER_ID), "rows.bin")
-    payload: dict = {"heads": HEADS, "row_bytes": ROW_BYTES, "sizes": sizes, "dir": args.dir,
+    print(f"seed: {seed}")
+    payload: dict = {"seed": seed, "heads": HEADS, "row_bytes": ROW_BYTES, "sizes": sizes, "dir": args.dir,
                      "file_bytes": os.path.getsize(file)}
     floor: list[dict] = []
     if "floor" in sections:
-        floor = payload["floor"] = section_floor(file, 2.0 if args.quick else 5.0)
+        floor = payload["floor"] = section_floor(file, 2.0 if args.quick else 5.0, seed)
     if "engine" in sections:
-        payload["engine"] = section_engine(d, sizes, 10_000 if args.quick else 30_000, 2 if args.quick else 5, 1)
+        payload["engine"] = section_engine(d, sizes, 10_000 if args.quick else 30_000, 2 if args.quick else 5, seed + 1000)
     if "policy" in sections:
-        payload["policy"] = section_policy(args.quick, 2)
+        payload["policy"] = section_policy(args.quick, seed + 2000)
     if "tier" in sections:
-        payload["tier"] = section_tier(d, sizes, args.quick, 3, floor)
+        payload["tier"] = section_tier(d, sizes, args.quick, seed + 3000, floor, args.tier_lookups.split(","))
     if "hit" in sections:
-        payload["hit"] = section_hit(d, sizes, args.quick, 4)
+        payload["hit"] = section_hit(d, sizes, args.quick, seed + 4000)
     write_json(args.json, payload)
     return 0
 
