@@ -49,6 +49,10 @@ def _expected(tables, ids):
     return np.stack([tables[h][ids[..., h]] for h in range(HEADS)], axis=-2)
 
 
+def _all_back(status: dict) -> bool:
+    return status["objects"] == HEADS + 1 and status["under_replicated"] == 0 and status["lost"] == 0
+
+
 def _wait_for(predicate, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -190,15 +194,18 @@ def test_a_segment_declared_dead_comes_back_with_the_objects_it_can_prove_intact
 
 def test_a_master_restarted_without_its_journal_gets_every_layer_back():
     tables, ids = _tables(8), _ids(3)
-    with Cluster(segments=2, segment_size="32MiB", heartbeat_timeout_s=1.0) as c:
+    # a heartbeat timeout a loaded machine does not trip: a segment dropped meanwhile would leave its replicas
+    # missing until it registers again
+    with Cluster(segments=2, segment_size="32MiB", heartbeat_timeout_s=3.0) as c:
         with DistributedStore.connect(c.address, timeout_ms=5000, local_direct=False) as store:
             layer = EngramStore(8, CONFIG, store)
             layer.populate(tables, replica_num=2)
             _wait_for(lambda: _catalogue_synced(c, store), 20, "the segments' catalogues")
         c.master.kill()
-        c.restart_master(heartbeat_timeout_s=1.0)  # no journal: it knows nothing
+        c.restart_master(heartbeat_timeout_s=3.0)  # no journal: it knows nothing
         with DistributedStore.connect(c.address, timeout_ms=5000, local_direct=False) as store:
-            _wait_for(lambda: store.status()["objects"] == HEADS + 1, 20, "the segments to offer their objects")
+            # every object back, with both its replicas (each segment offers its own copies when it registers)
+            _wait_for(lambda: _all_back(store.status()), 30, "both segments to offer their objects")
             layer = EngramStore(8, CONFIG, store)
             np.testing.assert_array_equal(layer.lookup(ids), _expected(tables, ids))
             assert layer.verify() == list(range(HEADS))
