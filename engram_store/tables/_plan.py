@@ -15,7 +15,7 @@ request outgrows a segment's limits; heads on a server that fails are re-resolve
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Sequence
 
 import numpy as np
@@ -240,18 +240,24 @@ def lookup_many(requests: Sequence[tuple[Any, Any]], *, layers: Sequence[int | N
         jobs.append(job)
         results.append(result)
 
-    def run() -> list:
-        read_jobs(jobs)
-        return results
+    return start_reads(jobs, results, requests, requests[0][0]._background() if background and requests else None)
 
-    if background and requests:
-        return LookupHandle(requests[0][0]._background().submit(run), requests)
+
+def start_reads(jobs: list, result: Any, row_ids: Any, background: ThreadPoolExecutor | None) -> LookupHandle:
+    """Read ``jobs`` in ``background`` (an executor), or now when it is None; the handle's ``result()`` is
+    ``result`` once they are read (or raises what the read raised)."""
+    def run() -> Any:
+        read_jobs(jobs)
+        return result
+
+    if background is not None:
+        return LookupHandle(background.submit(run), row_ids)
     future: Future = Future()
     try:
         future.set_result(run())
     except BaseException as exc:
         future.set_exception(exc)
-    return LookupHandle(future, requests)
+    return LookupHandle(future, row_ids)
 
 
 def prefetch_many(requests: Sequence[tuple[Any, Any]], *, layers: Sequence[int | None] | None = None,

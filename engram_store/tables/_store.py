@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from .._errors import InvalidArgument, InvalidType, NotConnected, describe
 from ._layout import EngramStoreConfig, Layer, LookupCounters, sort_key
-from ._plan import LookupHandle, read_jobs
+from ._plan import LookupHandle, read_jobs, start_reads
 from ._source import Job, Source
 
 
@@ -276,18 +276,7 @@ class EngramStore:
         return jobs, results
 
     def _start(self, jobs: list[Job], result: Any, background: bool, row_ids: Any) -> LookupHandle:
-        def run() -> Any:
-            read_jobs(jobs)
-            return result
-
-        if background:
-            return LookupHandle(self._background().submit(run), row_ids)
-        future: Future = Future()
-        try:
-            future.set_result(run())
-        except BaseException as exc:
-            future.set_exception(exc)
-        return LookupHandle(future, row_ids)
+        return start_reads(jobs, result, row_ids, self._background() if background else None)
 
     def _background(self) -> ThreadPoolExecutor:
         with self._lock:
