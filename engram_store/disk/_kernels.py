@@ -16,7 +16,8 @@ bits, words 1-7 the keys of its 7 ways; ``rows[s * 7 + w]`` holds way ``w``'s ro
 read a set as a sequence lock (version, keys and row, version again) and count a row as a hit only if the version
 did not move and no writer was busy in the set. Writers (cache fills) are serialised by the caller and mark the
 set busy while they replace a way. A hit reads one metadata line and the row (the cache's arrays start on a
-cache line), and marks its way used only after the lookup's rows are copied, with a plain byte store.
+cache line), both prefetched rows ahead (``_probe_all``), and marks its way used only after the lookup's rows are
+copied, with a plain byte store.
 """
 from __future__ import annotations
 
@@ -36,7 +37,12 @@ MAX_TAG = (1 << 23) - 1     # a key's layer tag keeps keys positive
 #: status of a block that no worker reached (another block's failure stopped the read)
 NOT_READ = np.int64(-(1 << 62))
 EINTR = 4
-PREFETCH_AHEAD = 8
+META_AHEAD = 16    # the probe's pipeline: rows ahead whose set's metadata line is prefetched
+ROW_AHEAD = 8      # rows ahead whose way is found and whose row is prefetched (deeper measured slower)
+RING = 32          # a power of two > META_AHEAD
+RING_MASK = RING - 1
+WAY_SHIFT = 60
+WAY_MASK = np.int64(7) << WAY_SHIFT
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX2 = np.uint64(0xC2B2AE3D27D4EB4F)
@@ -80,35 +86,9 @@ def _unpack_rows(blocks, row_bytes, rows_per_block, block_bytes, n_rows, out):
 # ---- planning a read ------------------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True)
-def _probe(meta, rows, slot_bytes, key, out, out_at, row_bytes):
-    """Copy the cached row of ``key`` to ``out[out_at:]``. Returns -1 on a miss, -2 on a hit whose way is marked
-    used already, else ``base * 8 + way`` for a hit whose way's reference bit (in ``meta[base]``) is still clear."""
-    n_sets = meta.size // META_WORDS
-    s = _set_of(key, n_sets)
-    base = s * META_WORDS
-    v1 = load_acquire(meta, base)
-    if v1 & BUSY:
-        return -1
-    way = -1
-    for w in range(WAYS):
-        if meta[base + 1 + w] == key:
-            way = w
-            break
-    if way < 0:
-        return -1
-    memcpy(out, out_at, rows, (s * WAYS + way) * slot_bytes, row_bytes)
-    fence_acquire()
-    v2 = meta[base]
-    if (v1 >> 8) != (v2 >> 8):
-        return -1  # a writer changed the set while we copied: read it from disk
-    if v1 & (np.int64(1) << way):
-        return -2
-    return base * 8 + way
-
-
-@njit(cache=True, nogil=True)
 def _mark_used(meta, marks, count):
-    """Set the CLOCK reference bits of the ways ``marks[:count]`` (from ``_probe``) once a lookup's rows are copied.
+    """Set the CLOCK reference bits of the ways ``marks[:count]`` (``base * 8 + way``) once a lookup's rows are
+    copied.
 
     The bit lives in the version word's lowest byte and is set with a plain byte store: writes among a lookup's
     probes stall on the misses in flight (a locked one on all of them) and cost a decode-sized hit a fifth of its
@@ -121,15 +101,98 @@ def _mark_used(meta, marks, count):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _prefetch_row(meta, rows, slot_bytes, key, n_sets, row_bytes):
-    s = _set_of(key, n_sets)
-    base = s * META_WORDS
-    for w in range(WAYS):
+def _find_way(meta, base, key):
+    # the way holding key (WAYS if none): every way compared, no early exit, so the way's position (random)
+    # costs no branch misprediction
+    found = np.int64(WAYS)
+    for w in range(WAYS - 1, -1, -1):
         if meta[base + 1 + w] == key:
-            at = (s * WAYS + w) * slot_bytes
-            for line in range(0, row_bytes, 64):
-                _prefetch(rows, at + line)
-            return
+            found = w
+    return found
+
+
+@njit(cache=True, nogil=True)
+def _probe_all(ids, row_base, tag, meta, rows, slot_bytes, out, row_bytes, miss_pos, miss_key):
+    """Copy every row of ``ids`` the cache holds to its place in ``out``; list the others (output position and
+    key) in ``miss_pos`` / ``miss_key``. Returns how many missed.
+
+    A software pipeline over the rows: row ``i + META_AHEAD``'s key is computed and its set's metadata line
+    prefetched; row ``i + ROW_AHEAD``'s line has arrived, so its way is found (the set's version read first, as
+    a sequence lock) and the row's first line prefetched; row ``i`` is copied, then counted as a hit only if its
+    set's version did not move meanwhile. The keys and ways in flight sit in a small ring, so no pass over the
+    whole lookup's keys leaves the CPU caches.
+    """
+    M, H = ids.shape
+    n = M * H
+    n_sets = meta.size // META_WORDS
+    tag_bits = np.int64(tag) << KEY_ROW_BITS
+    ring_key = np.empty(RING, dtype=np.int64)
+    ring_base = np.empty(RING, dtype=np.int64)
+    ring_version = np.empty(RING, dtype=np.int64)   # the version read, the way in bits 60..62
+    ring_at = np.empty(RING, dtype=np.int64)        # the row's byte offset in rows, -1 on a miss
+    marks = np.empty(n, dtype=np.int64)             # hits whose reference bit is set after the copies
+    n_marks = 0
+    K = 0
+    am = 0
+    ah = 0  # the position (m, h) of the row whose key is computed next
+    for step in range(-META_AHEAD, n):
+        p = step + META_AHEAD
+        if p < n:
+            key = tag_bits | (row_base[ah] + ids[am, ah])
+            base = _set_of(key, n_sets) * META_WORDS
+            ring_key[p & RING_MASK] = key
+            ring_base[p & RING_MASK] = base
+            _prefetch(meta, base)
+            ah += 1
+            if ah == H:
+                ah = 0
+                am += 1
+        p = step + ROW_AHEAD
+        if 0 <= p < n:
+            base = ring_base[p & RING_MASK]
+            version = load_acquire(meta, base)
+            way = _find_way(meta, base, ring_key[p & RING_MASK])
+            at = -1
+            if way < WAYS and not (version & BUSY):
+                at = ((base // META_WORDS) * WAYS + way) * slot_bytes
+                ring_version[p & RING_MASK] = version | (way << WAY_SHIFT)
+                _prefetch(rows, at)
+            ring_at[p & RING_MASK] = at
+        if step < 0:
+            continue
+        i = step
+        at = ring_at[i & RING_MASK]
+        if at >= 0:
+            memcpy(out, i * row_bytes, rows, at, row_bytes)
+            fence_acquire()
+            base = ring_base[i & RING_MASK]
+            version = ring_version[i & RING_MASK]
+            way = version >> WAY_SHIFT
+            if ((version & ~WAY_MASK) >> 8) == (meta[base] >> 8):
+                if not (version & (np.int64(1) << way)):
+                    marks[n_marks] = base * 8 + way
+                    n_marks += 1
+                continue
+        miss_pos[K] = i
+        miss_key[K] = ring_key[i & RING_MASK]
+        K += 1
+    _mark_used(meta, marks, n_marks)
+    return K
+
+
+@njit(cache=True, nogil=True)
+def _first_bad(ids, n_rows):
+    """The first flat position ``m * H + h`` whose id lies outside ``[0, n_rows[h])``, or -1."""
+    M, H = ids.shape
+    for m in range(M):
+        out_of_range = False
+        for h in range(H):  # no early exit: the compares vectorise (a negative id is a huge unsigned one)
+            out_of_range |= np.uint64(ids[m, h]) >= np.uint64(n_rows[h])
+        if out_of_range:
+            for h in range(H):
+                if np.uint64(ids[m, h]) >= np.uint64(n_rows[h]):
+                    return m * H + h
+    return -1
 
 
 @njit(cache=True, nogil=True)
@@ -144,45 +207,25 @@ def _plan_read(ids, n_rows, head_offset, row_base, rows_per_block, block_bytes, 
     the misses), ``in_block[k]`` bytes into their block.
     """
     M, H = ids.shape
-    for m in range(M):
-        for h in range(H):
-            v = ids[m, h]
-            if v < 0 or v >= n_rows[h]:
-                return (m * H + h, 0, np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64),
-                        np.zeros(1, np.int64), np.empty(0, np.int64), np.empty(0, np.int64))
+    bad = _first_bad(ids, n_rows)
+    if bad >= 0:
+        return (bad, 0, np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64),
+                np.zeros(1, np.int64), np.empty(0, np.int64), np.empty(0, np.int64))
     n = M * H
     miss_pos = np.empty(n, dtype=np.int64)
     miss_key = np.empty(n, dtype=np.int64)
-    K = 0
-    cached = meta.size > 0
-    marks = np.empty(n if cached else 0, dtype=np.int64)  # hits whose reference bit is set after the loop
-    n_marks = 0
-    n_sets = meta.size // META_WORDS
-    tag_bits = np.int64(tag) << KEY_ROW_BITS
-    for i in range(n):
-        h = i % H
-        key = tag_bits | (row_base[h] + ids[i // H, h])
-        if cached:
-            ahead = i + 2 * PREFETCH_AHEAD
-            if ahead < n:  # the set's metadata line, far enough ahead for the load to land
-                ha = ahead % H
-                _prefetch(meta, _set_of(tag_bits | (row_base[ha] + ids[ahead // H, ha]), n_sets) * META_WORDS)
-            ahead = i + PREFETCH_AHEAD
-            if ahead < n:  # its line has arrived by now: find the way and fetch the row's lines too
-                ha = ahead % H
-                _prefetch_row(meta, rows, slot_bytes, tag_bits | (row_base[ha] + ids[ahead // H, ha]), n_sets,
-                              row_bytes)
-            r = _probe(meta, rows, slot_bytes, key, out, i * row_bytes, row_bytes)
-            if r != -1:
-                if r >= 0:
-                    marks[n_marks] = r
-                    n_marks += 1
-                continue
-        miss_pos[K] = i
-        miss_key[K] = key
-        K += 1
+    if meta.size > 0:
+        K = _probe_all(ids, row_base, tag, meta, rows, slot_bytes, out, row_bytes, miss_pos, miss_key)
+    else:
+        tag_bits = np.int64(tag) << KEY_ROW_BITS
+        i = 0
+        for m in range(M):
+            for h in range(H):
+                miss_pos[i] = i
+                miss_key[i] = tag_bits | (row_base[h] + ids[m, h])
+                i += 1
+        K = n
     hits = n - K
-    _mark_used(meta, marks, n_marks)
     # distinct blocks of the misses: an open-addressing table of block offsets
     size = 16
     while size < 2 * K:
