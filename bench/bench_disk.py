@@ -30,6 +30,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from _common import Stats, default_json_path, fmt, print_table, write_json
 
+from engram_store import EngramStore, EngramStoreConfig
 from engram_store import kernels as ground
 from engram_store._units import parse_size
 from engram_store.disk import DiskDir, DiskLayer, IOEngine, RowCache, read_many
@@ -74,11 +76,14 @@ def ensure_layer(directory: str, size_bytes: int) -> tuple[DiskDir, list[int]]:
     d = DiskDir(directory)
     sizes = layer_sizes(size_bytes)
     path = d.layer_path(LAYER_ID)
-    if os.path.isdir(path):
-        with open(os.path.join(path, "manifest.json")) as f:
+    manifest = os.path.join(path, "manifest.json")
+    if os.path.isfile(manifest):
+        with open(manifest) as f:
             if json.load(f)["sizes"] == sizes:
                 return d, sizes
         d.remove(LAYER_ID)
+    elif os.path.isdir(path):  # what is left of a layer whose files were deleted by hand
+        shutil.rmtree(path)
     free = shutil.disk_usage(directory).free
     need = sum(sizes) // 15 * 4096
     if need > free - (2 << 30):
@@ -105,18 +110,19 @@ def random_pages(rng: np.random.Generator, file_bytes: int, n: int) -> np.ndarra
     return rng.integers(0, file_bytes // 4096, n, dtype=np.int64) * 4096
 
 
-def fio_floor(file: str, qd: int, seconds: float) -> dict | None:
-    """fio's random 4 KiB O_DIRECT reads (io_uring, one job, ``qd`` in flight, fresh offsets every run: a host that
-    caches the VM's disk serves fio's default repeatable offsets from memory); None without fio."""
+def fio_floor(file: str, qd: int, seconds: float, engine: str = "io_uring") -> dict | None:
+    """fio's random 4 KiB O_DIRECT reads (``engine``: io_uring, else libaio; one job, ``qd`` in flight, fresh
+    offsets every run: a host that caches the VM's disk serves fio's default repeatable offsets from memory); None
+    without fio."""
     if shutil.which("fio") is None:
         return None
     cmd = ["fio", "--name=floor", f"--filename={file}", "--readonly", "--rw=randread", "--bs=4k", "--direct=1",
-           "--ioengine=io_uring", f"--iodepth={qd}", f"--runtime={seconds:g}", "--time_based", "--randrepeat=0",
-           "--output-format=json"]
+           f"--ioengine={engine}", f"--iodepth={qd}", f"--runtime={int(seconds * 1000)}ms", "--time_based",
+           "--randrepeat=0", "--output-format=json"]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60, check=True)
     except (subprocess.SubprocessError, OSError):
-        cmd[cmd.index("--ioengine=io_uring")] = "--ioengine=libaio"
+        cmd[cmd.index(f"--ioengine={engine}")] = "--ioengine=libaio"
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60, check=True)
     job = json.loads(res.stdout)["jobs"][0]["read"]
     pct = job["clat_ns"]["percentile"]
@@ -196,14 +202,17 @@ def python_engine_read(fd: int, offsets: np.ndarray, in_page: np.ndarray, out: n
 
 
 def section_engine(d: DiskDir, sizes: list[int], pages: int, rounds: int, seed: int) -> list[dict]:
-    """Per queue depth, ``rounds`` rounds of: one cold lookup through each engine, then fio for a second; the
-    median of each and of each engine's ratio to the fio run beside it (the machine's load moves all of them)."""
+    """Per queue depth, ``rounds`` rounds of: one cold lookup of ``pages`` random pages through each engine, then
+    fio (io_uring, the floor, and libaio) for half a second each; the median of each, and of each one's ratio to the
+    floor measured beside it in its round (this disk's rate moves several-fold from one second to the next, so
+    only ratios taken side by side mean anything)."""
     rng = np.random.default_rng(seed)
     results = []
+    have_fio = shutil.which("fio") is not None
     for qd in QUEUE_DEPTHS:
         n = pages if qd > 1 else pages // 8
         m = max(1, n // HEADS)
-        runs: dict[str, list[float]] = {"aio": [], "threads": [], "python": [], "fio": []}
+        runs: dict[str, list[float]] = {"aio": [], "threads": [], "python": [], "fio": [], "fio_libaio": []}
         engines = {mode: IOEngine(qd, mode) for mode in ("aio", "threads")}
         layers = {mode: d.open(LAYER_ID, ROW_BYTES, sizes, engine=e) for mode, e in engines.items()}
         for layer in layers.values():
@@ -226,26 +235,31 @@ def section_engine(d: DiskDir, sizes: list[int], pages: int, rounds: int, seed: 
             python_engine_read(fd, offs // 4096 * 4096, offs % 4096, out, qd)
             runs["python"].append(ids.size / (time.perf_counter() - t0))
             check_rows(ids, out)
-            fio = fio_floor(layers["aio"].file, qd, 1.0)
-            runs["fio"].append(fio["iops"] if fio else python_floor(layers["aio"].file, qd, 1.0, qd)["iops"])
+            if have_fio:
+                runs["fio"].append(fio_floor(layers["aio"].file, qd, 0.5)["iops"])
+                runs["fio_libaio"].append(fio_floor(layers["aio"].file, qd, 0.5, "libaio")["iops"])
+            else:
+                runs["fio"].append(python_floor(layers["aio"].file, qd, 0.5, qd)["iops"])
+                runs["fio_libaio"].append(float("nan"))
         os.close(fd)
         for mode in layers:
             layers[mode].close()
             engines[mode].close()
-        row = {"qd": qd, "pages": m * HEADS, "rounds": rounds, "floor": "fio" if shutil.which("fio") else "python"}
+        row = {"qd": qd, "pages": m * HEADS, "rounds": rounds, "floor": "fio" if have_fio else "python"}
         for key, values in runs.items():
             row[f"{key}_iops"] = float(np.median(values))
             row[f"{key}_runs"] = values
-        for key in ("aio", "threads", "python"):
+        for key in ("aio", "threads", "python", "fio_libaio"):
             row[f"{key}_ratio"] = float(np.median(np.asarray(runs[key]) / np.asarray(runs["fio"])))
         results.append(row)
     print_table(["queue depth", "pages", "aio IOPS", "numba threads IOPS", "python preadv IOPS", "floor IOPS",
-                 "aio/floor", "threads/floor", "python/floor"],
+                 "fio libaio IOPS", "aio/floor", "threads/floor", "python/floor", "fio libaio/floor"],
                 [[r["qd"], r["pages"], fmt(r["aio_iops"], 0), fmt(r["threads_iops"], 0), fmt(r["python_iops"], 0),
-                  fmt(r["fio_iops"], 0), fmt(r["aio_ratio"], 2), fmt(r["threads_ratio"], 2),
-                  fmt(r["python_ratio"], 2)] for r in results],
+                  fmt(r["fio_iops"], 0), fmt(r["fio_libaio_iops"], 0), fmt(r["aio_ratio"], 2),
+                  fmt(r["threads_ratio"], 2), fmt(r["python_ratio"], 2), fmt(r["fio_libaio_ratio"], 2)]
+                 for r in results],
                 title=f"engines: cold lookups of random rows (a page each), medians of {rounds} rounds; each ratio is "
-                      "the median of (engine / the floor measured beside it)")
+                      "the median of (engine / the floor, fio's io_uring, measured beside it)")
     return results
 
 
@@ -404,7 +418,11 @@ def section_tier(d: DiskDir, sizes: list[int], quick: bool, seed: int, floor: li
 # ---- cache hits beside an in-memory gather --------------------------------------------------------------------
 
 
-def section_hit(d: DiskDir, sizes: list[int], quick: bool, seed: int) -> list[dict]:
+def section_hit(d: DiskDir, sizes: list[int], quick: bool, seed: int, layer_table_bytes: int) -> list[dict]:
+    """Lookups whose rows all sit in the cache, beside the same rows read from memory: by the local-direct gather
+    kernel from a table of only those rows, packed (a lower bound no real layer reaches: its rows spread over the
+    whole layer), by the same kernel from a ``layer_table_bytes`` table holding them at scattered places (what a
+    local-direct lookup of a large layer pays: a TLB miss per row on top of the row), and by ``np.take``."""
     working = 200_000 if quick else 1_000_000          # distinct rows held (264 MB at full size)
     cache = RowCache(4 * working // dk.WAYS * (dk.WAYS * ROW_BYTES + 72 + dk.WAYS) // 3, ROW_BYTES)
     rng = np.random.default_rng(seed)
@@ -421,9 +439,16 @@ def section_hit(d: DiskDir, sizes: list[int], quick: bool, seed: int) -> list[di
         pos = np.arange(working, dtype=np.int64)
         for _ in range(2):  # the second offer passes the doorkeeper where a set is full
             cache.fill(cache_keys, pos, table.reshape(-1))
-        # the same rows as an in-memory table read by the kernel of local-direct lookups (one head of them all)
-        local = ground.row_source(table.reshape(-1), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64),
-                                  ROW_BYTES)
+        # the same rows as in-memory tables read by the kernel of local-direct lookups (one head of them all):
+        # packed, and scattered over a layer-sized table (committed, so every page is real memory)
+        packed = ground.row_source(table.reshape(-1), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64),
+                                   ROW_BYTES)
+        big_rows = max(working, layer_table_bytes // ROW_BYTES)
+        big = np.zeros((big_rows, ROW_BYTES), dtype=np.uint8)
+        place = rng.choice(big_rows, working, replace=False).astype(np.int64)
+        big[place] = table
+        spread = ground.row_source(big.reshape(-1), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64),
+                                   ROW_BYTES)
         held = set(np.flatnonzero(_held_mask(cache, cache_keys)).tolist())
         pick = np.fromiter(held, dtype=np.int64)
         for M, label in ((DECODE_ROWS, "decode"), (PREFILL_ROWS, "prefill")):
@@ -437,37 +462,105 @@ def section_hit(d: DiskDir, sizes: list[int], quick: bool, seed: int) -> list[di
             out = np.empty(M * HEADS * ROW_BYTES, dtype=np.uint8)
             out2 = out.reshape(M * HEADS, ROW_BYTES)
             layer.stats(reset=True)
-            t_cache, t_numpy, t_local = [], [], []
-            # interleaved, so all three see the same moments of a busy machine; the two in-memory gathers read
-            # different lookups' rows, or the second would find the first one's rows in the CPU caches
+            times: dict[str, list[int]] = {"cache": [], "numpy_gather": [], "local_direct": [], "local_layer": []}
+            # interleaved, so all see the same moments of a busy machine; each in-memory gather reads another
+            # lookup's rows, or it would find rows the one before pulled into the CPU caches
             for i, idx in enumerate(batches):
                 ids = rows[idx]
                 t0 = time.perf_counter_ns()
                 layer.read_rows(ids, out)
-                t_cache.append(time.perf_counter_ns() - t0)
+                times["cache"].append(time.perf_counter_ns() - t0)
                 check_rows(ids, out)
-                flat_idx = idx.reshape(-1)
                 t0 = time.perf_counter_ns()
-                np.take(table, flat_idx, axis=0, out=out2)
-                t_numpy.append(time.perf_counter_ns() - t0)
-                flat_ids = batches[(i + reps // 2) % reps].reshape(-1, 1)
+                np.take(table, idx.reshape(-1), axis=0, out=out2)
+                times["numpy_gather"].append(time.perf_counter_ns() - t0)
+                other = batches[(i + reps // 2) % reps].reshape(-1, 1)
                 t0 = time.perf_counter_ns()
-                ground.gather_rows(local, flat_ids, out)
-                t_local.append(time.perf_counter_ns() - t0)
-            check_rows(rows[batches[(reps - 1 + reps // 2) % reps]], out)  # the last local-direct gather's rows
+                ground.gather_rows(packed, other, out)
+                times["local_direct"].append(time.perf_counter_ns() - t0)
+                other = batches[(i + reps // 3) % reps]
+                t0 = time.perf_counter_ns()
+                ground.gather_rows(spread, place[other].reshape(-1, 1), out)
+                times["local_layer"].append(time.perf_counter_ns() - t0)
+                check_rows(rows[other], out)
             st = layer.stats()
-            c, g, ld = Stats.from_ns(t_cache), Stats.from_ns(t_numpy), Stats.from_ns(t_local)
-            results.append({"lookup": label, "rows": M * HEADS, "cache": c.as_dict(), "numpy_gather": g.as_dict(),
-                            "local_direct": ld.as_dict(), "hit_rate": st["cache_hits"] / st["rows"],
-                            "ratio_p50": c.p50_us / g.p50_us, "ratio_local_p50": c.p50_us / ld.p50_us})
-    print_table(["lookup", "cache hit p50 us", "p99 us", "local-direct p50 us", "p99 us", "numpy gather p50 us",
-                 "p99 us", "hit / local", "hit / numpy", "hit rate"],
+            stats = {key: Stats.from_ns(t) for key, t in times.items()}
+            c = stats["cache"]
+            results.append({"lookup": label, "rows": M * HEADS, **{key: v.as_dict() for key, v in stats.items()},
+                            "layer_table_bytes": big.nbytes, "hit_rate": st["cache_hits"] / st["rows"],
+                            "ratio_p50": c.p50_us / stats["numpy_gather"].p50_us,
+                            "ratio_local_p50": c.p50_us / stats["local_direct"].p50_us,
+                            "ratio_layer_p50": c.p50_us / stats["local_layer"].p50_us})
+        del big
+    print_table(["lookup", "cache hit p50 us", "p99 us", "local packed p50 us", "p99 us",
+                 f"local {layer_table_bytes / 1e9:.0f} GB p50 us", "p99 us", "np.take p50 us", "hit / packed",
+                 "hit / layer", "hit / np.take", "hit rate"],
                 [[f"{r['lookup']} {r['rows']:,}", fmt(r["cache"]["p50_us"]), fmt(r["cache"]["p99_us"]),
                   fmt(r["local_direct"]["p50_us"]), fmt(r["local_direct"]["p99_us"]),
-                  fmt(r["numpy_gather"]["p50_us"]), fmt(r["numpy_gather"]["p99_us"]), fmt(r["ratio_local_p50"], 2),
+                  fmt(r["local_layer"]["p50_us"]), fmt(r["local_layer"]["p99_us"]),
+                  fmt(r["numpy_gather"]["p50_us"]), fmt(r["ratio_local_p50"], 2), fmt(r["ratio_layer_p50"], 2),
                   fmt(r["ratio_p50"], 2), f"{r['hit_rate']:.1%}"] for r in results],
                 title=f"cache hits: read_rows served from the cache ({working:,} rows held) beside the local-direct "
-                      "gather kernel and np.take of the same rows from an in-memory table")
+                      "gather kernel reading the same rows packed in a table of their own and scattered over a "
+                      f"{layer_table_bytes / 1e9:.0f} GB table, and np.take from the packed table")
+    return results
+
+
+def section_hit_api(directory: str, quick: bool, seed: int) -> list[dict]:
+    """``EngramStore.lookup_into`` served wholly from the disk tier's cache beside the same call on tables bound in
+    memory (``bind_local``: the local-direct gather), on a layer small enough to hold in both."""
+    per_head = 5_000 if quick else 20_000
+    config = EngramStoreConfig(table_vocab_sizes=[per_head] * HEADS, embedding_dim=ROW_BYTES, row_format="bytes")
+    tables = []
+    for h in range(HEADS):
+        t = np.empty((per_head, ROW_BYTES), dtype=np.uint8)
+        fill_head(h)(0, t)
+        tables.append(t)
+    where = tempfile.mkdtemp(prefix="engram-hit-api-", dir=directory)
+    results = []
+    try:
+        with EngramStore(1, config, disk_dir=where) as writer:
+            writer.populate(tables)
+        # 8 bytes of cache a row's byte: ~0.7 rows a set, so every row finds a free way on its first miss
+        cache_bytes = 8 * per_head * HEADS * ROW_BYTES
+        with EngramStore(1, config, disk_dir=where, row_cache_bytes=cache_bytes) as disk, \
+                EngramStore(1, config) as memory:
+            memory.bind_local(tables)
+            every = np.arange(per_head, dtype=np.int64)
+            for start in range(0, per_head, 1024):  # every row once: the cache takes each into a free way
+                chunk = every[start:start + 1024]
+                disk.lookup(np.repeat(chunk[None, :, None], HEADS, axis=2))
+            rng = np.random.default_rng(seed)
+            for M, label in ((DECODE_ROWS, "decode"), (PREFILL_ROWS, "prefill")):
+                reps = (200 if quick else 1000) if M == DECODE_ROWS else (10 if quick else 40)
+                batches = [rng.integers(0, per_head, (M, 1, HEADS)) for _ in range(reps)]
+                out = np.empty((M, 1, HEADS, ROW_BYTES), dtype=np.uint8)
+                disk.stats(reset=True)
+                t_disk, t_mem = [], []
+                for i, ids in enumerate(batches):
+                    t0 = time.perf_counter_ns()
+                    disk.lookup_into(ids, out)
+                    t_disk.append(time.perf_counter_ns() - t0)
+                    check_rows(ids.reshape(M, HEADS), out.reshape(-1))
+                    other = batches[(i + reps // 2) % reps]  # other rows: not the ones just pulled into the CPU caches
+                    t0 = time.perf_counter_ns()
+                    memory.lookup_into(other, out)
+                    t_mem.append(time.perf_counter_ns() - t0)
+                    check_rows(other.reshape(M, HEADS), out.reshape(-1))
+                st = disk.stats()
+                c, m = Stats.from_ns(t_disk), Stats.from_ns(t_mem)
+                results.append({"lookup": label, "rows": M * HEADS, "disk_cache": c.as_dict(), "bind_local": m.as_dict(),
+                                "hit_rate": st["cache_hits"] / max(1, st["cache_hits"] + st["cache_misses"]),
+                                "ratio_p50": c.p50_us / m.p50_us})
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+    print_table(["lookup", "disk tier, cache hits p50 us", "p99 us", "bind_local p50 us", "p99 us", "hits / local",
+                 "hit rate"],
+                [[f"{r['lookup']} {r['rows']:,}", fmt(r["disk_cache"]["p50_us"]), fmt(r["disk_cache"]["p99_us"]),
+                  fmt(r["bind_local"]["p50_us"]), fmt(r["bind_local"]["p99_us"]), fmt(r["ratio_p50"], 2),
+                  f"{r['hit_rate']:.1%}"] for r in results],
+                title=f"cache hits through the API: EngramStore.lookup_into on a disk_dir layer ({per_head:,} rows a "
+                      "head, all cached) beside the same lookups of the same tables bound in memory (local-direct)")
     return results
 
 
@@ -482,6 +575,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="30GB", help="the layer's size (default 30GB)")
     p.add_argument("--quick", action="store_true", help="shorter runs")
     p.add_argument("--sections", default="floor,engine,policy,tier,hit")
+    p.add_argument("--layer-table", default="8GB",
+                   help="hit section: the in-memory table the cached rows are scattered over for the local-direct "
+                        "comparison (a real layer's size where memory allows; default 8GB)")
     p.add_argument("--tier-lookups", default="decode,prefill", help="the tier section's lookup sizes")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of every id stream (default: a fresh one, printed; a disk or VM host that caches pages "
@@ -501,13 +597,15 @@ def main(argv: list[str] | None = None) -> int:
     if "floor" in sections:
         floor = payload["floor"] = section_floor(file, 2.0 if args.quick else 5.0, seed)
     if "engine" in sections:
-        payload["engine"] = section_engine(d, sizes, 10_000 if args.quick else 30_000, 2 if args.quick else 5, seed + 1000)
+        payload["engine"] = section_engine(d, sizes, 6_000 if args.quick else 10_000, 4 if args.quick else 7,
+                                           seed + 1000)
     if "policy" in sections:
         payload["policy"] = section_policy(args.quick, seed + 2000)
     if "tier" in sections:
         payload["tier"] = section_tier(d, sizes, args.quick, seed + 3000, floor, args.tier_lookups.split(","))
     if "hit" in sections:
-        payload["hit"] = section_hit(d, sizes, args.quick, seed + 4000)
+        payload["hit"] = section_hit(d, sizes, args.quick, seed + 4000, parse_size(args.layer_table))
+        payload["hit_api"] = section_hit_api(args.dir, args.quick, seed + 5000)
     write_json(args.json, payload)
     return 0
 
