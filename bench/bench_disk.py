@@ -1,14 +1,15 @@
 """The SSD tier: the device's own floor, the I/O engines, the hot-row cache policies and the tier's lookups.
 
     python bench/bench_disk.py [--dir DIR] [--size 30GB] [--quick] [--sections floor,engine,policy,tier,hit]
-                               [--json PATH]
+                               [--tier-lookups decode,prefill] [--layer-table 8GB] [--seed N] [--json PATH]
 
 Sections (all by default):
 
 * ``floor``: random 4 KiB O_DIRECT reads of the layer's file at queue depths 1, 8, 32, 64: IOPS and p50/p99
   latency, from ``fio`` (io_uring) when it is installed and from plain ``os.preadv`` calls in Python threads.
-* ``engine``: the same random page reads through the tier's engine (Numba ``nogil`` ``pread`` loops in T
-  threads) beside a pool of Python threads calling ``os.preadv`` per page, at the same queue depths.
+* ``engine``: the same random page reads through the tier's engines (Linux native AIO from the calling thread,
+  and Numba ``nogil`` ``pread`` loops in T threads) beside a pool of Python threads calling ``os.preadv`` per
+  page, at the same queue depths, in short rounds alternating with fio (io_uring and libaio).
 * ``policy``: hit rate and cost per lookup of the hot-row caches on Zipfian (s = 0.8, 1.0, 1.2) and uniform row
   streams, cache at 1%, 10% and 50% of a scaled-down layer: the project's direct-mapped cache
   (``engram_store.kernels.cache_probe``), the tier's 7-way set-associative cache with CLOCK eviction, and the
@@ -16,7 +17,10 @@ Sections (all by default):
 * ``tier``: ``DiskLayer.read_rows`` on the full layer: decode-sized (64 x 48 rows) and prefill-sized
   (4,096 x 48 rows) lookups, cold (no cache) and with a cache of 1%, 10% and 50% of the layer, Zipf(1.0) and
   uniform ids: rows/s, p50/p99, hit rate, pages per lookup.
-* ``hit``: a lookup served wholly from the cache beside a plain in-memory NumPy gather of the same rows.
+* ``hit``: a lookup served wholly from the cache beside the local-direct gather kernel reading the same rows from
+  memory (packed in a table of their own, and scattered over a ``--layer-table``-sized table as a real layer's
+  are) and ``np.take``; then ``EngramStore.lookup_into`` from a cached disk layer beside the same call on the same
+  tables bound in memory.
 
 The layer (48 heads of 264-byte rows, ``--size`` bytes, 30 GB by default: more than this machine's memory) is
 written once under ``--dir`` and reused by later runs. Row ``r`` of head ``h`` starts with the 8 bytes of
@@ -358,30 +362,40 @@ def section_policy(quick: bool, seed: int) -> list[dict]:
 # ---- the tier ---------------------------------------------------------------------------------------------------
 
 
-def timed_reads(layer: DiskLayer, batches: list[np.ndarray], out: np.ndarray, warm_s: float,
-                stream: Stream, M: int, reps: int) -> dict:
-    t_end = time.perf_counter() + warm_s
-    warm = 0
-    while time.perf_counter() < t_end:
-        layer.read_rows(stream.batch(M), out)
-        warm += 1
-    layer.stats(reset=True)
-    times = []
-    for ids in batches[:reps]:
-        t0 = time.perf_counter_ns()
-        layer.read_rows(ids, out)
-        times.append(time.perf_counter_ns() - t0)
-        check_rows(ids, out)
-    st = layer.stats()
-    lat = Stats.from_ns(times)
-    rows = st["rows"]
-    return {"latency": lat.as_dict(), "rows_per_s": rows / (sum(times) / 1e9), "hit_rate": st["cache_hits"] / rows,
-            "pages_per_lookup": st["pages_read"] / len(times), "iops": st["pages_read"] / (sum(times) / 1e9),
-            "warm_calls": warm}
+def warm_cache(layer: DiskLayer, stream: Stream, offer_rows: int, limit_s: float) -> int:
+    """Offer ``layer``'s cache the rows of the stream's next lookups as reads from the disk would (their bytes made
+    in the layer's pattern instead of read): what a server holds after serving that much of the stream, which
+    reads from this disk would take hours to reach for a large cache. Returns the rows offered."""
+    cache = layer.cache
+    M = PREFILL_ROWS
+    heads = np.tile(np.arange(HEADS, dtype=np.int64), M)
+    pos = np.arange(M * HEADS, dtype=np.int64)
+    rows = np.empty((M * HEADS, ROW_BYTES), dtype=np.uint8)
+    offered = 0
+    t_end = time.perf_counter() + limit_s
+    while offered < offer_rows and time.perf_counter() < t_end:
+        ids = stream.batch(M).reshape(-1)
+        content = (heads << 40) | ids
+        rows[:, :8] = content.view(np.uint8).reshape(-1, 8)
+        rows[:, 8:] = (content % 251).astype(np.uint8)[:, None]
+        cache.fill((np.int64(layer.tag) << 40) | (layer.row_base[heads] + ids), pos, rows.reshape(-1))
+        offered += ids.size
+    return offered
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62
 
 
 def section_tier(d: DiskDir, sizes: list[int], quick: bool, seed: int, floor: list[dict],
                  lookups: list[str]) -> list[dict]:
+    """Per lookup size and id stream, every cache configuration is opened at once (each on rows of its own) and
+    their timed lookups are interleaved, one of each in turn: this disk's rate moves several-fold within a minute,
+    and configurations timed one after the other would measure its moods."""
     file_bytes = sum(-(-n // 15) for n in sizes) * 4096
     results = []
     for M, label in ((DECODE_ROWS, "decode"), (PREFILL_ROWS, "prefill")):
@@ -389,29 +403,55 @@ def section_tier(d: DiskDir, sizes: list[int], quick: bool, seed: int, floor: li
             continue
         reps = (20 if quick else 100) if M == DECODE_ROWS else (2 if quick else 6)
         for s in (1.0, None):
+            configs = []
             for frac in (0.0, 0.01, 0.10, 0.50):
-                seed += 1  # every configuration reads rows of its own, not pages an earlier one brought in
+                seed += 1  # every configuration reads rows of its own, not pages another one brought in
+                cache_bytes = int(file_bytes * frac)
+                if cache_bytes > _mem_available() - (3 << 30):
+                    print(f"tier: skipping the {frac:.0%} cache ({cache_bytes / 1e9:.1f} GB): not enough free memory")
+                    continue
                 stream = Stream(sizes, s, seed)
-                batches = [stream.batch(M) for _ in range(reps)]
-                cache = RowCache(int(file_bytes * frac), ROW_BYTES) if frac else None
-                warm_s = 0.0 if not frac else (3.0 if quick else 20.0)
+                cache = RowCache(cache_bytes, ROW_BYTES) if frac else None
+                layer = d.open(LAYER_ID, ROW_BYTES, sizes, cache=cache)
                 out = np.empty(M * HEADS * ROW_BYTES, dtype=np.uint8)
-                with d.open(LAYER_ID, ROW_BYTES, sizes, cache=cache) as layer:
-                    layer.read_rows(batches[0][:1], out[:HEADS * ROW_BYTES])
-                    r = timed_reads(layer, batches, out, warm_s, stream, M, reps)
-                r.update({"lookup": label, "rows": M * HEADS, "stream": stream.label(), "cache": frac})
-                results.append(r)
-                del cache
+                offered = 0 if cache is None else warm_cache(layer, stream, 3 * cache.capacity_rows, 15.0 if quick else 120.0)
+                t_end = time.perf_counter() + (0.0 if not frac else (1.0 if quick else 3.0))
+                while time.perf_counter() < t_end:  # and reads of the stream, as served
+                    layer.read_rows(stream.batch(M), out)
+                layer.stats(reset=True)
+                configs.append({"frac": frac, "stream": stream, "layer": layer, "out": out, "offered": offered,
+                                "cache_rows": cache.capacity_rows if cache is not None else 0, "times": [],
+                                "batches": [stream.batch(M) for _ in range(reps)]})
+            for i in range(reps):
+                for c in configs:
+                    ids = c["batches"][i]
+                    t0 = time.perf_counter_ns()
+                    c["layer"].read_rows(ids, c["out"])
+                    c["times"].append(time.perf_counter_ns() - t0)
+                    check_rows(ids, c["out"])
+            for c in configs:
+                st = c["layer"].stats()
+                c["layer"].close()
+                times = c["times"]
+                rows = st["rows"]
+                results.append({"latency": Stats.from_ns(times).as_dict(), "rows_per_s": rows / (sum(times) / 1e9),
+                                "hit_rate": st["cache_hits"] / rows, "pages_per_lookup": st["pages_read"] / len(times),
+                                "iops": st["pages_read"] / (sum(times) / 1e9), "lookup": label, "rows": M * HEADS,
+                                "stream": c["stream"].label(), "cache": c["frac"],
+                                "warm_rows_offered": c["offered"], "cache_rows": c["cache_rows"]})
+            del configs
     qd64 = next((f for f in floor if f["qd"] == 64), None)
     fl = (qd64["fio"] or qd64["python"])["iops"] if qd64 else None
-    print_table(["lookup", "stream", "cache", "rows/s", "p50 ms", "p99 ms", "hit rate", "pages/lookup", "IOPS",
-                 "IOPS/floor(64)"],
+    print_table(["lookup", "stream", "cache", "warmed by", "rows/s", "p50 ms", "p99 ms", "hit rate", "pages/lookup",
+                 "IOPS", "IOPS/floor(64)"],
                 [[f"{r['lookup']} {r['rows']:,}", r["stream"], f"{r['cache']:.0%}" if r["cache"] else "none",
+                  f"{r['warm_rows_offered'] / max(1, r['cache_rows']):.1f}x" if r["cache"] else "",
                   fmt(r["rows_per_s"], 0), fmt(r["latency"]["p50_us"] / 1e3, 2), fmt(r["latency"]["p99_us"] / 1e3, 2),
                   f"{r['hit_rate']:.1%}", fmt(r["pages_per_lookup"], 0), fmt(r["iops"], 0),
                   fmt(fl and r["iops"] / fl, 2)] for r in results],
-                title=f"tier: DiskLayer.read_rows on the {file_bytes / 1e9:.0f} GB layer (cache warmed by "
-                      f"{'3' if quick else '20'} s of the same stream first)")
+                title=f"tier: DiskLayer.read_rows on the {file_bytes / 1e9:.0f} GB layer (each cache first offered the "
+                      "rows of the same stream, up to 3x its capacity ('warmed by'), then "
+                      f"{'1' if quick else '3'} s of reads)")
     return results
 
 
