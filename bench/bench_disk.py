@@ -29,6 +29,7 @@ written once under ``--dir`` and reused by later runs. Row ``r`` of head ``h`` s
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -223,15 +224,16 @@ def section_engine(d: DiskDir, sizes: list[int], pages: int, rounds: int, seed: 
             layer.read_rows(np.zeros((2, HEADS), np.int64), np.empty(2 * HEADS * ROW_BYTES, np.uint8))
         lay = layers["aio"].layout
         fd, _ = open_direct(layers["aio"].file, os.O_RDONLY)
-        for _ in range(rounds):
-            for mode, layer in layers.items():
-                ids = np.stack([rng.integers(0, sizes[h], m) for h in range(HEADS)], axis=1)
-                out = np.empty(ids.size * ROW_BYTES, dtype=np.uint8)
-                layer.stats(reset=True)
-                t0 = time.perf_counter()
-                layer.read_rows(ids, out)
-                runs[mode].append(layer.stats()["pages_read"] / (time.perf_counter() - t0))
-                check_rows(ids, out)
+        def tier_read(mode: str) -> None:
+            ids = np.stack([rng.integers(0, sizes[h], m) for h in range(HEADS)], axis=1)
+            out = np.empty(ids.size * ROW_BYTES, dtype=np.uint8)
+            layers[mode].stats(reset=True)
+            t0 = time.perf_counter()
+            layers[mode].read_rows(ids, out)
+            runs[mode].append(layers[mode].stats()["pages_read"] / (time.perf_counter() - t0))
+            check_rows(ids, out)
+
+        def python_read() -> None:
             ids = np.stack([rng.integers(0, sizes[h], m) for h in range(HEADS)], axis=1)
             offs = np.array([lay.row_offset(h, int(r)) for (_, h), r in np.ndenumerate(ids)], dtype=np.int64)
             out = np.empty(ids.size * ROW_BYTES, dtype=np.uint8)
@@ -239,12 +241,20 @@ def section_engine(d: DiskDir, sizes: list[int], pages: int, rounds: int, seed: 
             python_engine_read(fd, offs // 4096 * 4096, offs % 4096, out, qd)
             runs["python"].append(ids.size / (time.perf_counter() - t0))
             check_rows(ids, out)
+
+        def floor_read(engine: str) -> None:
+            key = "fio" if engine == "io_uring" else "fio_libaio"
             if have_fio:
-                runs["fio"].append(fio_floor(layers["aio"].file, qd, 0.5)["iops"])
-                runs["fio_libaio"].append(fio_floor(layers["aio"].file, qd, 0.5, "libaio")["iops"])
+                runs[key].append(fio_floor(layers["aio"].file, qd, 0.5, engine)["iops"])
             else:
-                runs["fio"].append(python_floor(layers["aio"].file, qd, 0.5, qd)["iops"])
-                runs["fio_libaio"].append(float("nan"))
+                floor = python_floor(layers["aio"].file, qd, 0.5, qd)["iops"] if key == "fio" else float("nan")
+                runs[key].append(floor)
+
+        steps = [lambda: tier_read("aio"), lambda: tier_read("threads"), python_read, lambda: floor_read("io_uring"),
+                 lambda: floor_read("libaio")]
+        for r in range(rounds):
+            for k in range(len(steps)):  # each round starts one step later: a disk speeding up or slowing down
+                steps[(r + k) % len(steps)]()  # within rounds favours no one
         os.close(fd)
         for mode in layers:
             layers[mode].close()
@@ -404,6 +414,7 @@ def section_tier(d: DiskDir, sizes: list[int], quick: bool, seed: int, floor: li
         reps = (20 if quick else 100) if M == DECODE_ROWS else (2 if quick else 6)
         for s in (1.0, None):
             configs = []
+            cache = layer = None
             for frac in (0.0, 0.01, 0.10, 0.50):
                 seed += 1  # every configuration reads rows of its own, not pages another one brought in
                 cache_bytes = int(file_bytes * frac)
@@ -414,7 +425,8 @@ def section_tier(d: DiskDir, sizes: list[int], quick: bool, seed: int, floor: li
                 cache = RowCache(cache_bytes, ROW_BYTES) if frac else None
                 layer = d.open(LAYER_ID, ROW_BYTES, sizes, cache=cache)
                 out = np.empty(M * HEADS * ROW_BYTES, dtype=np.uint8)
-                offered = 0 if cache is None else warm_cache(layer, stream, 3 * cache.capacity_rows, 15.0 if quick else 120.0)
+                offered = 0 if cache is None else \
+                    warm_cache(layer, stream, 3 * cache.capacity_rows, 15.0 if quick else 120.0)
                 t_end = time.perf_counter() + (0.0 if not frac else (1.0 if quick else 3.0))
                 while time.perf_counter() < t_end:  # and reads of the stream, as served
                     layer.read_rows(stream.batch(M), out)
@@ -439,7 +451,8 @@ def section_tier(d: DiskDir, sizes: list[int], quick: bool, seed: int, floor: li
                                 "iops": st["pages_read"] / (sum(times) / 1e9), "lookup": label, "rows": M * HEADS,
                                 "stream": c["stream"].label(), "cache": c["frac"],
                                 "warm_rows_offered": c["offered"], "cache_rows": c["cache_rows"]})
-            del configs
+            del configs, cache, layer  # the caches' memory goes back before the next stream's are made
+            gc.collect()
     qd64 = next((f for f in floor if f["qd"] == 64), None)
     fl = (qd64["fio"] or qd64["python"])["iops"] if qd64 else None
     print_table(["lookup", "stream", "cache", "warmed by", "rows/s", "p50 ms", "p99 ms", "hit rate", "pages/lookup",
@@ -589,7 +602,8 @@ def section_hit_api(directory: str, quick: bool, seed: int) -> list[dict]:
                     check_rows(other.reshape(M, HEADS), out.reshape(-1))
                 st = disk.stats()
                 c, m = Stats.from_ns(t_disk), Stats.from_ns(t_mem)
-                results.append({"lookup": label, "rows": M * HEADS, "disk_cache": c.as_dict(), "bind_local": m.as_dict(),
+                results.append({"lookup": label, "rows": M * HEADS, "disk_cache": c.as_dict(),
+                                "bind_local": m.as_dict(),
                                 "hit_rate": st["cache_hits"] / max(1, st["cache_hits"] + st["cache_misses"]),
                                 "ratio_p50": c.p50_us / m.p50_us})
     finally:
