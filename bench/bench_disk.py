@@ -414,7 +414,7 @@ def section_tier(d: DiskDir, sizes: list[int], quick: bool, seed: int, floor: li
         reps = (20 if quick else 100) if M == DECODE_ROWS else (2 if quick else 6)
         for s in (1.0, None):
             configs = []
-            cache = layer = None
+            cache = layer = c = None
             for frac in (0.0, 0.01, 0.10, 0.50):
                 seed += 1  # every configuration reads rows of its own, not pages another one brought in
                 cache_bytes = int(file_bytes * frac)
@@ -451,7 +451,7 @@ def section_tier(d: DiskDir, sizes: list[int], quick: bool, seed: int, floor: li
                                 "iops": st["pages_read"] / (sum(times) / 1e9), "lookup": label, "rows": M * HEADS,
                                 "stream": c["stream"].label(), "cache": c["frac"],
                                 "warm_rows_offered": c["offered"], "cache_rows": c["cache_rows"]})
-            del configs, cache, layer  # the caches' memory goes back before the next stream's are made
+            del configs, cache, layer, c  # the caches' memory goes back before the next stream's are made
             gc.collect()
     qd64 = next((f for f in floor if f["qd"] == 64), None)
     fl = (qd64["fio"] or qd64["python"])["iops"] if qd64 else None
