@@ -102,9 +102,10 @@ class IOEngine:
     ``depth`` threads each blocking in ``pread``. ``"auto"`` (default) picks AIO where the host has it. Files
     read through the page cache (no O_DIRECT) always use the threads: AIO on them would block in submit.
 
-    Measured on a 2-core VM shared with other work (``bench/bench_disk.py``): AIO keeps ~0.9x fio's IOPS at
-    every depth, while 32-64 blocking threads fall to a tenth of it whenever the cores are busy: each read's
-    completion must wake a thread, and there are no idle cores to run it.
+    Measured on a 2-core VM shared with other work (``bench/bench_disk.py``, rounds alternating with fio while
+    the disk was steady): AIO reads at 0.95-1.06x fio's libaio IOPS at depths 1-64, while 32-64 blocking threads
+    fall to a tenth of it whenever the cores are busy: each read's completion must wake a thread, and there are no
+    idle cores to run it.
     """
 
     def __init__(self, depth: int = DEFAULT_DEPTH, mode: str = "auto"):
