@@ -4,14 +4,15 @@ A read of ``ids [M, H]`` (``DiskLayer.read_rows`` or several layers at once with
 
 1. one kernel pass checks every id, copies the rows the cache holds straight into the output, and turns the
    rest into distinct blocks (rows sharing a page are read once);
-2. the blocks are read by the engine's worker threads, each a Numba ``nogil`` loop that claims the next block,
-   ``pread``\\ s it into its own page-aligned buffer (O_DIRECT: the page cache neither serves nor keeps it) and
-   copies the rows it holds into the output. With ``threads`` workers, that many reads are in flight; every
+2. the blocks are read with the engine's ``depth`` reads in flight into page-aligned buffers (O_DIRECT: the page
+   cache neither serves nor keeps them), and each block's rows are copied into the output as it arrives. By
+   default the calling thread drives Linux native AIO from a Numba ``nogil`` loop (a read submitted as soon as a
+   slot frees); ``IOEngine(mode="threads")`` has a pool of threads each ``pread`` one block at a time. Every
    layer of a :func:`read_many` is queued at once, so all their blocks share the same queue depth;
 3. the rows read are offered to the cache.
 
 A failed read (an I/O error, a file that shrank) raises :class:`DiskReadError` naming the file and offset; no
-row is ever left as zeros. The data files are read with ``pread`` only, never mapped, so a truncated file is an
+row is ever left as zeros. The data files are read (AIO or ``pread``), never mapped, so a truncated file is an
 error, not a SIGBUS.
 """
 from __future__ import annotations
