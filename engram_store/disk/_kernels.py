@@ -41,8 +41,6 @@ META_AHEAD = 16    # the probe's pipeline: rows ahead whose set's metadata line 
 ROW_AHEAD = 8      # rows ahead whose way is found and whose row is prefetched (deeper measured slower)
 RING = 32          # a power of two > META_AHEAD
 RING_MASK = RING - 1
-WAY_SHIFT = 60
-WAY_MASK = np.int64(7) << WAY_SHIFT
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX2 = np.uint64(0xC2B2AE3D27D4EB4F)
@@ -128,7 +126,8 @@ def _probe_all(ids, row_base, tag, meta, rows, slot_bytes, out, row_bytes, miss_
     tag_bits = np.int64(tag) << KEY_ROW_BITS
     ring_key = np.empty(RING, dtype=np.int64)
     ring_base = np.empty(RING, dtype=np.int64)
-    ring_version = np.empty(RING, dtype=np.int64)   # the version read, the way in bits 60..62
+    ring_version = np.empty(RING, dtype=np.int64)   # the set's version read before its keys
+    ring_way = np.empty(RING, dtype=np.int64)
     ring_at = np.empty(RING, dtype=np.int64)        # the row's byte offset in rows, -1 on a miss
     marks = np.empty(n, dtype=np.int64)             # hits whose reference bit is set after the copies
     n_marks = 0
@@ -155,7 +154,8 @@ def _probe_all(ids, row_base, tag, meta, rows, slot_bytes, out, row_bytes, miss_
             at = -1
             if way < WAYS and not (version & BUSY):
                 at = ((base // META_WORDS) * WAYS + way) * slot_bytes
-                ring_version[p & RING_MASK] = version | (way << WAY_SHIFT)
+                ring_version[p & RING_MASK] = version
+                ring_way[p & RING_MASK] = way
                 _prefetch(rows, at)
             ring_at[p & RING_MASK] = at
         if step < 0:
@@ -167,8 +167,8 @@ def _probe_all(ids, row_base, tag, meta, rows, slot_bytes, out, row_bytes, miss_
             fence_acquire()
             base = ring_base[i & RING_MASK]
             version = ring_version[i & RING_MASK]
-            way = version >> WAY_SHIFT
-            if ((version & ~WAY_MASK) >> 8) == (meta[base] >> 8):
+            way = ring_way[i & RING_MASK]
+            if (version >> 8) == (meta[base] >> 8):
                 if not (version & (np.int64(1) << way)):
                     marks[n_marks] = base * 8 + way
                     n_marks += 1
