@@ -68,12 +68,22 @@ def layer_sizes(size_bytes: int) -> list[int]:
     return [per_head - h for h in range(HEADS)]
 
 
+def pattern_rows(heads: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+    """Write row ``rows[i]`` of head ``heads[i]`` in the layer's pattern into ``out[i]`` (``[n, ROW_BYTES]``): the
+    8 bytes of ``h << 40 | r``, then that value mod 251 (what ``check_rows`` checks)."""
+    keys = (np.asarray(heads, dtype=np.int64) << 40) | rows
+    out[:, :8] = keys.view(np.uint8).reshape(-1, 8)
+    out[:, 8:] = (keys % 251).astype(np.uint8)[:, None]
+
+
+def row_keys(layer: DiskLayer, heads: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The keys ``layer``'s rows have in its cache (see ``engram_store.disk._kernels``)."""
+    return (np.int64(layer.tag) << dk.KEY_ROW_BITS) | (layer.row_base[heads] + rows)
+
+
 def fill_head(h: int):
     def fill(start: int, out: np.ndarray) -> None:
-        n = out.shape[0]
-        keys = (np.int64(h) << 40) | np.arange(start, start + n, dtype=np.int64)
-        out[:, :8] = keys.view(np.uint8).reshape(n, 8)
-        out[:, 8:] = (keys % 251).astype(np.uint8)[:, None]
+        pattern_rows(np.full(out.shape[0], h), np.arange(start, start + out.shape[0], dtype=np.int64), out)
     return fill
 
 
@@ -385,10 +395,8 @@ def warm_cache(layer: DiskLayer, stream: Stream, offer_rows: int, limit_s: float
     t_end = time.perf_counter() + limit_s
     while offered < offer_rows and time.perf_counter() < t_end:
         ids = stream.batch(M).reshape(-1)
-        content = (heads << 40) | ids
-        rows[:, :8] = content.view(np.uint8).reshape(-1, 8)
-        rows[:, 8:] = (content % 251).astype(np.uint8)[:, None]
-        cache.fill((np.int64(layer.tag) << 40) | (layer.row_base[heads] + ids), pos, rows.reshape(-1))
+        pattern_rows(heads, ids, rows)
+        cache.fill(row_keys(layer, heads, ids), pos, rows.reshape(-1))
         offered += ids.size
     return offered
 
@@ -485,10 +493,8 @@ def section_hit(d: DiskDir, sizes: list[int], quick: bool, seed: int, layer_tabl
     with d.open(LAYER_ID, ROW_BYTES, sizes, cache=cache) as layer:
         # fill the cache with the working set's rows as a read would (synthetic rows in the layer's pattern)
         table = np.empty((working, ROW_BYTES), dtype=np.uint8)
-        keys = (heads.astype(np.int64) << 40) | rows
-        table[:, :8] = keys.view(np.uint8).reshape(working, 8)
-        table[:, 8:] = (keys % 251).astype(np.uint8)[:, None]
-        cache_keys = (np.int64(layer.tag) << 40) | (layer.row_base[heads] + rows)
+        pattern_rows(heads, rows, table)
+        cache_keys = row_keys(layer, heads, rows)
         pos = np.arange(working, dtype=np.int64)
         for _ in range(2):  # the second offer passes the doorkeeper where a set is full
             cache.fill(cache_keys, pos, table.reshape(-1))
@@ -586,8 +592,8 @@ def section_hit_api(directory: str, quick: bool, seed: int) -> list[dict]:
                 disk.lookup(np.repeat(chunk[None, :, None], HEADS, axis=2))
             # the rows the cache took, per head (the disk layer under the EngramStore and its cache)
             layer = disk._layers[1].state
-            keys = (np.int64(layer.tag) << 40) | (layer.row_base[:, None] + every[None, :])
-            held = _held_mask(layer.cache, keys.reshape(-1)).reshape(HEADS, per_head)
+            keys = row_keys(layer, np.repeat(np.arange(HEADS), per_head), np.tile(every, HEADS))
+            held = _held_mask(layer.cache, keys).reshape(HEADS, per_head)
             by_head = [np.flatnonzero(held[h]) for h in range(HEADS)]
             rng = np.random.default_rng(seed)
             for M, label in ((DECODE_ROWS, "decode"), (PREFILL_ROWS, "prefill")):
