@@ -1,6 +1,7 @@
 """A directory of published disk layers: open, write, list, remove and verify them by layer id."""
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -12,12 +13,18 @@ import xxhash
 from .._errors import InvalidArgument, ObjectNotFound, StoreError, describe
 from . import _kernels as k
 from ._cache import RowCache
-from ._files import LayerLock, aligned_empty, open_direct
+from ._files import LayerLock, aligned_empty, open_direct, remove_leftover
 from ._layout import DATA_FILE, check_layer_id, layer_dir_name, read_manifest
 from ._reader import DiskLayer, DiskReadError, IOEngine
 from ._writer import DEFAULT_CHUNK_BYTES, DEFAULT_LOCK_TIMEOUT_S, HeadSource, LayerWriter, write_layer
 
+log = logging.getLogger(__name__)
+
 _LAYER_DIR = re.compile(r"^layer-(\d+)$")
+#: What a remover renames a layer to before deleting it; one that is still there when nobody holds the
+#: layer's lock was left by a remover that died.
+REMOVING = ".removing"
+_REMOVING_DIR = re.compile(r"^layer-(\d+)\.removing$")
 #: How much of a layer ``verify`` reads at a time.
 VERIFY_CHUNK_BYTES = 32 << 20
 
@@ -33,6 +40,29 @@ class DiskDir:
             os.makedirs(self.path, exist_ok=True)
         except OSError as exc:
             raise InvalidArgument(f"path: cannot create {self.path}: {exc.strerror}") from None
+        self._remove_dead_removers_leftovers()
+
+    def _remove_dead_removers_leftovers(self) -> None:
+        """Delete each ``layer-<L>.removing`` whose layer nobody holds the lock of (a live remover holds it until
+        its directory is gone; one busy now is left to its holder, and to the next remove of the layer)."""
+        for name in sorted(os.listdir(self.path)):
+            if not _REMOVING_DIR.match(name):
+                continue
+            doomed = os.path.join(self.path, name)
+            try:
+                lock = LayerLock(doomed[:-len(REMOVING)] + ".lock", 0)
+            except StoreError:
+                continue  # a remover (or writer) of the layer is at work
+            except OSError as exc:
+                log.warning("cannot lock %s to remove the leftover %s: %s", doomed[:-len(REMOVING)] + ".lock",
+                            doomed, exc)
+                continue
+            try:
+                remove_leftover(doomed, "remover")
+            except StoreError as exc:  # readers of the directory need not be able to delete in it
+                log.warning("%s", exc)
+            finally:
+                lock.close(unlink=True)
 
     def layer_path(self, layer_id: int) -> str:
         return os.path.join(self.path, layer_dir_name(check_layer_id(layer_id)))
@@ -61,18 +91,23 @@ class DiskDir:
                            direct=direct)
 
     def remove(self, layer_id: int, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> None:
-        """Unpublish a layer (ObjectNotFound if it is not published). Readers that have it open keep reading the
-        removed file until they close it."""
+        """Unpublish a layer (ObjectNotFound if it is not published) and delete its files, leaving nothing of it
+        in the directory. Readers that have it open keep reading the removed file until they close it."""
         path = self.layer_path(layer_id)
         lock = LayerLock(path + ".lock", lock_timeout_s)
         try:
+            doomed = path + REMOVING
+            remove_leftover(doomed, "remover")  # under the lock: a remover that died between rename and delete
             if not os.path.isdir(path):
                 raise ObjectNotFound(f"disk layer {layer_id} is not published under {self.path}")
-            doomed = path + ".removing"
-            os.rename(path, doomed)  # readers opening by name stop seeing it at once
-            shutil.rmtree(doomed)
+            try:
+                os.rename(path, doomed)  # readers opening by name stop seeing it at once
+                shutil.rmtree(doomed)
+            except OSError as exc:
+                raise StoreError(f"disk layer {layer_id}: cannot remove {path} (renamed to {doomed} first): {exc}"
+                                 ) from exc
         finally:
-            lock.close()
+            lock.close(unlink=True)  # the lock file goes too: a waiter that opened it locks a fresh one
 
     def verify(self, layer_id: int) -> None:
         """Re-read a published layer and check each head against the manifest's checksum (StoreError if one

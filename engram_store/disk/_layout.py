@@ -4,8 +4,13 @@ A published layer is a directory::
 
     <dir>/layer-<L>/manifest.json   layer id, row_bytes, sizes, the layout below, xxh3_64 of each head's rows
     <dir>/layer-<L>/rows.bin        every head's table, one after the other (mode 0444)
-    <dir>/layer-<L>.lock            flock'd by a writer for the whole write (never removed)
+    <dir>/layer-<L>.lock            flock'd by a writer or remover for its whole work (a remove deletes it)
     <dir>/layer-<L>.tmp/            where a writer stages both files before one rename publishes them
+    <dir>/layer-<L>.removing/       where a remover renames the layer before deleting it
+
+A ``.tmp`` or ``.removing`` directory found while holding the layer's lock was left by a writer or remover
+that died (a live one holds the lock until its directory is gone): the next writer of the layer deletes a
+``.tmp``; the next writer or remover of the layer, and every ``DiskDir`` opened on the directory, a ``.removing``.
 
 No row straddles a 4 KiB page, so one row costs one page read: rows of at most 4 KiB are packed
 ``4096 // row_bytes`` to a page (264-byte rows: 15 a page, 136 bytes of padding), larger rows start on a page

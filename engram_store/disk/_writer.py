@@ -7,10 +7,10 @@ time. Rows are packed into page-aligned blocks and written by a background threa
 filled (two chunk buffers: memory stays at about ``3 * chunk_bytes``), with O_DIRECT where the file system
 allows it (the page cache is not filled with a table nobody reads yet).
 
-Publication is create-only: the writer takes the layer's lock, removes a staging directory a dead writer left,
-writes into a fresh one, and on :meth:`LayerWriter.commit` fsyncs the data and the manifest, renames the
-staging directory into place and fsyncs the parent. Until then readers see nothing; on any failure (or
-:meth:`LayerWriter.abort`) the staging directory is removed.
+Publication is create-only: the writer takes the layer's lock, removes a staging directory a dead writer left
+(and a directory a dead remover of the layer left), writes into a fresh one, and on :meth:`LayerWriter.commit`
+fsyncs the data and the manifest, renames the staging directory into place and fsyncs the parent. Until then
+readers see nothing; on any failure (or :meth:`LayerWriter.abort`) the staging directory is removed.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from .._errors import InvalidArgument, InvalidType, ObjectExists, OutOfSpace, St
 from .._pages import reserve
 from .._progress import Progress
 from . import _kernels
-from ._files import LayerLock, aligned_empty, fsync_dir, open_direct
+from ._files import LayerLock, aligned_empty, fsync_dir, open_direct, remove_leftover
 from ._layout import DATA_FILE, MANIFEST, DiskLayout, check_layer_id, dumps, layer_dir_name, manifest
 
 log = logging.getLogger(__name__)
@@ -82,9 +82,8 @@ class LayerWriter:
             if os.path.exists(self.path):
                 raise ObjectExists(f"disk layer {self.layer_id} is already published at {self.path}; remove that "
                                    "directory to write it again")
-            if os.path.exists(self.staging):
-                log.info("removing %s, left by a writer that died", self.staging)
-                shutil.rmtree(self.staging)
+            remove_leftover(self.staging, "writer")
+            remove_leftover(self.path + ".removing", "remover")
             os.mkdir(self.staging, 0o755)
             file = os.path.join(self.staging, DATA_FILE)
             self._fd, self.direct = open_direct(file, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644, direct)
