@@ -122,7 +122,11 @@ def verify_layer(directory: str | os.PathLike, layer_id: int) -> None:
         raise ObjectNotFound(f"disk layer {layer_id} is not published under {os.fspath(directory)}")
     record, lay = read_manifest(path)
     file = os.path.join(path, DATA_FILE)
-    fd, _ = open_direct(file, os.O_RDONLY)
+    try:
+        fd, _ = open_direct(file, os.O_RDONLY)
+    except OSError as exc:
+        raise DiskReadError(f"disk layer {layer_id}: cannot open {file} to verify it: {exc.strerror}; the layer's "
+                            "files are damaged: remove it with remove_from_store() and populate it again") from None
     try:
         blocks_per_chunk = max(1, VERIFY_CHUNK_BYTES // lay.block_bytes)
         buf = aligned_empty(blocks_per_chunk * lay.block_bytes)

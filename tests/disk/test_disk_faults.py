@@ -1,4 +1,4 @@
-"""Faults of the SSD tier: a remover killed half way."""
+"""Faults of the SSD tier: a remover killed half way, a layer file deleted under a reader."""
 from __future__ import annotations
 
 import os
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engram_store import EngramStore, EngramStoreConfig, StoreError
-from engram_store.disk import DiskDir
+from engram_store.disk import DiskDir, DiskReadError
 from engram_store.disk import _files
 
 SIZES = [701, 1009, 97]
@@ -192,3 +192,19 @@ def test_a_lock_file_removed_by_its_holder_is_not_shared_by_two_waiters(tmp_path
         second.join(30)
         for lock in got:
             lock.close()
+
+
+# ---- a layer file gone ----
+
+
+@pytest.mark.timeout(60)
+def test_verify_names_a_deleted_layer_file_and_what_to_do(tmp_path):
+    with EngramStore(1, CONFIG, disk_dir=tmp_path) as layer:
+        layer.populate(_tables(7))
+        file = os.path.join(tmp_path, "layer-1", "rows.bin")
+        os.unlink(file)  # readers keep the open file; verify reads the file by name
+        with pytest.raises(DiskReadError, match=rf"disk layer 1: cannot open {file} to verify it: No such file or "
+                                                r"directory.*remove_from_store\(\) and populate it again"):
+            layer.verify()
+        with pytest.raises(DiskReadError, match=rf"cannot open {file}"):
+            DiskDir(tmp_path).verify(1)
