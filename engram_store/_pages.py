@@ -75,17 +75,21 @@ def reserve(fd: int, nbytes: int, path: str, what: str) -> None:
 
     A write into a shared-memory page that cannot be allocated kills the process with SIGBUS, and a disk that
     fills half way through a long write wastes it; so a file that does not fit fails here, with OutOfSpace naming
-    ``what`` and the free bytes. Writes into reserved blocks are also faster than into holes. File systems without
-    fallocate allocate on write.
+    ``what`` and the bytes free before the attempt (a failed fallocate may keep what it took). Writes into
+    reserved blocks are also faster than into holes. File systems without fallocate allocate on write.
     """
+    directory = os.path.dirname(path) or "."
+    try:
+        free = shutil.disk_usage(directory).free  # ext4 keeps what a failed fallocate took: ask first
+    except OSError:
+        free = None
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EDQUOT):
-            directory = os.path.dirname(path) or "."
-            raise OutOfSpace(f"{what}: cannot reserve {nbytes} bytes in {directory} "
-                             f"({shutil.disk_usage(directory).free} bytes free) for {os.path.basename(path)}: "
-                             f"{exc.strerror}") from None
+            had = "free space unknown" if free is None else f"{free} bytes free before the attempt"
+            raise OutOfSpace(f"{what}: cannot reserve {nbytes} bytes in {directory} ({had}) for "
+                             f"{os.path.basename(path)}: {exc.strerror}") from None
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
     os.ftruncate(fd, nbytes)

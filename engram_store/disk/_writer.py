@@ -39,6 +39,9 @@ DEFAULT_CHUNK_BYTES = 32 << 20
 PROGRESS_MIN_BYTES = 256 << 20
 DEFAULT_LOCK_TIMEOUT_S = 60.0
 
+#: The errnos of a full disk (or a full quota).
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
 Fill = Callable[[int, np.ndarray], object]
 HeadSource = Union[np.ndarray, Fill]
 
@@ -169,11 +172,8 @@ class LayerWriter:
             os.fchmod(self._fd, 0o444)
             os.close(self._fd)
             self._fd = -1
-            with open(os.path.join(self.staging, MANIFEST), "wb") as f:
-                f.write(dumps(manifest(self.layer_id, self.layout, self._checksums)))
-                f.flush()
-                os.fsync(f.fileno())
-                os.fchmod(f.fileno(), 0o444)
+            _write_file(os.path.join(self.staging, MANIFEST), dumps(manifest(self.layer_id, self.layout,
+                                                                             self._checksums)), self.layer_id)
             fsync_dir(self.staging)
             os.rename(self.staging, self.path)
             fsync_dir(self.directory)
@@ -264,6 +264,25 @@ def _reserve(fd: int, file: str, nbytes: int) -> None:
     reserve(fd, nbytes, file, "disk layer")
 
 
+def _write_file(path: str, data: bytes, layer_id: int) -> None:
+    """Write a small file whole, synced and read-only; a full disk raises OutOfSpace naming it."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        written = 0
+        while written < len(view):
+            written += os.write(fd, view[written:])
+        os.fsync(fd)  # where the file system allocates late, this is where a full disk shows
+        os.fchmod(fd, 0o444)
+    except OSError as exc:
+        if exc.errno in _NO_SPACE:
+            raise OutOfSpace(f"disk layer {layer_id}: no space left writing {path} ({len(data)} bytes): "
+                             f"{exc.strerror}") from None
+        raise
+    finally:
+        os.close(fd)
+
+
 def _pwrite_all(fd: int, data: np.ndarray, offset: int, where: str) -> None:
     view = memoryview(data)
     written = 0
@@ -271,7 +290,7 @@ def _pwrite_all(fd: int, data: np.ndarray, offset: int, where: str) -> None:
         try:
             n = os.pwrite(fd, view[written:], offset + written)
         except OSError as exc:
-            if exc.errno == errno.ENOSPC:
+            if exc.errno in _NO_SPACE:
                 raise OutOfSpace(f"disk layer: {where}: no space left writing at offset {offset + written}") from None
             raise StoreError(f"disk layer: {where}/{DATA_FILE}: write at offset {offset + written} failed: "
                              f"{exc.strerror}") from exc

@@ -1,6 +1,7 @@
-"""Faults of the SSD tier: a remover killed half way, a layer file deleted under a reader."""
+"""Faults of the SSD tier: a remover killed half way, a layer file deleted under a reader, a disk that fills up."""
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -11,9 +12,10 @@ import threading
 import numpy as np
 import pytest
 
-from engram_store import EngramStore, EngramStoreConfig, StoreError
-from engram_store.disk import DiskDir, DiskReadError
-from engram_store.disk import _files
+from engram_store import EngramStore, EngramStoreConfig, OutOfSpace, StoreError
+from engram_store.disk import DiskDir, DiskReadError, LayerWriter
+from engram_store.disk import _files, _writer
+from engram_store import _pages
 
 SIZES = [701, 1009, 97]
 CONFIG = EngramStoreConfig(table_vocab_sizes=SIZES, embedding_dim=66, row_format="bytes")
@@ -208,3 +210,71 @@ def test_verify_names_a_deleted_layer_file_and_what_to_do(tmp_path):
             layer.verify()
         with pytest.raises(DiskReadError, match=rf"cannot open {file}"):
             DiskDir(tmp_path).verify(1)
+
+
+# ---- a disk that fills up ----
+
+
+@pytest.mark.timeout(60)
+def test_out_of_space_says_what_was_free_before_the_attempt(tmp_path, monkeypatch):
+    taken = []
+
+    def fallocate(fd, offset, nbytes):  # as ext4 does: the blocks it got stay taken when it fails
+        taken.append(nbytes)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    class Usage:
+        @property
+        def free(self):
+            return 0 if taken else 12_345
+
+    monkeypatch.setattr(_pages.os, "posix_fallocate", fallocate)
+    monkeypatch.setattr(_pages.shutil, "disk_usage", lambda path: Usage())
+    with pytest.raises(OutOfSpace, match=r"disk layer: cannot reserve 8192 bytes in .* \(12345 bytes free before "
+                                         r"the attempt\) for rows.bin"):
+        LayerWriter(tmp_path, 1, 4096, [2], progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["layer-1.lock"]
+
+
+@pytest.mark.timeout(60)
+def test_a_manifest_write_out_of_space_raises_out_of_space(tmp_path, monkeypatch):
+    writer = LayerWriter(tmp_path, 1, 8, [2], progress=False)
+    writer.write_head(0, np.zeros((2, 8), np.uint8))
+
+    def write(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(_writer.os, "write", write)
+    with pytest.raises(OutOfSpace, match=r"disk layer 1: no space left writing .*layer-1.tmp/manifest.json"):
+        writer.commit()
+    monkeypatch.undo()
+    assert DiskDir(tmp_path).layers() == [] and not os.path.exists(tmp_path / "layer-1.tmp")
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs mounted at tmp_path/fs (root only); unmounted after the test."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    where = tmp_path / "fs"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(where)], capture_output=True,
+                             timeout=30)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True, timeout=30)
+
+
+@pytest.mark.timeout(60)
+def test_a_full_file_system_raises_out_of_space_for_the_rows_and_for_the_manifest(small_tmpfs):
+    with pytest.raises(OutOfSpace, match=r"cannot reserve 2097152 bytes in .* \(1048576 bytes free before the "
+                                         "attempt\\)"):
+        DiskDir(small_tmpfs).write(1, 4096, [512], [np.zeros((512, 4096), np.uint8)], progress=False)
+    # rows.bin takes every page of the file system: the manifest finds none left
+    with pytest.raises(OutOfSpace, match="disk layer 2: no space left writing .*manifest.json"):
+        DiskDir(small_tmpfs).write(2, 4096, [256], [np.zeros((256, 4096), np.uint8)], progress=False)
+    assert DiskDir(small_tmpfs).layers() == []
+    assert sorted(os.listdir(small_tmpfs)) == ["layer-1.lock", "layer-2.lock"]
