@@ -8,6 +8,7 @@ import os
 from typing import Iterable
 
 from engram_store._errors import ConfigError
+from engram_store._owner import OwnerLock
 
 log = logging.getLogger(__name__)
 
@@ -16,7 +17,8 @@ class Journal:
     """One JSON record per line. ``append`` flushes (and by default fsyncs) before it returns.
 
     At open, :meth:`read` returns the records written so far (a torn last line from a crash is skipped);
-    :meth:`rewrite` then replaces the file atomically with a compact snapshot.
+    :meth:`rewrite` then replaces the file atomically with a compact snapshot. One process owns a journal: opening
+    it takes ``<path>.lock`` first, and a second master refuses (naming the first) before it reads or writes it.
     """
 
     def __init__(self, path: str, fsync: bool = True):
@@ -31,6 +33,7 @@ class Journal:
             except OSError as exc:
                 raise ConfigError(f"journal: cannot create directory {directory!r} for {self.path!r}: "
                                   f"{exc.strerror or exc}; choose a path you may write (--journal PATH)") from None
+        self.owner = OwnerLock(self.path, "journal")
 
     def read(self) -> list[dict]:
         if not os.path.exists(self.path):
@@ -73,6 +76,12 @@ class Journal:
             os.fsync(self._file.fileno())
 
     def close(self) -> None:
+        """Close the file (``rewrite`` and ``append`` open it again)."""
         if self._file is not None:
             self._file.close()
             self._file = None
+
+    def release(self) -> None:
+        """Close and let another process own the journal."""
+        self.close()
+        self.owner.release()

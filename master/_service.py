@@ -79,12 +79,16 @@ class MasterServer:
         self.journal = None
         if journal_path:
             self.journal = Journal(journal_path, fsync=journal_fsync)
-            records = self.journal.read()
-            self.state.replay(records)
-            self.journal.rewrite(self.state.snapshot())
+            try:
+                records = self.journal.read()
+                self.state.replay(records)
+                self.journal.rewrite(self.state.snapshot())
+            except BaseException:
+                self.journal.release()
+                raise
             self.state.journal = self.journal.append
-            log.info("journal %s: replayed %d records: %d segments, %d objects", journal_path, len(records),
-                     len(self.state.segments), len(self.state.objects))
+            log.info("journal %s: replayed %d records: %d segments, %d objects, %d lost", journal_path,
+                     len(records), len(self.state.segments), len(self.state.objects), len(self.state.lost))
         self._last_tick = time.monotonic()
         self.re_replicate = re_replicate
         self._rpc_timeout_ms = max(1000, int(heartbeat_timeout_s * 1000))
@@ -98,6 +102,7 @@ class MasterServer:
             "register_segment": self._register_segment,
             "heartbeat": self._heartbeat,
             "segment_objects": self._segment_objects,
+            "offer_objects": self._offer_objects,
             "unregister_segment": self._unregister_segment,
             "put_start": self._put_start,
             "put_end": self._put_end,
@@ -109,14 +114,23 @@ class MasterServer:
             "remove_all": self._remove_all,
             "status": self._status,
         }
-        self.server = RpcServer(host, port, "master", handlers, tick=self._tick, tick_ms=TICK_MS,
-                                max_message_bytes=16 << 20, auth=auth, metrics_prefix="engram_master")
+        try:
+            self.server = RpcServer(host, port, "master", handlers, tick=self._tick, tick_ms=TICK_MS,
+                                    max_message_bytes=16 << 20, auth=auth, metrics_prefix="engram_master")
+        except BaseException:
+            if self.journal is not None:
+                self.journal.release()
+            raise
+        if self.journal is not None:
+            self.journal.owner.describe(serving=self.server.address)
         self.metrics: MetricsEndpoint | None = None
         if metrics_port is not None:
             try:
                 self.metrics = MetricsEndpoint(host, metrics_port)
             except OSError as exc:
                 self.server.close()
+                if self.journal is not None:
+                    self.journal.release()
                 raise Unavailable(f"metrics: cannot serve on {host}:{metrics_port}: {exc}") from exc
         # Copies between segments (re-replication) connect to them as a client of the cluster.
         self._client_curve = auth.client_curve if auth is not None else None
@@ -142,7 +156,7 @@ class MasterServer:
         if self._repair_pool is not None:
             self._repair_pool.shutdown(wait=True, cancel_futures=True)
         if self.journal is not None:
-            self.journal.close()
+            self.journal.release()
 
     def __enter__(self) -> "MasterServer":
         return self
@@ -228,7 +242,14 @@ class MasterServer:
             read_addresses=_read_addresses(req), write_key=write_key, registration=req.str("registration", 64),
             held=req.ranges("held", default=[]), direct_writes=req.bool("direct_writes", default=False),
         )
-        return {"known": known, "heartbeat_interval_ms": self._heartbeat_interval_ms()}
+        return {"known": known, "heartbeat_interval_ms": self._heartbeat_interval_ms(),
+                "verify": self.state.verification_candidates(req.str("segment_id", 128))}
+
+    def _offer_objects(self, req: Request) -> dict:
+        """A segment's answer to the ``verify`` list of its registration: the keys whose bytes matched."""
+        restored = self.state.offer_verified(req.str("segment_id", 128), req.str("registration", 64),
+                                             self._keys(req))
+        return {"restored": restored}
 
     def _heartbeat_interval_ms(self) -> int:
         return int(self.state.heartbeat_timeout_s * 1000 / 4)
@@ -362,22 +383,25 @@ def _read_addresses(req: Request) -> tuple[str, ...]:
 
 
 def _manifest_objects(req: Request) -> list[tuple]:
-    """The optional ``objects`` field of ``register_segment``: ``[[key, offset, size, replica_num(, checksum)], ...]``
-    (the checksum, xxh3_64 in hex, is absent from manifests written before segments verified their objects)."""
+    """The optional ``objects`` field of ``register_segment``: ``[[key, offset, size, replica_num(, checksum(,
+    generation))], ...]`` (the checksum, xxh3_64 in hex, is absent from manifests written before segments verified
+    their objects; the generation, the id of the put that wrote them, from those written before reads named it)."""
     raw = req.header.get("objects", [])
     if not isinstance(raw, list) or len(raw) > MAX_MANIFEST_OBJECTS:
         raise InvalidArgument(f"field 'objects': expected a list of at most {MAX_MANIFEST_OBJECTS} entries, "
                               f"got {type(raw).__name__}")
     objects = []
     for i, entry in enumerate(raw):
-        ok = (isinstance(entry, list) and len(entry) in (4, 5) and isinstance(entry[0], str)
+        ok = (isinstance(entry, list) and len(entry) in (4, 5, 6) and isinstance(entry[0], str)
               and 0 < len(entry[0]) <= MAX_KEY_LEN
               and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_OBJECT_BYTES
                       for v in entry[1:4])
-              and (len(entry) == 4 or isinstance(entry[4], str) and len(entry[4]) <= 64))
+              and (len(entry) == 4 or isinstance(entry[4], str) and len(entry[4]) <= 64)
+              and (len(entry) < 6 or isinstance(entry[5], int) and not isinstance(entry[5], bool)
+                   and 0 <= entry[5] < 1 << 64))
         if not ok:
-            raise InvalidArgument(f"field 'objects'[{i}]: expected [key, offset, size, replica_num, checksum], "
-                                  f"got {entry!r:.80}")
+            raise InvalidArgument(f"field 'objects'[{i}]: expected [key, offset, size, replica_num, checksum, "
+                                  f"generation], got {entry!r:.80}")
         objects.append(tuple(entry))
     return objects
 

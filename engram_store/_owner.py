@@ -1,0 +1,83 @@
+"""One owner per durable file: an exclusive ``flock`` on ``<path>.lock`` that names its holder.
+
+A second process that opens the same journal (or any file guarded this way) must refuse before it reads or writes
+anything, and say who holds it. The lock file holds one line naming the holder (pid, host, when, what it serves);
+the kernel releases the lock when the holder exits, however it exits, so a stale file never blocks anyone. A clean
+release unlinks the file while still holding the lock; an acquirer checks that the file it locked is still the one
+at the path (else it was unlinked meanwhile, and it tries again), so two processes never hold locks on two
+different files of the same name.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+import time
+
+from ._errors import ConfigError
+
+__all__ = ["OwnerLock", "FileInUse"]
+
+
+class FileInUse(ConfigError):
+    """A durable file is owned by another live process (its lock file names it)."""
+
+
+class OwnerLock:
+    """``OwnerLock(path, what)`` takes ``<path>.lock`` or raises :class:`FileInUse` naming the holder."""
+
+    def __init__(self, path: str, what: str):
+        self.path = os.path.abspath(path) + ".lock"
+        self.what = what
+        self._since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
+        self._fd: int | None = None
+        for _ in range(100):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                holder = _read_holder(fd)
+                os.close(fd)
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise ConfigError(f"{what} {path!r}: cannot lock {self.path!r}: {exc.strerror}") from None
+                raise FileInUse(f"{what} {path!r} is in use by another process ({holder or 'holder unknown'}); "
+                                f"stop it first, or choose another path") from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                self._fd = fd
+                self.describe()
+                return
+            os.close(fd)  # the holder released it and unlinked the file between our open and flock: again
+        raise ConfigError(f"{what} {path!r}: could not take {self.path!r} (it kept being replaced)")
+
+    def describe(self, serving: str = "") -> None:
+        """Write the holder's line: pid, host, start time and (once known) what it serves."""
+        if self._fd is None:
+            return
+        line = (f"pid {os.getpid()} on {socket.gethostname()} since {self._since}"
+                + (f", serving {serving}" if serving else ""))
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, (line + "\n").encode(), 0)
+
+    def release(self) -> None:
+        """Unlink the lock file and let go (idempotent)."""
+        if self._fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        return os.pread(fd, 512, 0).decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
