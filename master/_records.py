@@ -41,6 +41,9 @@ class Segment:
     direct_writes: bool = False
     #: Registered with this master (not only restored from its journal): space may be allocated here.
     confirmed: bool = True
+    #: Lost objects whose bytes this segment may still hold, by key -> (offset, size): reserved while the segment
+    #: checks them against their checksums (it was asked to at registration and answers with ``offer_objects``).
+    verifying: dict = field(default_factory=dict)
 
     def describe(self) -> dict:
         return {
@@ -62,6 +65,29 @@ class Segment:
 class Replica:
     segment_id: str
     offset: int
+    #: The id of the put whose ticket wrote these bytes (segments learn it from the ticket, so a read naming it
+    #: is refused once another put has written the range); 0 where it is not known (offered back by an older
+    #: segment), and then segments do not check it.
+    generation: int = 0
+
+    def record(self) -> list:
+        return [self.segment_id, self.offset, self.generation]
+
+
+@dataclass
+class LostObject:
+    """An acknowledged object whose every replica was on segments that were dropped: remembered with where its
+    bytes were, so a segment that comes back with them intact (verified against the checksum) restores it."""
+    message: str
+    size: int
+    replica_num: int
+    checksum: str
+    places: list[Replica]
+
+    def record(self, key: str) -> dict:
+        return {"op": "lost", "key": key, "message": self.message, "size": self.size,
+                "replica_num": self.replica_num, "checksum": self.checksum,
+                "places": [r.record() for r in self.places]}
 
 
 @dataclass

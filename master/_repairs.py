@@ -71,7 +71,7 @@ class Repairs:
                 target.fences.add(job.put_id)
                 self.fencing[job.put_id] = Fence(job.key, job.size, {job.target_id: job.target_offset})
             return False
-        meta.replicas.append(Replica(job.target_id, job.target_offset))
+        meta.replicas.append(Replica(job.target_id, job.target_offset, job.put_id))
         target.catalog_version += 1
         self._journal_object(job.key, meta)
         return True

@@ -1,12 +1,24 @@
-"""Journal replay in the master's state: rebuilding segments and objects from records, and the compact snapshot."""
+"""Journal replay in the master's state: rebuilding segments and objects from records, and the compact snapshot.
+
+Replay follows the records in order and frees a removed object's space at once: the reuse delay protects readers
+of the running master, and every record of an object that took that space later comes after the remove's record.
+Replay therefore never depends on how much wall-clock time passed between records. The space of removed objects
+that nothing took again is quarantined for the reuse delay once replay is over, since a reader may still hold the
+placement the previous master gave it.
+"""
 
 from __future__ import annotations
 
 import logging
 
-from ._records import COMPLETE, ObjectMeta, Replica
+from ._records import COMPLETE, LostObject, ObjectMeta, Replica
 
 log = logging.getLogger("master._state")
+
+
+def _replica(entry: list) -> Replica:
+    """A replica as journalled: ``[segment_id, offset]`` (older journals) or ``[segment_id, offset, generation]``."""
+    return Replica(str(entry[0]), int(entry[1]), int(entry[2]) if len(entry) > 2 else 0)
 
 
 class Replay:
@@ -21,6 +33,7 @@ class Replay:
         restored: they only ever delay a remove.
         """
         journal, self.journal = self.journal, (lambda record: None)
+        freed: list[tuple[str, int, int]] = []  # space of removed objects: quarantined after replay
         count = 0
         try:
             for record in records:
@@ -36,31 +49,77 @@ class Replay:
                 elif op == "object":
                     self._replay_object(record)
                 elif op == "remove":
-                    meta = self.objects.get(record["key"])
+                    meta = self.objects.pop(record["key"], None)
                     if meta is not None:
-                        self._release(record["key"], meta)
+                        freed += self._free_replicas(meta)
                     else:
                         self.lost.pop(record["key"], None)
+                elif op == "lost":
+                    self._remember_lost(record["key"], LostObject(
+                        str(record.get("message") or f"object {record['key']!r} was lost"), int(record["size"]),
+                        int(record.get("replica_num", 1)), str(record.get("checksum") or ""),
+                        [_replica(p) for p in record.get("places") or ()]))
                 elif op == "forget_lost":
                     self.lost.clear()
                 else:
                     log.warning("journal: skipping unknown record %r", op)
         finally:
             self.journal = journal
+        self._quarantine_replayed(freed)
+        generations = [r.generation for m in self.objects.values() for r in m.replicas]
+        self.next_put_id = max([self.next_put_id, *(g + 1 for g in generations)])
         return count
 
-    def _replay_object(self, record: dict) -> None:
-        key, size = record["key"], record["size"]
-        if key in self.objects:
-            self._release(key, self.objects[key])
-        replicas = []
-        for segment_id, offset in record["replicas"]:
+    def _free_replicas(self, meta: ObjectMeta) -> list[tuple[str, int, int]]:
+        freed = []
+        for replica in meta.replicas:
+            segment = self.segments.get(replica.segment_id)
+            if segment is not None:
+                segment.allocator.free(replica.offset, meta.size)
+                freed.append((replica.segment_id, replica.offset, meta.size))
+        return freed
+
+    def _quarantine_replayed(self, freed: list[tuple[str, int, int]]) -> None:
+        """Hold the space of replayed removes that is still free for the reuse delay, counted from now."""
+        if self.reuse_delay_s <= 0:
+            return
+        reusable_at = self.clock() + self.reuse_delay_s
+        for segment_id, offset, size in freed:
             segment = self.segments.get(segment_id)
-            if segment is not None and segment.allocator.reserve(offset, size):
-                replicas.append(Replica(segment_id, offset))
+            if segment is None:
+                continue
+            for start, length in segment.allocator.free_blocks():
+                lo, hi = max(start, offset), min(start + length, offset + size)
+                if lo < hi and segment.allocator.reserve(lo, hi - lo):
+                    self.quarantine.append((reusable_at, segment.allocator, lo, hi - lo))
+
+    def _replay_object(self, record: dict) -> None:
+        key, size = record["key"], int(record["size"])
+        old = self.objects.pop(key, None)
+        if old is not None:  # the same object again, with a replica more or less: its space is its own
+            self._free_replicas(old)
+        replicas, refused = [], []
+        for entry in record["replicas"]:
+            replica = _replica(entry)
+            segment = self.segments.get(replica.segment_id)
+            if segment is not None and segment.allocator.reserve(replica.offset, size):
+                replicas.append(replica)
+            else:
+                refused.append(replica)
+        checksum = str(record.get("checksum") or "")
+        replica_num = int(record.get("replica_num", len(replicas)))
+        for replica in refused:
+            log.warning("journal: object %r (%d bytes) at segment %s offset %d overlaps space the journal gives "
+                        "another object, or a segment it does not know; that replica is not restored", key, size,
+                        replica.segment_id, replica.offset)
         if replicas:
-            self.objects[key] = ObjectMeta(size, record.get("replica_num", len(replicas)), replicas, COMPLETE,
-                                           checksum=str(record.get("checksum") or ""))
+            self.objects[key] = ObjectMeta(size, replica_num, replicas, COMPLETE, checksum=checksum)
+            self.lost.pop(key, None)
+        elif refused:
+            message = (f"object {key!r} was lost: the journal's record of it could not be replayed (its space at "
+                       + ", ".join(f"segment {r.segment_id} offset {r.offset}" for r in refused)
+                       + " overlaps another object's)")
+            self._remember_lost(key, LostObject(message, size, replica_num, checksum, refused))
 
     def snapshot(self) -> list[dict]:
         """The journal records that rebuild the current durable state (used to compact the journal)."""
@@ -69,6 +128,7 @@ class Replay:
                     "read_addresses": list(s.read_addresses)}
                    for s in self.segments.values()]
         records += [{"op": "object", "key": k, "size": m.size, "replica_num": m.replica_num,
-                     "replicas": [[r.segment_id, r.offset] for r in m.replicas], "checksum": m.checksum}
+                     "replicas": [r.record() for r in m.replicas], "checksum": m.checksum}
                     for k, m in self.objects.items() if m.state == COMPLETE]
+        records += [lost.record(key) for key, lost in self.lost.items()]
         return records

@@ -18,6 +18,7 @@ again. See DESIGN.md, "Fencing".
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from engram_store.wire._tickets import make_ticket
 
 from ._allocator import FreeListAllocator
 from ._fencing import Fencing
-from ._records import COMPLETE, LOST_KEYS_KEPT, PENDING, ObjectMeta, Replica, Segment
+from ._records import COMPLETE, LOST_KEYS_KEPT, PENDING, LostObject, ObjectMeta, Replica, Segment
 from ._repairs import Repairs
 from ._replay import Replay
 
@@ -56,12 +57,16 @@ class MasterState(Fencing, Repairs, Replay):
     clock: Callable[[], float] = time.monotonic
     segments: dict[str, Segment] = field(default_factory=dict)
     objects: dict[str, ObjectMeta] = field(default_factory=dict)
+    #: Acknowledged objects whose every replica was dropped, by key (oldest first, at most LOST_KEYS_KEPT).
     lost: OrderedDict = field(default_factory=OrderedDict)
     #: Freed blocks waiting out ``reuse_delay_s``: (time allocatable, allocator, offset, size), oldest first.
     quarantine: deque = field(default_factory=deque)
     #: Fenced puts whose space waits for the segments' acknowledgements, by put id.
     fencing: dict = field(default_factory=dict)
-    next_put_id: int = 1
+    #: Put ids name the generation of the bytes they write (segments refuse reads naming an older one), so they
+    #: must not repeat across restarts of a master, with or without a journal: each master starts at a random
+    #: point of a 62-bit space.
+    next_put_id: int = field(default_factory=lambda: (secrets.randbits(30) << 32) + 1)
 
     # ---- segments -------------------------------------------------------------------------------
 
@@ -97,6 +102,9 @@ class MasterState(Fencing, Repairs, Replay):
             known.read_addresses = tuple(read_addresses)
             known.last_heartbeat = now
             if confirmed and (registration != known.registration or not known.confirmed):
+                for offset, size, _ in known.verifying.values():  # asked of the old registration: ask again
+                    known.allocator.free(offset, size)
+                known.verifying.clear()
                 self._end_registration(known)
         else:
             self.segments[segment_id] = Segment(
@@ -123,6 +131,7 @@ class MasterState(Fencing, Repairs, Replay):
         for entry in objects:
             key, offset, size, replica_num = entry[:4]
             checksum = entry[4] if len(entry) > 4 else ""
+            generation = entry[5] if len(entry) > 5 else 0
             meta = self.objects.get(key)
             if meta is not None and (meta.state != COMPLETE or meta.size != size
                                      or (checksum and meta.checksum and checksum != meta.checksum)):
@@ -140,19 +149,66 @@ class MasterState(Fencing, Repairs, Replay):
                 self.lost.pop(key, None)
             elif checksum and not meta.checksum:
                 meta.checksum = checksum
-            meta.replicas.append(Replica(segment.segment_id, offset))
+            meta.replicas.append(Replica(segment.segment_id, offset, generation))
             self._journal_object(key, meta)
             adopted += 1
         segment.catalog_version += 1
         log.info("segment %s: adopted %d object(s) it still holds, ignored %d", segment.segment_id, adopted, skipped)
 
+    def verification_candidates(self, segment_id: str) -> list[list]:
+        """Lost objects that had a replica on this segment, as ``[key, offset, size, checksum]``: the segment is
+        asked to check their bytes (it may have been dropped before it learnt of them, so they are not in the
+        catalogue it offered back). Their ranges stay reserved until it answers (:meth:`offer_verified`)."""
+        segment = self.segments.get(segment_id)
+        if segment is None or not segment.confirmed:
+            return []
+        candidates = []
+        for key, lost in self.lost.items():
+            if key in segment.verifying or not lost.checksum:
+                continue
+            for place in lost.places:
+                if place.segment_id == segment_id and segment.allocator.reserve(place.offset, lost.size):
+                    segment.verifying[key] = (place.offset, lost.size, place.generation)
+                    candidates.append([key, place.offset, lost.size, lost.checksum])
+                    break
+        if candidates:
+            log.info("segment %s: asked to check %d lost object(s) it may still hold%s", segment_id,
+                     len(candidates), _some([c[0] for c in candidates]))
+        return candidates
+
+    def offer_verified(self, segment_id: str, registration: str, keys: list[str]) -> int:
+        """The segment checked the objects :meth:`verification_candidates` named; those in ``keys`` matched their
+        checksums and are restored; the space of the others is free again. Returns how many were restored."""
+        segment = self.segments.get(segment_id)
+        if segment is None or registration != segment.registration:
+            return 0
+        verified = set(keys)
+        restored = []
+        for key, (offset, size, generation) in list(segment.verifying.items()):
+            del segment.verifying[key]
+            lost = self.lost.get(key)
+            if key in verified and lost is not None and key not in self.objects and lost.size == size:
+                del self.lost[key]
+                meta = self.objects[key] = ObjectMeta(size, lost.replica_num,
+                                                      [Replica(segment_id, offset, generation)], COMPLETE,
+                                                      checksum=lost.checksum)
+                self._journal_object(key, meta)
+                restored.append(key)
+            else:
+                segment.allocator.free(offset, size)
+        if restored:
+            segment.catalog_version += 1
+            log.warning("segment %s: %d lost object(s) restored, their bytes intact%s", segment_id, len(restored),
+                        _some(restored))
+        return len(restored)
+
     def segment_objects(self, segment_id: str) -> tuple[int, list[list]]:
-        """``(catalog_version, [[key, offset, size, replica_num, checksum], ...])`` of the complete objects on a
-        segment."""
+        """``(catalog_version, [[key, offset, size, replica_num, checksum, generation], ...])`` of the complete
+        objects on a segment."""
         segment = self.segments.get(segment_id)
         if segment is None:
             raise ObjectNotFound(f"segment {segment_id} is not registered")
-        held = [[key, r.offset, m.size, m.replica_num, m.checksum] for key, m in self.objects.items()
+        held = [[key, r.offset, m.size, m.replica_num, m.checksum, r.generation] for key, m in self.objects.items()
                 if m.state == COMPLETE for r in m.replicas if r.segment_id == segment_id]
         return segment.catalog_version, held
 
@@ -164,7 +220,7 @@ class MasterState(Fencing, Repairs, Replay):
 
     def _journal_object(self, key: str, meta: ObjectMeta) -> None:
         self.journal({"op": "object", "key": key, "size": meta.size, "replica_num": meta.replica_num,
-                      "replicas": [[r.segment_id, r.offset] for r in meta.replicas], "checksum": meta.checksum})
+                      "replicas": [r.record() for r in meta.replicas], "checksum": meta.checksum})
 
     def heartbeat(self, segment_id: str, registration: str | None = None, fenced: list[int] = (),
                   held: list[tuple[int, int]] | None = None) -> Segment | None:
@@ -194,7 +250,7 @@ class MasterState(Fencing, Repairs, Replay):
         for fence in self.fencing.values():
             fence.waiting.pop(segment_id, None)  # its space went with it
         self._forget_settled_fences()
-        lost = 0
+        lost: list[str] = []
         for key in list(self.objects):
             meta = self.objects[key]
             kept = [r for r in meta.replicas if r.segment_id != segment_id]
@@ -204,15 +260,18 @@ class MasterState(Fencing, Repairs, Replay):
                 meta.replicas = kept
                 self._fence(key, meta)  # a write that cannot complete as asked: its other replicas are fenced
                 continue
+            dropped = [r for r in meta.replicas if r.segment_id == segment_id]
             meta.replicas = kept
             if not kept:
                 del self.objects[key]
-                self._remember_lost(key, f"object {key!r} was lost: its last replica was on segment "
-                                         f"{segment_id} at {segment.address}, which {reason}")
-                lost += 1
-        log.warning("segment %s at %s dropped (%s); %d objects lost", segment_id, segment.address, reason, lost)
+                message = (f"object {key!r} was lost: its last replica was on segment {segment_id} at "
+                           f"{segment.address}, which {reason}")
+                self._remember_lost(key, LostObject(message, meta.size, meta.replica_num, meta.checksum, dropped))
+                lost.append(key)
+        log.warning("segment %s at %s dropped (%s); %d object(s) lost%s", segment_id, segment.address, reason,
+                    len(lost), _some(lost))
         self.journal({"op": "drop_segment", "segment_id": segment_id, "reason": reason})
-        return lost
+        return len(lost)
 
     def expire_segments(self, running_gap_s: float = 0.0) -> list[str]:
         """Drop segments whose last heartbeat is older than the timeout; returns their ids.
@@ -295,7 +354,7 @@ class MasterState(Fencing, Repairs, Replay):
         put_id = self.next_put_id
         self.next_put_id += 1
         now = self.clock()
-        self.objects[key] = ObjectMeta(size, replica_num, [Replica(s.segment_id, o) for s, o in placed],
+        self.objects[key] = ObjectMeta(size, replica_num, [Replica(s.segment_id, o, put_id) for s, o in placed],
                                        PENDING, started=now, put_id=put_id, renewed=now)
         return placed
 
@@ -338,7 +397,7 @@ class MasterState(Fencing, Repairs, Replay):
         meta = self.objects.get(key)
         if meta is None or meta.state != COMPLETE:
             if key in self.lost:
-                raise ObjectLost(self.lost[key])
+                raise ObjectLost(self.lost[key].message)
             raise ObjectNotFound(f"no object under key {key!r}")
         if lease:
             meta.lease_until = max(meta.lease_until, self.clock() + self.lease_ttl_s)
@@ -417,7 +476,16 @@ class MasterState(Fencing, Repairs, Replay):
         allocator = self.segments[segment_id].allocator if segment_id is not None else None
         return sum(size for _, a, _, size in self.quarantine if allocator is None or a is allocator)
 
-    def _remember_lost(self, key: str, message: str) -> None:
-        self.lost[key] = message
+    def _remember_lost(self, key: str, lost: LostObject) -> None:
+        self.lost.pop(key, None)
+        self.lost[key] = lost
         while len(self.lost) > LOST_KEYS_KEPT:
             self.lost.popitem(last=False)
+
+
+def _some(keys: list[str], shown: int = 5) -> str:
+    """``": 'a', 'b', ... (n more)"`` for log lines that name the keys they count."""
+    if not keys:
+        return ""
+    more = f", ... ({len(keys) - shown} more)" if len(keys) > shown else ""
+    return ": " + ", ".join(map(repr, keys[:shown])) + more

@@ -375,7 +375,7 @@ def test_objects_offered_back_by_a_segment_are_adopted_unless_another_object_has
         ["held", 0, 100, 1, "bb"], ["mine", 128, 100, 1, "cc"], ["old", 256, 50, 1]])
     assert state.get("held").checksum == "bb" and state.get("old").checksum == ""
     assert [r.segment_id for r in state.get("mine").replicas] != ["s9"]  # another object: the copy is ignored
-    assert state.segment_objects("s9")[1] == [["held", 0, 100, 1, "bb"], ["old", 256, 50, 1, ""]]
+    assert state.segment_objects("s9")[1] == [["held", 0, 100, 1, "bb", 0], ["old", 256, 50, 1, "", 0]]
 
 
 def test_repair_targets_that_fail_are_fenced_and_those_that_were_answered_free_at_once():

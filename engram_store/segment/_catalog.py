@@ -71,6 +71,21 @@ class Catalog:
                 os.close(dir_fd)
         self.version, self.objects = version, objects
 
+    def matching(self, memory: np.ndarray, candidates: list) -> list[str]:
+        """The keys of ``candidates`` (``[key, offset, size, checksum]``, lost objects the master asks about) whose
+        bytes in ``memory`` match their checksum."""
+        keys = []
+        for entry in candidates:
+            try:
+                key, offset, size, checksum = str(entry[0]), int(entry[1]), int(entry[2]), str(entry[3])
+            except (IndexError, TypeError, ValueError):
+                log.warning("segment %s: ignoring a malformed object to verify: %r", self.segment_id, entry)
+                continue
+            if (checksum and 0 <= offset <= self.size - size
+                    and xxhash.xxh3_64_hexdigest(memory[offset:offset + size]) == checksum):
+                keys.append(key)
+        return keys
+
     def verified(self, memory: np.ndarray) -> list[list]:
         """The entries whose bytes in ``memory`` still match their checksum (a manifest written before checksums
         were kept has none: its entries are trusted, as the file was flushed before they were written)."""

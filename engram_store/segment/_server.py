@@ -213,6 +213,7 @@ class SegmentServer:
                     self.heartbeat_interval_s = max(0.05, header.get("heartbeat_interval_ms", 1000) / 1000.0)
                     log.info("segment %s registered with master %s (%d object(s) offered back)", self.segment_id,
                              self.master_address, len(objects))
+                    self._answer_verify(conn, registration, header.get("verify") or [])
                     return
                 except ProtocolError as exc:
                     raise ConfigError(f"segment {self.segment_id}: {self.master_address} is not an engram master "
@@ -232,6 +233,22 @@ class SegmentServer:
                     delay = min(delay * 2, 1.0)
         finally:
             conn.close()
+
+    def _answer_verify(self, conn: Connection, registration: str, candidates: list) -> None:
+        """Check the lost objects the master asks about (this segment was dropped before its catalogue named them)
+        and tell it which are intact; it keeps their space reserved until it hears back."""
+        if not candidates:
+            return
+        keys = self.catalog.matching(self.memory.array, candidates)
+        try:
+            header, _ = conn.call("offer_objects", {"segment_id": self.segment_id, "registration": registration,
+                                                    "keys": keys}, timeout_ms=self._rpc_timeout_ms)
+        except EngramError as exc:
+            log.warning("segment %s: could not tell master %s which of %d lost object(s) it holds intact: %s",
+                        self.segment_id, self.master_address, len(candidates), exc)
+            return
+        log.info("segment %s: %d of %d lost object(s) the master asked about were intact; %d restored",
+                 self.segment_id, len(keys), len(candidates), header.get("restored", 0))
 
     @staticmethod
     def _what_answers(conn: Connection) -> str:

@@ -1,0 +1,218 @@
+"""The journal: replay rebuilds exactly what the running master acknowledged, whatever happened in between, and one
+master owns a journal at a time."""
+
+import multiprocessing
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engram_store import ConfigError, ObjectLost
+from master import MasterState
+from master._journal import Journal
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def _registered(state, *ids, size=4096):
+    for sid in ids:
+        state.register_segment(sid, f"127.0.0.1:{sid[1:]}", size, "", "h", write_key=b"k" * 32,
+                               registration=f"r-{sid}")
+
+
+def _durable(state):
+    """What a restart must give back: every complete object with its replicas (and their generations), and every
+    lost object by key."""
+    objects = {k: (m.size, m.checksum, sorted((r.segment_id, r.offset, getattr(r, "generation", 0)) for r in m.replicas))
+               for k, m in state.objects.items() if m.state == "complete"}
+    return objects, sorted(state.lost)
+
+
+def _replayed(records, clock=None):
+    restored = MasterState(clock=clock or Clock())
+    restored.replay(records)
+    return restored
+
+
+def test_a_restart_keeps_objects_that_took_the_space_of_removed_ones():
+    """Populate, remove, wait out the reuse delay, populate into the freed space, restart: nothing is lost."""
+    clock, journal = Clock(), []
+    state = MasterState(clock=clock, journal=journal.append)
+    _registered(state, "s1")
+    state.put_start("old", 2048, 1)
+    state.put_end("old", "aa")
+    state.remove("old")
+    clock.now += 3  # past the reuse delay (2 s)
+    state.put_start("new", 2048, 1)
+    state.put_end("new", "bb")
+    assert state.objects["new"].replicas[0].offset == 0  # it took the removed object's space
+    restored = _replayed(journal)
+    assert _durable(restored) == _durable(state)
+    again = _replayed(restored.snapshot())
+    assert _durable(again) == _durable(state)
+
+
+def test_an_object_journalled_again_with_a_replica_more_keeps_its_first_replica():
+    state, journal = MasterState(clock=Clock()), []
+    state.journal = journal.append
+    _registered(state, "s1")
+    state.put_start("k", 100, 1)
+    state.put_end("k", "cc")
+    state.register_segment("s2", "127.0.0.1:2", 4096, "", "h", write_key=b"x" * 32, registration="r2",
+                           objects=[["k", 0, 100, 1, "cc", 77]])  # a copy offered back: journalled again
+    assert len(state.objects["k"].replicas) == 2
+    assert _durable(_replayed(journal)) == _durable(state)
+
+
+def test_removed_space_is_quarantined_after_a_replay_for_the_reuse_delay():
+    clock, journal = Clock(), []
+    state = MasterState(clock=clock, journal=journal.append)
+    _registered(state, "s1")
+    state.put_start("old", 4096, 1)
+    state.put_end("old", "aa")
+    state.remove("old")
+    restored_clock = Clock()
+    restored = _replayed(journal, restored_clock)
+    _registered(restored, "s1")
+    with pytest.raises(Exception, match="become free within"):
+        restored.put_start("new", 4096, 1)  # a reader of the old master may still hold the placement
+    restored_clock.now += 2.5
+    restored.put_start("new", 4096, 1)
+
+
+def test_lost_objects_are_journalled_and_restored_by_a_segment_that_still_holds_them():
+    clock, journal = Clock(), []
+    state = MasterState(clock=clock, journal=journal.append)
+    _registered(state, "s1", "s2")
+    state.put_start("k", 100, 1)
+    state.put_end("k", "cc")
+    sid = state.objects["k"].replicas[0].segment_id
+    offset, generation = state.objects["k"].replicas[0].offset, state.objects["k"].replicas[0].generation
+    state.drop_segment(sid, "missed heartbeats")
+    with pytest.raises(ObjectLost, match="'k' was lost"):
+        state.get("k")
+    restored = _replayed(_replayed(journal).snapshot())  # twice: the snapshot keeps what is lost
+    assert sorted(restored.lost) == ["k"]
+    # The segment comes back with the bytes (it never learnt of the object: its catalogue does not name it).
+    restored.register_segment(sid, "127.0.0.1:9", 4096, "", "h", write_key=b"z" * 32, registration="again")
+    assert restored.verification_candidates(sid) == [["k", offset, 100, "cc"]]
+    assert restored.segments[sid].allocator.used > 0  # reserved while the segment checks: nothing lands there
+    assert restored.offer_verified(sid, "again", ["k"]) == 1
+    assert restored.get("k").replicas[0].offset == offset
+    assert restored.get("k").replicas[0].generation == generation
+    assert not restored.lost
+
+
+def test_a_lost_object_whose_bytes_do_not_verify_stays_lost_and_its_space_is_freed():
+    state = MasterState(clock=Clock())
+    _registered(state, "s1")
+    state.put_start("k", 100, 1)
+    state.put_end("k", "cc")
+    state.drop_segment("s1", "missed heartbeats")
+    state.register_segment("s1", "127.0.0.1:1", 4096, "", "h", write_key=b"z" * 32, registration="again")
+    assert len(state.verification_candidates("s1")) == 1
+    assert state.segments["s1"].allocator.used > 0
+    assert state.offer_verified("s1", "again", []) == 0
+    assert state.segments["s1"].allocator.used == 0 and "k" in state.lost
+
+
+# ---- the property: replay equals the running state, after any history -------------------------------------
+
+_op = st.one_of(
+    st.tuples(st.just("put"), st.integers(0, 7), st.integers(1, 1500), st.integers(1, 2)),
+    st.tuples(st.just("remove"), st.integers(0, 7)),
+    st.tuples(st.just("wait"), st.floats(0, 3)),
+    st.tuples(st.just("drop"), st.integers(1, 3)),
+    st.tuples(st.just("register"), st.integers(1, 3)),
+    st.tuples(st.just("revoke"), st.integers(0, 7)),
+    st.tuples(st.just("restart")),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(_op, max_size=40))
+def test_replay_gives_back_every_acknowledged_object(ops):
+    clock, journal = Clock(), []
+    state = MasterState(clock=clock, journal=journal.append)
+    _registered(state, "s1", "s2", "s3")
+    for op in ops:
+        kind = op[0]
+        if kind == "put":
+            key = f"k{op[1]}"
+            try:
+                state.put_start(key, op[2], op[3])
+            except Exception:
+                continue
+            state.put_end(key, f"{op[1]:x}")
+        elif kind == "remove":
+            try:
+                state.remove(f"k{op[1]}", force=True)
+            except Exception:
+                pass
+        elif kind == "wait":
+            clock.now += op[1]
+            state.release_quarantine()
+        elif kind == "drop":
+            state.drop_segment(f"s{op[1]}", "missed heartbeats")
+        elif kind == "register":
+            if f"s{op[1]}" not in state.segments:
+                _registered(state, f"s{op[1]}")
+        elif kind == "revoke":
+            try:
+                state.put_start(f"p{op[1]}", 100, 1)
+                state.put_revoke(f"p{op[1]}", settled=True)
+            except Exception:
+                pass
+        elif kind == "restart":
+            restored = _replayed(list(journal), clock)
+            assert _durable(restored) == _durable(state)
+            journal[:] = restored.snapshot()
+            restored.journal = journal.append
+            for sid in list(restored.segments):
+                _registered(restored, sid)
+            state = restored
+        # Every step: a restart now would give back what is acknowledged.
+        assert _durable(_replayed(list(journal))) == _durable(state)
+    assert _durable(_replayed(_replayed(list(journal)).snapshot())) == _durable(state)
+
+
+# ---- one owner per journal ------------------------------------------------------------------------------------
+
+def _try_open(path, queue):
+    try:
+        Journal(path)
+        queue.put("opened")
+    except ConfigError as exc:
+        queue.put(f"refused: {exc}")
+
+
+def test_a_second_process_cannot_open_a_journal_in_use_and_is_told_who_holds_it(tmp_path):
+    path = str(tmp_path / "j" / "journal")
+    first = Journal(path)
+    first.rewrite([{"op": "forget_lost"}])
+    inode = os.stat(path).st_ino
+    queue = multiprocessing.get_context("spawn").Queue()
+    proc = multiprocessing.get_context("spawn").Process(target=_try_open, args=(path, queue))
+    proc.start()
+    try:
+        answer = queue.get(timeout=60)
+    finally:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    assert answer.startswith("refused: ") and "in use by another process" in answer
+    assert f"pid {os.getpid()}" in answer
+    assert os.stat(path).st_ino == inode  # untouched
+    first.release()
+    assert not os.path.exists(path + ".lock")
+    second = Journal(path)  # free again
+    assert second.read() == [{"op": "forget_lost"}]
+    second.release()
