@@ -197,7 +197,8 @@ class Placements:
         if state is None:  # the EngramStore closed meanwhile
             return
         try:
-            self.resolve(lay, set())
+            # Bounded like a lookup's own check: a client closing (or exiting) waits for this call at most so long.
+            self.resolve(lay, set(), timeout_ms=min(self.native.timeout_ms, REFRESH_TIMEOUT_MS))
         except Unavailable:
             pass  # logged by resolve; the next lookup past the TTL asks again
         except EngramError as exc:  # the layer is gone or changed: the next lookup resolves it and says so

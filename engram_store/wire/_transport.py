@@ -273,7 +273,12 @@ class RpcServer:
 
 
 class Connection:
-    """A DEALER socket to one server, used by one thread at a time."""
+    """A DEALER socket to one server, used by one thread at a time.
+
+    ZeroMQ sockets must not be closed by one thread while another waits on them (libzmq aborts the process): a
+    connection another thread may be using is :meth:`abandon`-ed instead, and its own thread closes the socket at
+    its next use (or the socket is closed when the connection is collected).
+    """
 
     _ids = itertools.count(1)
 
@@ -288,8 +293,12 @@ class Connection:
         self.unavailable = unavailable
         self._curve = curve
         self.socket: zmq.Socket | None = None
+        self._abandoned = False
 
     def _open(self) -> zmq.Socket:
+        if self._abandoned:
+            self.reset()
+            raise self.unavailable(f"the client is closed; cannot reach {self.address}")
         if self.socket is None:
             sock = _context().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
@@ -378,7 +387,18 @@ class Connection:
         return self.recv(request_id, deadline, op)
 
     def close(self) -> None:
+        """Close the socket; the connection is not used again."""
+        self._abandoned = True
         self.reset()
+
+    def abandon(self) -> None:
+        """Close from another thread: the owner closes the socket at its next use, never mid-call."""
+        self._abandoned = True
+
+    def __del__(self) -> None:
+        socket, self.socket = getattr(self, "socket", None), None
+        if socket is not None and not socket.closed:
+            socket.close(0)
 
 
 def wait_all(pending: Sequence[tuple[Connection, int]], deadline: float, op: str) -> list:
@@ -449,13 +469,17 @@ def _reply_id(msg: list) -> int | None:
 class ConnectionPool:
     """One :class:`Connection` per (thread, server address); closes them all at once.
 
+    ``close()`` closes the connections of the calling thread and of threads that have exited; those of other live
+    threads (a background placement check waiting on a stopped master, a prefetch) are abandoned, so their own
+    thread closes them when its call returns (see :class:`Connection`).
+
     ``curve`` (``(server public, client public, client secret)``, see ``AuthKeys.client_curve``) makes every
     connection a CURVE client; one key directory serves a whole cluster, so all servers share the server key.
     """
 
     def __init__(self, curve: tuple[bytes, bytes, bytes] | None = None):
         self._local = threading.local()
-        self._all: list[Connection] = []
+        self._all: list[tuple[int, Connection]] = []  # (owning thread's ident, connection)
         self._lock = threading.Lock()
         self._curve = curve
         self._closed = False
@@ -470,15 +494,20 @@ class ConnectionPool:
                 raise unavailable(f"the client is closed; cannot reach {address}")
             conn = conns[address] = Connection(address, unavailable=unavailable, curve=self._curve)
             with self._lock:
-                self._all.append(conn)
+                self._all.append((threading.get_ident(), conn))
         return conn
 
     def close(self) -> None:
         self._closed = True
         with self._lock:
             conns, self._all = self._all, []
-        for conn in conns:
-            conn.close()
+        me = threading.get_ident()
+        alive = {thread.ident for thread in threading.enumerate()}
+        for owner, conn in conns:
+            if owner == me or owner not in alive:
+                conn.close()
+            else:
+                conn.abandon()
 
 
 def serve_until_signalled(server: Any) -> int:

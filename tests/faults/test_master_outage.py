@@ -101,3 +101,51 @@ def test_rows_read_again_after_a_failover_are_counted_once():
             assert stats["retries"] == 1 and stats["rows"] == ids.size
             assert stats["remote_rows"] == ids.size  # the attempt that delivered: every row from one segment
             assert stats["remote_requests"] == 1
+
+
+_CLOSE_DURING_STALL = r"""
+import sys, time
+import numpy as np
+from engram_store import DistributedStore, EngramStore, EngramStoreConfig
+sizes = [1009, 1013, 1019, 1021]
+store = DistributedStore.connect(sys.argv[1], timeout_ms=3000, local_direct=sys.argv[2] == "1")
+layer = EngramStore(1, EngramStoreConfig(table_vocab_sizes=sizes, embedding_dim=16), store)
+ids = np.zeros((1, 4, 4), dtype=np.int64)
+layer.lookup(ids)
+print("ready", flush=True)
+sys.stdin.readline()  # the master is stopped now
+deadline = time.monotonic() + float(sys.argv[3])
+while time.monotonic() < deadline:  # placement checks fall due and block on the stopped master
+    layer.lookup(ids)
+    layer.prefetch(ids).result()
+layer.close()
+store.close()
+print("closed", flush=True)
+"""
+
+
+@pytest.mark.parametrize("round_", range(4))
+def test_a_client_that_closes_while_the_master_is_stopped_exits_cleanly(round_):
+    """Closing a store while its placement checks wait on a stopped master neither aborts nor hangs."""
+    import subprocess
+    import sys
+
+    with Cluster(segments=1, heartbeat_timeout_s=30.0) as c:
+        with DistributedStore.connect(c.address, timeout_ms=5000) as store:
+            EngramStore(1, CONFIG, store).populate(_tables(1))
+        client = subprocess.Popen([sys.executable, "-c", _CLOSE_DURING_STALL, c.address, str(round_ % 2),
+                                   str(0.6 + 0.3 * round_)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        try:
+            assert client.stdout.readline().strip() == "ready"
+            c.master.signal(signal.SIGSTOP)
+            client.stdin.write("go\n")
+            client.stdin.flush()
+            out, err = client.communicate(timeout=60)
+        finally:
+            if client.poll() is None:
+                client.kill()
+                client.wait()
+            c.master.signal(signal.SIGCONT)
+        assert client.returncode == 0, f"client exited with {client.returncode}:\n{err[-3000:]}"
+        assert "closed" in out
