@@ -11,7 +11,8 @@ Per Engram layer L the checkpoint holds::
 
 Other stacks add a ``model.`` prefix or call the scales ``weight_scale_inv``; both are accepted. NumPy has no
 name for F8_E4M3, F8_E8M0 or BF16, so the header is parsed here and the data memory-mapped as bytes: a table
-(101 GB in the release) is never read into memory at once. :func:`load_v41_table` copies it into the store one
+(101 GB in the release) is never read into memory at once. Headers are held to the format: each tensor's bytes
+match its dtype and shape, and the tensors cover the data section exactly, without overlaps or holes. :func:`load_v41_table` copies it into the store one
 column (one head shard of the layer) at a time, so memory stays bounded by one column (about 4.2 GB); the last
 shard publishes the layer's manifest. If a column fails, the columns this call wrote are removed first.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import struct
 from typing import Any
@@ -50,6 +52,8 @@ _DTYPES = {"F8_E4M3": np.dtype("u1"), "F8_E8M0": np.dtype("u1"), "U8": np.dtype(
            "I16": np.dtype("<i2"), "I32": np.dtype("<i4"), "I64": np.dtype("<i8"), "U16": np.dtype("<u2"),
            "U32": np.dtype("<u4"), "U64": np.dtype("<u8"), "BOOL": np.dtype("?")}
 _FLOATS = ("BF16", "F16", "F32", "F64")
+#: Largest dimension of a tensor's shape (a size NumPy can index).
+_MAX_DIM = 2 ** 63 - 1
 
 
 class SafetensorsCheckpoint:
@@ -85,6 +89,9 @@ class SafetensorsCheckpoint:
                 weight_map = json.load(f).get("weight_map")
         except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
             raise InvalidArgument(f"{index}: not a safetensors index ({exc})") from None
+        except RecursionError:
+            raise InvalidArgument(f"{index}: not a safetensors index (it nests deeper than the JSON parser "
+                                  "follows)") from None
         if not isinstance(weight_map, dict):
             raise InvalidArgument(f"{index}: expected a \"weight_map\" object, got {describe(weight_map)}")
         base = os.path.dirname(index)
@@ -106,6 +113,9 @@ class SafetensorsCheckpoint:
             raise InvalidArgument(f"{file}: shard listed in the index does not exist") from None
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise InvalidArgument(f"{file}: not a safetensors file (header is not JSON: {exc})") from None
+        except RecursionError:
+            raise InvalidArgument(f"{file}: not a safetensors file (the header nests deeper than the JSON parser "
+                                  "follows; a safetensors header is an object of flat tensor entries)") from None
         if not isinstance(header, dict):
             raise InvalidArgument(f"{file}: safetensors header must be a JSON object, got {describe(header)}")
         header.pop("__metadata__", None)
@@ -113,6 +123,7 @@ class SafetensorsCheckpoint:
         for name, info in header.items():
             _check_entry(file, name, info, data_bytes)
             info["_start"] = 8 + n + info["data_offsets"][0]
+        _check_tiling(file, header, data_bytes)
         self._headers[file] = header
         return header
 
@@ -140,7 +151,7 @@ class SafetensorsCheckpoint:
         """A read-only memory map of the tensor's data: uint8 for the float8 types, uint16 bits for BF16."""
         entry = self._entry(name)
         dtype, shape = _DTYPES[entry["dtype"]], tuple(entry["shape"])
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)
         if count == 0:
             return np.zeros(shape, dtype=dtype)
         return np.memmap(self._where[name], dtype=dtype, mode="r", offset=entry["_start"], shape=shape)
@@ -163,16 +174,38 @@ def _check_entry(file: str, name: str, info: Any, data_bytes: int) -> None:
     if dtype not in _DTYPES:
         raise InvalidArgument(f"{file}: tensor {name!r} has dtype {dtype!r}, which this reader does not know "
                               f"(known: {', '.join(sorted(_DTYPES))})")
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-        raise InvalidArgument(f"{file}: tensor {name!r} has a bad shape {describe(shape)}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+    if not (isinstance(shape, list) and all(type(d) is int and 0 <= d <= _MAX_DIM for d in shape)):
+        raise InvalidArgument(f"{file}: tensor {name!r} has a bad shape {describe(shape)} (expected a list of "
+                              f"ints in [0, {_MAX_DIM}])")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
             and 0 <= offsets[0] <= offsets[1] <= data_bytes):
         raise InvalidArgument(f"{file}: tensor {name!r} has data_offsets {describe(offsets)} outside the "
                               f"{data_bytes} data bytes")
-    need = int(np.prod(shape, dtype=np.int64)) * _DTYPES[dtype].itemsize
+    need = math.prod(shape) * _DTYPES[dtype].itemsize  # Python ints: a product past int64 does not wrap to 0
     if offsets[1] - offsets[0] != need:
         raise InvalidArgument(f"{file}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes, but {dtype} "
                               f"{shape} needs {need}")
+
+
+def _check_tiling(file: str, header: dict[str, Any], data_bytes: int) -> None:
+    """The tensors must cover the data section exactly, one after another in order of offsets (as the
+    safetensors format requires): no two share a byte, and no byte belongs to none."""
+    spans = sorted((info["data_offsets"][0], info["data_offsets"][1], name) for name, info in header.items())
+    at, last = 0, None
+    for start, end, name in spans:
+        if start < at:
+            raise InvalidArgument(f"{file}: tensor {name!r} has data_offsets [{start}, {end}], which overlap tensor "
+                                  f"{last[2]!r} at [{last[0]}, {last[1]}] (safetensors tensors must not share "
+                                  "bytes)")
+        if start > at:
+            where = f"between {last[2]!r} and {name!r}" if last is not None else f"before {name!r}"
+            raise InvalidArgument(f"{file}: bytes [{at}, {start}) of the data belong to no tensor ({where}); "
+                                  "safetensors tensors must cover the data without holes")
+        at, last = end, (start, end, name)
+    if at != data_bytes:
+        where = f"after {last[2]!r}" if last is not None else "the header lists no tensor"
+        raise InvalidArgument(f"{file}: bytes [{at}, {data_bytes}) of the data belong to no tensor ({where}); "
+                              "safetensors tensors must cover the data without holes")
 
 
 def _as_checkpoint(path: Any) -> SafetensorsCheckpoint:
