@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from tokenize import TokenError
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,8 @@ from .._tokenizer import _load_tokenizers_file
 
 log = logging.getLogger(__name__)
 
+#: The first bytes of every .npy file.
+_NPY_MAGIC = b"\x93NUMPY"
 #: Keeps a token that is exactly one space through Strip (a private-use character, swapped back afterwards).
 SENTINEL = "\ue000"
 
@@ -119,10 +122,23 @@ def save_token_map(path: str | os.PathLike, token_map: np.ndarray) -> None:
 def load_token_map(path: str | os.PathLike) -> np.ndarray:
     """Read a map written by :func:`save_token_map`: read-only int64 ``[vocab]``."""
     where = os.fspath(path)
+    expected = f"{where}: expected a token map saved by save_token_map (a .npy file of int32), got"
+    arr = None
     try:
-        arr = np.load(where, allow_pickle=False)
+        with open(where, "rb") as f:
+            magic = f.read(len(_NPY_MAGIC))
+            if magic == _NPY_MAGIC:  # else np.load would take it for a pickle or an .npz archive
+                f.seek(0)
+                arr = np.lib.format.read_array(f, allow_pickle=False)
     except FileNotFoundError:
         raise InvalidArgument(f"path: no such file {where!r}") from None
-    except ValueError as exc:
-        raise InvalidArgument(f"{where}: not a token map saved by save_token_map ({exc})") from None
+    except IsADirectoryError:
+        raise InvalidArgument(f"{expected} a directory") from None
+    except OSError as exc:
+        raise InvalidArgument(f"{expected} a file that cannot be read ({exc.strerror})") from None
+    except (EOFError, ValueError, SyntaxError, TokenError) as exc:  # what NumPy's header parser raises
+        raise InvalidArgument(f"{expected} a damaged .npy file ({type(exc).__name__}: {exc})") from None
+    if arr is None:
+        got = f"a file that is not a .npy file (it starts {describe(magic)})" if magic else "an empty file"
+        raise InvalidArgument(f"{expected} {got}")
     return check_token_map(arr, where)
