@@ -11,10 +11,12 @@ Per Engram layer L the checkpoint holds::
 
 Other stacks add a ``model.`` prefix or call the scales ``weight_scale_inv``; both are accepted. NumPy has no
 name for F8_E4M3, F8_E8M0 or BF16, so the header is parsed here and the data memory-mapped as bytes: a table
-(101 GB in the release) is never read into memory at once. Headers are held to the format: each tensor's bytes
-match its dtype and shape, and the tensors cover the data section exactly, without overlaps or holes. :func:`load_v41_table` copies it into the store one
+(101 GB in the release) is never read into memory at once. :func:`load_v41_table` copies it into the store one
 column (one head shard of the layer) at a time, so memory stays bounded by one column (about 4.2 GB); the last
 shard publishes the layer's manifest. If a column fails, the columns this call wrote are removed first.
+
+Headers are held to the format: each tensor's bytes match its dtype and shape, and the tensors cover the data
+section exactly, in order of offsets, without overlaps or holes.
 """
 
 from __future__ import annotations
