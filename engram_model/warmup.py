@@ -1,7 +1,8 @@
 """Compile every Numba kernel of engram ahead of time: ``engram-warmup`` (or ``python -m engram_model.warmup``).
 
 The store's kernels (row gathers, range reads, planning), the model's hashing kernels (prefill and decode), and
-DeepSeek-V4.1's (hash, FP8 row decoding fused with the gather for 12 and 24 columns, gate, checkpoint packing).
+DeepSeek-V4.1's (hash, its continuous-batching step, FP8 row decoding fused with the gather for 12 and 24 columns,
+gate, checkpoint packing).
 Nothing needs this: kernels compile on first use and are cached on disk (see :mod:`engram_store.warmup` for
 where, and ``NUMBA_CACHE_DIR``). Run it when building a deployment image, so no request pays for compilation.
 """
@@ -66,6 +67,10 @@ def warm_v41(verbose: bool = True) -> float:
         engram.forward(hidden, ids, token_mask=np.ones((2, 3), dtype=bool), position_ids=np.zeros((2, 3), np.int64))
         engram.forward(hidden, ids)
         hasher.step(hasher.begin(2), ids)
+        state = hasher.begin(4)  # continuous batching: a draft hashed, then its accepted tokens committed
+        flags = np.zeros(6, dtype=bool)
+        hasher.step_ragged(state, ids.ravel(), [3, 0], [0, 2, 6], token_mask=~flags, doc_start=flags, commit=False)
+        hasher.commit(state, ids.ravel()[:3], [3, 0], [0, 1, 3])
         table.close()
     decode_fp8_rows(encode_fp8_rows(np.ones((2, 32), dtype=np.float32)))
     # Checkpoint reading: a one-layer file with the dtypes of the release, read as load_v41_table reads it.

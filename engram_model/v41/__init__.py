@@ -5,6 +5,7 @@ Public surface::
     V41Config                        geometry: primes, column offsets, multipliers, row bytes; from_hf_config()
     build_token_map                  tokenizer -> compressed ids; save_token_map / load_token_map / check_token_map
     V41Hasher, V41HashState          token ids -> rows of every layer's table in one pass; begin/step/copy for decode
+                                     step_ragged/commit/reset for continuous batching (requests in slots, drafts)
     decode_fp8_rows, encode_fp8_rows packed FP8 rows (e4m3 + an e8m0 scale per 32 values) <-> bf16-exact float32
     V41Engram, V41Prefetch           one layer: the FP8 table in an EngramStore (v41_store_config), rows gathered
                                      and decoded in one kernel, the gate; prefetch() reads in the background

@@ -19,6 +19,18 @@ last ``max_ngram - 1`` compressed ids (DEAD where none); :meth:`V41Hasher.step` 
 moves it on; ``state.copy()`` is a snapshot to go back to when speculative tokens are rejected. Steps of any
 sizes give the rows of one whole-sequence call. The work is one Numba kernel call
 (:func:`engram_model.v41._kernels.hash_step`); :func:`hash_numpy` is the same hash vectorised in NumPy.
+
+Continuous batching (vLLM, SGLang) passes one step's requests flattened, and keeps each request's history in a slot
+of one state (``begin(max_slots)``)::
+
+    tokens [T]; request r owns tokens[query_start_loc[r] : query_start_loc[r + 1]] and history[slots[r]]
+    doc_start[t]: token t starts a document (as if its position were 0: nothing before it is looked back at)
+    step_ragged(..., commit=False): hash a speculative draft, the state stays;  commit(...): the accepted tokens
+    move the state, nothing is hashed;  state.reset(slots): those slots start new requests
+
+Every request's rows over all its steps are those of one whole-sequence call on its accepted tokens (with
+``position_ids`` restarting at its document starts). One kernel call
+(:func:`engram_model.v41._kernels.hash_ragged`) does a step or a commit; :func:`hash_ragged_numpy` is its twin.
 """
 
 from __future__ import annotations
@@ -37,13 +49,15 @@ from ._tokens import check_token_map
 
 _EMPTY_MASK = np.ones((1, 1), dtype=np.bool_)
 _EMPTY_POSITIONS = np.zeros((1, 1), dtype=np.int64)
+_NO_FLAGS = np.zeros(1, dtype=np.bool_)  # stands in for an absent token_mask / doc_start (the kernel skips it)
 
 
 class V41HashState:
     """Per-sequence hash history of a batch: ``history`` int64 ``[B, max_ngram - 1]``, the compressed id k + 1
     tokens back in column k, DEAD (-1) where there is none (before the start, or a masked token).
 
-    ``copy()`` snapshots it (a few bytes per sequence); ``reset(rows)`` starts those sequences afresh.
+    ``copy()`` snapshots it (a few bytes per sequence); ``reset(rows)`` starts those sequences afresh. For
+    :meth:`V41Hasher.step_ragged` each row is a slot that one request holds from its arrival until it finishes.
     """
 
     __slots__ = ("history",)
@@ -59,7 +73,8 @@ class V41HashState:
         return V41HashState(self.history.copy())
 
     def reset(self, rows: Any = None) -> None:
-        """Forget the history of ``rows`` (indices into the batch; all when None): they start new sequences."""
+        """Forget the history of ``rows`` (indices into the batch, or slots; all when None): they start new
+        sequences."""
         if rows is None:
             self.history.fill(DEAD)
             return
@@ -110,7 +125,8 @@ class V41Hasher:
         return self.config.max_ngram_size - 1
 
     def begin(self, batch_size: int) -> V41HashState:
-        """A fresh state for ``batch_size`` sequences (every slot before their first token is blocked)."""
+        """A fresh state for ``batch_size`` sequences (every slot before their first token is blocked); for
+        :meth:`step_ragged`, ``batch_size`` slots (the most requests in flight at once)."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise InvalidArgument(f"batch_size: expected an integer >= 1, got {describe(batch_size)}")
         return V41HashState(np.full((int(batch_size), self.context), DEAD, dtype=np.int64))
@@ -135,6 +151,71 @@ class V41Hasher:
                                   f"{state.history.shape[1]}, tokens have B = {ids.shape[0]} (context {self.context})")
         return self._run(ids, token_mask, position_ids, state.history)
 
+    def step_ragged(self, state: V41HashState, tokens: Any, slots: Any, query_start_loc: Any, *,
+                    token_mask: Any = None, doc_start: Any = None, commit: bool = True) -> np.ndarray:
+        """Rows of one engine step of R requests: int64 ``[T, len(layer_ids), cols]``.
+
+        ``tokens`` int ``[T]``, request r's are ``tokens[query_start_loc[r] : query_start_loc[r + 1]]`` (none is
+        allowed: its slot stays as it was), the next ones after the history in ``state`` slot ``slots[r]`` (``[R]``,
+        distinct). ``query_start_loc`` int ``[R + 1]`` runs from 0 to T, non-decreasing. ``token_mask`` bool
+        ``[T]``: False marks a token that is not text (it and the n-grams reaching it hash the pad, as in a
+        whole-sequence call). ``doc_start`` bool ``[T]``: True where a new document starts inside a request's
+        tokens. ``commit=False`` hashes a speculative draft and leaves the state as it was; :meth:`commit` then
+        moves it by the accepted tokens. Nothing is changed when a call is refused.
+        """
+        return self._ragged(state, tokens, slots, query_start_loc, token_mask, doc_start, True, bool(commit))
+
+    def commit(self, state: V41HashState, tokens: Any, slots: Any, query_start_loc: Any, *,
+               token_mask: Any = None, doc_start: Any = None) -> None:
+        """Move ``state`` by the accepted tokens of a step hashed with ``commit=False`` (arguments as for
+        :meth:`step_ragged`: each request's accepted prefix, none for a fully rejected draft); hashes nothing."""
+        self._ragged(state, tokens, slots, query_start_loc, token_mask, doc_start, False, True)
+
+    def _ragged(self, state: V41HashState, tokens: Any, slots: Any, query_start_loc: Any, token_mask: Any,
+                doc_start: Any, emit: bool, commit: bool) -> np.ndarray | None:
+        if not isinstance(state, V41HashState):
+            raise InvalidType(f"state: expected the V41HashState of begin(), got {type(state).__name__}")
+        if state.history.shape[1] != self.context:
+            raise InvalidArgument(f"state: has context {state.history.shape[1]}, this hasher's is {self.context}")
+        ids = _vector(tokens, "tokens", "[T]")
+        starts = _vector(query_start_loc, "query_start_loc", "[R + 1]")
+        where = _vector(slots, "slots", "[R]")
+        T, R = ids.shape[0], where.shape[0]
+        if starts.shape[0] != R + 1:
+            raise InvalidArgument(f"query_start_loc: expected R + 1 = {R + 1} offsets (slots has R = {R}), "
+                                  f"got {starts.shape[0]}")
+        if starts[0] != 0 or starts[R] != T:
+            raise InvalidArgument(f"query_start_loc: expected offsets from 0 to T = {T} (the number of tokens), "
+                                  f"got {int(starts[0])} to {int(starts[R])}")
+        mask = self._flags(token_mask, "token_mask", (T,), "mask")
+        docs = self._flags(doc_start, "doc_start", (T,), "doc_start")
+        nl, cols = len(self.config.layer_ids), self.config.cols
+        out = np.empty((T if emit else 0, nl, cols), dtype=np.int64)
+        kind, at = _kernels.hash_ragged(ids, starts, where, self.token_map, _NO_FLAGS if mask is None else mask,
+                                        mask is not None, _NO_FLAGS if docs is None else docs, docs is not None,
+                                        state.history, self.pad, self.multipliers, self.primes, self._inv_primes,
+                                        self.offsets, self.config.n_heads, emit, commit, out)
+        if kind:
+            self._ragged_refused(int(kind), int(at), ids, starts, where, state.batch_size)
+        return out if emit else None
+
+    def _ragged_refused(self, kind: int, at: int, ids: np.ndarray, starts: np.ndarray, slots: np.ndarray,
+                        n_slots: int) -> None:
+        """Raise for the problem :func:`~engram_model.v41._kernels.hash_ragged` found (its codes)."""
+        if kind == 1:
+            r = int(np.searchsorted(starts, at, side="right")) - 1
+            raise InvalidArgument(f"tokens: token id {int(ids[at])} at [{at}] (request {r}) is outside the token map "
+                                  f"[0, {self.token_map.size})")
+        if kind == 4:
+            raise InvalidArgument(f"query_start_loc: expected non-decreasing offsets, got {int(starts[at])} then "
+                                  f"{int(starts[at + 1])} at [{at}, {at + 1}]")
+        slot = int(slots[at])
+        if kind == 2:
+            raise InvalidArgument(f"slots: expected slots of the state in [0, {n_slots}), got {slot} for request {at}")
+        first = int(np.flatnonzero(slots == slot)[0])
+        raise InvalidArgument(f"slots: expected a distinct slot per request, got slot {slot} for requests {first} "
+                              f"and {at}")
+
     def _ids(self, value: Any, name: str) -> np.ndarray:
         if isinstance(value, np.ndarray) and value.dtype == np.int64 and value.ndim == 2 \
                 and value.flags.c_contiguous:
@@ -144,18 +225,19 @@ class V41Hasher:
             raise InvalidArgument(f"{name}: expected token ids of shape [B, L], got shape {ids.shape}")
         return np.ascontiguousarray(ids)
 
-    def _flags(self, value: Any, name: str, shape: tuple[int, int], kind: str) -> np.ndarray | None:
+    def _flags(self, value: Any, name: str, shape: tuple[int, ...], kind: str) -> np.ndarray | None:
         if value is None:
             return None
-        if kind == "mask":
+        if kind == "positions":
+            arr = as_int_ids(value, name)
+        else:
             arr = np.asarray(value)
             if arr.dtype != np.bool_:
-                raise InvalidType(f"{name}: expected a bool array (False: not a text token), got dtype {arr.dtype}")
-        else:
-            arr = as_int_ids(value, name)
+                meaning = "False: not a text token" if kind == "mask" else "True: a document starts"
+                raise InvalidType(f"{name}: expected a bool array ({meaning}), got dtype {arr.dtype}")
         if arr.shape != shape:
             raise InvalidArgument(f"{name}: expected shape {shape} (that of the token ids), got {arr.shape}")
-        return np.ascontiguousarray(arr, dtype=np.bool_ if kind == "mask" else np.int64)
+        return np.ascontiguousarray(arr, dtype=np.int64 if kind == "positions" else np.bool_)
 
     def _run(self, ids: np.ndarray, token_mask: Any, position_ids: Any, history: np.ndarray) -> np.ndarray:
         B, T = ids.shape
@@ -184,10 +266,31 @@ class V41Hasher:
                           self.config.n_heads, self._flags(token_mask, "token_mask", (B, T), "mask"),
                           self._flags(position_ids, "position_ids", (B, T), "positions"))
 
+    def step_ragged_numpy(self, state: V41HashState, tokens: Any, slots: Any, query_start_loc: Any, *,
+                          token_mask: Any = None, doc_start: Any = None, commit: bool = True) -> np.ndarray:
+        """The rows (and state) of :meth:`step_ragged`, computed by :func:`hash_ragged_numpy`; checks less."""
+        ids = _vector(tokens, "tokens", "[T]")
+        T = ids.shape[0]
+        return hash_ragged_numpy(ids, _vector(query_start_loc, "query_start_loc", "[R + 1]"),
+                                 _vector(slots, "slots", "[R]"), state.history, self.token_map, self.pad,
+                                 self.multipliers, self.primes, self.offsets, self.config.n_heads,
+                                 self._flags(token_mask, "token_mask", (T,), "mask"),
+                                 self._flags(doc_start, "doc_start", (T,), "doc_start"), bool(commit))
+
     def __repr__(self) -> str:
         c = self.config
         return (f"V41Hasher(layers={list(c.layer_ids)}, max_ngram_size={c.max_ngram_size}, cols={c.cols}, "
                 f"vocab={self.token_map.size} -> {c.compressed_vocab_size})")
+
+
+def _vector(value: Any, name: str, shape: str) -> np.ndarray:
+    """Integer ``value`` as a C-contiguous int64 vector (engines pass int32 ones: they are converted)."""
+    if isinstance(value, np.ndarray) and value.dtype == np.int64 and value.ndim == 1 and value.flags.c_contiguous:
+        return value  # the decode fast path: nothing to convert
+    arr = as_int_ids(value, name)
+    if arr.ndim != 1:
+        raise InvalidArgument(f"{name}: expected shape {shape}, got shape {arr.shape}")
+    return np.ascontiguousarray(arr)
 
 
 def hash_numpy(ids: np.ndarray, token_map: np.ndarray, pad: int, multipliers: np.ndarray, primes: np.ndarray,
@@ -198,9 +301,9 @@ def hash_numpy(ids: np.ndarray, token_map: np.ndarray, pad: int, multipliers: np
     if token_mask is not None:
         c = np.where(token_mask, c, DEAD)
     B, L = c.shape
-    n_layers, max_n = multipliers.shape
+    max_n = multipliers.shape[1]
     blocked = np.zeros((B, L), dtype=bool)
-    tokens = []
+    tokens = np.empty((B, L, max_n), dtype=np.int64)                    # (B, L, max_n): s tokens back, pad if blocked
     for s in range(max_n):
         back = np.full((B, L), DEAD, dtype=np.int64)                    # c[p - s], DEAD before the start
         if s < L:
@@ -208,12 +311,50 @@ def hash_numpy(ids: np.ndarray, token_map: np.ndarray, pad: int, multipliers: np
         blocked |= back == DEAD
         if position_ids is not None:
             blocked |= position_ids < s
-        tokens.append(np.where(blocked, pad, back))
-    out = np.empty((B, L, n_layers, primes.shape[1]), dtype=np.int64)
+        tokens[..., s] = np.where(blocked, pad, back)
+    return _rows_numpy(tokens, multipliers, primes, offsets, n_heads)
+
+
+def hash_ragged_numpy(tokens: np.ndarray, query_start_loc: np.ndarray, slots: np.ndarray, history: np.ndarray,
+                      token_map: np.ndarray, pad: int, multipliers: np.ndarray, primes: np.ndarray,
+                      offsets: np.ndarray, n_heads: int, token_mask: np.ndarray | None = None,
+                      doc_start: np.ndarray | None = None, commit: bool = True) -> np.ndarray:
+    """:func:`~engram_model.v41._kernels.hash_ragged` in vectorised NumPy (arguments checked by the caller):
+    rows ``[T, n_layers, cols]`` of one step, and where ``commit`` the requests' slots of ``history`` moved on."""
+    T, R, C = tokens.shape[0], slots.shape[0], history.shape[1]
+    every = np.arange(T)
+    req = np.repeat(np.arange(R), np.diff(query_start_loc))            # (T,) the request of each token
+    local = every - query_start_loc[req]                                # (T,) its index in the request's tokens
+    c = token_map[tokens]
+    if token_mask is not None:
+        c = np.where(token_mask, c, DEAD)
+    since = np.full(T, C + 1)                                           # (T,) tokens since a document start, if any
+    if doc_start is not None:
+        last = np.maximum.accumulate(np.where(doc_start, every, -1))
+        since = np.where(last >= query_start_loc[req], every - last, since)
+    back = np.arange(C + 1)                                             # (max_n,) s tokens back
+    held = history[slots[req]]                                          # (T, C) the request's history
+    from_call = local[:, None] >= back                                  # (T, max_n): within this call's tokens
+    window = np.where(from_call, c[np.maximum(every[:, None] - back, 0)],
+                      np.take_along_axis(held, np.clip(back - local[:, None] - 1, 0, C - 1), axis=1))
+    blocked = np.logical_or.accumulate((window == DEAD) | (since[:, None] < back), axis=1)
+    out = _rows_numpy(np.where(blocked, pad, window), multipliers, primes, offsets, n_heads)
+    if commit:
+        ends = query_start_loc[1:][query_start_loc[1:] > query_start_loc[:-1]] - 1   # last token of each request
+        moved = slots[query_start_loc[1:] > query_start_loc[:-1]]
+        history[moved] = np.where(back[:C] <= since[ends, None], window[ends, :C], DEAD)
+    return out
+
+
+def _rows_numpy(tokens: np.ndarray, multipliers: np.ndarray, primes: np.ndarray, offsets: np.ndarray,
+                n_heads: int) -> np.ndarray:
+    """Rows ``[..., n_layers, cols]`` of n-gram windows ``tokens [..., max_n]`` (s tokens back, pad if blocked)."""
+    n_layers, max_n = multipliers.shape
+    out = np.empty(tokens.shape[:-1] + (n_layers, primes.shape[1]), dtype=np.int64)
     for layer in range(n_layers):
-        r = tokens[0] * multipliers[layer, 0]
+        r = tokens[..., 0] * multipliers[layer, 0]
         for n in range(2, max_n + 1):
-            r = r ^ (tokens[n - 1] * multipliers[layer, n - 1])
+            r = r ^ (tokens[..., n - 1] * multipliers[layer, n - 1])
             cols = slice((n - 2) * n_heads, (n - 1) * n_heads)
-            out[:, :, layer, cols] = r[..., None] % primes[layer, cols] + offsets[layer, cols]
+            out[..., layer, cols] = r[..., None] % primes[layer, cols] + offsets[layer, cols]
     return out
