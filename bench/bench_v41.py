@@ -1,11 +1,17 @@
 """DeepSeek-V4.1's Engram: the hash, the fused row gather + FP8 decode, and where one Engram step spends its time.
 
-    python bench/bench_v41.py [--quick] [--sections hash,gather,step] [--rows N] [--json PATH]
+    python bench/bench_v41.py [--quick] [--sections hash,ragged,gather,step] [--rows N] [--json PATH]
 
 * hash: the released config (layers [1, 14], 48 ids per token), a random token map of 129,280 ids onto 99,092.
   Prefill (whole sequences) in tokens/s and one decode step of 64 and 256 requests in us: the Numba kernel of
   ``V41Hasher`` beside the same hash vectorised in NumPy (``V41Hasher.hash_numpy``; for a step, the window of
   kept history plus the new token). Both run on one core.
+* ragged: continuous batching, ``V41Hasher.step_ragged`` (requests flattened as engines pass them, a state slot
+  each) beside the existing paths for the same tokens, in the same run: prefill beside a whole-sequence call;
+  decode steps beside ``step`` on a ``[B, 1]`` batch; a speculative step (each request's token plus 4 drafts, hashed
+  with ``commit=False``, then ``commit`` of a random accepted prefix of 1..5) beside what the existing API needs
+  for it: a snapshot, ``step`` on ``[B, 5]``, and, from the snapshot, one ``step`` per group of requests that
+  accepted the same number of tokens.
 * gather: the released row format (24 columns, 264-byte rows: 256 e4m3 codes + 8 e8m0 scale bytes) in tables
   of ``--rows`` rows per column held in this process; ``V41Engram.rows`` (gather and decode in one kernel, no
   copy of the packed rows) beside a NumPy gather followed by ``decode_fp8_rows``, and beside an all-NumPy decode.
@@ -28,7 +34,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before NumPy loads its BLA
 import numpy as np
 from _common import default_json_path, fmt, measure, print_table, write_json
 
-from engram_model.v41 import V41Config, V41Engram, V41Hasher, decode_fp8_rows, v41_store_config
+from engram_model.v41 import V41Config, V41Engram, V41Hasher, V41HashState, decode_fp8_rows, v41_store_config
 from engram_model.v41 import _kernels
 from engram_model.v41._fp8 import DECODE_TABLE
 from engram_model.v41.demo import demo_config, demo_token_map, random_layer
@@ -104,6 +110,95 @@ def bench_hash(quick: bool) -> list[dict]:
                      f"{numpy_us / numba_us:.1f}x"])
     print_table(["V4.1 hash, 2 layers x 24 ids", "Numba", "NumPy", "NumPy / Numba"], rows,
                 title="hash (released config, one core)")
+    return results
+
+
+def existing_speculative_step(hasher: V41Hasher, state: V41HashState, tokens: np.ndarray,
+                              accepted: np.ndarray) -> np.ndarray:
+    """A draft step and its acceptance with the existing API: ``tokens [B, K]`` hashed after a snapshot, then from
+    the snapshot each group of requests that accepted the same number of tokens stepped by them (``step`` takes
+    one length for the whole batch)."""
+    snapshot = state.history.copy()
+    rows = hasher.step(state, tokens)                                             # (B, K, n_layers, cols)
+    state.history[:] = snapshot
+    for a in np.unique(accepted):
+        idx = np.flatnonzero(accepted == a)
+        group = V41HashState(snapshot[idx])
+        hasher.step(group, tokens[idx, :a])
+        state.history[idx] = group.history
+    return rows
+
+
+def bench_ragged(quick: bool) -> list[dict]:
+    rng = np.random.default_rng(3)
+    config = V41Config(layer_ids=[1, 14])
+    hasher = V41Hasher(config, _token_map(rng, RELEASED_VOCAB, config.compressed_vocab_size))
+    results, rows = [], []
+    for B, L in ([(1, 16384), (4, 4096)] if not quick else [(4, 1024)]):   # prefill: whole prompts in one step
+        ids = rng.integers(0, RELEASED_VOCAB, size=(B, L))
+        flat, starts, slots = ids.ravel(), np.arange(B + 1) * L, np.arange(B)
+        assert np.array_equal(hasher.step_ragged(hasher.begin(B), flat, slots, starts).reshape(B, L, 2, -1),
+                              hasher(ids))
+        ragged_us = _p50(lambda: hasher.step_ragged(hasher.begin(B), flat, slots, starts), quick)
+        existing_us = _p50(lambda: hasher(ids), quick)
+        n = B * L
+        results.append({"case": "prefill", "requests": B, "tokens": n, "existing": "V41Hasher(ids [B, L])",
+                        "ragged_us": ragged_us, "existing_us": existing_us,
+                        "ragged_tokens_per_s": n / ragged_us * 1e6, "existing_tokens_per_s": n / existing_us * 1e6})
+        rows.append([f"prefill {B}x{L}", f"{n:,}", f"{fmt(n / ragged_us)}M tok/s", f"{fmt(n / existing_us)}M tok/s",
+                     "whole-sequence call", f"{existing_us / ragged_us:.2f}x"])
+    for B in (64, 256):
+        prompt = rng.integers(0, RELEASED_VOCAB, size=(B, 5))
+        state = hasher.begin(B)
+        hasher.step(state, prompt)
+        old = state.copy()
+        slots = rng.permutation(B)                     # requests sit in slots in any order
+        tok = rng.integers(0, RELEASED_VOCAB, size=(B, 1))
+        flat = np.empty(B, dtype=np.int64)
+        flat[np.argsort(slots)] = tok[:, 0]            # request r (slot slots[r]) brings sequence slots[r]'s token
+        starts = np.arange(B + 1)
+        check = state.copy()
+        got = hasher.step_ragged(check, flat, slots, starts)
+        assert np.array_equal(got, hasher.step(old.copy(), tok)[slots, 0])
+        ragged_us = _p50(lambda: hasher.step_ragged(state, flat, slots, starts), quick)
+        existing_us = _p50(lambda: hasher.step(old, tok), quick)
+        results.append({"case": "decode step", "requests": B, "tokens": B, "existing": "V41Hasher.step(tokens [B, 1])",
+                        "ragged_us": ragged_us, "existing_us": existing_us})
+        rows.append([f"decode step, {B} requests", f"{B:,}", f"{ragged_us:.1f} us", f"{existing_us:.1f} us",
+                     "step [B, 1]", f"{existing_us / ragged_us:.2f}x"])
+
+        K = 5                                          # the request's token and 4 drafts
+        tokens = rng.integers(0, RELEASED_VOCAB, size=(B, K))
+        accepted = rng.integers(1, K + 1, size=B)
+        acc_starts = np.concatenate([[0], np.cumsum(accepted)])
+        acc_tokens = np.concatenate([tokens[r, :accepted[r]] for r in range(B)])
+        draft_starts = np.arange(B + 1) * K
+        ragged_state, existing_state = old.copy(), old.copy()
+        draft = hasher.step_ragged(ragged_state, tokens.ravel(), np.arange(B), draft_starts, commit=False)
+        hasher.commit(ragged_state, acc_tokens, np.arange(B), acc_starts)
+        existing = existing_speculative_step(hasher, existing_state, tokens, accepted)
+        assert np.array_equal(draft, existing.reshape(B * K, 2, -1))
+        assert np.array_equal(ragged_state.history, existing_state.history)
+
+        def ragged_spec():
+            hasher.step_ragged(ragged_state, tokens.ravel(), np.arange(B), draft_starts, commit=False)
+            hasher.commit(ragged_state, acc_tokens, np.arange(B), acc_starts)
+
+        draft_us = _p50(lambda: hasher.step_ragged(ragged_state, tokens.ravel(), np.arange(B), draft_starts,
+                                                   commit=False), quick)
+        commit_us = _p50(lambda: hasher.commit(ragged_state, acc_tokens, np.arange(B), acc_starts), quick)
+        ragged_us = _p50(ragged_spec, quick)
+        existing_us = _p50(lambda: existing_speculative_step(hasher, existing_state, tokens, accepted), quick)
+        results.append({"case": "speculative step", "requests": B, "tokens": B * K, "drafts_per_request": K - 1,
+                        "accepted_tokens": int(accepted.sum()),
+                        "existing": "snapshot + V41Hasher.step(tokens [B, 5]) + a step per accepted length",
+                        "ragged_us": ragged_us, "ragged_draft_us": draft_us, "ragged_commit_us": commit_us,
+                        "existing_us": existing_us})
+        rows.append([f"speculative step, {B} requests x (1 + 4 drafts)", f"{B * K:,}",
+                     f"{ragged_us:.1f} us ({draft_us:.1f} + {commit_us:.1f})", f"{existing_us:.1f} us",
+                     "snapshot, step [B, 5], a step per accepted length", f"{existing_us / ragged_us:.2f}x"])
+    print_table(["V4.1 hash, 2 layers x 24 ids", "tokens", "step_ragged", "existing", "existing path",
+                 "existing / ragged"], rows, title="continuous batching (released config, one core)")
     return results
 
 
@@ -228,18 +323,21 @@ def bench_step(quick: bool) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller tables, shorter runs")
-    parser.add_argument("--sections", default="hash,gather,step", help="comma-separated: hash, gather, step")
+    parser.add_argument("--sections", default="hash,ragged,gather,step",
+                        help="comma-separated: hash, ragged, gather, step")
     parser.add_argument("--rows", type=int, default=None,
                         help="rows per column in the gather section (default 100,000; 20,000 with --quick)")
     parser.add_argument("--json", metavar="PATH", default=default_json_path("bench_v41"))
     args = parser.parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = set(sections) - {"hash", "gather", "step"}
+    unknown = set(sections) - {"hash", "ragged", "gather", "step"}
     if unknown:
         parser.error(f"--sections: unknown {sorted(unknown)}")
     result: dict = {}
     if "hash" in sections:
         result["hash"] = bench_hash(args.quick)
+    if "ragged" in sections:
+        result["ragged"] = bench_ragged(args.quick)
     if "gather" in sections:
         result["gather"] = bench_gather(args.quick, args.rows or (20_000 if args.quick else 100_000))
     if "step" in sections:
