@@ -4,6 +4,7 @@ Code written for ``mooncake.store.MooncakeDistributedStore`` and Mooncake's Pyth
 against this module by changing its imports alone::
 
     from engram_store.compat import EngramStore, EngramStoreConfig, ReplicateConfig, MooncakeDistributedStore
+    from engram_store.compat import SoftPinAction
 
 As in Mooncake, the store's methods return integer codes instead of raising (0 or a byte count on success, a
 negative :class:`ErrorCode` on failure) and zero-copy calls take raw buffer addresses (``ndarray.ctypes.data``).
@@ -17,24 +18,33 @@ The failure behind a code is logged and kept in :attr:`MooncakeDistributedStore.
 * a layer id ``int``: the single-layer float32 API, ``populate(buffers)``, ``lookup(row_ids)``,
   ``remove_from_store()``.
 
-Both are a translation layer over :class:`engram_store.EngramStore`. Modules: ``_store`` (the store wrapper),
-``_engram`` (the config and the class that picks a generation), ``_engram_layers`` and ``_engram_single`` (one
-generation each), ``_errors`` (errors as Mooncake raises them). Errors are raised with the builtin types
+Both are a translation layer over :class:`engram_store.EngramStore`. Modules: ``_store`` (the store wrapper)
+with ``_setup`` (its two ``setup`` overloads and the session they open), ``_replicate`` (``ReplicateConfig``,
+``SoftPinAction`` and the checks of a write), ``_reads`` (per-key results over all-or-nothing reads),
+``_buffers`` (addresses, registrations, ``BufferHandle``) and ``_codes`` (the return codes); ``_engram`` (the
+config and the class that picks a generation), ``_engram_layers`` and ``_engram_single`` (one generation each),
+``_errors`` (errors as Mooncake raises them). docs/mooncake-compat.md lists every method of Mooncake's store and
+how each behaves here. Errors are raised with the builtin types
 Mooncake's binding raises (``RuntimeError`` for what its C++ code reports, ``ValueError`` and ``TypeError`` for
 arguments it refuses), as subclasses of the matching :class:`~engram_store.EngramError` class: a populate
 over existing keys raises an exception that is both :class:`~engram_store.ObjectExists` and ``RuntimeError``.
 """
 
 from .._config import StoreConfig
+from ._buffers import BufferHandle
+from ._codes import ErrorCode
 from ._engram import EngramStore, EngramStoreConfig
-from ._store import ErrorCode, MooncakeConfig, MooncakeDistributedStore, ReplicateConfig
+from ._replicate import ReplicateConfig, SoftPinAction
+from ._store import MooncakeConfig, MooncakeDistributedStore
 
 __all__ = [
+    "BufferHandle",
     "EngramStore",
     "EngramStoreConfig",
     "ErrorCode",
     "MooncakeConfig",
     "MooncakeDistributedStore",
     "ReplicateConfig",
+    "SoftPinAction",
     "StoreConfig",
 ]

@@ -23,7 +23,8 @@ from ._errors import (
     _is_int,
     _RuntimeInvalidType,
 )
-from ._store import ErrorCode, MooncakeDistributedStore, error_code
+from ._codes import ErrorCode, error_code
+from ._store import MooncakeDistributedStore
 
 
 class EngramStoreConfig:
