@@ -9,6 +9,7 @@ from .._errors import (
     InvalidType,
     LeaseActive,
     MasterUnavailable,
+    NotConnected,
     ObjectExists,
     ObjectNotFound,
     OutOfSpace,
@@ -30,7 +31,7 @@ class ErrorCode(enum.IntEnum):
     OBJECT_HAS_LEASE = -706
     TRANSFER_FAIL = -800
     RPC_FAIL = -900
-    NOT_SET_UP = -1001
+    NOT_SET_UP = -1001  # kept for code that names it; a call before setup returns INVALID_PARAMS, as Mooncake's
     DFS_SERVICE_UNAVAILABLE = -1601
 
 
@@ -45,6 +46,7 @@ _CODES = [
     (Unavailable, ErrorCode.TRANSFER_FAIL),
     (InvalidArgument, ErrorCode.INVALID_PARAMS),
     (InvalidType, ErrorCode.INVALID_PARAMS),
+    (NotConnected, ErrorCode.INVALID_PARAMS),  # Mooncake: "Client is not initialized"
 ]
 
 

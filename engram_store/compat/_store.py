@@ -17,7 +17,7 @@ import numpy as np
 
 from ..client import DistributedStore, as_bytes_view
 from .._config import StoreConfig
-from .._errors import EngramError, InvalidArgument, InvalidType, ObjectExists, ObjectNotFound, Unavailable
+from .._errors import EngramError, InvalidArgument, InvalidType, NotConnected, ObjectExists, ObjectNotFound
 from ._buffers import BufferHandle, Registrations, view
 from ._codes import error_code
 from ._reads import object_sizes, read_ranges, read_whole
@@ -55,15 +55,18 @@ class MooncakeDistributedStore:
         log.log(level, "%s failed: %s", op, exc)
         return error_code(exc)
 
-    def _require(self) -> DistributedStore:
+    def _live(self) -> Session:
         session = self._session
         if session is None or session.store is None:
-            raise Unavailable("the store is not set up: call setup(...) first")
-        return session.store
+            raise NotConnected("the store is not set up: call setup(...) first (0 means set up)")
+        return session
+
+    def _require(self) -> DistributedStore:
+        return self._live().store
 
     def _stage(self, nbytes: int, what: str) -> None:
         """Mooncake copies put/get of Python bytes through its local buffer: more than it holds is refused."""
-        limit = self._session.request.local_buffer_size if self._session is not None else 0
+        limit = self._live().request.local_buffer_size
         if nbytes > limit:
             raise InvalidArgument(f"{what}: {nbytes} bytes do not fit the local buffer of {limit} bytes "
                                   f"(local_buffer_size; the zero-copy calls need none)")

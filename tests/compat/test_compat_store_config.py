@@ -158,3 +158,7 @@ def test_setup_refusals_are_codes_and_name_the_argument():
     assert store.setup("localhost", "P2PHANDSHAKE", 16 << 20, 0, "tcp", "", "", no_such_argument=1) == -600
     assert "no_such_argument" in str(store.last_error)
     assert store.get_hostname() == "" and store.native_store is None  # nothing was set up
+    # calls before a successful setup fail as Mooncake's "client is not initialized": -600, b"", None
+    assert store.put("k", b"v") == -600 and "not set up" in str(store.last_error)
+    assert store.get("k") == b"" and store.get_buffer("k") is None and store.is_exist("k") == -600
+    assert store.get_into_ranges([1], [["k"]], [[[0]]], [[[0]]], [[[1]]]) == [[[-600]]]
