@@ -1,5 +1,5 @@
 """The README's examples run as written: every python block, and every shell block but the two set-up commands
-(which CI itself runs: the install, then the tests).
+(which CI itself runs: the install, then the tests). So do the python blocks of the guides in docs/.
 
 Shell blocks start servers in the background on port 50051; here each runs with a free port in its place and a
 home directory of its own, and everything it started is killed when it ends.
@@ -64,3 +64,14 @@ def test_shell_block_runs(block, tmp_path):
     assert result.returncode == 0, f"exit {result.returncode}\n{out}"
     if "engram-master status" in block:
         assert "segment(s)" in out, out
+
+
+DOCS = sorted((README.parent / "docs").glob("*.md"))
+DOCS_PYTHON = [(path, block) for path in DOCS
+               for block in re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("path, block", DOCS_PYTHON, ids=[f"{p.name}: {_first_line(b)}" for p, b in DOCS_PYTHON])
+def test_docs_python_block_runs(path, block):
+    exec(compile(block, str(path), "exec"), {"__name__": "__docs__"})
