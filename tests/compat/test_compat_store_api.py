@@ -134,6 +134,17 @@ def test_close_drops_the_objects_of_this_clients_segment():
             store.close()
 
 
+def test_init_all_starts_a_master_here_with_a_segment_and_mooncakes_1_gib_buffer():
+    store = MooncakeDistributedStore()
+    try:
+        assert store.init_all("tcp", "", 16 << 20) == 0
+        assert store.get_hostname().startswith("127.0.0.1:")
+        assert store.put(key("init-all"), b"x" * (2 << 20)) == 0
+        assert store.native_store.status()["segments"]
+    finally:
+        store.close()
+
+
 def test_a_store_dropped_without_close_unmounts_its_segment():
     with Cluster(segments=0) as own:  # the dropped client's segment is the only one
         observer = connect(own, segment_size=0)
