@@ -60,12 +60,12 @@ def wait_ping(address: str, timeout_s: float = START_TIMEOUT_S, unavailable=Mast
 class Proc:
     """A child process with its output in a log file; ``kill()`` and ``close()`` reap it."""
 
-    def __init__(self, args: list[str], name: str, stdout_pipe: bool = False):
+    def __init__(self, args: list[str], name: str, stdout_pipe: bool = False, stdin_pipe: bool = False):
         self.name = name
         self.log = tempfile.NamedTemporaryFile(prefix=f"engram-{name}-", suffix=".log", delete=False)
         self.popen = subprocess.Popen(
             args, stdout=subprocess.PIPE if stdout_pipe else self.log, stderr=self.log,
-            stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         self.address = ""
         self.read_addresses: list[str] = []  # a segment's reader sockets, from its ready line
@@ -132,8 +132,12 @@ class Proc:
         if self.alive():
             self.popen.send_signal(signal.SIGCONT)  # a stopped process cannot die of SIGTERM
             self.kill()
-        if self.popen.stdout is not None:
-            self.popen.stdout.close()
+        for stream in (self.popen.stdout, self.popen.stdin):
+            if stream is not None:
+                try:
+                    stream.close()
+                except OSError:
+                    pass  # a pipe to a process that is gone
         self.log.close()
         try:
             os.unlink(self.log.name)
@@ -142,9 +146,12 @@ class Proc:
 
 
 def start_master(*, port: int | None = None, heartbeat_timeout_s: float = 10.0, lease_ttl_s: float = 5.0,
-                 journal: str | None = None, extra: list[str] | None = None, auth_dir: str | None = None) -> Proc:
+                 journal: str | None = None, extra: list[str] | None = None, auth_dir: str | None = None,
+                 host: str = "127.0.0.1", prefix: list[str] | None = None) -> Proc:
+    """Start ``engram-master`` on ``host`` and wait until it answers. ``prefix``: a command to run it under (e.g.
+    ``["ip", "netns", "exec", NAME]`` to start it inside a network namespace)."""
     port = port or free_port()
-    args = [sys.executable, "-m", "master", "--host", "127.0.0.1", "--port", str(port),
+    args = (prefix or []) + [sys.executable, "-m", "master", "--host", host, "--port", str(port),
             "--heartbeat-timeout", str(heartbeat_timeout_s), "--lease-ttl", str(lease_ttl_s),
             "--log-level", "INFO"]
     if journal:
@@ -152,7 +159,7 @@ def start_master(*, port: int | None = None, heartbeat_timeout_s: float = 10.0, 
     if auth_dir:
         args += ["--auth", str(auth_dir)]
     proc = Proc(args + (extra or []), "master")
-    proc.address = f"127.0.0.1:{port}"
+    proc.address = f"{host}:{port}"
     try:
         wait_ping(proc.address, auth_dir=auth_dir)
     except BaseException:
@@ -163,9 +170,10 @@ def start_master(*, port: int | None = None, heartbeat_timeout_s: float = 10.0, 
 
 
 def start_segment(master: str, size: str = "64MiB", extra: list[str] | None = None,
-                  auth_dir: str | None = None) -> Proc:
-    args = [sys.executable, "-m", "engram_store.segment.cli", "--master", master, "--size", size,
-            "--host", "127.0.0.1", "--port", "0", "--log-level", "INFO"]
+                  auth_dir: str | None = None, host: str = "127.0.0.1", prefix: list[str] | None = None) -> Proc:
+    """Start ``engram-segment`` on ``host``, registered with ``master``; returns once it answers a ping."""
+    args = (prefix or []) + [sys.executable, "-m", "engram_store.segment.cli", "--master", master, "--size", size,
+                             "--host", host, "--port", "0", "--log-level", "INFO"]
     if auth_dir:
         args += ["--auth", str(auth_dir)]
     proc = Proc(args + (extra or []), "segment", stdout_pipe=True)

@@ -1,0 +1,492 @@
+"""A seeded fault explorer: from one integer seed, a history of store operations from several client processes,
+interleaved with faults, checked against the store's contract.
+
+In the spirit of Jepsen and of FoundationDB's simulation tests: examples pin the cases someone thought of, this
+finds the ones nobody did. One seed fixes the cluster (journal or not, durable or shared-memory segments, replica
+count) and the schedule of operations (populate, lookup, prefetch, remove, verify of store, ``local_dir`` and
+``disk_dir`` layers; put, get and remove of objects; clients closing mid-call) and faults (SIGKILL, SIGSTOP and
+restarts of the master, with and without its journal, and of segments; clients killed mid-populate and mid-remove;
+network partitions between processes, where the machine lets this run make network namespaces). Processes are
+real (``engram-master``, ``engram-segment``, client processes running ``tests/nemesis_worker.py``); timings are
+not, so a seed replays the same schedule, not the same interleaving.
+
+The checker holds the history to the contract (see :func:`check`):
+
+- every row a lookup returns is exactly the row asked for, of one populate of that layer that was acknowledged or
+  may have taken effect (never another layer's, never a mix of two populates, never one that was refused);
+- every acknowledged object is readable at the end, or reported lost by name when the bytes are truly gone (every
+  segment that held it died); a removal that was acknowledged stays removed;
+- no process of ours dies by a signal it was not sent, and none is left behind.
+
+    python tests/nemesis.py --seed 17                # replay one history and print it
+    python tests/nemesis.py --seeds 0-999 --minutes 60   # explore; prints each seed that broke the contract
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if os.path.dirname(HERE) not in sys.path:
+    sys.path.insert(0, os.path.dirname(HERE))
+
+from engram_store.testing import Proc, free_port, start_master, start_segment  # noqa: E402
+from engram_store.segment import reap_orphans  # noqa: E402
+
+from nemesis_faults import FAULTS, Faults  # noqa: E402
+from nemesis_net import Network  # noqa: E402
+
+#: The master's timing, short so that faults bite within a history of a few seconds.
+HEARTBEAT_TIMEOUT_S = 1.5
+MASTER_EXTRA = ["--reuse-delay", "0.3", "--put-timeout", "4"]
+LEASE_TTL_S = 0.5
+SEGMENT_SIZE = "4MiB"
+CLIENT_TIMEOUT_MS = 2000
+#: An operation still unanswered after this long is a hang (a violation).
+OP_HANG_S = 90.0
+#: Errors that leave an operation's outcome unknown: it may or may not have taken effect.
+INDETERMINATE = {"MasterUnavailable", "SegmentUnavailable", "Unavailable", "NotConnected", "killed",
+                 "RawChannelRefused"}
+KINDS = ("store", "local", "disk")
+LAYERS = (1, 2, 3)
+KEYS = ("k1", "k2")
+
+
+@dataclass
+class Op:
+    """One operation of the history: what was asked, by whom, when, and how it ended."""
+    id: int
+    worker: str
+    cmd: dict
+    invoked: float
+    done: float | None = None
+    outcome: str = "pending"   # ok, fail (a definite refusal), unknown (may have taken effect)
+    reply: dict = field(default_factory=dict)
+
+    def describe(self) -> str:
+        args = " ".join(f"{k}={v}" for k, v in self.cmd.items() if k not in ("op", "id"))
+        end = "" if self.done is None else f"{self.done:7.3f}"
+        result = {k: v for k, v in self.reply.items() if k not in ("id", "ok", "message")}
+        message = self.reply.get("message", "")
+        return (f"{self.invoked:7.3f}..{end:>7} {self.worker:<3} {self.cmd['op']:<13} {args:<34} -> {self.outcome}"
+                + (f" {result}" if result else "") + (f" ({message[:160]})" if message else ""))
+
+
+class Worker:
+    """A client process and the operation it is running."""
+
+    def __init__(self, name: str, args: list[str], prefix: list[str], wait: bool = True):
+        self.name = name
+        self.proc = Proc(prefix + [sys.executable, os.path.join(HERE, "nemesis_worker.py"), *args],
+                         f"client-{name}", stdout_pipe=True, stdin_pipe=True)
+        self.buffer = b""
+        self.op: Op | None = None
+        self.node = ""
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait for the process's ready line (it has imported everything and will answer)."""
+        line = self.read_line(time.monotonic() + 60)
+        if line is None or "ready" not in json.loads(line):
+            out = self.proc.output()
+            self.proc.close()
+            raise RuntimeError(f"client {self.name} did not start:\n{out[-3000:]}")
+
+    def read_line(self, deadline: float) -> str | None:
+        import select
+        while b"\n" not in self.buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            ready, _, _ = select.select([self.proc.popen.stdout], [], [], remaining)
+            if not ready:
+                return None
+            chunk = os.read(self.proc.popen.stdout.fileno(), 1 << 16)
+            if not chunk:
+                return None
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line.decode()
+
+    def send(self, op: Op) -> None:
+        self.op = op
+        self.proc.popen.stdin.write((json.dumps({**op.cmd, "id": op.id}) + "\n").encode())
+        self.proc.popen.stdin.flush()
+
+
+@dataclass
+class Plan:
+    """What one seed fixes about the cluster."""
+    journal: bool
+    segments: int
+    durable: list[bool]
+    replicas: int
+    local_direct: list[bool]
+    partitions: bool
+    steps: int
+
+    @classmethod
+    def of(cls, rng: random.Random, partitions: bool) -> "Plan":
+        segments = rng.choice([2, 2, 3])
+        return cls(journal=rng.random() < 0.75, segments=segments,
+                   durable=[rng.random() < 0.4 for _ in range(segments)], replicas=rng.choice([1, 1, 2]),
+                   local_direct=[rng.random() < 0.5 for _ in range(3)], partitions=partitions,
+                   steps=rng.randint(25, 45))
+
+
+class History(Faults):
+    """Runs one seed: the cluster, the clients, the schedule of operations and faults, and the record of it."""
+
+    def __init__(self, seed: int, verbose: bool = False, partitions: bool | None = None):
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.verbose = verbose
+        self.network = Network.maybe(seed) if partitions is not False else None
+        self.plan = Plan.of(self.rng, self.network is not None)
+        self.dir = tempfile.mkdtemp(prefix=f"engram-nemesis-{seed}-")
+        self.t0 = time.monotonic()
+        self.ops: list[Op] = []
+        self.events: list[str] = []
+        self.violations: list[str] = []
+        self.generation = 0
+        self.master: Proc | None = None
+        self.master_port = free_port()
+        self.segments: list[dict] = []  # {"proc", "file", "stopped_until", "down_until"}
+        self.workers: dict[str, Worker] = {}
+        self.master_stopped_until = 0.0
+        self.master_down_until = 0.0
+        self.facts = {"shm_segment_died": False, "journalless_restart": False, "lost_ok": False}
+        self._next_op = 1
+        self._next_worker = 0
+
+    # ---- the record ---------------------------------------------------------------------------
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def log(self, text: str) -> None:
+        line = f"{self.now():7.3f}          {text}"
+        self.events.append(line)
+        if self.verbose:
+            print(line, flush=True)
+
+    def violation(self, text: str) -> None:
+        self.violations.append(text)
+        self.log(f"VIOLATION: {text}")
+
+    # ---- processes ----------------------------------------------------------------------------
+
+    def _host(self, node: str) -> str:
+        return self.network.address(node) if self.network else "127.0.0.1"
+
+    def _prefix(self, node: str) -> list[str]:
+        return self.network.prefix(node) if self.network else []
+
+    @property
+    def master_address(self) -> str:
+        return f"{self._host('master')}:{self.master_port}"
+
+    def start_master(self) -> None:
+        journal = os.path.join(self.dir, "master.journal") if self.plan.journal else None
+        self.master = start_master(port=self.master_port, journal=journal, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+                                   lease_ttl_s=LEASE_TTL_S, extra=MASTER_EXTRA, prefix=self._prefix("master"),
+                                   host=self._host("master"))
+
+    def start_segment(self, i: int) -> None:
+        slot = self.segments[i]
+        extra = ["--file", slot["file"]] if slot["file"] else []
+        node = f"segment{i}"
+        slot["proc"] = start_segment(self.master_address, SEGMENT_SIZE, extra + ["--register-timeout", "60"],
+                                     prefix=self._prefix(node), host=self._host(node))
+        slot["stopped_until"] = slot["down_until"] = 0.0
+
+    def start_worker(self, wait: bool = True) -> Worker:
+        name = f"c{self._next_worker}"
+        local_direct = self.plan.local_direct[self._next_worker % len(self.plan.local_direct)]
+        self._next_worker += 1
+        node = f"client{len(self.workers) % 3}"
+        worker = Worker(name, [self.master_address, os.path.join(self.dir, "local"), os.path.join(self.dir, "disk"),
+                               "1" if local_direct else "0", str(CLIENT_TIMEOUT_MS)], self._prefix(node), wait)
+        worker.node = node
+        self.workers[name] = worker
+        return worker
+
+    def all_procs(self) -> list[tuple[str, Proc]]:
+        procs = [("master", self.master)] if self.master else []
+        procs += [(f"segment{i}", s["proc"]) for i, s in enumerate(self.segments) if s["proc"] is not None]
+        procs += [(f"client {w.name}", w.proc) for w in self.workers.values()]
+        return procs
+
+    def check_processes(self) -> None:
+        """A process of ours that exited without being told to is a violation (a crash, an abort, a hang-up)."""
+        for name, proc in self.all_procs():
+            if getattr(proc, "expected_exit", False) or proc.alive():
+                continue
+            code = proc.popen.returncode
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            self.violation(f"{name} (pid {proc.pid}) died unasked: {how}\n{proc.output()[-2500:]}")
+            proc.expected_exit = True  # said once
+
+    # ---- operations ---------------------------------------------------------------------------
+
+    def issue(self, worker: Worker, cmd: dict) -> Op:
+        op = Op(self._next_op, worker.name, cmd, self.now())
+        self._next_op += 1
+        self.ops.append(op)
+        worker.send(op)
+        return op
+
+    def pump(self, until: float) -> None:
+        """Collect replies, resume paused processes when their time is up, restart what is due, until ``until``."""
+        import select
+        while True:
+            self.tend_faults()
+            self.check_processes()
+            busy = {w.proc.popen.stdout: w for w in self.workers.values() if w.op is not None and w.proc.alive()}
+            now = self.now()
+            for w in self.workers.values():
+                if w.op is not None and now - w.op.invoked > OP_HANG_S:
+                    self.violation(f"client {w.name}: {w.op.cmd} unanswered after {OP_HANG_S:g} s (a hang)")
+                    self.kill_worker(w, "hung")
+            timeout = max(0.0, min(until - now, 0.05))
+            ready = select.select(list(busy), [], [], timeout)[0] if busy else (time.sleep(timeout) or [])
+            for stream in ready:
+                worker = busy[stream]
+                line = worker.read_line(time.monotonic() + 10)
+                if line is None:
+                    continue  # it died: check_processes says so
+                self.finish(worker, json.loads(line))
+            if self.now() >= until:
+                return
+
+    def finish(self, worker: Worker, reply: dict) -> None:
+        op, worker.op = worker.op, None
+        op.done, op.reply = self.now(), reply
+        if reply.get("ok"):
+            op.outcome = "ok"
+        elif reply.get("error") in INDETERMINATE:
+            op.outcome = "unknown"
+        else:
+            op.outcome = "fail"
+        if str(reply.get("error", "")).startswith("crash:"):
+            self.violation(f"client {worker.name}: {op.cmd['op']} raised outside the store's errors:\n"
+                           f"{reply.get('message')}")
+        if self.verbose:
+            print(op.describe(), flush=True)
+        self.check_read(op)
+
+    def wait_idle(self, worker: Worker, timeout_s: float = OP_HANG_S) -> None:
+        deadline = self.now() + timeout_s
+        while worker.op is not None and self.now() < deadline and worker.proc.alive():
+            self.pump(self.now() + 0.05)
+
+    # ---- the schedule -------------------------------------------------------------------------
+
+    def next_op(self) -> dict:
+        rng = self.rng
+        kind = rng.choices(KINDS, weights=[6, 2, 2])[0]
+        layer = rng.choice(LAYERS)
+        r = rng.random()
+        if r < 0.25:
+            self.generation += 1
+            return {"op": "populate", "kind": kind, "layer": layer, "gen": self.generation,
+                    "replicas": self.plan.replicas if kind == "store" else 1}
+        if r < 0.55:
+            return {"op": "lookup", "kind": kind, "layer": layer, "seed": rng.randrange(1 << 30),
+                    "prefetch": rng.random() < 0.4}
+        if r < 0.67:
+            return {"op": "remove", "kind": kind, "layer": layer, "force": rng.random() < 0.5}
+        if r < 0.72:
+            return {"op": "verify", "kind": kind, "layer": layer}
+        if r < 0.75:
+            return {"op": "reopen", "kind": kind, "layer": layer}
+        key = rng.choice(KEYS)
+        if r < 0.82:
+            self.generation += 1
+            return {"op": "put", "key": key, "gen": self.generation, "replicas": self.plan.replicas}
+        if r < 0.91:
+            return {"op": "get", "key": key}
+        if r < 0.96:
+            return {"op": "remove_key", "key": key}
+        return {"op": "close_midcall", "layer": layer, "after_s": rng.uniform(0, 0.05)}
+
+    def run(self) -> list[str]:
+        try:
+            self.setup()
+            for _ in range(self.plan.steps):
+                self.pump(self.now() + self.rng.uniform(0.0, 0.3))
+                if self.rng.random() < 0.75:
+                    idle = [w for w in self.workers.values() if w.op is None and w.proc.alive()]
+                    if idle:
+                        self.issue(self.rng.choice(idle), self.next_op())
+                        continue
+                self.fault()
+            self.heal()
+            self.final_check()
+        finally:
+            self.teardown()
+        return self.violations
+
+    def setup(self) -> None:
+        self.log(f"seed {self.seed}: {self.plan}")
+        for d in ("local", "disk"):
+            os.makedirs(os.path.join(self.dir, d))
+        workers = [self.start_worker(wait=False) for _ in range(3)]  # they import while the cluster starts
+        self.start_master()
+        for i in range(self.plan.segments):
+            self.segments.append({"proc": None, "file": os.path.join(self.dir, f"segment-{i}.bin")
+                                  if self.plan.durable[i] else None})
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(self.plan.segments) as pool:
+            list(pool.map(self.start_segment, range(self.plan.segments)))
+        for worker in workers:
+            worker.wait_ready()
+
+    # ---- faults -------------------------------------------------------------------------------
+
+    def fault(self) -> None:
+        names = [n for n, (weight, applies) in FAULTS.items() if applies(self)]
+        if not names:
+            return
+        weights = [FAULTS[n][0] for n in names]
+        name = self.rng.choices(names, weights=weights)[0]
+        getattr(self, "fault_" + name)()
+
+    def kill_worker(self, worker: Worker, why: str) -> None:
+        worker.proc.expected_exit = True
+        worker.proc.kill()
+        if worker.op is not None:
+            op, worker.op = worker.op, None
+            op.done, op.outcome, op.reply = self.now(), "unknown", {"error": "killed", "message": why}
+            if self.verbose:
+                print(op.describe(), flush=True)
+        del self.workers[worker.name]
+        worker.proc.close()
+
+    def master_up(self) -> bool:
+        return (self.master is not None and self.master.alive() and self.now() >= self.master_stopped_until)
+
+    def tend_faults(self) -> None:
+        """Resume what was paused and restart what was killed, when its time comes."""
+        now = self.now()
+        if self.master is not None and self.master_stopped_until and now >= self.master_stopped_until:
+            self.master.signal(signal.SIGCONT)
+            self.master_stopped_until = 0.0
+            self.log("master resumed (SIGCONT)")
+        if self.master is None and now >= self.master_down_until:
+            self.start_master()
+            self.log(f"master started again{' from its journal' if self.plan.journal else ' without a journal'}")
+        for i, slot in enumerate(self.segments):
+            if slot["proc"] is not None and slot["stopped_until"] and now >= slot["stopped_until"]:
+                slot["proc"].signal(signal.SIGCONT)
+                slot["stopped_until"] = 0.0
+                self.log(f"segment{i} resumed (SIGCONT)")
+            if slot["proc"] is None and now >= slot["down_until"] and self.master_up():
+                self.start_segment(i)
+                self.log(f"segment{i} started again" + (" on its file" if slot["file"] else " (empty)"))
+        if self.network:
+            self.network.tend(now, self.log)
+
+    def heal(self) -> None:
+        """End every fault: resume, restart, reconnect; then let every operation in flight finish."""
+        self.log("healing: every fault ends")
+        if self.network:
+            self.network.heal(self.log)
+        self.master_stopped_until = min(self.master_stopped_until, self.now()) if self.master_stopped_until else 0
+        self.master_down_until = min(self.master_down_until, self.now())
+        for slot in self.segments:
+            if slot["stopped_until"]:
+                slot["stopped_until"] = self.now()
+            slot["down_until"] = min(slot["down_until"], self.now())
+        self.tend_faults()
+        self.tend_faults()
+        for worker in list(self.workers.values()):
+            self.wait_idle(worker)
+
+    def teardown(self) -> None:
+        for worker in list(self.workers.values()):
+            worker.proc.expected_exit = True
+            worker.proc.close()
+        for _, proc in self.all_procs():
+            proc.expected_exit = True
+            proc.close()
+        reap_orphans()
+        if self.network:
+            self.network.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    # ---- the contract -------------------------------------------------------------------------
+
+    def check_read(self, op: Op) -> None:
+        from nemesis_check import check_read
+        for problem in check_read(self, op):
+            self.violation(problem)
+
+    def final_check(self) -> None:
+        from nemesis_check import final_check
+        final_check(self)
+
+
+def run_seed(seed: int, verbose: bool = False, partitions: bool | None = None) -> History:
+    history = History(seed, verbose=verbose, partitions=partitions)
+    history.run()
+    return history
+
+
+def _seed_range(text: str) -> range:
+    lo, _, hi = text.partition("-")
+    return range(int(lo), int(hi or lo) + 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python tests/nemesis.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--seed", type=int, help="replay one history and print it")
+    p.add_argument("--seeds", type=_seed_range, metavar="A-B", help="explore these seeds")
+    p.add_argument("--minutes", type=float, default=None, help="stop exploring after this long (default: all)")
+    p.add_argument("--no-partitions", action="store_true", help="never partition the network")
+    args = p.parse_args(argv)
+    partitions = False if args.no_partitions else None
+    if args.seed is not None:
+        history = run_seed(args.seed, verbose=True, partitions=partitions)
+        print(f"seed {args.seed}: " + ("held" if not history.violations else
+                                       f"{len(history.violations)} violation(s)"))
+        for v in history.violations:
+            print(f"  - {v}")
+        return 0 if not history.violations else 1
+    if args.seeds is None:
+        p.error("give --seed S or --seeds A-B")
+    deadline = time.monotonic() + args.minutes * 60 if args.minutes else float("inf")
+    failed, ran = [], 0
+    for seed in args.seeds:
+        if time.monotonic() > deadline:
+            break
+        try:
+            history = run_seed(seed, partitions=partitions)
+        except Exception:
+            import traceback
+            failed.append(seed)
+            print(f"seed {seed}: the explorer itself failed:\n{traceback.format_exc()}", flush=True)
+            continue
+        finally:
+            ran += 1
+        if history.violations:
+            failed.append(seed)
+            print(f"seed {seed}: {len(history.violations)} violation(s): {history.violations[0][:300]}", flush=True)
+        elif ran % 10 == 0:
+            print(f"... {ran} seeds, {len(failed)} failed", flush=True)
+    print(f"{ran} seed(s) explored, {len(failed)} broke the contract" + (f": {failed}" if failed else ""))
+    return 0 if not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""The contract the explorer (``tests/nemesis.py``) holds every history to.
+
+Each layer (of a kind: store, ``local_dir``, ``disk_dir``) and each key is an object with a history of writes:
+populates (puts) and removes, each acknowledged (ok), refused (fail: the store answered with a definite error) or
+of unknown outcome (the client was killed, or the master or a segment did not answer: it may have taken effect).
+
+- A read that succeeds returns rows (bytes) of exactly one write of that object whose outcome is not a refusal,
+  invoked before the read ended; every row is the row asked for.
+- After the faults heal, an object whose latest acknowledged write is a populate, with no other write invoked
+  after it, is readable with that write's rows, or reported lost by name where its bytes are truly gone (a
+  shared-memory segment that held it died). An object whose latest acknowledged write is a remove, with no
+  populate invoked after it, is absent.
+"""
+
+from __future__ import annotations
+
+#: Errors that say a layer or key is absent (not published, never written, removed).
+ABSENT = {"ObjectNotFound", "NotPublished", "LayerNotFound"}
+
+
+def _target(cmd: dict):
+    if "key" in cmd:
+        return ("key", cmd["key"])
+    if "kind" in cmd:
+        return (cmd["kind"], cmd["layer"])
+    return None
+
+
+def _writes(history, target) -> list:
+    return [op for op in history.ops if op.cmd["op"] in ("populate", "put", "remove", "remove_key")
+            and _target(op.cmd) == target]
+
+
+def check_read(history, op) -> list[str]:
+    """Problems with one finished read (lookup, get); none for other operations."""
+    cmd = op.cmd
+    if op.outcome != "ok" or cmd["op"] not in ("lookup", "get"):
+        return []
+    target = _target(cmd)
+    problems = []
+    if op.reply.get("bad"):
+        problems.append(f"{cmd['op']} #{op.id} of {target} returned wrong data: {op.reply['bad']}")
+    gens = op.reply.get("gens", [op.reply.get("gen")] if "gen" in op.reply else [])
+    if len(gens) > 1:
+        problems.append(f"{cmd['op']} #{op.id} of {target} mixed rows of populates {gens}")
+    possible = {w.cmd["gen"] for w in _writes(history, target)
+                if w.cmd["op"] in ("populate", "put") and w.outcome != "fail" and w.invoked <= op.done}
+    for g in gens:
+        if g not in possible:
+            refused = [w for w in _writes(history, target) if w.cmd.get("gen") == g]
+            why = f" (that write was refused: {refused[0].reply.get('message', '')[:200]})" if refused else ""
+            problems.append(f"{cmd['op']} #{op.id} of {target} returned rows of populate {g}, which is not a "
+                            f"write of it that may have taken effect{why}")
+    return problems
+
+
+def expected_final(history, target) -> tuple[str, int | None]:
+    """``("present", gen)``, ``("absent", None)`` or ``("any", None)`` for an object after the history."""
+    writes = _writes(history, target)
+    acked = [w for w in writes if w.outcome == "ok"]
+    if not acked:
+        if any(w.outcome == "unknown" and w.cmd["op"] in ("populate", "put") for w in writes):
+            return "any", None
+        return "absent", None
+    last = max(acked, key=lambda w: w.done)
+    later = [w for w in writes if w is not last and w.outcome != "fail" and w.invoked >= last.invoked]
+    concurrent = [w for w in writes if w is not last and w.outcome != "fail" and w.invoked < last.done
+                  and (w.done is None or w.done > last.invoked)]
+    if later or concurrent:
+        return "any", None
+    if last.cmd["op"] in ("populate", "put"):
+        return "present", last.cmd["gen"]
+    return "absent", None
+
+
+def final_check(history) -> None:
+    """Heal is done: read every object once more from a fresh client and hold the result to the contract."""
+    worker = history.start_worker()
+    converge(history, worker)
+    targets = sorted({_target(op.cmd) for op in history.ops if _target(op.cmd) is not None}, key=str)
+    for target in targets:
+        want, gen = expected_final(history, target)
+        if target[0] == "key":
+            cmd = {"op": "get", "key": target[1]}
+        else:
+            cmd = {"op": "lookup", "kind": target[0], "layer": target[1], "seed": 7, "prefetch": False}
+        op = history.issue(worker, cmd)
+        history.wait_idle(worker)
+        if op.outcome == "pending":
+            history.violation(f"final read of {target} did not finish")
+            continue
+        error = op.reply.get("error")
+        if want == "present":
+            if op.outcome == "ok":
+                got = op.reply.get("gens") or [op.reply.get("gen")]
+                if got != [gen]:
+                    history.violation(f"{target}: the last acknowledged write was populate {gen}, but the final read "
+                                      f"returned rows of {got}")
+            elif error == "ObjectLost":
+                if not history.facts["shm_segment_died"]:
+                    history.violation(f"{target} reported lost, though no segment's memory died: "
+                                      f"{op.reply.get('message')}")
+                else:
+                    history.log(f"{target}: lost with a dead segment, and reported by name")
+            elif error in ABSENT or error == "StoreError":
+                if history.facts["journalless_restart"] and history.facts["shm_segment_died"]:
+                    history.log(f"{target}: gone with a dead segment under a master without a journal "
+                                f"({error})")
+                else:
+                    history.violation(f"{target}: acknowledged populate {gen} is silently gone: {error}: "
+                                      f"{op.reply.get('message')}")
+            else:
+                history.violation(f"{target}: final read failed: {error}: {op.reply.get('message')}")
+        elif want == "absent":
+            if op.outcome == "ok":
+                history.violation(f"{target}: its last acknowledged write removed it, but it reads back: "
+                                  f"{op.reply}")
+            elif error not in ABSENT and error != "ObjectLost":
+                history.violation(f"{target}: expected absent, final read failed with {error}: "
+                                  f"{op.reply.get('message')}")
+        # Reads that succeed are held to the per-read contract by check_read already.
+
+
+def converge(history, worker, timeout_s: float = 45.0) -> None:
+    """Wait until the master knows every live segment as registered with it (lost objects re-verified)."""
+    live = sum(1 for s in history.segments if s["proc"] is not None)
+    deadline = history.now() + timeout_s
+    last = None
+    while history.now() < deadline:
+        op = history.issue(worker, {"op": "status"})
+        history.wait_idle(worker)
+        last = op.reply
+        if op.outcome == "ok" and op.reply["segments"] == live and op.reply["confirmed"] == live:
+            # One more heartbeat interval: a segment that was dropped re-registers and re-verifies within it.
+            history.pump(history.now() + 1.0)
+            return
+        history.pump(history.now() + 0.2)
+    history.violation(f"the cluster did not converge within {timeout_s:g} s after healing: {last}")

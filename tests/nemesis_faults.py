@@ -1,0 +1,138 @@
+"""The faults of the explorer (``tests/nemesis.py``): each is a method of its History, chosen by the seed's random
+generator with a weight, where it applies."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+class Faults:
+    """Mixed into ``History``: ``fault_<name>`` methods (the faults), applied at a step of the schedule."""
+
+    def fault_master_kill(self) -> None:
+        """SIGKILL the master; it starts again (from its journal, or empty) after a pause."""
+        self.master.expected_exit = True
+        self.master.kill()
+        self.master.close()
+        self.master = None
+        if not self.plan.journal:
+            self.facts["journalless_restart"] = True
+        self.master_down_until = self.now() + self.rng.uniform(0.0, 1.5)
+        self.master_stopped_until = 0.0
+        self.log("FAULT master killed (SIGKILL)")
+
+    def fault_master_term(self) -> None:
+        """SIGTERM: the routine stop; it starts again at once."""
+        self.master.expected_exit = True
+        self.master.popen.send_signal(signal.SIGCONT)
+        code = self.master.terminate()
+        if code != 0:
+            self.violation(f"master exited with {code} on SIGTERM:\n{self.master.output()[-2000:]}")
+        self.master.close()
+        self.master = None
+        if not self.plan.journal:
+            self.facts["journalless_restart"] = True
+        self.master_down_until = self.now()
+        self.master_stopped_until = 0.0
+        self.log("FAULT master stopped (SIGTERM)")
+
+    def fault_master_pause(self) -> None:
+        """SIGSTOP the master for up to three heartbeat timeouts."""
+        self.master.signal(signal.SIGSTOP)
+        self.master_stopped_until = self.now() + self.rng.uniform(0.2, 4.5)
+        self.log(f"FAULT master paused (SIGSTOP) until {self.master_stopped_until:.3f}")
+
+    def fault_second_master(self) -> None:
+        """Start a second master on the same journal: it must refuse and leave the journal alone."""
+        import subprocess
+        import sys
+        journal = os.path.join(self.dir, "master.journal")
+        before = os.stat(journal).st_ino if os.path.exists(journal) else None
+        second = subprocess.run(self._prefix("master") + [sys.executable, "-m", "master", "--host",
+                                self._host("master"), "--port", "0", "--journal", journal],
+                                capture_output=True, text=True, timeout=60)
+        after = os.stat(journal).st_ino if os.path.exists(journal) else None
+        if second.returncode == 0 or before != after:
+            self.violation(f"a second master on the live journal did not refuse it (rc {second.returncode}, "
+                           f"journal {'replaced' if before != after else 'kept'}):\n{second.stderr[-2000:]}")
+        self.log("FAULT a second master tried the journal: " + (second.stderr.strip().splitlines() or ["?"])[-1])
+
+    def _segment(self) -> int | None:
+        live = [i for i, s in enumerate(self.segments) if s["proc"] is not None and not s["stopped_until"]]
+        return self.rng.choice(live) if live else None
+
+    def fault_segment_kill(self) -> None:
+        """SIGKILL a segment; a durable one starts again on its file, a shared-memory one starts empty."""
+        i = self._segment()
+        slot = self.segments[i]
+        slot["proc"].expected_exit = True
+        slot["proc"].kill()
+        slot["proc"].close()
+        slot["proc"] = None
+        if not slot["file"]:
+            self.facts["shm_segment_died"] = True
+        slot["down_until"] = self.now() + self.rng.uniform(0.0, 3.0)
+        self.log(f"FAULT segment{i} killed (SIGKILL)" + ("" if slot["file"] else ": its shared memory is gone"))
+
+    def fault_segment_term(self) -> None:
+        """SIGTERM a segment (it unregisters; a shared-memory one takes its objects with it)."""
+        i = self._segment()
+        slot = self.segments[i]
+        slot["proc"].expected_exit = True
+        code = slot["proc"].terminate()
+        if code != 0:
+            self.violation(f"segment{i} exited with {code} on SIGTERM:\n{slot['proc'].output()[-2000:]}")
+        slot["proc"].close()
+        slot["proc"] = None
+        if not slot["file"]:
+            self.facts["shm_segment_died"] = True
+        slot["down_until"] = self.now() + self.rng.uniform(0.0, 2.0)
+        self.log(f"FAULT segment{i} stopped (SIGTERM)")
+
+    def fault_segment_pause(self) -> None:
+        """SIGSTOP a segment, often past the master's heartbeat timeout (it is dropped and comes back)."""
+        i = self._segment()
+        slot = self.segments[i]
+        slot["proc"].signal(signal.SIGSTOP)
+        slot["stopped_until"] = self.now() + self.rng.uniform(0.1, 4.0)
+        self.log(f"FAULT segment{i} paused (SIGSTOP) until {slot['stopped_until']:.3f}")
+
+    def fault_client_kill(self) -> None:
+        """SIGKILL a client, often mid-operation (a writer killed mid-populate or mid-remove); a new one starts."""
+        busy = [w for w in self.workers.values() if w.op is not None]
+        worker = self.rng.choice(busy or list(self.workers.values()))
+        what = worker.op.cmd["op"] if worker.op is not None else "idle"
+        self.kill_worker(worker, "killed by the explorer")
+        self.log(f"FAULT client {worker.name} killed (SIGKILL) while {what}")
+        self.start_worker()
+
+    def fault_partition(self) -> None:
+        """Cut two processes (or groups) apart for a while."""
+        self.network.partition(self.rng, self.now(), self.log)
+
+
+def _master_alive(h) -> bool:
+    return h.master is not None and h.master.alive()
+
+
+def _master_running(h) -> bool:
+    return _master_alive(h) and not h.master_stopped_until
+
+
+def _segment_live(h) -> bool:
+    return any(s["proc"] is not None and not s["stopped_until"] for s in h.segments)
+
+
+# name -> (weight, applies(history))
+FAULTS = {
+    "master_kill": (2, _master_alive),
+    "master_term": (1, _master_running),
+    "master_pause": (2, _master_running),
+    "second_master": (0.5, lambda h: h.plan.journal and _master_running(h)),
+    "segment_kill": (2, lambda h: sum(s["proc"] is not None for s in h.segments) > 1 and _segment_live(h)),
+    "segment_term": (1, lambda h: sum(s["proc"] is not None for s in h.segments) > 1 and _segment_live(h)),
+    "segment_pause": (3, _segment_live),
+    "client_kill": (3, lambda h: any(w.op is not None for w in h.workers.values())),
+    "partition": (3, lambda h: h.network is not None),
+}
