@@ -10,6 +10,9 @@ PENDING = "pending"
 COMPLETE = "complete"
 #: How many keys of objects lost with their segments are remembered, to explain later reads.
 LOST_KEYS_KEPT = 10_000
+#: How many removed objects are remembered (by key and the put that wrote them), so that a segment that was away
+#: when they were removed, and offers them back, does not bring them back.
+REMOVED_KEPT = 100_000
 
 
 @dataclass

@@ -51,16 +51,20 @@ class Replay:
                 elif op == "remove":
                     meta = self.objects.pop(record["key"], None)
                     if meta is not None:
+                        self.remember_removed(record["key"], meta)
                         freed += self._free_replicas(meta)
-                    else:
-                        self.lost.pop(record["key"], None)
+                    elif record["key"] in self.lost:
+                        self._forget_lost(record["key"])
                 elif op == "lost":
                     self._remember_lost(record["key"], LostObject(
                         str(record.get("message") or f"object {record['key']!r} was lost"), int(record["size"]),
                         int(record.get("replica_num", 1)), str(record.get("checksum") or ""),
                         [_replica(p) for p in record.get("places") or ()]))
+                elif op == "removed":
+                    self.removed[(str(record["key"]), int(record["generation"]))] = None
                 elif op == "forget_lost":
-                    self.lost.clear()
+                    for key in list(self.lost):
+                        self._forget_lost(key)
                 else:
                     log.warning("journal: skipping unknown record %r", op)
         finally:
@@ -113,8 +117,11 @@ class Replay:
                         "another object, or a segment it does not know; that replica is not restored", key, size,
                         replica.segment_id, replica.offset)
         if replicas:
-            self.objects[key] = ObjectMeta(size, replica_num, replicas, COMPLETE, checksum=checksum)
+            if key in self.lost and not any(r.generation == p.generation for r in replicas
+                                            for p in self.lost[key].places):
+                self._forget_lost(key)  # written anew while it was lost (not the lost object restored)
             self.lost.pop(key, None)
+            self.objects[key] = ObjectMeta(size, replica_num, replicas, COMPLETE, checksum=checksum)
         elif refused:
             message = (f"object {key!r} was lost: the journal's record of it could not be replayed (its space at "
                        + ", ".join(f"segment {r.segment_id} offset {r.offset}" for r in refused)
@@ -131,4 +138,5 @@ class Replay:
                      "replicas": [r.record() for r in m.replicas], "checksum": m.checksum}
                     for k, m in self.objects.items() if m.state == COMPLETE]
         records += [lost.record(key) for key, lost in self.lost.items()]
+        records += [{"op": "removed", "key": key, "generation": generation} for key, generation in self.removed]
         return records

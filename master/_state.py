@@ -37,7 +37,7 @@ from engram_store.wire._tickets import make_ticket
 
 from ._allocator import FreeListAllocator
 from ._fencing import Fencing
-from ._records import COMPLETE, LOST_KEYS_KEPT, PENDING, LostObject, ObjectMeta, Replica, Segment
+from ._records import COMPLETE, LOST_KEYS_KEPT, PENDING, REMOVED_KEPT, LostObject, ObjectMeta, Replica, Segment
 from ._repairs import Repairs
 from ._replay import Replay
 
@@ -59,6 +59,8 @@ class MasterState(Fencing, Repairs, Replay):
     objects: dict[str, ObjectMeta] = field(default_factory=dict)
     #: Acknowledged objects whose every replica was dropped, by key (oldest first, at most LOST_KEYS_KEPT).
     lost: OrderedDict = field(default_factory=OrderedDict)
+    #: Removed objects as ``(key, generation)`` (oldest first, at most REMOVED_KEPT): never adopted again.
+    removed: OrderedDict = field(default_factory=OrderedDict)
     #: Freed blocks waiting out ``reuse_delay_s``: (time allocatable, allocator, offset, size), oldest first.
     quarantine: deque = field(default_factory=deque)
     #: Fenced puts whose space waits for the segments' acknowledgements, by put id.
@@ -132,6 +134,11 @@ class MasterState(Fencing, Repairs, Replay):
             key, offset, size, replica_num = entry[:4]
             checksum = entry[4] if len(entry) > 4 else ""
             generation = entry[5] if len(entry) > 5 else 0
+            if generation and (key, generation) in self.removed:
+                log.info("segment %s still lists %r, which was removed while it was away; not adopted",
+                         segment.segment_id, key)
+                skipped += 1
+                continue
             meta = self.objects.get(key)
             if meta is not None and (meta.state != COMPLETE or meta.size != size
                                      or (checksum and meta.checksum and checksum != meta.checksum)):
@@ -350,7 +357,8 @@ class MasterState(Fencing, Repairs, Replay):
                 + (f"; {abandoned} bytes of abandoned writes become free once their segments have fenced them "
                    "(within a heartbeat, or when their writer exits)" if abandoned else "") + ")"
             )
-        self.lost.pop(key, None)
+        if key in self.lost:
+            self._forget_lost(key)  # written anew: the lost bytes must not come back over the new object
         put_id = self.next_put_id
         self.next_put_id += 1
         now = self.clock()
@@ -413,7 +421,7 @@ class MasterState(Fencing, Repairs, Replay):
         already says, and can be written anew."""
         meta = self.objects.get(key)
         if meta is None and key in self.lost:
-            del self.lost[key]
+            self._forget_lost(key)
             self.journal({"op": "remove", "key": key})
             return
         if meta is None:
@@ -436,7 +444,8 @@ class MasterState(Fencing, Repairs, Replay):
         returns (removed, refused by a lease or a write in progress)."""
         removed = refused = 0
         if self.lost:
-            self.lost.clear()
+            for key in list(self.lost):
+                self._forget_lost(key)
             self.journal({"op": "forget_lost"})
         for key in list(self.objects):
             try:
@@ -449,6 +458,7 @@ class MasterState(Fencing, Repairs, Replay):
     def _release(self, key: str, meta: ObjectMeta) -> None:
         """Forget a complete object; its space is quarantined (readers may hold its placement)."""
         self._touch(meta)
+        self.remember_removed(key, meta)
         reusable_at = self.clock() + self.reuse_delay_s
         for replica in meta.replicas:
             segment = self.segments.get(replica.segment_id)
@@ -475,6 +485,18 @@ class MasterState(Fencing, Repairs, Replay):
     def quarantined_bytes(self, segment_id: str | None = None) -> int:
         allocator = self.segments[segment_id].allocator if segment_id is not None else None
         return sum(size for _, a, _, size in self.quarantine if allocator is None or a is allocator)
+
+    def _forget_lost(self, key: str) -> None:
+        """A lost object is removed: a segment that comes back with its bytes does not bring it back."""
+        lost = self.lost.pop(key)
+        self.remember_removed(key, ObjectMeta(lost.size, lost.replica_num, lost.places, COMPLETE))
+
+    def remember_removed(self, key: str, meta: ObjectMeta) -> None:
+        for replica in meta.replicas:
+            if replica.generation:
+                self.removed[(key, replica.generation)] = None
+        while len(self.removed) > REMOVED_KEPT:
+            self.removed.popitem(last=False)
 
     def _remember_lost(self, key: str, lost: LostObject) -> None:
         self.lost.pop(key, None)

@@ -5,7 +5,7 @@ import multiprocessing
 import os
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from engram_store import ConfigError, ObjectLost
@@ -136,7 +136,7 @@ _op = st.one_of(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=int(os.environ.get("ENGRAM_EXAMPLES", "300")), deadline=None)
 @given(ops=st.lists(_op, max_size=40))
 def test_replay_gives_back_every_acknowledged_object(ops):
     clock, journal = Clock(), []
@@ -216,3 +216,62 @@ def test_a_second_process_cannot_open_a_journal_in_use_and_is_told_who_holds_it(
     second = Journal(path)  # free again
     assert second.read() == [{"op": "forget_lost"}]
     second.release()
+
+
+# ---- the property: a segment that comes back with an old catalogue never brings back a removed object ---------
+
+_seg_op = st.one_of(
+    st.tuples(st.just("put"), st.integers(0, 2), st.integers(1, 700)),
+    st.tuples(st.just("remove"), st.integers(0, 2)),
+    st.tuples(st.just("sync"), st.integers(1, 2)),        # the segment learns its catalogue
+    st.tuples(st.just("away"), st.integers(1, 2)),        # dropped: it missed heartbeats
+    st.tuples(st.just("back"), st.integers(1, 2)),        # registers again, offering the catalogue it last learnt
+    st.tuples(st.just("wait")),
+)
+
+
+@settings(max_examples=int(os.environ.get("ENGRAM_EXAMPLES", "300")), deadline=None)
+@given(ops=st.lists(_seg_op, max_size=40), journalled=st.booleans())
+@example(ops=[("put", 0, 100), ("sync", 1), ("away", 1), ("remove", 0), ("back", 1)], journalled=False)
+@example(ops=[("put", 0, 100), ("sync", 1), ("remove", 0), ("wait",), ("away", 1), ("back", 1)], journalled=True)
+def test_a_segment_offering_an_old_catalogue_never_brings_back_a_removed_object(ops, journalled):
+    clock, journal = Clock(), []
+    state = MasterState(clock=clock, journal=journal.append)
+    _registered(state, "s1", "s2")
+    catalogues = {"s1": [], "s2": []}
+    removed, away = set(), set()
+    for n, op in enumerate(ops):
+        kind = op[0]
+        if kind == "put":
+            key = f"k{op[1]}"
+            try:
+                state.put_start(key, op[2], 1)
+            except Exception:
+                continue
+            state.put_end(key, f"c{n}")
+            removed.discard(key)
+        elif kind == "remove":
+            try:
+                state.remove(f"k{op[1]}", force=True)
+                removed.add(f"k{op[1]}")
+            except Exception:
+                pass
+        elif kind == "sync" and f"s{op[1]}" not in away:
+            catalogues[f"s{op[1]}"] = state.segment_objects(f"s{op[1]}")[1]
+        elif kind == "away" and f"s{op[1]}" not in away:
+            state.drop_segment(f"s{op[1]}", "missed heartbeats")
+            away.add(f"s{op[1]}")
+        elif kind == "back" and f"s{op[1]}" in away:
+            if journalled:  # and the master restarted from its journal meanwhile
+                restored = _replayed(list(journal), clock)
+                journal[:] = restored.snapshot()
+                restored.journal = journal.append
+                state = restored
+            sid = f"s{op[1]}"
+            state.register_segment(sid, "127.0.0.1:9", 4096, "", "h", write_key=b"w" * 32,
+                                   registration=f"r{n}", objects=catalogues[sid])
+            away.discard(sid)
+        elif kind == "wait":
+            clock.now += 3
+        back = {k for k in removed if state.exists(k)}
+        assert not back, f"removed objects came back: {back}"
