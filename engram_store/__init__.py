@@ -33,6 +33,7 @@ from ._errors import (
     StoreError,
     Unavailable,
     WriteFenced,
+    StalePlacement,
 )
 from .segment import SegmentServer
 from ._units import format_size, parse_size
@@ -64,6 +65,7 @@ __all__ = [
     "StoreError",
     "Unavailable",
     "WriteFenced",
+    "StalePlacement",
     "format_size",
     "lookup_many",
     "parse_size",

@@ -17,6 +17,7 @@ Every error engram raises derives from :class:`EngramError`::
         │   └── SegmentUnavailable
         │       └── ObjectLost            every replica of the object sat on segments now dead
         ├── WriteFenced                   a write of a put that was revoked, expired or forgotten was refused
+        ├── StalePlacement                a segment refused a read of an object another put has overwritten
         ├── ProtocolError                 a peer sent a message that does not follow the wire protocol
         ├── RemoteError                   a server failed while handling a valid request
         └── AuthError                     a server refused this client's credentials
@@ -123,6 +124,15 @@ class WriteFenced(StoreError):
     code = "FENCED"
 
 
+class StalePlacement(StoreError):
+    """A segment refused a read because the object the reader named (by its place and the put that wrote it) is no
+    longer there: another put has written that space since. The reader's placement is stale: it was removed, and
+    its space reused, while this client could not ask the master (a partition, a stalled master). Nothing of the
+    read was returned; ask the master again where the object is."""
+
+    code = "STALE_PLACEMENT"
+
+
 class ProtocolError(StoreError):
     """A peer sent a message that does not follow the wire protocol (or a different version of it)."""
 
@@ -146,7 +156,7 @@ _BY_CODE = {
     for cls in (
         EngramError, InvalidArgument, ConfigError, InvalidType, NotConnected, StoreError,
         ObjectNotFound, ObjectExists, LeaseActive, OutOfSpace, Unavailable, MasterUnavailable,
-        SegmentUnavailable, ObjectLost, WriteFenced, ProtocolError, RemoteError, AuthError,
+        SegmentUnavailable, ObjectLost, WriteFenced, StalePlacement, ProtocolError, RemoteError, AuthError,
     )
 }
 

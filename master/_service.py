@@ -331,9 +331,11 @@ class MasterServer:
             except EngramError as exc:
                 objects.append({"ok": False, "code": exc.code, "message": str(exc)})
                 continue
-            replicas = [self._replica(self.state.segments[r.segment_id], r.offset) for r in meta.replicas]
+            replicas = [self._replica(self.state.segments[r.segment_id], r.offset, r.generation)
+                        for r in meta.replicas]
             objects.append({"ok": True, "size": meta.size, "replicas": replicas, "checksum": meta.checksum})
-        return {"objects": objects, "lease_ttl_ms": int(self.state.lease_ttl_s * 1000)}
+        return {"objects": objects, "lease_ttl_ms": int(self.state.lease_ttl_s * 1000),
+                "reuse_delay_ms": int(self.state.reuse_delay_s * 1000)}
 
     def _exist(self, req: Request) -> dict:
         return {"exist": [self.state.exists(k) for k in self._keys(req)]}
@@ -367,10 +369,12 @@ class MasterServer:
         }
 
     @staticmethod
-    def _replica(segment: Segment, offset: int) -> dict:
+    def _replica(segment: Segment, offset: int, generation: int = 0) -> dict:
+        """A replica as clients see it; ``generation`` (the put that wrote it) lets segments refuse stale reads."""
         return {"segment_id": segment.segment_id, "address": segment.address, "offset": offset,
                 "shm_path": segment.shm_path, "host_id": segment.host_id, "size": segment.size,
-                "public_key": segment.public_key, "read_addresses": list(segment.read_addresses)}
+                "public_key": segment.public_key, "read_addresses": list(segment.read_addresses),
+                "generation": generation}
 
 
 def _read_addresses(req: Request) -> tuple[str, ...]:

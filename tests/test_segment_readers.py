@@ -131,7 +131,7 @@ def _bad_requests(replica) -> list[tuple[str, list, str]]:
         ("mismatched counts", [head, np.zeros(2, np.int64).tobytes(), np.ones(3, np.int64).tobytes()],
          "expected 2"),
         ("past the end", [head, pairs((replica.offset, 8), (end - 8, 16))], "range 1"),
-        ("negative offset", [head, pairs((-64, 8))], "range 0"),
+        ("a lone check (a negative offset)", [head, pairs((-64, 8))], "leading check pairs, expected an even"),
         ("negative length", [head, pairs((0, 8), (64, -8))], "range 1 length"),
         ("lengths that wrap int64", [head, pairs(*[(0, 1 << 62)] * 4)], "range 0"),
         ("too many bytes", [head, pairs((0, MAX_READ_BYTES), (0, 8))], "total length"),

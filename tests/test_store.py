@@ -396,7 +396,8 @@ def test_a_segment_larger_than_free_memory_fails_at_start_with_a_clear_error():
     too_big = limit + (1 << 30)
     before = set(os.listdir("/dev/shm"))
     start = time.monotonic()
-    with pytest.raises(OutOfSpace, match=r"segment size: cannot reserve \d+ bytes in /dev/shm \(\d+ bytes free\)"):
+    with pytest.raises(OutOfSpace,
+                       match=r"segment size: cannot reserve \d+ bytes in /dev/shm \(\d+ bytes free before the attempt\)"):
         DistributedStore.embedded(segment_size=too_big)
     assert time.monotonic() - start < 30
     assert set(os.listdir("/dev/shm")) <= before  # nothing left behind

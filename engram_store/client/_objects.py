@@ -26,6 +26,8 @@ class Replica:
     host_id: str
     segment_size: int
     read_addresses: tuple[str, ...] = ()
+    #: The put whose bytes these are: reads name it, and a segment refuses them once another put wrote there.
+    generation: int = 0
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class ObjectInfo:
 
 def replica_of(d: dict) -> Replica:
     return Replica(d["segment_id"], d["address"], d["offset"], d["shm_path"], d["host_id"], d["size"],
-                   tuple(d.get("read_addresses") or ()))
+                   tuple(d.get("read_addresses") or ()), int(d.get("generation") or 0))
 
 
 def check_key(key: object, name: str = "key") -> str:

@@ -371,7 +371,7 @@ class ReadPath:
             endpoint, pairs = requests[i]
             deadline = time.monotonic() + timeout_s
             pairs = np.ascontiguousarray(pairs)
-            expected = int(pairs[:, 1].sum()) if pairs.size else 0
+            expected = reply_bytes(pairs)
             out = outs[i] if outs is not None else None
             try:
                 link, request_id = self._send_read(endpoint, pairs, deadline)
@@ -400,32 +400,34 @@ class ReadPath:
 
     def _read_remote(self, work: list, groups: dict[str, list[int]], failed: set[str]):
         """Read grouped work items, one request per server (split past the reply limit); yield failures."""
-        requests = []  # (address, items, offsets, lengths)
+        requests = []  # (address, items, offsets, lengths, objects named: {(offset, size, generation)})
         for address, items in groups.items():
-            batch, offs, lens, total = [], [], [], 0
+            batch, offs, lens, total, named = [], [], [], 0, set()
             for w in items:
                 info, src_off, sizes = work[w][0], work[w][1], work[w][2]
                 replica = next(r for r in info.replicas if r.address == address)
                 nbytes = int(sizes.sum())
                 if batch and total + nbytes > CHUNK_BYTES:
-                    requests.append((address, batch, np.concatenate(offs), np.concatenate(lens)))
-                    batch, offs, lens, total = [], [], [], 0
+                    requests.append((address, batch, np.concatenate(offs), np.concatenate(lens), named))
+                    batch, offs, lens, total, named = [], [], [], 0, set()
                 batch.append(w)
                 offs.append(src_off + replica.offset)
                 lens.append(sizes)
                 total += nbytes
-            requests.append((address, batch, np.concatenate(offs), np.concatenate(lens)))
+                named.add((replica.offset, info.size, replica.generation))
+            requests.append((address, batch, np.concatenate(offs), np.concatenate(lens), named))
         outs = []
-        for _, items, _, lens in requests:
+        for _, items, _, lens, _ in requests:
             # A request for one range of one item (a chunk of a whole object) lands straight in its destination.
             if len(items) == 1 and lens.size == 1:
                 dst, dst_off = work[items[0]][3], work[items[0]][4]
                 outs.append(dst[int(dst_off[0]):int(dst_off[0]) + int(lens[0])])
             else:
                 outs.append(None)
-        replies = self.read_pairs_many([(a, np.stack((o, n), axis=1)) for a, _, o, n in requests], outs)
+        replies = self.read_pairs_many([(a, with_checks(named, np.stack((o, n), axis=1)))
+                                        for a, _, o, n, named in requests], outs)
         failures: dict[str, list[int]] = {}
-        for (address, items, _, _), reply, out in zip(requests, replies, outs):
+        for (address, items, _, _, _), reply, out in zip(requests, replies, outs):
             if isinstance(reply, BaseException):
                 if not isinstance(reply, SegmentUnavailable):
                     raise reply
@@ -442,6 +444,25 @@ class ReadPath:
                 _kernels.scatter_ranges(data[pos:pos + n], dst, dst_off, sizes)
                 pos += n
         yield from failures.items()
+
+
+def reply_bytes(pairs: np.ndarray) -> int:
+    """The bytes a read of ``pairs`` returns: its ranges' lengths (leading checks return nothing)."""
+    if not pairs.size:
+        return 0
+    if pairs[0, 0] < 0:
+        return int(pairs[pairs[:, 0] >= 0, 1].sum())
+    return int(pairs[:, 1].sum())
+
+
+def with_checks(named: set, pairs: np.ndarray) -> np.ndarray:
+    """``pairs`` led by the checks of the objects it reads (``{(offset, size, generation)}``): the segment serves
+    them only while those objects are still there (see ``kernels.check_generations``)."""
+    if not named:
+        return pairs
+    offsets, sizes, generations = (np.array(column, dtype=np.int64) for column in zip(*sorted(named)))
+    checks = _kernels.check_pairs_for(offsets, sizes, generations)
+    return np.concatenate((checks, pairs)) if checks.size else pairs
 
 
 def _copy_local(view: np.ndarray, src_off: np.ndarray, sizes: np.ndarray, dst: np.ndarray,

@@ -59,6 +59,9 @@ class DistributedStore(ReadPath, WritePath):
         self.master_address = master
         self._raw_channels: list[RawChannel] = []
         self.timeout_ms = timeout_ms
+        #: The master's reuse delay (its replies say it): how long a removed object's space stays unused, so how
+        #: long a placement may be trusted without asking again.
+        self.reuse_delay_s = 2.0
         self.local_direct = bool(local_direct)
         self.auth_dir = auth_dir or None
         self._auth = load_keys(auth_dir, server=False) if auth_dir else None
@@ -242,6 +245,8 @@ class DistributedStore(ReadPath, WritePath):
         """Replica placement of each key, in one master request (raises ObjectNotFound / ObjectLost);
         ``timeout_ms`` overrides the store's timeout for this request."""
         header = self._master_call("get_replicas", {"keys": list(keys), "lease": lease}, timeout_ms)
+        if "reuse_delay_ms" in header:
+            self.reuse_delay_s = max(0.0, float(header["reuse_delay_ms"]) / 1000.0)
         out = []
         for key, obj in zip(keys, header["objects"]):
             if not obj.get("ok"):

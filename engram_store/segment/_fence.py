@@ -85,17 +85,19 @@ class WriteFence:
             raise WriteFenced(f"{what}: put {fields[0]} was fenced (revoked, expired, or removed with force)")
         return fields
 
-    def check(self, ticket: bytes, offset: int, nbytes: int) -> None:
-        """Raise unless ``nbytes`` at ``offset`` may be written under ``ticket``."""
+    def check(self, ticket: bytes, offset: int, nbytes: int) -> tuple[int, int, int]:
+        """``(put_id, start, size)`` of the ticket's put and range; raise unless ``nbytes`` at ``offset`` may be
+        written under ``ticket``."""
         with self._lock:
             put_id, start, size = self._admit(ticket, "write")
         if offset < start or offset + nbytes > start + size:
             raise InvalidArgument(f"write: bytes [{offset}, {offset + nbytes}) lie outside the range [{start}, "
                                   f"{start + size}) the ticket of put {put_id} allows")
+        return put_id, start, size
 
-    def open_direct(self, ticket: bytes, pid: int) -> tuple[int, int]:
-        """A same-host writer (process ``pid``) starts writing its put straight into the file; returns the range
-        it may write. Raises WriteFenced for a dead put, InvalidArgument when ``pid`` cannot be watched from here
+    def open_direct(self, ticket: bytes, pid: int) -> tuple[int, int, int]:
+        """A same-host writer (process ``pid``) starts writing its put straight into the file; returns the put and
+        the range it may write, ``(put_id, offset, size)``. Raises WriteFenced for a dead put, InvalidArgument when ``pid`` cannot be watched from here
         (another pid namespace, or no pidfd support): the writer then writes through requests."""
         try:
             pidfd = os.pidfd_open(pid)
@@ -112,7 +114,7 @@ class WriteFence:
             if old is not None:
                 os.close(old.pidfd)
             self._direct[bytes(ticket)] = _DirectWriter(put_id, offset, size, pidfd, self.registration)
-        return offset, size
+        return put_id, offset, size
 
     def close_direct(self, ticket: bytes) -> bool:
         """A same-host writer is done with its put; returns whether the put was fenced meanwhile (then what it

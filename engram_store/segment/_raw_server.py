@@ -98,11 +98,13 @@ class RawReadServer(Receiving, Serving):
 
     def __init__(self, host: str, segment: np.ndarray, *, port: int = 0, max_ranges: int, max_bytes: int,
                  require_token: bool = False, name: str = "segment", metrics: Any = None,
-                 max_connections: int | None = None):
+                 max_connections: int | None = None, generations: Any = None):
         if max_connections is not None and (isinstance(max_connections, bool) or not isinstance(max_connections, int)
                                             or max_connections < 1):
             raise InvalidArgument(f"max_connections: expected an integer >= 1, got {max_connections!r}")
         self.segment = _kernels.readonly(segment)
+        #: Which put wrote which range (a segment's Generations): reads that name objects are checked against it.
+        self.generations = generations
         self.metrics = metrics  # a RequestMetrics: raw reads count as op "read_ranges" with the ZeroMQ ones
         self.max_ranges = max_ranges
         self.max_bytes = max_bytes

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from .. import kernels as _kernels
-from .._errors import InvalidArgument
+from .._errors import EngramError, InvalidArgument
 from ..wire._auth import REFUSALS
-from ..wire._raw import HEADER, MAGIC, OP_READ, STATUS_OK, VERSION, error_reply, sendmsg_all
+from ..wire._raw import HEADER, MAGIC, OP_READ, STATUS_OK, VERSION, error_reply, sendmsg_all, request_id_of
 from . import _raw_limits as limits
 from ._raw_state import GONE, READY, WAIT, Buffers, Conn
 
@@ -210,6 +210,14 @@ class Serving:
         The request is counted in the metrics before its reply goes out (so a client that has the reply sees it
         counted)."""
         start = time.perf_counter()
+        checked, version = pairs, 0
+        if pairs.shape[0] and pairs[0, 0] < 0:
+            try:
+                if self.generations is None:
+                    raise InvalidArgument(f"read_ranges: negative offset {int(pairs[0, 0])} ({self.address})")
+                pairs, version = self.generations.split(pairs, self.address)
+            except EngramError as exc:
+                return self._reply_error(sock, request_id, exc)
         bad, total = _kernels.check_pairs(self.segment, pairs)
         if bad >= 0:
             return self._reply_error(sock, request_id, InvalidArgument(
@@ -221,22 +229,30 @@ class Serving:
         head = HEADER.pack(MAGIC, VERSION, STATUS_OK, request_id, total)
         timeout_s = self.send_timeout_s + total / limits.SEND_MIN_BYTES_PER_S
         if total > limits.STREAM_MIN_BYTES or (pairs.shape[0] == 1 and total >= limits.STREAM_PIECE_BYTES):
-            return self._stream(sock, head, pairs, total, start, bufs, timeout_s)
+            recheck = None if checked is pairs else (lambda: self.generations.recheck(checked, version, self.address))
+            return self._stream(sock, head, pairs, total, start, bufs, timeout_s, recheck)
         buf = bufs.reply
         if buf is None or buf.size < total:
             buf = bufs.reply = np.empty(min(limits.STREAM_MIN_BYTES, max(total, 1 << 16, 2 * (0 if buf is None else
                                                                                          buf.size))), dtype=np.uint8)
         _kernels.gather_pairs_unchecked(self.segment, pairs, buf[:total])
+        if checked is not pairs:
+            try:  # a put that wrote over a named object while we gathered: its bytes must not go out
+                self.generations.recheck(checked, version, self.address)
+            except EngramError as exc:
+                return self._reply_error(sock, request_id, exc)
         if self.metrics is not None:
             self.metrics.record("read_ranges", time.perf_counter() - start, True)
         sendmsg_all(sock, [head, buf[:total]], timeout_s)
 
     def _stream(self, sock: socket.socket, head: bytes, pairs: np.ndarray, total: int, start: float,
-                bufs: "Buffers", timeout_s: float) -> None:
+                bufs: "Buffers", timeout_s: float, recheck: Any = None) -> None:
         """Send a large reply in pieces (see :func:`_kernels.plan_pieces`): a range of limits.STREAM_PIECE_BYTES or more
         straight from the segment, the others gathered into alternate halves of ``bufs.reply`` by a helper thread,
         piece k + 1 while piece k is sent, so the client receives while the rest is gathered. The reply on the
-        wire is the same as in one piece."""
+        wire is the same as in one piece. ``recheck`` (a read that named its objects) runs before each piece goes
+        out: a put that wrote over them meanwhile ends the reply with an error (before the first piece) or by closing
+        the connection (after it), never with its bytes."""
         bounds, sizes = _kernels.plan_pieces(pairs, total, limits.STREAM_PIECE_BYTES)
         lone = [(hi - lo == 1 and n >= limits.STREAM_PIECE_BYTES) for lo, hi, n in
                 zip(bounds[:-1].tolist(), bounds[1:].tolist(), sizes.tolist())]
@@ -270,6 +286,15 @@ class Serving:
         try:
             for k in range(len(lone)):
                 piece = pending.result() if isinstance(pending, Future) else pending
+                if recheck is not None:
+                    if half[k] < 0:  # straight from the segment: copy it before checking, then send the copy
+                        piece = np.array(piece)
+                    try:
+                        recheck()
+                    except EngramError as exc:
+                        if k == 0:
+                            return self._reply_error(sock, request_id_of(head), exc)
+                        raise ConnectionAbortedError(str(exc)) from None
                 # The other half's piece has been sent: gather piece k + 1 into it while this one goes out.
                 pending = begin(k + 1) if k + 1 < len(lone) else None
                 if k == 0:  # the header goes out with the first piece

@@ -36,6 +36,7 @@ from ..wire._raw import VERSION as RAW_VERSION
 from ..wire._transport import Connection, RpcServer, io_threads
 from ._catalog import Catalog
 from ._fence import WriteFence
+from ._generations import Generations
 from ._memory import SegmentMemory, host_id
 from ._raw_server import RawReadServer
 
@@ -108,6 +109,8 @@ class SegmentServer:
         if not isinstance(readers, int) or isinstance(readers, bool) or not 0 <= readers <= MAX_READERS:
             raise InvalidArgument(f"readers: expected an integer in [0, {MAX_READERS}], got {readers!r}")
         self.catalog = Catalog(os.path.abspath(file) if file is not None else None, size)
+        self.generations = Generations()
+        self.generations.seed(self.catalog.objects)  # a durable segment's objects, as its manifest lists them
         if file is not None:
             if segment_id is not None and segment_id != self.catalog.segment_id:
                 raise ConfigError(f"segment_id: the manifest of {file!r} names {self.catalog.segment_id}, "
@@ -161,7 +164,7 @@ class SegmentServer:
                 # Range reads on a plain TCP port as well (see _raw): lookups at the network stack's speed.
                 self.raw = RawReadServer(host, self.memory.array, max_ranges=MAX_RANGES, max_bytes=MAX_READ_BYTES,
                                          require_token=auth is not None, name=name, metrics=self.server.metrics,
-                                         max_connections=raw_max_connections)
+                                         max_connections=raw_max_connections, generations=self.generations)
         except BaseException:
             self._close_servers()
             self._release_memory()
@@ -297,6 +300,7 @@ class SegmentServer:
         if self.catalog.durable:
             self.memory.flush()
         self.catalog.record(int(header["catalog"]), header["objects"])
+        self.generations.seed(header["objects"])
         log.debug("segment %s: catalogue holds %d objects (version %d)", self.segment_id,
                   len(self.catalog.objects), self.catalog.version)
 
@@ -325,7 +329,8 @@ class SegmentServer:
         if data.nbytes > self.size - offset:
             raise InvalidArgument(
                 f"write: {data.nbytes} bytes at offset {offset} end past the segment's {self.size} bytes")
-        self.fence.check(ticket, offset, data.nbytes)
+        put_id, start, size = self.fence.check(ticket, offset, data.nbytes)
+        self.generations.claim(start, size, put_id)  # before any byte lands: readers of what was here are refused
         try:
             self.memory.write(offset, data)
         except OSError as exc:
@@ -338,7 +343,8 @@ class SegmentServer:
         if self.catalog.durable:
             raise InvalidArgument(f"write_open: segment {self.segment_id} keeps its bytes in a file that outlives "
                                   "it; write through requests")
-        offset, size = self.fence.open_direct(req.bytes("ticket", 256), req.int("pid", 1, 1 << 31))
+        put_id, offset, size = self.fence.open_direct(req.bytes("ticket", 256), req.int("pid", 1, 1 << 31))
+        self.generations.claim(offset, size, put_id)  # the writer writes straight into the file from now on
         return {"offset": offset, "size": size}
 
     def _write_close(self, req: Request) -> dict:
@@ -362,6 +368,9 @@ class SegmentServer:
         else:
             raise InvalidArgument(f"read_ranges: expected 1 frame (int64 [R, 2] offset, length pairs) or 2 frames "
                                   f"(offsets, lengths), got {len(frames)}")
+        checked, version = pairs, 0
+        if pairs.shape[0] and pairs[0, 0] < 0:
+            pairs, version = self.generations.split(pairs, self.address)
         count = pairs.shape[0]
         if count > MAX_RANGES:
             raise InvalidArgument(f"read_ranges: at most {MAX_RANGES} ranges per request, got {count}")
@@ -383,12 +392,18 @@ class SegmentServer:
             if not 0 <= start <= self.size - total:
                 raise InvalidArgument(f"read_ranges: range 0 (offset {start}, length {total}) is outside the "
                                       f"segment of {self.size} bytes")
+            if checked is not pairs:  # sent without a copy: a later write would change what goes out
+                out = np.array(self._src[start:start + total])
+                self.generations.recheck(checked, version, self.address)
+                return {"bytes": total}, [out]
             return {"bytes": total}, [memoryview(self._src[start:start + total])]
         out = np.empty(total, dtype=np.uint8)
         bad = _kernels.gather_pairs(self._src, pairs, out, total)
         if bad >= 0:
             raise InvalidArgument(f"read_ranges: range {bad} (offset {int(pairs[bad, 0])}, length "
                                   f"{int(pairs[bad, 1])}) is outside the segment of {self.size} bytes")
+        if checked is not pairs:
+            self.generations.recheck(checked, version, self.address)
         return {"bytes": total}, [out]
 
     # ---- lifecycle ------------------------------------------------------------------------------

@@ -20,14 +20,15 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import kernels as _kernels
-from .._errors import EngramError, ObjectNotFound, SegmentUnavailable, StoreError, Unavailable
+from .._errors import EngramError, ObjectNotFound, SegmentUnavailable, StalePlacement, StoreError, Unavailable
 from ._layout import Layer
 from ._source import InMemory
 
 log = logging.getLogger(__name__)
 
 #: How long a resolved table placement is used before it is checked with the master again (one request, in the
-#: background up to PLACEMENT_STALE_S, before use past it). Both stay well below the master's reuse delay (2 s).
+#: background up to PLACEMENT_STALE_S, before use past it). Both stay well below the master's reuse delay (2 s by
+#: default; a master configured with a shorter one makes them shorter: a quarter and a half of it).
 PLACEMENT_TTL_S = 0.5
 PLACEMENT_STALE_S = 1.0
 #: The longest a lookup waits for the master to check a placement it already has, before reading from it anyway.
@@ -49,10 +50,8 @@ class Placement:
     bases: np.ndarray                 # byte offset of head order[j]'s table in its segment (read-only int64)
     signature: tuple = ()             # (size, replicas) per head, to spot changes
     checked_at: float = 0.0           # time.monotonic() of the last check with the master
-
-    @property
-    def fresh(self) -> bool:
-        return time.monotonic() - self.checked_at < PLACEMENT_TTL_S
+    checks: tuple = ()                # per remote server: the check pairs naming its tables (read-only int64
+                                      # [2K, 2]); its reads lead with them, so it never serves another object
 
     def reads_from(self, failed: set[str]) -> bool:
         return any(address in failed for address, *_ in self.remote)
@@ -63,6 +62,8 @@ class PlacementState:
 
     def __init__(self, cache: Any = None):
         self.placement: Placement | None = None
+        self.remote_only: Placement | None = None  # the placement read through segments only (see Placements.get)
+        self.stale: StalePlacement | None = None  # a segment said the placement was stale: the master must answer
         self.known: tuple | None = None  # (infos, signature, time) of the master's last answer
         self.validated: tuple = ()       # the signature whose manifest was checked
         self.refreshing = False          # a background check is running
@@ -82,18 +83,54 @@ class Placements:
         self._warned_at = -MASTER_WARN_INTERVAL_S
         self._closed = False
 
+    def limits(self) -> tuple[float, float]:
+        """``(ttl, stale)``: a placement younger than ttl is used as it is, up to stale while it is checked in the
+        background; both well inside the master's reuse delay."""
+        reuse = getattr(self.native, "reuse_delay_s", 2.0)
+        return min(PLACEMENT_TTL_S, reuse / 4), min(PLACEMENT_STALE_S, reuse / 2)
+
     def get(self, lay: Layer, failed: set[str]) -> Placement:
-        """The layer's placement, checked with the master as the module docstring says."""
+        """The layer's placement, checked with the master as the module docstring says.
+
+        While the master does not answer, a placement older than half its reuse delay is no longer proof that the
+        tables are where it says: its tables mapped on this host are then read through their segments too, which
+        check every read against the put that wrote what they hold (see ``kernels.check_generations``), so a
+        layer removed meanwhile, its space reused, is never read."""
         cached = lay.state.placement
         if cached is not None:
             age = time.monotonic() - cached.checked_at
-            if age < PLACEMENT_TTL_S:
+            ttl, stale = self.limits()
+            if age < ttl:
                 return cached
-            if age < PLACEMENT_STALE_S or self._trouble():
+            if age < stale:
                 self._refresh_later(lay)
                 return cached
+            if self._trouble():
+                self._refresh_later(lay)
+                return self._remote_only(lay, cached, failed) if cached.memory.sources else cached
             return self.resolve(lay, failed, timeout_ms=min(self.native.timeout_ms, REFRESH_TIMEOUT_MS))
         return self.resolve(lay, failed)
+
+    def _remote_only(self, lay: Layer, cached: Placement, failed: set[str]) -> Placement:
+        """``cached`` with every head read from its segment (checked there), none from a mapping."""
+        state = lay.state
+        kept = state.remote_only
+        if kept is not None and kept.signature == cached.signature and kept.checked_at == cached.checked_at \
+                and not kept.reads_from(failed):
+            return kept
+        infos, signature, checked_at = state.known
+        placement = self._build(lay, infos, failed, signature, checked_at, local=False)
+        state.remote_only = placement
+        return placement
+
+    def stale(self, lay: Layer, exc: StalePlacement) -> None:
+        """A segment refused a read of the layer's placement: forget it (and the master's last answer); the next
+        read asks the master, and fails with ``exc`` if it does not answer."""
+        state = lay.state
+        with lay.lock:
+            state.placement = state.remote_only = None
+            state.known = None
+            state.stale = exc
 
     def resolve(self, lay: Layer, failed: set[str], timeout_ms: int | None = None) -> Placement:
         """Ask the master where the layer's heads are and build the placement (reading and checking the layer's
@@ -109,15 +146,24 @@ class Placements:
             raise
         except Unavailable as exc:
             if state.known is None:
+                if state.stale is not None:
+                    raise StalePlacement(f"layer {lay.layer_id}: {state.stale}; and the master did not answer "
+                                         f"({exc}), so where the layer is now is not known") from exc
                 raise
             self._unreachable(lay, exc)
+            # Past half the reuse delay, the last answer no longer proves what a mapping holds: read through
+            # the segments, which check each read against the put that wrote the bytes.
+            local = now - state.known[2] < self.limits()[1]
             if cached is not None and not cached.reads_from(failed):
-                return cached
+                return cached if local or not cached.memory.sources else self._remote_only(lay, cached, failed)
             infos, signature, checked_at = state.known
         else:
             self._trouble_at = 0.0
-            signature = tuple((info.size, tuple((r.segment_id, r.address, r.offset) for r in info.replicas))
-                              for info in infos)
+            state.stale = None
+            local = True
+            # The generation (the put that wrote a table) tells a layer written again in the same place apart.
+            signature = tuple((info.size, tuple((r.segment_id, r.address, r.offset, r.generation)
+                                                for r in info.replicas)) for info in infos)
             checked_at = now
             if cached is not None and signature == cached.signature and not cached.reads_from(failed):
                 cached.checked_at = now
@@ -129,13 +175,15 @@ class Placements:
                 self.clear_cache(lay)  # rows cached from an earlier placement may belong to another table now
                 state.validated = signature
             state.known = (infos, signature, now)
-        placement = self._build(lay, infos, failed, signature, checked_at)
+        placement = self._build(lay, infos, failed, signature, checked_at, local=local)
         with lay.lock:
             state.placement = placement
         return placement
 
-    def _build(self, lay: Layer, infos: list, failed: set[str], signature: tuple, checked_at: float) -> Placement:
-        """Which heads are read in place (a segment mapped on this host) and which from which server."""
+    def _build(self, lay: Layer, infos: list, failed: set[str], signature: tuple, checked_at: float,
+               local: bool = True) -> Placement:
+        """Which heads are read in place (a segment mapped on this host; none when not ``local``) and which from
+        which server."""
         native = self.native
         lay.counters.add(placement_refreshes=1)
         local_tables: list[tuple[int, np.ndarray]] = []
@@ -150,7 +198,7 @@ class Placements:
                 raise SegmentUnavailable(f"layer {lay.layer_id}: segment {', '.join(r.address for r in info.replicas)}"
                                          f" holding head {lay.heads[h]} ({info.key!r}) did not answer, and no other "
                                          "replica of it is left")
-            for r in live:
+            for r in live if local else ():
                 view = native.local_view(r)
                 if view is not None and 0 <= r.offset <= view.size - nbytes:
                     local_tables.append((h, view[r.offset:r.offset + nbytes]))
@@ -158,15 +206,19 @@ class Placements:
             else:
                 r = live[h % len(live)]
                 remote.setdefault(r.address, []).append((h, r.offset, r))
-        order, bases, groups = [], [], []
+        order, bases, groups, checks = [], [], [], []
         for address, entries in remote.items():
             j0 = len(order)
             order += [h for h, _, _ in entries]
             bases += [offset for _, offset, _ in entries]
             groups.append((address, native.read_endpoints(entries[0][2]), j0, len(order)))
+            checks.append(_kernels.readonly(_kernels.check_pairs_for(
+                np.array([offset for _, offset, _ in entries], dtype=np.int64),
+                np.array([lay.sizes[h] * lay.row_bytes for h, _, _ in entries], dtype=np.int64),
+                np.array([getattr(r, "generation", 0) for _, _, r in entries], dtype=np.int64))))
         return Placement(InMemory.of(lay, local_tables), groups,
                          _kernels.readonly(np.asarray(order, dtype=np.int64)),
-                         _kernels.readonly(np.asarray(bases, dtype=np.int64)), signature, checked_at)
+                         _kernels.readonly(np.asarray(bases, dtype=np.int64)), signature, checked_at, tuple(checks))
 
     def _trouble(self) -> bool:
         """Whether a placement check failed recently (then lookups do not wait for the master)."""

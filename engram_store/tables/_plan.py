@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import kernels as _kernels
-from .._errors import InvalidArgument, InvalidType, SegmentUnavailable, StoreError, describe
+from .._errors import InvalidArgument, InvalidType, SegmentUnavailable, StalePlacement, StoreError, describe
 from ..kernels._planning import _direct_pairs
 from ._placement import Placement
 from ._source import Job, gather
@@ -39,6 +39,9 @@ READ_ROUND_ROWS = 1 << 20
 DIRECT_MAX_ROWS = READ_ROUND_ROWS
 #: How many times a lookup re-resolves placement after a segment fails before giving up.
 FAILOVER_ROUNDS = 2
+#: Said of a read in place of a failed server's address: a segment refused it as stale (the layer must be
+#: resolved again with the master; no server failed).
+STALE = "(stale placement)"
 
 
 class LookupHandle:
@@ -135,7 +138,9 @@ def _read_round(native: Any, jobs: list[Job], failed: set[str]) -> None:
         retry = []
         for job, placement in zip(pending, placed):
             owner, lay, ids2, flat = job
-            if any(address in bad for address, *_ in placement.remote):
+            if lay.state.stale is not None and lay.state.placement is None:
+                retry.append(job)  # a segment refused it as stale: ask the master again
+            elif any(address in bad for address, *_ in placement.remote):
                 retry.append(job)
                 with lay.lock:
                     lay.state.placement = None  # re-resolve: the master may have dropped the dead segment
@@ -144,6 +149,7 @@ def _read_round(native: Any, jobs: list[Job], failed: set[str]) -> None:
                                  **counts.get(id(flat), {}))
         if not retry:
             return
+        bad.discard(STALE)
         failed |= bad
         log.warning("layers %s: segment(s) %s failed; retrying on other replicas",
                     sorted({lay.layer_id for _, lay, _, _ in retry}), sorted(bad))
@@ -170,36 +176,45 @@ def _read_remote(native: Any, jobs: list, counts: dict) -> set[str]:
 
     A job whose heads all live on one server reads its rows as they are, in output order (the reply is its
     output); others read each distinct row once and scatter it (see DIRECT_MAX_ROWS)."""
-    requests: dict[str, tuple[str, list]] = {}
+    requests: dict[str, tuple[str, list, list]] = {}  # address -> (endpoint, parts, checks)
     for owner, lay, placement, ids2, flat in jobs:
         if reads_direct(placement, ids2):
             address, endpoints, _, _ = placement.remote[0]
             pairs = _direct_pairs(ids2, placement.order, placement.bases, lay.row_bytes)
-            requests.setdefault(address, (native.pick_endpoint(endpoints), []))[1].append(
-                (lay, None, pairs, ids2.size, flat))
+            request = requests.setdefault(address, (native.pick_endpoint(endpoints), [], []))
+            request[1].append((owner, lay, None, pairs, ids2.size, flat))
+            request[2].append(placement.checks[0])
             continue
         plan = _kernels.plan_reads(ids2, placement.order, placement.bases, lay.row_bytes, checked=True)
-        for address, endpoints, j0, j1 in placement.remote:
+        for g, (address, endpoints, j0, j1) in enumerate(placement.remote):
             pairs = plan.pairs[plan.head_ranges[j0]:plan.head_ranges[j1]]
             rows = int(plan.head_rows[j1] - plan.head_rows[j0])
-            requests.setdefault(address, (native.pick_endpoint(endpoints), []))[1].append(
-                (lay, (plan, placement.order[j0:j1], int(plan.head_rows[j0])), pairs, rows, flat))
+            request = requests.setdefault(address, (native.pick_endpoint(endpoints), [], []))
+            request[1].append((owner, lay, (plan, placement.order[j0:j1], int(plan.head_rows[j0])), pairs, rows,
+                               flat))
+            request[2].append(placement.checks[g])
     batch, outs = [], []
-    for endpoint, parts in requests.values():
-        pieces = [pairs for _, _, pairs, _, _ in parts]
+    for endpoint, parts, checks in requests.values():
+        # The checks of every table read lead the request (the segment serves it only while they all hold).
+        pieces = [c for c in checks if c.size] + [pairs for _, _, _, pairs, _, _ in parts]
         batch.append((endpoint, pieces[0] if len(pieces) == 1 else np.concatenate(pieces)))
-        outs.append(parts[0][4] if len(parts) == 1 and parts[0][1] is None else None)  # straight into the output
+        outs.append(parts[0][5] if len(parts) == 1 and parts[0][2] is None else None)  # straight into the output
     results = native.read_pairs_many(batch, outs)
     failed = set()
-    for (address, (_, parts)), result in zip(requests.items(), results):
+    for (address, (_, parts, _)), result in zip(requests.items(), results):
         if isinstance(result, BaseException):
             if isinstance(result, SegmentUnavailable):
                 failed.add(address)
                 continue
+            if isinstance(result, StalePlacement):
+                for owner, lay, *_ in parts:
+                    owner.placements.stale(lay, result)
+                failed.add(STALE)
+                continue
             raise result
         data = _kernels.readonly(np.frombuffer(result, dtype=np.uint8))
         pos = 0
-        for lay, scatter, _, rows, flat in parts:
+        for _, lay, scatter, _, rows, flat in parts:
             n = rows * lay.row_bytes
             if data.size < pos + n:
                 raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")

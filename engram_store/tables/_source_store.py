@@ -14,13 +14,13 @@ from typing import Any
 import numpy as np
 
 from .. import kernels as _kernels
-from .._errors import ObjectLost, ObjectNotFound, SegmentUnavailable, StoreError
+from .._errors import ObjectLost, ObjectNotFound, SegmentUnavailable, StalePlacement, StoreError
 from ..kernels._gather import _scatter_rows
 from ..kernels._planning import _direct_pairs, _plan_reads
 from ._keyed import KeyedSource
 from ._layout import Layer
-from ._placement import PLACEMENT_TTL_S, Placement, Placements, PlacementState
-from ._plan import fits_one_round, read_native, reads_direct, tally
+from ._placement import Placement, Placements, PlacementState
+from ._plan import STALE, fits_one_round, read_native, reads_direct, tally
 from ._source import Job, gather
 from ._source_memory import PREFETCH_INLINE_ROWS
 
@@ -96,7 +96,8 @@ class StoreSource(KeyedSource):
 
     def inline(self, lay: Layer, rows: int) -> bool:
         placement = lay.state.placement
-        return placement is not None and not placement.remote and rows <= PREFETCH_INLINE_ROWS and placement.fresh
+        return (placement is not None and not placement.remote and rows <= PREFETCH_INLINE_ROWS
+                and time.monotonic() - placement.checked_at < self.placements.limits()[0])
 
     def local_tables(self, lay: Layer) -> list[np.ndarray] | None:
         return self.placements.get(lay, set()).memory.views(lay)
@@ -108,7 +109,7 @@ class StoreSource(KeyedSource):
         request and scattered with nothing in between; any failure takes the general path, which fails over.
         """
         placement = lay.state.placement
-        if placement is None or time.monotonic() - placement.checked_at >= PLACEMENT_TTL_S \
+        if placement is None or time.monotonic() - placement.checked_at >= self.placements.limits()[0] \
                 or len(placement.remote) > 1 or lay.state.cache is not None or not fits_one_round(ids2, flat):
             read_native(self.native, [(self, lay, ids2, flat)])
             return
@@ -129,13 +130,19 @@ class StoreSource(KeyedSource):
                                                                         lay.row_bytes)
                 pairs = pairs[:r]
                 rows = int(head_rows[-1])
+            checks = placement.checks[0]
             try:
-                data = native.read_pairs(native.pick_endpoint(endpoints), pairs, rows * lay.row_bytes,
-                                         out=flat if direct else None)
+                data = native.read_pairs(native.pick_endpoint(endpoints),
+                                         np.concatenate((checks, pairs)) if checks.size else pairs,
+                                         rows * lay.row_bytes, out=flat if direct else None)
             except SegmentUnavailable:
                 with lay.lock:
                     lay.state.placement = None
                 read_native(native, [(self, lay, ids2, flat)], failed={address})
+                return
+            except StalePlacement as exc:  # removed and its space reused: ask the master where it is now
+                self.placements.stale(lay, exc)
+                read_native(native, [(self, lay, ids2, flat)])
                 return
             if not direct and _scatter_rows(_kernels.readonly(np.frombuffer(data, dtype=np.uint8)),
                                                      _kernels.readonly(inverse), placement.order, 0, lay.row_bytes,
@@ -159,7 +166,7 @@ class StoreSource(KeyedSource):
         miss = ~hit
         tally(counts, flat, cache_hits=hits, cache_misses=int(uniq.size) - hits)
         requests = []
-        for address, endpoints, j0, j1 in placement.remote:
+        for g, (address, endpoints, j0, j1) in enumerate(placement.remote):
             endpoint = self.native.pick_endpoint(endpoints)
             lo = int(head_starts[j0])
             rows = uniq[lo:head_starts[j1]]
@@ -170,15 +177,20 @@ class StoreSource(KeyedSource):
             if rows.size == 0:
                 continue  # every row of this server's heads came from the cache
             offsets, lengths, _ = _kernels.rows_to_ranges(rows, starts, placement.bases[j0:j1], lay.row_bytes)
-            requests.append((address, endpoint, positions, np.stack((offsets, lengths), axis=1)))
-        results = self.native.read_pairs_many([(endpoint, pairs) for _, endpoint, _, pairs in requests])
-        fetched = sum(int(p[:, 1].sum()) for *_, p in requests)
+            requests.append((address, endpoint, positions, np.stack((offsets, lengths), axis=1), placement.checks[g]))
+        results = self.native.read_pairs_many([(endpoint, np.concatenate((checks, pairs)) if checks.size else pairs)
+                                               for _, endpoint, _, pairs, checks in requests])
+        fetched = sum(int(p[:, 1].sum()) for _, _, _, p, _ in requests)
         tally(counts, flat, remote_requests=len(requests), remote_rows=fetched // lay.row_bytes, remote_bytes=fetched)
         failed = set()
-        for (address, _, positions, _), result in zip(requests, results):
+        for (address, _, positions, _, _), result in zip(requests, results):
             if isinstance(result, BaseException):
                 if isinstance(result, SegmentUnavailable):
                     failed.add(address)
+                    continue
+                if isinstance(result, StalePlacement):
+                    self.placements.stale(lay, result)
+                    failed.add(STALE)
                     continue
                 raise result
             rows = np.frombuffer(result, dtype=lay.dtype).reshape(-1, lay.dim)

@@ -10,10 +10,12 @@ import socket
 import struct
 import time
 
-from .._errors import AuthError, InvalidArgument, ProtocolError, RemoteError
+from .._errors import AuthError, InvalidArgument, ProtocolError, RemoteError, StalePlacement
 
 MAGIC = b"ENGR"
-VERSION = 2
+#: 3: reads may lead with checks of the objects they expect (pairs with negative offsets; see
+#: ``engram_store.kernels.check_generations``) and a refusal is StalePlacement (status 6).
+VERSION = 3
 HEADER = struct.Struct("<4sHHQQ")
 OP_READ = 1
 OP_HELLO = 2
@@ -23,8 +25,8 @@ STATUS_BUSY = 5
 TOKEN_BYTES = 32
 HELLO_BYTES = HEADER.size + TOKEN_BYTES
 #: Error statuses and the exception a client raises for each.
-STATUS_ERRORS = {1: InvalidArgument, 2: ProtocolError, 3: AuthError, 4: RemoteError}
-ERROR_STATUS = {InvalidArgument: 1, ProtocolError: 2, AuthError: 3}
+STATUS_ERRORS = {1: InvalidArgument, 2: ProtocolError, 3: AuthError, 4: RemoteError, 6: StalePlacement}
+ERROR_STATUS = {InvalidArgument: 1, ProtocolError: 2, AuthError: 3, StalePlacement: 6}
 
 #: How long a token handed out over ZeroMQ may wait for its connection, and how many may wait at once.
 
@@ -41,6 +43,11 @@ def recv_exact(sock: socket.socket, view: memoryview) -> bool:
             raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
         got += k
     return True
+
+
+def request_id_of(head: bytes) -> int:
+    """The request id of a packed header."""
+    return HEADER.unpack(head)[3]
 
 
 def error_reply(request_id: int, exc: Exception) -> bytes:

@@ -1,0 +1,75 @@
+"""Reads that name the objects they expect: the kernel against a plain Python reference, and the segment's record of
+which put wrote which range."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engram_store import InvalidArgument, StalePlacement
+from engram_store.kernels import check_generations, check_pairs_for
+from engram_store.segment._generations import Generations
+
+
+def _reference(entries: dict, base: int, size: int, gen: int) -> bool:
+    """A check passes when every entry that meets [base, base + size) is exactly that object."""
+    for b, (n, g) in entries.items():
+        if b < base + size and base < b + n and (b, n, g) != (base, size, gen):
+            return False
+    return True
+
+
+_claims = st.lists(st.tuples(st.integers(0, 60).map(lambda x: x * 64), st.integers(1, 8).map(lambda x: x * 64),
+                             st.integers(1, 5)), max_size=12)
+
+
+@settings(max_examples=400, deadline=None)
+@given(claims=_claims, checks=st.lists(st.tuples(st.integers(0, 60).map(lambda x: x * 64),
+                                                 st.integers(1, 8).map(lambda x: x * 64), st.integers(1, 5)),
+                                       min_size=1, max_size=4))
+def test_checks_pass_exactly_when_no_other_put_wrote_over_the_object(claims, checks):
+    generations = Generations()
+    entries: dict[int, tuple[int, int]] = {}
+    for offset, size, gen in claims:
+        generations.claim(offset, size, gen)
+        for b in [b for b, (n, _) in entries.items() if b < offset + size and offset < b + n]:
+            del entries[b]
+        entries[offset] = (size, gen)
+    assert {int(b): (int(n), int(g)) for b, n, g in zip(*generations.arrays)} == entries
+    named = check_pairs_for(*(np.array(c, dtype=np.int64) for c in zip(*checks)))
+    pairs = np.concatenate((named, np.array([[0, 64], [128, 64]], dtype=np.int64)))
+    rows, bad = check_generations(pairs, *generations.arrays)
+    assert rows == 2 * len(checks)
+    expected = next((k for k, c in enumerate(checks) if not _reference(entries, *c)), -1)
+    assert bad == expected
+    if expected < 0:
+        ranges, version = generations.split(pairs, "here")
+        assert ranges.tolist() == [[0, 64], [128, 64]] and version == generations.version
+    else:
+        with pytest.raises(StalePlacement, match=f"at offset {checks[expected][0]} written by put "
+                                                 f"{checks[expected][2]} is no longer there"):
+            generations.split(pairs, "here")
+
+
+def test_a_write_during_the_gather_is_caught_by_the_second_check():
+    generations = Generations()
+    generations.claim(0, 640, 7)
+    pairs = np.concatenate((check_pairs_for(np.array([0]), np.array([640]), np.array([7])),
+                            np.array([[64, 64]], dtype=np.int64)))
+    ranges, version = generations.split(pairs, "here")
+    generations.recheck(pairs, version, "here")  # nothing happened
+    generations.claim(320, 64, 8)  # another put lands in the object's space while it is gathered
+    with pytest.raises(StalePlacement):
+        generations.recheck(pairs, version, "here")
+
+
+def test_objects_never_learnt_of_pass_and_checks_without_sizes_are_refused():
+    generations = Generations()
+    pairs = np.concatenate((check_pairs_for(np.array([4096]), np.array([64]), np.array([3])),
+                            np.array([[4096, 64]], dtype=np.int64)))
+    assert generations.split(pairs, "here")[0].tolist() == [[4096, 64]]
+    with pytest.raises(InvalidArgument, match="expected an even number"):
+        generations.split(np.array([[-1, 3], [0, 8]], dtype=np.int64), "here")
+    generations.seed([["k", 4096, 64, 1, "ab", 3], ["old", 0, 64, 1, "cd"]])  # an entry without a generation
+    assert generations.arrays[0].tolist() == [4096]
+    assert check_generations(pairs, *generations.arrays) == (2, -1)
