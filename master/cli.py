@@ -1,8 +1,7 @@
-"""``engram-master``: run the metadata master, or ask a running one for its status.
+"""``engram-master``: run the metadata master, ask a running one for its status, or make a cluster's keys.
 
-    engram-master [--host 127.0.0.1] [--port 50051] [--lease-ttl 5] [--heartbeat-timeout 10]
-                  [--put-timeout 30] [--journal PATH] [--auth DIR] [--log-level INFO]
-    engram-master status --master HOST:PORT [--auth DIR]
+    engram-master [--host 127.0.0.1] [--port 50051] [--journal PATH] [--auth DIR] [...]
+    engram-master status [--master HOST:PORT] [--wait-segments N] [--timeout SECONDS] [--json] [--auth DIR]
     engram-master keygen DIR [--force]
 """
 
@@ -11,8 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import socket
 import sys
+import time
+from typing import Sequence
 
+from engram_store import _cli
 from engram_store.wire._auth import AUTH_DIR_ENV, exposure_warning, keygen, load_keys, resolve_auth_dir
 from engram_store._errors import EngramError
 from engram_store.wire._transport import serve_until_signalled
@@ -27,6 +30,13 @@ from ._service import (
     MasterServer,
 )
 
+PROG = "engram-master"
+USAGE = (f"{PROG} [options]                     run a master (options below)\n"
+         f"       {PROG} status [--master HOST:PORT] [--wait-segments N] [--timeout SECONDS] [--json] [--auth DIR]\n"
+         f"       {PROG} keygen DIR [--force]")
+#: How long ``status`` waits for a first answer before it says that it is still waiting, and why it may be.
+FIRST_ANSWER_S = 1.0
+
 
 def _positive_float(text: str) -> float:
     try:
@@ -38,63 +48,82 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of segments, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of segments >= 0, got {text!r}")
+    return value
+
+
+def _auth_default_help(what: str) -> str:
+    return f"{what} (default: ${AUTH_DIR_ENV} if set, else none)"
+
+
 def _serve_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="engram-master", description="Run the engram metadata master.",
-                                epilog="Other commands: 'engram-master status --master HOST:PORT', "
-                                       "'engram-master keygen DIR'.")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to bind (default: {DEFAULT_PORT})")
+    p = _cli.parser(PROG, "Run the engram metadata master: the segment registry, object placement, leases,\n"
+                          "write fencing and (with --journal) durable metadata.",
+                    usage=USAGE,
+                    epilog=f"Commands:\n  status   print a running master's segments and objects ({PROG} status -h)\n"
+                           f"  keygen   create a cluster's CURVE keys for --auth ({PROG} keygen -h)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to bind")
     p.add_argument("--lease-ttl", type=_positive_float, default=DEFAULT_LEASE_TTL_S, metavar="SECONDS",
-                   help=f"how long a read lease blocks remove (default: {DEFAULT_LEASE_TTL_S:g})")
+                   help="how long a read lease blocks remove")
     p.add_argument("--heartbeat-timeout", type=_positive_float, default=DEFAULT_HEARTBEAT_TIMEOUT_S,
-                   metavar="SECONDS", help="a segment silent this long (while the master runs) is declared dead "
-                   f"(default: {DEFAULT_HEARTBEAT_TIMEOUT_S:g})")
+                   metavar="SECONDS", help="a segment silent this long (while the master runs) is declared dead")
     p.add_argument("--put-timeout", type=_positive_float, default=DEFAULT_PUT_TIMEOUT_S, metavar="SECONDS",
                    help="a write whose client has not said it is still writing for this long (it died or hung) is "
-                        "fenced and its key and space freed; clients renew several times per period "
-                        f"(default: {DEFAULT_PUT_TIMEOUT_S:g})")
-    p.add_argument("--journal", metavar="PATH", help="append metadata changes to PATH and replay it at start "
-                   "(its directory must exist)")
+                        "fenced and its key and space freed; clients renew several times per period")
+    p.add_argument("--journal", metavar="PATH", help="append metadata changes to PATH and replay it at start; its "
+                   "directory is created if missing, and PATH.lock keeps a second master off it (default: none, "
+                   "metadata lives in memory only)")
     p.add_argument("--reuse-delay", type=float, default=DEFAULT_REUSE_DELAY_S, metavar="SECONDS",
                    help="reuse a removed object's space only after this long, so readers holding its old placement "
-                        f"never see another object's bytes (default: {DEFAULT_REUSE_DELAY_S:g})")
+                        "never see another object's bytes")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus metrics on http://HOST:PORT/metrics (default: off)")
     p.add_argument("--re-replicate", action="store_true",
                    help="copy objects that lost a replica (their segment died) onto another live segment")
     p.add_argument("--no-fsync", action="store_true", help="do not fsync the journal after each record")
     p.add_argument("--auth", metavar="DIR", default=resolve_auth_dir(None),
-                   help="require CURVE authentication with the keys in DIR (from 'engram-master keygen DIR'); "
-                        f"default: ${AUTH_DIR_ENV} if set")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+                   help=_auth_default_help(f"require CURVE authentication with the keys in DIR (from '{PROG} "
+                                           "keygen DIR')"))
+    _cli.add_log_level(p)
     return p
 
 
 def _status_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="engram-master status", description="Print a running master's status.")
-    p.add_argument("--master", default=f"127.0.0.1:{DEFAULT_PORT}", help="HOST:PORT of the master")
-    p.add_argument("--timeout", type=_positive_float, default=5.0, metavar="SECONDS")
+    p = _cli.parser(f"{PROG} status", "Print a running master's segments, objects, and lost or under-replicated "
+                                      "objects.")
+    p.add_argument("--master", default=f"127.0.0.1:{DEFAULT_PORT}", metavar="HOST:PORT", help="the master's address")
+    p.add_argument("--wait-segments", type=_count, default=0, metavar="N",
+                   help="first wait until N segments have registered (for scripts that start a cluster); fails "
+                        "after --timeout")
+    p.add_argument("--timeout", type=_positive_float, default=5.0, metavar="SECONDS",
+                   help="how long to wait for the master's answer (and for --wait-segments)")
     p.add_argument("--json", action="store_true", help="print the raw status as JSON")
     p.add_argument("--auth", metavar="DIR", default=resolve_auth_dir(None),
-                   help=f"key directory of a master started with --auth (default: ${AUTH_DIR_ENV} if set)")
+                   help=_auth_default_help("key directory of a master started with --auth"))
     return p
 
 
 def _keygen_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="engram-master keygen",
-                                description="Create a cluster's CURVE keys for --auth (a server and a client key "
-                                            "pair) in a new directory readable only by you.")
+    p = _cli.parser(f"{PROG} keygen", "Create a cluster's CURVE keys for --auth (a server and a client key pair) "
+                                      "in a new directory readable only by you.")
     p.add_argument("dir", metavar="DIR", help="directory to create (mode 0700)")
     p.add_argument("--force", action="store_true", help="replace keys already in DIR")
     return p
 
 
-def keygen_command(argv: list[str]) -> int:
+def keygen_command(argv: Sequence[str]) -> int:
     args = _keygen_parser().parse_args(argv)
     try:
         written = keygen(args.dir, force=args.force)
     except EngramError as exc:
-        print(f"engram-master keygen: {exc}", file=sys.stderr)
+        print(f"{PROG} keygen: {exc}", file=sys.stderr)
         return 1
     print(f"engram-master keygen: wrote CURVE keys to {args.dir}:")
     for path in written:
@@ -111,24 +140,73 @@ certificate (*.key) into {args.dir}/authorized_clients/ and restart the servers.
     return 0
 
 
-def status(argv: list[str]) -> int:
+def _nothing_listens(host: str, port: int) -> str | None:
+    """Why nothing accepts TCP connections at ``host:port`` (e.g. "connection refused"), or None when something
+    does: a plain connect answers at once, where a ZeroMQ request to nobody waits for its whole timeout."""
+    try:
+        with socket.create_connection((host, port), timeout=FIRST_ANSWER_S):
+            return None
+    except socket.timeout:
+        return None  # a filtered port or a slow network: let the request itself find out
+    except OSError as exc:
+        return exc.strerror or str(exc)
+
+
+def _registered(header: dict) -> int:
+    """Segments that have registered with this master (not those a journal restored that have yet to)."""
+    return sum(1 for s in header["segments"] if s.get("confirmed", True))
+
+
+def status(argv: Sequence[str] | None) -> int:
     args = _status_parser().parse_args(argv)
     from engram_store._errors import MasterUnavailable
     from engram_store.wire._transport import Connection
 
+    prog = f"{PROG} status"
     try:
         host, port = parse_address(args.master, "--master")
         curve = load_keys(args.auth, server=False).client_curve if args.auth else None
     except EngramError as exc:
-        print(f"engram-master status: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 2
-    conn = Connection(f"{host}:{port}", unavailable=MasterUnavailable, curve=curve)
+    address = f"{host}:{port}"
+    why = _nothing_listens(host, port)
+    if why is not None:
+        print(f"{prog}: no reply from {address}: nothing listens there ({why}); is engram-master running on that "
+              f"port? (start one with: {PROG} --host {host} --port {port})", file=sys.stderr)
+        return 1
+    auth_hint = ("a master started with --auth answers only clients that have its keys: pass --auth DIR" if not
+                 args.auth else f"check that {args.auth} holds the keys the master was started with")
+    deadline = time.monotonic() + args.timeout
+    conn = Connection(address, unavailable=MasterUnavailable, curve=curve)
     try:
-        header, _ = conn.call("status", timeout_ms=int(args.timeout * 1000))
+        with _cli.announce_after(f"{address} accepts connections but has not answered in {FIRST_ANSWER_S:g} s; "
+                                 f"waiting up to {args.timeout:g} s ({auth_hint})", prog, FIRST_ANSWER_S):
+            header, _ = conn.call("status", timeout_ms=int(args.timeout * 1000))
+        if args.wait_segments:
+            announced = False
+            while _registered(header) < args.wait_segments:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    print(f"{prog}: {_registered(header)} of {args.wait_segments} segment(s) registered with "
+                          f"{address} within {args.timeout:g} s; are they running, and started with --master "
+                          f"{address}? (raise --timeout to wait longer)", file=sys.stderr)
+                    return 1
+                if not announced and time.monotonic() + args.timeout - deadline > FIRST_ANSWER_S:
+                    print(f"{prog}: waiting up to {args.timeout:g} s for {args.wait_segments} segment(s) to register "
+                          f"with {address} ({_registered(header)} so far)", file=sys.stderr, flush=True)
+                    announced = True
+                time.sleep(min(0.1, left))
+                header, _ = conn.call("status", timeout_ms=max(1, int((deadline - time.monotonic()) * 1000)))
+    except MasterUnavailable as exc:
+        if "no reply" in str(exc):
+            print(f"{prog}: no reply from {address} within {args.timeout:g} s: something listens there but it did "
+                  f"not answer as an engram master ({auth_hint})", file=sys.stderr)
+        else:
+            print(f"{prog}: {address}: {exc}", file=sys.stderr)
+        return 1
     except EngramError as exc:
-        hint = ("; if the master runs with --auth, pass --auth DIR" if isinstance(exc, MasterUnavailable)
-                and not args.auth else "")
-        print(f"engram-master status: {exc}{hint}", file=sys.stderr)
+        print(f"{prog}: {address}: {exc}", file=sys.stderr)
         return 1
     finally:
         conn.close()
@@ -164,14 +242,18 @@ def status(argv: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def main(argv: Sequence[str] | None = None) -> int:
+    return _cli.run(_main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "status":
         return status(argv[1:])
     if argv and argv[0] == "keygen":
         return keygen_command(argv[1:])
     args = _serve_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _cli.setup_logging(args.log_level)
     warning = exposure_warning(args.host, args.auth)
     if warning:
         print(f"engram-master: {warning}", file=sys.stderr, flush=True)
@@ -185,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     except EngramError as exc:
         print(f"engram-master: {exc}", file=sys.stderr)
         return 2
-    logging.getLogger("engram-master").info("serving on %s%s", server.address,
+    logging.getLogger(PROG).info("serving on %s%s", server.address,
                                             f" (CURVE authentication, keys in {args.auth})" if auth else "")
     return serve_until_signalled(server)
 

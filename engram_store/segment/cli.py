@@ -1,17 +1,18 @@
 """``engram-segment``: run one segment server that registers with a master.
 
-    engram-segment --master 127.0.0.1:50051 --size 4GiB [--host 127.0.0.1] [--port 0] [--readers 2] [--auth DIR]
-                   [--no-raw-reads] [--raw-max-connections N]
+    engram-segment [--master 127.0.0.1:50051] [--size 1GiB] [--host 127.0.0.1] [--port 0] [--readers 2]
+                   [--file PATH] [--auth DIR] [--no-raw-reads] [--raw-max-connections N] [--log-level INFO]
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
+from typing import Sequence
 
 import zmq
 
+from .. import _cli
 from .._errors import EngramError, MasterUnavailable
 from .._units import parse_address, parse_size
 from ..wire._auth import AUTH_DIR_ENV, exposure_warning, load_keys, resolve_auth_dir
@@ -33,11 +34,19 @@ def _raise_open_files_limit() -> None:
         logging.getLogger(__name__).debug("cannot raise the open-files limit: %s", exc)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="engram-segment", description="Serve one engram memory segment.")
-    p.add_argument("--master", default="127.0.0.1:50051", help="HOST:PORT of the master (default: 127.0.0.1:50051)")
-    p.add_argument("--size", default="1GiB", help="segment size, e.g. 512MiB, 4GiB (default: 1GiB)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind and advertise (default: 127.0.0.1)")
+PROG = "engram-segment"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return _cli.run(_main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    p = _cli.parser(PROG, "Serve one engram memory segment: register it with a master, keep its objects in shared\n"
+                          "memory (or in --file), and serve reads and writes of them.")
+    p.add_argument("--master", default="127.0.0.1:50051", metavar="HOST:PORT", help="the master's address")
+    p.add_argument("--size", default="1GiB", help="segment size, e.g. 512MiB, 4GiB")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind and advertise")
     p.add_argument("--port", type=int, default=0, help="port to bind (default: any free port)")
     p.add_argument("--file", metavar="PATH",
                    help="keep the segment in PATH (memory-mapped) with a manifest in PATH.manifest, so a restart on "
@@ -59,15 +68,15 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"connections the raw read channel holds at once; past them a new one is answered busy and "
                         f"its client reads over ZeroMQ (default: {RAW_MAX_CONNECTIONS}, or what the open-files limit "
                         f"allows; engram-segment raises its soft limit toward the hard one)")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    _cli.add_log_level(p)
     args = p.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _cli.setup_logging(args.log_level)
     if args.raw_max_connections is not None and args.raw_max_connections < 1:
         p.error(f"--raw-max-connections: expected an integer >= 1, got {args.raw_max_connections}")
     _raise_open_files_limit()
     warning = exposure_warning(args.host, args.auth)
     if warning:
-        print(f"engram-segment: {warning}", file=sys.stderr, flush=True)
+        print(f"{PROG}: {warning}", file=sys.stderr, flush=True)
     if args.readers is None:
         args.readers = default_readers()
     if args.readers > 0:
@@ -77,14 +86,16 @@ def main(argv: list[str] | None = None) -> int:
         size = parse_size(args.size, "--size")
         host, port = parse_address(args.master, "--master")
         auth = load_keys(args.auth, server=True) if args.auth else None
-        server = SegmentServer(size, f"{host}:{port}", host=args.host, port=args.port,
-                               register_timeout_s=args.register_timeout, file=args.file, auth=auth,
-                               readers=args.readers, raw_reads=not args.no_raw_reads,
-                               raw_max_connections=args.raw_max_connections)
+        with _cli.announce_after(f"waiting for the master at {host}:{port} to answer (up to "
+                                 f"{args.register_timeout:g} s, --register-timeout)", PROG):
+            server = SegmentServer(size, f"{host}:{port}", host=args.host, port=args.port,
+                                   register_timeout_s=args.register_timeout, file=args.file, auth=auth,
+                                   readers=args.readers, raw_reads=not args.no_raw_reads,
+                                   raw_max_connections=args.raw_max_connections)
     except EngramError as exc:
         hint = ("; if the master runs with --auth, pass --auth DIR with its key directory"
                 if isinstance(exc, MasterUnavailable) and not args.auth else "")
-        print(f"engram-segment: {exc}{hint}", file=sys.stderr)
+        print(f"{PROG}: {exc}{hint}", file=sys.stderr)
         return 2
     readers = ",".join(server.read_addresses) or "-"
     print(f"engram-segment ready on {server.address} segment_id={server.segment_id} size={size} readers={readers}",
