@@ -6,7 +6,6 @@ Run ``engram-demo`` or ``python -m engram_model.demo``; by default the store run
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from contextlib import contextmanager
@@ -14,7 +13,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from engram_store import DistributedStore, ObjectExists
+from engram_store import DistributedStore, MasterUnavailable, ObjectExists
+from engram_store import _cli
 
 from ._config import BackboneConfig, EngramConfig
 from ._engram import Engram
@@ -50,17 +50,30 @@ def quick_start_configs(num_layers: int = 6) -> tuple[EngramConfig, BackboneConf
     return cfg, bb
 
 
+PROG = "engram-demo"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="engram-demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--master", metavar="HOST:PORT", help="use this running master instead of an embedded store")
-    parser.add_argument("--segment-size", default="256MiB",
+    return _cli.run(_main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    parser = _cli.parser(PROG, "The Engram quick start: build a layer, upload its tables to the store, run a forward "
+                               "pass, clean up.\nThe store runs inside this process unless --master names a running "
+                               "engram-master.")
+    parser.add_argument("--master", metavar="HOST:PORT",
+                        help="use this running master (default: none, a master and a segment inside this process)")
+    parser.add_argument("--segment-size", default="256MiB", metavar="SIZE",
                         help="segment mounted by this process (embedded store, or with --master; 0 = none)")
-    parser.add_argument("--batch", type=int, default=2, help="batch size B (default 2)")
-    parser.add_argument("--seq-len", type=int, default=8, help="sequence length L (default 8)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random tables, ids and hidden states")
+    parser.add_argument("--batch", type=int, default=2, metavar="B", help="batch size B")
+    parser.add_argument("--seq-len", type=int, default=8, metavar="L", help="sequence length L")
+    parser.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the random tables, ids and hidden states")
+    _cli.add_log_level(parser, "WARNING")
     args = parser.parse_args(argv)
-    if args.batch < 1 or args.seq_len < 1:
-        parser.error("--batch and --seq-len must be >= 1")
+    for flag, value in (("--batch", args.batch), ("--seq-len", args.seq_len)):
+        if value < 1:
+            parser.error(f"{flag}: expected an integer >= 1, got {value}")
+    _cli.setup_logging(args.log_level)
 
     cfg, bb = quick_start_configs()
 
@@ -68,7 +81,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("Engram quick start")
     with _step("store setup"):
         if args.master:
-            store = DistributedStore.connect(args.master, segment_size=args.segment_size)
+            try:
+                with _cli.announce_after(f"connecting to the master at {args.master} (up to 3 s)", PROG):
+                    store = DistributedStore.connect(args.master, segment_size=args.segment_size)
+            except MasterUnavailable:
+                print(f"{PROG}: no engram master answered at --master {args.master} within 3 s; is engram-master "
+                      "running there? (a master started with --auth needs ENGRAM_AUTH_DIR set to its key "
+                      "directory)", file=sys.stderr)
+                return 1
         else:
             store = DistributedStore.embedded(segment_size=args.segment_size)
     try:
@@ -86,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 try:
                     engram.populate_store_from_buffers(embedding_buffers, buffer_sizes)
                 except ObjectExists as exc:
-                    print(f"engram-demo: layer 1 is already in the store ({exc}); the demo leaves it as it is. "
+                    print(f"{PROG}: layer 1 is already in the store ({exc}); the demo leaves it as it is. "
                           "Remove it first, or run the demo on its own embedded store (no --master).",
                           file=sys.stderr)
                     return 1

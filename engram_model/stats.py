@@ -17,7 +17,6 @@ compressed vocabulary), which shrinks the space of n-grams before hashing.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -25,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from engram_store import _cli
 from engram_store._errors import EngramError, InvalidArgument
 
 from ._config import BackboneConfig, EngramConfig
@@ -34,6 +34,13 @@ from ._tokenizer import compressed_tokenizer_from_path
 
 def load_tokens(path: str) -> np.ndarray:
     """Token ids from a .npy file or a text file of integers, as int64 ``[B, L]`` (rows padded with -1)."""
+    try:
+        return _load_tokens(path)
+    except OSError as exc:
+        raise InvalidArgument(f"TOKENS: cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _load_tokens(path: str) -> np.ndarray:
     if path.endswith(".npy"):
         arr = np.load(path, allow_pickle=False)
         if arr.dtype.kind not in "iu" or arr.ndim not in (1, 2) or arr.size == 0:
@@ -85,29 +92,61 @@ def head_stats(mapping: NgramHashMapping, ids: np.ndarray) -> list[dict[str, Any
     return out
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="engram-stats", description=__doc__.split("\n\n")[0])
-    p.add_argument("tokens", metavar="TOKENS", help=".npy array or text file of token ids")
-    p.add_argument("--config", metavar="JSON", help="a JSON object of EngramConfig fields (flags override it)")
-    p.add_argument("--engram-vocab-size", type=int, nargs="+")
-    p.add_argument("--max-ngram-size", type=int)
-    p.add_argument("--n-head-per-ngram", type=int)
-    p.add_argument("--layer-ids", type=int, nargs="+")
-    p.add_argument("--pad-id", type=int)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--vocab-size", type=int, default=None, help="backbone vocabulary (without --tokenizer)")
-    p.add_argument("--tokenizer", metavar="PATH", help="tokenizer.json: compress ids as the model does")
+PROG = "engram-stats"
+DESCRIPTION = """\
+How well an Engram configuration's tables fit a token corpus. For every head of every layer:
+the distinct n-grams of the head's order in TOKENS and the distinct table rows they hash to; the
+collision rate (the share of distinct n-grams that share their row with another, which a larger
+--engram-vocab-size reduces) next to the rate a uniform hash would give; and the occupancy (the
+share of the table's rows the corpus touches). With --tokenizer, also the compression ratio of
+the compressed tokenizer (original vocabulary / compressed vocabulary)."""
+
+
+def _parser():
+    defaults = EngramConfig()
+    p = _cli.parser(PROG, DESCRIPTION, epilog="Fields come from EngramConfig's defaults, then --config, then the flags.")
+    p.add_argument("tokens", metavar="TOKENS", help=".npy array of token ids (1-D: one sequence; 2-D: one per row) "
+                   "or a text file of whitespace-separated ids, one sequence per line")
+    p.add_argument("--config", metavar="JSON", help="a JSON object of EngramConfig fields (default: none)")
+    p.add_argument("--engram-vocab-size", type=int, nargs="+", metavar="N",
+                   help=f"table size per n-gram order before rounding to primes (default: {defaults.engram_vocab_size})")
+    p.add_argument("--max-ngram-size", type=int, metavar="N",
+                   help=f"largest n-gram order (default: {defaults.max_ngram_size})")
+    p.add_argument("--n-head-per-ngram", type=int, metavar="N",
+                   help=f"hash heads per order (default: {defaults.n_head_per_ngram})")
+    p.add_argument("--layer-ids", type=int, nargs="+", metavar="L",
+                   help=f"layers that have an Engram (default: {defaults.layer_ids})")
+    p.add_argument("--pad-id", type=int, metavar="ID", help=f"token id of padding (default: {defaults.pad_id})")
+    p.add_argument("--seed", type=int, metavar="N", help=f"seed of the hash multipliers (default: {defaults.seed})")
+    p.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                   help="backbone vocabulary, without --tokenizer (default: the largest id in TOKENS + 1)")
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="tokenizer.json: compress ids as the model does (default: none, raw ids)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    _cli.add_log_level(p, "WARNING")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    return _cli.run(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
+    _cli.setup_logging(args.log_level)
     try:
         fields: dict[str, Any] = {}
         if args.config:
-            with open(args.config, encoding="utf-8") as f:
-                fields = json.load(f)
+            try:
+                with open(args.config, encoding="utf-8") as f:
+                    fields = json.load(f)
+            except OSError as exc:
+                raise InvalidArgument(f"--config: cannot read {args.config}: {exc.strerror}") from None
+            except ValueError as exc:
+                raise InvalidArgument(f"--config: {args.config} is not JSON ({exc})") from None
+            if not isinstance(fields, dict):
+                raise InvalidArgument(f"--config: expected a JSON object of EngramConfig fields in {args.config}, "
+                                      f"got {type(fields).__name__}")
             known = {f.name for f in dataclasses.fields(EngramConfig)}
             unknown = sorted(set(fields) - known)
             if unknown:
@@ -119,14 +158,17 @@ def main(argv: list[str] | None = None) -> int:
         fields.setdefault("n_embed_per_ngram", fields.get("n_head_per_ngram", EngramConfig().n_head_per_ngram))
         config = EngramConfig(**fields).validate()
         ids = load_tokens(args.tokens)
-        tokenizer = compressed_tokenizer_from_path(args.tokenizer) if args.tokenizer else None
+        try:
+            tokenizer = compressed_tokenizer_from_path(args.tokenizer) if args.tokenizer else None
+        except (EngramError, OSError, ValueError) as exc:
+            raise InvalidArgument(f"--tokenizer {args.tokenizer}: {exc}") from None
         vocab = args.vocab_size or max(int(ids.max()) + 1, config.pad_id + 1)
         mapping = NgramHashMapping.from_config(config, BackboneConfig(vocab_size=vocab), tokenizer)
         report = {"tokens": int((ids >= 0).sum()), "sequences": int(ids.shape[0]),
                   "compression_ratio": tokenizer.compression_ratio if tokenizer else None,
                   "heads": head_stats(mapping, ids)}
     except (EngramError, OSError, ValueError) as exc:
-        print(f"engram-stats: {exc}", file=sys.stderr)
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(report, indent=2))

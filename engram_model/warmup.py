@@ -9,11 +9,13 @@ where, and ``NUMBA_CACHE_DIR``). Run it when building a deployment image, so no 
 
 from __future__ import annotations
 
-import argparse
+import os
 import sys
 import time
 
 import numpy as np
+
+from engram_store import _cli
 
 
 def warm_model(verbose: bool = True) -> float:
@@ -113,14 +115,46 @@ def _write_safetensors(path: str, tensors: dict) -> None:
                                                               for _, a in tensors.values()))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="engram-warmup", description=__doc__.split("\n\n")[0])
-    p.parse_args(argv)
-    from engram_store.warmup import warm_store
+PROG = "engram-warmup"
 
-    warm_store()
-    warm_model()
-    warm_v41()
+
+def _groups() -> list[tuple[str, object]]:
+    """The kernel groups, in the order they are compiled: (what they are, a call that compiles them)."""
+    from engram_store import disk, kernels
+
+    return [("store: row gathers, read planning, sorting, hot-row cache", kernels.warmup),
+            ("store: SSD tier (page packing, reads, row cache)", disk.warmup),
+            ("model: N-gram hashing, prefill and decode", lambda: warm_model(verbose=False)),
+            ("DeepSeek-V4.1: hash, ragged steps, FP8 gather + decode, gate, checkpoint packing",
+             lambda: warm_v41(verbose=False))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    return _cli.run(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    p = _cli.parser(PROG, "Compile every Numba kernel of engram ahead of time (the store's, the model's hashing, and\n"
+                          "DeepSeek-V4.1's), for deployment images: kernels otherwise compile on first use. Compiled\n"
+                          "kernels are cached on disk, next to the installed sources or in Numba's user cache where\n"
+                          "those are read-only; set NUMBA_CACHE_DIR to choose. With a warm cache this takes seconds.")
+    _cli.add_log_level(p, "WARNING")
+    _cli.setup_logging(p.parse_args(argv).log_level)
+    if os.environ.get("NUMBA_DISABLE_JIT") == "1":
+        print(f"{PROG}: NUMBA_DISABLE_JIT=1: nothing to compile", flush=True)
+        return 0
+    from engram_store.warmup import cache_location
+
+    groups = _groups()
+    print(f"{PROG}: compiling {len(groups)} kernel groups into {cache_location()} (an empty cache takes 10-30 s; a "
+          "warm one a few seconds)", flush=True)
+    total = time.perf_counter()
+    for i, (what, warm) in enumerate(groups, 1):
+        print(f"  [{i}/{len(groups)}] {what} ...", end="", flush=True)
+        start = time.perf_counter()
+        warm()
+        print(f" {time.perf_counter() - start:.1f} s", flush=True)
+    print(f"{PROG}: every kernel ready in {time.perf_counter() - total:.1f} s", flush=True)
     return 0
 
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
+import os
 import sys
 import time
 from typing import Sequence
 
-from engram_store import DistributedStore
+from engram_store import DistributedStore, MasterUnavailable, ObjectExists
+from engram_store import _cli
 from engram_store._errors import EngramError
 from engram_store._units import format_size
 
@@ -28,8 +29,25 @@ from ._checkpoint import SafetensorsCheckpoint, load_v41_table
 from ._config import V41Config
 
 
+PROG = "engram-load-v41"
+DESCRIPTION = """\
+Stream the Engram tables of a DeepSeek-V4.1 checkpoint into a running store, or onto local SSD.
+
+Reads config.json (or --config) for the layout, then each layer's layers.{L}.engram.embed.weight
+and embed.scale from the safetensors shards (memory-mapped), packs them column by column into
+264-byte rows and populates them as head shards of the layer, so memory stays bounded by one
+column (about 4.2 GB for the release). With --disk-dir the layer is written as page-aligned files
+on local SSD instead (tables larger than memory), chunk by chunk, and published when whole. A layer
+already there is refused (remove it with engram-layers remove); a load that fails leaves nothing
+of the layer behind."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="engram-load-v41", description=__doc__.split("\n\n")[0].strip("`: "))
+    return _cli.run(_main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    parser = _cli.parser(PROG, DESCRIPTION)
     parser.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
                         help="directory of the safetensors shards (or one .safetensors file with --config)")
     where = parser.add_mutually_exclusive_group(required=True)
@@ -39,29 +57,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", metavar="PATH", help="config.json to read (default: CHECKPOINT_DIR/config.json)")
     parser.add_argument("--layers", type=int, nargs="+", metavar="L",
                         help="Engram layers to load (default: every layer of engram_layer_ids)")
-    parser.add_argument("--replica-num", type=int, default=1, help="replicas of every column (default 1)")
-    parser.add_argument("--auth", metavar="DIR", help="key directory of a cluster started with --auth")
+    parser.add_argument("--replica-num", type=int, default=1, metavar="N", help="replicas of every column")
+    parser.add_argument("--auth", metavar="DIR", default=os.environ.get("ENGRAM_AUTH_DIR") or None,
+                        help="key directory of a cluster started with --auth (default: $ENGRAM_AUTH_DIR if set, "
+                             "else none)")
     parser.add_argument("--verify", action="store_true",
                         help="read every column back and check it against the checksum its writer gave the store")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="progress bars on stderr (default: when stderr is a terminal)")
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    _cli.add_log_level(parser)
     args = parser.parse_args(argv)
     if args.replica_num < 1:
-        parser.error("--replica-num must be >= 1")
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        parser.error(f"--replica-num: expected an integer >= 1, got {args.replica_num}")
+    _cli.setup_logging(args.log_level)
+    place = f"--master {args.master}" if args.master else f"--disk-dir {args.disk_dir}"
+    config_path = args.config or args.checkpoint
+    if not os.path.exists(config_path):
+        flag = "--config" if args.config else "CHECKPOINT_DIR"
+        print(f"{PROG}: {flag}: no such file or directory: {config_path}", file=sys.stderr)
+        return 2
+    if args.config and not os.path.exists(args.checkpoint):
+        print(f"{PROG}: CHECKPOINT_DIR: no such file or directory: {args.checkpoint}", file=sys.stderr)
+        return 2
     try:
-        config = V41Config.from_hf_config(args.config or args.checkpoint)
+        config = V41Config.from_hf_config(config_path)
         layers = args.layers or list(config.layer_ids)
         for layer_id in layers:
             config.layer_index(layer_id)
         checkpoint = SafetensorsCheckpoint(args.checkpoint)
-        with (DistributedStore.connect(args.master, auth_dir=args.auth) if args.master
-              else contextlib.nullcontext()) as store:
+        with _connect(args) if args.master else contextlib.nullcontext() as store:
             for layer_id in layers:
                 start = time.perf_counter()
-                table = load_v41_table(checkpoint, config, layer_id, store, disk_dir=args.disk_dir,
-                                       replica_num=args.replica_num, progress=args.progress)
+                try:
+                    table = load_v41_table(checkpoint, config, layer_id, store, disk_dir=args.disk_dir,
+                                           replica_num=args.replica_num, progress=args.progress)
+                except ObjectExists as exc:
+                    print(f"{PROG}: {exc}: engram-layers remove {place} {layer_id}", file=sys.stderr)
+                    return 1
                 nbytes = config.num_embeddings(layer_id) * config.row_bytes
                 elapsed = time.perf_counter() - start
                 print(f"layer {layer_id}: {config.cols} columns, {config.num_embeddings(layer_id)} rows, "
@@ -70,10 +102,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if args.verify:
                     print(f"layer {layer_id}: checksums of columns {table.verify()} verified", flush=True)
                 table.close()
+    except _NoMaster as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
     except EngramError as exc:
-        print(f"engram-load-v41: {exc}", file=sys.stderr)
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+class _NoMaster(Exception):
+    """No master answered at --master (said in the command line's words)."""
+
+
+def _connect(args: argparse.Namespace) -> DistributedStore:
+    try:
+        with _cli.announce_after(f"connecting to the master at {args.master} (up to 3 s)", PROG):
+            return DistributedStore.connect(args.master, auth_dir=args.auth)
+    except MasterUnavailable:
+        hint = (f"check that the master runs with --auth and that --auth {args.auth} holds its keys" if args.auth
+                else "if it runs with --auth, pass --auth DIR (or set ENGRAM_AUTH_DIR) with its key directory")
+        raise _NoMaster(f"no engram master answered at --master {args.master} within 3 s; is engram-master running "
+                        f"there? ({hint})") from None
 
 
 if __name__ == "__main__":
