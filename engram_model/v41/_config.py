@@ -200,7 +200,12 @@ def _read_json(path_or_dict: Any) -> Mapping[str, Any]:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"path_or_dict: no such file {path!r}") from None
+        where = (f"no config.json in the directory {os.fspath(path_or_dict)!r}" if path != os.fspath(path_or_dict)
+                 else f"no such file {path!r}")
+        raise ConfigError(f"from_hf_config: {where} (expected a config.json path, a checkpoint directory holding "
+                          "one, or a dict)") from None
+    except OSError as exc:
+        raise ConfigError(f"from_hf_config: cannot read {path!r}: {exc.strerror}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not JSON ({exc})") from None
     if not isinstance(raw, Mapping):

@@ -34,12 +34,17 @@ class DiskDir:
 
     def __init__(self, path: str | os.PathLike):
         if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-            raise InvalidArgument(f"path: expected a directory path, got {describe(path)}")
+            raise InvalidArgument(f"disk_dir: expected a directory path, got {describe(path)}")
         self.path = os.path.abspath(os.fspath(path))
+        created = not os.path.isdir(self.path)
         try:
             os.makedirs(self.path, exist_ok=True)
         except OSError as exc:
-            raise InvalidArgument(f"path: cannot create {self.path}: {exc.strerror}") from None
+            raise InvalidArgument(f"disk_dir: cannot create {self.path}: {exc.strerror}") from None
+        if created:
+            # A mistyped directory would otherwise read as an empty tier, every layer "not published".
+            log.warning("disk_dir %s did not exist: created it, empty (no layers there yet; if you meant an "
+                        "existing directory, check the path)", self.path)
         self._remove_dead_removers_leftovers()
 
     def _remove_dead_removers_leftovers(self) -> None:

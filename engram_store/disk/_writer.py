@@ -93,7 +93,12 @@ class LayerWriter:
             _reserve(self._fd, file, lay.file_bytes)
         except OSError as exc:
             self._cleanup()
-            raise StoreError(f"disk layer {self.layer_id}: cannot stage {self.staging}: {exc}") from exc
+            if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise StoreError(f"disk layer {self.layer_id}: cannot write under disk_dir {self.directory}: "
+                                 f"{exc.strerror} ({exc.filename or self.directory}); writing a layer needs a "
+                                 "directory this process may write in") from exc
+            raise StoreError(f"disk layer {self.layer_id}: cannot write under disk_dir {self.directory}: {exc}"
+                             ) from exc
         except BaseException:
             self._cleanup()
             raise
