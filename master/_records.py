@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
 from ._allocator import FreeListAllocator
@@ -28,8 +29,10 @@ class Segment:
     #: ``host:port`` of the segment's reader sockets (read_ranges and ping only); empty for older segments.
     read_addresses: tuple[str, ...] = ()
     #: Bumped whenever the set of complete objects with a replica here changes; the segment compares it with
-    #: the version of its catalogue and fetches the catalogue when they differ.
-    catalog_version: int = 0
+    #: the version of its catalogue and fetches the catalogue when they differ. It starts at a random point: a
+    #: master that restarted (or dropped the segment) must never hand out a version the segment's catalogue of an
+    #: earlier list already carries, or the segment would keep that list.
+    catalog_version: int = field(default_factory=lambda: secrets.randbits(48))
     #: The secret of the segment's current registration (tickets are MACs under it). Empty for a segment
     #: restored from the journal: nothing is allocated on it until it registers with this master again.
     write_key: bytes = b""

@@ -341,8 +341,11 @@ class MasterServer:
         return {"exist": [self.state.exists(k) for k in self._keys(req)]}
 
     def _remove(self, req: Request) -> dict:
-        self.state.remove(req.str("key", MAX_KEY_LEN), req.bool("force", default=False))
-        return {}
+        """Remove an object; the reply names where its replicas were (``replicas``: ``[[address, offset], ...]``),
+        so the remover can tell those segments at once (their catalogues learn it on a heartbeat otherwise)."""
+        replicas = self.state.remove(req.str("key", MAX_KEY_LEN), req.bool("force", default=False)) or []
+        return {"replicas": [[self.state.segments[r.segment_id].address, r.offset] for r in replicas
+                             if r.segment_id in self.state.segments]}
 
     def _remove_all(self, req: Request) -> dict:
         removed, refused = self.state.remove_all(req.bool("force", default=False))

@@ -415,7 +415,7 @@ class MasterState(Fencing, Repairs, Replay):
         meta = self.objects.get(key)
         return meta is not None and meta.state == COMPLETE
 
-    def remove(self, key: str, force: bool = False) -> None:
+    def remove(self, key: str, force: bool = False) -> list[Replica] | None:
         """Remove a complete object, or with ``force`` a put still being written (it is fenced). Removing a lost
         object (its data died with its segments) forgets the loss, so the key reads as absent again, as ``exists``
         already says, and can be written anew."""
@@ -438,6 +438,7 @@ class MasterState(Fencing, Repairs, Replay):
             raise LeaseActive(f"remove {key!r}: a read lease is live for {remaining:.2f} s more; pass force=True")
         self._release(key, meta)
         self.journal({"op": "remove", "key": key})
+        return meta.replicas
 
     def remove_all(self, force: bool = False) -> tuple[int, int]:
         """Remove every complete object (and forget every lost one; with ``force`` also revoke every pending put);

@@ -15,6 +15,7 @@ import mmap
 import numbers
 import os
 import threading
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -33,7 +34,7 @@ from .._errors import (
 from .._units import parse_size
 from ..segment import SegmentServer, host_id
 from ..wire._auth import AUTH_DIR_ENV, load_keys, resolve_auth_dir
-from ..wire._transport import Connection, ConnectionPool
+from ..wire._transport import Connection, ConnectionPool, wait_all
 from ._objects import ObjectInfo, check_key, replica_of
 from ._raw_client import RawChannel, raw_reads_default
 from ._reads import ReadPath
@@ -269,7 +270,15 @@ class DistributedStore(ReadPath, WritePath):
 
     def remove(self, key: str, force: bool = False) -> None:
         """Remove an object; refused with LeaseActive while a read lease is live, unless ``force``."""
-        self._master_call("remove", {"key": check_key(key), "force": bool(force)})
+        header = self._master_call("remove", {"key": check_key(key), "force": bool(force)})
+        pending = []
+        for address, offset in header.get("replicas") or ():  # best effort, as for a put's catalog_add
+            try:
+                conn = self._segment_conn(address)
+                pending.append((conn, conn.send("catalog_drop", {"objects": [[key, offset]]})))
+            except EngramError:
+                pass
+        wait_all(pending, time.monotonic() + min(self.timeout_ms / 1000.0, 1.0), "catalog_drop")
 
     def remove_all(self, force: bool = False) -> int:
         """Remove every object (those under a live lease only with ``force``); returns how many were removed."""

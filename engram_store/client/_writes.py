@@ -51,6 +51,8 @@ PUT_START_WAIT_S = 5.0
 CHECKSUM_THREAD_BYTES = 4 << 20
 #: A writer renews its pending puts this many times per put timeout of the master.
 RENEWALS_PER_TIMEOUT = 3
+#: How long a put, once published, waits for its segments to add the objects to their catalogues.
+CATALOG_TELL_S = 1.0
 
 
 class WritePath:
@@ -132,13 +134,37 @@ class WritePath:
             for key, result in zip(keys, ended):
                 if not result.get("ok"):
                     raise error_from_reply(result.get("code"), result.get("message"))
-            return sums
         except BaseException:
             writes.close_direct(quiet=True)
             self._revoke(started, settled=writes.in_flight == 0)
             if checksums is not None:
                 checksums.cancel()
             raise
+        self._tell_catalogs(keys, views, results, sums, replica_num)
+        return sums
+
+    def _tell_catalogs(self, keys: list[str], views: list, results: list[dict], sums: list[str],
+                       replica_num: int) -> None:
+        """Tell each segment written to which published objects it now holds, before the put returns: its catalogue
+        would learn them on its next heartbeat, and a master restarted without a journal in between would know
+        them only from the catalogues. Best effort: a segment that does not answer learns on its heartbeat."""
+        entries: dict[str, list] = {}
+        for key, view, result, checksum in zip(keys, views, results, sums):
+            for r in result["replicas"]:
+                entries.setdefault(r["address"], []).append([key, r["offset"], view.nbytes, replica_num, checksum,
+                                                             r["ticket"]])
+        pending = []
+        for address, objects in entries.items():
+            conn = self._segment_conn(address)
+            try:
+                pending.append((conn, conn.send("catalog_add", {"objects": objects})))
+            except EngramError as exc:
+                log.debug("catalog_add to %s: %s", address, exc)
+        deadline = time.monotonic() + min(self.timeout_ms / 1000.0, CATALOG_TELL_S)
+        for result in wait_all(pending, deadline, "catalog_add"):
+            if isinstance(result, BaseException):
+                log.debug("a segment did not take the new objects into its catalogue now (%s); it learns them on "
+                          "its next heartbeat", result)
 
     def _put_start(self, keys: list[str], sizes: list[int], replica_num: int) -> tuple[list[dict], int]:
         """``put_start`` of every key; while segments are registering with a master that just restarted, the master

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import uuid
 
 import numpy as np
@@ -32,6 +33,7 @@ class Catalog:
         self.segment_id = uuid.uuid4().hex
         self.version = -1
         self.objects: list[list] = []
+        self._lock = threading.Lock()  # the heartbeat thread records the master's list, writers add to it
         if self.path is None:
             return
         if os.path.exists(self.path):
@@ -56,6 +58,29 @@ class Catalog:
 
     def record(self, version: int, objects: list[list]) -> None:
         """Keep the master's latest list (and write it to the manifest file of a file-backed segment)."""
+        with self._lock:
+            self._record(version, objects)
+
+    def add(self, entries: list[list]) -> int:
+        """Objects a writer has just published here (``[key, offset, size, replica_num, checksum, generation]``,
+        checked by the caller): kept until the master's next list, which names them too. Returns how many were new."""
+        with self._lock:
+            known = {(e[0], int(e[1])) for e in self.objects}
+            new = [e for e in entries if (e[0], int(e[1])) not in known]
+            if new:
+                self._record(self.version, self.objects + new)
+            return len(new)
+
+    def drop(self, entries: list[list]) -> int:
+        """Objects removed from here (``[key, offset, generation]``): not offered back if the master forgets."""
+        with self._lock:
+            gone = {(str(e[0]), int(e[1])) for e in entries}
+            kept = [e for e in self.objects if (e[0], int(e[1])) not in gone]
+            if len(kept) != len(self.objects):
+                self._record(self.version, kept)
+            return len(self.objects) - len(kept)
+
+    def _record(self, version: int, objects: list[list]) -> None:
         if self.path is not None:
             tmp = self.path + ".tmp"
             with open(tmp, "w", encoding="utf-8") as f:

@@ -95,6 +95,11 @@ class WriteFence:
                                   f"{start + size}) the ticket of put {put_id} allows")
         return put_id, start, size
 
+    def ticket_of(self, ticket: bytes) -> tuple[int, int, int] | None:
+        """``(put_id, offset, size)`` of a ticket issued under the current registration (fenced or not), else
+        None."""
+        return read_ticket(self.key, self.segment_id, ticket)
+
     def open_direct(self, ticket: bytes, pid: int) -> tuple[int, int, int]:
         """A same-host writer (process ``pid``) starts writing its put straight into the file; returns the put and
         the range it may write, ``(put_id, offset, size)``. Raises WriteFenced for a dead put, InvalidArgument when ``pid`` cannot be watched from here

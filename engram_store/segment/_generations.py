@@ -44,6 +44,10 @@ class Generations:
             self._entries[offset] = (size, generation)
             self._publish()
 
+    def holds(self, generation: int, offset: int, size: int) -> bool:
+        """Whether put ``generation`` is still the latest writer of ``[offset, offset + size)``."""
+        return self._entries.get(offset) == (size, generation)
+
     def seed(self, objects: list) -> None:
         """Learn objects a catalogue names (``[key, offset, size, replica_num, checksum, generation]``), where no
         write this segment saw says otherwise."""

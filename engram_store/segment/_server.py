@@ -47,6 +47,8 @@ MAX_READ_BYTES = 256 << 20
 #: A single write request may carry at most this many bytes; clients split larger writes.
 MAX_WRITE_BYTES = 64 << 20
 MAX_RANGES = 1 << 22
+#: At most this many objects per catalog_add / catalog_drop request (a writer's batch of puts).
+MAX_CATALOG_ENTRIES = 1 << 16
 #: A single-range read at least this long is sent from the segment memory without a gather copy.
 ZERO_COPY_BYTES = 1 << 20
 #: Reader threads a segment starts by default on a host with spare cores (see :func:`default_readers`): each
@@ -150,7 +152,9 @@ class SegmentServer:
                                                        "write_open": self._write_open,
                                                        "write_close": self._write_close,
                                                        "read_ranges": self._read_ranges,
-                                                       "channel_token": self._channel_token},
+                                                       "channel_token": self._channel_token,
+                                                       "catalog_add": self._catalog_add,
+                                                       "catalog_drop": self._catalog_drop},
                                     max_message_bytes=max_bytes, auth=auth, io_affinity=main_io)
             # Readers hand out raw-channel tokens too: a client asks the endpoint it reads from, and a reader's
             # socket requires the same CURVE keys as the main one.
@@ -346,6 +350,39 @@ class SegmentServer:
         put_id, offset, size = self.fence.open_direct(req.bytes("ticket", 256), req.int("pid", 1, 1 << 31))
         self.generations.claim(offset, size, put_id)  # the writer writes straight into the file from now on
         return {"offset": offset, "size": size}
+
+    def _catalog_add(self, req: Request) -> dict:
+        """A writer published objects written here: ``objects`` ``[[key, offset, size, replica_num, checksum,
+        ticket], ...]``, each ticket this segment's own for exactly that range, whose put is still its latest writer.
+        Kept in the catalogue at once, so a master restarted without a journal before the next heartbeat learns them
+        from this segment all the same."""
+        raw = req.header.get("objects")
+        if not isinstance(raw, list) or len(raw) > MAX_CATALOG_ENTRIES:
+            raise InvalidArgument(f"catalog_add: field 'objects': expected a list of at most {MAX_CATALOG_ENTRIES} "
+                                  f"entries, got {type(raw).__name__}")
+        entries = []
+        for i, entry in enumerate(raw):
+            ok = (isinstance(entry, list) and len(entry) == 6 and isinstance(entry[0], str) and entry[0]
+                  and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in entry[1:4])
+                  and isinstance(entry[4], str) and isinstance(entry[5], (bytes, bytearray)))
+            if not ok:
+                raise InvalidArgument(f"catalog_add: field 'objects'[{i}]: expected [key, offset, size, replica_num, "
+                                      f"checksum, ticket], got {entry!r:.80}")
+            fields = self.fence.ticket_of(bytes(entry[5]))
+            if fields is None or fields[1:] != (entry[1], entry[2]) or not self.generations.holds(*fields):
+                continue  # not this registration's, or another put wrote there since: the master's list decides
+            entries.append([entry[0], entry[1], entry[2], entry[3], entry[4], fields[0]])
+        if entries and self.catalog.durable:
+            self.memory.flush()  # the manifest never names bytes that are not on disk
+        return {"added": self.catalog.add(entries)}
+
+    def _catalog_drop(self, req: Request) -> dict:
+        """Objects removed from here: ``objects`` ``[[key, offset], ...]``, dropped from the catalogue at once."""
+        raw = req.header.get("objects")
+        if not isinstance(raw, list) or len(raw) > MAX_CATALOG_ENTRIES or not all(
+                isinstance(e, list) and len(e) >= 2 and isinstance(e[0], str) and isinstance(e[1], int) for e in raw):
+            raise InvalidArgument("catalog_drop: field 'objects': expected a list of [key, offset] entries")
+        return {"dropped": self.catalog.drop(raw)}
 
     def _write_close(self, req: Request) -> dict:
         """The writer's direct writes are done; ``fenced``: the put was fenced meanwhile (do not publish it)."""

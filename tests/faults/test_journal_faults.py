@@ -13,6 +13,7 @@ import pytest
 
 from engram_store import DistributedStore, EngramStore, EngramStoreConfig
 from engram_store.testing import Cluster, free_port, start_master
+from engram_store.wire import Connection
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -93,13 +94,18 @@ def test_a_second_master_refuses_a_journal_in_use_and_leaves_it_alone(tmp_path):
             assert store.get("before") == b"b" * 1000 and store.get("after") == b"a" * 1000
 
 
-def test_objects_published_just_before_a_segment_pause_survive_it():
+@pytest.mark.parametrize("catalogue_knows", [True, False], ids=["told-by-the-writer", "lagging"])
+def test_objects_published_just_before_a_segment_pause_survive_it(catalogue_knows):
     with Cluster(segments=1, segment_size="8MiB", heartbeat_timeout_s=2.0) as c:
         segment = c.segments[0]
         with DistributedStore.connect(c.address, timeout_ms=5000, local_direct=False) as store:
             layer = EngramStore(1, _config(), store)
             layer.populate(_tables(1))
-            segment.signal(signal.SIGSTOP)  # before its next heartbeat: its catalogue does not name the layer
+            if not catalogue_knows:  # as if paused before the writer told it and before its next heartbeat
+                infos = store.locate(layer.get_store_keys() + [f"engram:l1:manifest"], lease=False)
+                Connection(segment.address).call("catalog_drop", {"objects": [
+                    [info.key, info.replicas[0].offset] for info in infos]})
+            segment.signal(signal.SIGSTOP)
             try:
                 _wait_for(lambda: store.status()["lost"] == len(SIZES) + 1, 30, "the paused segment's drop")
             finally:
@@ -107,4 +113,24 @@ def test_objects_published_just_before_a_segment_pause_survive_it():
             _wait_for(lambda: store.status()["lost"] == 0, 30, "the segment to come back with the layer")
             assert store.status()["objects"] == len(SIZES) + 1
             _check(EngramStore(1, _config(), store), _tables(1))
-        assert "restored, their bytes intact" in c.master.output()
+        if not catalogue_knows:
+            assert "restored, their bytes intact" in c.master.output()
+
+
+def test_a_master_restarted_without_a_journal_at_once_knows_the_last_writes_and_removes():
+    """Writers and removers tell the segments before they return, so the catalogues a journal-less master rebuilds
+    from already hold the last put and lack the last remove, however soon it restarts."""
+    with Cluster(segments=2, segment_size="8MiB", heartbeat_timeout_s=30.0) as c:
+        with DistributedStore.connect(c.address, timeout_ms=5000, local_direct=False) as store:
+            store.put("gone", b"g" * 1000, replica_num=2)
+            layer = EngramStore(1, _config(), store)
+            layer.populate(_tables(1), replica_num=2)
+            store.remove("gone")
+        port = int(c.address.rsplit(":", 1)[1])
+        c.master.kill()  # before any heartbeat could carry the news
+        c.master = start_master(port=port, heartbeat_timeout_s=30.0)
+        c.procs.append(c.master)
+        with DistributedStore.connect(c.address, timeout_ms=5000, local_direct=False) as store:
+            _wait_for(lambda: len(store.status()["segments"]) == 2, 30, "both segments to register again")
+            _check(EngramStore(1, _config(), store), _tables(1))
+            assert not store.is_exist("gone")
