@@ -169,38 +169,57 @@ def start_master(*, port: int | None = None, heartbeat_timeout_s: float = 10.0, 
     return proc
 
 
-def start_segment(master: str, size: str = "64MiB", extra: list[str] | None = None,
+def spawn_segment(master: str, size: str = "64MiB", extra: list[str] | None = None,
                   auth_dir: str | None = None, host: str = "127.0.0.1", prefix: list[str] | None = None) -> Proc:
-    """Start ``engram-segment`` on ``host``, registered with ``master``; returns once it answers a ping."""
+    """Start ``engram-segment`` on ``host`` for ``master`` and return at once; :func:`segment_ready` says when it
+    has registered (it prints its ready line then)."""
     args = (prefix or []) + [sys.executable, "-m", "engram_store.segment.cli", "--master", master, "--size", size,
                              "--host", host, "--port", "0", "--log-level", "INFO"]
     if auth_dir:
         args += ["--auth", str(auth_dir)]
     proc = Proc(args + (extra or []), "segment", stdout_pipe=True)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    line = b""
+    proc.ready_line = b""
+    return proc
+
+
+def segment_ready(proc: Proc, timeout_s: float = 0.0) -> bool:
+    """Take what a spawned segment printed, waiting up to ``timeout_s`` for it; True once its ready line is in
+    (``proc.address``, ``segment_id`` and ``read_addresses`` are set then). Raises if it exited without one."""
+    deadline = time.monotonic() + timeout_s
+    while not proc.ready_line.endswith(b"\n"):
+        remaining = max(0.0, deadline - time.monotonic())
+        ready, _, _ = select.select([proc.popen.stdout], [], [], min(remaining, 0.5))
+        if ready:
+            chunk = os.read(proc.popen.stdout.fileno(), 4096)
+            if not chunk:
+                raise RuntimeError("stdout closed")
+            proc.ready_line += chunk
+        elif not proc.alive():
+            raise RuntimeError("it exited")
+        elif remaining <= 0:
+            return False
+    # "engram-segment ready on HOST:PORT segment_id=ID size=N readers=HOST:PORT,HOST:PORT" ("readers=-": none)
+    fields = proc.ready_line.decode().split()
+    proc.address = fields[3]
+    proc.segment_id = fields[4].split("=", 1)[1]
+    readers = next((f.split("=", 1)[1] for f in fields[6:] if f.startswith("readers=")), "-")
+    proc.read_addresses = [] if readers == "-" else readers.split(",")
+    return True
+
+
+def start_segment(master: str, size: str = "64MiB", extra: list[str] | None = None,
+                  auth_dir: str | None = None, host: str = "127.0.0.1", prefix: list[str] | None = None) -> Proc:
+    """Start ``engram-segment`` on ``host``, registered with ``master``; returns once it answers a ping."""
+    proc = spawn_segment(master, size, extra, auth_dir, host, prefix)
     try:
-        while not line.endswith(b"\n"):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not proc.alive() and not select.select([proc.popen.stdout], [], [], 0)[0]:
-                raise RuntimeError("no ready line")
-            ready, _, _ = select.select([proc.popen.stdout], [], [], min(remaining, 0.5))
-            if ready:
-                chunk = os.read(proc.popen.stdout.fileno(), 4096)
-                if not chunk:
-                    raise RuntimeError("stdout closed")
-                line += chunk
-        # "engram-segment ready on HOST:PORT segment_id=ID size=N readers=HOST:PORT,HOST:PORT" ("readers=-": none)
-        fields = line.decode().split()
-        proc.address = fields[3]
-        proc.segment_id = fields[4].split("=", 1)[1]
-        readers = next((f.split("=", 1)[1] for f in fields[6:] if f.startswith("readers=")), "-")
-        proc.read_addresses = [] if readers == "-" else readers.split(",")
+        if not segment_ready(proc, START_TIMEOUT_S):
+            raise RuntimeError("no ready line")
         wait_ping(proc.address, unavailable=SegmentUnavailable, auth_dir=auth_dir)
     except BaseException as exc:
         out = proc.output()
         proc.close()
-        raise RuntimeError(f"segment did not start ({exc}):\n{line.decode(errors='replace')}{out}") from None
+        raise RuntimeError(f"segment did not start ({exc}):\n{proc.ready_line.decode(errors='replace')}{out}") \
+            from None
     return proc
 
 

@@ -39,7 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if os.path.dirname(HERE) not in sys.path:
     sys.path.insert(0, os.path.dirname(HERE))
 
-from engram_store.testing import Proc, free_port, start_master, start_segment  # noqa: E402
+from engram_store.testing import Proc, free_port, segment_ready, spawn_segment, start_master  # noqa: E402
 from engram_store.segment import reap_orphans  # noqa: E402
 
 from nemesis_faults import FAULTS, Faults  # noqa: E402
@@ -54,8 +54,7 @@ CLIENT_TIMEOUT_MS = 2000
 #: An operation still unanswered after this long is a hang (a violation).
 OP_HANG_S = 90.0
 #: Errors that leave an operation's outcome unknown: it may or may not have taken effect.
-INDETERMINATE = {"MasterUnavailable", "SegmentUnavailable", "Unavailable", "NotConnected", "killed",
-                 "RawChannelRefused"}
+INDETERMINATE = {"MasterUnavailable", "SegmentUnavailable", "Unavailable", "killed", "RawChannelRefused"}
 KINDS = ("store", "local", "disk")
 LAYERS = (1, 2, 3)
 KEYS = ("k1", "k2")
@@ -165,7 +164,10 @@ class History(Faults):
         self.workers: dict[str, Worker] = {}
         self.master_stopped_until = 0.0
         self.master_down_until = 0.0
-        self.facts = {"shm_segment_died": False, "journalless_restart": False, "lost_ok": False}
+        #: What happened that the contract allows for: a shared-memory segment died (its objects are truly gone);
+        #: a master restarted without a journal (it knows only what segments tell it) while some segment was away
+        #: (killed, paused, cut off: what it was told of writes and removes it may not know).
+        self.facts = {"shm_segment_died": False, "journalless_restart": False, "segment_away": False}
         self._next_op = 1
         self._next_worker = 0
 
@@ -202,13 +204,33 @@ class History(Faults):
                                    lease_ttl_s=LEASE_TTL_S, extra=MASTER_EXTRA, prefix=self._prefix("master"),
                                    host=self._host("master"))
 
-    def start_segment(self, i: int) -> None:
+    def start_segment(self, i: int, wait: bool = True) -> None:
+        """Start segment ``i`` (on its file, if durable); it counts as up once it has registered (it may have to
+        wait for a master that is down, paused or cut off)."""
         slot = self.segments[i]
         extra = ["--file", slot["file"]] if slot["file"] else []
         node = f"segment{i}"
-        slot["proc"] = start_segment(self.master_address, SEGMENT_SIZE, extra + ["--register-timeout", "60"],
+        slot["proc"] = spawn_segment(self.master_address, SEGMENT_SIZE, extra + ["--register-timeout", "600"],
                                      prefix=self._prefix(node), host=self._host(node))
+        slot["starting"] = True
         slot["stopped_until"] = slot["down_until"] = 0.0
+        if wait:
+            self.segment_started(i, timeout_s=60.0)
+
+    def segment_started(self, i: int, timeout_s: float = 0.0) -> bool:
+        slot = self.segments[i]
+        if not slot.get("starting"):
+            return True
+        try:
+            if not segment_ready(slot["proc"], timeout_s):
+                if timeout_s:
+                    raise RuntimeError(f"no ready line within {timeout_s:g} s")
+                return False
+        except RuntimeError as exc:
+            self.violation(f"segment{i} did not start ({exc}):\n{slot['proc'].output()[-2500:]}")
+            slot["proc"].expected_exit = True
+        slot["starting"] = False
+        return True
 
     def start_worker(self, wait: bool = True) -> Worker:
         name = f"c{self._next_worker}"
@@ -305,7 +327,8 @@ class History(Faults):
             return {"op": "lookup", "kind": kind, "layer": layer, "seed": rng.randrange(1 << 30),
                     "prefetch": rng.random() < 0.4}
         if r < 0.67:
-            return {"op": "remove", "kind": kind, "layer": layer, "force": rng.random() < 0.5}
+            return {"op": "remove", "kind": "store" if kind == "local" else kind, "layer": layer,
+                    "force": rng.random() < 0.5}  # local_dir layers are files: a deployment removes them
         if r < 0.72:
             return {"op": "verify", "kind": kind, "layer": layer}
         if r < 0.75:
@@ -325,7 +348,7 @@ class History(Faults):
             self.setup()
             for _ in range(self.plan.steps):
                 self.pump(self.now() + self.rng.uniform(0.0, 0.3))
-                if self.rng.random() < 0.75:
+                if self.rng.random() < 0.85:
                     idle = [w for w in self.workers.values() if w.op is None and w.proc.alive()]
                     if idle:
                         self.issue(self.rng.choice(idle), self.next_op())
@@ -391,9 +414,11 @@ class History(Faults):
                 slot["proc"].signal(signal.SIGCONT)
                 slot["stopped_until"] = 0.0
                 self.log(f"segment{i} resumed (SIGCONT)")
-            if slot["proc"] is None and now >= slot["down_until"] and self.master_up():
-                self.start_segment(i)
-                self.log(f"segment{i} started again" + (" on its file" if slot["file"] else " (empty)"))
+            if slot["proc"] is None and now >= slot["down_until"]:
+                self.start_segment(i, wait=False)
+                self.log(f"segment{i} starting again" + (" on its file" if slot["file"] else " (empty)"))
+            elif slot.get("starting") and self.segment_started(i):
+                self.log(f"segment{i} registered")
         if self.network:
             self.network.tend(now, self.log)
 

@@ -72,6 +72,7 @@ class Faults:
         slot["proc"] = None
         if not slot["file"]:
             self.facts["shm_segment_died"] = True
+        self.facts["segment_away"] = True
         slot["down_until"] = self.now() + self.rng.uniform(0.0, 3.0)
         self.log(f"FAULT segment{i} killed (SIGKILL)" + ("" if slot["file"] else ": its shared memory is gone"))
 
@@ -87,6 +88,7 @@ class Faults:
         slot["proc"] = None
         if not slot["file"]:
             self.facts["shm_segment_died"] = True
+        self.facts["segment_away"] = True
         slot["down_until"] = self.now() + self.rng.uniform(0.0, 2.0)
         self.log(f"FAULT segment{i} stopped (SIGTERM)")
 
@@ -95,6 +97,7 @@ class Faults:
         i = self._segment()
         slot = self.segments[i]
         slot["proc"].signal(signal.SIGSTOP)
+        self.facts["segment_away"] = True
         slot["stopped_until"] = self.now() + self.rng.uniform(0.1, 4.0)
         self.log(f"FAULT segment{i} paused (SIGSTOP) until {slot['stopped_until']:.3f}")
 
@@ -110,6 +113,7 @@ class Faults:
     def fault_partition(self) -> None:
         """Cut two processes (or groups) apart for a while."""
         self.network.partition(self.rng, self.now(), self.log)
+        self.facts["segment_away"] = True  # a client or the master may have been cut off from a segment
 
 
 def _master_alive(h) -> bool:

@@ -14,6 +14,7 @@ import os
 import random
 import shutil
 import subprocess
+import sys
 
 NODES = ["master", "segment0", "segment1", "segment2", "client0", "client1", "client2"]
 ROOT = len(NODES)  # the explorer's own namespace joins the hub as one more node
@@ -33,16 +34,21 @@ class Network:
             return None
         try:
             return cls(seed)
-        except (OSError, subprocess.SubprocessError):
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", "") or exc
+            print(f"nemesis: no network namespaces, so no partitions: {detail}", file=sys.stderr)
             return None
 
     def __init__(self, seed: int):
         rng = random.Random(os.getpid() * 7919 + seed)
         self.tag = f"{rng.randrange(16 ** 4):04x}"
-        self.net = 100 + rng.randrange(100)  # the run's 10.N.0.0/16
+        taken = subprocess.run(["ip", "route"], capture_output=True, text=True, timeout=30).stdout
+        free = [n for n in range(100, 250) if f"10.{n}.0.0/16" not in taken]  # other runs at the same time
+        self.net = rng.choice(free)  # the run's 10.N.0.0/16
         self.hub = f"engram-{self.tag}-hub"
         self.namespaces: list[str] = []
         self.cuts: list[tuple[float, list[tuple[str, str]], str]] = []  # (heal at, rule pairs, description)
+        self._rules: dict[tuple[str, str], int] = {}  # how many cuts in force block src -> dst
         try:
             self._build()
         except BaseException:
@@ -104,16 +110,26 @@ class Network:
         rules = []
         for a, b in pairs:
             for src, dst in ((a, b), (b, a)):
-                self._rule("add", src, dst)
+                self.block(src, dst)
                 rules.append((src, dst))
         heal_at = now + rng.uniform(0.3, 4.0)
         what = " | ".join(f"{a} x {b}" for a, b in pairs) if shape != "isolate" else f"{pairs[0][0]} isolated"
         self.cuts.append((heal_at, rules, what))
         log(f"FAULT partition {what} until {heal_at:.3f}")
 
-    def _rule(self, action: str, src: str, dst: str) -> None:
-        _ip("rule", action, "from", self.address(src), "to", self.address(dst), "blackhole", "pref", "100",
-            netns=self.hub, check=action == "add")
+    def block(self, src: str, dst: str) -> None:
+        """Drop every packet from ``src`` to ``dst`` (until as many :meth:`unblock` calls)."""
+        self._rules[(src, dst)] = self._rules.get((src, dst), 0) + 1
+        if self._rules[(src, dst)] == 1:
+            _ip("rule", "add", "from", self.address(src), "to", self.address(dst), "blackhole", "pref", "100",
+                netns=self.hub)
+
+    def unblock(self, src: str, dst: str) -> None:
+        self._rules[(src, dst)] -= 1
+        if not self._rules[(src, dst)]:
+            del self._rules[(src, dst)]
+            _ip("rule", "del", "from", self.address(src), "to", self.address(dst), "blackhole", "pref", "100",
+                netns=self.hub, check=False)
 
     def tend(self, now: float, log) -> None:
         for cut in [c for c in self.cuts if c[0] <= now]:
@@ -126,7 +142,7 @@ class Network:
     def _heal(self, cut, log) -> None:
         self.cuts.remove(cut)
         for src, dst in cut[1]:
-            self._rule("del", src, dst)
+            self.unblock(src, dst)
         log(f"partition healed: {cut[2]}")
 
     def close(self) -> None:

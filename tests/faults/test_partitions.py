@@ -60,8 +60,8 @@ def test_a_client_cut_off_from_the_master_never_reads_a_reused_space(network, lo
         workers += [cut_off, other]
         assert _call(cut_off, {"op": "populate", "kind": "store", "layer": 1, "gen": 1}).get("ok")
         assert _call(cut_off, {"op": "lookup", "kind": "store", "layer": 1, "seed": 1})["gens"] == [1]
-        network._rule("add", "client0", "master")
-        network._rule("add", "master", "client0")
+        network.block("client0", "master")
+        network.block("master", "client0")
         # Elsewhere: the layer is removed, and once the reuse delay is over its space holds other layers.
         assert _call(other, {"op": "remove", "kind": "store", "layer": 1, "force": True}).get("ok")
         time.sleep(0.5)
