@@ -237,6 +237,10 @@ class V41Hasher:
                 raise InvalidType(f"{name}: expected a bool array ({meaning}), got dtype {arr.dtype}")
         if arr.shape != shape:
             raise InvalidArgument(f"{name}: expected shape {shape} (that of the token ids), got {arr.shape}")
+        if kind == "positions" and arr.size and arr.min() < 0:
+            at = [int(i) for i in np.unravel_index(int(np.argmax(arr < 0)), arr.shape)]
+            raise InvalidArgument(f"{name}: expected positions >= 0 (each token's position in its document), "
+                                  f"got {int(arr[tuple(at)])} at {at}")
         return np.ascontiguousarray(arr, dtype=np.int64 if kind == "positions" else np.bool_)
 
     def _run(self, ids: np.ndarray, token_mask: Any, position_ids: Any, history: np.ndarray) -> np.ndarray:
