@@ -1,0 +1,323 @@
+"""The layers of one place, seen from outside any EngramStore: list them, verify them, remove them.
+
+Three kinds of place hold layers, each with its own record of them:
+
+* a store: a layer is the objects ``engram:l{L}:h{h}`` and its manifest ``engram:l{L}:manifest`` (:mod:`._manifest`);
+  the master says which objects each segment holds, which are lost and which have fewer replicas than asked;
+* ``local_dir``: ``layer-<L>/`` with its ``layout`` and ``head-<h>.bin`` files (:mod:`._local_dir`, Mooncake's);
+* ``disk_dir``: ``layer-<L>/`` with ``manifest.json`` and ``rows.bin`` (:mod:`engram_store.disk`).
+
+A layer's state is ``published`` (readers see it whole), ``partial`` (a populate running or interrupted: some of
+its objects or files but no manifest, or staging files without a published layer), ``under-replicated`` (every
+object there, some with fewer replicas than asked for) or ``lost`` (an object's every replica was on segments
+that died). This is what ``engram-layers`` prints.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .._errors import EngramError, InvalidArgument, LeaseActive, ObjectNotFound, StoreError
+from ..disk import DiskDir
+from ..wire import Connection, load_keys
+from ._layout import ROW_FORMATS, EngramStoreConfig
+from ._local_dir import LAYOUT_MAGIC, LocalDir, MappedLayer
+
+PUBLISHED, PARTIAL, UNDER_REPLICATED, LOST = "published", "partial", "under-replicated", "lost"
+_KEY = re.compile(r"^engram:l(\d+):(?:h(\d+)|(manifest))$")
+#: How long a remove under ``local_dir`` waits for the layer's writer to let go of its lock.
+LOCK_TIMEOUT_S = 60.0
+_LAYER_DIR = re.compile(r"^layer-(\d+)(\.tmp|\.removing)?$")
+
+
+@dataclass
+class LayerInfo:
+    """One layer as ``engram-layers list`` shows it (``--json`` prints these fields)."""
+
+    layer_id: int
+    state: str
+    heads: int                       # heads of its layout (or, with no layout to read, heads found)
+    rows: int                        # rows of every head together
+    row_format: str                  # float32, float16, bfloat16 or bytes
+    row_bytes: int
+    bytes: int                       # bytes of the tables (rows x row_bytes)
+    replicas: int                    # fewest copies of any of its objects (1 for files on this host)
+    table_vocab_sizes: list[int] = field(default_factory=list)
+    detail: str = ""                 # why it is not published, what is missing
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---- a store ----------------------------------------------------------------------------------------------------
+
+
+class StoreLayers:
+    """The layers of the store behind a running master (``--master HOST:PORT``, ``--auth DIR``)."""
+
+    def __init__(self, store: Any, auth_dir: str | None):
+        self.store = store
+        self.where = f"store at {store.master_address}"
+        from .._errors import MasterUnavailable
+
+        curve = load_keys(auth_dir, server=False).client_curve if auth_dir else None
+        self._conn = Connection(store.master_address, unavailable=MasterUnavailable, curve=curve)
+        self.notes: list[str] = []
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def _objects(self) -> tuple[dict[str, list], dict]:
+        """Every complete object of the store by key: ``[size, replica_num, copies]``; and the master's status."""
+        status = self.store.status()
+        objects: dict[str, list] = {}
+        for segment in status["segments"]:
+            header, _ = self._conn.call("segment_objects", {"segment_id": segment["segment_id"]},
+                                        timeout_ms=self.store.timeout_ms)
+            for key, _offset, size, replica_num, *_ in header["objects"]:
+                if _KEY.match(key):
+                    entry = objects.setdefault(key, [size, replica_num, 0])
+                    entry[2] += 1
+        return objects, status
+
+    def _manifest(self, layer_id: int) -> dict | None:
+        try:
+            record = json.loads(self.store.get(f"engram:l{layer_id}:manifest", lease=False))
+        except (ObjectNotFound, EngramError, ValueError):
+            return None
+        return record if isinstance(record, dict) and record.get("format") == "engram-layer" else None
+
+    def list(self) -> list[LayerInfo]:
+        objects, status = self._objects()
+        lost = set(status.get("lost_keys", []))
+        under = set(status.get("under_replicated_keys", []))
+        if status.get("lost", 0) > len(status.get("lost_keys", [])):
+            self.notes.append(f"the master lists {len(lost)} of its {status['lost']} lost objects; layers of the "
+                              "others are not shown (engram-master status)")
+        if status.get("pending"):
+            self.notes.append(f"{status['pending']} write(s) in progress are not counted")
+        layers: dict[int, dict] = {}
+        for key in list(objects) + sorted(k for k in lost if _KEY.match(k)):
+            m = _KEY.match(key)
+            entry = layers.setdefault(int(m.group(1)), {"heads": set(), "manifest": False, "keys": set()})
+            entry["keys"].add(key)
+            if m.group(3):
+                entry["manifest"] = True
+            else:
+                entry["heads"].add(int(m.group(2)))
+        return [self._info(lid, layers[lid], objects, lost, under) for lid in sorted(layers)]
+
+    def _info(self, layer_id: int, found: dict, objects: dict, lost: set, under: set) -> LayerInfo:
+        record = self._manifest(layer_id) if found["manifest"] else None
+        sizes = list(record.get("table_vocab_sizes", [])) if record else []
+        row_format = record.get("row_format", "bytes") if record else "bytes"
+        dim = int(record.get("embedding_dim", 0)) if record else 0
+        row_bytes = dim * np.dtype(ROW_FORMATS.get(row_format, np.uint8)).itemsize  # 0: no manifest says it
+        heads_here = [objects[k] for k in found["keys"] if k in objects and not k.endswith(":manifest")]
+        copies = [entry[2] for entry in (objects[k] for k in found["keys"] if k in objects)]
+        asked = max((objects[k][1] for k in found["keys"] if k in objects), default=1)
+        info = LayerInfo(layer_id, PUBLISHED, len(sizes) or len(found["heads"]), sum(sizes), row_format, row_bytes,
+                         sum(entry[0] for entry in heads_here), min(copies, default=0), sizes)
+        gone = sorted(k for k in found["keys"] if k in lost)
+        missing = [h for h in range(len(sizes)) if h not in found["heads"]]
+        if gone:
+            info.state, info.detail = LOST, (f"{len(gone)} object(s) lost with their segments ({', '.join(gone[:3])}"
+                                             f"{', ...' if len(gone) > 3 else ''}); remove the layer and load it again"
+                                             " or bring the segment back")
+        elif record is None and found["manifest"]:
+            info.state, info.detail = PARTIAL, "its manifest cannot be read"
+        elif record is None:
+            info.state, info.detail = PARTIAL, (f"{len(found['heads'])} head(s) and no manifest: a populate is "
+                                                "running or was interrupted")
+        elif missing:
+            info.state, info.detail = PARTIAL, f"heads {missing[:8]}{'...' if len(missing) > 8 else ''} missing"
+        elif any(k in under for k in found["keys"]) or info.replicas < asked:
+            info.state, info.detail = UNDER_REPLICATED, f"{info.replicas} of {asked} replicas of some objects"
+        return info
+
+    def verify(self, layer_id: int) -> str:
+        from ._store import EngramStore
+
+        record = self._manifest(layer_id)
+        if record is None:
+            raise ObjectNotFound(f"layer {layer_id} is not published in the {self.where} (no readable "
+                                 f"engram:l{layer_id}:manifest)")
+        config = EngramStoreConfig(record["table_vocab_sizes"], record["embedding_dim"], record["row_format"])
+        with EngramStore(layer_id, config, self.store) as layer:
+            heads = layer.verify()
+        return f"{len(heads)} head(s) match the checksums of the manifest"
+
+    def remove(self, layer_id: int, force: bool) -> str:
+        """The manifest first (readers then see the layer unpublished, never half removed), then every head."""
+        objects, status = self._objects()
+        record = self._manifest(layer_id)
+        heads = {int(m.group(2)) for key in list(objects) + list(status.get("lost_keys", []))
+                 if (m := _KEY.match(key)) and int(m.group(1)) == layer_id and m.group(2)}
+        heads |= set(range(len(record.get("table_vocab_sizes", [])))) if record else set()
+        keys = [f"engram:l{layer_id}:manifest"] + [f"engram:l{layer_id}:h{h}" for h in sorted(heads)]
+        removed = 0
+        for i, key in enumerate(keys):
+            try:
+                self.store.remove(key, force=force)
+                removed += 1
+            except ObjectNotFound:
+                continue
+            except LeaseActive as exc:
+                held = re.search(r"for ([\d.]+) s more", str(exc))
+                why = (f"a read lease on it is live for {held.group(1)} s more" if held
+                       else "a write of it is in progress" if "write" in str(exc) else "a read lease on it is live")
+                done = ("nothing was removed" if i == 0 else
+                        f"its manifest is removed (readers no longer see the layer) and {len(keys) - i} of its "
+                        f"{len(keys) - 1} head(s) remain")
+                raise LeaseActive(f"layer {layer_id}: {key!r}: {why}; {done}. Run again when it has ended, or pass "
+                                  "--force") from None
+        if not removed:
+            raise ObjectNotFound(f"layer {layer_id}: no object of it in the {self.where}")
+        return f"removed {removed} object(s)"
+
+
+# ---- files on this host -----------------------------------------------------------------------------------------
+
+
+def _existing_dir(path: str, flag: str) -> str:
+    if not os.path.isdir(path):
+        raise InvalidArgument(f"{flag}: expected a directory, got {path!r} ("
+                              f"{'not a directory' if os.path.exists(path) else 'no such directory'})")
+    return os.path.abspath(path)
+
+
+def _staged(path: str) -> dict[int, list[str]]:
+    """Layer ids of the ``layer-<L>.tmp`` and ``layer-<L>.removing`` entries under ``path``."""
+    out: dict[int, list[str]] = {}
+    for name in os.listdir(path):
+        m = _LAYER_DIR.match(name)
+        if m and m.group(2):
+            out.setdefault(int(m.group(1)), []).append(name)
+    return out
+
+
+def _partial(layer_id: int, names: list[str]) -> LayerInfo:
+    return LayerInfo(layer_id, PARTIAL, 0, 0, "bytes", 0, 0, 0, [],
+                     f"{', '.join(sorted(names))} without a published layer: a write or remove is running or died "
+                     "(the next writer of the layer removes it)")
+
+
+class LocalDirLayers:
+    """Layers published under a ``local_dir`` (Mooncake's layout: no checksums, a layout file per layer)."""
+
+    def __init__(self, path: str):
+        self.path = _existing_dir(path, "--local-dir")
+        self.where = f"local_dir {self.path}"
+        self.notes: list[str] = []
+
+    def _layout(self, layer_id: int) -> tuple[int, list[int]]:
+        file = os.path.join(self.path, f"layer-{layer_id}", "layout")
+        try:
+            with open(file, encoding="ascii") as f:
+                lines = f.read().split()
+        except (OSError, ValueError) as exc:
+            raise StoreError(f"layer {layer_id}: cannot read {file}: {exc}") from None
+        if len(lines) < 3 or lines[0] != LAYOUT_MAGIC or not all(x.isdigit() for x in lines[1:]):
+            raise StoreError(f"layer {layer_id}: {file} is not a {LAYOUT_MAGIC} layout")
+        return int(lines[1]), [int(x) for x in lines[2:]]
+
+    def list(self) -> list[LayerInfo]:
+        staged = _staged(self.path)
+        out = []
+        published = sorted(int(m.group(1)) for name in os.listdir(self.path)
+                           if (m := _LAYER_DIR.match(name)) and not m.group(2)
+                           and os.path.isdir(os.path.join(self.path, name)))
+        for layer_id in published:
+            try:
+                row_bytes, sizes = self._layout(layer_id)
+            except StoreError as exc:
+                out.append(LayerInfo(layer_id, PARTIAL, 0, 0, "bytes", 0, 0, 1, [], str(exc)))
+                continue
+            out.append(LayerInfo(layer_id, PUBLISHED, len(sizes), sum(sizes), "bytes", row_bytes,
+                                 sum(sizes) * row_bytes, 1, sizes))
+        out += [_partial(lid, names) for lid, names in staged.items() if lid not in published]
+        return sorted(out, key=lambda info: info.layer_id)
+
+    def verify(self, layer_id: int) -> str:
+        if not os.path.isdir(os.path.join(self.path, f"layer-{layer_id}")):
+            raise ObjectNotFound(f"layer {layer_id} is not published under {self.where}")
+        row_bytes, sizes = self._layout(layer_id)
+        MappedLayer(os.path.join(self.path, f"layer-{layer_id}"), row_bytes, sizes, prefault_pages=False).close()
+        return (f"{len(sizes)} head file(s) hold the sizes their layout says (local_dir layers carry no "
+                "checksums)")
+
+    def remove(self, layer_id: int, force: bool) -> str:
+        """Under the layer's lock (writers hold it while they publish), move the layer to its staging name, which
+        the next writer removes if this process dies, and delete it. The lock file stays: Mooncake's writers
+        lock it by name and do not expect it to go."""
+        final = LocalDir(self.path).layer_path(layer_id)
+        fd = os.open(final + ".lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            deadline = time.monotonic() + LOCK_TIMEOUT_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise StoreError(f"layer {layer_id}: a writer holds {final}.lock (waited "
+                                         f"{LOCK_TIMEOUT_S:g} s); try again when its populate has ended") from None
+                    time.sleep(0.05)
+            if not os.path.isdir(final):
+                raise ObjectNotFound(f"layer {layer_id} is not published under {self.where}")
+            doomed = final + ".tmp"
+            shutil.rmtree(doomed, ignore_errors=True)
+            try:
+                os.rename(final, doomed)
+                shutil.rmtree(doomed)
+            except OSError as exc:
+                raise StoreError(f"layer {layer_id}: cannot remove {final}: {exc}") from None
+        finally:
+            os.close(fd)
+        return f"removed {final}"
+
+
+class DiskDirLayers:
+    """Layers published under a ``disk_dir`` (page-aligned files with checksums, :mod:`engram_store.disk`)."""
+
+    def __init__(self, path: str):
+        self.path = _existing_dir(path, "--disk-dir")
+        self.dir = DiskDir(self.path)
+        self.where = f"disk_dir {self.path}"
+        self.notes: list[str] = []
+
+    def list(self) -> list[LayerInfo]:
+        out = []
+        published = self.dir.layers()
+        for layer_id in published:
+            file = os.path.join(self.dir.layer_path(layer_id), "manifest.json")
+            try:
+                with open(file, "rb") as f:
+                    record = json.loads(f.read())
+                row_bytes, sizes = int(record["row_bytes"]), [int(n) for n in record["sizes"]]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                out.append(LayerInfo(layer_id, PARTIAL, 0, 0, "bytes", 0, 0, 1, [],
+                                     f"cannot read {file}: {exc}"))
+                continue
+            out.append(LayerInfo(layer_id, PUBLISHED, len(sizes), sum(sizes), "bytes", row_bytes,
+                                 sum(sizes) * row_bytes, 1, sizes))
+        out += [_partial(lid, names) for lid, names in _staged(self.path).items() if lid not in published]
+        return sorted(out, key=lambda info: info.layer_id)
+
+    def verify(self, layer_id: int) -> str:
+        self.dir.verify(layer_id)
+        return "every head matches the checksum of its manifest"
+
+    def remove(self, layer_id: int, force: bool) -> str:
+        path = self.dir.layer_path(layer_id)
+        self.dir.remove(layer_id)
+        return f"removed {path}"
