@@ -14,6 +14,7 @@ from engram_store.wire._auth import AuthKeys
 from engram_store._metrics import MetricsEndpoint, gauge
 from engram_store.wire._transport import Connection, RpcServer
 from engram_store._units import parse_address
+from engram_store._pages import trim_heap
 
 from ._journal import Journal
 from ._records import Segment
@@ -46,6 +47,9 @@ REPAIR_CHUNK = 16 << 20
 DEFAULT_PUT_TIMEOUT_S = 30.0
 #: Keys of lost and under-replicated objects listed in a status reply (the counts are complete).
 STATUS_KEYS = 20
+#: How often the master hands memory freed by bursts of large messages (a flood of garbage, a register of a
+#: segment with a million objects) back to the system: the allocator keeps it otherwise.
+TRIM_S = 10.0
 
 
 class MasterServer:
@@ -90,6 +94,7 @@ class MasterServer:
             log.info("journal %s: replayed %d records: %d segments, %d objects, %d lost", journal_path,
                      len(records), len(self.state.segments), len(self.state.objects), len(self.state.lost))
         self._last_tick = time.monotonic()
+        self._next_trim = self._last_tick + TRIM_S
         self.re_replicate = re_replicate
         self._rpc_timeout_ms = max(1000, int(heartbeat_timeout_s * 1000))
         self._repairs: dict[Future, RepairJob] = {}
@@ -168,6 +173,9 @@ class MasterServer:
 
     def _tick(self) -> None:
         now = time.monotonic()
+        if now >= self._next_trim:
+            self._next_trim = now + TRIM_S
+            trim_heap()
         gap = now - self._last_tick
         self._last_tick = now
         stalled = gap - TICK_MS / 1000.0 if gap > STALL_GAP_S else 0.0
