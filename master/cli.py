@@ -197,7 +197,8 @@ def status(argv: Sequence[str] | None) -> int:
                           f"with {address} ({_registered(header)} so far)", file=sys.stderr, flush=True)
                     announced = True
                 time.sleep(min(0.1, left))
-                header, _ = conn.call("status", timeout_ms=max(1, int((deadline - time.monotonic()) * 1000)))
+                # at least a second for the answer itself, so a loaded master is not mistaken for a silent one
+                header, _ = conn.call("status", timeout_ms=int(max(1.0, deadline - time.monotonic()) * 1000))
     except MasterUnavailable as exc:
         if "no reply" in str(exc):
             print(f"{prog}: no reply from {address} within {args.timeout:g} s: something listens there but it did "

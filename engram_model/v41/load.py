@@ -51,9 +51,10 @@ def _main(argv: Sequence[str] | None) -> int:
     parser.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
                         help="directory of the safetensors shards (or one .safetensors file with --config)")
     where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--master", metavar="HOST:PORT", help="address of the running engram-master")
-    where.add_argument("--disk-dir", metavar="PATH", help="directory on local SSD to write the layers under (read "
-                       "them with EngramStore(..., disk_dir=PATH))")
+    where.add_argument("--master", metavar="HOST:PORT",
+                       help="address of the running engram-master (required, or --disk-dir)")
+    where.add_argument("--disk-dir", metavar="PATH", help="directory on local SSD to write the layers under, read "
+                       "with EngramStore(..., disk_dir=PATH) (required, or --master)")
     parser.add_argument("--config", metavar="PATH", help="config.json to read (default: CHECKPOINT_DIR/config.json)")
     parser.add_argument("--layers", type=int, nargs="+", metavar="L",
                         help="Engram layers to load (default: every layer of engram_layer_ids)")
@@ -79,12 +80,21 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.config and not os.path.exists(args.checkpoint):
         print(f"{PROG}: CHECKPOINT_DIR: no such file or directory: {args.checkpoint}", file=sys.stderr)
         return 2
+    if not args.config and os.path.isdir(config_path) and not os.path.isfile(os.path.join(config_path,
+                                                                                         "config.json")):
+        print(f"{PROG}: CHECKPOINT_DIR: no config.json in {config_path} (pass --config PATH to read another)",
+              file=sys.stderr)
+        return 2
     try:
         config = V41Config.from_hf_config(config_path)
         layers = args.layers or list(config.layer_ids)
         for layer_id in layers:
             config.layer_index(layer_id)
-        checkpoint = SafetensorsCheckpoint(args.checkpoint)
+        try:
+            checkpoint = SafetensorsCheckpoint(args.checkpoint)
+        except EngramError as exc:  # the library names its parameter; the user gave CHECKPOINT_DIR
+            print(f"{PROG}: CHECKPOINT_DIR: {str(exc).removeprefix('path: ')}", file=sys.stderr)
+            return 2
         with _connect(args) if args.master else contextlib.nullcontext() as store:
             for layer_id in layers:
                 start = time.perf_counter()

@@ -55,9 +55,12 @@ def _place_options() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False, formatter_class=_cli.HelpFormatter)
     where = common.add_argument_group("where the layers are (one of)")
     place = where.add_mutually_exclusive_group(required=True)
-    place.add_argument("--master", metavar="HOST:PORT", help="the store behind this running engram-master")
-    place.add_argument("--local-dir", metavar="PATH", help="layers published as files under PATH (local_dir=)")
-    place.add_argument("--disk-dir", metavar="PATH", help="layers on local SSD under PATH (disk_dir=)")
+    place.add_argument("--master", metavar="HOST:PORT",
+                       help="the store behind this running engram-master (required: this, --local-dir or --disk-dir)")
+    place.add_argument("--local-dir", metavar="PATH",
+                       help="layers published as files under PATH, local_dir= (required: this, --master or --disk-dir)")
+    place.add_argument("--disk-dir", metavar="PATH",
+                       help="layers on local SSD under PATH, disk_dir= (required: this, --master or --local-dir)")
     where.add_argument("--auth", metavar="DIR", default=os.environ.get("ENGRAM_AUTH_DIR") or None,
                        help="with --master: key directory of a cluster started with --auth (default: "
                             "$ENGRAM_AUTH_DIR if set, else none)")
