@@ -168,6 +168,7 @@ class History(Faults):
         #: a master restarted without a journal (it knows only what segments tell it) while some segment was away
         #: (killed, paused, cut off: what it was told of writes and removes it may not know).
         self.facts = {"shm_segment_died": False, "journalless_restart": False, "segment_away": False}
+        self.registered: set[str] = set()  # segment ids the master knows once the faults have healed
         self._next_op = 1
         self._next_worker = 0
 
@@ -219,7 +220,8 @@ class History(Faults):
 
     def segment_started(self, i: int, timeout_s: float = 0.0) -> bool:
         slot = self.segments[i]
-        if not slot.get("starting"):
+        if not slot.get("starting") or slot["proc"] is None:
+            slot["starting"] = False
             return True
         try:
             if not segment_ready(slot["proc"], timeout_s):

@@ -126,7 +126,7 @@ class Worker:
         if op == "status":
             status = self._store().status()
             return {"objects": status["objects"], "lost": status["lost"], "lost_keys": status["lost_keys"],
-                    "segments": len(status["segments"]),
+                    "segments": len(status["segments"]), "segment_ids": [s["segment_id"] for s in status["segments"]],
                     "confirmed": sum(1 for s in status["segments"] if s.get("confirmed", True))}
         raise ValueError(f"unknown op {op!r}")
 
