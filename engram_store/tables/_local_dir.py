@@ -21,6 +21,7 @@ is complete. A staging directory left by a writer that died is removed by the ne
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import logging
 import mmap
@@ -33,7 +34,7 @@ import numpy as np
 
 from .. import _pages
 from .. import kernels as _kernels
-from .._errors import ConfigError, InvalidArgument, ObjectExists, StoreError
+from .._errors import ConfigError, InvalidArgument, ObjectExists, OutOfSpace, StoreError
 from .._pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise, reserve
 
 log = logging.getLogger(__name__)
@@ -191,7 +192,10 @@ class LocalDir:
         final = self.layer_path(layer_id)
         try:
             self._publish(layer_id, final, row_bytes, sizes, tables, progress)
-        except OSError as exc:  # a directory we cannot write, a failing device: say which file
+        except OSError as exc:  # a directory we cannot write, a full or failing device: say which file
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise OutOfSpace(f"local_dir: cannot publish layer {layer_id} at {final}: the file system is full "
+                                 f"({exc.strerror}: {exc.filename or final}); nothing was published") from exc
             raise StoreError(f"local_dir: cannot publish layer {layer_id} at {final}: {exc}") from exc
 
     def _publish(self, layer_id: int, final: str, row_bytes: int, sizes: Sequence[int],
