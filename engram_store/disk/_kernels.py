@@ -11,11 +11,11 @@ Vocabulary (see ``_layout`` for the file format):
 * A cache *key* is ``(tag << 40) | (row_base[h] + r)``: the layer's tag and the row's index among all rows of
   the layer, so one cache serves several layers. Keys are >= 0; -1 marks an empty way.
 
-The cache is set-associative: ``meta[s]`` is one 64-byte line per set, word 0 a version and the CLOCK reference
-bits, words 1-7 the keys of its 7 ways; ``rows[s * 7 + w]`` holds way ``w``'s row. Readers take no lock: they
+The cache is set-associative: ``meta[s]`` is one 64-byte line per set, word 0 the set's version (bits 16-63),
+pinned ways (bits 8-14) and CLOCK reference bits (bits 0-6), words 1-7 the keys of its 7 ways; ``rows[s * 7 + w]`` holds way ``w``'s row. Readers take no lock: they
 read a set as a sequence lock (version, keys and row, version again) and count a row as a hit only if the version
 did not move and no writer was busy in the set. Writers (cache fills) are serialised by the caller and mark the
-set busy while they replace a way. A hit reads one metadata line and the row (the cache's arrays start on a
+set busy while they replace a way (their kernels are in ``_cache_kernels``). A hit reads one metadata line and the row (the cache's arrays start on a
 cache line), both prefetched rows ahead (``_probe_all``), and marks its way used only after the lookup's rows are
 copied, with a plain byte store.
 """
@@ -25,13 +25,16 @@ import numpy as np
 from numba import njit
 
 from ..kernels._common import _prefetch
-from ._native import (address, atomic_add, atomic_and, errno, fence_acquire, fence_release, load_acquire, memcpy,
-                      memcpy_to, or_low_byte_relaxed, pread, syscall3, syscall5)
+from ._native import (address, atomic_add, errno, fence_acquire, load_acquire, memcpy, memcpy_to,
+                      or_low_byte_relaxed, pread, syscall3, syscall5)
 
 WAYS = 7                    # ways per set: 7 keys and the version word fill one 64-byte line
 META_WORDS = 8
-BUSY = np.int64(1 << 8)     # set while a writer changes a set; the version counts in steps of BUSY
-REF_MASK = np.int64(0x7F)   # CLOCK reference bits of the 7 ways
+REF_MASK = np.int64(0x7F)   # bits 0-6 of the version word: the CLOCK reference bits of the 7 ways
+PIN_SHIFT = 8               # bits 8-14: ways pinned by a warm start (CLOCK passes them by); writers only
+PIN_MASK = REF_MASK << PIN_SHIFT
+VERSION_SHIFT = 16          # bits 16-63: the version, in steps of BUSY
+BUSY = np.int64(1 << VERSION_SHIFT)  # set while a writer changes a set
 KEY_ROW_BITS = 40           # a key's row part: up to 2**40 rows per layer
 MAX_TAG = (1 << 23) - 1     # a key's layer tag keeps keys positive
 #: status of a block that no worker reached (another block's failure stopped the read)
@@ -43,10 +46,6 @@ RING = 32          # a power of two > META_AHEAD
 RING_MASK = RING - 1
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX2 = np.uint64(0xC2B2AE3D27D4EB4F)
-
-ADMIT_ALWAYS = 0
-ADMIT_DOORKEEPER = 1
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -168,7 +167,7 @@ def _probe_all(ids, row_base, tag, meta, rows, slot_bytes, out, row_bytes, miss_
             base = ring_base[i & RING_MASK]
             version = ring_version[i & RING_MASK]
             way = ring_way[i & RING_MASK]
-            if (version >> 8) == (meta[base] >> 8):
+            if (version >> VERSION_SHIFT) == (meta[base] >> VERSION_SHIFT):
                 if not (version & (np.int64(1) << way)):
                     marks[n_marks] = base * 8 + way
                     n_marks += 1
@@ -396,81 +395,3 @@ def _aio_drive(ctx, nr_submit, nr_getevents, fds, offsets, lens, starts, dst, sr
             n_free += 1
         inflight -= got
     return 0
-
-
-# ---- the cache: fills -----------------------------------------------------------------------------------------
-
-@njit(cache=True, nogil=True)
-def _door_bits(key, n_bits):
-    x = np.uint64(key)
-    a = np.int64(((x * _GOLDEN) >> np.uint64(17)) % np.uint64(n_bits))
-    b = np.int64(((x * _MIX2) >> np.uint64(19)) % np.uint64(n_bits))
-    return a, b
-
-
-@njit(cache=True, nogil=True)
-def _door_check_add(door, door_state, key):
-    """The doorkeeper: True if ``key`` was seen since the last reset; otherwise remember it and return False.
-    ``door_state = [additions, reset_after]``: the filter is cleared after that many additions."""
-    n_bits = door.size * 64
-    a, b = _door_bits(key, n_bits)
-    ma = np.uint64(1) << np.uint64(a & 63)
-    mb = np.uint64(1) << np.uint64(b & 63)
-    if (door[a >> 6] & ma) and (door[b >> 6] & mb):
-        return True
-    if door_state[0] >= door_state[1]:
-        door[:] = 0
-        door_state[0] = 0
-    door[a >> 6] |= ma
-    door[b >> 6] |= mb
-    door_state[0] += 1
-    return False
-
-
-@njit(cache=True, nogil=True)
-def _cache_fill(meta, hands, rows, slot_bytes, miss_key, miss_pos, out, row_bytes, admission, door, door_state):
-    """Offer each missed row (now in ``out``) to the cache; returns how many were inserted.
-
-    A key already cached is skipped. An empty way is used first; otherwise CLOCK picks the victim (the first
-    way from the set's hand whose reference bit is clear, clearing bits as it passes). With the doorkeeper a row
-    evicts another only on its second miss within the doorkeeper's window. The caller holds the writer lock.
-    """
-    n_sets = meta.size // META_WORDS
-    inserted = 0
-    for k in range(miss_key.size):
-        key = miss_key[k]
-        s = _set_of(key, n_sets)
-        base = s * META_WORDS
-        way = -1
-        present = False
-        for w in range(WAYS):
-            t = meta[base + 1 + w]
-            if t == key:
-                present = True
-                break
-            if t == -1 and way < 0:
-                way = w
-        if present:
-            continue
-        if way < 0:
-            if admission == ADMIT_DOORKEEPER and not _door_check_add(door, door_state, key):
-                continue
-            hand = np.int64(hands[s])
-            for _ in range(2 * WAYS):
-                bit = np.int64(1) << hand
-                if meta[base] & bit:
-                    atomic_and(meta, base, ~bit)
-                    hand = (hand + 1) % WAYS
-                else:
-                    break
-            way = hand
-            hands[s] = (hand + 1) % WAYS
-        atomic_add(meta, base, BUSY)  # odd version: readers of this set back off
-        fence_release()
-        meta[base + 1 + way] = key
-        memcpy(rows, (s * WAYS + way) * slot_bytes, out, miss_pos[k] * row_bytes, row_bytes)
-        atomic_and(meta, base, ~(np.int64(1) << way))
-        fence_release()
-        atomic_add(meta, base, BUSY)
-        inserted += 1
-    return inserted

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import errno as _errno
+import json
 import logging
 import os
 import platform
@@ -28,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import numpy as np
+import xxhash
 
 from .._errors import InvalidArgument, InvalidType, ObjectNotFound, StoreError, describe
 from . import _kernels as k
@@ -256,7 +258,7 @@ class DiskLayer:
             self._fd, self.direct = open_direct(self.file, os.O_RDONLY, direct=False)
         self.engine = engine
         self.cache = cache
-        self.tag = cache.new_tag(layout.row_bytes) if cache is not None else 0
+        self.tag = cache.new_tag(layout.row_bytes, self._identity(record)) if cache is not None else 0
         H = layout.num_heads
         self.n_rows = np.asarray(layout.sizes, dtype=np.int64)
         self.head_offsets = np.asarray(layout.head_offsets, dtype=np.int64)
@@ -264,6 +266,17 @@ class DiskLayer:
         assert self.row_base.size == H, "one row base per head"
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(STAT_FIELDS, 0)
+        self._head_misses = np.zeros(H, dtype=np.int64)
+        self._head_rows = 0
+
+    def _identity(self, record: dict) -> int:
+        """A hash of the published data: the manifest (geometry and every head's checksum) and the data file's
+        device, inode, size and modification time. A host cache keys rows by it, so a layer published again under
+        the same id never meets the old data's cached rows."""
+        st = os.fstat(self._fd)
+        h = xxhash.xxh3_64(json.dumps(record, sort_keys=True).encode())
+        h.update(f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}".encode())
+        return h.intdigest() or 1
 
     def _direct_read_works(self) -> bool:
         """Some file systems accept O_DIRECT at open and refuse the reads (EINVAL): try one block."""
@@ -293,16 +306,30 @@ class DiskLayer:
 
     def stats(self, reset: bool = False) -> dict:
         """Counters since open (or the last reset): ``reads`` (calls), ``rows``, ``pages_read``, ``bytes_read``,
-        ``cache_hits`` and ``cache_misses`` (per row looked up), ``direct`` (1 if reads bypass the page cache)."""
+        ``cache_hits`` and ``cache_misses`` (per row looked up), ``direct`` (1 if reads bypass the page cache);
+        ``cache_hits_per_head`` and ``cache_misses_per_head``: lists, one count per head."""
         with self._lock:
             snapshot = dict(self._counts)
+            misses = self._head_misses.copy()
+            head_rows = self._head_rows
             if reset:
                 self._counts = dict.fromkeys(STAT_FIELDS, 0)
+                self._head_misses[:] = 0
+                self._head_rows = 0
         snapshot["direct"] = int(self.direct)
+        snapshot["cache_hits_per_head"] = (head_rows - misses).tolist()
+        snapshot["cache_misses_per_head"] = misses.tolist()
         return snapshot
 
-    def _count(self, rows: int, hits: int, blocks: int) -> None:
+    def _count(self, rows: int, hits: int, blocks: int, miss_pos: np.ndarray) -> None:
+        H = self.layout.num_heads
+        head_misses = np.bincount(miss_pos % H, minlength=H) if miss_pos.size else None
+        if self.cache is not None:
+            self.cache.count(hits, rows - hits)
         with self._lock:
+            if head_misses is not None:
+                self._head_misses += head_misses
+            self._head_rows += rows // H
             c = self._counts
             c["reads"] += 1
             c["rows"] += rows
@@ -466,4 +493,4 @@ def read_many(requests: Sequence[tuple[DiskLayer, np.ndarray, np.ndarray]], engi
         layer = job.layer
         if layer.cache is not None and job.miss_key.size:
             layer.cache.fill(job.miss_key, job.miss_pos, job.out)
-        layer._count(job.ids.size, job.hits, job.blocks)
+        layer._count(job.ids.size, job.hits, job.blocks, job.miss_pos)

@@ -67,7 +67,8 @@ def test_rows_sharing_a_page_are_read_once_and_cached_rows_not_at_all(small_laye
         layer.read_rows(ids, out)
         np.testing.assert_array_equal(out, expected_rows(tables, ids))
         assert layer.stats() == {"reads": 1, "rows": 12, "pages_read": 0, "bytes_read": 0, "cache_hits": 12,
-                                 "cache_misses": 0, "direct": 1}
+                                 "cache_misses": 0, "direct": 1, "cache_hits_per_head": [4, 4, 4],
+                                 "cache_misses_per_head": [0, 0, 0]}
 
 
 @pytest.mark.timeout(90)
