@@ -12,17 +12,22 @@ For tables larger than the host's memory (DeepSeek-V4.1's ~101 GB layers of 264-
         read_many([(layer, ids, out), ...])        # several layers' reads in flight together
 
 Rows never straddle a 4 KiB page (``_layout``); reads go through O_DIRECT with many in flight (``_reader``); the
-cache is set-associative with CLOCK eviction and a doorkeeper for admission (``_cache``).
+cache is set-associative with CLOCK eviction and a choice of admission (``_cache``), one per process or one per
+host in shared memory (``HostRowCache``, ``_host_cache``), warm-started from a profile of frequent rows
+(``warm_layer``, ``_profile``).
 """
 from ._cache import RowCache
 from ._dir import DiskDir, verify_layer
+from ._host_cache import HostRowCache
+from ._profile import LayerProfile, load_profile, save_profile, warm_layer
 from ._layout import PAGE_BYTES, DiskLayout
 from ._reader import DEFAULT_DEPTH, DiskLayer, DiskReadError, IOEngine, aio_available, default_engine, read_many
 from ._writer import LayerWriter, write_layer
 
 __all__ = [
-    "DiskDir", "DiskLayer", "DiskLayout", "DiskReadError", "IOEngine", "LayerWriter", "RowCache", "PAGE_BYTES",
-    "DEFAULT_DEPTH", "aio_available", "default_engine", "read_many", "verify_layer", "write_layer", "warmup",
+    "DiskDir", "DiskLayer", "DiskLayout", "DiskReadError", "HostRowCache", "IOEngine", "LayerProfile", "LayerWriter",
+    "RowCache", "PAGE_BYTES", "DEFAULT_DEPTH", "aio_available", "default_engine", "load_profile", "read_many",
+    "save_profile", "verify_layer", "warm_layer", "write_layer", "warmup",
 ]
 
 

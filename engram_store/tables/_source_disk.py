@@ -4,6 +4,10 @@
 atomically; any EngramStore opened on the same directory, in any process, reads it. Reads turn rows into
 distinct page reads with many in flight (O_DIRECT); ``row_cache_bytes`` keeps hot rows in memory, one cache for
 all layers of a row size. Every layer of a call is read in one batch, so all their pages are in flight together.
+
+``cache_scope="host"`` puts that cache in shared memory, one for every process of the host that opens the same
+``disk_dir`` with the same ``row_cache_bytes`` (:class:`~engram_store.disk.HostRowCache`); ``"process"`` (the
+default) keeps one per EngramStore.
 """
 
 from __future__ import annotations
@@ -14,18 +18,21 @@ from typing import Sequence
 import numpy as np
 
 from .._errors import InvalidArgument, ObjectExists, ObjectNotFound
-from ..disk import DiskDir, RowCache, read_many
+from ..disk import DiskDir, HostRowCache, LayerProfile, RowCache, read_many, warm_layer
 from ._layout import Layer
 from ._source import Job, Source, progress
 
 #: Counters a disk layer keeps that EngramStore.stats() reports.
-DISK_STATS = ("pages_read", "bytes_read", "cache_hits", "cache_misses")
+DISK_STATS = ("pages_read", "bytes_read", "cache_hits", "cache_misses", "cache_hits_per_head",
+              "cache_misses_per_head")
+CACHE_SCOPES = ("process", "host")
 
 
 class DiskSource(Source):
     """Layers published under ``disk_dir``; ``lay.state`` is the layer's open :class:`~engram_store.disk.DiskLayer`."""
 
-    def __init__(self, path: str | os.PathLike, row_cache_bytes: int, row_sizes: Sequence[int], threads: int = 1):
+    def __init__(self, path: str | os.PathLike, row_cache_bytes: int, row_sizes: Sequence[int], threads: int = 1,
+                 cache_scope: str = "process"):
         super().__init__(threads)
         self.dir = DiskDir(path)
         self.disk_dir = self.dir.path
@@ -36,7 +43,29 @@ class DiskSource(Source):
         for size in sorted(set(row_sizes)):
             share = int(row_cache_bytes) * row_sizes.count(size) // len(row_sizes)
             if share:
-                self.caches[size] = RowCache(share, size)
+                self.caches[size] = (HostRowCache(share, size, scope=self.dir.path) if cache_scope == "host"
+                                     else RowCache(share, size))
+
+    def warm(self, lay: Layer, profile: LayerProfile, max_rows: int | None) -> int:
+        self.ready(lay, "warm_cache")
+        if lay.state.cache is None:
+            raise InvalidArgument(f"row_cache_bytes: warm_cache needs a row cache; layer {lay.layer_id} has none "
+                                  "(pass row_cache_bytes > 0)")
+        return warm_layer(lay.state, profile, max_rows)
+
+    def cache_stats(self) -> dict[str, int]:
+        """The host caches' own counters, summed over row sizes, as ``host_cache_<name>``."""
+        out: dict[str, int] = {}
+        for cache in self.caches.values():
+            if isinstance(cache, HostRowCache):
+                for name, value in cache.stats().items():
+                    out[f"host_cache_{name}"] = out.get(f"host_cache_{name}", 0) + value
+        return out
+
+    def close(self) -> None:
+        super().close()
+        for cache in self.caches.values():
+            cache.close()
 
     def attach(self, lay: Layer) -> None:
         self._open(lay)  # a published layer is opened (and its layout checked) now
@@ -85,6 +114,7 @@ class DiskSource(Source):
             return {}
         counts = lay.state.stats(reset)
         return {name: counts[name] for name in DISK_STATS}
+
 
     def remove(self, lay: Layer, force: bool) -> int:
         """Delete the layer's files (processes that have them open read on until they close them)."""

@@ -42,13 +42,21 @@ class EngramStore:
     Methods act on the only layer, or on the one named with ``layer=``. ``heads`` (one layer only) makes a
     head shard: the store owns and reads just those heads. ``threads`` > 1 splits large gathers from memory on
     this host over that many threads (the kernel releases the GIL). ``row_cache_bytes`` with a store keeps each
-    layer's recently read remote rows in this process.
+    layer's recently read remote rows in this process. ``cache_scope="host"`` (``disk_dir`` only) shares the row
+    cache with every process of the host that opens the same ``disk_dir`` with the same ``row_cache_bytes``: one
+    copy of the hot rows in shared memory instead of one per worker (see :class:`engram_store.disk.HostRowCache`);
+    :meth:`warm_cache` pins the most frequent rows of a profile in it.
     """
 
     def __init__(self, layer_id: int | Mapping[int, EngramStoreConfig], config: EngramStoreConfig | None = None,
                  store: Any = None, *, heads: Sequence[int] | None = None, require_manifest: bool = True,
                  row_cache_bytes: int = 0, local_dir: str | os.PathLike | None = None,
-                 disk_dir: str | os.PathLike | None = None, threads: int = 1):
+                 disk_dir: str | os.PathLike | None = None, threads: int = 1, cache_scope: str = "process"):
+        if cache_scope not in ("process", "host"):
+            raise InvalidArgument(f"cache_scope: expected 'process' or 'host', got {describe(cache_scope)}")
+        if cache_scope == "host" and (disk_dir is None or os.fspath(disk_dir) == ""):
+            raise InvalidArgument("cache_scope: 'host' shares the row cache of disk_dir layers between the host's "
+                                  "processes; pass disk_dir= (or cache_scope='process')")
         if isinstance(row_cache_bytes, bool) or not isinstance(row_cache_bytes, (int, np.integer)) \
                 or row_cache_bytes < 0:
             raise InvalidArgument(f"row_cache_bytes: expected a byte count >= 0, got {describe(row_cache_bytes)}")
@@ -71,7 +79,7 @@ class EngramStore:
         self._only = layers[0] if len(layers) == 1 else None  # the layer methods act on without layer=
         self._store = store
         self._source = _source_for(store, local_dir, disk_dir, bool(require_manifest), int(row_cache_bytes),
-                                   int(threads), layers)
+                                   int(threads), layers, cache_scope)
         for layer in layers:
             self._source.attach(layer)
         self._lock = threading.Lock()
@@ -176,18 +184,51 @@ class EngramStore:
         """
         return self._source.remove(self._layer(layer), force)
 
-    def stats(self, reset: bool = False, *, layer: int | None = None) -> dict[str, int]:
+    def stats(self, reset: bool = False, *, layer: int | None = None) -> dict[str, Any]:
         """Lookup counters (see :class:`LookupCounters`) of the layer, or summed over all layers of a multi-layer
-        store when none is named; ``reset=True`` zeroes them after reading."""
+        store when none is named; ``reset=True`` zeroes them after reading.
+
+        Layers under ``disk_dir`` add ``cache_hits_per_head`` and ``cache_misses_per_head`` (lists, one count per
+        head: for a V4.1 layer, per column, so ``(n - 2) * n_heads + h`` gives the hit rate of n-gram order n),
+        and a host cache its own counters over all its processes (``host_cache_hits``, ``host_cache_misses``,
+        ``host_cache_fills``, ``host_cache_inserted``, ``host_cache_fills_skipped``, ``host_cache_repairs``,
+        ``host_cache_attaches``, ``host_cache_held_rows``, ...; never reset).
+        """
         layers = [self._layer(layer)] if layer is not None or len(self._layers) == 1 else list(self._layers.values())
-        total = dict.fromkeys(LookupCounters.FIELDS, 0)
+        total: dict[str, Any] = dict.fromkeys(LookupCounters.FIELDS, 0)
         for lay in layers:
             for counts in (lay.counters.snapshot(), self._source.stats(lay, reset)):
                 for name, value in counts.items():
-                    total[name] += value
+                    if isinstance(value, list):  # per head: summed head by head
+                        have = total.setdefault(name, [])
+                        have.extend([0] * (len(value) - len(have)))
+                        total[name] = [a + b for a, b in zip(have, value)] + have[len(value):]
+                    else:
+                        total[name] = total.get(name, 0) + value
             if reset:
                 lay.counters.reset()
+        cache_stats = getattr(self._source, "cache_stats", None)
+        if cache_stats is not None:
+            total.update(cache_stats())
         return total
+
+    def warm_cache(self, profile: Any, *, layer: int | None = None, max_rows: int | None = None) -> int:
+        """Pin the most frequent rows of ``profile`` in the row cache of a ``disk_dir`` layer (warm start); returns
+        how many were pinned. ``profile``: a path written by ``engram-stats --profile`` (or
+        :func:`engram_store.disk.save_profile`), or a loaded ``{layer_id: LayerProfile}``; ``max_rows``: by
+        default 4 of each set's 7 ways (the others keep serving recent rows)."""
+        lay = self._layer(layer)
+        warm = getattr(self._source, "warm", None)
+        if warm is None:
+            raise InvalidArgument(f"warm_cache: only layers under disk_dir have a row cache to warm; this store's "
+                                  f"tables are in {self._source.where}")
+        from ..disk import load_profile
+
+        profiles = load_profile(profile) if isinstance(profile, (str, os.PathLike)) else profile
+        if not isinstance(profiles, Mapping) or lay.layer_id not in profiles:
+            raise InvalidArgument(f"profile: expected a profile of layer {lay.layer_id}, got "
+                                  f"{describe(sorted(profiles) if isinstance(profiles, Mapping) else profiles)}")
+        return warm(lay, profiles[lay.layer_id], max_rows)
 
     def local_tables(self, *, layer: int | None = None) -> list[np.ndarray] | None:
         """Each head's table as a read-only ``[N_h, row_bytes]`` uint8 view of this host's memory, in head order, or
@@ -338,7 +379,7 @@ def _check_tables(lay: Layer, buffers: Sequence[np.ndarray]) -> list[np.ndarray]
 
 
 def _source_for(store: Any, local_dir: Any, disk_dir: Any, require_manifest: bool, row_cache_bytes: int,
-                threads: int, layers: list[Layer]) -> Source:
+                threads: int, layers: list[Layer], cache_scope: str = "process") -> Source:
     """The row source an EngramStore's arguments name (each kind of place for tables is one module)."""
     local_dir = local_dir if local_dir is not None and os.fspath(local_dir) != "" else None
     disk_dir = disk_dir if disk_dir is not None and os.fspath(disk_dir) != "" else None
@@ -352,7 +393,7 @@ def _source_for(store: Any, local_dir: Any, disk_dir: Any, require_manifest: boo
     if disk_dir is not None:
         from ._source_disk import DiskSource
 
-        return DiskSource(disk_dir, row_cache_bytes, [lay.row_bytes for lay in layers], threads)
+        return DiskSource(disk_dir, row_cache_bytes, [lay.row_bytes for lay in layers], threads, cache_scope)
     if local_dir is not None:
         from ._source_memory import DirSource
 

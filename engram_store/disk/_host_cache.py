@@ -1,0 +1,410 @@
+"""One hot-row cache per host: :class:`RowCache`'s sets in shared memory, for every process that reads the same
+layers.
+
+A serving host runs a worker process per GPU; each reading the same SSD layers behind a cache of its own keeps
+the same hot rows N times. Processes that open ``HostRowCache(capacity_bytes, row_bytes, scope=...)`` with the
+same scope (``EngramStore`` passes its ``disk_dir``), row size, capacity and admission map one file in
+``/dev/shm`` (``ENGRAM_SHM_DIR`` overrides the directory)::
+
+    engram-rowcache-<hash>        header page | set metadata | CLOCK hands | doorkeeper bits | rows
+    engram-rowcache-<hash>.lock   flock'd by the one process filling the cache (or attaching to it, or leaving it)
+
+Why it is correct, in the simplest design that is:
+
+* **Lookups take no lock**, as in a process's cache: a set is read as a sequence lock (version, keys and row,
+  version again) and a row counts as a hit only if the version did not move and no writer was busy in the set.
+  Shared memory changes nothing in that argument.
+* **Fills between processes** are serialised by ``flock`` on the lock file (and by a thread lock inside each
+  process: a flock is per open file, so two threads of one process would both hold it). A fill that cannot
+  take it within ``fill_wait_ms`` is skipped and counted (``fills_skipped``): the rows were read and are
+  returned; they are only not cached this time. A stopped process holding the lock never blocks another.
+* **A writer killed mid-fill** releases the flock (the kernel drops it with the process). Before changing a set
+  a writer writes the set's index to the header's journal word and clears it when the set is readable again,
+  so the next process to take the lock finds at most one unfinished set there: it empties that set and moves
+  its version on (``_cache_kernels._cache_repair``; counted in ``repairs``). Until then the set's version is
+  busy, so readers miss it and never take its half-written row.
+* **Keys name the data, not only the layer id**: a layer's tag comes from a registry in the header, keyed by a
+  hash of its manifest (sizes, row size, xxh3 of every head) and of its data file's device, inode, size and
+  modification time. Every process that opens the same published file gets the same tag; a layer removed and
+  published again under the same id gets a new one, so its rows never meet the old data's. Tags are never reused.
+* **Memory goes with the last process**: every attached process holds a shared flock on the data file; one that
+  closes (or exits) takes the lock file, and if no other process holds the data file, deletes both files. A
+  process that died without closing leaves them to the next one: a cache file nobody holds is initialised
+  afresh when it is attached again, and any ``engram-rowcache-*`` file nobody holds is deleted when a cache is
+  attached in the same directory.
+
+The header's counters (hits, misses, fills, inserted, skipped fills, repairs, attaches) are updated with atomic
+adds by every process and reported by :meth:`stats`.
+"""
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import signal
+import threading
+import time
+import weakref
+
+import numpy as np
+import xxhash
+
+from .._errors import InvalidArgument, OutOfSpace, StoreError, describe
+from . import _cache_kernels as ck
+from . import _kernels as k
+from ._cache import ADMISSIONS, LINE_BYTES, RowCache, door_words
+from ._layout import PAGE_BYTES
+
+log = logging.getLogger(__name__)
+
+PREFIX = "engram-rowcache-"
+MAGIC = 0x454E4752414D5243  # "ENGRAMRC"
+LAYOUT_VERSION = 1
+#: Header words (int64): the file's geometry, the journal, the tag counter, shared counters, the tag registry.
+H_MAGIC, H_LAYOUT, H_SETS, H_ROW_BYTES, H_DOOR_WORDS, H_CAPACITY = 0, 1, 2, 3, 4, 5
+H_JOURNAL, H_NEXT_TAG, H_DOOR_STATE = 8, 9, 10    # H_DOOR_STATE: 2 words
+H_COUNTERS = 16
+COUNTERS = ("hits", "misses", "fills", "inserted", "fills_skipped", "repairs", "attaches")
+H_REGISTRY = 64                                   # (identity, tag) pairs up to the end of the header
+HEADER_WORDS = 2 * PAGE_BYTES // 8
+REGISTRY_ENTRIES = (HEADER_WORDS - H_REGISTRY) // 2
+#: How long a fill waits for another process's fill before it skips caching its rows.
+DEFAULT_FILL_WAIT_MS = 20.0
+#: Test hook: the fill of this process stops half-way through its N-th insertion and the process kills itself.
+DIE_MID_FILL_ENV = "ENGRAM_TEST_DIE_MID_FILL"
+
+
+def shm_dir() -> str:
+    return os.environ.get("ENGRAM_SHM_DIR") or "/dev/shm"
+
+
+def _align(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+class _Files:
+    """The lock file and the data file of one host cache, and the flocks on them."""
+
+    def __init__(self, directory: str, name: str):
+        self.lock_path = os.path.join(directory, name + ".lock")
+        self.data_path = os.path.join(directory, name)
+        self.lock_fd = -1
+        self.data_fd = -1
+
+    def lock(self, timeout_s: float | None) -> bool:
+        """Take the lock file (opening the file at the path anew if its holder deleted it meanwhile); False if
+        ``timeout_s`` passed first (None: wait as long as it takes)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pause = 20e-6
+        while True:
+            if self.lock_fd < 0:
+                self.lock_fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+                continue
+            if _same_file(self.lock_fd, self.lock_path):
+                return True
+            os.close(self.lock_fd)  # deleted by the last process leaving: lock the file now at the path
+            self.lock_fd = -1
+
+    def unlock(self) -> None:
+        fcntl.flock(self.lock_fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        for name in ("data_fd", "lock_fd"):
+            fd = getattr(self, name)
+            setattr(self, name, -1)
+            if fd >= 0:
+                os.close(fd)
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        there = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _nobody_holds(fd: int) -> bool:
+    """Whether no other open file holds a flock on ``fd``'s file (tried by taking it exclusively)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+class HostRowCache(RowCache):
+    """A :class:`RowCache` in shared memory that every process of the host attaching with the same ``scope``,
+    ``capacity_bytes``, ``row_bytes`` and ``admission`` shares (see the module docstring). A context manager;
+    ``close()`` detaches (and deletes the files when this was the last process); it is also called at exit.
+
+    ``scope``: a string naming what the cache holds (EngramStore passes the ``disk_dir`` path). ``admission``
+    defaults to ``"always"`` (measured best on real n-gram traffic, ``bench/bench_cache_policy.py``).
+    """
+
+    def __init__(self, capacity_bytes: int, row_bytes: int, *, scope: str, admission: str = "always",
+                 directory: str | None = None, fill_wait_ms: float = DEFAULT_FILL_WAIT_MS):
+        if not isinstance(scope, str) or not scope:
+            raise InvalidArgument(f"scope: expected a non-empty string, got {describe(scope)}")
+        if isinstance(fill_wait_ms, bool) or not isinstance(fill_wait_ms, (int, float)) or not fill_wait_ms >= 0:
+            raise InvalidArgument(f"fill_wait_ms: expected a number >= 0, got {describe(fill_wait_ms)}")
+        self.directory = os.path.abspath(directory or shm_dir())
+        self.scope = scope
+        self.fill_wait_s = float(fill_wait_ms) / 1e3
+        self._capacity_bytes = int(capacity_bytes) if isinstance(capacity_bytes, (int, np.integer)) else 0
+        self._mm: mmap.mmap | None = None
+        self._files: _Files | None = None
+        self._closed = False
+        super().__init__(capacity_bytes, row_bytes, admission)
+        die_at = os.environ.get(DIE_MID_FILL_ENV)
+        self.stop_at = int(die_at) if die_at else -1
+        self._finalizer = weakref.finalize(self, _detach, self._files, self._mm)  # also runs at exit
+
+    # ---- the shared file -------------------------------------------------------------------------------
+
+    def _layout(self) -> dict[str, tuple[int, int]]:
+        """Byte offset and size of each region of the file."""
+        regions, at = {}, 0
+        for name, nbytes, align in (("header", HEADER_WORDS * 8, PAGE_BYTES),
+                                    ("meta", self.n_sets * k.META_WORDS * 8, PAGE_BYTES),
+                                    ("hands", self.n_sets, LINE_BYTES),
+                                    ("door", door_words(self.n_sets) * 8, LINE_BYTES),
+                                    ("rows", self.n_sets * k.WAYS * self.row_bytes, PAGE_BYTES)):
+            at = _align(at, align)
+            regions[name] = (at, nbytes)
+            at += nbytes
+        regions["file"] = (0, _align(at, PAGE_BYTES))
+        return regions
+
+    @property
+    def name(self) -> str:
+        key = f"{self.scope}\0{self.row_bytes}\0{self._capacity_bytes}\0{self.admission}\0{LAYOUT_VERSION}"
+        return PREFIX + xxhash.xxh3_64_hexdigest(key.encode())
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.directory, self.name)
+
+    def _alloc(self) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        _sweep(self.directory, keep=self.name)
+        regions = self._layout()
+        size = regions["file"][1]
+        files = self._files = _Files(self.directory, self.name)
+        try:
+            files.lock(None)
+            try:
+                files.data_fd = os.open(files.data_path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+                fresh = _nobody_holds(files.data_fd)  # no live process has it: (re)initialise it
+                if not fresh and os.fstat(files.data_fd).st_size != size:
+                    raise StoreError(f"host row cache {files.data_path}: the file in use holds "
+                                     f"{os.fstat(files.data_fd).st_size} bytes, expected {size}")
+                if fresh:
+                    self._initialise(files.data_fd, size)
+                fcntl.flock(files.data_fd, fcntl.LOCK_SH)  # we are attached from here (converts an exclusive)
+                self._map(files.data_fd, size, regions, fresh)
+                ck._counter_add(self.counters, COUNTERS.index("attaches"), 1)
+            finally:
+                files.unlock()
+        except BaseException:
+            files.close()
+            raise
+
+    def _initialise(self, fd: int, size: int) -> None:
+        os.ftruncate(fd, 0)  # a dead process's leftover: drop its pages
+        try:
+            os.posix_fallocate(fd, 0, size)  # the memory is there now, or this fails here (not SIGBUS later)
+        except OSError as exc:
+            os.ftruncate(fd, 0)
+            raise OutOfSpace(f"row_cache_bytes: a host row cache of {size} bytes does not fit in "
+                             f"{self.directory} ({exc.strerror}); free memory there or use a smaller cache"
+                             ) from None
+
+    def _map(self, fd: int, size: int, regions: dict, fresh: bool) -> None:
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mm = self._mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        buf = np.frombuffer(mm, dtype=np.uint8)
+
+        def region(name, dtype):
+            at, nbytes = regions[name]
+            return buf[at:at + nbytes].view(dtype)
+
+        header = region("header", np.int64)
+        self.meta = region("meta", np.int64)
+        self.hands = region("hands", np.uint8)
+        self.door = region("door", np.uint64)
+        self.rows = region("rows", np.uint8)
+        self.door_state = header[H_DOOR_STATE:H_DOOR_STATE + 2]
+        self.journal = header[H_JOURNAL:H_JOURNAL + 1]
+        self.counters = header[H_COUNTERS:H_COUNTERS + len(COUNTERS)]
+        self._header = header
+        geometry = [LAYOUT_VERSION, self.n_sets, self.row_bytes, self.door.size, self._capacity_bytes]
+        if fresh:
+            self.meta[:] = -1
+            self.meta[::k.META_WORDS] = 0
+            header[H_JOURNAL] = -1
+            header[H_NEXT_TAG] = 1
+            self.door_state[1] = self.capacity_rows
+            header[H_LAYOUT:H_CAPACITY + 1] = geometry
+            header[H_MAGIC] = MAGIC  # last: a file without it was never fully initialised
+        elif header[H_MAGIC] != MAGIC or header[H_LAYOUT:H_CAPACITY + 1].tolist() != geometry:
+            raise StoreError(f"host row cache {self.path}: the file in use has another layout "
+                             f"({header[H_LAYOUT:H_CAPACITY + 1].tolist()}, expected {geometry})")
+
+    # ---- tags, fills, counters -------------------------------------------------------------------------
+
+    def new_tag(self, row_bytes: int, identity: int = 0) -> int:
+        """The tag of the published data ``identity`` names (see the module docstring): the one every process
+        of the host uses for it, or a new one. ``identity`` 0 always gets a new tag."""
+        self._check_row_bytes(row_bytes)
+        identity = int(identity) & 0x7FFF_FFFF_FFFF_FFFF
+        with self.lock:
+            self._files.lock(None)
+            try:
+                reg = self._header[H_REGISTRY:H_REGISTRY + 2 * REGISTRY_ENTRIES].reshape(-1, 2)
+                if identity:
+                    found = np.flatnonzero(reg[:, 0] == identity)
+                    if found.size:
+                        return int(reg[found[0], 1])
+                tag = int(self._header[H_NEXT_TAG])
+                if tag > k.MAX_TAG:
+                    raise StoreError(f"host row cache {self.path}: all {k.MAX_TAG} layer tags are used; delete the "
+                                     "file when no process uses it")
+                self._header[H_NEXT_TAG] = tag + 1
+                free = np.flatnonzero(reg[:, 0] == 0)
+                if identity and free.size:  # a full registry only stops sharing new layers' rows
+                    reg[free[0]] = (identity, tag)
+                return tag
+            finally:
+                self._files.unlock()
+
+    def fill(self, miss_key: np.ndarray, miss_pos: np.ndarray, out: np.ndarray) -> int:
+        with self.lock:
+            if not self._files.lock(self.fill_wait_s):
+                ck._counter_add(self.counters, COUNTERS.index("fills_skipped"), 1)
+                return 0
+            try:
+                self._repair()
+                n = self._fill_locked(miss_key, miss_pos, out)
+                if n < 0:  # the test hook: die here, holding the lock, the set half-written
+                    os.kill(os.getpid(), signal.SIGKILL)
+                    time.sleep(60)
+            finally:
+                self._files.unlock()
+        ck._counter_add(self.counters, COUNTERS.index("fills"), 1)
+        ck._counter_add(self.counters, COUNTERS.index("inserted"), n)
+        return n
+
+    def _pin_locked(self, keys: np.ndarray, rows: np.ndarray, max_ways: int) -> int:
+        self._files.lock(None)
+        try:
+            self._repair()
+            return super()._pin_locked(keys, rows, max_ways)
+        finally:
+            self._files.unlock()
+
+    def _repair(self) -> None:
+        """Under the lock: empty the set a writer that died left unfinished (see the module docstring)."""
+        s = int(self.journal[0])
+        if s >= 0:
+            log.warning("host row cache %s: a process died filling set %d; emptying it", self.path, s)
+            ck._cache_repair(self.meta, s)
+            self.journal[0] = -1
+            ck._counter_add(self.counters, COUNTERS.index("repairs"), 1)
+
+    def count(self, hits: int, misses: int) -> None:
+        ck._counter_add(self.counters, 0, hits)
+        ck._counter_add(self.counters, 1, misses)
+
+    def stats(self) -> dict[str, int]:
+        """The shared cache's counters since it was created (all processes together) and its state."""
+        out = {name: int(v) for name, v in zip(COUNTERS, self.counters)}
+        out.update(super().stats())
+        out["bytes"] = int(self._layout()["file"][1])
+        return out
+
+    def clear(self) -> None:
+        with self.lock:
+            self._files.lock(None)
+            try:
+                meta = self.meta.reshape(-1, k.META_WORDS)
+                meta[:, 0] += k.BUSY
+                meta[:, 1:] = -1
+                meta[:, 0] = (meta[:, 0] + k.BUSY) & ~(k.REF_MASK | k.PIN_MASK)
+                self.door[:] = 0
+                self.door_state[0] = 0
+            finally:
+                self._files.unlock()
+
+    def close(self) -> None:
+        """Detach; the last process attached deletes the files. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._finalizer()
+
+    def __enter__(self) -> "HostRowCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"HostRowCache({self.capacity_rows} rows of {self.row_bytes} B, {self.nbytes / 2**20:.1f} MiB, "
+                f"admission={self.admission!r}, {self.path})")
+
+
+def _detach(files: _Files | None, mm: mmap.mmap | None) -> None:
+    """Leave the cache: the last process attached deletes its files."""
+    if files is None or files.lock_fd < 0:
+        return
+    try:
+        files.lock(None)
+        fcntl.flock(files.data_fd, fcntl.LOCK_UN)
+        if _nobody_holds(files.data_fd):
+            for path in (files.data_path, files.lock_path):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+    except OSError as exc:
+        log.warning("host row cache %s: detaching failed: %s", files.data_path, exc)
+    finally:
+        files.close()
+    if mm is not None:
+        try:
+            mm.close()
+        except BufferError:  # arrays still view it: the mapping goes when they do
+            pass
+
+
+def _sweep(directory: str, keep: str) -> None:
+    """Delete the host caches in ``directory`` that no process holds (left by processes that died)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(PREFIX) or name.endswith(".lock") or name == keep:
+            continue
+        files = _Files(directory, name)
+        try:
+            if not files.lock(0):
+                continue
+            files.data_fd = os.open(files.data_path, os.O_RDWR | os.O_CLOEXEC)
+            if _nobody_holds(files.data_fd):
+                log.info("removing the host row cache %s: no process uses it", files.data_path)
+                os.unlink(files.data_path)
+                os.unlink(files.lock_path)
+        except OSError:
+            pass
+        finally:
+            files.close()
