@@ -170,19 +170,24 @@ def status(argv: Sequence[str] | None) -> int:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     address = f"{host}:{port}"
+    deadline = time.monotonic() + args.timeout
     why = _nothing_listens(host, port)
+    if why is not None and args.wait_segments:  # a script that has just started the master: let it come up
+        with _cli.announce_after(f"waiting up to {args.timeout:g} s for a master to listen on {address}", prog):
+            while why is not None and time.monotonic() < deadline:
+                time.sleep(0.05)
+                why = _nothing_listens(host, port)
     if why is not None:
         print(f"{prog}: no reply from {address}: nothing listens there ({why}); is engram-master running on that "
               f"port? (start one with: {PROG} --host {host} --port {port})", file=sys.stderr)
         return 1
     auth_hint = ("a master started with --auth answers only clients that have its keys: pass --auth DIR" if not
                  args.auth else f"check that {args.auth} holds the keys the master was started with")
-    deadline = time.monotonic() + args.timeout
     conn = Connection(address, unavailable=MasterUnavailable, curve=curve)
     try:
         with _cli.announce_after(f"{address} accepts connections but has not answered in {FIRST_ANSWER_S:g} s; "
                                  f"waiting up to {args.timeout:g} s ({auth_hint})", prog, FIRST_ANSWER_S):
-            header, _ = conn.call("status", timeout_ms=int(args.timeout * 1000))
+            header, _ = conn.call("status", timeout_ms=int(max(1.0, deadline - time.monotonic()) * 1000))
         if args.wait_segments:
             announced = False
             while _registered(header) < args.wait_segments:

@@ -152,6 +152,21 @@ def test_status_waits_for_segments_started_in_the_background():
                 proc.close()
 
 
+def test_status_waits_for_a_master_that_is_still_starting():
+    port = free_port()
+    status = subprocess.Popen([sys.executable, "-m", "master", "status", "--master", f"127.0.0.1:{port}",
+                               "--wait-segments", "1", "--timeout", "90"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        with Cluster(segments=1, port=port):
+            out, err = status.communicate(timeout=120)
+    finally:
+        status.kill()
+        status.wait()
+    assert status.returncode == 0, err
+    assert "1 segment(s)" in out
+
+
 def test_warmup_says_what_it_compiles(capsys):
     assert _entry("engram-warmup")([]) == 0
     out = capsys.readouterr().out
