@@ -1,8 +1,13 @@
-"""The README's examples run as written: every python block, and every shell block but the two set-up commands
-(which CI itself runs: the install, then the tests). So do the python blocks of the guides in docs/.
+"""The README's and the guides' examples run as written: every python block, and every bash block but the README's
+two set-up commands (which CI itself runs: the install, then the tests).
+
+A block that cannot run in a test (it needs a real checkpoint, or runs for minutes) is marked on the line before
+it with ``<!-- docs-test: skip (why) -->``; it is still compiled (python) or syntax-checked (bash). Code blocks are
+``python`` or ``bash``; output shown in a block has no language (or ``text``).
 
 Shell blocks start servers in the background on port 50051; here each runs with a free port in its place and a
-home directory of its own, and everything it started is killed when it ends.
+home directory of its own, and everything it started is killed when it ends. Every block runs with a temporary
+directory of its own and must leave it empty: examples clean up what they make.
 """
 from __future__ import annotations
 
@@ -10,45 +15,106 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from engram_store.testing import free_port
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+GUIDES = sorted((ROOT / "docs").glob("*.md"))
 SETUP_COMMANDS = ("pip install -e", "python -m pytest")
+SKIP = "<!-- docs-test: skip"
+#: Fence languages: code that runs, and output that does not.
+RUNS, SHOWN = ("python", "bash"), ("", "text")
 
 
-def _blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", README.read_text(), flags=re.S)
+@dataclass
+class Block:
+    path: Path
+    line: int        # where the fence opens, 1-based
+    language: str
+    text: str
+    skip: bool       # marked: compiled or syntax-checked only
+
+    @property
+    def id(self) -> str:
+        first = next((s for s in self.text.splitlines() if s.strip() and not s.startswith("#")), "")[:50]
+        return f"{self.path.name}:{self.line}: {first}"
 
 
-def _first_line(block: str) -> str:
-    return next((line for line in block.splitlines() if line.strip() and not line.startswith("#")), "")[:60]
+def _blocks(path: Path) -> list[Block]:
+    out, lines = [], path.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("```"):
+            language, start = lines[i][3:].strip(), i
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+            before = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
+            out.append(Block(path, start + 1, language, "\n".join(lines[start + 1:end]) + "\n",
+                             before.startswith(SKIP)))
+            i = end
+        i += 1
+    return out
 
 
-PYTHON = _blocks("python")
-SHELL = [b for b in _blocks("bash") if not any(command in b for command in SETUP_COMMANDS)]
+ALL = [b for path in [README, *GUIDES] for b in _blocks(path)]
+SETUP = [b for b in ALL if b.path == README and b.language == "bash" and any(c in b.text for c in SETUP_COMMANDS)]
+PYTHON = [b for b in ALL if b.language == "python"]
+SHELL = [b for b in ALL if b.language == "bash" and b not in SETUP]
 
 
 def test_the_readme_has_the_blocks_it_promises():
-    assert len(PYTHON) >= 10 and len(SHELL) >= 2
-    setup = [b for b in _blocks("bash") if any(command in b for command in SETUP_COMMANDS)]
-    assert any("engram-demo" in b for b in setup) and any("pytest" in b for b in setup)
+    assert any("engram-demo" in b.text for b in SETUP) and any("pytest" in b.text for b in SETUP)
+    assert any("engram-master" in b.text and "engram-layers" in b.text for b in SHELL if b.path == README), \
+        "the README's quick path: start a cluster, load a layer, read it, remove it"
+    text = README.read_text()
+    unlinked = [g.name for g in GUIDES if f"docs/{g.name}" not in text]
+    assert not unlinked, f"guides the README's map does not link: {unlinked}"
+
+
+def test_every_code_block_is_python_or_bash():
+    other = [b.id + f" ({b.language})" for b in ALL if b.language not in RUNS + SHOWN]
+    assert not other, "code blocks the docs test would not run (use python or bash, or mark output as text):\n" + \
+        "\n".join(other)
+
+
+@pytest.fixture
+def own_tmp(tmp_path):
+    """A temporary directory for the block alone (tempfile's and $TMPDIR); it must be empty afterwards."""
+    directory = tmp_path / "tmp"
+    directory.mkdir()
+    saved = tempfile.tempdir
+    tempfile.tempdir = str(directory)
+    try:
+        yield directory
+    finally:
+        tempfile.tempdir = saved
+    left = sorted(p.name for p in directory.iterdir())
+    assert not left, f"the example left temporary files or directories behind: {left}"
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("block", PYTHON, ids=[_first_line(b) for b in PYTHON])
-def test_python_block_runs(block):
-    exec(compile(block, str(README), "exec"), {"__name__": "__readme__"})
+@pytest.mark.parametrize("block", PYTHON, ids=[b.id for b in PYTHON])
+def test_python_block_runs(block, own_tmp):
+    code = compile(block.text, str(block.path), "exec")
+    if block.skip:
+        return
+    exec(code, {"__name__": "__docs__"})
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("block", SHELL, ids=[_first_line(b) for b in SHELL])
-def test_shell_block_runs(block, tmp_path):
-    script = block.replace("50051", str(free_port()))
-    segments = len(re.findall(r"^engram-segment ", block, flags=re.M))
+@pytest.mark.parametrize("block", SHELL, ids=[b.id for b in SHELL])
+def test_shell_block_runs(block, tmp_path, own_tmp):
+    checked = subprocess.run(["bash", "-n"], input=block.text, text=True, capture_output=True)
+    assert checked.returncode == 0, checked.stderr
+    if block.skip:
+        return
+    script = block.text.replace("50051", str(free_port()))
+    segments = len(re.findall(r"^engram-segment ", block.text, flags=re.M))
     log = tmp_path / "out.log"
     # Every command must succeed, and every segment it starts must come up (print its ready line); whatever the
     # block started in the background is stopped at the end.
@@ -57,21 +123,12 @@ def test_shell_block_runs(block, tmp_path):
                "sleep 0.1; done; echo 'segments did not come up'; exit 1\n")
     # the console scripts installed beside this interpreter, also when its venv is not activated
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    env = {**os.environ, "HOME": str(tmp_path), "PYTHONUNBUFFERED": "1", "PATH": path}
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home), "PYTHONUNBUFFERED": "1", "PATH": path, "TMPDIR": str(own_tmp)}
     env.pop("ENGRAM_AUTH_DIR", None)
-    result = subprocess.run(["bash", "-c", wrapped], cwd=tmp_path, env=env, timeout=200)
+    result = subprocess.run(["bash", "-c", wrapped], cwd=home, env=env, timeout=200)
     out = log.read_text()
     assert result.returncode == 0, f"exit {result.returncode}\n{out}"
-    if "engram-master status" in block:
+    if "engram-master status" in block.text:
         assert "segment(s)" in out, out
-
-
-DOCS = sorted((README.parent / "docs").glob("*.md"))
-DOCS_PYTHON = [(path, block) for path in DOCS
-               for block in re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)]
-
-
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("path, block", DOCS_PYTHON, ids=[f"{p.name}: {_first_line(b)}" for p, b in DOCS_PYTHON])
-def test_docs_python_block_runs(path, block):
-    exec(compile(block, str(path), "exec"), {"__name__": "__docs__"})
