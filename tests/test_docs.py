@@ -118,7 +118,8 @@ def test_shell_block_runs(block, tmp_path, own_tmp):
     log = tmp_path / "out.log"
     # Every command must succeed, and every segment it starts must come up (print its ready line); whatever the
     # block started in the background is stopped at the end.
-    wrapped = (f"set -euo pipefail\nexec >{log} 2>&1\ntrap 'kill $(jobs -p) 2>/dev/null; wait' EXIT\n{script}\n"
+    wrapped = (f"set -euo pipefail\nexec >{log} 2>&1\n"
+               f"trap 'kill $(jobs -p) 2>/dev/null || true; wait' EXIT\n{script}\n"
                f"for i in $(seq 1200); do [ \"$(grep -c 'engram-segment ready' {log})\" -ge {segments} ] && exit 0; "
                "sleep 0.1; done; echo 'segments did not come up'; exit 1\n")
     # the console scripts installed beside this interpreter, also when its venv is not activated
