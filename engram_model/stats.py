@@ -13,6 +13,14 @@ whitespace-separated ids (one sequence per line). For every head of every layer 
 
 With a tokenizer it also reports the compression ratio of :class:`CompressedTokenizer` (original vocabulary /
 compressed vocabulary), which shrinks the space of n-grams before hashing.
+
+``--profile PATH`` also writes the corpus's row frequencies as a warm-start profile of the hot-row cache
+(``EngramStore.warm_cache(PATH)``; format in :mod:`engram_store.disk._profile`): per layer, every looked-up row
+of every head with its count, most frequent first. ``--v41`` hashes with DeepSeek-V4.1's released config instead
+(``V41Config``, layers ``--layer-ids``, default 1 and 14; ``--tokenizer`` is then required: the token map is built
+from it), so the profile's heads are the layer's 24 columns::
+
+    engram-stats corpus.npy --v41 --tokenizer tokenizer.json --profile v41-profile.npz
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import numpy as np
 
 from engram_store import _cli
 from engram_store._errors import EngramError, InvalidArgument
+from engram_store.disk import LayerProfile, save_profile
 
 from ._config import BackboneConfig, EngramConfig
 from ._hashing import NgramHashMapping
@@ -92,6 +101,34 @@ def head_stats(mapping: NgramHashMapping, ids: np.ndarray) -> list[dict[str, Any
     return out
 
 
+def profile_rows(ids: np.ndarray, valid: np.ndarray | None = None) -> LayerProfile:
+    """The frequency profile of one layer's lookups: ``ids`` int ``[N, H]`` (row of head h at each of N
+    positions; ``valid`` bool ``[N]`` drops positions) -> every distinct (head, row) with its count."""
+    ids = np.asarray(ids)
+    if ids.ndim != 2 or ids.dtype.kind not in "iu":
+        raise InvalidArgument(f"ids: expected integer row ids [N, H], got {ids.dtype} {ids.shape}")
+    if valid is not None:
+        ids = ids[np.asarray(valid, dtype=bool)]
+    H = ids.shape[1]
+    keys = ids.astype(np.int64) * H + np.arange(H, dtype=np.int64)  # head in the low digits: one sort for all
+    distinct, counts = np.unique(keys.reshape(-1), return_counts=True)
+    return LayerProfile.from_counts(distinct % H, distinct // H, counts)
+
+
+def _v41_profiles(ids: np.ndarray, tokenizer_path: str, layer_ids: list[int] | None) -> dict[int, LayerProfile]:
+    from .v41 import V41Config, V41Hasher, build_token_map
+
+    config = V41Config(layer_ids=tuple(layer_ids or (1, 14)))
+    hasher = V41Hasher(config, build_token_map(tokenizer_path))
+    valid = ids >= 0
+    rows = hasher(np.where(valid, ids, config.pad_id))                      # [B, L, n_layers, cols]
+    out = {}
+    for j, lid in enumerate(config.layer_ids):
+        local = rows[:, :, j, :] - config.offsets(lid)                       # rows of each column's table
+        out[lid] = profile_rows(local.reshape(-1, config.cols), valid.reshape(-1))
+    return out
+
+
 PROG = "engram-stats"
 DESCRIPTION = """\
 How well an Engram configuration's tables fit a token corpus. For every head of every layer:
@@ -123,6 +160,11 @@ def _parser():
     p.add_argument("--tokenizer", metavar="PATH",
                    help="tokenizer.json: compress ids as the model does (default: none, raw ids)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--profile", metavar="PATH",
+                   help="also write a warm-start profile of the row cache, .npz (default: none)")
+    p.add_argument("--v41", action="store_true",
+                   help="with --profile and --tokenizer: hash with DeepSeek-V4.1's released config, layers "
+                        "--layer-ids (default: 1 14), and write only the profile")
     _cli.add_log_level(p, "WARNING")
     return p
 
@@ -134,6 +176,18 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     _cli.setup_logging(args.log_level)
+    if args.v41:
+        try:
+            if not args.profile or not args.tokenizer:
+                raise InvalidArgument("--v41: expected --profile PATH and --tokenizer tokenizer.json with it")
+            profiles = _v41_profiles(load_tokens(args.tokens), args.tokenizer, args.layer_ids)
+            save_profile(args.profile, profiles)
+        except (EngramError, OSError, ValueError) as exc:
+            print(f"{PROG}: {exc}", file=sys.stderr)
+            return 2
+        for lid, prof in profiles.items():
+            print(f"layer {lid}: {prof.rows.size} distinct rows, {int(prof.counts.sum())} lookups -> {args.profile}")
+        return 0
     try:
         fields: dict[str, Any] = {}
         if args.config:
@@ -164,6 +218,11 @@ def _main(argv: list[str] | None) -> int:
             raise InvalidArgument(f"--tokenizer {args.tokenizer}: {exc}") from None
         vocab = args.vocab_size or max(int(ids.max()) + 1, config.pad_id + 1)
         mapping = NgramHashMapping.from_config(config, BackboneConfig(vocab_size=vocab), tokenizer)
+        if args.profile:
+            valid = ids >= 0
+            rows = mapping.hash_prepared(mapping.prepare_ids(np.where(valid, ids, 0)), mapping.layer_ids)
+            save_profile(args.profile, {lid: profile_rows(rows[lid].reshape(-1, rows[lid].shape[-1]),
+                                                          valid.reshape(-1)) for lid in mapping.layer_ids})
         report = {"tokens": int((ids >= 0).sum()), "sequences": int(ids.shape[0]),
                   "compression_ratio": tokenizer.compression_ratio if tokenizer else None,
                   "heads": head_stats(mapping, ids)}
