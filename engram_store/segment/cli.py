@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Sequence
 
@@ -82,6 +83,10 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.readers > 0:
         # Before any socket exists: one I/O thread for the main socket, one for the readers (SegmentServer).
         zmq.Context.instance(io_threads=2)
+    if args.file is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.file))):
+        print(f"{PROG}: --file {args.file}: no directory {os.path.dirname(os.path.abspath(args.file))} to keep the "
+              "segment in (create it first)", file=sys.stderr)
+        return 2
     try:
         size = parse_size(args.size, "--size")
         host, port = parse_address(args.master, "--master")
@@ -92,6 +97,9 @@ def _main(argv: Sequence[str] | None) -> int:
                                    register_timeout_s=args.register_timeout, file=args.file, auth=auth,
                                    readers=args.readers, raw_reads=not args.no_raw_reads,
                                    raw_max_connections=args.raw_max_connections)
+    except OSError as exc:  # the segment's --file or its catalogue beside it
+        print(f"{PROG}: {exc.filename or args.file}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     except EngramError as exc:
         hint = ("; if the master runs with --auth, pass --auth DIR with its key directory"
                 if isinstance(exc, MasterUnavailable) and not args.auth else "")
