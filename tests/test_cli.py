@@ -294,3 +294,9 @@ def test_a_read_only_disk_dir_names_the_directory(tmp_path, monkeypatch):
     message = str(caught.value)
     assert f"cannot write under disk_dir {directory}" in message and "layer-1.lock" in message
     assert "layer-1.tmp" not in message
+
+
+def test_a_segment_file_in_a_missing_directory_is_named(tmp_path):
+    result = _run("engram-segment", "--file", str(tmp_path / "no" / "seg.bin"), "--size", "16MiB")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"--file {tmp_path / 'no' / 'seg.bin'}: no directory {tmp_path / 'no'}" in result.stderr
