@@ -13,8 +13,8 @@ from any counts)::
 :func:`warm_layer` reads the most frequent rows of a layer from its file and pins them in the layer's cache
 (:meth:`RowCache.pin`): CLOCK passes pinned rows by, so the rows common to all traffic stay while the other ways
 serve what is recent. On the standard library's V4.1 traffic (``bench/bench_cache_policy.py``) pinning the top
-rows of a profile taken from a prefix of the stream in half the cache beats an LRU of the whole cache at every
-size.
+rows of a profile taken from a prefix of the stream in 2 of each set's 7 ways beats an exact LRU of the whole
+cache at 0.1%, 1% and 10% of the distinct rows.
 """
 from __future__ import annotations
 

@@ -216,7 +216,7 @@ class EngramStore:
         """Pin the most frequent rows of ``profile`` in the row cache of a ``disk_dir`` layer (warm start); returns
         how many were pinned. ``profile``: a path written by ``engram-stats --profile`` (or
         :func:`engram_store.disk.save_profile`), or a loaded ``{layer_id: LayerProfile}``; ``max_rows``: by
-        default 4 of each set's 7 ways (the others keep serving recent rows)."""
+        default 2 of each set's 7 ways (the others keep serving recent rows)."""
         lay = self._layer(layer)
         warm = getattr(self._source, "warm", None)
         if warm is None:
