@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -11,7 +12,7 @@ import uuid
 import numpy as np
 import xxhash
 
-from .._errors import ConfigError
+from .._errors import ConfigError, OutOfSpace, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -81,19 +82,33 @@ class Catalog:
             return len(self.objects) - len(kept)
 
     def _record(self, version: int, objects: list[list]) -> None:
+        """Keep ``objects``; a durable segment writes them to its manifest first. A manifest that cannot be written
+        (a full disk) keeps the old file and the old version, so the next heartbeat fetches the list and tries
+        again; the list in memory is the new one either way."""
         if self.path is not None:
             tmp = self.path + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump({"segment_id": self.segment_id, "size": self.size, "catalog": version,
-                           "objects": objects}, f, separators=(",", ":"))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-            dir_fd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
             try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+                with open(tmp, "w", encoding="utf-8") as f:
+                    json.dump({"segment_id": self.segment_id, "size": self.size, "catalog": version,
+                               "objects": objects}, f, separators=(",", ":"))
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.path)
+                dir_fd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
+                try:
+                    os.fsync(dir_fd)
+                finally:
+                    os.close(dir_fd)
+            except OSError as exc:
+                self.objects = objects
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                raise (OutOfSpace if full else StoreError)(
+                    f"segment {self.segment_id}: cannot write its catalogue to {self.path}: {exc.strerror} (the "
+                    "previous one stays; writing it again at the next heartbeat)") from exc
         self.version, self.objects = version, objects
 
     def matching(self, memory: np.ndarray, candidates: list) -> list[str]:

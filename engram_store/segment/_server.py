@@ -294,6 +294,9 @@ class SegmentServer:
                     # Ask again soon: a master that restarts has no segment to place puts on until this one
                     # registers with it again.
                     wait_s = min(self.heartbeat_interval_s, RETRY_HEARTBEAT_S)
+                except Exception:  # a bug: heartbeats must go on, or the master drops a live segment
+                    log.exception("segment %s: heartbeat failed", self.segment_id)
+                    wait_s = min(self.heartbeat_interval_s, RETRY_HEARTBEAT_S)
         finally:
             conn.close()
 
