@@ -43,7 +43,7 @@ from engram_store.testing import Proc, free_port, segment_ready, spawn_segment, 
 from engram_store.segment import reap_orphans  # noqa: E402
 
 from nemesis_faults import FAULTS, Faults  # noqa: E402
-from nemesis_net import Network  # noqa: E402
+from nemesis_net import FileSystem, Network  # noqa: E402
 
 #: The master's timing, short so that faults bite within a history of a few seconds.
 HEARTBEAT_TIMEOUT_S = 1.5
@@ -153,6 +153,8 @@ class History(Faults):
         self.network = Network.maybe(seed) if partitions is not False else None
         self.plan = Plan.of(self.rng, self.network is not None)
         self.dir = tempfile.mkdtemp(prefix=f"engram-nemesis-{seed}-")
+        self.fs = FileSystem.maybe(os.path.join(self.dir, "fs"))  # where files live: a small tmpfs that can fill
+        self.files = self.fs.path if self.fs else self.dir
         self.t0 = time.monotonic()
         self.ops: list[Op] = []
         self.events: list[str] = []
@@ -239,7 +241,7 @@ class History(Faults):
         local_direct = self.plan.local_direct[self._next_worker % len(self.plan.local_direct)]
         self._next_worker += 1
         node = f"client{len(self.workers) % 3}"
-        worker = Worker(name, [self.master_address, os.path.join(self.dir, "local"), os.path.join(self.dir, "disk"),
+        worker = Worker(name, [self.master_address, os.path.join(self.files, "local"), os.path.join(self.files, "disk"),
                                "1" if local_direct else "0", str(CLIENT_TIMEOUT_MS)], self._prefix(node), wait)
         worker.node = node
         self.workers[name] = worker
@@ -365,11 +367,11 @@ class History(Faults):
     def setup(self) -> None:
         self.log(f"seed {self.seed}: {self.plan}")
         for d in ("local", "disk"):
-            os.makedirs(os.path.join(self.dir, d))
+            os.makedirs(os.path.join(self.files, d))
         workers = [self.start_worker(wait=False) for _ in range(3)]  # they import while the cluster starts
         self.start_master()
         for i in range(self.plan.segments):
-            self.segments.append({"proc": None, "file": os.path.join(self.dir, f"segment-{i}.bin")
+            self.segments.append({"proc": None, "file": os.path.join(self.files, f"segment-{i}.bin")
                                   if self.plan.durable[i] else None})
         from concurrent.futures import ThreadPoolExecutor
         with ThreadPoolExecutor(self.plan.segments) as pool:
@@ -423,12 +425,18 @@ class History(Faults):
                 self.log(f"segment{i} registered")
         if self.network:
             self.network.tend(now, self.log)
+        if self.fs and self.fs.full_until and now >= self.fs.full_until:
+            self.fs.free()
+            self.log("the file system has room again")
 
     def heal(self) -> None:
         """End every fault: resume, restart, reconnect; then let every operation in flight finish."""
         self.log("healing: every fault ends")
         if self.network:
             self.network.heal(self.log)
+        if self.fs and self.fs.full_until:
+            self.fs.free()
+            self.log("the file system has room again")
         self.master_stopped_until = min(self.master_stopped_until, self.now()) if self.master_stopped_until else 0
         self.master_down_until = min(self.master_down_until, self.now())
         for slot in self.segments:
@@ -450,6 +458,8 @@ class History(Faults):
         reap_orphans()
         if self.network:
             self.network.close()
+        if self.fs:
+            self.fs.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     # ---- the contract -------------------------------------------------------------------------

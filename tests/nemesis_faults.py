@@ -110,6 +110,11 @@ class Faults:
         self.log(f"FAULT client {worker.name} killed (SIGKILL) while {what}")
         self.start_worker()
 
+    def fault_disk_full(self) -> None:
+        """Fill the file system the layers and durable segments write to, for a while."""
+        self.fs.fill(self.now() + self.rng.uniform(0.5, 4.0))
+        self.log(f"FAULT the file system is full until {self.fs.full_until:.3f}")
+
     def fault_partition(self) -> None:
         """Cut two processes (or groups) apart for a while."""
         self.network.partition(self.rng, self.now(), self.log)
@@ -139,4 +144,5 @@ FAULTS = {
     "segment_pause": (3, _segment_live),
     "client_kill": (3, lambda h: any(w.op is not None for w in h.workers.values())),
     "partition": (3, lambda h: h.network is not None),
+    "disk_full": (1.5, lambda h: h.fs is not None and not h.fs.full_until),
 }

@@ -1,4 +1,4 @@
-"""Network partitions for the fault explorer: every process in a network namespace of its own, all routed through
+"""Network partitions and full disks for the fault explorer: every process in a network namespace of its own, all routed through
 one hub namespace, where a partition is a pair of ``ip rule ... blackhole`` rules.
 
 Only root can make namespaces; elsewhere :meth:`Network.maybe` returns None and histories run on 127.0.0.1 without
@@ -149,3 +149,56 @@ class Network:
         for ns in reversed(self.namespaces):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
         self.namespaces = []
+
+
+class FileSystem:
+    """A small tmpfs of the history's own (root only) where layers and durable segments keep their files; a fault
+    fills it to the last byte for a while."""
+
+    SIZE = "48m"
+
+    @classmethod
+    def maybe(cls, path: str) -> "FileSystem | None":
+        if os.geteuid() != 0:
+            return None
+        os.makedirs(path)
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={cls.SIZE}", "tmpfs", path],
+                                 capture_output=True, timeout=30)
+        if mounted.returncode != 0:
+            print(f"nemesis: no tmpfs, so no full disks: {mounted.stderr.decode().strip()}", file=sys.stderr)
+            return None
+        return cls(path)
+
+    def __init__(self, path: str):
+        self.path = path
+        self.full_until = 0.0
+        self._filler = os.path.join(path, ".filler")
+
+    def fill(self, until: float) -> None:
+        free = shutil.disk_usage(self.path).free
+        fd = os.open(self._filler, os.O_CREAT | os.O_WRONLY, 0o600)
+        try:
+            for size in (free, free // 2, free // 4):  # tmpfs may refuse the last pages: take what it gives
+                try:
+                    os.posix_fallocate(fd, 0, max(size, 1))
+                    break
+                except OSError:
+                    continue
+            while True:  # and the crumbs
+                try:
+                    os.posix_fallocate(fd, os.fstat(fd).st_size, 4096)
+                except OSError:
+                    break
+        finally:
+            os.close(fd)
+        self.full_until = until
+
+    def free(self) -> None:
+        try:
+            os.unlink(self._filler)
+        except FileNotFoundError:
+            pass
+        self.full_until = 0.0
+
+    def close(self) -> None:
+        subprocess.run(["umount", "-l", self.path], capture_output=True, timeout=30)
