@@ -18,7 +18,7 @@ from typing import Sequence
 from engram_store import _cli
 from engram_store.wire._auth import AUTH_DIR_ENV, exposure_warning, keygen, load_keys, resolve_auth_dir
 from engram_store._errors import EngramError
-from engram_store.wire._transport import serve_until_signalled
+from engram_store.wire._transport import serve_until_signalled, stop_on_signal_while_starting
 from engram_store._units import format_size, parse_address
 
 from ._service import (
@@ -265,11 +265,12 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"engram-master: {warning}", file=sys.stderr, flush=True)
     try:
         auth = load_keys(args.auth, server=True) if args.auth else None
-        server = MasterServer(args.host, args.port, lease_ttl_s=args.lease_ttl,
-                              heartbeat_timeout_s=args.heartbeat_timeout, journal_path=args.journal,
-                              journal_fsync=not args.no_fsync, re_replicate=args.re_replicate,
-                              metrics_port=args.metrics_port, reuse_delay_s=args.reuse_delay, auth=auth,
-                              put_timeout_s=args.put_timeout)
+        with stop_on_signal_while_starting():  # a journal replay that is stopped releases the journal
+            server = MasterServer(args.host, args.port, lease_ttl_s=args.lease_ttl,
+                                  heartbeat_timeout_s=args.heartbeat_timeout, journal_path=args.journal,
+                                  journal_fsync=not args.no_fsync, re_replicate=args.re_replicate,
+                                  metrics_port=args.metrics_port, reuse_delay_s=args.reuse_delay, auth=auth,
+                                  put_timeout_s=args.put_timeout)
     except EngramError as exc:
         print(f"engram-master: {exc}", file=sys.stderr)
         return 2

@@ -17,7 +17,7 @@ from .. import _cli
 from .._errors import EngramError, MasterUnavailable
 from .._units import parse_address, parse_size
 from ..wire._auth import AUTH_DIR_ENV, exposure_warning, load_keys, resolve_auth_dir
-from ..wire._transport import serve_until_signalled
+from ..wire._transport import serve_until_signalled, stop_on_signal_while_starting
 from ._raw_limits import MAX_CONNECTIONS as RAW_MAX_CONNECTIONS
 from ._server import DEFAULT_READERS, MAX_READERS, READERS_MIN_CPUS, SegmentServer, default_readers
 
@@ -92,7 +92,8 @@ def _main(argv: Sequence[str] | None) -> int:
         host, port = parse_address(args.master, "--master")
         auth = load_keys(args.auth, server=True) if args.auth else None
         with _cli.announce_after(f"waiting for the master at {host}:{port} to answer (up to "
-                                 f"{args.register_timeout:g} s, --register-timeout)", PROG):
+                                 f"{args.register_timeout:g} s, --register-timeout)", PROG), \
+                stop_on_signal_while_starting():
             server = SegmentServer(size, f"{host}:{port}", host=args.host, port=args.port,
                                    register_timeout_s=args.register_timeout, file=args.file, auth=auth,
                                    readers=args.readers, raw_reads=not args.no_raw_reads,

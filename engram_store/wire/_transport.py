@@ -8,12 +8,13 @@ for the answer to a later request.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import signal
 import threading
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -508,6 +509,27 @@ class ConnectionPool:
                 conn.close()
             else:
                 conn.abandon()
+
+
+class Stopped(SystemExit):
+    """SIGTERM or SIGINT arrived while a server was starting: it stops there, cleaning up what it had set up."""
+
+
+@contextlib.contextmanager
+def stop_on_signal_while_starting() -> Iterator[None]:
+    """Make SIGTERM and SIGINT end a server's start (registering, replaying a journal) cleanly: they raise
+    :class:`Stopped` (exit status 0) in the starting code, whose cleanup runs, instead of killing the process
+    with its shared memory and files left behind. :func:`serve_until_signalled` takes the signals over after."""
+    def stop(signum: int, frame: Any) -> None:
+        raise Stopped(0)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    except BaseException:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        raise
 
 
 def serve_until_signalled(server: Any) -> int:

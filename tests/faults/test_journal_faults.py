@@ -134,3 +134,26 @@ def test_a_master_restarted_without_a_journal_at_once_knows_the_last_writes_and_
             _wait_for(lambda: len(store.status()["segments"]) == 2, 30, "both segments to register again")
             _check(EngramStore(1, _config(), store), _tables(1))
             assert not store.is_exist("gone")
+
+
+def test_a_segment_stopped_while_it_waits_for_the_master_exits_cleanly_and_leaves_no_memory_behind():
+    """SIGTERM while a segment is still registering (its master is stopped) ends it with status 0, its shared
+    memory removed; it died of the signal before, leaving the file for the next start to reap."""
+    import sys
+    from engram_store.testing import spawn_segment
+
+    with Cluster(segments=0) as c:
+        c.master.signal(signal.SIGSTOP)
+        segment = spawn_segment(c.address, "8MiB")
+        c.procs.append(segment)
+
+        def memory() -> list[str]:
+            return [f for f in os.listdir("/dev/shm") if f.startswith(f"engram-{segment.pid}-")]
+
+        try:
+            _wait_for(memory, 30, "the segment's shared memory")
+            time.sleep(0.3)  # inside its registration
+            assert segment.terminate() == 0, segment.output()
+            assert not memory()
+        finally:
+            c.master.signal(signal.SIGCONT)
