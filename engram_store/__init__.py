@@ -11,7 +11,7 @@ Public surface::
     EngramError, ...      the exception tree (see ``engram_store._errors``)
 """
 
-from .client import DistributedStore, ObjectInfo, Replica
+from .client import DistributedStore, KeyInfo, ObjectInfo, Replica
 from ._config import StoreConfig
 from .tables import EngramStore, EngramStoreConfig, LookupHandle, lookup_many, prefetch_many
 from ._errors import (
@@ -52,6 +52,7 @@ __all__ = [
     "MasterUnavailable",
     "NotConnected",
     "ObjectExists",
+    "KeyInfo",
     "ObjectInfo",
     "ObjectLost",
     "ObjectNotFound",

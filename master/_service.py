@@ -116,6 +116,8 @@ class MasterServer:
             "get_replicas": self._get_replicas,
             "exist": self._exist,
             "remove": self._remove,
+            "remove_many": self._remove_many,
+            "list_keys": self._list_keys,
             "remove_all": self._remove_all,
             "status": self._status,
         }
@@ -354,6 +356,22 @@ class MasterServer:
         replicas = self.state.remove(req.str("key", MAX_KEY_LEN), req.bool("force", default=False)) or []
         return {"replicas": [[self.state.segments[r.segment_id].address, r.offset] for r in replicas
                              if r.segment_id in self.state.segments]}
+
+    def _remove_many(self, req: Request) -> dict:
+        """Remove ``keys`` all or nothing (see MasterState.remove_many); the reply names where each removed
+        object's replicas were (``removed``: ``{key: [[address, offset], ...]}``)."""
+        removed = self.state.remove_many(self._keys(req), req.bool("force", default=False))
+        return {"removed": {key: [[self.state.segments[r.segment_id].address, r.offset] for r in replicas
+                                  if r.segment_id in self.state.segments]
+                            for key, replicas in removed.items()}}
+
+    def _list_keys(self, req: Request) -> dict:
+        """Objects by key prefix, a page at a time: ``objects`` ``[[key, size, replica_num, replicas, state,
+        lease_ms], ...]`` in key order after ``after``, and ``more`` when the page was full."""
+        rows, more = self.state.list_keys(req.str("prefix", MAX_KEY_LEN, default="", allow_empty=True),
+                                          req.str("after", MAX_KEY_LEN, default="", allow_empty=True),
+                                          req.int("limit", 1, MAX_BATCH, default=MAX_BATCH))
+        return {"objects": rows, "more": more}
 
     def _remove_all(self, req: Request) -> dict:
         removed, refused = self.state.remove_all(req.bool("force", default=False))

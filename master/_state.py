@@ -440,6 +440,41 @@ class MasterState(Fencing, Repairs, Replay):
         self.journal({"op": "remove", "key": key})
         return meta.replicas
 
+    def remove_many(self, keys: list[str], force: bool = False) -> dict[str, list[Replica]]:
+        """Remove several objects, all or nothing: if a read lease (or, without ``force``, a write in progress)
+        holds any of them, none is removed and LeaseActive names it. Keys that are absent are skipped. Returns the
+        replicas of each object removed, by key (lost objects: none)."""
+        if not force:
+            now = self.clock()
+            for key in keys:
+                meta = self.objects.get(key)
+                if meta is None:
+                    continue
+                if meta.state == PENDING:
+                    raise LeaseActive(f"remove {key!r}: a write is in progress (last renewed by its writer "
+                                      f"{now - meta.renewed:.1f} s ago); nothing of the {len(keys)} objects was "
+                                      "removed; pass force=True to revoke it")
+                if meta.lease_until > now:
+                    raise LeaseActive(f"remove {key!r}: a read lease is live for {meta.lease_until - now:.2f} s more; "
+                                      f"nothing of the {len(keys)} objects was removed; pass force=True")
+        removed = {}
+        for key in keys:
+            if key in self.objects or key in self.lost:
+                removed[key] = self.remove(key, force=True) or []
+        return removed
+
+    def list_keys(self, prefix: str, after: str, limit: int) -> tuple[list[list], bool]:
+        """Objects whose key starts with ``prefix``, after the key ``after``, in key order, at most ``limit``:
+        ``[key, size, replica_num, live replicas, state, lease left in ms]`` with state complete, pending or
+        lost; and whether there are more."""
+        now = self.clock()
+        rows = [[k, m.size, m.replica_num, len(m.replicas), m.state, max(0, int((m.lease_until - now) * 1000))]
+                for k, m in self.objects.items() if k.startswith(prefix) and k > after]
+        rows += [[k, lost.size, lost.replica_num, 0, "lost", 0] for k, lost in self.lost.items()
+                 if k.startswith(prefix) and k > after and k not in self.objects]
+        rows.sort()
+        return rows[:limit], len(rows) > limit
+
     def remove_all(self, force: bool = False) -> tuple[int, int]:
         """Remove every complete object (and forget every lost one; with ``force`` also revoke every pending put);
         returns (removed, refused by a lease or a write in progress)."""

@@ -149,10 +149,10 @@ def test_store_states_and_removal(capsys):
             store.get("engram:l2:h0")  # a read lease on one head
             code, _, err = layers(capsys, "remove", *place, "2", "--yes")
             assert code == 1 and "read lease" in err and "--force" in err and "force=True" not in err
-            assert "manifest is removed" in err  # the manifest goes first: readers see no half layer
-            assert listed(capsys, *place)[2]["state"] == "partial"
+            assert "nothing was removed" in err  # all or nothing: readers never see a half layer
+            assert listed(capsys, *place)[2]["state"] == "published"
             code, out, _ = layers(capsys, "remove", *place, "2", "3", "--yes", "--force")
-            assert code == 0 and "layer 2: removed 3 object(s)" in out and "layer 3: removed 1" in out
+            assert code == 0 and "layer 2: removed 4 object(s)" in out and "layer 3: removed 1" in out
             assert sorted(listed(capsys, *place)) == [1]
 
             lone.populate(_tables(seed=2))

@@ -275,3 +275,24 @@ def test_a_segment_offering_an_old_catalogue_never_brings_back_a_removed_object(
             clock.now += 3
         back = {k for k in removed if state.exists(k)}
         assert not back, f"removed objects came back: {back}"
+
+
+def test_remove_many_is_all_or_nothing_and_list_keys_pages_by_prefix():
+    clock = Clock()
+    state = MasterState(clock=clock)
+    _registered(state, "s1")
+    for key in ("engram:l1:manifest", "engram:l1:h0", "engram:l1:h1", "other"):
+        state.put_start(key, 64, 1)
+        state.put_end(key, "cc")
+    state.get("engram:l1:h1")  # a reader's lease
+    with pytest.raises(Exception, match="'engram:l1:h1': a read lease is live .* nothing of the 3 objects"):
+        state.remove_many(["engram:l1:manifest", "engram:l1:h0", "engram:l1:h1"])
+    assert all(state.exists(k) for k in ("engram:l1:manifest", "engram:l1:h0", "engram:l1:h1"))
+    rows, more = state.list_keys("engram:l1", "", 2)
+    assert [r[0] for r in rows] == ["engram:l1:h0", "engram:l1:h1"] and more
+    assert rows[1][5] > 0 and rows[0][4] == "complete"
+    rows, more = state.list_keys("engram:l1", "engram:l1:h1", 2)
+    assert [r[0] for r in rows] == ["engram:l1:manifest"] and not more
+    removed = state.remove_many(["engram:l1:manifest", "engram:l1:h0", "engram:l1:h1", "absent"], force=True)
+    assert sorted(removed) == ["engram:l1:h0", "engram:l1:h1", "engram:l1:manifest"]
+    assert state.list_keys("engram:", "", 10) == ([], False) and state.exists("other")

@@ -6,9 +6,9 @@
 * ``_raw_client``: a connection to one segment's raw read channel; ``_objects``: replicas and argument checks.
 """
 
-from ._objects import ObjectInfo, Replica, as_bytes_view
+from ._objects import KeyInfo, ObjectInfo, Replica, as_bytes_view
 from ._raw_client import RawChannel, RawChannelRefused, raw_reads_default
 from ._store import DistributedStore
 
-__all__ = ["DistributedStore", "ObjectInfo", "RawChannel", "RawChannelRefused", "Replica", "as_bytes_view",
+__all__ = ["DistributedStore", "KeyInfo", "ObjectInfo", "RawChannel", "RawChannelRefused", "Replica", "as_bytes_view",
            "raw_reads_default"]

@@ -39,6 +39,18 @@ class ObjectInfo:
     checksum: str = ""
 
 
+@dataclass(frozen=True)
+class KeyInfo:
+    """One object as :meth:`DistributedStore.list_keys` lists it."""
+
+    key: str
+    size: int
+    replica_num: int       # replicas asked for
+    replicas: int          # replicas the master knows live (0 for a lost object)
+    state: str             # "complete", "pending" (a write in progress) or "lost"
+    lease_left_s: float    # how long a read lease still holds off a remove
+
+
 def replica_of(d: dict) -> Replica:
     return Replica(d["segment_id"], d["address"], d["offset"], d["shm_path"], d["host_id"], d["size"],
                    tuple(d.get("read_addresses") or ()), int(d.get("generation") or 0))

@@ -23,6 +23,7 @@ import numpy as np
 from .._config import DEFAULT_EMBEDDED_SEGMENT_SIZE, StoreConfig
 from .._errors import (
     ConfigError,
+    EngramError,
     InvalidArgument,
     InvalidType,
     MasterUnavailable,
@@ -35,7 +36,7 @@ from .._units import parse_size
 from ..segment import SegmentServer, host_id
 from ..wire._auth import AUTH_DIR_ENV, load_keys, resolve_auth_dir
 from ..wire._transport import Connection, ConnectionPool, wait_all
-from ._objects import ObjectInfo, check_key, replica_of
+from ._objects import KeyInfo, ObjectInfo, check_key, replica_of
 from ._raw_client import RawChannel, raw_reads_default
 from ._reads import ReadPath
 from ._writes import WritePath
@@ -271,14 +272,51 @@ class DistributedStore(ReadPath, WritePath):
     def remove(self, key: str, force: bool = False) -> None:
         """Remove an object; refused with LeaseActive while a read lease is live, unless ``force``."""
         header = self._master_call("remove", {"key": check_key(key), "force": bool(force)})
+        self._tell_dropped({key: header.get("replicas") or []})
+
+    def remove_many(self, keys: Sequence[str], force: bool = False) -> list[str]:
+        """Remove several objects all or nothing: while a read lease (or, without ``force``, a write in progress)
+        holds any of them, none is removed and LeaseActive names it. Absent keys are skipped; returns the keys
+        removed."""
+        keys = [check_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
+        if not keys:
+            return []
+        removed = self._master_call("remove_many", {"keys": keys, "force": bool(force)})["removed"]
+        self._tell_dropped(removed)
+        return [k for k in keys if k in removed]
+
+    def _tell_dropped(self, removed: dict) -> None:
+        """Tell the segments that held removed objects at once (their catalogues learn it on a heartbeat
+        otherwise; a master restarted without a journal meanwhile would bring the objects back). Best effort."""
+        by_segment: dict[str, list] = {}
+        for key, replicas in removed.items():
+            for address, offset in replicas:
+                by_segment.setdefault(address, []).append([key, offset])
         pending = []
-        for address, offset in header.get("replicas") or ():  # best effort, as for a put's catalog_add
+        for address, objects in by_segment.items():
             try:
                 conn = self._segment_conn(address)
-                pending.append((conn, conn.send("catalog_drop", {"objects": [[key, offset]]})))
+                pending.append((conn, conn.send("catalog_drop", {"objects": objects})))
             except EngramError:
                 pass
-        wait_all(pending, time.monotonic() + min(self.timeout_ms / 1000.0, 1.0), "catalog_drop")
+        if pending:
+            wait_all(pending, time.monotonic() + min(self.timeout_ms / 1000.0, 1.0), "catalog_drop")
+
+    def list_keys(self, prefix: str = "", limit: int | None = None) -> list[KeyInfo]:
+        """The objects whose key starts with ``prefix``, in key order (complete, being written, or lost), in pages
+        of at most 65,536 per master request; at most ``limit`` of them."""
+        if not isinstance(prefix, str):
+            raise InvalidType(f"prefix: expected a string, got {type(prefix).__name__}")
+        out: list[KeyInfo] = []
+        after = ""
+        while limit is None or len(out) < limit:
+            header = self._master_call("list_keys", {"prefix": prefix, "after": after})
+            out += [KeyInfo(k, size, replica_num, replicas, state, lease_ms / 1000.0)
+                    for k, size, replica_num, replicas, state, lease_ms in header["objects"]]
+            if not header.get("more") or not header["objects"]:
+                break
+            after = header["objects"][-1][0]
+        return out if limit is None else out[:limit]
 
     def remove_all(self, force: bool = False) -> int:
         """Remove every object (those under a live lease only with ``force``); returns how many were removed."""

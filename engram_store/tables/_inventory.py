@@ -28,7 +28,6 @@ import numpy as np
 
 from .._errors import EngramError, InvalidArgument, LeaseActive, ObjectNotFound, StoreError
 from ..disk import DiskDir
-from ..wire import Connection, load_keys
 from ._layout import ROW_FORMATS, EngramStoreConfig
 from ._local_dir import LAYOUT_MAGIC, LocalDir, MappedLayer
 
@@ -67,26 +66,28 @@ class StoreLayers:
     def __init__(self, store: Any, auth_dir: str | None):
         self.store = store
         self.where = f"store at {store.master_address}"
-        from .._errors import MasterUnavailable
-
-        curve = load_keys(auth_dir, server=False).client_curve if auth_dir else None
-        self._conn = Connection(store.master_address, unavailable=MasterUnavailable, curve=curve)
         self.notes: list[str] = []
 
     def close(self) -> None:
-        self._conn.close()
+        pass
 
     def _objects(self) -> tuple[dict[str, list], dict]:
-        """Every complete object of the store by key: ``[size, replica_num, copies]``; and the master's status."""
-        status = self.store.status()
+        """Every complete object of a layer by key, ``[size, replica_num, copies]``, and ``{"lost_keys": [...],
+        "under_replicated_keys": [...], "pending": n}`` (the master's listing of keys ``engram:l...``)."""
         objects: dict[str, list] = {}
-        for segment in status["segments"]:
-            header, _ = self._conn.call("segment_objects", {"segment_id": segment["segment_id"]},
-                                        timeout_ms=self.store.timeout_ms)
-            for key, _offset, size, replica_num, *_ in header["objects"]:
-                if _KEY.match(key):
-                    entry = objects.setdefault(key, [size, replica_num, 0])
-                    entry[2] += 1
+        status: dict = {"lost_keys": [], "under_replicated_keys": [], "pending": 0}
+        for info in self.store.list_keys("engram:l"):
+            if not _KEY.match(info.key):
+                continue
+            if info.state == "lost":
+                status["lost_keys"].append(info.key)
+            elif info.state == "pending":
+                status["pending"] += 1
+            else:
+                objects[info.key] = [info.size, info.replica_num, info.replicas]
+                if info.replicas < info.replica_num:
+                    status["under_replicated_keys"].append(info.key)
+        status["lost"] = len(status["lost_keys"])
         return objects, status
 
     def _manifest(self, layer_id: int) -> dict | None:
@@ -100,9 +101,6 @@ class StoreLayers:
         objects, status = self._objects()
         lost = set(status.get("lost_keys", []))
         under = set(status.get("under_replicated_keys", []))
-        if status.get("lost", 0) > len(status.get("lost_keys", [])):
-            self.notes.append(f"the master lists {len(lost)} of its {status['lost']} lost objects; layers of the "
-                              "others are not shown (engram-master status)")
         if status.get("pending"):
             self.notes.append(f"{status['pending']} write(s) in progress are not counted")
         layers: dict[int, dict] = {}
@@ -157,32 +155,26 @@ class StoreLayers:
         return f"{len(heads)} head(s) match the checksums of the manifest"
 
     def remove(self, layer_id: int, force: bool) -> str:
-        """The manifest first (readers then see the layer unpublished, never half removed), then every head."""
+        """The manifest and every head in one request, all or nothing: a read lease on any of them (or, without
+        --force, a write in progress) refuses the whole remove and the layer stays as it was."""
         objects, status = self._objects()
         record = self._manifest(layer_id)
         heads = {int(m.group(2)) for key in list(objects) + list(status.get("lost_keys", []))
                  if (m := _KEY.match(key)) and int(m.group(1)) == layer_id and m.group(2)}
         heads |= set(range(len(record.get("table_vocab_sizes", [])))) if record else set()
         keys = [f"engram:l{layer_id}:manifest"] + [f"engram:l{layer_id}:h{h}" for h in sorted(heads)]
-        removed = 0
-        for i, key in enumerate(keys):
-            try:
-                self.store.remove(key, force=force)
-                removed += 1
-            except ObjectNotFound:
-                continue
-            except LeaseActive as exc:
-                held = re.search(r"for ([\d.]+) s more", str(exc))
-                why = (f"a read lease on it is live for {held.group(1)} s more" if held
-                       else "a write of it is in progress" if "write" in str(exc) else "a read lease on it is live")
-                done = ("nothing was removed" if i == 0 else
-                        f"its manifest is removed (readers no longer see the layer) and {len(keys) - i} of its "
-                        f"{len(keys) - 1} head(s) remain")
-                raise LeaseActive(f"layer {layer_id}: {key!r}: {why}; {done}. Run again when it has ended, or pass "
-                                  "--force") from None
+        try:
+            removed = self.store.remove_many(keys, force=force)
+        except LeaseActive as exc:
+            key = re.search(r"remove ('[^']*')", str(exc))
+            held = re.search(r"for ([\d.]+) s more", str(exc))
+            why = (f"a read lease on it is live for {held.group(1)} s more" if held
+                   else "a write of it is in progress" if "write" in str(exc) else "a read lease on it is live")
+            raise LeaseActive(f"layer {layer_id}: {key.group(1) if key else 'an object'}: {why}; nothing was "
+                              "removed. Run again when it has ended, or pass --force") from None
         if not removed:
             raise ObjectNotFound(f"layer {layer_id}: no object of it in the {self.where}")
-        return f"removed {removed} object(s)"
+        return f"removed {len(removed)} object(s)"
 
 
 # ---- files on this host -----------------------------------------------------------------------------------------

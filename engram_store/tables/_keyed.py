@@ -119,6 +119,11 @@ class KeyedSource(Source):
     def remove(self, lay: Layer, force: bool) -> int:
         """The manifest goes first, so readers see the layer as unpublished, never half removed."""
         self.forget(lay)
+        return self.remove_layer(lay, force)
+
+    def remove_layer(self, lay: Layer, force: bool) -> int:
+        """Remove the manifest, then the heads; returns how many heads were removed. A store that removes several
+        keys at once, all or nothing, overrides this (a lease on one head then leaves the layer whole)."""
         self.remove_keys([lay.manifest_key], force)
         return self.remove_keys(lay.keys, force)
 

@@ -71,6 +71,12 @@ class StoreSource(KeyedSource):
         except ObjectNotFound:
             return False
 
+    def remove_layer(self, lay: Layer, force: bool) -> int:
+        """Manifest and heads in one request, all or nothing: a read lease on any head refuses the whole remove
+        (LeaseActive) and the layer stays published."""
+        removed = self.native.remove_many([lay.manifest_key] + list(lay.keys), force=force)
+        return sum(1 for key in removed if key != lay.manifest_key)
+
     def read_head(self, lay: Layer, j: int) -> np.ndarray:
         rows = np.empty(lay.sizes[j] * lay.row_bytes, dtype=np.uint8)
         # The whole table in one read, no lease (it would block a remove).

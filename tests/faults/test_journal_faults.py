@@ -102,7 +102,7 @@ def test_objects_published_just_before_a_segment_pause_survive_it(catalogue_know
             layer = EngramStore(1, _config(), store)
             layer.populate(_tables(1))
             if not catalogue_knows:  # as if paused before the writer told it and before its next heartbeat
-                infos = store.locate(layer.get_store_keys() + [f"engram:l1:manifest"], lease=False)
+                infos = store.locate(layer.get_store_keys() + ["engram:l1:manifest"], lease=False)
                 Connection(segment.address).call("catalog_drop", {"objects": [
                     [info.key, info.replicas[0].offset] for info in infos]})
             segment.signal(signal.SIGSTOP)
@@ -139,7 +139,6 @@ def test_a_master_restarted_without_a_journal_at_once_knows_the_last_writes_and_
 def test_a_segment_stopped_while_it_waits_for_the_master_exits_cleanly_and_leaves_no_memory_behind():
     """SIGTERM while a segment is still registering (its master is stopped) ends it with status 0, its shared
     memory removed; it died of the signal before, leaving the file for the next start to reap."""
-    import sys
     from engram_store.testing import spawn_segment
 
     with Cluster(segments=0) as c:
