@@ -350,6 +350,7 @@ class V41Engram:
             present = store.batch_is_exist(layer.get_store_keys())
             if not any(present):
                 layer.close()
+                _say_why_loading(store, layer_id)
                 layer = load_v41_table(ckpt, config, layer_id, store, replica_num=replica_num, progress=progress)
             elif not all(present):
                 layer.close()
@@ -389,3 +390,16 @@ class V41Engram:
         c = self.config
         return (f"V41Engram(layer_id={self.layer_id}, cols={c.cols}, head_dim={c.head_dim}, hc_mult={c.hc_mult}, "
                 f"hidden_size={c.hidden_size})")
+
+
+def _say_why_loading(store: Any, layer_id: int) -> None:
+    """Log why a layer is streamed into a store: it was never there, or the store lost it (a loss must not hide
+    behind a silent reload)."""
+    lost = [k.key for k in store.list_keys(f"engram:l{layer_id}:") if k.state == "lost"] \
+        if hasattr(store, "list_keys") else []
+    if lost:
+        log.warning("layer %d: the store lost %d of its objects (%s%s; engram-master status lists them); streaming "
+                    "the layer from the checkpoint again", layer_id, len(lost), ", ".join(lost[:3]),
+                    ", ..." if len(lost) > 3 else "")
+    else:
+        log.info("layer %d is not in the store yet: streaming it from the checkpoint", layer_id)

@@ -240,3 +240,25 @@ def test_a_checkpoint_loads_onto_ssd_and_matches_the_store(tmp_path, embedded):
     with EngramStore(3, v41_store_config(CFG, 3), disk_dir=tmp_path / "cli") as layer:
         assert layer.verify() == [0, 1, 2, 3]
     assert load_main([str(ckpt), "--disk-dir", str(tmp_path / "cli"), "--layers", "3", "--no-progress"]) == 1
+
+
+@pytest.mark.timeout(180)
+def test_a_layer_the_store_lost_is_loaded_again_with_a_warning_naming_the_loss(tmp_path, caplog):
+    import logging
+    import time
+
+    from engram_store.testing import Cluster
+
+    write_checkpoint(tmp_path, np.random.default_rng(2))
+    with Cluster(segments=1, segment_size="64MiB", heartbeat_timeout_s=1.5) as c:
+        with DistributedStore.connect(c.address, timeout_ms=5000) as store:
+            V41Engram.from_checkpoint(tmp_path, CFG, 1, store).close()
+            c.segments[0].kill()  # its shared memory, and the layer with it, are gone
+            c.add_segment("64MiB")
+            deadline = time.monotonic() + 30
+            while not store.status()["lost"]:
+                assert time.monotonic() < deadline, "the master never dropped the killed segment"
+                time.sleep(0.1)
+            caplog.set_level(logging.INFO, logger="engram_model.v41._engram")
+            V41Engram.from_checkpoint(tmp_path, CFG, 1, store).close()
+            assert "layer 1: the store lost" in caplog.text and "engram:l1:" in caplog.text
