@@ -208,6 +208,8 @@ def _read_json(path_or_dict: Any) -> Mapping[str, Any]:
         raise ConfigError(f"from_hf_config: cannot read {path!r}: {exc.strerror}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not JSON ({exc})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a config.json") from None
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{path}: expected a JSON object, got {describe(raw)}")
     return raw

@@ -104,3 +104,12 @@ def test_a_deeply_nested_header_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(InvalidArgument, match="model.safetensors.index.json: not a safetensors index "
                                               r"\(it nests deeper than "):
         SafetensorsCheckpoint(shards)
+
+
+def test_a_deeply_nested_config_json_is_a_clear_error(tmp_path):
+    from engram_model.v41 import V41Config
+    from engram_store import ConfigError
+
+    (tmp_path / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ConfigError, match="nested too deeply to be a config.json"):
+        V41Config.from_hf_config(tmp_path)
