@@ -53,7 +53,7 @@ def test_overlapping_tensors_are_refused_naming_both(tmp_path, capsys):
                rf"'{WEIGHT}' at \[0, {ROWS * 32}\]")
     with pytest.raises(InvalidArgument, match=message):
         SafetensorsCheckpoint(file)
-    assert load_main([str(tmp_path), "--disk-dir", str(tmp_path / "ssd"), "--no-progress"]) == 1
+    assert load_main([str(tmp_path), "--disk-dir", str(tmp_path / "ssd"), "--no-progress"]) == 2  # a bad CHECKPOINT_DIR: a usage error
     assert "overlap tensor" in capsys.readouterr().err
     assert not (tmp_path / "ssd" / "layer-1").exists()
 
@@ -95,7 +95,7 @@ def test_a_deeply_nested_header_is_a_clear_error(tmp_path, capsys):
     write_raw(file, b'{"a": ' + b"[" * depth + b"]" * depth + b"}", b"")
     with pytest.raises(InvalidArgument, match=rf"{file}: not a safetensors file \(the header nests deeper than "):
         SafetensorsCheckpoint(file)
-    assert load_main([str(tmp_path), "--disk-dir", str(tmp_path / "ssd"), "--no-progress"]) == 1
+    assert load_main([str(tmp_path), "--disk-dir", str(tmp_path / "ssd"), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "nests deeper" in err and "Traceback" not in err and "RecursionError" not in err
     shards = tmp_path / "shards"
