@@ -462,6 +462,12 @@ class History(Faults):
             self.fs.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
+    def transcript(self) -> str:
+        """The whole history: operations and events in time order, then the violations."""
+        lines = sorted(self.events + [op.describe() for op in self.ops], key=lambda line: float(line.split()[0]
+                                                                                                 .split("..")[0]))
+        return "\n".join(lines + ["", "violations:"] + [f"  - {v}" for v in self.violations]) + "\n"
+
     # ---- the contract -------------------------------------------------------------------------
 
     def check_read(self, op: Op) -> None:
@@ -491,6 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=_seed_range, metavar="A-B", help="explore these seeds")
     p.add_argument("--minutes", type=float, default=None, help="stop exploring after this long (default: all)")
     p.add_argument("--no-partitions", action="store_true", help="never partition the network")
+    p.add_argument("--record", metavar="DIR", default=os.path.join(tempfile.gettempdir(), "engram-nemesis"),
+                   help="where a history that broke the contract is written in full, as seed-S.log (a replay "
+                        "repeats the schedule, not the timing; default: %(default)s)")
     args = p.parse_args(argv)
     partitions = False if args.no_partitions else None
     if args.seed is not None:
@@ -518,7 +527,12 @@ def main(argv: list[str] | None = None) -> int:
             ran += 1
         if history.violations:
             failed.append(seed)
-            print(f"seed {seed}: {len(history.violations)} violation(s): {history.violations[0][:300]}", flush=True)
+            os.makedirs(args.record, exist_ok=True)
+            record = os.path.join(args.record, f"seed-{seed}.log")
+            with open(record, "w", encoding="utf-8") as f:
+                f.write(history.transcript())
+            print(f"seed {seed}: {len(history.violations)} violation(s), history in {record}: "
+                  f"{history.violations[0][:300]}", flush=True)
         elif ran % 10 == 0:
             print(f"... {ran} seeds, {len(failed)} failed", flush=True)
     print(f"{ran} seed(s) explored, {len(failed)} broke the contract" + (f": {failed}" if failed else ""))
