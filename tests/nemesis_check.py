@@ -66,8 +66,10 @@ def expected_final(history, target) -> tuple[str, int | None]:
         return "absent", None
     last = max(acked, key=lambda w: w.done)
     later = [w for w in writes if w is not last and w.outcome != "fail" and w.invoked >= last.invoked]
+    # An operation whose outcome is unknown may take effect at any time after it was invoked, even after its
+    # client gave up on it (a request held up by a partition arrives when it heals).
     concurrent = [w for w in writes if w is not last and w.outcome != "fail" and w.invoked < last.done
-                  and (w.done is None or w.done > last.invoked)]
+                  and (w.outcome != "ok" or w.done > last.invoked)]
     if later or concurrent:
         return "any", None
     if last.cmd["op"] in ("populate", "put"):
