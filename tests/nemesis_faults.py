@@ -58,8 +58,9 @@ class Faults:
                            f"journal {'replaced' if before != after else 'kept'}):\n{second.stderr[-2000:]}")
         self.log("FAULT a second master tried the journal: " + (second.stderr.strip().splitlines() or ["?"])[-1])
 
-    def _segment(self) -> int | None:
-        live = [i for i, s in enumerate(self.segments) if s["proc"] is not None and not s["stopped_until"]]
+    def _segment(self, registered: bool = False) -> int | None:
+        live = [i for i, s in enumerate(self.segments) if s["proc"] is not None and not s["stopped_until"]
+                and not (registered and s.get("starting"))]
         return self.rng.choice(live) if live else None
 
     def fault_segment_kill(self) -> None:
@@ -77,8 +78,11 @@ class Faults:
         self.log(f"FAULT segment{i} killed (SIGKILL)" + ("" if slot["file"] else ": its shared memory is gone"))
 
     def fault_segment_term(self) -> None:
-        """SIGTERM a segment (it unregisters; a shared-memory one takes its objects with it)."""
-        i = self._segment()
+        """SIGTERM a segment (it unregisters; a shared-memory one takes its objects with it). Only one that has
+        started: a process that has not yet run its own code dies of SIGTERM, as any does."""
+        i = self._segment(registered=True)
+        if i is None:
+            return
         slot = self.segments[i]
         slot["proc"].expected_exit = True
         code = slot["proc"].terminate()
