@@ -1,6 +1,8 @@
 """Reads that name the objects they expect: the kernel against a plain Python reference, and the segment's record of
 which put wrote which range."""
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -73,3 +75,41 @@ def test_objects_never_learnt_of_pass_and_checks_without_sizes_are_refused():
     generations.seed([["k", 4096, 64, 1, "ab", 3], ["old", 0, 64, 1, "cd"]])  # an entry without a generation
     assert generations.arrays[0].tolist() == [4096]
     assert check_generations(pairs, *generations.arrays) == (2, -1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(claims=_claims, checks=st.lists(st.tuples(st.integers(0, 60).map(lambda x: x * 64),
+                                                 st.integers(1, 8).map(lambda x: x * 64), st.integers(1, 5)),
+                                       min_size=1, max_size=4))
+def test_the_shared_table_answers_as_the_segment_does(tmp_path_factory, claims, checks):
+    """Readers on the host check the generation table the segment publishes in shared memory: the same answer
+    as the segment's own check, and a seq that moves with every claim."""
+    import mmap
+
+    from engram_store.kernels import check_table, readonly
+
+    path = str(tmp_path_factory.mktemp("gen") / "segment.gen")
+    generations = Generations(path, 1 << 20)
+    try:
+        with open(path, "rb") as f:
+            table = readonly(np.frombuffer(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ), dtype=np.int64))
+        seqs = [int(table[0])]
+        for offset, size, gen in claims:
+            generations.claim(offset, size, gen)
+            seqs.append(int(table[0]))
+        assert all(s % 2 == 0 for s in seqs) and seqs == sorted(seqs)
+        named = check_pairs_for(*(np.array(c, dtype=np.int64) for c in zip(*checks)))
+        _, expected = check_generations(named, *generations.arrays)
+        assert check_table(table, named) == (expected, seqs[-1])
+    finally:
+        generations.close()
+    assert not os.path.exists(path)
+
+
+def test_an_overflowing_table_says_it_cannot_tell():
+    from engram_store.kernels import TABLE_UNKNOWN, check_table
+
+    table = np.zeros(8 + 3 * 2, dtype=np.int64)
+    table[2], table[3] = 2, 1  # capacity 2, overflowed
+    named = check_pairs_for(np.array([0]), np.array([64]), np.array([1]))
+    assert check_table(table, named)[0] == TABLE_UNKNOWN

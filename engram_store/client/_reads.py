@@ -71,6 +71,34 @@ class ReadPath:
             self._maps[replica.segment_id] = view
             return view
 
+    def local_table(self, replica: Replica) -> np.ndarray | None:
+        """The generation table of a segment mapped on this host (int64, read-only), which says which put wrote
+        each of its objects (see ``engram_store.kernels._generations_table``); None where the segment publishes
+        none, or it is not mapped here."""
+        table = self._tables.get(replica.segment_id, False)
+        if table is not False:
+            return table
+        if self.local_view(replica) is None:
+            return None
+        with self._maps_lock:
+            if replica.segment_id in self._tables:
+                return self._tables[replica.segment_id]
+            table = None
+            try:
+                fd = os.open(replica.shm_path + ".gen", os.O_RDONLY)
+                try:
+                    size = os.fstat(fd).st_size
+                    if size >= 64 and size % 8 == 0:
+                        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+                        self._mmaps.append(mm)
+                        table = np.frombuffer(mm, dtype=np.int64)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                log.debug("segment %s publishes no generation table here (%s)", replica.segment_id, exc)
+            self._tables[replica.segment_id] = table
+            return table
+
     def get(self, key: str, lease: bool = True) -> bytes:
         """The bytes stored under ``key``; ``lease=False`` reads without taking a read lease."""
         info = self.locate([check_key(key)], lease=lease)[0]

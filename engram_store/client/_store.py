@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .. import kernels as _kernels
 from .._config import DEFAULT_EMBEDDED_SEGMENT_SIZE, StoreConfig
 from .._errors import (
     ConfigError,
@@ -70,6 +71,7 @@ class DistributedStore(ReadPath, WritePath):
         self._pool = ConnectionPool(curve=self._auth.client_curve if self._auth else None)
         self._owned = list(_owned)  # servers this client started (mounted segment, embedded master)
         self._maps: dict[str, np.ndarray | None] = {}
+        self._tables: dict[str, np.ndarray | None] = {}  # segment id -> its generation table, mapped read-only
         self._wfds: dict[str, int | None] = {}  # segment files open for same-host puts (None: not here)
         self._retired_fds: list[int] = []
         self._maps_lock = threading.Lock()
@@ -189,6 +191,8 @@ class DistributedStore(ReadPath, WritePath):
         self.local_segment = segment
         with self._maps_lock:
             self._maps[segment.segment_id] = segment.memory.array
+            table = segment.generations.table
+            self._tables[segment.segment_id] = _kernels.readonly(table) if table is not None else None
 
     @property
     def timeout_ms(self) -> int:
@@ -237,6 +241,7 @@ class DistributedStore(ReadPath, WritePath):
         with self._maps_lock:
             if self.local_segment is None or segment_id != self.local_segment.segment_id:
                 self._maps.pop(segment_id, None)
+                self._tables.pop(segment_id, None)
             fd = self._wfds.pop(segment_id, None)
             if fd is not None:
                 self._retired_fds.append(fd)  # another thread may be writing with it; closed with the client
@@ -336,6 +341,7 @@ class DistributedStore(ReadPath, WritePath):
             channel.close()
         with self._maps_lock:
             self._maps.clear()
+            self._tables.clear()
             fds = [fd for fd in self._wfds.values() if fd is not None] + self._retired_fds
             self._wfds.clear()
             self._retired_fds = []

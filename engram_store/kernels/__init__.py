@@ -36,6 +36,8 @@ import numpy as np
 from ._cache import cache_fill, cache_insert, cache_probe
 from ._common import _UINT, PREFETCH_ROWS, readonly, word_shift
 from ._generations import check_generations, check_pairs_for
+from ._generations_table import UNKNOWN as TABLE_UNKNOWN
+from ._generations_table import check_table
 from ._gather import (
     RowSource,
     gather_pairs,
@@ -63,7 +65,7 @@ from ._planning import (
 
 __all__ = [
     "PREFETCH_ROWS", "ReadPlan", "RowSource", "cache_fill", "cache_insert", "cache_probe", "check_generations",
-    "check_pairs", "check_pairs_for",
+    "check_pairs", "check_pairs_for", "check_table", "TABLE_UNKNOWN",
     "check_ranges", "direct_pairs", "first_bad_row", "gather_pairs", "gather_pairs_unchecked", "gather_ranges",
     "gather_rows", "gather_rows_local", "narrower", "plan_pieces", "plan_reads", "plan_unique_rows", "readonly",
     "row_source", "rows_to_ranges", "scatter_ranges", "scatter_rows", "scatter_rows_prepared", "warmup",
@@ -79,8 +81,9 @@ def warmup(word_sizes: tuple[int, ...] = (8, 4, 2, 1), cache: bool = True) -> No
     """
     ids = np.array([[0, 1], [1, 1]], dtype=np.int64)
     heads = np.array([0, 1], dtype=np.int64)
-    check_generations(check_pairs_for(np.zeros(1, np.int64), np.ones(1, np.int64), np.full(1, 7, np.int64)),
-                      np.zeros(1, np.int64), np.ones(1, np.int64), np.full(1, 7, np.int64))
+    named = check_pairs_for(np.zeros(1, np.int64), np.ones(1, np.int64), np.full(1, 7, np.int64))
+    check_generations(named, np.zeros(1, np.int64), np.ones(1, np.int64), np.full(1, 7, np.int64))
+    check_table(readonly(np.array([0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 7], dtype=np.int64)), named)
     first_bad_row(ids, np.array([2, 2], dtype=np.int64))
     check_ranges(np.zeros(1, np.int64), np.zeros(1, np.int64), 1)
     uniq, starts, inverse = plan_unique_rows(ids, heads)

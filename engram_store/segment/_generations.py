@@ -9,28 +9,79 @@ catalogue at registration (a durable segment's objects outlive it), and objects 
 not refused: nothing is known to have replaced them.
 
 Entries live in sorted arrays the kernel searches; a claim (once per put and segment) builds new arrays and swaps
-them in whole, so readers never lock.
+them in whole, so readers never lock. Readers on this host that map the segment's bytes read them without asking
+the segment: it publishes the same entries in a small shared-memory file beside its own (``<file>.gen``), behind a
+seqlock (see ``engram_store.kernels._generations_table``).
 """
 
 from __future__ import annotations
 
+import logging
+import mmap
+import os
 import threading
 
 import numpy as np
 
 from .. import kernels as _kernels
 from .._errors import InvalidArgument, StalePlacement
+from ..kernels._generations_table import CAPACITY, COUNT, HEADER_WORDS, OVERFLOW, SEQ, table_words
+
+#: Entries the shared table holds: one per 4 KiB of segment, at least 4,096 and at most 2**20 (24 MiB). A
+#: segment holding more objects marks the table overflowed; readers on its host then ask the master.
+TABLE_BYTES_PER_ENTRY = 4 << 10
+TABLE_MIN, TABLE_MAX = 1 << 12, 1 << 20
+
+log = logging.getLogger(__name__)
 
 
 class Generations:
     """The latest writer of every range this segment knows; thread-safe, readers lock-free."""
 
-    def __init__(self) -> None:
+    def __init__(self, table_path: str | None = None, segment_bytes: int = 0) -> None:
         self._lock = threading.Lock()
         self._entries: dict[int, tuple[int, int]] = {}  # base -> (size, put id), not overlapping
         self.version = 0
         empty = np.zeros(0, dtype=np.int64)
         self.arrays: tuple[np.ndarray, np.ndarray, np.ndarray] = (empty, empty, empty)
+        self.table_path = table_path
+        self._map: mmap.mmap | None = None
+        self._table: np.ndarray | None = None
+        if table_path is not None:
+            capacity = min(TABLE_MAX, max(TABLE_MIN, segment_bytes // TABLE_BYTES_PER_ENTRY))
+            nbytes = table_words(capacity) * 8
+            try:
+                fd = os.open(table_path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
+                try:
+                    os.ftruncate(fd, 0)  # one a dead run of this segment left: its entries are not ours
+                    os.ftruncate(fd, nbytes)
+                    self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                log.warning("no generation table at %s (%s): readers on this host check their placements with "
+                            "the master only", table_path, exc.strerror or exc)
+                self.table_path = None
+                return
+            self._table = np.frombuffer(self._map, dtype=np.int64)
+            self._table[CAPACITY] = capacity
+
+    @property
+    def table(self) -> np.ndarray | None:
+        """The shared table (int64 words), None without one."""
+        return self._table
+
+    def close(self) -> None:
+        """Unmap and remove the shared table (readers that mapped it keep their mapping)."""
+        with self._lock:
+            self._table = None
+            if self._map is not None:
+                self._map.close()
+                self._map = None
+                try:
+                    os.unlink(self.table_path)
+                except OSError:
+                    pass
 
     def claim(self, offset: int, size: int, generation: int) -> None:
         """Put ``generation`` is about to write ``[offset, offset + size)``: it is that range's latest writer."""
@@ -70,6 +121,17 @@ class Generations:
         gens = np.array([self._entries[b][1] for b in bases.tolist()], dtype=np.int64)
         self.arrays = (bases, sizes, gens)
         self.version += 1
+        table = self._table
+        if table is not None:  # the seqlock: odd while the arrays change (stores are not reordered on x86/arm TSO
+            n, cap = bases.size, int(table[CAPACITY])  # for plain memory; see the kernel for the reader's side)
+            table[SEQ] += 1
+            if n > cap:
+                table[OVERFLOW], table[COUNT] = 1, 0
+            else:
+                h = HEADER_WORDS
+                table[h:h + n], table[h + cap:h + cap + n], table[h + 2 * cap:h + 2 * cap + n] = bases, sizes, gens
+                table[COUNT], table[OVERFLOW] = n, 0
+            table[SEQ] += 1
 
     def split(self, pairs: np.ndarray, where: str) -> tuple[np.ndarray, int]:
         """The ranges of a read (``pairs`` without its leading checks) and the version they were checked at; raises

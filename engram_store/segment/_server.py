@@ -111,8 +111,6 @@ class SegmentServer:
         if not isinstance(readers, int) or isinstance(readers, bool) or not 0 <= readers <= MAX_READERS:
             raise InvalidArgument(f"readers: expected an integer in [0, {MAX_READERS}], got {readers!r}")
         self.catalog = Catalog(os.path.abspath(file) if file is not None else None, size)
-        self.generations = Generations()
-        self.generations.seed(self.catalog.objects)  # a durable segment's objects, as its manifest lists them
         if file is not None:
             if segment_id is not None and segment_id != self.catalog.segment_id:
                 raise ConfigError(f"segment_id: the manifest of {file!r} names {self.catalog.segment_id}, "
@@ -121,6 +119,10 @@ class SegmentServer:
             self.memory = SegmentMemory(size, path=os.path.abspath(file), keep_file=True)
         else:
             self.memory = SegmentMemory(size)
+        # Which put wrote which range: checked by every read that names its objects, and published beside the
+        # segment's file for readers on this host.
+        self.generations = Generations(self.memory.path + ".gen" if self.memory.path else None, size)
+        self.generations.seed(self.catalog.objects)  # a durable segment's objects, as its manifest lists them
         self.segment_id = segment_id or uuid.uuid4().hex
         self.catalog.segment_id = self.segment_id
         self.fence = WriteFence(self.segment_id)
@@ -493,6 +495,7 @@ class SegmentServer:
         self._prefault_thread.join()  # at most one madvise chunk: the mapping must outlive it
         self._src = None
         self.memory.close()
+        self.generations.close()
 
     def close(self, unregister: bool = True) -> None:
         if self._closed:

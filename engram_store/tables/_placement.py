@@ -22,7 +22,7 @@ import numpy as np
 from .. import kernels as _kernels
 from .._errors import EngramError, ObjectNotFound, SegmentUnavailable, StalePlacement, StoreError, Unavailable
 from ._layout import Layer
-from ._source import InMemory
+from ._source import InMemory, gather
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,9 @@ class Placement:
     checked_at: float = 0.0           # time.monotonic() of the last check with the master
     checks: tuple = ()                # per remote server: the check pairs naming its tables (read-only int64
                                       # [2K, 2]); its reads lead with them, so it never serves another object
+    local_checks: tuple = ()          # per mapped segment: (its generation table, the check pairs of the tables
+                                      # read from it); see Placements.gather
+    local_checked: bool = False       # every mapped table can be checked that way (else: time is the proof)
 
     def reads_from(self, failed: set[str]) -> bool:
         return any(address in failed for address, *_ in self.remote)
@@ -85,9 +88,46 @@ class Placements:
 
     def limits(self) -> tuple[float, float]:
         """``(ttl, stale)``: a placement younger than ttl is used as it is, up to stale while it is checked in the
-        background; both well inside the master's reuse delay."""
-        reuse = getattr(self.native, "reuse_delay_s", 2.0)
-        return min(PLACEMENT_TTL_S, reuse / 4), min(PLACEMENT_STALE_S, reuse / 2)
+        background. Reads never depend on them for their correctness (segments check what they serve, and tables
+        mapped here are checked past :meth:`local_safe_s`): they say how soon a layer written again is seen."""
+        return PLACEMENT_TTL_S, PLACEMENT_STALE_S
+
+    def local_safe_s(self) -> float:
+        """How long the master's answer alone proves what a mapping holds: half its reuse delay (a removed table's
+        space stays unused that long). Past it, tables mapped here are checked against their segment's
+        generation table around each gather (:meth:`gather`)."""
+        return getattr(self.native, "reuse_delay_s", 2.0) / 2
+
+    def gather(self, lay: Layer, placement: Placement, ids2: np.ndarray, flat: np.ndarray, threads: int) -> None:
+        """Gather the rows of the heads mapped on this host. Past :meth:`local_safe_s`, each segment's generation
+        table is checked before (the named tables are still there) and after (no put claimed their space while
+        they were read); StalePlacement otherwise, and no row of this call is used."""
+        if not placement.memory.sources:
+            return
+        if not placement.local_checks or time.monotonic() - placement.checked_at < self.local_safe_s():
+            gather(lay, placement.memory, ids2, flat, threads)
+            return
+        seqs = [self._check_local(lay, table, checks) for table, checks in placement.local_checks]
+        gather(lay, placement.memory, ids2, flat, threads)
+        for (table, checks), seq in zip(placement.local_checks, seqs):
+            if table[0] != seq:
+                self._check_local(lay, table, checks)
+
+    @staticmethod
+    def _check_local(lay: Layer, table: np.ndarray | None, checks: np.ndarray) -> int:
+        if table is None:
+            raise StalePlacement(f"layer {lay.layer_id}: the master's answer is too old to prove what a table mapped "
+                                 "on this host holds, and its segment publishes no generation table")
+        bad, seq = _kernels.check_table(table, checks)
+        if bad == _kernels.TABLE_UNKNOWN:
+            raise StalePlacement(f"layer {lay.layer_id}: the master's answer is too old to prove what a table mapped "
+                                 "on this host holds, and its segment's generation table cannot tell (too many "
+                                 "objects)")
+        if bad >= 0:
+            raise StalePlacement(f"layer {lay.layer_id}: a table mapped on this host (offset "
+                                 f"{-int(checks[2 * bad, 0]) - 1}, put {int(checks[2 * bad, 1])}) has been written "
+                                 "over by another put since the master said where the layer is")
+        return seq
 
     def get(self, lay: Layer, failed: set[str]) -> Placement:
         """The layer's placement, checked with the master as the module docstring says.
@@ -107,7 +147,9 @@ class Placements:
                 return cached
             if self._trouble():
                 self._refresh_later(lay)
-                return self._remote_only(lay, cached, failed) if cached.memory.sources else cached
+                if cached.memory.sources and not cached.local_checked:
+                    return self._remote_only(lay, cached, failed)
+                return cached
             return self.resolve(lay, failed, timeout_ms=min(self.native.timeout_ms, REFRESH_TIMEOUT_MS))
         return self.resolve(lay, failed)
 
@@ -151,11 +193,14 @@ class Placements:
                                          f"({exc}), so where the layer is now is not known") from exc
                 raise
             self._unreachable(lay, exc)
-            # Past half the reuse delay, the last answer no longer proves what a mapping holds: read through
-            # the segments, which check each read against the put that wrote the bytes.
-            local = now - state.known[2] < self.limits()[1]
+            # Past half the reuse delay, the last answer no longer proves what a mapping holds: tables mapped here
+            # are checked against their segment's generation table, or else read through the segment, which
+            # checks each read against the put that wrote the bytes.
+            local = now - state.known[2] < self.local_safe_s()
             if cached is not None and not cached.reads_from(failed):
-                return cached if local or not cached.memory.sources else self._remote_only(lay, cached, failed)
+                if local or cached.local_checked or not cached.memory.sources:
+                    return cached
+                return self._remote_only(lay, cached, failed)
             infos, signature, checked_at = state.known
         else:
             self._trouble_at = 0.0
@@ -175,7 +220,9 @@ class Placements:
                 self.clear_cache(lay)  # rows cached from an earlier placement may belong to another table now
                 state.validated = signature
             state.known = (infos, signature, now)
-        placement = self._build(lay, infos, failed, signature, checked_at, local=local)
+        placement = self._build(lay, infos, failed, signature, checked_at)
+        if not local and placement.memory.sources and not placement.local_checked:
+            placement = self._build(lay, infos, failed, signature, checked_at, local=False)
         with lay.lock:
             state.placement = placement
         return placement
@@ -187,6 +234,7 @@ class Placements:
         native = self.native
         lay.counters.add(placement_refreshes=1)
         local_tables: list[tuple[int, np.ndarray]] = []
+        mapped: dict[str, list] = {}  # segment id -> [(table, offset, bytes, generation)] of the heads read in place
         remote: dict[str, list[tuple[int, int, Any]]] = {}
         for h, info in enumerate(infos):
             nbytes = lay.sizes[h] * lay.row_bytes
@@ -202,6 +250,8 @@ class Placements:
                 view = native.local_view(r)
                 if view is not None and 0 <= r.offset <= view.size - nbytes:
                     local_tables.append((h, view[r.offset:r.offset + nbytes]))
+                    mapped.setdefault(r.segment_id, []).append((native.local_table(r), r.offset, nbytes,
+                                                                getattr(r, "generation", 0)))
                     break
             else:
                 r = live[h % len(live)]
@@ -216,9 +266,14 @@ class Placements:
                 np.array([offset for _, offset, _ in entries], dtype=np.int64),
                 np.array([lay.sizes[h] * lay.row_bytes for h, _, _ in entries], dtype=np.int64),
                 np.array([getattr(r, "generation", 0) for _, _, r in entries], dtype=np.int64))))
+        local_checks = tuple((heads[0][0], _kernels.readonly(_kernels.check_pairs_for(
+            *(np.array(column, dtype=np.int64) for column in list(zip(*heads))[1:])))) for heads in mapped.values())
+        checked = all(table is not None and all(gen for *_, gen in heads)
+                      for heads in mapped.values() for table in [heads[0][0]])
         return Placement(InMemory.of(lay, local_tables), groups,
                          _kernels.readonly(np.asarray(order, dtype=np.int64)),
-                         _kernels.readonly(np.asarray(bases, dtype=np.int64)), signature, checked_at, tuple(checks))
+                         _kernels.readonly(np.asarray(bases, dtype=np.int64)), signature, checked_at, tuple(checks),
+                         local_checks, checked)
 
     def _trouble(self) -> bool:
         """Whether a placement check failed recently (then lookups do not wait for the master)."""

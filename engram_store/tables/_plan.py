@@ -24,7 +24,7 @@ from .. import kernels as _kernels
 from .._errors import InvalidArgument, InvalidType, SegmentUnavailable, StalePlacement, StoreError, describe
 from ..kernels._planning import _direct_pairs
 from ._placement import Placement
-from ._source import Job, gather
+from ._source import Job
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +127,11 @@ def _read_round(native: Any, jobs: list[Job], failed: set[str]) -> None:
         for owner, lay, ids2, flat in pending:
             placement = owner.placements.get(lay, failed)
             placed.append(placement)
-            if placement.memory.sources:
-                gather(lay, placement.memory, ids2, flat, owner.threads)
+            try:
+                owner.placements.gather(lay, placement, ids2, flat, owner.threads)
+            except StalePlacement as exc:  # a mapped table was written over: resolved again in the next round
+                owner.placements.stale(lay, exc)
+                continue
             if placement.remote:
                 jobs_of = cached_jobs if lay.state.cache is not None else remote_jobs
                 jobs_of.append((owner, lay, placement, ids2, flat))

@@ -21,7 +21,7 @@ from ._keyed import KeyedSource
 from ._layout import Layer
 from ._placement import Placement, Placements, PlacementState
 from ._plan import STALE, fits_one_round, read_native, reads_direct, tally
-from ._source import Job, gather
+from ._source import Job
 from ._source_memory import PREFETCH_INLINE_ROWS
 
 
@@ -119,9 +119,13 @@ class StoreSource(KeyedSource):
                 or len(placement.remote) > 1 or lay.state.cache is not None or not fits_one_round(ids2, flat):
             read_native(self.native, [(self, lay, ids2, flat)])
             return
-        memory = placement.memory
-        if memory.sources:
-            gather(lay, memory, ids2, flat, self.threads)
+        if placement.memory.sources:
+            try:
+                self.placements.gather(lay, placement, ids2, flat, self.threads)
+            except StalePlacement as exc:  # a mapped table was written over: ask the master where it is now
+                self.placements.stale(lay, exc)
+                read_native(self.native, [(self, lay, ids2, flat)])
+                return
         if placement.remote:
             address, endpoints, _, _ = placement.remote[0]
             native = self.native
