@@ -76,7 +76,10 @@ class Generations:
         with self._lock:
             self._table = None
             if self._map is not None:
-                self._map.close()
+                try:
+                    self._map.close()
+                except BufferError:
+                    pass  # a reader in this process still holds a view of it: unmapped when that goes
                 self._map = None
                 try:
                     os.unlink(self.table_path)
