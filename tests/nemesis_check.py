@@ -137,15 +137,21 @@ def _journalless_with_segment_away(history) -> bool:
 
 
 def converge(history, worker, timeout_s: float = 45.0) -> None:
-    """Wait until the master knows every live segment as registered with it (lost objects re-verified)."""
-    live = sum(1 for s in history.segments if s["proc"] is not None)
+    """Wait until the master knows exactly the live segments, each registered with it (lost objects re-verified):
+    a segment killed a moment ago is still listed until its heartbeats are missed."""
     deadline = history.now() + timeout_s
     last = None
     while history.now() < deadline:
+        for i in range(len(history.segments)):
+            history.segment_started(i)
+        live = {s["proc"].segment_id for s in history.segments
+                if s["proc"] is not None and not s.get("starting")}
+        starting = any(s.get("starting") for s in history.segments if s["proc"] is not None)
         op = history.issue(worker, {"op": "status"})
         history.wait_idle(worker)
         last = op.reply
-        if op.outcome == "ok" and op.reply["segments"] == live and op.reply["confirmed"] == live:
+        if (op.outcome == "ok" and not starting and set(op.reply["segment_ids"]) == live
+                and op.reply["confirmed"] == len(live)):
             history.registered = set(op.reply["segment_ids"])
             # One more heartbeat interval: a segment that was dropped re-registers and re-verifies within it.
             history.pump(history.now() + 1.0)

@@ -24,7 +24,8 @@ import threading
 import numpy as np
 
 from .. import kernels as _kernels
-from .._errors import InvalidArgument, StalePlacement
+from .._errors import InvalidArgument, OutOfSpace, StalePlacement
+from .._pages import reserve
 from ..kernels._generations_table import CAPACITY, COUNT, HEADER_WORDS, OVERFLOW, SEQ, table_words
 
 #: Entries the shared table holds: one per 4 KiB of segment, at least 4,096 and at most 2**20 (24 MiB). A
@@ -54,13 +55,17 @@ class Generations:
                 fd = os.open(table_path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
                 try:
                     os.ftruncate(fd, 0)  # one a dead run of this segment left: its entries are not ours
-                    os.ftruncate(fd, nbytes)
+                    reserve(fd, nbytes, table_path, "generation table")  # no page left to fault in (SIGBUS)
                     self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                 finally:
                     os.close(fd)
-            except OSError as exc:
+            except (OSError, OutOfSpace) as exc:
                 log.warning("no generation table at %s (%s): readers on this host check their placements with "
-                            "the master only", table_path, exc.strerror or exc)
+                            "the master only", table_path, getattr(exc, "strerror", None) or exc)
+                try:
+                    os.unlink(table_path)
+                except OSError:
+                    pass
                 self.table_path = None
                 return
             self._table = np.frombuffer(self._map, dtype=np.int64)

@@ -69,3 +69,33 @@ def test_a_durable_segment_on_a_full_disk_keeps_heartbeating_and_catches_up(tmpf
                 time.sleep(0.05)
             assert store.get("during") == b"d" * 1000
         assert "Traceback" not in c.segments[0].output()
+
+
+def _fill(path: str) -> None:
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY)
+    try:
+        for size in (1 << 20, 64 << 10, 4 << 10):  # every page there is
+            while True:
+                try:
+                    os.posix_fallocate(fd, os.fstat(fd).st_size, size)
+                except OSError:
+                    break
+    finally:
+        os.close(fd)
+
+
+def test_a_durable_segment_restarted_on_a_full_disk_serves_without_its_generation_table(tmpfs):
+    """Its data file is whole from the first run; the small table beside it finds no page. The segment warns
+    and serves (readers on its host then ask the master); a sparse table had killed it with SIGBUS at the first
+    write."""
+    data = str(tmpfs / "segment.bin")
+    with Cluster(segments=0, heartbeat_timeout_s=5.0) as c:
+        first = c.add_segment("8MiB", ["--file", data])
+        first.terminate()
+        _fill(str(tmpfs / "filler"))
+        segment = c.add_segment("8MiB", ["--file", data])
+        with DistributedStore.connect(c.address, timeout_ms=5000, local_direct=False) as store:
+            store.put("k", b"k" * 4096)
+            assert store.get("k") == b"k" * 4096
+        assert segment.alive(), segment.output()
+        assert "no generation table" in segment.output()
