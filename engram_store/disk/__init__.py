@@ -50,3 +50,9 @@ def warmup() -> None:
             with IOEngine(2, mode) as engine, d.open(0, 8, sizes, cache=RowCache(1 << 12, 8), engine=engine) as layer:
                 layer.read_rows(ids, out)
                 layer.read_rows(ids, out)
+                warm_layer(layer, LayerProfile.from_counts([0, 1], [3, 2], [5, 4]))
+        from . import _cache_kernels as ck
+
+        ck._cache_repair(RowCache(1 << 12, 8).meta, 0)
+        ck._counter_add(np.zeros(2, dtype=np.int64), 0, 1)
+        ck._count_lookup(np.zeros(2, dtype=np.int64), 1, 1)

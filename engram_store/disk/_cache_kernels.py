@@ -193,3 +193,10 @@ def _cache_repair(meta, s):
 def _counter_add(counters, index, value):
     """``counters[index] += value`` atomically (counters a host's processes share)."""
     atomic_add(counters, index, value)
+
+
+@njit(cache=True, nogil=True)
+def _count_lookup(counters, hits, misses):
+    """A lookup's hits and misses added to ``counters[0]`` and ``counters[1]`` in one call (one dispatch)."""
+    atomic_add(counters, 0, hits)
+    atomic_add(counters, 1, misses)

@@ -51,6 +51,7 @@ import numpy as np
 import xxhash
 
 from .._errors import InvalidArgument, OutOfSpace, StoreError, describe
+from .._pages import MADV_HUGEPAGE, madvise
 from . import _cache_kernels as ck
 from . import _kernels as k
 from ._cache import ADMISSIONS, LINE_BYTES, RowCache, door_words
@@ -233,6 +234,10 @@ class HostRowCache(RowCache):
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         mm = self._mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         buf = np.frombuffer(mm, dtype=np.uint8)
+        # 2 MiB pages where the host's shmem allows them (shmem_enabled "advise"): a probe's random sets and rows
+        # then miss the TLB less. Where it says "never" (measured: a cached lookup costs 1.08x a process cache's,
+        # whose private memory gets huge pages) the advice is ignored.
+        madvise(buf.ctypes.data, size, MADV_HUGEPAGE)
 
         def region(name, dtype):
             at, nbytes = regions[name]
@@ -322,8 +327,7 @@ class HostRowCache(RowCache):
             ck._counter_add(self.counters, COUNTERS.index("repairs"), 1)
 
     def count(self, hits: int, misses: int) -> None:
-        ck._counter_add(self.counters, 0, hits)
-        ck._counter_add(self.counters, 1, misses)
+        ck._count_lookup(self.counters, hits, misses)
 
     def stats(self) -> dict[str, int]:
         """The shared cache's counters since it was created (all processes together) and its state."""

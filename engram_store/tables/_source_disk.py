@@ -41,10 +41,11 @@ class DiskSource(Source):
         # One cache per row size, the bytes shared out by how many layers use each size. Every missed row is
         # admitted: on real n-gram traffic the doorkeeper cost 5-10 points of hit rate (bench_cache_policy.py).
         self.caches: dict[int, RowCache] = {}
+        scope = os.path.realpath(self.dir.path)  # one cache for every path to the directory
         for size in sorted(set(row_sizes)):
             share = int(row_cache_bytes) * row_sizes.count(size) // len(row_sizes)
             if share:
-                self.caches[size] = (HostRowCache(share, size, scope=self.dir.path) if cache_scope == "host"
+                self.caches[size] = (HostRowCache(share, size, scope=scope) if cache_scope == "host"
                                      else RowCache(share, size, admission="always"))
 
     def warm(self, lay: Layer, profile: LayerProfile, max_rows: int | None) -> int:

@@ -367,3 +367,13 @@ def test_engram_stats_writes_a_profile_the_store_loads(tmp_path):
     profiles = load_profile(path)
     assert sorted(profiles) == [1, 15]
     assert all(p.counts.sum() == 600 * p.heads.max() + 600 for p in profiles.values())
+
+
+def test_shared_counters_add_like_python():
+    counters = np.zeros(4, np.int64)
+    want = [0, 0, 0, 0]
+    for hits, misses, extra in [(3, 5, 1), (0, 7, 2), (11, 0, 0)]:
+        ck._count_lookup(counters, hits, misses)
+        ck._counter_add(counters, 3, extra)
+        want = [want[0] + hits, want[1] + misses, 0, want[3] + extra]
+    assert counters.tolist() == want
