@@ -315,6 +315,37 @@ def run(args, config: str, n: int) -> dict:
             "host_cache": results[0]["host_cache"] if config.startswith("host") else None}
 
 
+def hot_path(args) -> dict:
+    """A decode-sized lookup (64 tokens x 24 rows of layer 1) served wholly from a process cache and from a host
+    cache, interleaved call by call: what sharing costs where nothing is read."""
+    from engram_store.disk import HostRowCache, RowCache
+
+    sizes = layer_sizes(parse_size(args.layer_bytes))
+    rng = np.random.default_rng(0)
+    ids = np.stack([rng.integers(0, n, 64) for n in sizes], axis=1).astype(np.int64)
+    out = np.empty(ids.size * ROW_BYTES, np.uint8)
+    d = DiskDir(args.dir)
+    with tempfile.TemporaryDirectory(prefix="engram-serving-shm-") as shm, \
+            HostRowCache(64 << 20, ROW_BYTES, scope="bench-serving-hot-path", directory=shm) as host, \
+            d.open(LAYER_IDS[0], cache=RowCache(64 << 20, ROW_BYTES, "always")) as a, \
+            d.open(LAYER_IDS[0], cache=host) as b:
+        times: dict[str, list[int]] = {"process": [], "host": []}
+        for layer in (a, b):
+            layer.read_rows(ids, out)  # now cached
+        for _ in range(4000):
+            for name, layer in (("process", a), ("host", b)):
+                t0 = time.perf_counter_ns()
+                layer.read_rows(ids, out)
+                times[name].append(time.perf_counter_ns() - t0)
+        assert a.stats()["cache_misses"] == b.stats()["cache_misses"] == ids.size, "every timed row was a hit"
+    p50 = {name: float(np.percentile(t, 50)) / 1e3 for name, t in times.items()}
+    print_table(["cache", "p50 us", "p99 us"], [[name, f"{p50[name]:.1f}", f"{np.percentile(t, 99) / 1e3:.1f}"]
+                                               for name, t in times.items()],
+                title=f"hot path: a 64 x 24-row lookup served wholly from the cache, 4,000 interleaved calls; "
+                      f"host / process = {p50['host'] / p50['process']:.2f}")
+    return {"p50_us": p50, "ratio": p50["host"] / p50["process"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default="/var/tmp/engram-serving-bench", help="where the layers are written once")
@@ -333,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drafts", type=int, default=0, help="speculative tokens per decode step")
     p.add_argument("--corpus-dir", default=None)
     p.add_argument("--quick", action="store_true", help="60 steps after 20, workers 1 and 2")
+    p.add_argument("--hot-path", action="store_true", help="only compare a cached lookup's cost in a process "
+                                                           "cache and a host cache (the layers must exist)")
     p.add_argument("--json", default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--config", "--go", "--profile"):
@@ -341,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.worker:
         return worker_main(args)
+    if args.hot_path:
+        write_json(args.json or default_json_path("bench_serving_hot_path"), {"args": vars(args), **hot_path(args)})
+        return 0
     if args.quick:
         args.steps, args.warmup_steps, args.workers = 60, 20, "1,2"
     corpus = corpus_mod.ensure(args.corpus_dir)
