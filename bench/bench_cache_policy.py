@@ -25,7 +25,6 @@ touches over the whole stream).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 

@@ -43,7 +43,6 @@ import logging
 import mmap
 import os
 import signal
-import threading
 import time
 import weakref
 
@@ -54,7 +53,7 @@ from .._errors import InvalidArgument, OutOfSpace, StoreError, describe
 from .._pages import MADV_HUGEPAGE, madvise
 from . import _cache_kernels as ck
 from . import _kernels as k
-from ._cache import ADMISSIONS, LINE_BYTES, RowCache, door_words
+from ._cache import LINE_BYTES, RowCache, door_words
 from ._layout import PAGE_BYTES
 
 log = logging.getLogger(__name__)

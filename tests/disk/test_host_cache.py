@@ -18,11 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import host_cache_worker as worker
-from disk_helpers import make_tables
 
 from engram_store import EngramStore, EngramStoreConfig
 from engram_store._errors import InvalidArgument
-from engram_store.disk import DiskDir, HostRowCache, LayerProfile, RowCache, load_profile, save_profile
+from engram_store.disk import HostRowCache, LayerProfile, RowCache, load_profile, save_profile
 from engram_store.disk import _cache_kernels as ck
 from engram_store.disk import _kernels as dk
 
