@@ -16,8 +16,8 @@ Demo: ``python -m engram_model.v41.demo``. Loading a checkpoint into a running s
 """
 
 from ._checkpoint import SafetensorsCheckpoint, load_v41_table, load_v41_weights
-from ._config import V41Config
-from ._engram import V41Engram, V41Prefetch, v41_store_config
+from ._config import V41Config, v41_store_config
+from ._engram import V41Engram, V41Prefetch
 from ._fp8 import decode_fp8_rows, encode_fp8_rows
 from ._hasher import V41Hasher, V41HashState
 from ._tokens import build_token_map, check_token_map, load_token_map, save_token_map

@@ -36,8 +36,7 @@ from engram_store._progress import Progress
 
 from .._fp8 import E4M3_TABLE
 from . import _kernels
-from ._config import FP8_BLOCK, V41Config
-from ._engram import v41_store_config
+from ._config import FP8_BLOCK, V41Config, v41_store_config
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from engram_store._errors import ConfigError, InvalidArgument, describe
+from engram_store import EngramStoreConfig
+from engram_store._errors import ConfigError, InvalidArgument, InvalidType, describe
 
 from .._hashing import find_next_prime
 
@@ -213,3 +214,11 @@ def _read_json(path_or_dict: Any) -> Mapping[str, Any]:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{path}: expected a JSON object, got {describe(raw)}")
     return raw
+
+
+def v41_store_config(config: V41Config, layer_id: int) -> EngramStoreConfig:
+    """The EngramStore layout of one layer's table: a head per column, sized by its prime, rows of row_bytes."""
+    if not isinstance(config, V41Config):
+        raise InvalidType(f"config: expected a V41Config, got {type(config).__name__}")
+    return EngramStoreConfig([p for heads in config.primes(layer_id) for p in heads], config.row_bytes,
+                             row_format="bytes")

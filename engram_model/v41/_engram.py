@@ -32,25 +32,18 @@ from typing import Any
 
 import numpy as np
 
-from engram_store import EngramStore, EngramStoreConfig
+from engram_store import EngramStore
 from engram_store._errors import InvalidArgument, InvalidType, describe
 
 from . import _kernels
-from ._config import V41Config
+from ._checkpoint import SafetensorsCheckpoint, load_v41_table, load_v41_weights
+from ._config import V41Config, v41_store_config
 from ._fp8 import DECODE_TABLE, bad_row_message
 from ._hasher import V41Hasher
 
 log = logging.getLogger(__name__)
 
 _NO_MASK = np.ones(1, dtype=np.bool_)
-
-
-def v41_store_config(config: V41Config, layer_id: int) -> EngramStoreConfig:
-    """The EngramStore layout of one layer's table: a head per column, sized by its prime, rows of row_bytes."""
-    if not isinstance(config, V41Config):
-        raise InvalidType(f"config: expected a V41Config, got {type(config).__name__}")
-    return EngramStoreConfig([p for heads in config.primes(layer_id) for p in heads], config.row_bytes,
-                             row_format="bytes")
 
 
 class V41Prefetch:
@@ -324,7 +317,6 @@ class V41Engram:
         (:func:`engram_model.v41.load_v41_table`; ``replica_num``, ``progress`` go there). The weights are read and
         checked before anything is written.
         """
-        from ._checkpoint import SafetensorsCheckpoint, load_v41_table, load_v41_weights
 
         if not isinstance(config, V41Config):
             raise InvalidType(f"config: expected a V41Config, got {type(config).__name__}")

@@ -34,6 +34,7 @@ from .._config import StoreConfig
 from ._buffers import BufferHandle
 from ._codes import ErrorCode
 from ._engram import EngramStore, EngramStoreConfig
+from . import _engram_layers, _engram_single  # noqa: F401  each registers its API generation
 from ._replicate import ReplicateConfig, SoftPinAction
 from ._store import MooncakeConfig, MooncakeDistributedStore
 

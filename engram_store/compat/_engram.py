@@ -99,6 +99,11 @@ def _store_client(store: Any) -> Any:
                               f"got {type(store).__name__}")
 
 
+#: The API generations, by the kind of first argument: "layers" (a dict) and "layer" (an id). Each generation's
+#: module registers its class here (the package imports both), so this module imports neither.
+GENERATIONS: dict[str, type] = {}
+
+
 def _generation(args: tuple, kwargs: dict) -> type:
     """The API generation an ``EngramStore(...)`` call speaks: a layers dict, or one layer id."""
     if args:
@@ -111,13 +116,9 @@ def _generation(args: tuple, kwargs: dict) -> type:
         raise InvalidType("EngramStore: expected layers={layer_id: EngramStoreConfig} (byte rows, one or more "
                           "layers) or layer_id=<int> with config= (float32 rows, one layer)")
     if isinstance(first, Mapping):
-        from ._engram_layers import _MultiLayerEngramStore
-
-        return _MultiLayerEngramStore
+        return GENERATIONS["layers"]
     if _is_int(first):
-        from ._engram_single import _SingleLayerEngramStore
-
-        return _SingleLayerEngramStore
+        return GENERATIONS["layer"]
     raise InvalidType(f"EngramStore: expected a {{layer_id: EngramStoreConfig}} dict (the multi-layer byte-row "
                       f"API) or a layer id int (the single-layer float32 API) as {name}, got {describe(first)}")
 

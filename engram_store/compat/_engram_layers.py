@@ -18,7 +18,7 @@ from .._errors import (
     NotConnected,
     describe,
 )
-from ._engram import EngramStore, EngramStoreConfig, _store_client
+from ._engram import GENERATIONS, EngramStore, EngramStoreConfig, _store_client
 from ._errors import (
     _UNSET,
     _lookup_error,
@@ -376,3 +376,6 @@ def _check_disjoint(outputs: list[np.ndarray], name: str = "outputs") -> None:
         if start < end:
             raise _RuntimeInvalidArgument(f"{name}[{min(i, j)}] and {name}[{max(i, j)}] overlap in memory; each "
                                           "lookup needs its own output")
+
+
+GENERATIONS["layers"] = _MultiLayerEngramStore

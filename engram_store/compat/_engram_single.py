@@ -12,7 +12,7 @@ from .._errors import (
     EngramError,
     InvalidType,
 )
-from ._engram import EngramStore, EngramStoreConfig, _store_client
+from ._engram import GENERATIONS, EngramStore, EngramStoreConfig, _store_client
 from ._errors import _lookup_error, _runtime_errors, _RuntimeInvalidArgument, _RuntimeInvalidType
 
 
@@ -80,3 +80,6 @@ class _SingleLayerEngramStore(EngramStore):
     def remove_from_store(self, force: bool = False) -> int:
         """Remove the layer's head tables from the store; the number removed (missing ones are skipped)."""
         return self._remove(force, self._es.layer_id)
+
+
+GENERATIONS["layer"] = _SingleLayerEngramStore
