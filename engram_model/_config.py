@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from engram_store._errors import ConfigError, describe
+from engram_store._errors import ConfigError, describe, is_int
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +31,13 @@ _warned_lock = threading.Lock()
 
 
 def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+    if not is_int(value) or value <= 0:
         raise ConfigError(f"{name}: expected a positive integer, got {describe(value)}")
     return int(value)
 
 
 def _non_negative_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+    if not is_int(value) or value < 0:
         raise ConfigError(f"{name}: expected a non-negative integer, got {describe(value)}")
     return int(value)
 
@@ -202,7 +202,7 @@ def _warn_extra_sizes(sizes: list[int], min_n: int, max_n: int) -> None:
 
 def check_layer(layer_id: Any, config: EngramConfig, backbone: BackboneConfig) -> int:
     """Validate ``layer_id`` against both configs: it must be one of ``layer_ids`` and below ``num_layers``."""
-    if isinstance(layer_id, bool) or not isinstance(layer_id, (int, np.integer)):
+    if not is_int(layer_id):
         raise ConfigError(f"layer_id: expected an integer, got {describe(layer_id)}")
     layer_id = int(layer_id)
     if layer_id not in config.layer_ids:

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from engram_store import EngramStore, EngramStoreConfig, LookupHandle, prefetch_many
-from engram_store._errors import InvalidArgument, InvalidType, describe
+from engram_store._errors import InvalidArgument, InvalidType, describe, is_int
 
 from ._checkpoint import load_checkpoint, save_checkpoint
 from ._config import BackboneConfig, EngramConfig, check_layer
@@ -149,7 +149,7 @@ class Engram:
         implementation does with it.
         """
         for name, value in (("B", B), ("L", L)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            if not is_int(value) or value < 0:
                 raise InvalidArgument(f"{name}: expected a non-negative integer, got {describe(value)}")
         positions = max(1, int(B) * int(L))
         return sum(min(n, positions) for n in self.get_table_vocab_sizes()) * self.get_embedding_dim() \

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engram_store._errors import InvalidArgument, InvalidType
+from engram_store._errors import InvalidArgument, InvalidType, is_int
 
 E4M3_MAX = 448.0
 
@@ -52,7 +52,7 @@ class FP8RowFormatF32Scales:
     def __post_init__(self) -> None:
         for name in ("values", "block"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+            if not is_int(v) or v <= 0:
                 raise InvalidArgument(f"FP8RowFormatF32Scales.{name}: expected a positive integer, got {v!r}")
         if self.values % self.block:
             raise InvalidArgument(f"FP8RowFormatF32Scales: values ({self.values}) must be a multiple of block "

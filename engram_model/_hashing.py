@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from engram_store._errors import InvalidArgument, InvalidType, describe
+from engram_store._errors import InvalidArgument, InvalidType, describe, is_int
 
 from . import _kernels
 from ._config import BackboneConfig, EngramConfig
@@ -188,7 +188,7 @@ class NgramHashMapping:
         return [int(p) for p in self._primes[self._check_layer(layer_id)][0]]
 
     def _check_layer(self, layer_id: Any) -> int:
-        if isinstance(layer_id, bool) or not isinstance(layer_id, (int, np.integer)) \
+        if not is_int(layer_id) \
                 or int(layer_id) not in self._primes:
             raise InvalidArgument(f"layer_id: expected one of layer_ids = {self.layer_ids}, got {describe(layer_id)}")
         return int(layer_id)

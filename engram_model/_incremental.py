@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from engram_store._errors import InvalidArgument, InvalidType, describe
+from engram_store._errors import InvalidArgument, InvalidType, describe, is_int
 
 from . import _kernels
 from ._hashing import NgramHashMapping
@@ -31,7 +31,7 @@ INITIAL_CAPACITY = 64
 
 
 def _check_count(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise InvalidArgument(f"{name}: expected an integer >= {minimum}, got {describe(value)}")
     return int(value)
 
@@ -102,7 +102,7 @@ class IncrementalHasher:
 
     def rollback(self, request_id: Hashable, n_tokens: int) -> None:
         """Take back the last ``n_tokens`` tokens of a request (rejected speculative tokens)."""
-        if isinstance(n_tokens, bool) or not isinstance(n_tokens, (int, np.integer)) or n_tokens < 0:
+        if not is_int(n_tokens) or n_tokens < 0:
             raise InvalidArgument(f"n_tokens: expected an integer >= 0, got {describe(n_tokens)}")
         n_tokens = int(n_tokens)
         with self._lock:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from engram_store._errors import ConfigError, InvalidArgument, InvalidType, describe
+from engram_store._errors import ConfigError, InvalidArgument, InvalidType, describe, is_int
 
 from ._config import BackboneConfig, EngramConfig
 from ._engram import Engram, EngramPrefetch
@@ -52,7 +52,7 @@ class EngramModuleConfig:
         """The equivalent ``(EngramConfig, BackboneConfig)``; raises ConfigError naming a bad field."""
         for name in ("min_n", "max_n", "num_hash_heads", "embedding_table_size", "embedding_dim"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ConfigError(f"{name}: expected a positive integer, got {describe(value)}")
         if not 2 <= self.min_n <= self.max_n:
             raise ConfigError(f"min_n, max_n: expected 2 <= min_n <= max_n, got min_n={self.min_n}, "

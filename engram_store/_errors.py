@@ -28,6 +28,8 @@ back to the class here, so a client sees the same exception a local call would r
 
 from __future__ import annotations
 
+import numpy as np
+
 
 class EngramError(Exception):
     """Root of every error raised by engram."""
@@ -168,6 +170,12 @@ def error_from_reply(code: object, message: object, endpoint: str | None = None)
     if endpoint:
         text = f"{text} (from {endpoint})"
     return cls(text)
+
+
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an integer (NumPy's integer scalars included), and not a bool: the one check behind
+    every integer argument's error."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def describe(value: object, limit: int = 80) -> str:

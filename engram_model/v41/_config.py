@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from engram_store import EngramStoreConfig
-from engram_store._errors import ConfigError, InvalidArgument, InvalidType, describe
+from engram_store._errors import ConfigError, InvalidArgument, InvalidType, describe, is_int
 
 from .._hashing import find_next_prime
 
@@ -31,7 +31,7 @@ _INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 def _int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ConfigError(f"{name}: expected an integer >= {minimum}, got {describe(value)}")
     return int(value)
 
@@ -104,7 +104,7 @@ class V41Config:
 
     def layer_index(self, layer_id: Any) -> int:
         """Position of ``layer_id`` in ``layer_ids`` (the third axis of the hasher's output)."""
-        if isinstance(layer_id, bool) or not isinstance(layer_id, (int, np.integer)) \
+        if not is_int(layer_id) \
                 or int(layer_id) not in self.layer_ids:
             raise InvalidArgument(f"layer_id: expected one of layer_ids = {list(self.layer_ids)}, "
                                   f"got {describe(layer_id)}")

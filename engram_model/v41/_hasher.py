@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from engram_store._errors import InvalidArgument, InvalidType, describe
+from engram_store._errors import InvalidArgument, InvalidType, describe, is_int
 
 from .._tokenizer import as_int_ids
 from . import _kernels
@@ -127,7 +127,7 @@ class V41Hasher:
     def begin(self, batch_size: int) -> V41HashState:
         """A fresh state for ``batch_size`` sequences (every slot before their first token is blocked); for
         :meth:`step_ragged`, ``batch_size`` slots (the most requests in flight at once)."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        if not is_int(batch_size) or batch_size < 1:
             raise InvalidArgument(f"batch_size: expected an integer >= 1, got {describe(batch_size)}")
         return V41HashState(np.full((int(batch_size), self.context), DEAD, dtype=np.int64))
 

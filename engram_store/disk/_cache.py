@@ -16,7 +16,7 @@ import threading
 
 import numpy as np
 
-from .._errors import InvalidArgument, describe
+from .._errors import InvalidArgument, describe, is_int
 from . import _cache_kernels as ck
 from . import _kernels as k
 from ._files import aligned_empty
@@ -38,12 +38,12 @@ def per_set_bytes(row_bytes: int) -> int:
 
 def check_geometry(capacity_bytes: int, row_bytes: int, admission: str) -> int:
     """Validate a cache's arguments; returns its number of sets."""
-    if isinstance(row_bytes, bool) or not isinstance(row_bytes, (int, np.integer)) or row_bytes <= 0:
+    if not is_int(row_bytes) or row_bytes <= 0:
         raise InvalidArgument(f"row_bytes: expected an int > 0, got {describe(row_bytes)}")
     if admission not in ADMISSIONS:
         raise InvalidArgument(f"admission: expected one of {sorted(ADMISSIONS)}, got {describe(admission)}")
     per_set = per_set_bytes(int(row_bytes))
-    if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, (int, np.integer)) \
+    if not is_int(capacity_bytes) \
             or capacity_bytes < per_set:
         raise InvalidArgument(f"capacity_bytes: expected a byte count >= {per_set} (one set of {k.WAYS} rows of "
                               f"{row_bytes} bytes), got {describe(capacity_bytes)}")
@@ -127,7 +127,7 @@ class RowCache:
     def pin(self, keys: np.ndarray, rows: np.ndarray, max_ways: int = MAX_PINNED_WAYS) -> int:
         """Cache and pin ``rows`` (flat, ``keys.size * row_bytes`` bytes) under ``keys``, most important first,
         at most ``max_ways`` pinned ways a set; returns how many were pinned (see :meth:`DiskLayer.warm`)."""
-        if isinstance(max_ways, bool) or not isinstance(max_ways, (int, np.integer)) \
+        if not is_int(max_ways) \
                 or not 0 <= max_ways <= k.WAYS - 1:
             raise InvalidArgument(f"max_ways: expected an int in [0, {k.WAYS - 1}], got {describe(max_ways)}")
         keys = np.ascontiguousarray(keys, dtype=np.int64)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._errors import InvalidArgument, InvalidType, describe
+from .._errors import InvalidArgument, InvalidType, describe, is_int
 from . import _kernels as k
 from ._cache import MAX_PINNED_WAYS
 from ._reader import DiskLayer, _Batch, default_engine
@@ -96,7 +96,7 @@ def warm_layer(layer: DiskLayer, profile: LayerProfile, max_rows: int | None = N
     if not isinstance(profile, LayerProfile):
         raise InvalidType(f"profile: expected a LayerProfile, got {type(profile).__name__}")
     limit = default_warm_rows(layer, max_ways) if max_rows is None else max_rows
-    if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 0:
+    if not is_int(limit) or limit < 0:
         raise InvalidArgument(f"max_rows: expected an int >= 0 or None, got {describe(max_rows)}")
     heads, rows = profile.heads[:limit], profile.rows[:limit]
     H = layer.num_heads

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 import xxhash
 
-from .._errors import InvalidArgument, InvalidType, ObjectNotFound, StoreError, describe
+from .._errors import InvalidArgument, InvalidType, ObjectNotFound, StoreError, describe, is_int
 from . import _kernels as k
 from ._cache import RowCache
 from ._files import aligned_empty, open_direct
@@ -112,7 +112,7 @@ class IOEngine:
     """
 
     def __init__(self, depth: int = DEFAULT_DEPTH, mode: str = "auto"):
-        if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)) or not 1 <= depth <= 1024:
+        if not is_int(depth) or not 1 <= depth <= 1024:
             raise InvalidArgument(f"depth: expected an int in [1, 1024], got {describe(depth)}")
         if mode not in _ENGINE_MODES:
             raise InvalidArgument(f"mode: expected one of {list(_ENGINE_MODES)}, got {describe(mode)}")

@@ -24,7 +24,7 @@ from typing import Callable, Sequence, Union
 import numpy as np
 import xxhash
 
-from .._errors import InvalidArgument, InvalidType, ObjectExists, OutOfSpace, StoreError, describe
+from .._errors import InvalidArgument, InvalidType, ObjectExists, OutOfSpace, StoreError, describe, is_int
 from .._pages import reserve
 from .._progress import Progress
 from . import _kernels
@@ -61,7 +61,7 @@ class LayerWriter:
             raise InvalidArgument(f"directory: expected a directory path, got {describe(directory)}")
         self.layer_id = check_layer_id(layer_id)
         self.layout = DiskLayout.of(row_bytes, sizes)
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, (int, np.integer)) or chunk_bytes <= 0:
+        if not is_int(chunk_bytes) or chunk_bytes <= 0:
             raise InvalidArgument(f"chunk_bytes: expected a byte count > 0, got {describe(chunk_bytes)}")
         self.directory = os.path.abspath(os.fspath(directory))
         self.path = os.path.join(self.directory, layer_dir_name(self.layer_id))
@@ -113,7 +113,7 @@ class LayerWriter:
         """Write head ``head`` from an array or a fill callback; returns its xxh3_64 checksum (hex)."""
         self._check_open()
         lay = self.layout
-        if isinstance(head, bool) or not isinstance(head, (int, np.integer)) or not 0 <= head < lay.num_heads:
+        if not is_int(head) or not 0 <= head < lay.num_heads:
             raise InvalidArgument(f"head: expected an int in [0, {lay.num_heads}), got {describe(head)}")
         head = int(head)
         if self._checksums[head] is not None:

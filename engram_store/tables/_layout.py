@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import kernels as _kernels
-from .._errors import InvalidArgument, InvalidType, describe
+from .._errors import InvalidArgument, InvalidType, describe, is_int
 from ..kernels._planning import _first_bad_row
 
 #: Row formats and the NumPy dtype their items are returned as.
@@ -243,7 +243,7 @@ def check_heads(heads: Sequence[int] | None, num_heads: int) -> list[int]:
         raise InvalidType(f"heads: expected a list of head indices, got {describe(heads)}")
     out = []
     for i, h in enumerate(heads):
-        if isinstance(h, bool) or not isinstance(h, (int, np.integer)) or not 0 <= h < num_heads:
+        if not is_int(h) or not 0 <= h < num_heads:
             raise InvalidArgument(f"heads[{i}]: expected a head index in [0, {num_heads}), got {describe(h)}")
         out.append(int(h))
     if not out or len(set(out)) != len(out) or out != sorted(out):

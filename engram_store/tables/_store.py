@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .._errors import InvalidArgument, InvalidType, NotConnected, describe
+from .._errors import InvalidArgument, InvalidType, NotConnected, describe, is_int
 from ._layout import EngramStoreConfig, Layer, LookupCounters, sort_key
 from ._plan import LookupHandle, read_jobs, start_reads
 from ._source import Job, Source
@@ -57,10 +57,10 @@ class EngramStore:
         if cache_scope == "host" and (disk_dir is None or os.fspath(disk_dir) == ""):
             raise InvalidArgument("cache_scope: 'host' shares the row cache of disk_dir layers between the host's "
                                   "processes; pass disk_dir= (or cache_scope='process')")
-        if isinstance(row_cache_bytes, bool) or not isinstance(row_cache_bytes, (int, np.integer)) \
+        if not is_int(row_cache_bytes) \
                 or row_cache_bytes < 0:
             raise InvalidArgument(f"row_cache_bytes: expected a byte count >= 0, got {describe(row_cache_bytes)}")
-        if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or not 1 <= threads <= 256:
+        if not is_int(threads) or not 1 <= threads <= 256:
             raise InvalidArgument(f"threads: expected an integer in [1, 256], got {describe(threads)}")
         if isinstance(layer_id, Mapping):
             if config is not None:
