@@ -34,6 +34,7 @@ from ._errors import (
     Unavailable,
     WriteFenced,
     StalePlacement,
+    DiskReadError,
 )
 from .segment import SegmentServer
 from ._units import format_size, parse_size
@@ -67,6 +68,7 @@ __all__ = [
     "Unavailable",
     "WriteFenced",
     "StalePlacement",
+    "DiskReadError",
     "format_size",
     "lookup_many",
     "parse_size",

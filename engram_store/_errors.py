@@ -18,6 +18,7 @@ Every error engram raises derives from :class:`EngramError`::
         │       └── ObjectLost            every replica of the object sat on segments now dead
         ├── WriteFenced                   a write of a put that was revoked, expired or forgotten was refused
         ├── StalePlacement                a segment refused a read of an object another put has overwritten
+        ├── DiskReadError                 reading a layer's file on SSD failed, or it was shorter than its layout
         ├── ProtocolError                 a peer sent a message that does not follow the wire protocol
         ├── RemoteError                   a server failed while handling a valid request
         └── AuthError                     a server refused this client's credentials
@@ -135,6 +136,13 @@ class StalePlacement(StoreError):
     code = "STALE_PLACEMENT"
 
 
+class DiskReadError(StoreError):
+    """Reading a layer's file on local SSD (``disk_dir``) failed: an I/O error, or fewer bytes than the layout
+    promises (a truncated file). The message names the file and the offset."""
+
+    code = "DISK_READ"
+
+
 class ProtocolError(StoreError):
     """A peer sent a message that does not follow the wire protocol (or a different version of it)."""
 
@@ -158,7 +166,8 @@ _BY_CODE = {
     for cls in (
         EngramError, InvalidArgument, ConfigError, InvalidType, NotConnected, StoreError,
         ObjectNotFound, ObjectExists, LeaseActive, OutOfSpace, Unavailable, MasterUnavailable,
-        SegmentUnavailable, ObjectLost, WriteFenced, StalePlacement, ProtocolError, RemoteError, AuthError,
+        SegmentUnavailable, ObjectLost, WriteFenced, StalePlacement, DiskReadError, ProtocolError, RemoteError,
+        AuthError,
     )
 }
 

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 import xxhash
 
-from .._errors import InvalidArgument, InvalidType, ObjectNotFound, StoreError, describe, is_int
+from .._errors import DiskReadError, InvalidArgument, InvalidType, ObjectNotFound, StoreError, describe, is_int
 from . import _kernels as k
 from ._cache import RowCache
 from ._files import aligned_empty, open_direct
@@ -46,12 +46,6 @@ DEFAULT_DEPTH = 64
 # Linux native AIO system calls: (io_setup, io_destroy, io_getevents, io_submit)
 _AIO_SYSCALLS = {"x86_64": (206, 207, 208, 209), "aarch64": (0, 1, 4, 2)}
 _ENGINE_MODES = ("auto", "aio", "threads")
-
-
-class DiskReadError(StoreError):
-    """Reading a layer's file failed: an I/O error, or fewer bytes than the layout promises (a truncated file)."""
-
-    code = "DISK_READ"
 
 
 class _AioContext:
