@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+from engram_store._errors import InvalidArgument
 
 #: Every allocation starts on this boundary, so float32/int64 views of a table are aligned.
 ALIGNMENT = 64
@@ -23,7 +24,7 @@ class FreeListAllocator:
 
     def __init__(self, capacity: int):
         if capacity < 0:
-            raise ValueError(f"capacity: expected >= 0, got {capacity}")
+            raise InvalidArgument(f"capacity: expected >= 0, got {capacity}")
         self.capacity = capacity
         usable = capacity // ALIGNMENT * ALIGNMENT
         self._offsets: list[int] = [0] if usable else []
@@ -91,9 +92,9 @@ class FreeListAllocator:
         need = _align_up(size)
         i = bisect.bisect_left(self._offsets, offset)
         if i < len(self._offsets) and self._offsets[i] < offset + need:
-            raise ValueError(f"free({offset}, {size}): overlaps the free block at {self._offsets[i]}")
+            raise InvalidArgument(f"free({offset}, {size}): overlaps the free block at {self._offsets[i]}")
         if i > 0 and self._offsets[i - 1] + self._sizes[i - 1] > offset:
-            raise ValueError(f"free({offset}, {size}): overlaps the free block at {self._offsets[i - 1]}")
+            raise InvalidArgument(f"free({offset}, {size}): overlaps the free block at {self._offsets[i - 1]}")
         self.used -= need
         merge_prev = i > 0 and self._offsets[i - 1] + self._sizes[i - 1] == offset
         merge_next = i < len(self._offsets) and offset + need == self._offsets[i]

@@ -10,6 +10,7 @@ import numpy as np
 from numba import njit
 
 from ._common import _int64_1d, readonly
+from .._errors import InvalidArgument
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -67,10 +68,10 @@ def cache_fill(keys: np.ndarray, positions: np.ndarray, rows: np.ndarray, out_ro
     positions = _int64_1d(positions, "positions")
     if rows.shape[0] != positions.size or rows.shape[1:] != cache_rows.shape[1:] or rows.dtype != cache_rows.dtype \
             or out_rows.shape[1:] != cache_rows.shape[1:] or out_rows.dtype != cache_rows.dtype:
-        raise ValueError(f"rows / out_rows: expected rows like the cache's {cache_rows.shape[1:]} {cache_rows.dtype}, "
+        raise InvalidArgument(f"rows / out_rows: expected rows like the cache's {cache_rows.shape[1:]} {cache_rows.dtype}, "
                          f"got {rows.shape} {rows.dtype} and {out_rows.shape} {out_rows.dtype}")
     if positions.size and (positions.min() < 0 or positions.max() >= min(keys.size, out_rows.shape[0])):
-        raise ValueError("positions: an index lies outside keys or out_rows")
+        raise InvalidArgument("positions: an index lies outside keys or out_rows")
     _cache_fill(readonly(keys), readonly(positions), readonly(rows), out_rows, cache_keys, cache_rows)
 
 
@@ -80,7 +81,7 @@ def cache_probe(keys: np.ndarray, cache_keys: np.ndarray, cache_rows: np.ndarray
     keys = _int64_1d(keys, "keys")
     if out_rows.shape[0] != keys.size or out_rows.shape[1:] != cache_rows.shape[1:] \
             or out_rows.dtype != cache_rows.dtype:
-        raise ValueError(f"out_rows: expected {keys.size} rows like the cache's {cache_rows.shape[1:]} "
+        raise InvalidArgument(f"out_rows: expected {keys.size} rows like the cache's {cache_rows.shape[1:]} "
                          f"{cache_rows.dtype}, got {out_rows.shape} {out_rows.dtype}")
     hit, hits = _cache_probe(readonly(keys), cache_keys, cache_rows, out_rows)
     return hit, int(hits)
@@ -90,6 +91,6 @@ def cache_insert(keys: np.ndarray, rows: np.ndarray, cache_keys: np.ndarray, cac
     """Store ``rows`` under ``keys``, each in its slot (replacing whatever was there)."""
     keys = _int64_1d(keys, "keys")
     if rows.shape[0] != keys.size or rows.shape[1:] != cache_rows.shape[1:] or rows.dtype != cache_rows.dtype:
-        raise ValueError(f"rows: expected {keys.size} rows like the cache's {cache_rows.shape[1:]} "
+        raise InvalidArgument(f"rows: expected {keys.size} rows like the cache's {cache_rows.shape[1:]} "
                          f"{cache_rows.dtype}, got {rows.shape} {rows.dtype}")
     _cache_insert(readonly(keys), readonly(rows), cache_keys, cache_rows)

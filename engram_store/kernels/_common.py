@@ -7,6 +7,7 @@ from llvmlite import ir as _ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+from .._errors import InvalidArgument, InvalidType
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SHIFT = {1: 0, 2: 1, 4: 2, 8: 3}
@@ -69,22 +70,22 @@ def _words(a: np.ndarray, shift: int) -> np.ndarray:
 def _int64_1d(a: np.ndarray, name: str) -> np.ndarray:
     a = np.asarray(a)
     if a.dtype != np.int64 or a.ndim != 1:
-        raise TypeError(f"{name}: expected a 1-D int64 array, got {a.dtype} with shape {a.shape}")
+        raise InvalidType(f"{name}: expected a 1-D int64 array, got {a.dtype} with shape {a.shape}")
     return np.ascontiguousarray(a)
 
 
 def _bytes_1d(a: np.ndarray, name: str) -> np.ndarray:
     if not isinstance(a, np.ndarray) or a.dtype != np.uint8 or a.ndim != 1:
-        raise TypeError(f"{name}: expected a 1-D uint8 array, got {getattr(a, 'dtype', type(a).__name__)} "
+        raise InvalidType(f"{name}: expected a 1-D uint8 array, got {getattr(a, 'dtype', type(a).__name__)} "
                         f"with shape {getattr(a, 'shape', None)}")
     if not a.flags.c_contiguous:
-        raise ValueError(f"{name}: expected a contiguous array")
+        raise InvalidArgument(f"{name}: expected a contiguous array")
     return a
 
 
 def _ids_2d(ids: np.ndarray) -> np.ndarray:
     if not isinstance(ids, np.ndarray) or ids.dtype != np.int64 or ids.ndim != 2:
-        raise TypeError(f"ids: expected a 2-D int64 array [M, H], got {getattr(ids, 'dtype', type(ids).__name__)} "
+        raise InvalidType(f"ids: expected a 2-D int64 array [M, H], got {getattr(ids, 'dtype', type(ids).__name__)} "
                         f"with shape {getattr(ids, 'shape', None)}")
     return readonly(np.ascontiguousarray(ids))
 
@@ -103,24 +104,24 @@ def _heads_valid(heads, num_heads):
 def _heads(heads: np.ndarray, num_heads: int, name: str = "heads") -> np.ndarray:
     heads = readonly(_int64_1d(heads, name))
     if not _heads_valid(heads, num_heads):
-        raise ValueError(f"{name}: expected distinct head indices in [0, {num_heads}), got {heads.tolist()[:16]}")
+        raise InvalidArgument(f"{name}: expected distinct head indices in [0, {num_heads}), got {heads.tolist()[:16]}")
     return heads
 
 
 def _out_3d(out: np.ndarray, M: int, H: int, dtype: np.dtype) -> np.ndarray:
     if not isinstance(out, np.ndarray) or out.dtype != dtype or out.ndim != 3:
-        raise TypeError(f"out: expected a 3-D {dtype} array [M, H, D], got "
+        raise InvalidType(f"out: expected a 3-D {dtype} array [M, H, D], got "
                         f"{getattr(out, 'dtype', type(out).__name__)} with shape {getattr(out, 'shape', None)}")
     if out.shape[:2] != (M, H):
-        raise ValueError(f"out: expected shape ({M}, {H}, D), got {out.shape}")
+        raise InvalidArgument(f"out: expected shape ({M}, {H}, D), got {out.shape}")
     if not out.flags.c_contiguous or not out.flags.writeable:
-        raise ValueError("out: must be a writable C-contiguous array")
+        raise InvalidArgument("out: must be a writable C-contiguous array")
     return out
 
 
 def _check_row_dtype(a: np.ndarray, name: str) -> None:
     if a.dtype.itemsize not in _UINT or a.dtype.kind not in "uif":
-        raise TypeError(f"{name}: expected rows of 1-, 2-, 4- or 8-byte numbers, got {a.dtype}")
+        raise InvalidType(f"{name}: expected rows of 1-, 2-, 4- or 8-byte numbers, got {a.dtype}")
 
 
 def _flat_bytes(a: np.ndarray) -> np.ndarray:

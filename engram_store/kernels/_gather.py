@@ -21,6 +21,7 @@ from ._common import (
     word_shift,
 )
 from ._planning import _pairs, _pairs_shift, check_ranges
+from .._errors import InvalidArgument, InvalidType
 
 
 @njit(cache=True, nogil=True)
@@ -72,7 +73,7 @@ def gather_pairs(src: np.ndarray, pairs: np.ndarray, out: np.ndarray, total: int
     (nothing is copied then).
     """
     if out.size < total:
-        raise ValueError(f"out holds {out.size} bytes, the ranges total {total}")
+        raise InvalidArgument(f"out holds {out.size} bytes, the ranges total {total}")
     shift = _pairs_shift(pairs, src, out)
     return int(_gather_pairs(readonly(_words(src, shift)), readonly(pairs), np.int64(shift),
                              np.int64(-1 if checked else src.size), _words(out, shift)))
@@ -95,9 +96,9 @@ def gather_ranges(src: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, out
     pairs = _pairs(offsets, lengths)
     total = int(pairs[:, 1].sum()) if pairs.size else 0
     if out.size < total:
-        raise ValueError(f"gather_ranges: out holds {out.size} bytes, the ranges total {total}")
+        raise InvalidArgument(f"gather_ranges: out holds {out.size} bytes, the ranges total {total}")
     if gather_pairs(src, pairs, out, total, checked=ranges_checked) >= 0:
-        raise ValueError("gather_ranges: a range lies outside src")
+        raise InvalidArgument("gather_ranges: a range lies outside src")
     return total
 
 
@@ -120,12 +121,12 @@ def scatter_ranges(src: np.ndarray, dst: np.ndarray, dst_offsets: np.ndarray, le
     dst = _bytes_1d(dst, "dst")
     pairs = _pairs(dst_offsets, lengths, "dst_offsets")
     if check_ranges(pairs[:, 0].copy(), pairs[:, 1].copy(), dst.size) >= 0:
-        raise ValueError("scatter_ranges: a range lies outside dst")
+        raise InvalidArgument("scatter_ranges: a range lies outside dst")
     total = int(pairs[:, 1].sum()) if pairs.size else 0
     if src.size < total:
-        raise ValueError(f"scatter_ranges: src holds {src.size} bytes, the ranges total {total}")
+        raise InvalidArgument(f"scatter_ranges: src holds {src.size} bytes, the ranges total {total}")
     if not dst.flags.writeable:
-        raise ValueError("dst: expected a writable array")
+        raise InvalidArgument("dst: expected a writable array")
     shift = _pairs_shift(pairs, src, dst)
     _scatter_pairs(readonly(_words(src, shift)), _words(dst, shift), readonly(pairs), np.int64(shift))
     return total
@@ -176,20 +177,20 @@ def scatter_rows(rows: np.ndarray, inverse: np.ndarray, heads: np.ndarray, row_s
     the rows move as the widest words their size and alignment allow.
     """
     if not isinstance(rows, np.ndarray) or rows.ndim != 2:
-        raise TypeError(f"rows: expected a 2-D array, got {getattr(rows, 'dtype', type(rows).__name__)}")
+        raise InvalidType(f"rows: expected a 2-D array, got {getattr(rows, 'dtype', type(rows).__name__)}")
     _check_row_dtype(rows, "rows")
     inverse = _ids_2d(inverse)
     M, H = inverse.shape
     out = _out_3d(out, M, H, rows.dtype)
     heads = _heads(heads, H)
     if rows.shape[1] != out.shape[2]:
-        raise ValueError(f"rows: expected {out.shape[2]} columns (embedding_dim), got {rows.shape[1]}")
+        raise InvalidArgument(f"rows: expected {out.shape[2]} columns (embedding_dim), got {rows.shape[1]}")
     rows = np.ascontiguousarray(rows)
     row_bytes = rows.shape[1] * rows.dtype.itemsize
     bad = scatter_rows_prepared(_flat_bytes(rows), inverse, heads, int(row_start), row_bytes, _flat_bytes(out))
     if bad >= 0:
         m, h = divmod(int(bad), H)
-        raise ValueError(f"inverse[{m}, {h}] = {int(inverse[m, h])} falls outside the {rows.shape[0]} rows given "
+        raise InvalidArgument(f"inverse[{m}, {h}] = {int(inverse[m, h])} falls outside the {rows.shape[0]} rows given "
                          f"(starting at {row_start})")
 
 
@@ -292,7 +293,7 @@ def gather_rows_local(segment: np.ndarray, base_elems: np.ndarray, ids: np.ndarr
     each head's row count (``first_bad_row``); a row outside the segment is refused before anything moves.
     """
     if not isinstance(segment, np.ndarray) or segment.ndim != 1:
-        raise TypeError(f"segment: expected a 1-D array, got {getattr(segment, 'dtype', type(segment).__name__)}")
+        raise InvalidType(f"segment: expected a 1-D array, got {getattr(segment, 'dtype', type(segment).__name__)}")
     _check_row_dtype(segment, "segment")
     ids = _ids_2d(ids)
     M, H = ids.shape
@@ -300,9 +301,9 @@ def gather_rows_local(segment: np.ndarray, base_elems: np.ndarray, ids: np.ndarr
     heads = _heads(heads, H)
     base_elems = _int64_1d(base_elems, "base_elems")
     if base_elems.size != H:
-        raise ValueError(f"base_elems: expected {H} entries (one per head), got {base_elems.size}")
+        raise InvalidArgument(f"base_elems: expected {H} entries (one per head), got {base_elems.size}")
     if dim != out.shape[2]:
-        raise ValueError(f"dim: expected {out.shape[2]} (out's last axis), got {dim}")
+        raise InvalidArgument(f"dim: expected {out.shape[2]} (out's last axis), got {dim}")
     itemsize = segment.dtype.itemsize
     source = row_source(_flat_bytes(segment), base_elems * itemsize, heads, dim * itemsize)
     flat = _flat_bytes(out)
@@ -310,4 +311,4 @@ def gather_rows_local(segment: np.ndarray, base_elems: np.ndarray, ids: np.ndarr
     bad = gather_rows(source, ids, flat)
     if bad >= 0:
         m, h = divmod(int(bad), H)
-        raise ValueError(f"gather_rows_local: row ids[{m}, {h}] = {int(ids[m, h])} lies outside the mapped segment")
+        raise InvalidArgument(f"gather_rows_local: row ids[{m}, {h}] = {int(ids[m, h])} lies outside the mapped segment")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
+from .._errors import InvalidType
 
 
 @njit(cache=True, nogil=True)
@@ -48,7 +49,7 @@ def check_generations(pairs: np.ndarray, bases: np.ndarray, sizes: np.ndarray, g
     the first check whose object another put has written over since, or -1. ``bases``, ``sizes``, ``gens`` (int64)
     are the segment's entries, sorted by base and not overlapping."""
     if pairs.dtype != np.int64 or pairs.ndim != 2 or pairs.shape[1] != 2:
-        raise TypeError(f"pairs: expected int64 [R, 2], got {pairs.dtype} {pairs.shape}")
+        raise InvalidType(f"pairs: expected int64 [R, 2], got {pairs.dtype} {pairs.shape}")
     if pairs.shape[0] == 0 or pairs[0, 0] >= 0:
         return 0, -1  # no checks
     k, bad = _check_generations(pairs, bases, sizes, gens)

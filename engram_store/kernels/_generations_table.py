@@ -13,6 +13,7 @@ import numpy as np
 from numba import njit
 
 from ._generations import _check_generations
+from .._errors import InvalidType
 
 HEADER_WORDS = 8
 SEQ, COUNT, CAPACITY, OVERFLOW = range(4)
@@ -52,8 +53,8 @@ def check_table(table: np.ndarray, checks: np.ndarray) -> tuple[int, int]:
     the first that another put has written over, or UNKNOWN (-2) when the table cannot tell (it overflowed);
     ``seq`` is what to compare after the gather (``table[0]``)."""
     if table.dtype != np.int64 or table.ndim != 1 or table.size < HEADER_WORDS:
-        raise TypeError(f"table: expected an int64 generation table, got {table.dtype} {table.shape}")
+        raise InvalidType(f"table: expected an int64 generation table, got {table.dtype} {table.shape}")
     if checks.dtype != np.int64 or checks.ndim != 2 or checks.shape[1] != 2:
-        raise TypeError(f"checks: expected int64 [2K, 2], got {checks.dtype} {checks.shape}")
+        raise InvalidType(f"checks: expected int64 [2K, 2], got {checks.dtype} {checks.shape}")
     bad, seq = _check_table(table, checks)
     return int(bad), int(seq)

@@ -11,6 +11,7 @@ from numba import njit
 
 from ._common import _heads, _ids_2d, _int64_1d, readonly, word_shift
 from ._sort import _minus_ones, _sort_positions
+from .._errors import InvalidArgument
 
 
 @njit(cache=True, nogil=True)
@@ -29,7 +30,7 @@ def check_ranges(offsets: np.ndarray, lengths: np.ndarray, limit: int) -> int:
     offsets = _int64_1d(offsets, "offsets")
     lengths = _int64_1d(lengths, "lengths")
     if offsets.size != lengths.size:
-        raise ValueError(f"offsets and lengths must have the same size, got {offsets.size} and {lengths.size}")
+        raise InvalidArgument(f"offsets and lengths must have the same size, got {offsets.size} and {lengths.size}")
     return int(_check_ranges(readonly(offsets), readonly(lengths), np.int64(limit)))
 
 
@@ -87,7 +88,7 @@ def plan_pieces(pairs: np.ndarray, total: int, piece_bytes: int) -> tuple[np.nda
     ``piece_bytes``. Returns ``(bounds, sizes)``: piece j is ``pairs[bounds[j]:bounds[j + 1]]`` of ``sizes[j]``
     bytes (how the raw read channel streams a large reply through two fixed piece buffers)."""
     if piece_bytes <= 0:
-        raise ValueError(f"piece_bytes: expected > 0, got {piece_bytes}")
+        raise InvalidArgument(f"piece_bytes: expected > 0, got {piece_bytes}")
     # At most total // piece_bytes lone ranges; a run closed by an overflow holds more than piece_bytes together
     # with the piece after it, and every byte is in at most two such sums: fewer than 2 * total / piece_bytes.
     most = min(pairs.shape[0], 3 * (total // piece_bytes) + 3)
@@ -101,7 +102,7 @@ def _pairs(offsets: np.ndarray, lengths: np.ndarray, off_name: str = "offsets") 
     offsets = _int64_1d(offsets, off_name)
     lengths = _int64_1d(lengths, "lengths")
     if offsets.size != lengths.size:
-        raise ValueError(f"{off_name} and lengths must have the same size, got {offsets.size} and {lengths.size}")
+        raise InvalidArgument(f"{off_name} and lengths must have the same size, got {offsets.size} and {lengths.size}")
     return np.stack((offsets, lengths), axis=1)
 
 
@@ -128,7 +129,7 @@ def first_bad_row(ids: np.ndarray, num_rows: np.ndarray) -> int:
     ids = _ids_2d(ids)
     num_rows = _int64_1d(num_rows, "num_rows")
     if num_rows.size != ids.shape[1]:
-        raise ValueError(f"num_rows: expected {ids.shape[1]} entries (one per head), got {num_rows.size}")
+        raise InvalidArgument(f"num_rows: expected {ids.shape[1]} entries (one per head), got {num_rows.size}")
     return int(_first_bad_row(ids, readonly(num_rows)))
 
 
@@ -204,11 +205,11 @@ def rows_to_ranges(rows: np.ndarray, starts: np.ndarray, base_offsets: np.ndarra
     starts = readonly(_int64_1d(starts, "starts"))
     base_offsets = readonly(_int64_1d(base_offsets, "base_offsets"))
     if starts.size != base_offsets.size + 1:
-        raise ValueError(f"starts: expected {base_offsets.size + 1} entries (heads + 1), got {starts.size}")
+        raise InvalidArgument(f"starts: expected {base_offsets.size + 1} entries (heads + 1), got {starts.size}")
     if starts.size and (starts[0] != 0 or starts[-1] != rows.size or np.any(np.diff(starts) < 0)):
-        raise ValueError(f"starts: expected a non-decreasing array from 0 to {rows.size}")
+        raise InvalidArgument(f"starts: expected a non-decreasing array from 0 to {rows.size}")
     if row_bytes <= 0:
-        raise ValueError(f"row_bytes: expected a positive byte count, got {row_bytes}")
+        raise InvalidArgument(f"row_bytes: expected a positive byte count, got {row_bytes}")
     offsets, lengths, range_head, r = _rows_to_ranges(rows, starts, base_offsets, np.int64(row_bytes))
     return offsets[:r], lengths[:r], range_head[:r]
 
@@ -278,10 +279,10 @@ def plan_reads(ids: np.ndarray, order: np.ndarray, base_offsets: np.ndarray, row
         order = _heads(order, ids.shape[1], "order")
         base_offsets = readonly(_int64_1d(base_offsets, "base_offsets"))
         if base_offsets.size != order.size:
-            raise ValueError(f"base_offsets: expected {order.size} entries (one per listed head), "
+            raise InvalidArgument(f"base_offsets: expected {order.size} entries (one per listed head), "
                              f"got {base_offsets.size}")
         if row_bytes <= 0:
-            raise ValueError(f"row_bytes: expected a positive byte count, got {row_bytes}")
+            raise InvalidArgument(f"row_bytes: expected a positive byte count, got {row_bytes}")
     pairs, r, head_rows, head_ranges, inverse = _plan_reads(ids, order, base_offsets, np.int64(row_bytes))
     return ReadPlan(pairs[:r], head_rows, head_ranges, inverse)
 
@@ -310,5 +311,5 @@ def direct_pairs(ids: np.ndarray, heads: np.ndarray, base_offsets: np.ndarray, r
     heads = readonly(np.ascontiguousarray(heads, dtype=np.int64))
     base_offsets = readonly(np.ascontiguousarray(base_offsets, dtype=np.int64))
     if base_offsets.shape != heads.shape:
-        raise ValueError(f"base_offsets: expected {heads.size} entries (one per listed head), got {base_offsets.size}")
+        raise InvalidArgument(f"base_offsets: expected {heads.size} entries (one per listed head), got {base_offsets.size}")
     return _direct_pairs(readonly(ids), heads, base_offsets, np.int64(row_bytes))

@@ -20,7 +20,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ._auth import AuthKeys, HandshakeWatch, ensure_authenticator
-from .._errors import EngramError, ProtocolError, Unavailable, describe, error_from_reply
+from .._errors import EngramError, InvalidArgument, ProtocolError, Unavailable, describe, error_from_reply
 from .._metrics import RequestMetrics
 from ._protocol import PROTOCOL_VERSION, Request, decode, encode, error_reply, pack_header, unpack_header
 
@@ -89,7 +89,7 @@ class RpcServer:
         io_affinity: int = 0,
     ):
         if tick_ms <= 0:
-            raise ValueError(f"tick_ms: expected > 0, got {tick_ms}")
+            raise InvalidArgument(f"tick_ms: expected > 0, got {tick_ms}")
         self.name = name
         self.handlers = handlers
         self.metrics = RequestMetrics(metrics_prefix)
