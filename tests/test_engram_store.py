@@ -350,21 +350,26 @@ def test_concurrent_lookups_from_threads(local_store):
     tables = make_tables(sizes, 8, 5)
     es = EngramStore(next(_layers), EngramStoreConfig(sizes, 8), local_store)
     es.populate(tables)
-    errors = []
+    errors, done = [], []
 
     def worker(seed):
         rng = np.random.default_rng(seed)
-        for _ in range(20):
-            ids = random_ids(rng, sizes, 4, 16)
-            if not np.array_equal(es.lookup(ids), expected_rows(tables, ids)):
-                errors.append(seed)
+        try:
+            for _ in range(20):
+                ids = random_ids(rng, sizes, 4, 16)
+                np.testing.assert_array_equal(es.lookup(ids), expected_rows(tables, ids))
+            done.append(seed)
+        except BaseException as exc:  # reported below: a worker that raises must fail the test
+            errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
-    assert not errors
+        assert not t.is_alive(), "a lookup thread did not finish within 60 s"
+    assert not errors, errors[0]
+    assert sorted(done) == [0, 1, 2, 3]
     es.remove_from_store()
     es.close()
 
@@ -622,12 +627,24 @@ def test_a_layer_lost_with_its_writers_segment_can_be_removed_and_populated_agai
             assert np.array_equal(layer.lookup(ids), expected_rows(tables, ids))
 
 
-def _read_requests(store):
-    """read_ranges requests the embedded segment has served so far."""
-    for line in store.local_segment.server.metrics.render():
-        if line.startswith('engram_requests_total{op="read_ranges"}'):
-            return int(float(line.split()[-1]))
-    return 0
+def _read_requests(store, quiet_s: float = 0.05, timeout_s: float = 10.0):
+    """read_ranges requests the embedded segment has served so far, once the count has held still for ``quiet_s``
+    (a read the segment answers natively is counted as its reply goes out, a moment after the client has it)."""
+    def count():
+        for line in store.local_segment.server.metrics.render():
+            if line.startswith('engram_requests_total{op="read_ranges"}'):
+                return int(float(line.split()[-1]))
+        return 0
+
+    deadline = time.monotonic() + timeout_s
+    last = count()
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = count()
+        if now == last:
+            return now
+        last = now
+    return last
 
 
 @settings(max_examples=10, deadline=None)

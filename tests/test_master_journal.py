@@ -208,6 +208,7 @@ def test_a_second_process_cannot_open_a_journal_in_use_and_is_told_who_holds_it(
         if proc.is_alive():
             proc.kill()
             proc.join()
+            pytest.fail("the second process did not finish within 60 s")
     assert answer.startswith("refused: ") and "in use by another process" in answer
     assert f"pid {os.getpid()}" in answer
     assert os.stat(path).st_ino == inode  # untouched

@@ -173,6 +173,7 @@ def test_a_client_fails_clearly_against_a_server_of_another_version():
     finally:
         thread.join(timeout=10)
         listener.close()
+    assert not thread.is_alive(), "the fake segment's thread did not end"
     assert DistributedStore._raw_info_from("h:1", {"raw_port": 5, "raw_version": VERSION}) == ("h", 5, False)
     assert DistributedStore._raw_info_from("h:1", {"raw_port": 5, "raw_version": VERSION + 1}) is None
     assert DistributedStore._raw_info_from("h:1", {"raw_port": 5}) is None
@@ -228,6 +229,7 @@ def test_many_threads_read_at_once(filled):
         t.start()
     for t in threads:
         t.join(timeout=120)
+        assert not t.is_alive(), "a reader thread did not finish within 120 s"
     assert not errors, errors[0]
 
 

@@ -79,6 +79,7 @@ def test_concurrent_lookups_from_threads_share_the_cache(published):
             t.start()
         for t in threads:
             t.join(timeout=60)
+            assert not t.is_alive(), "a lookup thread did not finish within 60 s"
         assert not errors, errors[0]
         stats = layer.stats()
         assert stats["lookups"] == 120 and stats["rows"] == 120 * 2 * 16 * 3

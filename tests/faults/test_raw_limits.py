@@ -142,6 +142,7 @@ class _Strangers:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=30)
+        assert not self._thread.is_alive(), "the connection holder's thread did not end"
         for sock in self.socks:
             if sock is not None:
                 sock.close()

@@ -113,7 +113,10 @@ def test_creation_config_and_creation(store):
     bb.vocab_size = 128000
     bb.num_layers = 6
     engram = Engram(layer_id=1, config=cfg, backbone_cfg=bb, store=store)
-    assert engram is not None
+    # A head per hash of each N-gram order (2 and 3), each table a prime above the order's vocab size, distinct.
+    sizes = engram.get_table_vocab_sizes()
+    assert len(sizes) == (cfg.max_ngram_size - 1) * cfg.n_head_per_ngram == 8
+    assert len(set(sizes)) == 8 and all(n > 1000 and all(n % p for p in range(2, int(n ** 0.5) + 1)) for n in sizes)
 
 
 def test_creation_different_configs(store, caplog, monkeypatch):
@@ -136,7 +139,7 @@ def test_creation_different_configs(store, caplog, monkeypatch):
     with caplog.at_level(logging.WARNING, logger="engram_model._config"):
         engram1 = Engram(layer_id=1, config=cfg1, backbone_cfg=bb1, store=store)
         again = Engram(layer_id=1, config=cfg1, backbone_cfg=bb1, store=store)
-    assert engram1 is not None
+    assert len(engram1.get_table_vocab_sizes()) == cfg1.n_head_per_ngram  # one order (2): two heads
     warnings = [r.getMessage() for r in caplog.records if "engram_vocab_size" in r.getMessage()]
     assert len(warnings) == 1 and "ignored" in warnings[0] and "[100]" in warnings[0]  # logged once
     # The extra entry changes nothing: the layer is the one built from a single size.
