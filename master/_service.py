@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -16,6 +17,7 @@ from engram_store.wire._transport import Connection, RpcServer
 from engram_store._units import parse_address
 from engram_store._pages import trim_heap
 
+from ._config import DEFAULT_PORT, MasterConfig
 from ._journal import Journal
 from ._records import Segment
 from ._repairs import RepairJob
@@ -23,12 +25,6 @@ from ._state import MasterState
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 50051
-DEFAULT_LEASE_TTL_S = 5.0
-DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
-#: Removed objects' space is reused only after this long (see MasterState.reuse_delay_s); it must exceed
-#: EngramStore's placement revalidation interval plus the longest lookup.
-DEFAULT_REUSE_DELAY_S = 2.0
 MAX_KEY_LEN = 1024
 MAX_BATCH = 1 << 16
 MAX_MANIFEST_OBJECTS = 1 << 20
@@ -43,8 +39,6 @@ REPAIR_IN_FLIGHT = 8
 REPAIR_SCAN_S = 1.0
 #: Objects are copied between segments in pieces of this size (below the segments' write limit).
 REPAIR_CHUNK = 16 << 20
-#: A pending put whose writer has not renewed it for this long is fenced (``engram-master --put-timeout``).
-DEFAULT_PUT_TIMEOUT_S = 30.0
 #: Keys of lost and under-replicated objects listed in a status reply (the counts are complete).
 STATUS_KEYS = 20
 #: How often the master hands memory freed by bursts of large messages (a flood of garbage, a register of a
@@ -55,53 +49,46 @@ TRIM_S = 10.0
 class MasterServer:
     """Serves metadata requests; a context manager. ``start()`` serves from a thread, ``serve_forever()`` blocks."""
 
-    def __init__(
-        self,
-        host: str = "127.0.0.1",
-        port: int = DEFAULT_PORT,
-        *,
-        lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
-        heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
-        journal_path: str | None = None,
-        journal_fsync: bool = True,
-        auth: AuthKeys | None = None,
-        metrics_port: int | None = None,
-        reuse_delay_s: float = DEFAULT_REUSE_DELAY_S,
-        re_replicate: bool = False,
-        put_timeout_s: float = DEFAULT_PUT_TIMEOUT_S,
-    ):
-        if lease_ttl_s <= 0:
-            raise InvalidArgument(f"lease_ttl_s: expected > 0, got {lease_ttl_s}")
-        if heartbeat_timeout_s <= 0:
-            raise InvalidArgument(f"heartbeat_timeout_s: expected > 0, got {heartbeat_timeout_s}")
-        if reuse_delay_s < 0:
-            raise InvalidArgument(f"reuse_delay_s: expected >= 0, got {reuse_delay_s}")
-        if not put_timeout_s > 0:
-            raise InvalidArgument(f"put_timeout_s: expected > 0, got {put_timeout_s}")
-        self.state = MasterState(lease_ttl_s=lease_ttl_s, heartbeat_timeout_s=heartbeat_timeout_s,
-                                 reuse_delay_s=reuse_delay_s, put_timeout_s=put_timeout_s)
-        self.journal = None
-        if journal_path:
-            self.journal = Journal(journal_path, fsync=journal_fsync)
-            try:
-                records = self.journal.read()
-                self.state.replay(records)
-                self.journal.rewrite(self.state.snapshot())
-            except BaseException:
-                self.journal.release()
-                raise
-            self.state.journal = self.journal.append
-            log.info("journal %s: replayed %d records: %d segments, %d objects, %d lost", journal_path,
-                     len(records), len(self.state.segments), len(self.state.objects), len(self.state.lost))
+    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, auth: AuthKeys | None = None,
+                 config: MasterConfig | None = None, **fields: Any):
+        """``config`` (a :class:`MasterConfig`), or its fields as keyword arguments (``lease_ttl_s=``, ...)."""
+        config = config if config is not None else MasterConfig(host, port, **fields)
+        self.config = config
+        self.state = MasterState(lease_ttl_s=config.lease_ttl_s, heartbeat_timeout_s=config.heartbeat_timeout_s,
+                                 reuse_delay_s=config.reuse_delay_s, put_timeout_s=config.put_timeout_s)
+        self.journal = self._open_journal(config)
         self._last_tick = time.monotonic()
         self._next_trim = self._last_tick + TRIM_S
-        self.re_replicate = re_replicate
-        self._rpc_timeout_ms = max(1000, int(heartbeat_timeout_s * 1000))
+        self.re_replicate = config.re_replicate
+        self._rpc_timeout_ms = max(1000, int(config.heartbeat_timeout_s * 1000))
         self._repairs: dict[Future, RepairJob] = {}
         self._repair_pool = ThreadPoolExecutor(REPAIR_WORKERS, thread_name_prefix="engram-repair") \
-            if re_replicate else None
+            if config.re_replicate else None
         self._next_repair_scan = 0.0
         self._unrepairable_reported: frozenset[str] = frozenset()
+        # Copies between segments (re-replication) connect to them as a client of the cluster.
+        self._client_curve = auth.client_curve if auth is not None else None
+        self.server, self.metrics = self._serve(config, auth)
+
+    def _open_journal(self, config: MasterConfig) -> Journal | None:
+        """Own the journal (its lock), replay it into the state and compact it; None without one."""
+        if not config.journal_path:
+            return None
+        journal = Journal(config.journal_path, fsync=config.journal_fsync)
+        try:
+            records = journal.read()
+            self.state.replay(records)
+            journal.rewrite(self.state.snapshot())
+        except BaseException:
+            journal.release()
+            raise
+        self.state.journal = journal.append
+        log.info("journal %s: replayed %d records: %d segments, %d objects, %d lost", config.journal_path,
+                 len(records), len(self.state.segments), len(self.state.objects), len(self.state.lost))
+        return journal
+
+    def _serve(self, config: MasterConfig, auth: AuthKeys | None) -> tuple[RpcServer, MetricsEndpoint | None]:
+        """Bind the master's socket (and the metrics endpoint); on failure let go of the journal."""
         handlers = {
             "ping": self._ping,
             "register_segment": self._register_segment,
@@ -121,26 +108,25 @@ class MasterServer:
             "remove_all": self._remove_all,
             "status": self._status,
         }
+        server = metrics = None
         try:
-            self.server = RpcServer(host, port, "master", handlers, tick=self._tick, tick_ms=TICK_MS,
-                                    max_message_bytes=16 << 20, auth=auth, metrics_prefix="engram_master")
+            server = RpcServer(config.host, config.port, "master", handlers, tick=self._tick, tick_ms=TICK_MS,
+                               max_message_bytes=16 << 20, auth=auth, metrics_prefix="engram_master")
+            if config.metrics_port is not None:
+                try:
+                    metrics = MetricsEndpoint(config.host, config.metrics_port)
+                except OSError as exc:
+                    raise Unavailable(f"metrics: cannot serve on {config.host}:{config.metrics_port}: {exc}") \
+                        from exc
         except BaseException:
+            if server is not None:
+                server.close()
             if self.journal is not None:
                 self.journal.release()
             raise
         if self.journal is not None:
-            self.journal.owner.describe(serving=self.server.address)
-        self.metrics: MetricsEndpoint | None = None
-        if metrics_port is not None:
-            try:
-                self.metrics = MetricsEndpoint(host, metrics_port)
-            except OSError as exc:
-                self.server.close()
-                if self.journal is not None:
-                    self.journal.release()
-                raise Unavailable(f"metrics: cannot serve on {host}:{metrics_port}: {exc}") from exc
-        # Copies between segments (re-replication) connect to them as a client of the cluster.
-        self._client_curve = auth.client_curve if auth is not None else None
+            self.journal.owner.describe(serving=server.address)
+        return server, metrics
 
     @property
     def address(self) -> str:

@@ -21,14 +21,15 @@ from engram_store._errors import EngramError
 from engram_store.wire._transport import serve_until_signalled, stop_on_signal_while_starting
 from engram_store._units import format_size, parse_address
 
-from ._service import (
+from ._config import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     DEFAULT_LEASE_TTL_S,
     DEFAULT_PORT,
     DEFAULT_PUT_TIMEOUT_S,
     DEFAULT_REUSE_DELAY_S,
-    MasterServer,
+    MasterConfig,
 )
+from ._service import MasterServer
 
 PROG = "engram-master"
 USAGE = (f"{PROG} [options]                     run a master (options below)\n"
@@ -265,12 +266,13 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"engram-master: {warning}", file=sys.stderr, flush=True)
     try:
         auth = load_keys(args.auth, server=True) if args.auth else None
+        config = MasterConfig(args.host, args.port, lease_ttl_s=args.lease_ttl,
+                              heartbeat_timeout_s=args.heartbeat_timeout, journal_path=args.journal,
+                              journal_fsync=not args.no_fsync, metrics_port=args.metrics_port,
+                              reuse_delay_s=args.reuse_delay, re_replicate=args.re_replicate,
+                              put_timeout_s=args.put_timeout)
         with stop_on_signal_while_starting():  # a journal replay that is stopped releases the journal
-            server = MasterServer(args.host, args.port, lease_ttl_s=args.lease_ttl,
-                                  heartbeat_timeout_s=args.heartbeat_timeout, journal_path=args.journal,
-                                  journal_fsync=not args.no_fsync, re_replicate=args.re_replicate,
-                                  metrics_port=args.metrics_port, reuse_delay_s=args.reuse_delay, auth=auth,
-                                  put_timeout_s=args.put_timeout)
+            server = MasterServer(auth=auth, config=config)
     except EngramError as exc:
         print(f"engram-master: {exc}", file=sys.stderr)
         return 2

@@ -297,3 +297,16 @@ def test_remove_many_is_all_or_nothing_and_list_keys_pages_by_prefix():
     removed = state.remove_many(["engram:l1:manifest", "engram:l1:h0", "engram:l1:h1", "absent"], force=True)
     assert sorted(removed) == ["engram:l1:h0", "engram:l1:h1", "engram:l1:manifest"]
     assert state.list_keys("engram:", "", 10) == ([], False) and state.exists("other")
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"port": 70000}, "port: expected an integer in"), ({"lease_ttl_s": 0}, "lease_ttl_s: expected > 0"),
+    ({"reuse_delay_s": -1}, "reuse_delay_s: expected >= 0"), ({"metrics_port": "x"}, "metrics_port: expected"),
+    ({"host": ""}, "host: expected an address"),
+])
+def test_a_master_config_refuses_what_cannot_run_naming_the_field(fields, message):
+    from engram_store import InvalidArgument
+    from master import MasterConfig
+
+    with pytest.raises(InvalidArgument, match=message):
+        MasterConfig(**fields)
