@@ -111,3 +111,11 @@ class ObjectMeta:
     renewed: float = 0.0
     #: xxh3_64 of the object's bytes (hex) as its writer computed them; empty if it gave none.
     checksum: str = ""
+
+
+def some_keys(keys: list[str], shown: int = 5) -> str:
+    """``": 'a', 'b', ... (n more)"`` for log lines that name the keys they count."""
+    if not keys:
+        return ""
+    more = f", ... ({len(keys) - shown} more)" if len(keys) > shown else ""
+    return ": " + ", ".join(map(repr, keys[:shown])) + more

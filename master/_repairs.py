@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from ._fencing import Fence
-from ._records import COMPLETE, ObjectMeta, Replica
+from ._records import COMPLETE, ObjectMeta, Replica, some_keys
+
+log = logging.getLogger("master._state")
 
 
 @dataclass
@@ -24,7 +27,8 @@ class RepairJob:
 
 
 class Repairs:
-    """The re-replication part of :class:`~._state.MasterState` (a mixin)."""
+    """The repair part of :class:`~._state.MasterState` (a mixin): copies of objects below their replica count, and
+    lost objects restored from a segment that comes back with their bytes."""
 
     def plan_repairs(self, busy: set[str], limit: int) -> list["RepairJob"]:
         """Reserve space for copies of objects below their replica count.
@@ -75,3 +79,52 @@ class Repairs:
         target.catalog_version += 1
         self._journal_object(job.key, meta)
         return True
+
+    # ---- lost objects a segment still holds ------------------------------------------------------
+
+    def verification_candidates(self, segment_id: str) -> list[list]:
+        """Lost objects that had a replica on this segment, as ``[key, offset, size, checksum]``: the segment is
+        asked to check their bytes (it may have been dropped before it learnt of them, so they are not in the
+        catalogue it offered back). Their ranges stay reserved until it answers (:meth:`offer_verified`)."""
+        segment = self.segments.get(segment_id)
+        if segment is None or not segment.confirmed:
+            return []
+        candidates = []
+        for key, lost in self.lost.items():
+            if key in segment.verifying or not lost.checksum:
+                continue
+            for place in lost.places:
+                if place.segment_id == segment_id and segment.allocator.reserve(place.offset, lost.size):
+                    segment.verifying[key] = (place.offset, lost.size, place.generation)
+                    candidates.append([key, place.offset, lost.size, lost.checksum])
+                    break
+        if candidates:
+            log.info("segment %s: asked to check %d lost object(s) it may still hold%s", segment_id,
+                     len(candidates), some_keys([c[0] for c in candidates]))
+        return candidates
+
+    def offer_verified(self, segment_id: str, registration: str, keys: list[str]) -> int:
+        """The segment checked the objects :meth:`verification_candidates` named; those in ``keys`` matched their
+        checksums and are restored; the space of the others is free again. Returns how many were restored."""
+        segment = self.segments.get(segment_id)
+        if segment is None or registration != segment.registration:
+            return 0
+        verified = set(keys)
+        restored = []
+        for key, (offset, size, generation) in list(segment.verifying.items()):
+            del segment.verifying[key]
+            lost = self.lost.get(key)
+            if key in verified and lost is not None and key not in self.objects and lost.size == size:
+                del self.lost[key]
+                meta = self.objects[key] = ObjectMeta(size, lost.replica_num,
+                                                      [Replica(segment_id, offset, generation)], COMPLETE,
+                                                      checksum=lost.checksum)
+                self._journal_object(key, meta)
+                restored.append(key)
+            else:
+                segment.allocator.free(offset, size)
+        if restored:
+            segment.catalog_version += 1
+            log.warning("segment %s: %d lost object(s) restored, their bytes intact%s", segment_id, len(restored),
+                        some_keys(restored))
+        return len(restored)

@@ -37,7 +37,8 @@ from engram_store.wire._tickets import make_ticket
 
 from ._allocator import FreeListAllocator
 from ._fencing import Fencing
-from ._records import COMPLETE, LOST_KEYS_KEPT, PENDING, REMOVED_KEPT, LostObject, ObjectMeta, Replica, Segment
+from ._records import (COMPLETE, LOST_KEYS_KEPT, PENDING, REMOVED_KEPT, LostObject, ObjectMeta, Replica, Segment,
+                       some_keys)
 from ._repairs import Repairs
 from ._replay import Replay
 
@@ -162,53 +163,6 @@ class MasterState(Fencing, Repairs, Replay):
         segment.catalog_version += 1
         log.info("segment %s: adopted %d object(s) it still holds, ignored %d", segment.segment_id, adopted, skipped)
 
-    def verification_candidates(self, segment_id: str) -> list[list]:
-        """Lost objects that had a replica on this segment, as ``[key, offset, size, checksum]``: the segment is
-        asked to check their bytes (it may have been dropped before it learnt of them, so they are not in the
-        catalogue it offered back). Their ranges stay reserved until it answers (:meth:`offer_verified`)."""
-        segment = self.segments.get(segment_id)
-        if segment is None or not segment.confirmed:
-            return []
-        candidates = []
-        for key, lost in self.lost.items():
-            if key in segment.verifying or not lost.checksum:
-                continue
-            for place in lost.places:
-                if place.segment_id == segment_id and segment.allocator.reserve(place.offset, lost.size):
-                    segment.verifying[key] = (place.offset, lost.size, place.generation)
-                    candidates.append([key, place.offset, lost.size, lost.checksum])
-                    break
-        if candidates:
-            log.info("segment %s: asked to check %d lost object(s) it may still hold%s", segment_id,
-                     len(candidates), _some([c[0] for c in candidates]))
-        return candidates
-
-    def offer_verified(self, segment_id: str, registration: str, keys: list[str]) -> int:
-        """The segment checked the objects :meth:`verification_candidates` named; those in ``keys`` matched their
-        checksums and are restored; the space of the others is free again. Returns how many were restored."""
-        segment = self.segments.get(segment_id)
-        if segment is None or registration != segment.registration:
-            return 0
-        verified = set(keys)
-        restored = []
-        for key, (offset, size, generation) in list(segment.verifying.items()):
-            del segment.verifying[key]
-            lost = self.lost.get(key)
-            if key in verified and lost is not None and key not in self.objects and lost.size == size:
-                del self.lost[key]
-                meta = self.objects[key] = ObjectMeta(size, lost.replica_num,
-                                                      [Replica(segment_id, offset, generation)], COMPLETE,
-                                                      checksum=lost.checksum)
-                self._journal_object(key, meta)
-                restored.append(key)
-            else:
-                segment.allocator.free(offset, size)
-        if restored:
-            segment.catalog_version += 1
-            log.warning("segment %s: %d lost object(s) restored, their bytes intact%s", segment_id, len(restored),
-                        _some(restored))
-        return len(restored)
-
     def segment_objects(self, segment_id: str) -> tuple[int, list[list]]:
         """``(catalog_version, [[key, offset, size, replica_num, checksum, generation], ...])`` of the complete
         objects on a segment."""
@@ -276,7 +230,7 @@ class MasterState(Fencing, Repairs, Replay):
                 self._remember_lost(key, LostObject(message, meta.size, meta.replica_num, meta.checksum, dropped))
                 lost.append(key)
         log.warning("segment %s at %s dropped (%s); %d object(s) lost%s", segment_id, segment.address, reason,
-                    len(lost), _some(lost))
+                    len(lost), some_keys(lost))
         self.journal({"op": "drop_segment", "segment_id": segment_id, "reason": reason})
         return len(lost)
 
@@ -540,10 +494,3 @@ class MasterState(Fencing, Repairs, Replay):
         while len(self.lost) > LOST_KEYS_KEPT:
             self.lost.popitem(last=False)
 
-
-def _some(keys: list[str], shown: int = 5) -> str:
-    """``": 'a', 'b', ... (n more)"`` for log lines that name the keys they count."""
-    if not keys:
-        return ""
-    more = f", ... ({len(keys) - shown} more)" if len(keys) > shown else ""
-    return ": " + ", ".join(map(repr, keys[:shown])) + more
