@@ -13,8 +13,8 @@ import os
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import xxhash
@@ -30,6 +30,7 @@ from .._errors import (
     WriteFenced,
     describe,
     error_from_reply,
+    is_int,
 )
 from ..segment import pwrite_all
 from ..wire._transport import wait_all
@@ -86,7 +87,7 @@ class WritePath:
             raise InvalidArgument(f"buffers: expected {len(keys)} buffers (one per key), got {len(buffers)}")
         if len(set(keys)) != len(keys):
             raise InvalidArgument("keys: the same key appears more than once")
-        if not isinstance(replica_num, int) or isinstance(replica_num, bool) or replica_num < 1:
+        if not is_int(replica_num) or replica_num < 1:
             raise InvalidArgument(f"replica_num: expected an integer >= 1, got {describe(replica_num)}")
         views = [as_bytes_view(b, f"buffers[{i}]") for i, b in enumerate(buffers)]
         if not keys:
@@ -94,46 +95,19 @@ class WritePath:
         results, put_timeout_ms = self._put_start(keys, [v.nbytes for v in views], replica_num)
         started = [k for k, r in zip(keys, results) if r.get("ok")]
         writes = _Writes(self, started, put_timeout_ms)
-        checksums: Any = None
+        checksums: Future | None = None
         try:
             for result in results:
                 if not result.get("ok"):
                     raise error_from_reply(result.get("code"), result.get("message"))
-            # The checksums are computed while the bytes go out (xxh3 releases the GIL).
-            if sum(v.nbytes for v in views) >= CHECKSUM_THREAD_BYTES:
+            if sum(v.nbytes for v in views) >= CHECKSUM_THREAD_BYTES:  # computed while the bytes go out
                 checksums = _checksum_pool().submit(_checksums, views)
-            jobs, direct = [], []
-            for view, result in zip(views, results):
-                for r in result["replicas"]:
-                    share = 1 / len(result["replicas"])
-                    fd = self._local_write_fd(r, view.nbytes) if r.get("direct_writes") else None
-                    if fd is not None and writes.open_direct(r):  # a segment file on this host: pwrite, no request
-                        direct.append((fd, r, view, share))
-                        continue
-                    for start in range(0, view.nbytes, WRITE_CHUNK_BYTES):
-                        chunk = view[start:start + WRITE_CHUNK_BYTES]
-                        jobs.append((r["address"], {"offset": r["offset"] + start, "ticket": r["ticket"]}, chunk,
-                                     chunk.nbytes * share))
-            done = 0.0
-            for fd, r, view, share in direct:
-                for start in range(0, view.nbytes, LOCAL_WRITE_CHUNK_BYTES):
-                    writes.renew_if_due()
-                    chunk = view[start:start + LOCAL_WRITE_CHUNK_BYTES]
-                    _pwrite_all(fd, chunk, r["offset"] + start, r)
-                    done += chunk.nbytes * share
-                    if progress is not None:
-                        progress(int(done))
-            self._run_writes(jobs, progress, done, writes)
-            writes.close_direct()  # raises if a put was fenced while its bytes went straight into the file
-            if direct:
-                # A mapping outlives its segment process: make sure every segment written to directly is alive
-                # before the objects are published, so a segment that died mid-write fails the put.
-                self._ping_segments({r["address"] for _, r, _, _ in direct})
+            remote, direct = self._plan_writes(views, results, writes)
+            done = self._write_direct(direct, writes, progress)
+            self._run_writes(remote, progress, done, writes)
+            self._seal_direct(direct, writes)
             sums = checksums.result() if checksums is not None else _checksums(views)
-            ended = self._master_call("put_end", {"keys": keys, "checksums": sums})["results"]
-            for key, result in zip(keys, ended):
-                if not result.get("ok"):
-                    raise error_from_reply(result.get("code"), result.get("message"))
+            self._put_end(keys, sums)
         except BaseException:
             writes.close_direct(quiet=True)
             self._revoke(started, settled=writes.in_flight == 0)
@@ -142,6 +116,54 @@ class WritePath:
             raise
         self._tell_catalogs(keys, views, results, sums, replica_num)
         return sums
+
+    def _plan_writes(self, views: list[np.ndarray], results: list[dict],
+                     writes: "_Writes") -> tuple[list["_RemoteWrite"], list["_DirectWrite"]]:
+        """Each replica's bytes as requests to its segment, in WRITE_CHUNK_BYTES pieces, or, for a segment whose
+        file is on this host and takes this process's writes, straight into that file."""
+        remote, direct = [], []
+        for view, result in zip(views, results):
+            share = 1 / len(result["replicas"])  # progress counts every replica of an object once in all
+            for r in result["replicas"]:
+                fd = self._local_write_fd(r, view.nbytes) if r.get("direct_writes") else None
+                if fd is not None and writes.open_direct(r):
+                    direct.append(_DirectWrite(fd, r, view, share))
+                    continue
+                for start in range(0, view.nbytes, WRITE_CHUNK_BYTES):
+                    chunk = view[start:start + WRITE_CHUNK_BYTES]
+                    remote.append(_RemoteWrite(r["address"], {"offset": r["offset"] + start, "ticket": r["ticket"]},
+                                               chunk, chunk.nbytes * share))
+        return remote, direct
+
+    @staticmethod
+    def _write_direct(direct: list["_DirectWrite"], writes: "_Writes",
+                      progress: Callable[[int], None] | None) -> float:
+        """``pwrite`` the same-host replicas into their segments' files; returns the progress bytes written."""
+        done = 0.0
+        for job in direct:
+            for start in range(0, job.view.nbytes, LOCAL_WRITE_CHUNK_BYTES):
+                writes.renew_if_due()
+                chunk = job.view[start:start + LOCAL_WRITE_CHUNK_BYTES]
+                _pwrite_all(job.fd, chunk, job.replica["offset"] + start, job.replica)
+                done += chunk.nbytes * job.share
+                if progress is not None:
+                    progress(int(done))
+        return done
+
+    def _seal_direct(self, direct: list["_DirectWrite"], writes: "_Writes") -> None:
+        """Close the same-host writes (raises if a put was fenced while its bytes went into the file) and check
+        their segments live: a mapping outlives its segment process, and a segment that died mid-write must fail
+        the put before its objects are published."""
+        writes.close_direct()
+        if direct:
+            self._ping_segments({job.replica["address"] for job in direct})
+
+    def _put_end(self, keys: list[str], sums: list[str]) -> None:
+        """Publish the objects with their checksums; raise the first key's refusal."""
+        ended = self._master_call("put_end", {"keys": keys, "checksums": sums})["results"]
+        for result in ended:
+            if not result.get("ok"):
+                raise error_from_reply(result.get("code"), result.get("message"))
 
     def _tell_catalogs(self, keys: list[str], views: list, results: list[dict], sums: list[str],
                        replica_num: int) -> None:
@@ -198,52 +220,26 @@ class WritePath:
         one connection come in the order its requests went out. ``writes.in_flight`` counts the requests sent and
         not yet answered (on failure, a revoke frees the space at once only when none is left).
         """
-        queues: dict[str, deque] = {}
-        for job in jobs:
-            queues.setdefault(job[0], deque()).append(job)
-        in_flight: dict[str, deque] = {address: deque() for address in queues}  # (request id, weight, deadline)
-        conns = {address: self._segment_conn(address) for address in queues}
         timeout_s = self.timeout_ms / 1000.0
+        windows: dict[str, _Window] = {}
+        for job in jobs:
+            if job.address not in windows:
+                windows[job.address] = _Window(self._segment_conn(job.address))
+            windows[job.address].queue.append(job)
         poller = zmq.Poller()
-        waiting: dict[Any, str] = {}  # socket -> address, for servers with writes in flight
-
-        def fill(address: str) -> None:
-            queue, sent, conn = queues[address], in_flight[address], conns[address]
-            while queue and len(sent) < WINDOW:
-                _, fields, chunk, weight = queue.popleft()
-                writes.in_flight += 1
-                sent.append((conn.send("write", fields, [chunk]), weight, time.monotonic() + timeout_s))
-            if sent and conn.socket not in waiting:
-                waiting[conn.socket] = address
-                poller.register(conn.socket, zmq.POLLIN)
-
-        for address in queues:
-            fill(address)
+        waiting: dict[Any, _Window] = {}  # socket -> the window of a server with writes in flight
+        for window in windows.values():
+            window.fill(writes, timeout_s, poller, waiting)
         while waiting:
             writes.renew_if_due()
-            deadline = min(in_flight[a][0][2] for a in waiting.values())
+            deadline = min(w.sent[0].deadline for w in waiting.values())
             ready = dict(poller.poll(max(0, int((min(deadline, writes.next_renewal) - time.monotonic()) * 1000))))
             if not ready and time.monotonic() < deadline:
                 continue  # woke up to renew the put
-            addresses = [waiting[sock] for sock in ready] or [min(waiting.values(), key=lambda a: in_flight[a][0][2])]
-            for address in addresses:
-                conn = conns[address]
-                request_id, weight, request_deadline = in_flight[address][0]
-                sock = conn.socket
-                try:
-                    conn.recv(request_id, request_deadline, "write")  # raises on an error reply or past the deadline
-                except EngramError as exc:
-                    if not isinstance(exc, Unavailable):
-                        writes.in_flight -= 1  # answered, with an error
-                    raise
-                in_flight[address].popleft()
-                writes.in_flight -= 1
-                done_bytes += weight
-                if not in_flight[address] and not queues[address]:
-                    poller.unregister(sock)
-                    del waiting[sock]
-                else:
-                    fill(address)
+            due = [waiting[sock] for sock in ready] or [min(waiting.values(), key=lambda w: w.sent[0].deadline)]
+            for window in due:
+                done_bytes += window.take_reply(writes)  # raises on an error reply or past the deadline
+                window.fill(writes, timeout_s, poller, waiting)
             if progress is not None:
                 progress(int(done_bytes))
 
@@ -285,6 +281,66 @@ class WritePath:
         if fd is None or not 0 <= replica["offset"] <= replica["size"] - nbytes:
             return None
         return fd
+
+
+class _RemoteWrite(NamedTuple):
+    """One write request: a piece of one replica's bytes for one segment server."""
+    address: str
+    fields: dict       # offset and ticket
+    chunk: np.ndarray
+    weight: float      # its bytes in progress terms (a replica's share of its object)
+
+
+class _DirectWrite(NamedTuple):
+    """One replica written straight into a same-host segment's file."""
+    fd: int
+    replica: dict
+    view: np.ndarray
+    share: float
+
+
+class _Sent(NamedTuple):
+    request_id: int
+    weight: float
+    deadline: float
+
+
+class _Window:
+    """The write requests of one segment server: those still to send and those in flight (at most WINDOW), whose
+    replies come in the order they went out."""
+
+    def __init__(self, conn: Any):
+        self.conn = conn
+        self.queue: deque[_RemoteWrite] = deque()
+        self.sent: deque[_Sent] = deque()
+
+    def fill(self, writes: "_Writes", timeout_s: float, poller: zmq.Poller, waiting: dict) -> None:
+        """Send until WINDOW requests are in flight; register the socket while any is, unregister it after."""
+        while self.queue and len(self.sent) < WINDOW:
+            job = self.queue.popleft()
+            writes.in_flight += 1
+            self.sent.append(_Sent(self.conn.send("write", job.fields, [job.chunk]), job.weight,
+                                   time.monotonic() + timeout_s))
+        sock = self.conn.socket
+        if self.sent and sock not in waiting:
+            waiting[sock] = self
+            poller.register(sock, zmq.POLLIN)
+        elif not self.sent and sock in waiting:
+            poller.unregister(sock)
+            del waiting[sock]
+
+    def take_reply(self, writes: "_Writes") -> float:
+        """Receive the oldest request's reply; returns its progress weight."""
+        oldest = self.sent[0]
+        try:
+            self.conn.recv(oldest.request_id, oldest.deadline, "write")
+        except EngramError as exc:
+            if not isinstance(exc, Unavailable):
+                writes.in_flight -= 1  # answered, with an error
+            raise
+        self.sent.popleft()
+        writes.in_flight -= 1
+        return oldest.weight
 
 
 class _Writes:
