@@ -29,6 +29,7 @@ from .._errors import (
     MasterUnavailable,
     ProtocolError,
     RemoteError,
+    is_int,
 )
 from ..wire._auth import AuthKeys
 from ..wire._protocol import PROTOCOL_VERSION, Request, frame_array, frame_bytes
@@ -106,23 +107,15 @@ class SegmentServer:
         raw_reads: bool = True,
         raw_max_connections: int | None = None,
     ):
-        if readers is None:
-            readers = default_readers()
-        if not isinstance(readers, int) or isinstance(readers, bool) or not 0 <= readers <= MAX_READERS:
+        readers = default_readers() if readers is None else readers
+        if not is_int(readers) or not 0 <= readers <= MAX_READERS:
             raise InvalidArgument(f"readers: expected an integer in [0, {MAX_READERS}], got {readers!r}")
         self.catalog = Catalog(os.path.abspath(file) if file is not None else None, size)
-        if file is not None:
+        if file is not None:  # a durable segment keeps the identity its manifest records
             if segment_id is not None and segment_id != self.catalog.segment_id:
                 raise ConfigError(f"segment_id: the manifest of {file!r} names {self.catalog.segment_id}, "
                                   f"not {segment_id}")
             segment_id = self.catalog.segment_id
-            self.memory = SegmentMemory(size, path=os.path.abspath(file), keep_file=True)
-        else:
-            self.memory = SegmentMemory(size)
-        # Which put wrote which range: checked by every read that names its objects, and published beside the
-        # segment's file for readers on this host.
-        self.generations = Generations(self.memory.path + ".gen" if self.memory.path else None, size)
-        self.generations.seed(self.catalog.objects)  # a durable segment's objects, as its manifest lists them
         self.segment_id = segment_id or uuid.uuid4().hex
         self.catalog.segment_id = self.segment_id
         self.fence = WriteFence(self.segment_id)
@@ -131,58 +124,64 @@ class SegmentServer:
         self._master_curve = auth.client_curve if auth is not None else None
         self._rpc_timeout_ms = rpc_timeout_ms
         self._register_timeout_s = register_timeout_s
+        self.heartbeat_interval_s = 1.0
         self._stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
+        self._prefault_thread: threading.Thread | None = None
         self._closed = False
-        # Reads gather from one read-only view of the mapping, built once.
-        self._src = _kernels.readonly(self.memory.array)
-        # Map the segment in the background, so the first reads do not page-fault; start-up does not wait.
-        self._prefault_thread = threading.Thread(target=self.memory.prefault, args=(self._stop,), daemon=True,
-                                                 name=f"engram-prefault-{self.segment_id[:8]}")
-        self._prefault_thread.start()
+        self.generations: Generations | None = None
         self.server: RpcServer | None = None
         self._readers: list[RpcServer] = []
         self.raw: RawReadServer | None = None
-        # With two ZeroMQ I/O threads (engram-segment starts them when it has readers), the main socket's
-        # traffic (large writes) goes through one and the readers' through the other, so reads do not queue
-        # behind the bytes of a populate. Without, every socket shares the one I/O thread.
-        main_io, read_io = (1, 2) if readers and io_threads() >= 2 else (0, 0)
+        self.memory = SegmentMemory(size, path=os.path.abspath(file), keep_file=True) if file is not None \
+            else SegmentMemory(size)
         try:
-            name = f"segment {self.segment_id[:8]}"
-            max_bytes = MAX_WRITE_BYTES + (1 << 20)
-            self.server = RpcServer(host, port, name, {"ping": self._ping, "write": self._write,
-                                                       "write_open": self._write_open,
-                                                       "write_close": self._write_close,
-                                                       "read_ranges": self._read_ranges,
-                                                       "channel_token": self._channel_token,
-                                                       "catalog_add": self._catalog_add,
-                                                       "catalog_drop": self._catalog_drop},
-                                    max_message_bytes=max_bytes, auth=auth, io_affinity=main_io)
-            # Readers hand out raw-channel tokens too: a client asks the endpoint it reads from, and a reader's
-            # socket requires the same CURVE keys as the main one.
-            read_handlers = {"ping": self._ping, "read_ranges": self._read_ranges,
-                             "channel_token": self._channel_token}
-            for i in range(readers):
-                self._readers.append(RpcServer(host, port + 1 + i if port else 0, f"{name} reader {i}",
-                                               read_handlers, max_message_bytes=max_bytes, auth=auth,
-                                               io_affinity=read_io))
-            if raw_reads:
-                # Range reads on a plain TCP port as well (see _raw): lookups at the network stack's speed.
-                self.raw = RawReadServer(host, self.memory.array, max_ranges=MAX_RANGES, max_bytes=MAX_READ_BYTES,
-                                         require_token=auth is not None, name=name, metrics=self.server.metrics,
-                                         max_connections=raw_max_connections, generations=self.generations)
+            # Which put wrote which range: checked by every read that names its objects, and published beside
+            # the segment's file for readers on this host; a durable segment's objects as its manifest lists them.
+            self.generations = Generations(self.memory.path + ".gen" if self.memory.path else None, size)
+            self.generations.seed(self.catalog.objects)
+            # Reads gather from one read-only view of the mapping, built once; the mapping is faulted in the
+            # background, so the first reads do not page-fault and start-up does not wait.
+            self._src = _kernels.readonly(self.memory.array)
+            self._prefault_thread = threading.Thread(target=self.memory.prefault, args=(self._stop,), daemon=True,
+                                                     name=f"engram-prefault-{self.segment_id[:8]}")
+            self._prefault_thread.start()
+            self._bind(host, port, auth, readers, raw_reads, raw_max_connections)
+            if master is not None:
+                self._register(deadline=time.monotonic() + register_timeout_s)
         except BaseException:
             self._close_servers()
             self._release_memory()
             raise
-        self.heartbeat_interval_s = 1.0
-        if master is not None:
-            try:
-                self._register(deadline=time.monotonic() + register_timeout_s)
-            except BaseException:
-                self._close_servers()
-                self._release_memory()
-                raise
+
+    def _bind(self, host: str, port: int, auth: AuthKeys | None, readers: int, raw_reads: bool,
+              raw_max_connections: int | None) -> None:
+        """The main socket, the reader sockets and the raw read channel."""
+        # With two ZeroMQ I/O threads (engram-segment starts them when it has readers), the main socket's
+        # traffic (large writes) goes through one and the readers' through the other, so reads do not queue
+        # behind the bytes of a populate. Without, every socket shares the one I/O thread.
+        main_io, read_io = (1, 2) if readers and io_threads() >= 2 else (0, 0)
+        name = f"segment {self.segment_id[:8]}"
+        max_bytes = MAX_WRITE_BYTES + (1 << 20)
+        self.server = RpcServer(host, port, name, {"ping": self._ping, "write": self._write,
+                                                   "write_open": self._write_open,
+                                                   "write_close": self._write_close,
+                                                   "read_ranges": self._read_ranges,
+                                                   "channel_token": self._channel_token,
+                                                   "catalog_add": self._catalog_add,
+                                                   "catalog_drop": self._catalog_drop},
+                                max_message_bytes=max_bytes, auth=auth, io_affinity=main_io)
+        # Readers hand out raw-channel tokens too: a client asks the endpoint it reads from, and a reader's
+        # socket requires the same CURVE keys as the main one.
+        read_handlers = {"ping": self._ping, "read_ranges": self._read_ranges, "channel_token": self._channel_token}
+        for i in range(readers):
+            self._readers.append(RpcServer(host, port + 1 + i if port else 0, f"{name} reader {i}", read_handlers,
+                                           max_message_bytes=max_bytes, auth=auth, io_affinity=read_io))
+        if raw_reads:
+            # Range reads on a plain TCP port as well (see _raw): lookups at the network stack's speed.
+            self.raw = RawReadServer(host, self.memory.array, max_ranges=MAX_RANGES, max_bytes=MAX_READ_BYTES,
+                                     require_token=auth is not None, name=name, metrics=self.server.metrics,
+                                     max_connections=raw_max_connections, generations=self.generations)
 
     @property
     def address(self) -> str:
@@ -492,10 +491,12 @@ class SegmentServer:
 
     def _release_memory(self) -> None:
         self._stop.set()
-        self._prefault_thread.join()  # at most one madvise chunk: the mapping must outlive it
+        if self._prefault_thread is not None:
+            self._prefault_thread.join()  # at most one madvise chunk: the mapping must outlive it
         self._src = None
         self.memory.close()
-        self.generations.close()
+        if self.generations is not None:
+            self.generations.close()
 
     def close(self, unregister: bool = True) -> None:
         if self._closed:
