@@ -15,7 +15,7 @@ Public surface::
 Demo: ``python -m engram_model.v41.demo``. Loading a checkpoint into a running store: ``engram-load-v41``.
 """
 
-from ._checkpoint import SafetensorsCheckpoint, load_v41_table, load_v41_weights
+from ._checkpoint import SafetensorsCheckpoint, load_v41_table, load_v41_weights, open_v41_table
 from ._config import V41Config, v41_store_config
 from ._engram import V41Engram, V41Prefetch
 from ._fp8 import decode_fp8_rows, encode_fp8_rows
@@ -36,6 +36,7 @@ __all__ = [
     "encode_fp8_rows",
     "load_token_map",
     "load_v41_table",
+    "open_v41_table",
     "load_v41_weights",
     "save_token_map",
     "v41_store_config",

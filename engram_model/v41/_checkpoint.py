@@ -298,10 +298,7 @@ def load_v41_table(path: Any, config: V41Config, layer_id: int, store: Any = Non
                               f"store={type(store).__name__} and disk_dir={describe(disk_dir)}")
     if disk_dir is not None:
         return _load_to_disk(ckpt, config, layer_id, disk_dir, progress, row_cache_bytes)
-    if isinstance(store, EngramStore) or not hasattr(store, "batch_is_exist"):
-        raise InvalidType(f"store: expected a DistributedStore (the table goes in as head shards of layer "
-                          f"{layer_id}), got {type(store).__name__}")
-    layer = EngramStore(layer_id, layout, store)
+    layer = _store_layer(store, layout, layer_id)
     present = [k for k, e in zip(layer.get_store_keys(), store.batch_is_exist(layer.get_store_keys())) if e]
     if present:
         layer.close()
@@ -312,22 +309,7 @@ def load_v41_table(path: Any, config: V41Config, layer_id: int, store: Any = Non
     written: list[EngramStore] = []
     try:
         for c, (offset, prime) in enumerate(zip(offsets.tolist(), primes)):
-            column = buffer[:prime]
-            nbytes = column.nbytes
-            bar = Progress(nbytes, f"layer {layer_id} column {c + 1}/{config.cols}",
-                           enabled=progress if progress is not None else (None if nbytes >= PROGRESS_MIN_BYTES
-                                                                          else False))
-            try:
-                for lo in range(0, prime, CHUNK_ROWS):
-                    hi = min(lo + CHUNK_ROWS, prime)
-                    bad = _kernels.pack_rows(weight[offset + lo:offset + hi], scale[offset + lo:offset + hi],
-                                             column[lo:hi])
-                    if bad >= 0:
-                        raise InvalidArgument(f"layer {layer_id}: table row {offset + lo + int(bad)} (column {c}) "
-                                              "holds an e4m3 NaN code or e8m0 byte 255")
-                    bar(hi * config.row_bytes)
-            finally:
-                bar.close()
+            column = _pack_column(weight, scale, offset, buffer[:prime], layer_id, c, config.cols, progress)
             shard = EngramStore(layer_id, layout, store, heads=[c])
             shard.populate([column], replica_num=replica_num)
             written.append(shard)
@@ -344,6 +326,76 @@ def load_v41_table(path: Any, config: V41Config, layer_id: int, store: Any = Non
         for shard in written:
             shard.close()
     return layer
+
+
+def open_v41_table(path: Any, config: V41Config, layer_id: int, store: Any = None, *, disk_dir: Any = None,
+                   replica_num: int = 1, progress: bool | None = None, row_cache_bytes: int = 0) -> EngramStore:
+    """The layer's EngramStore in ``store`` or under ``disk_dir``: opened where the layer is there already, else
+    streamed in from the checkpoint first (:func:`load_v41_table`). A layer partly there (an interrupted load) is
+    refused: remove it and load it again."""
+    layout = v41_store_config(config, layer_id)
+    if store is not None and disk_dir is not None:
+        raise InvalidArgument(f"store, disk_dir: expected exactly one place for the table of layer {layer_id}, got "
+                              f"store={type(store).__name__} and disk_dir={describe(disk_dir)}")
+    if disk_dir is not None:
+        from engram_store.disk import DiskDir
+
+        if layer_id in DiskDir(disk_dir).layers():
+            return EngramStore(layer_id, layout, disk_dir=disk_dir, row_cache_bytes=row_cache_bytes)
+        return load_v41_table(path, config, layer_id, disk_dir=disk_dir, progress=progress,
+                              row_cache_bytes=row_cache_bytes)
+    layer = _store_layer(store, layout, layer_id)
+    present = store.batch_is_exist(layer.get_store_keys())
+    if all(present):
+        return layer
+    layer.close()
+    if any(present):
+        raise InvalidArgument(f"store: {sum(present)} of {config.cols} columns of layer {layer_id} are in the store "
+                              f"(an interrupted load?); engram-layers remove --master {store.master_address} "
+                              f"{layer_id}, then load it again")
+    _say_why_loading(store, layer_id)
+    return load_v41_table(path, config, layer_id, store, replica_num=replica_num, progress=progress)
+
+
+def _store_layer(store: Any, layout: Any, layer_id: int) -> EngramStore:
+    if isinstance(store, EngramStore) or not hasattr(store, "batch_is_exist"):
+        raise InvalidType(f"store: expected a DistributedStore (the table goes in as head shards of layer "
+                          f"{layer_id}), got {type(store).__name__}")
+    return EngramStore(layer_id, layout, store)
+
+
+def _say_why_loading(store: Any, layer_id: int) -> None:
+    """Log why a layer is streamed into a store: it was never there, or the store lost it (a loss must not hide
+    behind a silent reload)."""
+    lost = [k.key for k in store.list_keys(f"engram:l{layer_id}:") if k.state == "lost"] \
+        if hasattr(store, "list_keys") else []
+    if lost:
+        log.warning("layer %d: the store lost %d of its objects (%s%s; engram-master status lists them); streaming "
+                    "the layer from the checkpoint again", layer_id, len(lost), ", ".join(lost[:3]),
+                    ", ..." if len(lost) > 3 else "")
+    else:
+        log.info("layer %d is not in the store yet: streaming it from the checkpoint", layer_id)
+
+
+def _pack_column(weight: np.ndarray, scale: np.ndarray, offset: int, column: np.ndarray, layer_id: int, c: int,
+                 cols: int, progress: bool | None) -> np.ndarray:
+    """Pack column ``c``'s rows (``column.shape[0]`` of them from table row ``offset``) into ``column``: codes then
+    scale bytes, refusing NaN codes, chunk by chunk with a progress bar."""
+    prime, row_bytes = column.shape
+    bar = Progress(column.nbytes, f"layer {layer_id} column {c + 1}/{cols}",
+                   enabled=progress if progress is not None else (None if column.nbytes >= PROGRESS_MIN_BYTES
+                                                                  else False))
+    try:
+        for lo in range(0, prime, CHUNK_ROWS):
+            hi = min(lo + CHUNK_ROWS, prime)
+            bad = _kernels.pack_rows(weight[offset + lo:offset + hi], scale[offset + lo:offset + hi], column[lo:hi])
+            if bad >= 0:
+                raise InvalidArgument(f"layer {layer_id}: table row {offset + lo + int(bad)} (column {c}) holds an "
+                                      "e4m3 NaN code or e8m0 byte 255")
+            bar(hi * row_bytes)
+    finally:
+        bar.close()
+    return column
 
 
 def _load_to_disk(ckpt: "SafetensorsCheckpoint", config: V41Config, layer_id: int, disk_dir: Any,

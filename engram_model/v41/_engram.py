@@ -36,7 +36,7 @@ from engram_store import EngramStore
 from engram_store._errors import InvalidArgument, InvalidType, describe
 
 from . import _kernels
-from ._checkpoint import SafetensorsCheckpoint, load_v41_table, load_v41_weights
+from ._checkpoint import SafetensorsCheckpoint, load_v41_weights, open_v41_table
 from ._config import V41Config, v41_store_config
 from ._fp8 import DECODE_TABLE, bad_row_message
 from ._hasher import V41Hasher
@@ -326,30 +326,10 @@ class V41Engram:
         ckpt = SafetensorsCheckpoint(path)
         weights = load_v41_weights(ckpt, config, layer_id)
         owned = not isinstance(store, EngramStore)
-        if disk_dir is not None:
-            from engram_store.disk import DiskDir
-
-            if layer_id in DiskDir(disk_dir).layers():
-                layer = EngramStore(layer_id, v41_store_config(config, layer_id), disk_dir=disk_dir,
-                                    row_cache_bytes=row_cache_bytes)
-            else:
-                layer = load_v41_table(ckpt, config, layer_id, disk_dir=disk_dir, progress=progress,
-                                       row_cache_bytes=row_cache_bytes)
-        elif owned:
-            if not hasattr(store, "batch_is_exist"):
-                raise InvalidType(f"store: expected an EngramStore or a DistributedStore, got {type(store).__name__}")
-            layer = EngramStore(layer_id, v41_store_config(config, layer_id), store)
-            present = store.batch_is_exist(layer.get_store_keys())
-            if not any(present):
-                layer.close()
-                _say_why_loading(store, layer_id)
-                layer = load_v41_table(ckpt, config, layer_id, store, replica_num=replica_num, progress=progress)
-            elif not all(present):
-                layer.close()
-                raise InvalidArgument(f"store: {sum(present)} of {config.cols} columns of layer {layer_id} are in "
-                                      "the store (an interrupted load?); remove them and load again")
-        else:
-            layer = store
+        if owned and store is not None and not hasattr(store, "batch_is_exist"):
+            raise InvalidType(f"store: expected an EngramStore or a DistributedStore, got {type(store).__name__}")
+        layer = open_v41_table(ckpt, config, layer_id, store, disk_dir=disk_dir, replica_num=replica_num,
+                               progress=progress, row_cache_bytes=row_cache_bytes) if owned else store
         try:
             engram = cls(config, layer_id, weights["wkv"], weights["q_weight"], weights["k_weight"], layer, hasher)
         except BaseException:
@@ -383,15 +363,3 @@ class V41Engram:
         return (f"V41Engram(layer_id={self.layer_id}, cols={c.cols}, head_dim={c.head_dim}, hc_mult={c.hc_mult}, "
                 f"hidden_size={c.hidden_size})")
 
-
-def _say_why_loading(store: Any, layer_id: int) -> None:
-    """Log why a layer is streamed into a store: it was never there, or the store lost it (a loss must not hide
-    behind a silent reload)."""
-    lost = [k.key for k in store.list_keys(f"engram:l{layer_id}:") if k.state == "lost"] \
-        if hasattr(store, "list_keys") else []
-    if lost:
-        log.warning("layer %d: the store lost %d of its objects (%s%s; engram-master status lists them); streaming "
-                    "the layer from the checkpoint again", layer_id, len(lost), ", ".join(lost[:3]),
-                    ", ..." if len(lost) > 3 else "")
-    else:
-        log.info("layer %d is not in the store yet: streaming it from the checkpoint", layer_id)
