@@ -40,20 +40,14 @@ _FLOAT32_BYTES = 4
 OFFSETS_KEY = "multi_head_embedding.offsets"
 
 
-class EngramPrefetch:
-    """Rows of one layer being read in the background; pass it to ``forward(..., prefetched=handle)``."""
+class EngramPrefetch(LookupHandle):
+    """Rows of one layer being read in the background; pass it to ``forward(..., prefetched=handle)``.
+    ``result()`` is the rows, float32 ``[B, L, H, D_head]``, or raises what the read raised."""
 
     def __init__(self, layer_id: int, input_ids: np.ndarray, handle: LookupHandle):
+        super().__init__(handle.future, handle.row_ids)
         self.layer_id = layer_id
         self.input_ids = input_ids  # the (uncompressed) [B, L] ids the rows belong to
-        self._handle = handle
-
-    def done(self) -> bool:
-        return self._handle.done()
-
-    def result(self, timeout: float | None = None) -> np.ndarray:
-        """The rows, float32 ``[B, L, H, D_head]``; raises what the read raised."""
-        return self._handle.result(timeout)
 
     def __repr__(self) -> str:
         return f"EngramPrefetch(layer_id={self.layer_id}, shape={self.input_ids.shape}, done={self.done()})"

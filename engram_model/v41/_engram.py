@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from engram_store import EngramStore
+from engram_store import EngramStore, LookupHandle
 from engram_store._errors import InvalidArgument, InvalidType, describe
 
 from . import _kernels
@@ -46,20 +46,14 @@ log = logging.getLogger(__name__)
 _NO_MASK = np.ones(1, dtype=np.bool_)
 
 
-class V41Prefetch:
-    """Rows of one layer being gathered and decoded in the background; pass it to ``forward(prefetched=...)``."""
+class V41Prefetch(LookupHandle):
+    """Rows of one layer being gathered and decoded in the background; pass it to ``forward(prefetched=...)``.
+    ``result()`` is the decoded rows, float32 ``[B, L, cols, head_dim]``, or raises what the read raised."""
 
-    def __init__(self, layer_id: int, shape: tuple[int, int], future: Future):
+    def __init__(self, layer_id: int, shape: tuple[int, int], future: Future, row_ids: Any = None):
+        super().__init__(future, row_ids)
         self.layer_id = layer_id
         self.shape = shape  # the (B, L) of the token ids the rows belong to
-        self._future = future
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def result(self, timeout: float | None = None) -> np.ndarray:
-        """The decoded rows, float32 ``[B, L, cols, head_dim]``; raises what the read raised."""
-        return self._future.result(timeout)
 
     def __repr__(self) -> str:
         return f"V41Prefetch(layer_id={self.layer_id}, shape={self.shape}, done={self.done()})"

@@ -48,11 +48,18 @@ class LookupHandle:
     """A lookup that may be running in the background: ``done()``, ``result(timeout=None)``, ``cancel()``.
 
     ``result()`` returns the rows (the caller's ``out`` buffer if one was given) or raises what the read raised.
+    The one handle type of the project's background reads: the Engram modules' prefetch handles are this, with
+    what their ``forward`` checks added.
     """
 
     def __init__(self, future: Future, row_ids: Any):
         self._future = future
         self.row_ids = row_ids
+
+    @property
+    def future(self) -> Future:
+        """The read's :class:`concurrent.futures.Future` (for ``add_done_callback``, ``asyncio.wrap_future``)."""
+        return self._future
 
     def done(self) -> bool:
         return self._future.done()
