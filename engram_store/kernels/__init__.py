@@ -1,5 +1,6 @@
 """Numba kernels for the hot paths, by topic: row planning and byte ranges (``_planning``), gathers and scatters
-(``_gather``), sorting (``_sort``), the hot-row cache (``_cache``).
+(``_gather``), sorting (``_sort``), the hot-row cache (``_cache``), the generation checks of reads
+(``_generations``, ``_generations_table``), the raw read channel's round trips (``_raw_io``).
 
 Every kernel is compiled with ``cache=True`` (once per machine, loaded from the on-disk cache afterwards) and
 ``nogil=True`` (lookups in worker threads overlap with each other and with the caller). Compilation is lazy:
@@ -62,14 +63,15 @@ from ._planning import (
     plan_unique_rows,
     rows_to_ranges,
 )
+from ._raw_io import RAW_IO, SERVER_STATE_WORDS, direct_read_plan, read_direct, serve_params, serve_read
 
 __all__ = [
-    "PREFETCH_ROWS", "ReadPlan", "RowSource", "cache_fill", "cache_insert", "cache_probe", "check_generations",
-    "check_pairs", "check_pairs_for", "check_table", "TABLE_UNKNOWN",
-    "check_ranges", "direct_pairs", "first_bad_row", "gather_pairs", "gather_pairs_unchecked", "gather_ranges",
-    "gather_rows", "gather_rows_local", "narrower", "plan_pieces", "plan_reads", "plan_unique_rows", "readonly",
-    "row_source", "rows_to_ranges", "scatter_ranges", "scatter_rows", "scatter_rows_prepared", "warmup",
-    "word_shift",
+    "PREFETCH_ROWS", "RAW_IO", "ReadPlan", "RowSource", "cache_fill", "cache_insert", "cache_probe",
+    "check_generations", "check_pairs", "check_pairs_for", "check_table", "TABLE_UNKNOWN",
+    "check_ranges", "direct_pairs", "direct_read_plan", "first_bad_row", "gather_pairs", "gather_pairs_unchecked",
+    "gather_ranges", "gather_rows", "gather_rows_local", "narrower", "plan_pieces", "plan_reads", "plan_unique_rows",
+    "read_direct", "readonly", "row_source", "rows_to_ranges", "scatter_ranges", "scatter_rows",
+    "scatter_rows_prepared", "serve_params", "serve_read", "warmup", "word_shift",
 ]
 
 
@@ -90,6 +92,13 @@ def warmup(word_sizes: tuple[int, ...] = (8, 4, 2, 1), cache: bool = True) -> No
     rows_to_ranges(uniq, starts, np.zeros(2, dtype=np.int64), 8)
     plan = plan_reads(ids, heads, np.zeros(2, dtype=np.int64), 8)
     direct_pairs(ids, heads, np.zeros(2, dtype=np.int64), 8)
+    if RAW_IO:  # the raw channel's round trips, on no socket: each returns at its first check or call
+        from ._raw_io import client_buffer
+        read_direct(-1, ids, direct_read_plan(heads, np.zeros(2, np.int64), named), 8, 1,
+                    client_buffer(0, 0, 0, 1.0), np.zeros(32, dtype=np.uint8))
+        serve_read(-1, -1, -1, 0, -1, np.zeros(64, dtype=np.uint8), np.zeros(64, dtype=np.uint8),
+                   readonly(np.zeros(64, dtype=np.uint8)), np.zeros(0, dtype=np.int64),
+                   serve_params(0, 0, 1, 1, 1, 1, 1.0, 1), np.zeros(SERVER_STATE_WORDS, dtype=np.int64))
     for word in word_sizes:
         segment = np.zeros(64 * word, dtype=np.uint8)
         out = np.zeros(4 * word, dtype=np.uint8)

@@ -1,0 +1,464 @@
+"""The raw read channel's round trips, one GIL-free kernel per side: a client's lookup read and a segment's answer.
+
+Why: on each side a raw-channel read used to cross the interpreter a dozen times (plan the ranges, pack a header,
+send, receive, unpack, check the named objects, gather, send). Hot, each crossing costs a microsecond or two; at
+the cadence serving uses (one lookup per model step, tens of milliseconds apart, every cache cold by then) each
+costs tens, and each GIL release on the way hands the interpreter to a busy model thread for up to a switch
+interval. Here each side's part is one call that talks to libc (``poll``, ``send``, ``recv``, ``recvmsg``,
+``read``, ``clock_gettime``) itself:
+
+* :func:`read_direct` (client): build the request in the channel's buffer (header, the placement's checks, one
+  range per (m, head) row in output order, as :func:`direct_pairs` plans it), send it, receive the reply header
+  and rows straight into the output, check the header.
+* :func:`serve_read` (segment): wait on a connection (a linger, then a poll that also watches a "thread wanted"
+  pipe), receive a read, check the objects it names against the generation table (as :func:`check_table`), check
+  its ranges, gather them behind the reply header, read the table's sequence again, send the reply.
+
+Anything off that path is the caller's: a kernel returns a status, and what it received stays in the caller's
+buffer. Messages are a 24-byte header of three little-endian words (kind, request id, count) and a body; the
+caller passes the kinds in (the magic, version and op or status of its protocol), so this room knows no protocol.
+
+Linux on a 64-bit little-endian CPU only (the layouts of ``struct pollfd``, ``struct msghdr`` and ``struct iovec``
+and the errno values are that ABI's, and words are read in place): elsewhere :data:`RAW_IO` is False and callers
+keep to their Python paths. The NumPy/Python twins the tests hold the kernels to are in :mod:`._raw_twins`.
+"""
+from __future__ import annotations
+
+import errno as _errno
+import socket as _socket
+import sys
+import time
+
+import numpy as np
+from numba import carray, njit, types
+
+from ._gather import _gather_pairs_any
+from ._generations_table import HOLDS, SEQ, _check_table
+from ._planning import _pairs_total
+
+#: Whether the kernels run here (Linux, 64-bit, little-endian); callers take their Python paths where not.
+RAW_IO = sys.platform.startswith("linux") and sys.maxsize > 2 ** 32 and sys.byteorder == "little"
+HEADER_BYTES = 24
+#: The words at the start of a channel's buffer (client_buffer): a msghdr (0-6), two iovecs (7-10), the reply
+#: header (C_HEAD), a timespec (C_TIME), a pollfd (C_POLL), the request's kind, a good reply's kind, the timeout.
+CLIENT_WORDS = 24
+C_HEAD, C_TIME, C_POLL, C_KIND, C_OK_KIND, C_TIMEOUT_NS = 11, 14, 16, 17, 18, 19
+#: A :func:`serve_read` state array: the bytes received and not used yet (``request[start:end]``), how many reads
+#: the call answered, the last one's request id and reply bytes, scratch memory (two pollfds at 8-9, a timespec at
+#: 10-11), then each answered read's serving time in ns (at most RING of them a call).
+START, END, COUNT, REQUEST_ID, TOTAL = range(5)
+RING_AT, RING = 16, 64
+SERVER_STATE_WORDS = RING_AT + RING
+#: :func:`serve_read`'s params: the kinds of a read request and a good reply, and the bounds of one request.
+(P_READ_KIND, P_OK_KIND, P_MAX_RANGES, P_MAX_BYTES, P_STREAM_MIN, P_STREAM_PIECE, P_SEND_TIMEOUT_NS,
+ P_SEND_MIN_RATE) = range(8)
+SERVER_PARAMS = 8
+
+# read_direct's answers.
+OK = 0
+NO_ROOM = 1  # the request does not fit the buffer given: nothing was sent
+CLOSED = 2  # the peer closed (or reset) the connection before a byte of the reply came
+TIMEOUT = 3  # a send or receive waited out the socket's timeout, or the deadline passed
+FAILED = 4  # any other socket error, or the connection ended inside a reply
+REFUSED = 5  # the reply carries another status (busy, an error): its message is still on the connection
+PROTOCOL = 6  # not the reply expected (another magic or version, request id or count)
+# serve_read's answers (state[COUNT] says how many reads it answered before it returned any of them).
+SERVED = 0  # reads were answered (RING of them, or no other came within the settle wait)
+QUIET = 1  # nothing came within the linger and the sticky wait (or at once, without a wait)
+NEEDED = 2  # during the sticky wait the pipe asked for this thread (its byte was taken)
+RECHECK = 3  # the pipe woke the wait but another thread took its byte: the caller decides
+GONE = 4  # the peer closed the connection, or it failed
+PYTHON = 5  # a message this kernel does not answer (or part of one): the caller takes it from state
+SEND_TIMEOUT = 6  # the reply was not taken within the send deadline
+
+_EINTR, _EAGAIN = _errno.EINTR, _errno.EAGAIN
+_EPIPE, _ECONNRESET = _errno.EPIPE, _errno.ECONNRESET
+_MSG_DONTWAIT = getattr(_socket, "MSG_DONTWAIT", 0x40)
+_MSG_NOSIGNAL = getattr(_socket, "MSG_NOSIGNAL", 0x4000)
+_POLLIN, _POLLOUT = 0x1, 0x4
+_CLOCK_MONOTONIC = getattr(time, "CLOCK_MONOTONIC", 1)
+_LOW48 = (1 << 48) - 1  # a header's magic and version, without its op or status
+
+# libc, by symbol name (resolved when the kernel is linked, so the compiled kernels cache like any other).
+_ssize, _int, _ptr = types.intp, types.intc, types.uintp
+_send = types.ExternalFunction("send", _ssize(_int, _ptr, _ptr, _int))
+_recv = types.ExternalFunction("recv", _ssize(_int, _ptr, _ptr, _int))
+_recvmsg = types.ExternalFunction("recvmsg", _ssize(_int, _ptr, _int))
+_read = types.ExternalFunction("read", _ssize(_int, _ptr, _ptr))
+_poll = types.ExternalFunction("poll", _int(_ptr, _ptr, _int))
+_clock_gettime = types.ExternalFunction("clock_gettime", _int(_int, _ptr))
+_errno_location = types.ExternalFunction("__errno_location", types.CPointer(_int)())
+
+
+@njit(cache=True, nogil=True)
+def _errno():
+    return carray(_errno_location(), (1,))[0]
+
+
+@njit(cache=True, nogil=True)
+def _now_ns(scratch, at):
+    # CLOCK_MONOTONIC in ns (time.monotonic's clock); scratch[at:at + 2] holds the timespec.
+    _clock_gettime(_CLOCK_MONOTONIC, scratch.ctypes.data + 8 * at)
+    return scratch[at] * 1_000_000_000 + scratch[at + 1]
+
+
+@njit(cache=True, nogil=True)
+def _wait_fd(fd, events, deadline_ns, scratch, at_time, at_poll):
+    # Poll fd for events until deadline_ns: True once it is ready (or failed: the next call says how), False when
+    # the deadline passed. The pollfd at scratch[at_poll], the timespec at scratch[at_time:at_time + 2].
+    while True:
+        now = _now_ns(scratch, at_time)
+        if now >= deadline_ns:
+            return False
+        scratch[at_poll] = fd | (events << 32)
+        r = _poll(scratch.ctypes.data + 8 * at_poll, 1, (deadline_ns - now + 999_999) // 1_000_000)
+        if r > 0:
+            return True
+        if r < 0 and _errno() != _EINTR:
+            return True
+
+
+@njit(cache=True, nogil=True)
+def _send_all(fd, address, nbytes, deadline_ns, scratch, at_time, at_poll):
+    # Send nbytes from address: OK, CLOSED (reset or broken pipe), TIMEOUT (not taken by the deadline) or FAILED.
+    # A blocking socket waits in send (bounded by its own send timeout), a non-blocking one in poll.
+    sent = 0
+    while sent < nbytes:
+        k = _send(fd, address + sent, nbytes - sent, _MSG_NOSIGNAL)
+        if k > 0:
+            sent += k
+            if sent < nbytes and _now_ns(scratch, at_time) > deadline_ns:
+                return TIMEOUT
+            continue
+        e = _errno()
+        if k < 0 and e == _EINTR:
+            continue
+        if k < 0 and e == _EAGAIN:
+            if not _wait_fd(fd, _POLLOUT, deadline_ns, scratch, at_time, at_poll):
+                return TIMEOUT
+            continue
+        if k < 0 and (e == _EPIPE or e == _ECONNRESET):
+            return CLOSED
+        return FAILED
+    return OK
+
+
+# ---- the client: one lookup read ---------------------------------------------------------------------------------
+
+@njit(cache=True, nogil=True)
+def _direct_request(ids, plan, row_bytes, kind, request_id, words):
+    # The request of a direct read into words (int64): header, the checks, then one (offset, row_bytes) per
+    # (m, listed head) in output order. plan: [K, C, order[K], bases[K], checks[2C, 2] flat]. Returns its bytes,
+    # or -1 when words is too small.
+    M = ids.shape[0]
+    K = plan[0]
+    C = plan[1]
+    count = C + M * K
+    if 3 + 2 * count > words.size:
+        return -1
+    words[0] = kind
+    words[1] = request_id
+    words[2] = count
+    p = 3
+    c0 = 2 + 2 * K
+    for i in range(2 * C):
+        words[p + i] = plan[c0 + i]
+    p += 2 * C
+    for m in range(M):
+        for k in range(K):
+            words[p] = plan[2 + K + k] + ids[m, plan[2 + k]] * row_bytes
+            words[p + 1] = row_bytes
+            p += 2
+    return 8 * p
+
+
+@njit(cache=True, nogil=True)
+def _read_direct(fd, ids, plan, row_bytes, request_id, buf, out):
+    # buf: the channel's buffer (see client_buffer): CLIENT_WORDS words of its own, then the request.
+    words = buf[:buf.size - buf.size % 8].view(np.int64)
+    nbytes = _direct_request(ids, plan, row_bytes, words[C_KIND], request_id, words[CLIENT_WORDS:])
+    if nbytes < 0:
+        return NO_ROOM
+    expected = ids.shape[0] * plan[0] * row_bytes
+    if out.size < expected:
+        return NO_ROOM
+    deadline = _now_ns(words, C_TIME) + words[C_TIMEOUT_NS]
+    base = buf.ctypes.data
+    status = _send_all(fd, base + 8 * CLIENT_WORDS, nbytes, deadline, words, C_TIME, C_POLL)
+    if status != OK:
+        return status
+    # The reply: its header into words[C_HEAD:C_HEAD + 3], its rows straight into out; both in one recvmsg where
+    # they arrived together (a msghdr at words[0:7] and two iovecs at words[7:11]).
+    head = base + 8 * C_HEAD
+    words[0] = 0
+    words[1] = 0
+    words[2] = base + 8 * 7
+    words[3] = 2
+    words[4] = 0
+    words[5] = 0
+    words[6] = 0
+    words[7] = head
+    words[8] = HEADER_BYTES
+    words[9] = out.ctypes.data
+    words[10] = expected
+    ok_kind = words[C_OK_KIND]
+    total = HEADER_BYTES + expected
+    got = 0
+    checked = False
+    while got < total:
+        if got == 0:
+            k = _recvmsg(fd, base, 0)
+        elif got < HEADER_BYTES:
+            k = _recv(fd, head + got, HEADER_BYTES - got, 0)
+        else:
+            k = _recv(fd, out.ctypes.data + (got - HEADER_BYTES), total - got, 0)
+        if k > 0:
+            got += k
+            if not checked and got >= HEADER_BYTES:
+                checked = True
+                if words[C_HEAD] != ok_kind:
+                    return REFUSED if (words[C_HEAD] & _LOW48) == (ok_kind & _LOW48) else PROTOCOL
+                if words[C_HEAD + 1] != request_id or words[C_HEAD + 2] != expected:
+                    return PROTOCOL
+            if got < total and _now_ns(words, C_TIME) > deadline:
+                return TIMEOUT
+            continue
+        e = _errno()
+        if k < 0 and e == _EINTR:
+            continue
+        if k < 0 and e == _EAGAIN:  # a blocking socket's receive timeout ran out, or a non-blocking one is empty
+            if not _wait_fd(fd, _POLLIN, deadline, words, C_TIME, C_POLL):
+                return TIMEOUT
+            continue
+        if got == 0 and (k == 0 or e == _ECONNRESET):
+            return CLOSED
+        return FAILED
+    return OK
+
+
+def client_buffer(request_bytes: int, kind: int, ok_kind: int, timeout_s: float) -> np.ndarray:
+    """A channel's buffer for :func:`read_direct`: CLIENT_WORDS int64 words of the kernel's own (a msghdr, two
+    iovecs, the reply header, a timespec, a pollfd, then the request's kind, a good reply's kind and the timeout),
+    then room for a request of ``request_bytes``; 8-byte aligned uint8."""
+    buf = np.zeros(8 * CLIENT_WORDS + request_bytes, dtype=np.uint8)
+    words = buf[:8 * CLIENT_WORDS].view(np.int64)
+    words[C_KIND], words[C_OK_KIND] = kind, ok_kind
+    set_client_timeout(buf, timeout_s)
+    return buf
+
+
+def set_client_timeout(buf: np.ndarray, timeout_s: float) -> None:
+    """How long :func:`read_direct` may take on this buffer's channel from now on."""
+    buf[:8 * CLIENT_WORDS].view(np.int64)[C_TIMEOUT_NS] = int(timeout_s * 1e9)
+
+
+def direct_read_plan(order: np.ndarray, bases: np.ndarray, checks: np.ndarray) -> np.ndarray:
+    """What :func:`read_direct` needs of a placement, in one int64 array: ``[K, C, order[K], bases[K], checks]``
+    (``order``: the K listed heads, ``bases``: where each one's table starts, ``checks``: int64 ``[C, 2]``)."""
+    order = np.ascontiguousarray(order, dtype=np.int64)
+    bases = np.ascontiguousarray(bases, dtype=np.int64)
+    checks = np.ascontiguousarray(checks, dtype=np.int64).reshape(-1, 2)
+    if order.ndim != 1 or bases.shape != order.shape:
+        raise ValueError(f"bases: expected {order.size} entries (one per listed head), got shape {bases.shape}")
+    return np.concatenate(([order.size, checks.shape[0]], order, bases, checks.reshape(-1))).astype(np.int64)
+
+
+def direct_request_bytes(ids: np.ndarray, plan: np.ndarray) -> int:
+    """The bytes of the request :func:`read_direct` sends for ``ids`` under ``plan`` (what ``client_buffer`` needs
+    room for)."""
+    return HEADER_BYTES + 16 * (int(plan[1]) + ids.shape[0] * int(plan[0]))
+
+
+def read_direct(fd: int, ids: np.ndarray, plan: np.ndarray, row_bytes: int, request_id: int, buf: np.ndarray,
+                out: np.ndarray) -> int:
+    """One lookup read on the socket ``fd``: send the request of the rows of ``ids`` (validated int64 ``[M, H]``)
+    under ``plan`` (:func:`direct_read_plan`), built in ``buf`` (:func:`client_buffer`, which holds the kinds and
+    the timeout too), and receive the reply's ``M * K * row_bytes`` bytes into ``out`` (uint8); returns OK or why
+    not (see the module's answers). The whole call waits about the buffer's timeout at most (a blocking socket's
+    own timeouts bound each call in between). Hot paths call ``_read_direct`` with arguments prepared once."""
+    if not (isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.ndim == 2 and ids.flags.c_contiguous):
+        raise TypeError(f"ids: expected a C-contiguous int64 [M, H] array, got {getattr(ids, 'dtype', type(ids))}")
+    for name, a, dtype in (("plan", plan, np.int64), ("buf", buf, np.uint8), ("out", out, np.uint8)):
+        if not (isinstance(a, np.ndarray) and a.dtype == dtype and a.ndim == 1 and a.flags.c_contiguous):
+            raise TypeError(f"{name}: expected a contiguous 1-D {np.dtype(dtype)} array, got "
+                            f"{getattr(a, 'dtype', type(a).__name__)} with shape {getattr(a, 'shape', None)}")
+    if buf.size < 8 * CLIENT_WORDS or buf.ctypes.data % 8:
+        raise ValueError(f"buf: expected an 8-byte aligned buffer of at least {8 * CLIENT_WORDS} bytes "
+                         "(client_buffer makes one)")
+    if ids.shape[0] and ids.shape[1] <= int(plan[2:2 + int(plan[0])].max(initial=-1)):
+        raise ValueError(f"plan: lists head {int(plan[2:2 + int(plan[0])].max())}, ids have {ids.shape[1]} heads")
+    return int(_read_direct(np.int64(fd), ids, plan, np.int64(row_bytes), np.int64(request_id), buf, out))
+
+
+# ---- the segment: one read answered -----------------------------------------------------------------------------
+
+@njit(cache=True, nogil=True)
+def _wait_readable(fd, need_fd, linger_ms, sticky_ms, state):
+    # Wait for fd: linger_ms watching it alone, then sticky_ms watching need_fd as well (a byte there: another
+    # request wants this thread). 0 when fd is readable, else QUIET, NEEDED or RECHECK. pollfds at state[8:10]
+    # (fd in the low 32 bits, events above), the timespec at state[10:12].
+    if linger_ms < 0:
+        return QUIET
+    now = _now_ns(state, 10)
+    linger_end = now + linger_ms * 1_000_000
+    sticky_end = linger_end + sticky_ms * 1_000_000
+    fds = state.ctypes.data + 8 * 8
+    state[8] = fd | (_POLLIN << 32)
+    state[9] = need_fd | (_POLLIN << 32)
+    while True:
+        if now < linger_end:
+            n, end = 1, linger_end
+        elif now < sticky_end:
+            n, end = 2, sticky_end
+        else:
+            return QUIET
+        r = _poll(fds, n, (end - now + 999_999) // 1_000_000)
+        if r > 0:
+            if (state[8] >> 48) & 0xFFFF:
+                return 0
+            if n == 2 and (state[9] >> 48) & 0xFFFF:
+                k = _read(need_fd, fds + 8 * 2, 1)  # the byte lands in state[10], rewritten below
+                return NEEDED if k == 1 else RECHECK
+        elif r < 0 and _errno() != _EINTR:
+            return GONE
+        now = _now_ns(state, 10)
+
+
+@njit(cache=True, nogil=True)
+def _serve_one(fd, need_fd, linger_ms, sticky_ms, request, reply, segment, table, params, state):
+    # Wait (as _wait_readable) for a whole read, answer it: SERVED (its serving time in the ring), or why not.
+    start = state[START]
+    end = state[END]
+    words = request[:request.size - request.size % 8].view(np.int64)
+    base = request.ctypes.data
+    count = 0
+    need = 0
+    while True:  # until a whole read is in the buffer
+        have = end - start
+        if have >= HEADER_BYTES:
+            w = start >> 3
+            count = words[w + 2]
+            if start % 8 or words[w] != params[P_READ_KIND] or count < 0 or count > params[P_MAX_RANGES]:
+                break  # for the caller: a hello, another op, a bad header, or an unaligned start
+            need = HEADER_BYTES + 16 * count
+            if start + need > request.size or have >= need:
+                break
+        elif have == 0:
+            start = end = 0
+        if end >= request.size:
+            break
+        k = _recv(fd, base + end, request.size - end, _MSG_DONTWAIT)
+        if k > 0:
+            end += k
+            continue
+        if k == 0:
+            return GONE
+        e = _errno()
+        if e == _EINTR:
+            continue
+        if e != _EAGAIN:
+            return GONE
+        if have > 0:
+            break  # part of a message: the caller waits for the rest
+        status = _wait_readable(fd, need_fd, linger_ms, sticky_ms, state)
+        if status != 0:
+            state[START] = start
+            state[END] = end
+            return status
+    state[START] = start
+    state[END] = end
+    if end - start < HEADER_BYTES or start % 8 or words[start >> 3] != params[P_READ_KIND] or count < 0 \
+            or count > params[P_MAX_RANGES] or start + need > request.size or end - start < need:
+        return PYTHON
+    t0 = _now_ns(state, 10)
+    p0 = (start >> 3) + 3
+    pairs = words[p0:p0 + 2 * count].reshape((count, 2))
+    K = 0
+    while K < count and pairs[K, 0] < 0:
+        K += 1
+    seq = 0
+    if K:
+        if table.size == 0 or K % 2:
+            return PYTHON
+        bad, seq = _check_table(table, pairs[:K])
+        if bad != HOLDS:
+            return PYTHON  # stale (the caller says so), or the table cannot tell (the caller checks)
+    ranges = pairs[K:]
+    bad, total = _pairs_total(ranges, segment.size)
+    if bad >= 0 or total > params[P_MAX_BYTES] or total > params[P_STREAM_MIN] \
+            or (ranges.shape[0] == 1 and total >= params[P_STREAM_PIECE]) or HEADER_BYTES + total > reply.size:
+        return PYTHON  # an error to explain, a reply sent in pieces, or one larger than the buffer
+    _gather_pairs_any(segment, ranges, reply[HEADER_BYTES:HEADER_BYTES + total])
+    if K and table[SEQ] != seq:  # a put claimed a range meanwhile: check again before a byte goes out
+        bad, seq = _check_table(table, pairs[:K])
+        if bad != HOLDS:
+            return PYTHON
+    head = reply[:HEADER_BYTES].view(np.int64)
+    head[0] = params[P_OK_KIND]
+    head[1] = words[(start >> 3) + 1]
+    head[2] = total
+    now = _now_ns(state, 10)
+    state[RING_AT + state[COUNT]] = now - t0
+    deadline = now + params[P_SEND_TIMEOUT_NS] + total * 1_000_000_000 // params[P_SEND_MIN_RATE]
+    status = _send_all(fd, reply.ctypes.data, HEADER_BYTES + total, deadline, state, 10, 8)
+    if status == TIMEOUT:
+        return SEND_TIMEOUT
+    if status != OK:
+        return GONE
+    state[START] = start + need
+    state[COUNT] += 1
+    state[REQUEST_ID] = head[1]
+    state[TOTAL] = total
+    return SERVED
+
+
+@njit(cache=True, nogil=True)
+def _serve_read(fd, need_fd, linger_ms, sticky_ms, settle_ms, request, reply, segment, table, params, state):
+    # Answer reads until none comes within settle_ms of the last reply (or RING were answered): the caller's
+    # bookkeeping then runs while the client takes its reply, not before the next request.
+    state[COUNT] = 0
+    status = _serve_one(fd, need_fd, linger_ms, sticky_ms, request, reply, segment, table, params, state)
+    while status == SERVED and state[COUNT] < RING:
+        status = _serve_one(fd, need_fd, 0, settle_ms, request, reply, segment, table, params, state)
+    if status == QUIET and state[COUNT]:
+        return SERVED
+    return status
+
+
+def serve_params(read_kind: int, ok_kind: int, max_ranges: int, max_bytes: int, stream_min_bytes: int,
+                 stream_piece_bytes: int, send_timeout_s: float, send_min_bytes_per_s: int) -> np.ndarray:
+    """:func:`serve_read`'s ``params``: the header kinds of a read and of a good reply, and the bounds."""
+    if send_min_bytes_per_s < 1:
+        raise ValueError(f"send_min_bytes_per_s: expected >= 1, got {send_min_bytes_per_s}")
+    return np.array([read_kind, ok_kind, max_ranges, max_bytes, stream_min_bytes, stream_piece_bytes,
+                     int(send_timeout_s * 1e9), send_min_bytes_per_s], dtype=np.int64)
+
+
+def serve_read(fd: int, need_fd: int, linger_ms: int, sticky_ms: int, settle_ms: int, request: np.ndarray,
+               reply: np.ndarray, segment: np.ndarray, table: np.ndarray, params: np.ndarray, state: np.ndarray) -> int:
+    """Answer the reads that come on the blocking socket ``fd``; returns SERVED or why it stopped (see the module's
+    answers), ``state[COUNT]`` saying how many it answered first (their serving times in ns at ``state[RING_AT:]``).
+
+    ``request`` (uint8) holds the bytes received and not used yet at ``state[START]:state[END]`` and receives more
+    (a client may send several reads ahead); with nothing there the kernel waits ``linger_ms`` (none if negative),
+    then ``sticky_ms`` watching ``need_fd`` as well. A read whose checks the generation ``table`` (int64, as
+    ``kernels.check_table`` reads it; empty: none) confirms, whose ranges lie in ``segment`` and whose reply fits
+    ``reply`` behind the header and below the params' bounds is answered; anything else is left in ``request``
+    for the caller (PYTHON). After a reply it answers the next read that comes within ``settle_ms`` (watching
+    ``need_fd`` too), up to RING reads a call. ``params``: :func:`serve_params`; ``state``: int64 of
+    SERVER_STATE_WORDS."""
+    for name, a, dtype in (("request", request, np.uint8), ("reply", reply, np.uint8),
+                           ("segment", segment, np.uint8), ("table", table, np.int64), ("params", params, np.int64),
+                           ("state", state, np.int64)):
+        if not (isinstance(a, np.ndarray) and a.dtype == dtype and a.ndim == 1 and a.flags.c_contiguous):
+            raise TypeError(f"{name}: expected a contiguous 1-D {np.dtype(dtype)} array, got "
+                            f"{getattr(a, 'dtype', type(a).__name__)} with shape {getattr(a, 'shape', None)}")
+    if state.size < SERVER_STATE_WORDS or params.size < SERVER_PARAMS:
+        raise ValueError(f"state, params: expected {SERVER_STATE_WORDS} and {SERVER_PARAMS} words, got "
+                         f"{state.size} and {params.size}")
+    if request.ctypes.data % 8 or reply.ctypes.data % 8:
+        raise ValueError("request, reply: expected 8-byte aligned buffers")
+    if not 0 <= state[START] <= state[END] <= request.size:
+        raise ValueError(f"state: expected 0 <= start <= end <= {request.size}, got {state[START]}, {state[END]}")
+    return int(_serve_read(np.int64(fd), np.int64(need_fd), np.int64(linger_ms), np.int64(sticky_ms),
+                           np.int64(settle_ms), request, reply, segment, table, params, state))
