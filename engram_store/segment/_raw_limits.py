@@ -16,13 +16,17 @@ IDLE_TIMEOUT_S = 60.0
 #: reply: 26 s); a client that stops reading loses its connection, not a serving thread.
 SEND_TIMEOUT_S = 10.0
 SEND_MIN_BYTES_PER_S = 16 << 20
-#: After a reply, a serving thread waits on the connection for its next request, LINGER_S in a blocking receive
-#: (one call per request: a client reading in a loop keeps a thread, as with a thread per connection), then up
-#: to STICKY_S more in poll, ready to give the thread up at once to a request that waits for one; then the
-#: connection goes back to the event loop. A model step's lookups come tens of ms apart: one thread hand-off
-#: less each.
+#: After a reply, a serving thread waits on the connection for its next request, LINGER_S watching it alone (a
+#: client reading in a loop keeps a thread, as with a thread per connection; the Python path's blocking receive
+#: times out after it too), then up to STICKY_S more, ready to give the thread up at once to a request that
+#: waits for one; then the connection goes back to the event loop. A model step's lookups come tens of ms apart:
+#: the thread that waits answers each in one native call, with no hand-off.
 LINGER_S = 0.05
 STICKY_S = 5.0
+#: After a reply it answers natively, a serving thread answers the next read that comes within SETTLE_S too,
+#: before it counts them in the metrics: at a model step's cadence that bookkeeping then runs after the client
+#: has taken its reply instead of beside it, and back to back once every 64 reads.
+SETTLE_S = 0.001
 #: Connections held at once (at most the open-files limit less FD_RESERVE); past this a new one displaces the
 #: oldest that has not completed a message yet, else it is answered busy and the client reads over ZeroMQ.
 MAX_CONNECTIONS = 4096

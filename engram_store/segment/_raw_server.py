@@ -36,14 +36,20 @@ receives headers; before authentication it accepts only a hello, and a read is a
 error and closed with its ranges unread. A read header goes to one of at most ``SERVING_THREADS`` serving
 threads, which receives the ranges (they come with the header) into a buffer of its own, checks them, gathers
 (GIL-free) and sends the reply, serves the requests that came behind it, then waits on the same connection for
-the next: ``LINGER_S`` in a blocking receive (one call per request, so a client reading in a loop is served as
-by a thread of its own), then up to ``STICKY_S`` in poll, giving the thread up at once when another request
-waits for one; a connection that stays quiet goes back to the loop. Ranges that come slowly go back to the loop too, which receives them
-into a buffer counted against ``BODY_BYTES_IN_FLIGHT`` (as are ranges beyond ``REQUEST_KEEP_BYTES``); past it a
-read is answered busy. A reply above ``STREAM_MIN_BYTES`` goes out in pieces of at most ``STREAM_PIECE_BYTES``
-through two halves of the thread's reply buffer (a helper gathers piece k + 1 while piece k is sent), and a
-range of a piece's size or more goes out straight from the segment's memory; so a serving thread keeps at most
-``STREAM_MIN_BYTES + REQUEST_KEEP_BYTES`` of buffers, and drops them after ``SERVING_IDLE_S`` without work.
+the next: ``LINGER_S`` watching it alone (so a client reading in a loop is served as by a thread of its own),
+then up to ``STICKY_S`` more, giving the thread up at once when another request waits for one; a connection
+that stays quiet goes back to the loop. Those later reads are answered by one native call each
+(``kernels.serve_read``: the wait, the receive, the checks against the generation table, the gather and the
+send, without the GIL and without Python in between, so a read at a model step's cadence wakes one thread and
+runs no bytecode before its reply is out); whatever it does not answer itself (a request too large or too slow
+for the thread's buffer, an error to explain, a reply sent in pieces, a check it cannot settle) takes the
+Python path, as the first read does. Such a read is counted in the metrics as its reply goes out. Ranges that
+come slowly go back to the loop too, which receives them into a buffer counted against ``BODY_BYTES_IN_FLIGHT``
+(as are ranges beyond ``REQUEST_KEEP_BYTES``); past it a read is answered busy. A reply above
+``STREAM_MIN_BYTES`` goes out in pieces of at most ``STREAM_PIECE_BYTES`` through two halves of the thread's
+reply buffer (a helper gathers piece k + 1 while piece k is sent), and a range of a piece's size or more goes out
+straight from the segment's memory; so a serving thread keeps at most ``STREAM_MIN_BYTES + REQUEST_KEEP_BYTES``
+of buffers (and a reply header), and drops them after ``SERVING_IDLE_S`` without work.
 
 Deadlines: a new connection must complete its first message (its hello, with ``--auth``) within
 ``HELLO_TIMEOUT_S``; any message must arrive whole within ``MESSAGE_TIMEOUT_S`` of its first byte (a drip
@@ -79,7 +85,8 @@ import numpy as np
 from .. import kernels as _kernels
 from .._errors import InvalidArgument, SegmentUnavailable
 from ..wire._auth import REFUSALS
-from ..wire._raw import HEADER, MAGIC, STATUS_BUSY, TOKEN_BYTES, VERSION, timeval
+from ..kernels._raw_io import serve_params
+from ..wire._raw import HEADER, MAGIC, OK_KIND, READ_KIND, STATUS_BUSY, TOKEN_BYTES, VERSION, timeval
 from . import _raw_limits as limits
 from ._raw_receive import Receiving
 from ._raw_serving import Serving
@@ -118,6 +125,10 @@ class RawReadServer(Receiving, Serving):
         self.serving_threads = limits.SERVING_THREADS
         self.body_budget = limits.BODY_BYTES_IN_FLIGHT
         self._sweep_s = min(limits.SWEEP_S, self.hello_timeout_s / 4, self.message_timeout_s / 4, self.idle_timeout_s / 4)
+        # What the native serving kernel answers by itself (see _raw_serving): reads within these bounds.
+        self._native_params = serve_params(READ_KIND, OK_KIND, max_ranges, max_bytes, limits.STREAM_MIN_BYTES,
+                                           limits.STREAM_PIECE_BYTES, self.send_timeout_s,
+                                           limits.SEND_MIN_BYTES_PER_S)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

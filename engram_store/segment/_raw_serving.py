@@ -17,12 +17,17 @@ import numpy as np
 
 from .. import kernels as _kernels
 from .._errors import EngramError, InvalidArgument
+from ..kernels._raw_io import GONE as GONE_NATIVE
+from ..kernels._raw_io import COUNT, PYTHON, RAW_IO, RECHECK, RING_AT, SEND_TIMEOUT, SERVED, _serve_read
+from ..kernels._raw_io import QUIET as QUIET_NATIVE
 from ..wire._auth import REFUSALS
 from ..wire._raw import HEADER, MAGIC, OP_READ, STATUS_OK, VERSION, error_reply, sendmsg_all, request_id_of
 from . import _raw_limits as limits
 from ._raw_state import GONE, READY, WAIT, Buffers, Conn
 
 log = logging.getLogger("engram_store.segment._raw_server")
+#: The generation table of a server without one: a read that names objects is then checked in Python.
+_NO_TABLE = np.zeros(0, dtype=np.int64)
 
 
 class Serving:
@@ -70,7 +75,11 @@ class Serving:
     def _serve(self, c: Conn, bufs: "Buffers") -> None:
         """Answer ``c``'s read (receiving its ranges first where the loop handed over a header), then the reads
         that follow: those already received at once, and while no other connection waits for a thread, those
-        that come within limits.LINGER_S (then limits.STICKY_S); then hand ``c`` back to the loop (or close it)."""
+        that come within limits.LINGER_S (then limits.STICKY_S); then hand ``c`` back to the loop (or close it).
+
+        The reads that follow are answered by a native kernel (``kernels.serve_read``: the wait, the receive, the
+        checks, the gather and the send in one GIL-free call) wherever it can; what it leaves (a large or slow
+        request, an error to explain, a reply sent in pieces) takes the Python path below."""
         alive = False
         sticky = False  # counted in _lingering: this thread waits on c between requests
         try:
@@ -81,22 +90,29 @@ class Serving:
             if result != READY:
                 alive = result == WAIT  # the ranges are slow: the loop receives the rest
             else:
-                request_id, pairs = c.request_id, c.body.view(np.int64).reshape(c.count, 2)
+                request: tuple | None = (c.request_id, c.body.view(np.int64).reshape(c.count, 2))
                 while True:
-                    self._answer(c.sock, request_id, pairs, bufs)
-                    self._release(c)
-                    c.next_message()
+                    if request is not None:
+                        self._answer(c.sock, *request, bufs)
+                        self._release(c)
+                        c.next_message()
                     ahead = bufs.end > bufs.start  # sent before this reply: served now, whatever waits
                     if not ahead:
                         if self._closed or self._queued or not (sticky or self._start_linger()):
                             alive = True
                             break
                         sticky = True
+                    status = self._serve_native(c, bufs, wait=sticky)
+                    if status == SERVED:
+                        request = None
+                        continue
+                    if status != PYTHON:
+                        alive = status != GONE_NATIVE
+                        break
                     request = self._next_request(c, bufs, wait=sticky)
                     if not isinstance(request, tuple):
                         alive = request == WAIT  # quiet, or part of a message: the loop waits for the rest
                         break
-                    request_id, pairs = request
         except TimeoutError as exc:
             self._count("timeout_send")
             REFUSALS.refused(self._where, c.peer, str(exc))
@@ -119,6 +135,36 @@ class Serving:
                 self._lingering -= 1
         self._returns.append((c, alive))
         self._wake()
+
+    def _serve_native(self, c: Conn, bufs: "Buffers", wait: bool) -> int:
+        """Answer the next reads on ``c`` in the native kernel (``kernels.serve_read``), waiting for the first
+        (limits.LINGER_S, then limits.STICKY_S ready to give the thread up) if ``wait``, and the next ones that come
+        within limits.SETTLE_S of a reply: SERVED (each counted in the metrics, as its reply went out), PYTHON (a
+        message, or part of one, for the Python path, in ``bufs``), GONE_NATIVE (closed), or another status for a
+        connection that goes back to the loop. A reply not taken in time raises TimeoutError."""
+        if not RAW_IO:
+            return PYTHON
+        if bufs.request is None or bufs.end == bufs.start:
+            bufs.room(HEADER.size + 16 * limits.SMALL_RANGES)
+        state = bufs.state
+        state[0], state[1] = bufs.start, bufs.end
+        table = self.generations.table if self.generations is not None else None
+        linger_ms, settle_ms = (int(limits.LINGER_S * 1000), int(limits.SETTLE_S * 1000)) if wait else (-1, -1)
+        while True:
+            status = _serve_read(c.sock.fileno(), self._need_r, linger_ms, int(limits.STICKY_S * 1000), settle_ms,
+                                 bufs.request, bufs.reply_room(0), self.segment, _NO_TABLE if table is None else table,
+                                 self._native_params, state)
+            if self.metrics is not None:
+                for ns in state[RING_AT:RING_AT + state[COUNT]].tolist():
+                    self.metrics.record("read_ranges", ns / 1e9, True)
+            if status != RECHECK or state[COUNT] or self._closed or self._queued:
+                break  # (RECHECK: another lingering thread took the nudge; linger on while nothing waits)
+        bufs.start, bufs.end = int(state[0]), int(state[1])
+        if status == SEND_TIMEOUT:
+            raise TimeoutError(f"a reply was not taken within {self.send_timeout_s:g} s")
+        if status == RECHECK:
+            return QUIET_NATIVE  # (answered some, then the nudge: the loop takes the connection)
+        return status
 
     def _start_linger(self) -> bool:
         """Whether this thread may wait on its connection for the next request: not while requests wait for a
@@ -205,7 +251,8 @@ class Serving:
         return c.request_id, c.body.view(np.int64).reshape(c.count, 2)
 
     def _answer(self, sock: socket.socket, request_id: int, pairs: np.ndarray, bufs: "Buffers") -> None:
-        """Check and gather ``pairs``, send the reply (through ``bufs.reply``, grown up to limits.STREAM_MIN_BYTES).
+        """Check and gather ``pairs``, send the reply (gathered behind its header in ``bufs.reply``, grown up to
+        limits.STREAM_MIN_BYTES).
 
         The request is counted in the metrics before its reply goes out (so a client that has the reply sees it
         counted)."""
@@ -226,24 +273,22 @@ class Serving:
         if total > self.max_bytes:
             return self._reply_error(sock, request_id, InvalidArgument(
                 f"read_ranges: {total} bytes requested, at most {self.max_bytes} per request ({self.address})"))
-        head = HEADER.pack(MAGIC, VERSION, STATUS_OK, request_id, total)
         timeout_s = self.send_timeout_s + total / limits.SEND_MIN_BYTES_PER_S
         if total > limits.STREAM_MIN_BYTES or (pairs.shape[0] == 1 and total >= limits.STREAM_PIECE_BYTES):
+            head = HEADER.pack(MAGIC, VERSION, STATUS_OK, request_id, total)
             recheck = None if checked is pairs else (lambda: self.generations.recheck(checked, version, self.address))
             return self._stream(sock, head, pairs, total, start, bufs, timeout_s, recheck)
-        buf = bufs.reply
-        if buf is None or buf.size < total:
-            buf = bufs.reply = np.empty(min(limits.STREAM_MIN_BYTES, max(total, 1 << 16, 2 * (0 if buf is None else
-                                                                                         buf.size))), dtype=np.uint8)
-        _kernels.gather_pairs_unchecked(self.segment, pairs, buf[:total])
+        buf = bufs.reply_room(total)  # the reply behind its header: one buffer, one send
+        _kernels.gather_pairs_unchecked(self.segment, pairs, buf[HEADER.size:HEADER.size + total])
         if checked is not pairs:
             try:  # a put that wrote over a named object while we gathered: its bytes must not go out
                 self.generations.recheck(checked, version, self.address)
             except EngramError as exc:
                 return self._reply_error(sock, request_id, exc)
+        HEADER.pack_into(buf, 0, MAGIC, VERSION, STATUS_OK, request_id, total)
         if self.metrics is not None:
             self.metrics.record("read_ranges", time.perf_counter() - start, True)
-        sendmsg_all(sock, [head, buf[:total]], timeout_s)
+        sendmsg_all(sock, [buf[:HEADER.size + total]], timeout_s)
 
     def _stream(self, sock: socket.socket, head: bytes, pairs: np.ndarray, total: int, start: float,
                 bufs: "Buffers", timeout_s: float, recheck: Any = None) -> None:
@@ -258,9 +303,7 @@ class Serving:
                 zip(bounds[:-1].tolist(), bounds[1:].tolist(), sizes.tolist())]
         halves: tuple = ()
         if not all(lone):
-            buf = bufs.reply
-            if buf is None or buf.size < 2 * limits.STREAM_PIECE_BYTES:
-                buf = bufs.reply = np.empty(2 * limits.STREAM_PIECE_BYTES, dtype=np.uint8)
+            buf = bufs.reply_room(2 * limits.STREAM_PIECE_BYTES)[HEADER.size:]
             halves = (buf[:limits.STREAM_PIECE_BYTES], buf[limits.STREAM_PIECE_BYTES:2 * limits.STREAM_PIECE_BYTES])
         half = []  # the half each gathered piece goes into: gathered pieces alternate
         g = 0

@@ -8,6 +8,7 @@ import socket
 
 import numpy as np
 
+from ..kernels._raw_io import SERVER_STATE_WORDS
 from ..wire._raw import HEADER, HELLO_BYTES
 from . import _raw_limits as limits
 
@@ -38,17 +39,29 @@ def open_files_cap(requested: int) -> int:
 
 
 class Buffers:
-    """A serving thread's buffers, grown on demand and dropped when it is idle: the reply (at most
-    limits.STREAM_MIN_BYTES) and the requests received from the connection it serves (a header and at most
-    limits.REQUEST_KEEP_BYTES of ranges; ``request[start:end]`` holds bytes received and not used yet: the start of the
-    next request, or whole requests a client sent ahead)."""
+    """A serving thread's buffers, grown on demand and dropped when it is idle: the reply (a header and at most
+    limits.STREAM_MIN_BYTES: a reply is gathered behind its header and sent in one piece) and the requests received
+    from the connection it serves (a header and at most limits.REQUEST_KEEP_BYTES of ranges; ``request[start:end]``
+    holds bytes received and not used yet: the start of the next request, or whole requests a client sent ahead).
+    ``state``: the native serving kernel's words (``kernels.serve_read``), kept."""
 
-    __slots__ = ("reply", "request", "start", "end")
+    __slots__ = ("reply", "request", "start", "end", "state")
 
     def __init__(self) -> None:
         self.reply: np.ndarray | None = None
         self.request: np.ndarray | None = None
         self.start = self.end = 0
+        self.state = np.zeros(SERVER_STATE_WORDS, dtype=np.int64)
+
+    def reply_room(self, nbytes: int) -> np.ndarray:
+        """The reply buffer, with room for a header and ``nbytes`` behind it (grown to at most a header and
+        limits.STREAM_MIN_BYTES, and at least 64 KiB)."""
+        buf = self.reply
+        if buf is None or buf.size < HEADER.size + nbytes:
+            old = 0 if buf is None else buf.size - HEADER.size
+            buf = self.reply = np.empty(HEADER.size + min(limits.STREAM_MIN_BYTES, max(nbytes, 1 << 16, 2 * old)),
+                                        dtype=np.uint8)
+        return buf
 
     def drop(self) -> None:
         self.reply = self.request = None

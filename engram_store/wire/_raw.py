@@ -28,7 +28,15 @@ HELLO_BYTES = HEADER.size + TOKEN_BYTES
 STATUS_ERRORS = {1: InvalidArgument, 2: ProtocolError, 3: AuthError, 4: RemoteError, 6: StalePlacement}
 ERROR_STATUS = {InvalidArgument: 1, ProtocolError: 2, AuthError: 3, StalePlacement: 6}
 
-#: How long a token handed out over ZeroMQ may wait for its connection, and how many may wait at once.
+
+def kind(code: int) -> int:
+    """A header's first word (magic, version, then ``code``: an op or a status) as the native kernels compare it
+    (``engram_store.kernels.read_direct`` and ``serve_read``: a little-endian int64)."""
+    return int.from_bytes(HEADER.pack(MAGIC, VERSION, code, 0, 0)[:8], "little", signed=True)
+
+
+READ_KIND = kind(OP_READ)
+OK_KIND = kind(STATUS_OK)
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> bool:

@@ -1,5 +1,7 @@
 """Engram with its tables in the store: populate, lookup, forward, prefetch, checkpoints, the demo."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -227,10 +229,14 @@ def test_prefetch_layers_reads_every_layer_in_one_request_per_segment():
         input_ids = np.random.default_rng(4).integers(0, 128000, size=(2, 16))
         expected = {e.layer_id: e.query_embeddings(input_ids) for e in engrams}  # also resolves placements
 
-        def served():
-            lines = store.local_segment.server.metrics.render()
-            return sum(int(float(line.split()[-1])) for line in lines
-                       if line.startswith('engram_requests_total{op="read_ranges"}'))
+        def served():  # once the count holds still: a natively answered read is counted as its reply goes out
+            counts = []
+            while len(counts) < 2 or counts[-1] != counts[-2]:
+                time.sleep(0.05 if counts else 0)
+                lines = store.local_segment.server.metrics.render()
+                counts.append(sum(int(float(line.split()[-1])) for line in lines
+                                  if line.startswith('engram_requests_total{op="read_ranges"}')))
+            return counts[-1]
 
         before = served()
         handles = prefetch_layers(engrams, input_ids)
