@@ -17,9 +17,13 @@ from typing import Any
 import numpy as np
 
 from .._errors import EngramError, ProtocolError, RemoteError, SegmentUnavailable
+from ..kernels._raw_io import NO_ROOM, OK, RAW_IO, TIMEOUT, _read_direct, client_buffer, direct_request_bytes, \
+    set_client_timeout
 from ..wire._raw import (
     HEADER,
     MAGIC,
+    OK_KIND,
+    READ_KIND,
     OP_HELLO,
     OP_READ,
     STATUS_BUSY,
@@ -33,6 +37,11 @@ from ..wire._raw import (
 )
 
 log = logging.getLogger(__name__)
+
+#: read_direct's request buffer: this much at first (a lookup of a few hundred rows), grown up to
+#: DIRECT_REQUEST_KEEP_BYTES (65536 rows); a larger request is sent from pairs of its own (send_read).
+DIRECT_REQUEST_BYTES = 16 << 10
+DIRECT_REQUEST_KEEP_BYTES = 1 << 20
 
 
 class RawChannelRefused(SegmentUnavailable):
@@ -80,10 +89,15 @@ class RawChannel:
         self._orphans: dict[int, tuple[np.ndarray, Exception]] = {}  # reads whose connection is gone, and why
         self._header = bytearray(HEADER.size)
         self._buf = np.empty(1 << 16, dtype=np.uint8)
+        self._fd = -1  # the connection's descriptor, for read_direct
+        # read_direct's buffer (its words, then the request it builds); None where the native path does not run.
+        self._direct = client_buffer(DIRECT_REQUEST_BYTES, READ_KIND, OK_KIND, timeout_s) if RAW_IO else None
 
     def set_timeout(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` per send or receive from now on, on the open connection too."""
         self.timeout_s = timeout_s
+        if self._direct is not None:
+            set_client_timeout(self._direct, timeout_s)
         sock = self.sock
         if sock is not None:
             try:
@@ -111,6 +125,7 @@ class RawChannel:
                 raise SegmentUnavailable(f"read_ranges: cannot connect to the raw read channel of {self.address} "
                                          f"({self.host}:{self.port}): {exc}") from exc
             self.sock = sock
+            self._fd = sock.fileno()
             self._served = 0
             if token is not None:
                 try:
@@ -143,6 +158,32 @@ class RawChannel:
                                     "before answering")
         self.close(refused)
         raise refused from exc
+
+    def read_direct(self, plan: np.ndarray, ids: np.ndarray, row_bytes: int, out: np.ndarray) -> bool:
+        """A lookup's read in one native call (``kernels.read_direct``: the request built from ``ids`` under
+        ``plan``, sent, and the reply received into ``out``, without the GIL): True when ``out`` holds the rows.
+
+        False, with nothing pending, when this connection cannot take it now (not connected, reads in flight, not
+        Linux) or the read did not end in rows (the segment closed the connection, answered busy or with an
+        error, or sent something unexpected): the connection is closed then, and the caller reads again through
+        :meth:`send_read`, which reconnects, and reads the answer properly. No reply within the timeout raises
+        :class:`SegmentUnavailable`, as :meth:`recv_read` does."""
+        if self.sock is None or self._pending or self._orphans or self._direct is None:
+            return False
+        status = _read_direct(self._fd, ids, plan, row_bytes, next(self._ids), self._direct, out)
+        if status == NO_ROOM:  # a request larger than any before: a larger buffer, up to DIRECT_REQUEST_KEEP_BYTES
+            if direct_request_bytes(ids, plan) > DIRECT_REQUEST_KEEP_BYTES or out.size < ids.shape[0] * plan[0] \
+                    * row_bytes:
+                return False  # sent from pairs of its own (send_read)
+            self._direct = client_buffer(DIRECT_REQUEST_KEEP_BYTES, READ_KIND, OK_KIND, self.timeout_s)
+            status = _read_direct(self._fd, ids, plan, row_bytes, next(self._ids), self._direct, out)
+        if status == OK:
+            self._served += 1
+            return True
+        self._close_socket()  # whatever is left on it must never be read as the answer to a later read
+        if status == TIMEOUT:
+            raise SegmentUnavailable(f"read_ranges: {self.address}: no reply within the timeout")
+        return False
 
     def send_read(self, pairs: np.ndarray, deadline: float) -> int:
         """Send a read of ``pairs`` (int64 ``[R, 2]``, C-contiguous); returns its request id."""
@@ -338,6 +379,7 @@ class RawChannel:
 
     def _close_socket(self) -> None:
         sock, self.sock = self.sock, None
+        self._fd = -1
         self._served = 0
         if sock is not None:
             try:

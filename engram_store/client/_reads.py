@@ -378,6 +378,22 @@ class ReadPath:
             self._drop_raw(endpoint)
             raise
 
+    def read_direct(self, endpoint: str, plan: np.ndarray, ids: np.ndarray, row_bytes: int, out: np.ndarray) -> bool:
+        """A lookup's read of every ``(m, head)`` row of ``ids`` under ``plan`` (``kernels.direct_read_plan`` of a
+        placement whose remote heads all sit on ``endpoint``'s segment) into ``out``, in one native call on this
+        thread's open raw channel to it: True when ``out`` holds the rows, False when that channel cannot take it
+        (none open yet, reads in flight, or the read did not end in rows: :meth:`read_pairs` then reads it, and
+        says why). Raises SegmentUnavailable when the segment did not answer within the timeout."""
+        channels = getattr(self._raw_local, "channels", None)
+        channel = channels.get(endpoint) if channels else None
+        if channel is None:
+            return False
+        try:
+            return channel.read_direct(plan, ids, row_bytes, out)
+        except SegmentUnavailable:
+            self._drop_raw(endpoint)
+            raise
+
     def read_pairs_many(self, requests: Sequence[tuple[str, np.ndarray]], outs: Sequence[Any] | None = None) -> list:
         """Send one ``read_ranges`` per ``(endpoint, pairs)`` (int64 ``[R, 2]`` byte offset and length), all at
         once; wait for every reply.
