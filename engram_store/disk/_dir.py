@@ -10,10 +10,11 @@ from typing import Callable, Sequence
 import numpy as np
 import xxhash
 
-from .._errors import InvalidArgument, ObjectNotFound, StoreError, describe
+from .._errors import ObjectNotFound, StoreError
 from . import _kernels as k
 from ._cache import RowCache
-from ._files import LayerLock, aligned_empty, open_direct, remove_leftover
+from .._layer_dir import LayerLock, open_layer_dir, remove_leftover
+from ._files import aligned_empty, open_direct
 from ._layout import DATA_FILE, check_layer_id, layer_dir_name, read_manifest
 from ._reader import DiskLayer, DiskReadError, IOEngine
 from ._writer import DEFAULT_CHUNK_BYTES, DEFAULT_LOCK_TIMEOUT_S, HeadSource, LayerWriter, write_layer
@@ -33,18 +34,7 @@ class DiskDir:
     """Layers published under one directory (see ``_layout`` for the files). Creates the directory."""
 
     def __init__(self, path: str | os.PathLike):
-        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-            raise InvalidArgument(f"disk_dir: expected a directory path, got {describe(path)}")
-        self.path = os.path.abspath(os.fspath(path))
-        created = not os.path.isdir(self.path)
-        try:
-            os.makedirs(self.path, exist_ok=True)
-        except OSError as exc:
-            raise InvalidArgument(f"disk_dir: cannot create {self.path}: {exc.strerror}") from None
-        if created:
-            # A mistyped directory would otherwise read as an empty tier, every layer "not published".
-            log.warning("disk_dir %s did not exist: created it, empty (no layers there yet; if you meant an "
-                        "existing directory, check the path)", self.path)
+        self.path = open_layer_dir(path, "disk_dir", warn_if_new=True)
         self._remove_dead_removers_leftovers()
 
     def _remove_dead_removers_leftovers(self) -> None:

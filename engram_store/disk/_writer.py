@@ -28,7 +28,8 @@ from .._errors import InvalidArgument, InvalidType, ObjectExists, OutOfSpace, St
 from .._pages import reserve
 from .._progress import Progress
 from . import _kernels
-from ._files import LayerLock, aligned_empty, fsync_dir, open_direct, remove_leftover
+from .._layer_dir import LayerLock, publish_staged, remove_leftover
+from ._files import aligned_empty, open_direct
 from ._layout import DATA_FILE, MANIFEST, DiskLayout, check_layer_id, dumps, layer_dir_name, manifest
 
 log = logging.getLogger(__name__)
@@ -179,9 +180,7 @@ class LayerWriter:
             self._fd = -1
             _write_file(os.path.join(self.staging, MANIFEST), dumps(manifest(self.layer_id, self.layout,
                                                                              self._checksums)), self.layer_id)
-            fsync_dir(self.staging)
-            os.rename(self.staging, self.path)
-            fsync_dir(self.directory)
+            publish_staged(self.staging, self.path)
         except OSError as exc:
             self.abort()
             raise StoreError(f"disk layer {self.layer_id}: cannot publish {self.path}: {exc}") from exc

@@ -11,7 +11,7 @@ The directory layout is Mooncake's, so a directory written by either is read by 
 
     <dir>/layer-<L>/layout        "mooncake-engram-v1\\n<row_bytes>\\n<N_0>\\n<N_1>\\n..."
     <dir>/layer-<L>/head-<h>.bin  the rows of head h, [N_h, row_bytes], C order (mode 0400)
-    <dir>/layer-<L>.lock          flock'd by a writer for the whole populate (never removed)
+    <dir>/layer-<L>.lock          flock'd by a writer for the whole populate (removed when it is done)
     <dir>/layer-<L>.tmp/          where a writer stages the files before one rename publishes them
 
 A reader never sees a half-written layer: the layer directory appears by ``rename`` only once every file in it
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import logging
 import mmap
 import os
@@ -34,7 +33,8 @@ import numpy as np
 
 from .. import _pages
 from .. import kernels as _kernels
-from .._errors import ConfigError, InvalidArgument, ObjectExists, OutOfSpace, StoreError
+from .._errors import ConfigError, ObjectExists, OutOfSpace, StoreError
+from .._layer_dir import LayerLock, open_layer_dir, publish_staged, remove_leftover
 from .._pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise, reserve
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 LAYOUT_MAGIC = "mooncake-engram-v1"
 #: Tables whose addresses lie within this span are read through one source (one kernel call for all heads).
 MAX_SPAN_BYTES = 1 << 40
+#: How long a writer of a layer waits for another writer of it to finish.
+LOCK_TIMEOUT_S = 600.0
 
 
 def prefault(array: np.ndarray, background: bool = True) -> threading.Thread | None:
@@ -164,13 +166,7 @@ class LocalDir:
     """A directory of published layers (see the module docstring)."""
 
     def __init__(self, path: str | os.PathLike):
-        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-            raise InvalidArgument(f"local_dir: expected a directory path, got {path!r}")
-        self.path = os.path.abspath(os.fspath(path))
-        try:
-            os.makedirs(self.path, exist_ok=True)
-        except OSError as exc:
-            raise InvalidArgument(f"local_dir: cannot create {self.path}: {exc.strerror}") from None
+        self.path = open_layer_dir(path, "local_dir")
 
     def layer_path(self, layer_id: int) -> str:
         return os.path.join(self.path, f"layer-{layer_id}")
@@ -201,13 +197,12 @@ class LocalDir:
     def _publish(self, layer_id: int, final: str, row_bytes: int, sizes: Sequence[int],
                  tables: Sequence[np.ndarray], progress: Callable[[int], None] | None) -> None:
         staging = final + ".tmp"
-        lock_fd = os.open(final + ".lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        lock = LayerLock(final + ".lock", LOCK_TIMEOUT_S, "local_dir")
         try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX)
             if os.path.exists(final):
                 raise ObjectExists(f"local_dir: layer {layer_id} is already published at {final}; remove that "
                                    "directory to publish it again")
-            shutil.rmtree(staging, ignore_errors=True)  # left by a writer that died
+            remove_leftover(staging, "writer")
             os.mkdir(staging, 0o700)
             try:
                 done = 0
@@ -222,13 +217,12 @@ class LocalDir:
                     os.fsync(f.fileno())
                 MappedLayer(staging, row_bytes, sizes, prefault_pages=False).close()  # check it as a reader will
                 os.chmod(staging, 0o755)
-                os.rename(staging, final)
-                _fsync_dir(self.path)
+                publish_staged(staging, final)
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
         finally:
-            os.close(lock_fd)  # releases the lock
+            lock.close(unlink=True)  # nothing left behind: a waiter locks the file at the path, not this one
 
     @staticmethod
     def _write_head(file: str, table: np.ndarray, nbytes: int) -> None:
@@ -247,15 +241,3 @@ class LocalDir:
         finally:
             os.close(fd)
 
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

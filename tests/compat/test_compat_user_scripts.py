@@ -53,7 +53,7 @@ def test_bind_local_script(tmp_path):
 def test_local_dir_script(tmp_path):
     tables = tmp_path / "tables"
     line = run_script(user_script("local_dir.py", tmp_path), tables)
-    assert line == "published=['layer-1', 'layer-1.lock'] remove=remove_from_store failed, rc=-600"
+    assert line == "published=['layer-1'] remove=remove_from_store failed, rc=-600"
 
 
 def _read_line(proc: subprocess.Popen, deadline: float) -> str:
@@ -101,4 +101,4 @@ def test_processes_racing_to_publish_a_layer_have_one_winner(tmp_path):
     output = np.zeros((1, 2, 4, 264), dtype=np.uint8)
     reader.lookup_into(1, ids, output)
     assert (output == winner).all()
-    assert sorted(os.listdir(directory)) == ["layer-1", "layer-1.lock"]
+    assert sorted(os.listdir(directory)) == ["layer-1"]  # the writer's lock file goes with it

@@ -15,7 +15,7 @@ import pytest
 from engram_store import EngramStore, EngramStoreConfig, OutOfSpace, StoreError
 from engram_store.disk import DiskDir, DiskReadError, LayerWriter
 from engram_store.disk import _files, _writer
-from engram_store import _pages
+from engram_store import _layer_dir, _pages
 
 SIZES = [701, 1009, 97]
 CONFIG = EngramStoreConfig(table_vocab_sizes=SIZES, embedding_dim=66, row_format="bytes")
@@ -172,13 +172,13 @@ def test_a_lock_file_removed_by_its_holder_is_not_shared_by_two_waiters(tmp_path
     path = os.path.join(tmp_path, "layer-1.lock")
     first = _files.LayerLock(path, 0)
     waiting = threading.Event()
-    real_sleep = _files.time.sleep
+    real_sleep = _layer_dir.time.sleep
 
     def sleep(seconds):
         waiting.set()  # the second has opened the lock file and found it held
         real_sleep(seconds)
 
-    monkeypatch.setattr(_files.time, "sleep", sleep)
+    monkeypatch.setattr(_layer_dir.time, "sleep", sleep)
     got: list[object] = []
     second = threading.Thread(target=lambda: got.append(_files.LayerLock(path, 30)))
     second.start()
