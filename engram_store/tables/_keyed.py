@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import ObjectExists, StoreError
+from .._errors import ObjectExists, ObjectLost, StoreError
 from . import _manifest as manifest
 from ._layout import Layer
 from ._source import Source, progress
@@ -71,7 +71,7 @@ class KeyedSource(Source):
             raise ObjectExists(f"populate layer {lay.layer_id}: key {existing[0]!r} already exists "
                                f"({len(existing)} of {len(lay.keys)} heads present); call "
                                "remove_from_store() first")
-        published = self.read_manifest(lay)
+        published = self.read_manifest(lay, lost_is_absent=True)  # a lost layer may be written again
         if published is not None:
             manifest.check(lay, published)  # another shard published this layer: the layouts must agree
         bar = progress(lay, tables)
@@ -88,7 +88,7 @@ class KeyedSource(Source):
 
     def publish(self, lay: Layer, checksums: list[str], replica_num: int, algorithm: str = "xxh3_64") -> None:
         """Write the manifest last, once every head of the layer is in the store (this call's or other shards')."""
-        if self.read_manifest(lay) is not None:
+        if self.read_manifest(lay, lost_is_absent=True) is not None:
             return
         by_head = dict(zip(lay.heads, checksums))
         if lay.sharded:
@@ -102,9 +102,16 @@ class KeyedSource(Source):
         except ObjectExists:
             manifest.check(lay, self.read_manifest(lay))  # a concurrent shard published first
 
-    def read_manifest(self, lay: Layer) -> dict | None:
-        """The layer's manifest, or None if it has none (not populated, or a populate still running)."""
-        data = self.get_manifest(lay)
+    def read_manifest(self, lay: Layer, lost_is_absent: bool = False) -> dict | None:
+        """The layer's manifest, or None if it has none (not populated, or a populate still running). A manifest
+        the store lost with its segments raises ObjectLost naming it (a reader must hear of the loss, not of a
+        layer never published), unless ``lost_is_absent`` (a writer may publish the layer again)."""
+        try:
+            data = self.get_manifest(lay)
+        except ObjectLost as exc:
+            if lost_is_absent:
+                return None
+            raise ObjectLost(f"layer {lay.layer_id} is lost: {exc}; populate it again") from exc
         return manifest.decode(lay, data) if data else None
 
     def check_published(self, lay: Layer) -> None:

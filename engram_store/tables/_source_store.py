@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from .. import kernels as _kernels
-from .._errors import ObjectLost, ObjectNotFound, SegmentUnavailable, StalePlacement, StoreError
+from .._errors import ObjectNotFound, SegmentUnavailable, StalePlacement, StoreError
 from ..kernels._gather import _scatter_rows
 from ..kernels._planning import _direct_pairs, _plan_reads
 from ._keyed import KeyedSource
@@ -56,8 +56,8 @@ class StoreSource(KeyedSource):
     def get_manifest(self, lay: Layer) -> bytes | None:
         try:
             return self.native.get(lay.manifest_key, lease=False)  # a lease would block remove
-        except (ObjectNotFound, ObjectLost):
-            return None  # a lost manifest (its segment died) publishes nothing, like a missing one
+        except ObjectNotFound:
+            return None
 
     def put_manifest(self, lay: Layer, data: bytes, replica_num: int) -> None:
         self.native.put(lay.manifest_key, data, replica_num=replica_num)

@@ -156,3 +156,38 @@ def test_a_segment_stopped_while_it_waits_for_the_master_exits_cleanly_and_leave
             assert not memory()
         finally:
             c.master.signal(signal.SIGCONT)
+
+
+def test_a_layer_whose_manifest_died_with_its_segment_reads_as_lost_and_can_be_written_again():
+    """Its readers hear that it was lost (ObjectLost naming the layer), not that it was never published; a writer
+    may publish it again."""
+    from engram_store import ObjectLost
+
+    with Cluster(segments=1, segment_size="8MiB", heartbeat_timeout_s=1.5) as c:
+        with DistributedStore.connect(c.address, timeout_ms=5000, local_direct=False) as store:
+            EngramStore(1, _config(), store).populate(_tables(1))
+            c.segments[0].kill()  # shared memory: the layer dies with it
+            c.add_segment("8MiB")
+            _wait_for(lambda: store.status()["lost"] == len(SIZES) + 1, 30, "the master to drop the dead segment")
+            with pytest.raises(ObjectLost, match="engram:l1:.* was lost"):
+                EngramStore(1, _config(), store).lookup(np.zeros((1, 1, len(SIZES)), np.int64))
+            layer = EngramStore(1, _config(), store)
+            layer.populate(_tables(2))
+            _check(layer, _tables(2))
+
+
+def test_a_lost_manifest_is_reported_lost_to_readers_and_absent_to_writers():
+    """Heads alive, manifest lost (the explorer's seed 345: the manifest's segment died): a reader hears that the
+    layer is lost, naming the manifest; a writer may publish the layer again."""
+    from engram_store import ObjectLost
+    from engram_store.tables._keyed import KeyedSource
+    from engram_store.tables._layout import Layer
+
+    class ManifestLost(KeyedSource):
+        def get_manifest(self, lay):
+            raise ObjectLost("object 'engram:l1:manifest' was lost: its last replica was on segment s0")
+
+    source, lay = ManifestLost(None, True), Layer(1, _config(), None)
+    with pytest.raises(ObjectLost, match="layer 1 is lost: object 'engram:l1:manifest' was lost"):
+        source.check_published(lay)
+    assert source.read_manifest(lay, lost_is_absent=True) is None
