@@ -20,9 +20,12 @@ pytestmark = pytest.mark.timeout(240)
 FOUND = {
     2: "a durable segment restarted (SIGTERM) while a key and a layer were removed offered them back from its "
        "catalogue, and the master adopted them: removed objects came back",
+    5: "a durable segment's generation table, a sparse file on a file system that filled up, killed the segment "
+       "with SIGBUS at its next write",
+    345: "a layer whose manifest's segment died (its heads lived) read as never published, not as lost",
 }
 #: Further seeds explored on every run (CI's share of the exploration; each takes 5-15 s).
-EXPLORED = [101, 202, 303, 404, 505, 606, 707, 808]
+EXPLORED = [101, 202, 303, 404, 505, 606]
 
 
 @pytest.mark.parametrize("seed", sorted(FOUND) + EXPLORED)
