@@ -7,7 +7,6 @@ import json
 import os
 import random
 import sys
-import tempfile
 import time
 
 import pytest
@@ -43,9 +42,9 @@ def network():
 
 
 @pytest.mark.parametrize("local_direct", [False, True], ids=["remote", "local-direct"])
-def test_a_client_cut_off_from_the_master_never_reads_a_reused_space(network, local_direct):
+def test_a_client_cut_off_from_the_master_never_reads_a_reused_space(network, local_direct, tmp_path):
     procs, workers = [], []
-    tmp = tempfile.mkdtemp(prefix="engram-partition-")
+    tmp = str(tmp_path)
     try:
         port = free_port()
         master = start_master(port=port, host=network.address("master"), prefix=network.prefix("master"),
