@@ -132,6 +132,7 @@ def test_status_of_a_port_that_does_not_answer_says_so_after_a_second():
         finally:
             proc.kill()
             proc.wait()
+            proc.stderr.close()
     assert "did not answer as an engram master" in rest and "status: status:" not in rest
 
 

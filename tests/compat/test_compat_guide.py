@@ -37,7 +37,8 @@ upsert_tensor_with_parallelism batch_upsert_tensor_with_parallelism
 
 def _table_names() -> set[str]:
     """The method names in the first column of the guide's method table."""
-    text = open(f"{REPO}/docs/mooncake-compat.md").read()
+    with open(f"{REPO}/docs/mooncake-compat.md", encoding="utf-8") as f:
+        text = f.read()
     table = text[text.index("## The store, method by method"):text.index("## ReplicateConfig")]
     names = set()
     for row in re.findall(r"^\| (.*?) \|", table, flags=re.M):
