@@ -23,6 +23,16 @@ WORDS = struct.Struct("<qqq")
 READ, OK, BUSY = 0x1_0003_52474E45, 0x0_0003_52474E45, 0x5_0003_52474E45  # kinds: magic, version, op/status
 
 
+@pytest.fixture(scope="module", autouse=True)
+def compiled():
+    """The kernels compiled (or loaded from the cache) before any test times them."""
+    read_direct(-1, np.zeros((1, 1), np.int64), direct_read_plan(np.zeros(1, np.int64), np.zeros(1, np.int64),
+                                                                 np.zeros((0, 2), np.int64)),
+                8, 1, rio.client_buffer(0, 0, 0, 1.0), np.zeros(8, dtype=np.uint8))
+    serve_read(-1, -1, -1, 0, -1, np.zeros(64, np.uint8), np.zeros(64, np.uint8), SEGMENT, np.zeros(0, np.int64),
+               PARAMS, np.zeros(rio.SERVER_STATE_WORDS, np.int64))
+
+
 def _pair(timeout_s: float = 5.0):
     a, b = socket.socketpair()
     for s in (a, b):
@@ -129,6 +139,30 @@ def test_a_lookup_read_times_out_on_a_silent_peer_and_refuses_a_request_too_larg
         assert status == rio.TIMEOUT and time.monotonic() - start < 3
     status, _, request = _client(ids, plan, 8, lambda r: b"", True, request_bytes=64)
     assert status == rio.NO_ROOM and request == b""
+
+
+def test_a_signal_ends_a_lookup_read_so_its_handler_runs_at_once():
+    """A read stuck on a silent segment returns INTERRUPTED when the thread gets a signal (Ctrl-C ends a lookup at
+    once instead of after the timeout); the channel then closes the connection and reads the general way."""
+    import signal
+    ids = np.zeros((1, 2), dtype=np.int64)
+    plan = direct_read_plan(np.array([0, 1]), np.array([0, 64]), np.zeros((0, 2), np.int64))
+    caught = []
+    previous = signal.signal(signal.SIGUSR1, lambda *_: caught.append(True))
+    a, b = _pair()
+    try:
+        timer = threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGUSR1))
+        timer.start()
+        start = time.monotonic()
+        status = read_direct(a.fileno(), ids, plan, 8, 9, rio.client_buffer(1024, READ, OK, 10.0),
+                             np.zeros(16, dtype=np.uint8))
+        assert status == rio.INTERRUPTED and time.monotonic() - start < 5
+        timer.join()
+        assert caught
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        a.close()
+        b.close()
 
 
 # ---- the segment's side ------------------------------------------------------------------------------------------

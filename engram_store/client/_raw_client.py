@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from .._errors import EngramError, ProtocolError, RemoteError, SegmentUnavailable
-from ..kernels._raw_io import NO_ROOM, OK, RAW_IO, TIMEOUT, _read_direct, client_buffer, direct_request_bytes, \
-    set_client_timeout
+from ..kernels._raw_io import INTERRUPTED, NO_ROOM, OK, RAW_IO, TIMEOUT, _read_direct, client_buffer, \
+    direct_request_bytes, set_client_timeout
 from ..wire._raw import (
     HEADER,
     MAGIC,
@@ -170,20 +170,25 @@ class RawChannel:
         :class:`SegmentUnavailable`, as :meth:`recv_read` does."""
         if self.sock is None or self._pending or self._orphans or self._direct is None:
             return False
-        status = _read_direct(self._fd, ids, plan, row_bytes, next(self._ids), self._direct, out)
-        if status == NO_ROOM:  # a request larger than any before: a larger buffer, up to DIRECT_REQUEST_KEEP_BYTES
-            if direct_request_bytes(ids, plan) > DIRECT_REQUEST_KEEP_BYTES or out.size < ids.shape[0] * plan[0] \
-                    * row_bytes:
-                return False  # sent from pairs of its own (send_read)
-            self._direct = client_buffer(DIRECT_REQUEST_KEEP_BYTES, READ_KIND, OK_KIND, self.timeout_s)
+        status = INTERRUPTED  # until the kernel says otherwise (a signal's exception may come at any bytecode)
+        try:
             status = _read_direct(self._fd, ids, plan, row_bytes, next(self._ids), self._direct, out)
+            if status == NO_ROOM:  # a request larger than any before: a larger buffer, up to the kept size
+                if direct_request_bytes(ids, plan) > DIRECT_REQUEST_KEEP_BYTES or out.size < ids.shape[0] \
+                        * plan[0] * row_bytes:
+                    return False  # sent from pairs of its own (send_read)
+                self._direct = client_buffer(DIRECT_REQUEST_KEEP_BYTES, READ_KIND, OK_KIND, self.timeout_s)
+                status = INTERRUPTED
+                status = _read_direct(self._fd, ids, plan, row_bytes, next(self._ids), self._direct, out)
+        finally:
+            if status not in (OK, NO_ROOM):
+                self._close_socket()  # what is left on it must never be read as the answer to a later read
         if status == OK:
             self._served += 1
             return True
-        self._close_socket()  # whatever is left on it must never be read as the answer to a later read
         if status == TIMEOUT:
             raise SegmentUnavailable(f"read_ranges: {self.address}: no reply within the timeout")
-        return False
+        return False  # (INTERRUPTED: the signal's handler has run; the read goes again the general way)
 
     def send_read(self, pairs: np.ndarray, deadline: float) -> int:
         """Send a read of ``pairs`` (int64 ``[R, 2]``, C-contiguous); returns its request id."""

@@ -62,6 +62,7 @@ TIMEOUT = 3  # a send or receive waited out the socket's timeout, or the deadlin
 FAILED = 4  # any other socket error, or the connection ended inside a reply
 REFUSED = 5  # the reply carries another status (busy, an error): its message is still on the connection
 PROTOCOL = 6  # not the reply expected (another magic or version, request id or count)
+INTERRUPTED = 7  # a signal came (its handler runs once the caller is back in Python): the read may be half done
 # serve_read's answers (state[COUNT] says how many reads it answered before it returned any of them).
 SERVED = 0  # reads were answered (RING of them, or no other came within the settle wait)
 QUIET = 1  # nothing came within the linger and the sticky wait (or at once, without a wait)
@@ -103,25 +104,30 @@ def _now_ns(scratch, at):
 
 
 @njit(cache=True, nogil=True)
-def _wait_fd(fd, events, deadline_ns, scratch, at_time, at_poll):
-    # Poll fd for events until deadline_ns: True once it is ready (or failed: the next call says how), False when
-    # the deadline passed. The pollfd at scratch[at_poll], the timespec at scratch[at_time:at_time + 2].
+def _wait_fd(fd, events, deadline_ns, interruptible, scratch, at_time, at_poll):
+    # Poll fd for events until deadline_ns: OK once it is ready (or failed: the next call says how), TIMEOUT when
+    # the deadline passed, INTERRUPTED on a signal if interruptible. The pollfd at scratch[at_poll], the timespec
+    # at scratch[at_time:at_time + 2].
     while True:
         now = _now_ns(scratch, at_time)
         if now >= deadline_ns:
-            return False
+            return TIMEOUT
         scratch[at_poll] = fd | (events << 32)
         r = _poll(scratch.ctypes.data + 8 * at_poll, 1, (deadline_ns - now + 999_999) // 1_000_000)
         if r > 0:
-            return True
-        if r < 0 and _errno() != _EINTR:
-            return True
+            return OK
+        if r < 0:
+            if _errno() != _EINTR:
+                return OK
+            if interruptible:
+                return INTERRUPTED
 
 
 @njit(cache=True, nogil=True)
-def _send_all(fd, address, nbytes, deadline_ns, scratch, at_time, at_poll):
-    # Send nbytes from address: OK, CLOSED (reset or broken pipe), TIMEOUT (not taken by the deadline) or FAILED.
-    # A blocking socket waits in send (bounded by its own send timeout), a non-blocking one in poll.
+def _send_all(fd, address, nbytes, deadline_ns, interruptible, scratch, at_time, at_poll):
+    # Send nbytes from address: OK, CLOSED (reset or broken pipe), TIMEOUT (not taken by the deadline), FAILED, or
+    # INTERRUPTED (a signal, if interruptible). A blocking socket waits in send (bounded by its own send timeout),
+    # a non-blocking one in poll.
     sent = 0
     while sent < nbytes:
         k = _send(fd, address + sent, nbytes - sent, _MSG_NOSIGNAL)
@@ -132,10 +138,13 @@ def _send_all(fd, address, nbytes, deadline_ns, scratch, at_time, at_poll):
             continue
         e = _errno()
         if k < 0 and e == _EINTR:
+            if interruptible:
+                return INTERRUPTED
             continue
         if k < 0 and e == _EAGAIN:
-            if not _wait_fd(fd, _POLLOUT, deadline_ns, scratch, at_time, at_poll):
-                return TIMEOUT
+            status = _wait_fd(fd, _POLLOUT, deadline_ns, interruptible, scratch, at_time, at_poll)
+            if status != OK:
+                return status
             continue
         if k < 0 and (e == _EPIPE or e == _ECONNRESET):
             return CLOSED
@@ -184,7 +193,7 @@ def _read_direct(fd, ids, plan, row_bytes, request_id, buf, out):
         return NO_ROOM
     deadline = _now_ns(words, C_TIME) + words[C_TIMEOUT_NS]
     base = buf.ctypes.data
-    status = _send_all(fd, base + 8 * CLIENT_WORDS, nbytes, deadline, words, C_TIME, C_POLL)
+    status = _send_all(fd, base + 8 * CLIENT_WORDS, nbytes, deadline, True, words, C_TIME, C_POLL)
     if status != OK:
         return status
     # The reply: its header into words[C_HEAD:C_HEAD + 3], its rows straight into out; both in one recvmsg where
@@ -225,10 +234,11 @@ def _read_direct(fd, ids, plan, row_bytes, request_id, buf, out):
             continue
         e = _errno()
         if k < 0 and e == _EINTR:
-            continue
+            return INTERRUPTED  # the caller's signal handlers run (Ctrl-C ends a stuck lookup), then it reads again
         if k < 0 and e == _EAGAIN:  # a blocking socket's receive timeout ran out, or a non-blocking one is empty
-            if not _wait_fd(fd, _POLLIN, deadline, words, C_TIME, C_POLL):
-                return TIMEOUT
+            status = _wait_fd(fd, _POLLIN, deadline, True, words, C_TIME, C_POLL)
+            if status != OK:
+                return status
             continue
         if got == 0 and (k == 0 or e == _ECONNRESET):
             return CLOSED
@@ -400,7 +410,7 @@ def _serve_one(fd, need_fd, linger_ms, sticky_ms, request, reply, segment, table
     now = _now_ns(state, 10)
     state[RING_AT + state[COUNT]] = now - t0
     deadline = now + params[P_SEND_TIMEOUT_NS] + total * 1_000_000_000 // params[P_SEND_MIN_RATE]
-    status = _send_all(fd, reply.ctypes.data, HEADER_BYTES + total, deadline, state, 10, 8)
+    status = _send_all(fd, reply.ctypes.data, HEADER_BYTES + total, deadline, False, state, 10, 8)
     if status == TIMEOUT:
         return SEND_TIMEOUT
     if status != OK:
