@@ -121,16 +121,21 @@ class StoreSource(KeyedSource):
         placement = lay.state.placement
         lean = self._lean.get(id(lay))
         if lean is not None and lean.placement is placement and ids2.size <= READ_ROUND_ROWS \
-                and flat.size <= READ_ROUND_BYTES \
-                and time.monotonic() - placement.checked_at < self.placements.limits()[0]:
+                and flat.size <= READ_ROUND_BYTES:
             # Every head on one server, read this way before: the request built, sent and the rows received into
-            # ``flat`` in one native call, the first thing a lookup does (see _Lean).
+            # ``flat`` in one native call, the first thing a lookup does (see _Lean). A placement past its TTL is
+            # read as the general path reads it (segments check what they serve), and checked with the master
+            # after the read, in the background: the check's own work does not land inside a lookup.
+            age = time.monotonic() - placement.checked_at
+            ttl, stale = self.placements.limits()
             native = self.native
             try:
-                if native.read_direct(lean.endpoint or native.pick_endpoint(lean.endpoints), lean.plan, ids2,
-                                      lay.row_bytes, flat):
+                if age < stale and native.read_direct(lean.endpoint or native.pick_endpoint(lean.endpoints),
+                                                      lean.plan, ids2, lay.row_bytes, flat):
                     lay.counters.add(lookups=1, rows=ids2.size, remote_requests=1, remote_rows=ids2.size,
                                      remote_bytes=flat.size)
+                    if age >= ttl:
+                        self.placements.get(lay, set())  # starts the check (the placement itself is unchanged)
                     return
             except SegmentUnavailable:
                 with lay.lock:
