@@ -22,10 +22,9 @@ import sys
 import tempfile
 import time
 
-from engram_store.wire._auth import load_keys
 from engram_store._errors import EngramError, MasterUnavailable, SegmentUnavailable
 from engram_store.segment import reap_orphans
-from engram_store.wire._transport import Connection
+from engram_store.wire import Connection, load_keys
 
 START_TIMEOUT_S = 60.0
 

@@ -17,7 +17,7 @@ import time
 
 def cache_location() -> str:
     """Where Numba keeps this package's compiled kernels."""
-    from .kernels._gather import _gather_rows
+    from .kernels import gather_rows_unchecked as _gather_rows
 
     return _gather_rows.stats.cache_path
 

@@ -10,10 +10,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from engram_store._errors import EngramError, InvalidArgument, SegmentUnavailable, Unavailable
-from engram_store.wire._protocol import PROTOCOL_VERSION, Request
-from engram_store.wire._auth import AuthKeys
 from engram_store._metrics import MetricsEndpoint, gauge
-from engram_store.wire._transport import Connection, RpcServer
+from engram_store.wire import PROTOCOL_VERSION, AuthKeys, Connection, Request, RpcServer
 from engram_store._units import parse_address
 from engram_store._pages import trim_heap
 

@@ -33,7 +33,7 @@ from engram_store._errors import (
     OutOfSpace,
     SegmentUnavailable,
 )
-from engram_store.wire._tickets import make_ticket
+from engram_store.wire import make_ticket
 
 from ._allocator import FreeListAllocator
 from ._fencing import Fencing

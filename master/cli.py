@@ -16,9 +16,9 @@ import time
 from typing import Sequence
 
 from engram_store import _cli
-from engram_store.wire._auth import AUTH_DIR_ENV, exposure_warning, keygen, load_keys, resolve_auth_dir
+from engram_store.wire import (AUTH_DIR_ENV, Connection, exposure_warning, keygen, load_keys, resolve_auth_dir,
+                               serve_until_signalled, stop_on_signal_while_starting)
 from engram_store._errors import EngramError
-from engram_store.wire._transport import serve_until_signalled, stop_on_signal_while_starting
 from engram_store._units import format_size, parse_address
 
 from ._config import (
@@ -161,7 +161,6 @@ def _registered(header: dict) -> int:
 def status(argv: Sequence[str] | None) -> int:
     args = _status_parser().parse_args(argv)
     from engram_store._errors import MasterUnavailable
-    from engram_store.wire._transport import Connection
 
     prog = f"{PROG} status"
     try:

@@ -35,8 +35,7 @@ from .._errors import (
 )
 from .._units import parse_size
 from ..segment import SegmentServer, host_id
-from ..wire._auth import AUTH_DIR_ENV, load_keys, resolve_auth_dir
-from ..wire._transport import Connection, ConnectionPool, wait_all
+from ..wire import AUTH_DIR_ENV, Connection, ConnectionPool, load_keys, resolve_auth_dir, wait_all
 from ._objects import KeyInfo, ObjectInfo, check_key, replica_of
 from ._raw_client import RawChannel, raw_reads_default
 from ._reads import ReadPath

@@ -33,7 +33,7 @@ from .._errors import (
     is_int,
 )
 from ..segment import pwrite_all
-from ..wire._transport import wait_all
+from ..wire import wait_all
 from ._objects import as_bytes_view, check_key
 
 log = logging.getLogger("engram_store.client")

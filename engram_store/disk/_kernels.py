@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ..kernels._common import _prefetch
+from ..kernels import prefetch_hint as _prefetch
 from ._native import (address, atomic_add, errno, fence_acquire, load_acquire, memcpy, memcpy_to,
                       or_low_byte_relaxed, pread, syscall3, syscall5)
 

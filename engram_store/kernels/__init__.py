@@ -37,6 +37,7 @@ import numpy as np
 from ._cache import cache_fill, cache_insert, cache_probe
 from ._common import _UINT, PREFETCH_ROWS, readonly, word_shift
 from ._generations import check_generations, check_pairs_for
+from . import _generations_table as generation_table
 from ._generations_table import UNKNOWN as TABLE_UNKNOWN
 from ._generations_table import check_table
 from ._gather import (
@@ -65,6 +66,15 @@ from ._planning import (
 )
 from ._raw_io import RAW_IO, SERVER_STATE_WORDS, direct_read_plan, read_direct, serve_params, serve_read
 
+# The kernels themselves, for hot paths that validated their arguments once already (and for other kernels):
+# every one of them trusts its caller, as its checked wrapper above does not.
+from ._common import _prefetch as prefetch_hint  # noqa: E402  (an intrinsic: usable inside @njit kernels)
+from ._gather import _gather_rows as gather_rows_unchecked  # noqa: E402
+from ._gather import _scatter_rows as scatter_rows_unchecked  # noqa: E402
+from ._planning import _direct_pairs as direct_pairs_unchecked  # noqa: E402
+from ._planning import _first_bad_row as first_bad_row_unchecked  # noqa: E402
+from ._planning import _plan_reads as plan_reads_unchecked  # noqa: E402
+
 __all__ = [
     "PREFETCH_ROWS", "RAW_IO", "ReadPlan", "RowSource", "cache_fill", "cache_insert", "cache_probe",
     "check_generations", "check_pairs", "check_pairs_for", "check_table", "TABLE_UNKNOWN",
@@ -72,6 +82,8 @@ __all__ = [
     "gather_ranges", "gather_rows", "gather_rows_local", "narrower", "plan_pieces", "plan_reads", "plan_unique_rows",
     "read_direct", "readonly", "row_source", "rows_to_ranges", "scatter_ranges", "scatter_rows",
     "scatter_rows_prepared", "serve_params", "serve_read", "warmup", "word_shift",
+    "direct_pairs_unchecked", "first_bad_row_unchecked", "gather_rows_unchecked", "plan_reads_unchecked",
+    "prefetch_hint", "scatter_rows_unchecked", "generation_table",
 ]
 
 

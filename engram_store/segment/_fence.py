@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 
 from .._errors import InvalidArgument, WriteFenced
-from ..wire._tickets import WRITE_KEY_BYTES, read_ticket
+from ..wire import WRITE_KEY_BYTES, read_ticket
 
 log = logging.getLogger(__name__)
 

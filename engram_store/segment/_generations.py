@@ -26,12 +26,15 @@ import numpy as np
 from .. import kernels as _kernels
 from .._errors import InvalidArgument, OutOfSpace, StalePlacement
 from .._pages import reserve
-from ..kernels._generations_table import CAPACITY, COUNT, HEADER_WORDS, OVERFLOW, SEQ, table_words
+from ..kernels import generation_table
 
 #: Entries the shared table holds: one per 4 KiB of segment, at least 4,096 and at most 2**20 (24 MiB). A
 #: segment holding more objects marks the table overflowed; readers on its host then ask the master.
 TABLE_BYTES_PER_ENTRY = 4 << 10
 TABLE_MIN, TABLE_MAX = 1 << 12, 1 << 20
+SEQ, COUNT, CAPACITY, OVERFLOW = (generation_table.SEQ, generation_table.COUNT, generation_table.CAPACITY,
+                                  generation_table.OVERFLOW)
+HEADER_WORDS, table_words = generation_table.HEADER_WORDS, generation_table.table_words
 
 log = logging.getLogger(__name__)
 

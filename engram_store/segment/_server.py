@@ -31,10 +31,8 @@ from .._errors import (
     RemoteError,
     is_int,
 )
-from ..wire._auth import AuthKeys
-from ..wire._protocol import PROTOCOL_VERSION, Request, frame_array, frame_bytes
-from ..wire._raw import VERSION as RAW_VERSION
-from ..wire._transport import Connection, RpcServer, io_threads
+from ..wire import (PROTOCOL_VERSION, RAW_VERSION, AuthKeys, Connection, Request, RpcServer, frame_array, frame_bytes,
+                    io_threads)
 from ._catalog import Catalog
 from ._fence import WriteFence
 from ._generations import Generations

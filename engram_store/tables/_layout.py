@@ -10,7 +10,6 @@ import numpy as np
 
 from .. import kernels as _kernels
 from .._errors import InvalidArgument, InvalidType, describe, is_int
-from ..kernels._planning import _first_bad_row
 
 #: Row formats and the NumPy dtype their items are returned as.
 ROW_FORMATS = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "bytes": np.uint8}
@@ -136,7 +135,7 @@ class Layer:
         if not (type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 3 and ids.shape[2] == H
                 and ids.size and ids.flags.c_contiguous):
             ids = as_row_ids(row_ids, H)
-        bad = _first_bad_row(_kernels.readonly(ids.reshape(-1, H)), self.sizes_arr)
+        bad = _kernels.first_bad_row_unchecked(_kernels.readonly(ids.reshape(-1, H)), self.sizes_arr)
         if bad >= 0:
             B, L, _ = ids.shape
             b, rest = divmod(int(bad), L * H)

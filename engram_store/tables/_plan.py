@@ -22,7 +22,6 @@ import numpy as np
 
 from .. import kernels as _kernels
 from .._errors import InvalidArgument, InvalidType, SegmentUnavailable, StalePlacement, StoreError, describe
-from ..kernels._planning import _direct_pairs
 from ._placement import Placement
 from ._source import Job
 
@@ -190,7 +189,7 @@ def _read_remote(native: Any, jobs: list, counts: dict) -> set[str]:
     for owner, lay, placement, ids2, flat in jobs:
         if reads_direct(placement, ids2):
             address, endpoints, _, _ = placement.remote[0]
-            pairs = _direct_pairs(ids2, placement.order, placement.bases, lay.row_bytes)
+            pairs = _kernels.direct_pairs_unchecked(ids2, placement.order, placement.bases, lay.row_bytes)
             request = requests.setdefault(address, (native.pick_endpoint(endpoints), [], []))
             request[1].append((owner, lay, None, pairs, ids2.size, flat))
             request[2].append(placement.checks[0])

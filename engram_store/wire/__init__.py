@@ -7,14 +7,24 @@
 * ``_raw``: the raw read channel's framing.
 """
 
-from ._auth import AUTH_DIR_ENV, AuthKeys, exposure_warning, keygen, load_keys, resolve_auth_dir
-from ._protocol import PROTOCOL_VERSION, Request, decode, encode
-from ._tickets import make_ticket, read_ticket
-from ._transport import Connection, ConnectionPool, RpcServer, serve_until_signalled, wait_all
+from ._auth import AUTH_DIR_ENV, REFUSALS, AuthKeys, exposure_warning, keygen, load_keys, resolve_auth_dir
+from ._protocol import PROTOCOL_VERSION, Request, decode, encode, frame_array, frame_bytes
+from ._raw import VERSION as RAW_VERSION
+from ._tickets import WRITE_KEY_BYTES, make_ticket, read_ticket
+from ._transport import (ZERO_COPY_SEND_BYTES, Connection, ConnectionPool, RpcServer, io_threads,
+                         serve_until_signalled, stop_on_signal_while_starting, wait_all)
 
 __all__ = [
     "AUTH_DIR_ENV",
     "PROTOCOL_VERSION",
+    "RAW_VERSION",
+    "REFUSALS",
+    "WRITE_KEY_BYTES",
+    "ZERO_COPY_SEND_BYTES",
+    "frame_array",
+    "frame_bytes",
+    "io_threads",
+    "stop_on_signal_while_starting",
     "AuthKeys",
     "Connection",
     "ConnectionPool",
