@@ -87,3 +87,46 @@ def test_every_package_names_its_public_surface(package):
     assert isinstance(getattr(module, "__all__", None), list) and module.__all__, f"{package} has no __all__"
     missing = [name for name in module.__all__ if not hasattr(module, name)]
     assert not missing, f"{package}.__all__ names what it does not define: {missing}"
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports (at any depth of the file: an import inside a function that
+    closes a circle is still a circle)."""
+    names = {name for name, _ in _modules()}
+    graph: dict[str, set[str]] = {}
+    for name, path in _modules():
+        targets = set()
+        for target in _imports(name, path):
+            while target and target not in names:
+                target = target.rpartition(".")[0]
+            if target and target != name and not name.startswith(target + ".") and target + "." not in name:
+                targets.add(target)
+        graph[name] = targets
+    return graph
+
+
+def test_no_import_circles():
+    """No module imports, through others, a module that imports it (package __init__ files, which only hand names
+    on, are not part of a circle)."""
+    graph = {n: {t for t in ts if not _is_package(t)} for n, ts in _graph().items() if not _is_package(n)}
+    circles, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                circles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def _is_package(name: str) -> bool:
+    return (ROOT / Path(*name.split(".")) / "__init__.py").exists()

@@ -4,15 +4,15 @@
 
 * ``_layout``: a layer's configuration, heads and keys; checks of row ids and output buffers;
 * ``_manifest``: the layer manifest (layout and checksums) written last and read first;
-* ``_plan``: read planning (rounds, output-order vs distinct rows, failover) and ``lookup_many``;
+* ``_plan``: read planning (rounds, output-order vs distinct rows, failover) and the background handle;
 * ``_placement``: where a store layer's tables are, checked with the master;
 * ``_source`` and one module per row source: in-process arrays and ``local_dir`` files (``_source_memory``), this
   project's store (``_source_store``), a Mooncake store (``_source_mooncake``), files on SSD (``_source_disk``).
 """
 
 from ._layout import ROW_FORMATS, EngramStoreConfig, LookupCounters
-from ._plan import LookupHandle, lookup_many, prefetch_many
-from ._store import EngramStore
+from ._plan import LookupHandle
+from ._store import EngramStore, lookup_many, prefetch_many
 
 __all__ = [
     "ROW_FORMATS",

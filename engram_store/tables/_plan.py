@@ -8,20 +8,20 @@ distinct row once and scatters it. Every layer of a call that goes to one server
 servers at once; large lookups go in rounds of at most READ_ROUND_BYTES of output and READ_ROUND_ROWS rows, so no
 request outgrows a segment's limits; heads on a server that fails are re-resolved and read from another replica.
 
-:func:`read_jobs` sends each source its jobs (sources on the same store together); :func:`lookup_many` and
-:func:`prefetch_many` read the layers of several EngramStores with it.
+:func:`read_jobs` sends each source its jobs (sources on the same store together); ``EngramStore``'s
+``lookup_many`` and ``prefetch_many`` read the layers of several EngramStores with it.
 """
 
 from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from .. import kernels as _kernels
-from .._errors import InvalidArgument, InvalidType, SegmentUnavailable, StalePlacement, StoreError, describe
+from .._errors import SegmentUnavailable, StalePlacement, StoreError
 from ._placement import Placement
 from ._source import Job
 
@@ -240,33 +240,6 @@ def _read_remote(native: Any, jobs: list, counts: dict) -> set[str]:
     return failed
 
 
-def lookup_many(requests: Sequence[tuple[Any, Any]], *, layers: Sequence[int | None] | None = None,
-                out: Sequence[Any] | None = None, background: bool = False) -> LookupHandle:
-    """Read the rows of several EngramStores (e.g. one per Engram layer) together.
-
-    ``requests`` holds ``(engram_store, [B, L, H] row ids)``; ``layers`` names each one's layer where a store
-    holds several; ``out`` gives caller buffers. Stores on the same :class:`DistributedStore` send one request
-    per segment server for all of them. Returns a handle whose ``result()`` is the list of row arrays (or the
-    ``out`` buffers), in order; with ``background=True`` the reads run in a background thread.
-    """
-    from ._store import EngramStore
-
-    if layers is not None and len(layers) != len(requests):
-        raise InvalidArgument(f"layers: expected {len(requests)} entries (one per request), got {len(layers)}")
-    if out is not None and len(out) != len(requests):
-        raise InvalidArgument(f"out: expected {len(requests)} entries (one per request), got {len(out)}")
-    jobs, results = [], []
-    for i, item in enumerate(requests):
-        if not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], EngramStore):
-            raise InvalidType(f"requests[{i}]: expected (EngramStore, row_ids), got {describe(item)}")
-        owner, ids = item
-        job, result = owner._job(ids, out[i] if out is not None else None, layers[i] if layers is not None else None)
-        jobs.append(job)
-        results.append(result)
-
-    return start_reads(jobs, results, requests, requests[0][0]._background() if background and requests else None)
-
-
 def start_reads(jobs: list, result: Any, row_ids: Any, background: ThreadPoolExecutor | None) -> LookupHandle:
     """Read ``jobs`` in ``background`` (an executor), or now when it is None; the handle's ``result()`` is
     ``result`` once they are read (or raises what the read raised)."""
@@ -282,25 +255,3 @@ def start_reads(jobs: list, result: Any, row_ids: Any, background: ThreadPoolExe
     except BaseException as exc:
         future.set_exception(exc)
     return LookupHandle(future, row_ids)
-
-
-def prefetch_many(requests: Sequence[tuple[Any, Any]], *, layers: Sequence[int | None] | None = None,
-                  out: Sequence[Any] | None = None, background: bool = True) -> list[LookupHandle]:
-    """:func:`lookup_many` with one handle per request (each ``result()`` is that request's rows).
-
-    The reads still go out together (one request per segment server for all layers); every handle completes
-    when they all have, and a failure is raised by every handle.
-    """
-    combined = lookup_many(requests, layers=layers, out=out, background=background)
-    handles = [LookupHandle(Future(), ids) for _, ids in requests]
-
-    def finish(done: Future) -> None:
-        exc = done.exception()
-        for i, handle in enumerate(handles):
-            if exc is not None:
-                handle._future.set_exception(exc)
-            else:
-                handle._future.set_result(done.result()[i])
-
-    combined._future.add_done_callback(finish)
-    return handles

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -424,3 +424,50 @@ def _native_store(store: Any):
         return store
     inner = getattr(store, "native_store", None)
     return inner if isinstance(inner, DistributedStore) else None
+
+
+def lookup_many(requests: Sequence[tuple[Any, Any]], *, layers: Sequence[int | None] | None = None,
+                out: Sequence[Any] | None = None, background: bool = False) -> LookupHandle:
+    """Read the rows of several EngramStores (e.g. one per Engram layer) together.
+
+    ``requests`` holds ``(engram_store, [B, L, H] row ids)``; ``layers`` names each one's layer where a store
+    holds several; ``out`` gives caller buffers. Stores on the same :class:`DistributedStore` send one request
+    per segment server for all of them. Returns a handle whose ``result()`` is the list of row arrays (or the
+    ``out`` buffers), in order; with ``background=True`` the reads run in a background thread.
+    """
+    if layers is not None and len(layers) != len(requests):
+        raise InvalidArgument(f"layers: expected {len(requests)} entries (one per request), got {len(layers)}")
+    if out is not None and len(out) != len(requests):
+        raise InvalidArgument(f"out: expected {len(requests)} entries (one per request), got {len(out)}")
+    jobs, results = [], []
+    for i, item in enumerate(requests):
+        if not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], EngramStore):
+            raise InvalidType(f"requests[{i}]: expected (EngramStore, row_ids), got {describe(item)}")
+        owner, ids = item
+        job, result = owner._job(ids, out[i] if out is not None else None, layers[i] if layers is not None else None)
+        jobs.append(job)
+        results.append(result)
+
+    return start_reads(jobs, results, requests, requests[0][0]._background() if background and requests else None)
+
+
+def prefetch_many(requests: Sequence[tuple[Any, Any]], *, layers: Sequence[int | None] | None = None,
+                  out: Sequence[Any] | None = None, background: bool = True) -> list[LookupHandle]:
+    """:func:`lookup_many` with one handle per request (each ``result()`` is that request's rows).
+
+    The reads still go out together (one request per segment server for all layers); every handle completes
+    when they all have, and a failure is raised by every handle.
+    """
+    combined = lookup_many(requests, layers=layers, out=out, background=background)
+    handles = [LookupHandle(Future(), ids) for _, ids in requests]
+
+    def finish(done: Future) -> None:
+        exc = done.exception()
+        for i, handle in enumerate(handles):
+            if exc is not None:
+                handle._future.set_exception(exc)
+            else:
+                handle._future.set_result(done.result()[i])
+
+    combined._future.add_done_callback(finish)
+    return handles
