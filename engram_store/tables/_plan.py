@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -75,7 +75,7 @@ def read_jobs(jobs: list[Job]) -> None:
     share a batch key (EngramStores on one store) read theirs together."""
     groups: dict[Any, list[Job]] = {}
     for job in jobs:
-        key = job[0].batch_key
+        key = job.source.batch_key
         groups.setdefault(id(job) if key is None else key, []).append(job)
     for group in groups.values():
         group[0][0].read(group)
@@ -104,7 +104,7 @@ def _read_rounds(jobs: list[Job]) -> list[list]:
             if current and (size + flat_part.size > READ_ROUND_BYTES or rows + ids_part.size > READ_ROUND_ROWS):
                 rounds.append(current)
                 current, size, rows = [], 0, 0
-            current.append((owner, lay, ids_part, flat_part))
+            current.append(Job(owner, lay, ids_part, flat_part))
             size += flat_part.size
             rows += ids_part.size
     if current:
@@ -180,50 +180,70 @@ def tally(counts: dict, flat: np.ndarray, **deltas: int) -> None:
         entry[name] = entry.get(name, 0) + delta
 
 
+class _Part(NamedTuple):
+    """One layer's share of a request to one segment server."""
+    owner: Any
+    layer: Any
+    scatter: tuple | None  # (plan, heads, first row) to scatter the reply's distinct rows; None: read in output order
+    pairs: np.ndarray      # its byte ranges
+    rows: int              # rows its ranges return
+    out: np.ndarray        # the job's output bytes
+
+
+class _Request(NamedTuple):
+    """A request to one segment server: where it goes, the layers' parts, the checks of the tables it reads."""
+    endpoint: str
+    parts: list
+    checks: list
+
+
 def _read_remote(native: Any, jobs: list, counts: dict) -> set[str]:
     """One read per segment server for every job's remote heads; scatter the replies; the addresses that failed.
 
     A job whose heads all live on one server reads its rows as they are, in output order (the reply is its
     output); others read each distinct row once and scatter it (see DIRECT_MAX_ROWS)."""
-    requests: dict[str, tuple[str, list, list]] = {}  # address -> (endpoint, parts, checks)
+    requests: dict[str, _Request] = {}  # by segment address
     for owner, lay, placement, ids2, flat in jobs:
         if reads_direct(placement, ids2):
             address, endpoints, _, _ = placement.remote[0]
             pairs = _kernels.direct_pairs_unchecked(ids2, placement.order, placement.bases, lay.row_bytes)
-            request = requests.setdefault(address, (native.pick_endpoint(endpoints), [], []))
-            request[1].append((owner, lay, None, pairs, ids2.size, flat))
-            request[2].append(placement.checks[0])
+            request = requests.setdefault(address, _Request(native.pick_endpoint(endpoints), [], []))
+            request.parts.append(_Part(owner, lay, None, pairs, ids2.size, flat))
+            request.checks.append(placement.checks[0])
             continue
         plan = _kernels.plan_reads(ids2, placement.order, placement.bases, lay.row_bytes, checked=True)
         for g, (address, endpoints, j0, j1) in enumerate(placement.remote):
             pairs = plan.pairs[plan.head_ranges[j0]:plan.head_ranges[j1]]
             rows = int(plan.head_rows[j1] - plan.head_rows[j0])
-            request = requests.setdefault(address, (native.pick_endpoint(endpoints), [], []))
-            request[1].append((owner, lay, (plan, placement.order[j0:j1], int(plan.head_rows[j0])), pairs, rows,
-                               flat))
-            request[2].append(placement.checks[g])
+            request = requests.setdefault(address, _Request(native.pick_endpoint(endpoints), [], []))
+            request.parts.append(_Part(owner, lay, (plan, placement.order[j0:j1], int(plan.head_rows[j0])), pairs,
+                                       rows, flat))
+            request.checks.append(placement.checks[g])
     batch, outs = [], []
-    for endpoint, parts, checks in requests.values():
+    for request in requests.values():
         # The checks of every table read lead the request (the segment serves it only while they all hold).
-        pieces = [c for c in checks if c.size] + [pairs for _, _, _, pairs, _, _ in parts]
-        batch.append((endpoint, pieces[0] if len(pieces) == 1 else np.concatenate(pieces)))
-        outs.append(parts[0][5] if len(parts) == 1 and parts[0][2] is None else None)  # straight into the output
+        pieces = [c for c in request.checks if c.size] + [part.pairs for part in request.parts]
+        batch.append((request.endpoint, pieces[0] if len(pieces) == 1 else np.concatenate(pieces)))
+        lone = request.parts[0]
+        outs.append(lone.out if len(request.parts) == 1 and lone.scatter is None else None)  # straight into the output
     results = native.read_pairs_many(batch, outs)
     failed = set()
-    for (address, (_, parts, _)), result in zip(requests.items(), results):
+    for (address, request), result in zip(requests.items(), results):
+        parts = request.parts
         if isinstance(result, BaseException):
             if isinstance(result, SegmentUnavailable):
                 failed.add(address)
                 continue
             if isinstance(result, StalePlacement):
-                for owner, lay, *_ in parts:
-                    owner.placements.stale(lay, result)
+                for part in parts:
+                    part.owner.placements.stale(part.layer, result)
                 failed.add(STALE)
                 continue
             raise result
         data = _kernels.readonly(np.frombuffer(result, dtype=np.uint8))
         pos = 0
-        for _, lay, scatter, _, rows, flat in parts:
+        for part in parts:
+            lay, scatter, rows, flat = part.layer, part.scatter, part.rows, part.out
             n = rows * lay.row_bytes
             if data.size < pos + n:
                 raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")

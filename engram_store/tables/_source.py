@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -31,8 +31,12 @@ THREADED_MIN_ROWS = 16384
 #: Tables larger than this (all heads together) show a progress bar while they are written.
 PROGRESS_MIN_BYTES = 256 << 20
 
-#: A read job: (the source that owns the layer, the layer, validated ids [M, H], the output's flat bytes).
-Job = tuple  # (Source, Layer, np.ndarray, np.ndarray)
+class Job(NamedTuple):
+    """A read job: rows of one layer for validated ids, into an output's bytes."""
+    source: Any        # the Source that owns the layer
+    layer: Layer
+    ids: np.ndarray    # int64 [M, H], checked against the layer's table sizes
+    out: np.ndarray    # the output's flat uint8 bytes, [M, H, row_bytes] as laid out
 
 
 class Source:

@@ -140,18 +140,18 @@ class StoreSource(KeyedSource):
             except SegmentUnavailable:
                 with lay.lock:
                     lay.state.placement = None
-                read_native(native, [(self, lay, ids2, flat)], failed={lean.address})
+                read_native(native, [Job(self, lay, ids2, flat)], failed={lean.address})
                 return
         if placement is None or time.monotonic() - placement.checked_at >= self.placements.limits()[0] \
                 or len(placement.remote) > 1 or lay.state.cache is not None or not fits_one_round(ids2, flat):
-            read_native(self.native, [(self, lay, ids2, flat)])
+            read_native(self.native, [Job(self, lay, ids2, flat)])
             return
         if placement.memory.sources:
             try:
                 self.placements.gather(lay, placement, ids2, flat, self.threads)
             except StalePlacement as exc:  # a mapped table was written over: ask the master where it is now
                 self.placements.stale(lay, exc)
-                read_native(self.native, [(self, lay, ids2, flat)])
+                read_native(self.native, [Job(self, lay, ids2, flat)])
                 return
         if placement.remote:
             address, endpoints, _, _ = placement.remote[0]
@@ -166,7 +166,7 @@ class StoreSource(KeyedSource):
             except SegmentUnavailable:
                 with lay.lock:
                     lay.state.placement = None
-                read_native(native, [(self, lay, ids2, flat)], failed={address})
+                read_native(native, [Job(self, lay, ids2, flat)], failed={address})
                 return
             if direct:
                 # Every head on this server: one range per (m, h) in output order, so the reply lands in
@@ -186,11 +186,11 @@ class StoreSource(KeyedSource):
             except SegmentUnavailable:
                 with lay.lock:
                     lay.state.placement = None
-                read_native(native, [(self, lay, ids2, flat)], failed={address})
+                read_native(native, [Job(self, lay, ids2, flat)], failed={address})
                 return
             except StalePlacement as exc:  # removed and its space reused: ask the master where it is now
                 self.placements.stale(lay, exc)
-                read_native(native, [(self, lay, ids2, flat)])
+                read_native(native, [Job(self, lay, ids2, flat)])
                 return
             if not direct and _scatter_rows(_kernels.readonly(np.frombuffer(data, dtype=np.uint8)),
                                                      _kernels.readonly(inverse), placement.order, 0, lay.row_bytes,

@@ -253,7 +253,7 @@ class EngramStore:
         shape = ids.shape + (lay.dim,)
         target = lay.check_out(out, shape) if out is not None else np.empty(shape, dtype=lay.dtype)
         M = ids.shape[0] * ids.shape[1]
-        job = (self._source, lay, ids.reshape(M, lay.num_heads), target.reshape(-1).view(np.uint8))
+        job = Job(self._source, lay, ids.reshape(M, lay.num_heads), target.reshape(-1).view(np.uint8))
         return job, out if out is not None else target
 
     def lookup(self, row_ids: Any, *, layer: int | None = None) -> np.ndarray:
@@ -294,7 +294,7 @@ class EngramStore:
         """
         job, result = self._job(row_ids, out, layer, "prefetch")
         if background is None:
-            background = not self._source.inline(job[1], job[2].size)
+            background = not self._source.inline(job.layer, job.ids.size)
         return self._start([job], result, background, row_ids)
 
     def prefetch_layers(self, row_ids: Mapping[int, Any], out: Mapping[int, Any] | None = None,
