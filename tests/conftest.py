@@ -1,3 +1,13 @@
+"""Fixtures every folder of the suite shares.
+
+Conventions: a folder's helpers live beside its tests in ``<folder>_helpers.py`` (this folder's in
+``suite_helpers.py``): pytest puts a test's folder, and this one, on ``sys.path``, so they are imported by that
+unique name (never ``from conftest import``: several folders have one, and the first imported wins); a script a
+test runs as a process of its own is named ``*_worker.py``.
+"""
+import os
+import subprocess
+
 import pytest
 
 
@@ -8,3 +18,27 @@ def embedded():
 
     with DistributedStore.embedded(segment_size="64MiB") as store:
         yield store
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``tmpfs(size)`` mounts a file system of that size (``"1M"``, ``"64k"``) under tmp_path and returns its path,
+    for tests of full disks (root only: the test skips elsewhere); every one is unmounted after the test."""
+    mounted = []
+
+    def mount(size: str):
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root")
+        where = tmp_path / f"fs{len(mounted)}"
+        where.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                              capture_output=True, timeout=30)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], check=True, timeout=30)
+

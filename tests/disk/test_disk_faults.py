@@ -251,25 +251,9 @@ def test_a_manifest_write_out_of_space_raises_out_of_space(tmp_path, monkeypatch
     assert DiskDir(tmp_path).layers() == [] and not os.path.exists(tmp_path / "layer-1.tmp")
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 1 MiB tmpfs mounted at tmp_path/fs (root only); unmounted after the test."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    where = tmp_path / "fs"
-    where.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(where)], capture_output=True,
-                             timeout=30)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", str(where)], check=True, timeout=30)
-
-
 @pytest.mark.timeout(60)
-def test_a_full_file_system_raises_out_of_space_for_the_rows_and_for_the_manifest(small_tmpfs):
+def test_a_full_file_system_raises_out_of_space_for_the_rows_and_for_the_manifest(tmpfs):
+    small_tmpfs = tmpfs("1M")
     with pytest.raises(OutOfSpace, match=r"cannot reserve 2097152 bytes in .* \(1048576 bytes free before the "
                                          "attempt\\)"):
         DiskDir(small_tmpfs).write(1, 4096, [512], [np.zeros((512, 4096), np.uint8)], progress=False)

@@ -1,7 +1,7 @@
 """Trust under faults: stale writers are fenced, dead writers let go, and objects still held are never lost.
 
 Each test runs real ``engram-master`` and ``engram-segment`` processes and, where a writer must stall or die
-mid-put, a writer process (``_writer.py``) that stops after its first chunk until the test lets it go on.
+mid-put, a writer process (``writer_worker.py``) that stops after its first chunk until the test lets it go on.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from engram_store.testing import Cluster, wait_ping
 
 pytestmark = pytest.mark.timeout(180)
 
-WRITER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_writer.py")
+WRITER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "writer_worker.py")
 HEADS = 4
 ROW_BYTES = 1024
 ROWS = 2048  # 2 MiB per head
@@ -61,7 +61,7 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:
 
 
 class _Writer:
-    """``_writer.py`` in a process of its own, paused after its first chunk until :meth:`go`."""
+    """``writer_worker.py`` in a process of its own, paused after its first chunk until :meth:`go`."""
 
     def __init__(self, master: str, path: str, prefix: str, seed: int):
         self.proc = subprocess.Popen(

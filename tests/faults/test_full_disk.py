@@ -4,31 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 
 import pytest
 
+from suite_helpers import fill_up
 from engram_store import DistributedStore
 from engram_store.testing import Cluster
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def tmpfs(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    where = tmp_path / "fs"
-    where.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(where)], capture_output=True,
-                             timeout=30)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], timeout=30)
 
 
 def _catalogue(path: str) -> list[str]:
@@ -37,6 +21,7 @@ def _catalogue(path: str) -> list[str]:
 
 
 def test_a_durable_segment_on_a_full_disk_keeps_heartbeating_and_catches_up(tmpfs):
+    tmpfs = tmpfs("16m")
     data = str(tmpfs / "segment.bin")
     filler = str(tmpfs / "filler")
     with Cluster(segments=0, heartbeat_timeout_s=2.0) as c:
@@ -47,16 +32,7 @@ def test_a_durable_segment_on_a_full_disk_keeps_heartbeating_and_catches_up(tmpf
             while _catalogue(data) != ["before"]:
                 assert time.monotonic() < deadline, "the catalogue never named the first object"
                 time.sleep(0.05)
-            fd = os.open(filler, os.O_CREAT | os.O_WRONLY)
-            try:
-                for size in (1 << 20, 64 << 10, 4 << 10):  # every page there is
-                    while True:
-                        try:
-                            os.posix_fallocate(fd, os.fstat(fd).st_size, size)
-                        except OSError:
-                            break
-            finally:
-                os.close(fd)
+            fill_up(filler)
             store.put("during", b"d" * 1000)  # its catalogue cannot be written now
             time.sleep(3 * 2.0)  # past the heartbeat timeout: a segment whose heartbeats stopped is dropped
             status = store.status()
@@ -71,28 +47,16 @@ def test_a_durable_segment_on_a_full_disk_keeps_heartbeating_and_catches_up(tmpf
         assert "Traceback" not in c.segments[0].output()
 
 
-def _fill(path: str) -> None:
-    fd = os.open(path, os.O_CREAT | os.O_WRONLY)
-    try:
-        for size in (1 << 20, 64 << 10, 4 << 10):  # every page there is
-            while True:
-                try:
-                    os.posix_fallocate(fd, os.fstat(fd).st_size, size)
-                except OSError:
-                    break
-    finally:
-        os.close(fd)
-
-
 def test_a_durable_segment_restarted_on_a_full_disk_serves_without_its_generation_table(tmpfs):
     """Its data file is whole from the first run; the small table beside it finds no page. The segment warns
     and serves (readers on its host then ask the master); a sparse table had killed it with SIGBUS at the first
     write."""
+    tmpfs = tmpfs("16m")
     data = str(tmpfs / "segment.bin")
     with Cluster(segments=0, heartbeat_timeout_s=5.0) as c:
         first = c.add_segment("8MiB", ["--file", data])
         first.terminate()
-        _fill(str(tmpfs / "filler"))
+        fill_up(str(tmpfs / "filler"))
         segment = c.add_segment("8MiB", ["--file", data])
         with DistributedStore.connect(c.address, timeout_ms=5000, local_direct=False) as store:
             store.put("k", b"k" * 4096)

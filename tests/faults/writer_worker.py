@@ -1,6 +1,6 @@
 """A writer process for the fencing tests: puts objects in small chunks and stops after the first one until told.
 
-    python _writer.py MASTER PATH KEY_PREFIX HEADS HEAD_BYTES SEED
+    python writer_worker.py MASTER PATH KEY_PREFIX HEADS HEAD_BYTES SEED
 
 ``PATH`` is ``direct`` (pwrite into a segment file on this host) or ``requests`` (ZeroMQ writes). After the first
 chunk it prints ``PAUSED`` and waits for a line on stdin; then it writes the rest and prints ``DONE`` or
