@@ -33,6 +33,10 @@ Paths (the store paths read the tables from one ``engram-segment`` process on th
 mounting its own segment; remote = one reading a ``mooncake_client`` segment process); results go to
 ``bench/results/bench_engram_store_mooncake.json``.
 
+These calls run back to back. ``bench/bench_cadence.py`` measures remote lookups as serving makes them: spaced
+1, 5 and 30 ms apart, with busy model threads in the client, beside a bare TCP echo of the same bytes, and from
+several client processes at once.
+
 Latencies are per call, in microseconds; tokens/s = B x L / p50; "vs numpy" = NumPy p50 / path p50 (above 1:
 faster than the NumPy gather); "/floor" = remote p50 / floor p50 (1 = no overhead over a bare round trip);
 "mooncake/remote" = Mooncake p50 / remote p50. The paths are timed in interleaved rounds so that a burst of

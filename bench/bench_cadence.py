@@ -1,0 +1,352 @@
+"""Remote lookups at the cadence serving uses, beside a bare blocking TCP echo of the same bytes in the same run.
+
+    python bench/bench_cadence.py [--quick] [--sections single,clients] [--spacings 0,1,5,30]
+                                  [--busy none,py,np,py+np] [--shapes b1,b64,prefill] [--clients 4]
+                                  [--passes N] [--json PATH]
+
+A serving engine reads its Engram rows once per model step and layer group, milliseconds to tens of
+milliseconds apart, on a host whose cores are busy with the model. Back-to-back calls hide what that costs: by the
+next step the caches, the branch predictors and the scheduler's favour are gone, and a busy model thread holds
+the GIL. So the calls here are spaced as serving spaces them, with busy "model" threads in the client process,
+and every lookup is measured beside its floor:
+
+- remote: ``EngramStore.lookup`` through ``DistributedStore.connect(master, local_direct=False)`` against one
+  ``engram-segment`` process on this host (default readers), so every row comes over the raw read channel;
+- tcp: a bare blocking TCP round trip carrying the same request bytes (header, checks, ranges) and the same reply
+  bytes (header, rows), answered by a Python thread in its own process that does nothing else (``_common.TcpEcho``).
+
+Sections:
+
+- single: one client process. For every busy set, shape and spacing the two paths alternate in short rounds
+  (ROUND_CALLS calls each, the first path alternating), and the configurations are visited round-robin in
+  ``--passes`` passes, so a burst of noise on a shared machine lands on both paths and spreads over all cells.
+- clients: ``--clients`` client processes (4) at 30 ms spacing against the same segment, each alternating the two
+  paths as above; p50 and p99 over every call of every process.
+
+Spacings: 0 (back to back), 1, 5 and 30 ms (a decode step): the next call starts that long after the last one
+started (calls that take longer start at once). Shapes: B=1 and B=64 of Mooncake's scenario (8 heads x 50,000
+rows x D=16 float32, L=1: 8 and 512 rows, 512 B and 32 KiB), and a DeepSeek-V4.1 prefill chunk (4,096 tokens x
+48 columns, the 24 of each of its two Engram layers, of 264-byte FP8 rows: 52 MB; 48 heads x 8,192 rows here).
+Busy sets: none; py (one thread of pure-Python arithmetic: holds the GIL, giving it up every switch interval);
+np (one thread of NumPy matmuls: releases the GIL inside BLAS and keeps the cores busy); py+np (both).
+
+Columns: p50 and p99 of each path in microseconds and remote/tcp at each. Targets (p50 within 1.5x of the echo,
+p99 within 2x, at every spacing and busy set for B <= 64) are checked and printed; ``bench/results/
+bench_cadence.json`` holds every cell. Quiet the machine first: the fault explorer and other benchmarks move
+these numbers far more than the code does.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from contextlib import ExitStack
+
+import numpy as np
+
+from _common import TIMEOUT_MS, Stats, TcpEcho, TcpEchoClient, default_json_path, fmt, print_table, start_cluster, \
+    write_json
+from engram_store import DistributedStore, EngramStore, EngramStoreConfig
+from engram_store import kernels as _kernels
+
+MOONCAKE_HEADS, MOONCAKE_ROWS, MOONCAKE_DIM = 8, 50_000, 16
+PREFILL_HEADS, PREFILL_ROWS, PREFILL_ROW_BYTES, PREFILL_TOKENS = 48, 8_192, 264, 4_096
+#: name -> (layer id, B, L): the Mooncake layer (1) at B=1 and B=64, the V4.1-shaped layer (2) at a prefill chunk.
+SHAPES = {"b1": (1, 1, 1), "b64": (1, 64, 1), "prefill": (2, 1, PREFILL_TOKENS)}
+SPACINGS_MS = (0.0, 1.0, 5.0, 30.0)
+BUSY = ("none", "py", "np", "py+np")
+#: Calls of one path in a row before the other path takes over.
+ROUND_CALLS = 5
+#: Calls per path and cell over the whole run, by spacing (ms); the prefill shape takes PREFILL_CALLS.
+CALLS = {0.0: 1000, 1.0: 600, 5.0: 400, 30.0: 300}
+PREFILL_CALLS = 30
+QUICK_DIVISOR = 6
+ID_POOL = 16
+P50_TARGET, P99_TARGET = 1.5, 2.0
+CLIENTS_SPACING_MS = 30.0
+
+
+# ---- busy "model" threads -----------------------------------------------------------------------------------------
+
+class Busy:
+    """Threads that keep this process busy as a model would: ``py`` holds the GIL, ``np`` runs BLAS without it."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=target, daemon=True, name=f"busy-{name}")
+                         for name, target in (("py", self._python), ("np", self._numpy)) if name in kind.split("+")]
+
+    def _python(self) -> None:
+        x = 0
+        while not self._stop.is_set():
+            for i in range(2000):  # pure-Python arithmetic: the interpreter, and the GIL, all the time
+                x += i * i
+
+    def _numpy(self) -> None:
+        rng = np.random.default_rng(0)
+        a, b = rng.random((256, 256)), rng.random((256, 256))
+        while not self._stop.is_set():
+            a @ b  # BLAS: the GIL released, the cores busy
+
+    def __enter__(self) -> "Busy":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+
+
+# ---- the layers and their calls -------------------------------------------------------------------------------
+
+def _configs() -> dict[int, EngramStoreConfig]:
+    return {1: EngramStoreConfig([MOONCAKE_ROWS] * MOONCAKE_HEADS, MOONCAKE_DIM),
+            2: EngramStoreConfig([PREFILL_ROWS + 7 * h for h in range(PREFILL_HEADS)], PREFILL_ROW_BYTES,
+                                 row_format="bytes")}
+
+
+def _tables(config: EngramStoreConfig, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    dtype = np.uint8 if config.row_format == "bytes" else np.float32
+    if dtype == np.uint8:
+        return [rng.integers(0, 256, (n, config.embedding_dim), dtype=np.uint8) for n in config.table_vocab_sizes]
+    return [rng.random((n, config.embedding_dim), dtype=np.float32) for n in config.table_vocab_sizes]
+
+
+class Calls:
+    """One shape's two calls on one client: a remote lookup, and the echo of the same bytes."""
+
+    def __init__(self, layer: EngramStore, config: EngramStoreConfig, batch: int, length: int, tcp: TcpEchoClient,
+                 seed: int, tables: list[np.ndarray] | None = None):
+        rng = np.random.default_rng(seed)
+        sizes = config.table_vocab_sizes
+        self.layer, self.tcp = layer, tcp
+        self.ids = [np.stack([rng.integers(0, n, (batch, length)) for n in sizes], axis=-1) for _ in range(ID_POOL)]
+        first = layer.lookup(self.ids[0])  # resolves the placement the echo's bytes come from
+        if tables is not None:
+            expected = np.stack([tables[h][self.ids[0][..., h]] for h in range(len(sizes))], axis=-2)
+            assert np.array_equal(first, expected), "the remote lookup returned rows that differ from NumPy's"
+        lay = layer._layer(None)
+        placement = layer._source.placements.get(lay, set())
+        self.requests = []  # the lookup's own request body (checks and ranges) and its reply's size, per id batch
+        for ids in self.ids:
+            ids2 = ids.reshape(-1, len(sizes))
+            pairs = _kernels.direct_pairs(ids2, placement.order, placement.bases, lay.row_bytes)
+            body = np.concatenate((placement.checks[0], pairs)) if placement.checks[0].size else pairs
+            self.requests.append((body.tobytes(), int(pairs[:, 1].sum())))
+
+    def remote(self, i: int) -> None:
+        self.layer.lookup(self.ids[i % ID_POOL])
+
+    def echo(self, i: int) -> None:
+        self.tcp.round_trip(*self.requests[i % ID_POOL])
+
+
+def _alternate(calls: Calls, spacing_ms: float, n: int, first: int, samples: dict) -> None:
+    """``n`` calls of each path at ``spacing_ms``, ROUND_CALLS at a time, the paths taking turns (``first``: which
+    leads); durations in ns appended to ``samples["remote"]`` and ``samples["tcp"]``."""
+    paths = [("remote", calls.remote), ("tcp", calls.echo)]
+    if first % 2:
+        paths.reverse()
+    spacing_s = spacing_ms / 1e3
+    done = 0
+    next_at = time.perf_counter()
+    while done < n:
+        k = min(ROUND_CALLS, n - done)
+        for name, call in paths:
+            out = samples[name]
+            for j in range(k):
+                if spacing_s:
+                    wait = next_at - time.perf_counter()
+                    if wait > 0:
+                        time.sleep(wait)
+                t0 = time.perf_counter()
+                call(len(out))
+                out.append(time.perf_counter() - t0)
+                next_at = t0 + spacing_s
+        done += k
+
+
+def _cell(samples: dict) -> dict:
+    remote = Stats.from_ns([int(s * 1e9) for s in samples["remote"]]).as_dict()
+    tcp = Stats.from_ns([int(s * 1e9) for s in samples["tcp"]]).as_dict()
+    return {"remote": remote, "tcp": tcp, "ratio_p50": remote["p50_us"] / tcp["p50_us"],
+            "ratio_p99": remote["p99_us"] / tcp["p99_us"]}
+
+
+# ---- sections ---------------------------------------------------------------------------------------------------
+
+def _single(master: str, echo: str, tables: dict, args) -> list[dict]:
+    """Every busy set x shape x spacing in one client process, visited round-robin in ``args.passes`` passes."""
+    configs = _configs()
+    cells: dict[tuple, dict] = {}
+    with DistributedStore.connect(master, timeout_ms=TIMEOUT_MS, local_direct=False) as store, \
+            TcpEchoClient(echo) as tcp:
+        calls = {}
+        for shape in args.shapes:
+            layer_id, batch, length = SHAPES[shape]
+            layer = EngramStore(layer_id, configs[layer_id], store)
+            calls[shape] = Calls(layer, configs[layer_id], batch, length, tcp, seed=batch * 7 + length,
+                                 tables=tables[layer_id])
+            for i in range(20 if shape != "prefill" else 3):  # warm: kernels, connections, serving threads
+                calls[shape].remote(i)
+                calls[shape].echo(i)
+        order = [(busy, shape, spacing) for busy in args.busy for shape in args.shapes for spacing in args.spacings]
+        for p in range(args.passes):
+            t0 = time.perf_counter()
+            for k, (busy, shape, spacing) in enumerate(order):
+                total = PREFILL_CALLS if shape == "prefill" else CALLS.get(spacing, 300)
+                n = max(ROUND_CALLS, total // (QUICK_DIVISOR if args.quick else 1) // args.passes)
+                samples = cells.setdefault((busy, shape, spacing), {"remote": [], "tcp": []})
+                with Busy(busy):
+                    time.sleep(0.05)  # the busy threads under way
+                    _alternate(calls[shape], spacing, n, p + k, samples)
+            print(f"pass {p + 1}/{args.passes}: {time.perf_counter() - t0:.0f} s", flush=True)
+        for c in calls.values():
+            c.layer.close()
+    results = []
+    for (busy, shape, spacing), samples in cells.items():
+        _, batch, length = SHAPES[shape]
+        rows = batch * length * (PREFILL_HEADS if shape == "prefill" else MOONCAKE_HEADS)
+        results.append({"busy": busy, "shape": shape, "B": batch, "L": length, "rows": rows,
+                        "spacing_ms": spacing, **_cell(samples)})
+    return results
+
+
+def _clients(master: str, echo: str, args) -> dict:
+    """``args.clients`` processes at CLIENTS_SPACING_MS, each alternating the two paths; all calls pooled."""
+    n = max(ROUND_CALLS, CALLS[CLIENTS_SPACING_MS] // (QUICK_DIVISOR if args.quick else 1))
+    start_at = time.time() + 20.0  # every worker connected, warmed and waiting by then
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", master, echo, str(start_at),
+                               str(n), str(CLIENTS_SPACING_MS), str(w)], stdout=subprocess.PIPE, text=True)
+             for w in range(args.clients)]
+    samples = {"remote": [], "tcp": []}
+    per_client = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"a client process failed (status {proc.returncode})")
+        got = json.loads(out.strip().splitlines()[-1])
+        per_client.append(_cell(got))
+        for name in samples:
+            samples[name] += got[name]
+    return {"clients": args.clients, "spacing_ms": CLIENTS_SPACING_MS, "shape": "b1", "calls_per_client": n,
+            **_cell(samples), "per_client": per_client}
+
+
+def _worker(master: str, echo: str, start_at: float, n: int, spacing_ms: float, seed: int) -> int:
+    """A client process of the clients section: B=1 lookups and echoes at ``spacing_ms``; prints its samples."""
+    layer_id, batch, length = SHAPES["b1"]
+    with DistributedStore.connect(master, timeout_ms=TIMEOUT_MS, local_direct=False) as store, \
+            TcpEchoClient(echo) as tcp:
+        layer = EngramStore(layer_id, _configs()[layer_id], store)
+        calls = Calls(layer, _configs()[layer_id], batch, length, tcp, seed=100 + seed)
+        for i in range(20):
+            calls.remote(i)
+            calls.echo(i)
+        time.sleep(max(0.0, start_at - time.time()))
+        samples = {"remote": [], "tcp": []}
+        _alternate(calls, spacing_ms, n, seed, samples)
+        layer.close()
+    print(json.dumps(samples))
+    return 0
+
+
+# ---- output -----------------------------------------------------------------------------------------------------
+
+def _print(results: list[dict], clients: dict | None) -> list[str]:
+    rows = []
+    for r in results:
+        rows.append([r["busy"], f"{r['spacing_ms']:g}", r["shape"], str(r["rows"]), fmt(r["remote"]["p50_us"]),
+                     fmt(r["tcp"]["p50_us"]), fmt(r["ratio_p50"], 2) + "x", fmt(r["remote"]["p99_us"]),
+                     fmt(r["tcp"]["p99_us"]), fmt(r["ratio_p99"], 2) + "x", str(r["remote"]["reps"])])
+    print_table(["busy", "spacing ms", "shape", "rows", "remote p50", "tcp p50", "p50 x", "remote p99", "tcp p99",
+                 "p99 x", "calls"], rows, title="remote lookup beside a bare TCP echo of the same bytes (us)")
+    if clients is not None:
+        print_table(["clients", "spacing ms", "shape", "remote p50", "tcp p50", "p50 x", "remote p99", "tcp p99",
+                     "p99 x"],
+                    [[str(clients["clients"]), f"{clients['spacing_ms']:g}", clients["shape"],
+                      fmt(clients["remote"]["p50_us"]), fmt(clients["tcp"]["p50_us"]),
+                      fmt(clients["ratio_p50"], 2) + "x",
+                      fmt(clients["remote"]["p99_us"]), fmt(clients["tcp"]["p99_us"]),
+                      fmt(clients["ratio_p99"], 2) + "x"]],
+                    title="several client processes on one segment (us, every call of every process)")
+    small = [r for r in results if r["shape"] != "prefill"]
+    lines = []
+    for what, key, target in (("p50", "ratio_p50", P50_TARGET), ("p99", "ratio_p99", P99_TARGET)):
+        over = [f"{r['busy']}/{r['spacing_ms']:g} ms/{r['shape']} ({r[key]:.2f}x)" for r in small if r[key] > target]
+        if small:
+            lines.append(f"remote {what} <= {target}x the echo's at every spacing and busy set, B <= 64: "
+                         + ("met" if not over else "MISSED at " + ", ".join(over)))
+    if clients is not None:
+        for what, key, target in (("p50", "ratio_p50", P50_TARGET), ("p99", "ratio_p99", P99_TARGET)):
+            lines.append(f"{clients['clients']} clients at {clients['spacing_ms']:g} ms, remote {what} <= {target}x "
+                         f"the echo's: " + ("met" if clients[key] <= target else f"MISSED ({clients[key]:.2f}x)"))
+    print("\ntargets: " + "\n         ".join(lines))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--worker":
+        master, echo, start_at, n, spacing, seed = argv[1:7]
+        return _worker(master, echo, float(start_at), int(n), float(spacing), int(seed))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help=f"1/{QUICK_DIVISOR} of the calls (a ~1.5 min smoke run)")
+    p.add_argument("--sections", default="single,clients", help="single, clients (default: both)")
+    p.add_argument("--spacings", default=",".join(f"{s:g}" for s in SPACINGS_MS), help="ms between calls")
+    p.add_argument("--busy", default=",".join(BUSY), help=f"busy sets in the client: {', '.join(BUSY)}")
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"lookup shapes: {', '.join(SHAPES)}")
+    p.add_argument("--clients", type=int, default=4, help="client processes of the clients section (4)")
+    p.add_argument("--passes", type=int, default=3, help="passes over every cell, interleaved (3)")
+    p.add_argument("--json", default=None, help="where to write the results (default bench/results/bench_cadence.json)")
+    args = p.parse_args(argv)
+    args.sections = [s for s in args.sections.split(",") if s]
+    args.spacings = [float(s) for s in args.spacings.split(",") if s]
+    args.busy = [b for b in args.busy.split(",") if b]
+    args.shapes = [s for s in args.shapes.split(",") if s]
+    for name, got, known in (("--sections", args.sections, ("single", "clients")), ("--busy", args.busy, BUSY),
+                             ("--shapes", args.shapes, tuple(SHAPES))):
+        bad = [g for g in got if g not in known]
+        if bad:
+            p.error(f"{name}: expected some of {', '.join(known)}, got {', '.join(bad)}")
+    if args.passes < 1 or args.clients < 1:
+        p.error(f"--passes and --clients: expected >= 1, got {args.passes} and {args.clients}")
+    if args.json is None:
+        args.json = default_json_path("bench_cadence")
+
+    configs = _configs()
+    needed = sorted({SHAPES[s][0] for s in args.shapes} | ({1} if "clients" in args.sections else set()))
+    record: dict = {"benchmark": "bench_cadence", "quick": args.quick, "round_calls": ROUND_CALLS,
+                    "passes": args.passes}
+    with ExitStack() as stack:
+        cluster = stack.enter_context(start_cluster(segments=1, segment_size=256 << 20))
+        echo = stack.enter_context(TcpEcho())
+        store = stack.enter_context(DistributedStore.connect(cluster.address, timeout_ms=TIMEOUT_MS))
+        tables = {}
+        for layer_id in needed:
+            tables[layer_id] = _tables(configs[layer_id], seed=layer_id)
+            layer = EngramStore(layer_id, configs[layer_id], store)
+            layer.remove_from_store(force=True)
+            layer.populate(tables[layer_id])
+            stack.callback(layer.remove_from_store, force=True)
+        print(f"engram-segment of 256 MiB, layers {needed} populated; sections {', '.join(args.sections)}",
+              flush=True)
+        results = _single(cluster.address, echo.address, tables, args) if "single" in args.sections else []
+        clients = _clients(cluster.address, echo.address, args) if "clients" in args.sections else None
+    record["results"] = results
+    record["clients"] = clients
+    record["targets"] = _print(results, clients)
+    write_json(args.json, record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
