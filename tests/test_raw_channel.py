@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from engram_store import (AuthError, DistributedStore, EngramStore, EngramStoreConfig, InvalidArgument,
                           ProtocolError, SegmentUnavailable)
-from engram_store.client import RawChannel
+from engram_store.client import RawChannel, port_of
 from engram_store.wire._raw import HEADER, MAGIC, OP_HELLO, OP_READ, VERSION
 from engram_store.testing import Cluster
 
@@ -50,7 +50,7 @@ def filled(cluster):
 
 def _raw_port(store, address):
     store._raw_channel(address)  # learns the port with a ping
-    return store._raw_info[address][1]
+    return store.raw_routes.ports[address].port
 
 
 def _request(sock, op, request_id, count, body=b""):
@@ -174,9 +174,9 @@ def test_a_client_fails_clearly_against_a_server_of_another_version():
         thread.join(timeout=10)
         listener.close()
     assert not thread.is_alive(), "the fake segment's thread did not end"
-    assert DistributedStore._raw_info_from("h:1", {"raw_port": 5, "raw_version": VERSION}) == ("h", 5, False)
-    assert DistributedStore._raw_info_from("h:1", {"raw_port": 5, "raw_version": VERSION + 1}) is None
-    assert DistributedStore._raw_info_from("h:1", {"raw_port": 5}) is None
+    assert port_of("h:1", {"raw_port": 5, "raw_version": VERSION}) == ("h", 5, False)
+    assert port_of("h:1", {"raw_port": 5, "raw_version": VERSION + 1}) is None
+    assert port_of("h:1", {"raw_port": 5}) is None
 
 
 def test_reads_sent_ahead_are_answered_in_order(filled):
@@ -245,7 +245,7 @@ def test_lookups_agree_over_raw_and_zeromq_and_with_raw_reads_off(cluster):
         try:
             assert np.array_equal(layer.lookup(ids), expected)
             assert np.array_equal(EngramStore(801, EngramStoreConfig(sizes, dim), plain).lookup(ids), expected)
-            assert raw._raw_info and not plain._raw_info  # one learnt the raw port, the other never asked
+            assert raw.raw_routes.ports and not plain.raw_routes.ports  # one learnt the raw port, the other never asked
         finally:
             layer.remove_from_store(force=True)
 
@@ -256,7 +256,7 @@ def test_a_segment_without_the_raw_channel_is_read_over_zeromq():
         with DistributedStore.connect(c.address, local_direct=False) as store:
             store.put("k", b"x" * 1000)
             assert store.get("k") == b"x" * 1000
-            assert list(store._raw_info.values()) == [None]
+            assert list(store.raw_routes.ports.values()) == [None]
 
 
 def test_killed_segment_fails_reads_at_once_and_a_replica_takes_over():
@@ -283,7 +283,7 @@ def test_a_hung_segment_does_not_hold_up_reads_of_a_healthy_one(monkeypatch):
     runs again it is found again."""
     import signal
 
-    from engram_store.client import _reads as _client
+    from engram_store.client import _raw_routes as _routes  # its hold is patched
     with Cluster(segments=2, segment_size="16MiB", heartbeat_timeout_s=30.0) as c:
         with DistributedStore.connect(c.address, local_direct=False, timeout_ms=3000) as store:
             payload = np.arange(1 << 12, dtype=np.uint8)
@@ -293,7 +293,7 @@ def test_a_hung_segment_does_not_hold_up_reads_of_a_healthy_one(monkeypatch):
             reqs = [(hung, np.array([[offsets[hung], 64]], dtype=np.int64)),
                     (healthy, np.array([[offsets[healthy], 64]], dtype=np.int64))]
             assert [bytes(r) for r in store.read_pairs_many(reqs)] == [payload[:64].tobytes()] * 2
-            monkeypatch.setattr(_client, "DEAD_HOLD_S", 600.0)  # a stalled test machine does not end the hold
+            monkeypatch.setattr(_routes, "DEAD_HOLD_S", 600.0)  # a stalled test machine does not end the hold
             c.segments[0].signal(signal.SIGSTOP)
             try:
                 first = store.read_pairs_many(reqs)  # times out on the hung one: it becomes suspect
@@ -306,7 +306,7 @@ def test_a_hung_segment_does_not_hold_up_reads_of_a_healthy_one(monkeypatch):
                 assert "did not answer a ping" in str(third[0]) and bytes(third[1]) == payload[:64].tobytes()
             finally:
                 c.segments[0].signal(signal.SIGCONT)
-            monkeypatch.setattr(_client, "DEAD_HOLD_S", 0.0)
+            monkeypatch.setattr(_routes, "DEAD_HOLD_S", 0.0)
             assert [bytes(r) for r in store.read_pairs_many(reqs)] == [payload[:64].tobytes()] * 2
 
 
@@ -321,7 +321,7 @@ def test_with_auth_a_connection_needs_a_token_from_the_zeromq_socket(tmp_path):
             store.put("secret", b"s" * 4096)
             assert store.get("secret") == b"s" * 4096  # over the raw channel, with a token
             address = store.locate(["secret"])[0].replicas[0].address
-            host, port, needs_token = store._raw_info[address]
+            host, port, needs_token = store.raw_routes.ports[address]
             assert needs_token
             offset = store.locate(["secret"])[0].replicas[0].offset
             # Without a token, or with a made-up one, the segment refuses and closes.

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from engram_store import DistributedStore, EngramStore, EngramStoreConfig
+from engram_store.client import RawPort
 from engram_store.testing import Cluster
 
 pytestmark = pytest.mark.timeout(180)
@@ -84,7 +85,7 @@ def test_lookups_equal_numpy_indexing(cluster, raw_reads, local_direct):
         for lid in LAYERS:
             np.testing.assert_array_equal(got[lid], _expected(tables[lid], ids[lid]))
         if raw_reads and not local_direct:  # the reads really went over the raw channel (no silent fallback)
-            assert store._raw_channels and all(isinstance(v, tuple) for v in store._raw_info.values()), \
-                store._raw_info
+            assert store.raw_routes.channels and all(isinstance(v, RawPort) for v in store.raw_routes.ports.values()), \
+                store.raw_routes.ports
         else:
-            assert not store._raw_channels
+            assert not store.raw_routes.channels

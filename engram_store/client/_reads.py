@@ -8,14 +8,13 @@ import logging
 import mmap
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
 from .. import kernels as _kernels
 from .._errors import EngramError, InvalidArgument, ProtocolError, SegmentUnavailable
 from ..wire._protocol import frame_bytes
-from ..wire._raw import VERSION as RAW_VERSION
 from ..wire._transport import ZERO_COPY_SEND_BYTES
 from ._objects import ObjectInfo, Replica, as_bytes_view, check_key
 from ._raw_client import RawChannel, RawChannelRefused
@@ -26,16 +25,16 @@ log = logging.getLogger("engram_store.client")
 CHUNK_BYTES = 16 << 20
 #: Replies at least this large are received without a copy (smaller ones are cheaper to copy).
 ZERO_COPY_REPLY_BYTES = 64 << 10
-#: After a raw read channel failed, how long the ping that looks for the segment again may take: a dead
-#: segment then fails reads within this, not the full timeout; a restarted one answers with its new port.
-REDISCOVERY_TIMEOUT_MS = 2000
-#: A segment that did not answer that ping is not asked again for this long: reads to it fail at once (and
-#: fail over to other replicas) instead of each waiting out the ping until the master drops the segment.
-DEAD_HOLD_S = 2.0
-#: After a segment's raw read channel refused a read (busy, or a new connection refused or closed before any
-#: answer) while its ZeroMQ socket answers, this client reads from it over ZeroMQ for this long.
-RAW_BACKOFF_S = 1.0
-_SUSPECT = "suspect"
+
+
+class Ranges(NamedTuple):
+    """Ranges of one object to copy into a buffer: ``sizes[k]`` bytes from ``src_offsets[k]`` of the object to
+    ``dst_offsets[k]`` of ``dst`` (a flat writable uint8 array)."""
+    info: ObjectInfo
+    src_offsets: np.ndarray
+    sizes: np.ndarray
+    dst: np.ndarray
+    dst_offsets: np.ndarray
 
 
 class ReadPath:
@@ -121,7 +120,7 @@ class ReadPath:
         for start in range(0, info.size, CHUNK_BYTES):
             offsets = np.array([start], dtype=np.int64)
             lengths = np.array([min(CHUNK_BYTES, info.size - start)], dtype=np.int64)
-            work.append((info, offsets, lengths, dst, offsets))
+            work.append(Ranges(info, offsets, lengths, dst, offsets))
         self.read_into(work)
 
     def get_into_ranges(self, buffers: Sequence[object], all_keys: Sequence[Sequence[str]],
@@ -161,14 +160,14 @@ class ReadPath:
                 if bad >= 0:
                     raise InvalidArgument(f"all_dst_offsets[{i}][{j}][{bad}]: range ({int(dst_off[bad])}, "
                                           f"{int(sizes[bad])}) is outside buffer {i} of {dsts[i].nbytes} bytes")
-                work.append((info, src_off, sizes, dsts[i], dst_off))
+                work.append(Ranges(info, src_off, sizes, dsts[i], dst_off))
                 per_key.append(sizes.tolist())
             result.append(per_key)
         self.read_into(work)
         return result
 
-    def read_into(self, work: list) -> None:
-        """Copy ranges of objects into buffers: ``work`` holds ``(info, src_offsets, sizes, dst, dst_offsets)``.
+    def read_into(self, work: list[Ranges]) -> None:
+        """Copy ranges of objects into buffers.
 
         Local-direct replicas are copied from the mapping; the rest is grouped by segment server, one
         request per server, all in flight at once; ranges whose server fails are retried on the next replica.
@@ -179,15 +178,15 @@ class ReadPath:
         while pending:
             groups: dict[str, list[int]] = {}
             for w in pending:
-                info = work[w][0]
+                info = work[w].info
                 replica = self._choose(info, failed, attempt[w])
                 if replica is None:
                     tried = ", ".join(sorted(r.address for r in info.replicas))
                     raise SegmentUnavailable(f"object {info.key!r}: no replica could be read (tried {tried})")
                 view = self.local_view(replica)
                 if view is not None:
-                    src_off = work[w][1] + replica.offset
-                    _copy_local(view, src_off, work[w][2], work[w][3], work[w][4])
+                    item = work[w]
+                    _copy_local(view, item.src_offsets + replica.offset, item.sizes, item.dst, item.dst_offsets)
                 else:
                     groups.setdefault(replica.address, []).append(w)
             pending = []
@@ -224,108 +223,22 @@ class ReadPath:
         return endpoints[slot % len(endpoints)]
 
     def _raw_channel(self, address: str) -> RawChannel | None:
-        """This thread's raw read channel to the segment at ``address``, or None to read over ZeroMQ.
-
-        The segment's raw port is learnt once, from a ping; with CURVE keys each new connection first fetches
-        a one-time token over ZeroMQ. A channel that fails is dropped, and the port asked again next time
-        (a restarted segment listens on a new one).
-        """
+        """This thread's raw read channel to the segment at ``address``, or None to read over ZeroMQ (see
+        :class:`RawRoutes`: the port is learnt from a ping, a failed channel is dropped and the port asked again)."""
         if not self.raw_reads:
             return None
-        channels = getattr(self._raw_local, "channels", None)
-        if channels is None:
-            channels = self._raw_local.channels = {}
-        channel = channels.get(address)
-        if channel is not None:
-            return channel
-        if self._raw_backoff and self._raw_backoff.get(address, 0.0) > time.monotonic():
-            return None  # the channel refused a read a moment ago: ZeroMQ for now
-        info = self._raw_info.get(address, False)
-        if isinstance(info, float):  # did not answer the rediscovery ping at that time
-            if time.monotonic() - info < DEAD_HOLD_S:
-                raise SegmentUnavailable(f"read_ranges: {address} did not answer a ping "
-                                         f"{time.monotonic() - info:.1f} s ago; not asked again before {DEAD_HOLD_S} s")
-            info = _SUSPECT
-        if info is False or info is _SUSPECT:
-            # After a failure the segment may be dead (ask briefly) or restarted on a new port (ask again).
-            timeout_ms = self.timeout_ms if info is False else min(self.timeout_ms, REDISCOVERY_TIMEOUT_MS)
-            try:
-                info = self._raw_info_from(address, self._segment_conn(address).call("ping", timeout_ms=timeout_ms)[0])
-            except SegmentUnavailable:
-                if info is _SUSPECT:
-                    with self._maps_lock:
-                        self._raw_info[address] = time.monotonic()
-                raise
-            except EngramError:
-                info = None
-            with self._maps_lock:
-                self._raw_info[address] = info
-        if info is None:
-            return None
-        host, port, needs_token = info
 
         def token() -> str:
             return str(self._segment_conn(address).call("channel_token", timeout_ms=self.timeout_ms)[0]["token"])
 
-        channel = channels[address] = RawChannel(address, host, port, token if needs_token else None,
-                                                 timeout_s=self.timeout_ms / 1000.0)
-        with self._maps_lock:
-            self._raw_channels.append(channel)
-        return channel
+        return self.raw_routes.channel(address, self._ping_segment(address), token)
 
-    @staticmethod
-    def _raw_info_from(address: str, ping: dict) -> tuple | None:
-        """(host, port, needs_token) of the raw channel a segment's ping reply offers, or None to read over ZeroMQ
-        (no channel, or one of another version)."""
-        port = int(ping.get("raw_port") or 0)
-        if not port:
-            return None
-        version = ping.get("raw_version", 1)
-        if version != RAW_VERSION:
-            log.warning("%s serves raw read channel version %s, this client speaks version %d: reading from it "
-                        "over ZeroMQ", address, version, RAW_VERSION)
-            return None
-        return address.rpartition(":")[0].strip("[]"), port, bool(ping.get("raw_token"))
-
-    def _close_raw(self, address: str) -> None:
-        """Close and forget this thread's raw channel to ``address``."""
-        channels = getattr(self._raw_local, "channels", None)
-        channel = channels.pop(address, None) if channels is not None else None
-        if channel is not None:
-            channel.close()
-            with self._maps_lock:
-                if channel in self._raw_channels:
-                    self._raw_channels.remove(channel)
+    def _ping_segment(self, address: str):
+        return lambda timeout_ms: self._segment_conn(address).call("ping", timeout_ms=timeout_ms)[0]
 
     def _drop_raw(self, address: str) -> None:
         """After a failed read: close the channel, and look for the segment again (a ping) before the next one."""
-        self._close_raw(address)
-        with self._maps_lock:
-            if isinstance(self._raw_info.get(address), tuple):
-                self._raw_info[address] = _SUSPECT
-
-    def _raw_refused(self, address: str, exc: RawChannelRefused) -> None:
-        """``address``'s raw channel refused a read: read from it over ZeroMQ for RAW_BACKOFF_S. A busy answer
-        comes from a live segment; after a refused or closed connection a ping tells a live segment (read it over
-        ZeroMQ, or over the raw port it now names) from a gone one (SegmentUnavailable, as a failed read)."""
-        self._close_raw(address)
-        if not exc.busy:
-            try:
-                ping = self._segment_conn(address).call(
-                    "ping", timeout_ms=min(self.timeout_ms, REDISCOVERY_TIMEOUT_MS))[0]
-            except SegmentUnavailable as gone:
-                with self._maps_lock:
-                    self._raw_info[address] = time.monotonic()
-                raise SegmentUnavailable(f"{exc}, and it did not answer a ping over ZeroMQ either") from gone
-            info = self._raw_info_from(address, ping)
-            with self._maps_lock:
-                moved = info != self._raw_info.get(address)
-                self._raw_info[address] = info
-            if moved:
-                return  # restarted on another port (or without the channel): the next read goes by the ping
-        log.debug("%s; reading from it over ZeroMQ for %g s", exc, RAW_BACKOFF_S)
-        with self._maps_lock:
-            self._raw_backoff[address] = time.monotonic() + RAW_BACKOFF_S
+        self.raw_routes.drop(address)
 
     def _send_read(self, endpoint: str, pairs: np.ndarray, deadline: float) -> tuple[Any, int]:
         """Send a ``read_ranges`` of ``pairs`` to ``endpoint``, over its raw channel where it has one, else over
@@ -336,7 +249,7 @@ class ReadPath:
                 return channel, channel.send_read(pairs, deadline)
             except RawChannelRefused as exc:
                 if exc.first:
-                    self._raw_refused(endpoint, exc)
+                    self.raw_routes.refused(endpoint, exc, self._ping_segment(endpoint))
         conn = self._segment_conn(endpoint)
         return conn, conn.send_frames("read_ranges", (pairs,), copy=pairs.nbytes < ZERO_COPY_SEND_BYTES)
 
@@ -350,7 +263,7 @@ class ReadPath:
             except RawChannelRefused as exc:  # read it over ZeroMQ, with the full timeout from now
                 pairs = exc.pairs
                 if exc.first:  # (not again for the reads sent after it on that connection)
-                    self._raw_refused(endpoint, exc)
+                    self.raw_routes.refused(endpoint, exc, self._ping_segment(endpoint))
                 deadline = time.monotonic() + self.timeout_ms / 1000.0
                 link = self._segment_conn(endpoint)
                 request_id = link.send_frames("read_ranges", (pairs,), copy=pairs.nbytes < ZERO_COPY_SEND_BYTES)
@@ -384,8 +297,7 @@ class ReadPath:
         thread's open raw channel to it: True when ``out`` holds the rows, False when that channel cannot take it
         (none open yet, reads in flight, or the read did not end in rows: :meth:`read_pairs` then reads it, and
         says why). Raises SegmentUnavailable when the segment did not answer within the timeout."""
-        channels = getattr(self._raw_local, "channels", None)
-        channel = channels.get(endpoint) if channels else None
+        channel = self.raw_routes.open_channel(endpoint)
         if channel is None:
             return False
         try:
@@ -408,9 +320,7 @@ class ReadPath:
         used: set[int] = set()
         # Servers whose channel is ready go first: looking for a segment after a failure (a ping) must not hold
         # up the reads of healthy ones. Each request gets the full timeout from when it is sent.
-        ready = getattr(self._raw_local, "channels", None) or {}
-        order = sorted(range(len(requests)), key=lambda i: requests[i][0] not in ready
-                       and not isinstance(self._raw_info.get(requests[i][0], False), tuple))
+        order = sorted(range(len(requests)), key=lambda i: not self.raw_routes.ready(requests[i][0]))
         for i in order:
             endpoint, pairs = requests[i]
             deadline = time.monotonic() + timeout_s
@@ -442,20 +352,20 @@ class ReadPath:
                 result.append(exc)
         return result
 
-    def _read_remote(self, work: list, groups: dict[str, list[int]], failed: set[str]):
+    def _read_remote(self, work: list[Ranges], groups: dict[str, list[int]], failed: set[str]):
         """Read grouped work items, one request per server (split past the reply limit); yield failures."""
         requests = []  # (address, items, offsets, lengths, objects named: {(offset, size, generation)})
         for address, items in groups.items():
             batch, offs, lens, total, named = [], [], [], 0, set()
             for w in items:
-                info, src_off, sizes = work[w][0], work[w][1], work[w][2]
+                info, sizes = work[w].info, work[w].sizes
                 replica = next(r for r in info.replicas if r.address == address)
                 nbytes = int(sizes.sum())
                 if batch and total + nbytes > CHUNK_BYTES:
                     requests.append((address, batch, np.concatenate(offs), np.concatenate(lens), named))
                     batch, offs, lens, total, named = [], [], [], 0, set()
                 batch.append(w)
-                offs.append(src_off + replica.offset)
+                offs.append(work[w].src_offsets + replica.offset)
                 lens.append(sizes)
                 total += nbytes
                 named.add((replica.offset, info.size, replica.generation))
@@ -464,7 +374,7 @@ class ReadPath:
         for _, items, _, lens, _ in requests:
             # A request for one range of one item (a chunk of a whole object) lands straight in its destination.
             if len(items) == 1 and lens.size == 1:
-                dst, dst_off = work[items[0]][3], work[items[0]][4]
+                dst, dst_off = work[items[0]].dst, work[items[0]].dst_offsets
                 outs.append(dst[int(dst_off[0]):int(dst_off[0]) + int(lens[0])])
             else:
                 outs.append(None)
@@ -483,9 +393,9 @@ class ReadPath:
             data = np.frombuffer(reply, dtype=np.uint8)
             pos = 0
             for w in items:
-                sizes, dst, dst_off = work[w][2], work[w][3], work[w][4]
-                n = int(sizes.sum())
-                _kernels.scatter_ranges(data[pos:pos + n], dst, dst_off, sizes)
+                item = work[w]
+                n = int(item.sizes.sum())
+                _kernels.scatter_ranges(data[pos:pos + n], item.dst, item.dst_offsets, item.sizes)
                 pos += n
         yield from failures.items()
 

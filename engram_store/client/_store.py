@@ -37,7 +37,8 @@ from .._units import parse_size
 from ..segment import SegmentServer, host_id
 from ..wire import AUTH_DIR_ENV, Connection, ConnectionPool, load_keys, resolve_auth_dir, wait_all
 from ._objects import KeyInfo, ObjectInfo, check_key, replica_of
-from ._raw_client import RawChannel, raw_reads_default
+from ._raw_client import raw_reads_default
+from ._raw_routes import RawRoutes
 from ._reads import ReadPath
 from ._writes import WritePath
 
@@ -59,7 +60,8 @@ class DistributedStore(ReadPath, WritePath):
     def __init__(self, master: str, *, timeout_ms: int = 10_000, local_direct: bool = True,
                  auth_dir: str | None = None, raw_reads: bool | None = None, _owned: Sequence[Any] = ()):
         self.master_address = master
-        self._raw_channels: list[RawChannel] = []
+        #: The raw read channels: where each segment's listens, and those this client's threads hold open.
+        self.raw_routes = RawRoutes(timeout_ms / 1000.0)
         self.timeout_ms = timeout_ms
         #: The master's reuse delay (its replies say it): how long a removed object's space stays unused, so how
         #: long a placement may be trusted without asking again.
@@ -79,9 +81,6 @@ class DistributedStore(ReadPath, WritePath):
         self._closed = False
         self.local_segment: SegmentServer | None = None
         self.raw_reads = raw_reads_default() if raw_reads is None else bool(raw_reads)
-        self._raw_info: dict[str, tuple | str | float | None] = {}
-        self._raw_backoff: dict[str, float] = {}  # address -> until when its reads go over ZeroMQ
-        self._raw_local = threading.local()
         # Threads of this client spread their reads over a segment's reader sockets, from a random start so
         # that clients spread too.
         self._thread_slot = threading.local()
@@ -207,8 +206,7 @@ class DistributedStore(ReadPath, WritePath):
             raise InvalidArgument(f"timeout_ms: expected a positive integer, got {describe(value)}")
         value = int(value)
         self._timeout_ms = value
-        for channel in list(self._raw_channels):
-            channel.set_timeout(value / 1000.0)
+        self.raw_routes.set_timeout(value / 1000.0)
 
     # ---- plumbing -------------------------------------------------------------------------------
 
@@ -334,10 +332,7 @@ class DistributedStore(ReadPath, WritePath):
             return
         self._closed = True
         self._pool.close()
-        with self._maps_lock:
-            channels, self._raw_channels = self._raw_channels, []
-        for channel in channels:
-            channel.close()
+        self.raw_routes.close_all()
         with self._maps_lock:
             self._maps.clear()
             self._tables.clear()

@@ -193,7 +193,7 @@ def test_nothing_changed_after_fuzzing(fuzz_cluster):
             break
         time.sleep(0.05)
     assert stats["connections"] <= 1 and stats["body_bytes_in_flight"] == 0, stats
-    assert store._raw_channels  # the guard reads went over the raw channel
+    assert store.raw_routes.channels  # the guard reads went over the raw channel
     status = store.status()
     assert status["objects"] == len(payloads)
     # Registrations with made-up fields may add phantom segments; the real one still holds everything.

@@ -163,7 +163,7 @@ def test_a_thousand_idle_and_dripping_connections_leave_lookups_and_memory_alone
         with DistributedStore.connect(c.address, auth_dir=auth_dir, local_direct=False) as store:
             EngramStore(3, EngramStoreConfig(SIZES, DIM), store).populate(tables)
             _check_lookups(store, tables, rounds=20, seed=1)  # warm: threads, buffers, kernels
-            port = store._raw_info[segment.address][1]
+            port = store.raw_routes.ports[segment.address].port
             base_anon, base_rss = _status(segment.pid, "RssAnon"), _status(segment.pid, "VmRSS")
             # Before --auth a hello is all a stranger may send; without, a read header.
             header = HEADER.pack(MAGIC, VERSION, OP_HELLO if auth else OP_READ, 1, TOKEN_BYTES if auth else 4)
@@ -181,7 +181,7 @@ def test_a_thousand_idle_and_dripping_connections_leave_lookups_and_memory_alone
                         peak_rss = max(peak_rss, _status(segment.pid, "VmRSS"))
                     stats = _raw_stats(segment.address, auth_dir)
                     threads = _status(segment.pid, "Threads")
-                    assert late._raw_channels, "the late client read over the raw channel"
+                    assert late.raw_routes.channels, "the late client read over the raw channel"
             finally:
                 strangers.stop()
         assert stats["connections"] >= strangers_count // 2, stats
@@ -213,7 +213,7 @@ def test_a_full_channel_answers_busy_and_clients_read_over_zeromq():
             _wait_for(lambda: _raw_stats(segment.address)["connections"] == 4, what="four connections")
             with DistributedStore.connect(c.address, local_direct=False) as store:
                 _check_lookups(store, tables, rounds=10, seed=3)  # over ZeroMQ: the channel answered busy
-                assert segment.address in store._raw_backoff
+                assert segment.address in store.raw_routes.backoff
             for _ in range(40):  # a burst of refusals: counted each, logged at a bounded rate
                 with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
                     reply = sock.recv(HEADER.size, socket.MSG_WAITALL)
@@ -229,7 +229,7 @@ def test_a_full_channel_answers_busy_and_clients_read_over_zeromq():
         _wait_for(lambda: _raw_stats(segment.address)["connections"] == 0, what="the holders to be gone")
         with DistributedStore.connect(c.address, local_direct=False) as store:
             _check_lookups(store, tables, rounds=3, seed=4)
-            assert store._raw_channels and not store._raw_backoff
+            assert store.raw_routes.channels and not store.raw_routes.backoff
 
 
 @pytest.mark.timeout(180)
@@ -411,7 +411,7 @@ def test_idle_connections_are_closed_and_clients_reconnect_transparently(short):
             assert store.get("idle") == payload.tobytes()
             before = raw.stats()["timeout_idle"]
             _wait_for(lambda: raw.stats()["timeout_idle"] > before, 20, "the idle connection to be closed")
-        assert not store._raw_backoff and store._raw_channels  # every read went over the raw channel
+        assert not store.raw_routes.backoff and store.raw_routes.channels  # every read went over the raw channel
         assert raw.stats()["connections"] <= 1
 
 
@@ -450,7 +450,7 @@ def test_a_lookup_answered_busy_is_read_over_zeromq(monkeypatch, short):
         expected = np.stack([tables[h][ids[..., h]] for h in range(2)], axis=-2)
         np.testing.assert_array_equal(layer.lookup(ids), expected)  # 80,000 ranges: 1.25 MiB, answered busy
         assert store.local_segment.raw.stats()["busy"] >= 1
-        assert store._raw_backoff  # the endpoint read over ZeroMQ for a while
+        assert store.raw_routes.backoff  # the endpoint read over ZeroMQ for a while
 
 
 @pytest.mark.timeout(60)
@@ -472,11 +472,11 @@ def test_reads_sent_ahead_survive_an_idle_close_and_a_busy_answer(monkeypatch, s
         before = raw.stats()["timeout_idle"]
         _wait_for(lambda: raw.stats()["timeout_idle"] > before, 20, "the idle connection to be closed")
         assert [bytes(r) for r in store.read_pairs_many([(endpoint, p) for p in small])] == expected
-        assert not store._raw_backoff
+        assert not store.raw_routes.backoff
         # The second read carries 2 MiB of ranges: answered busy; it and the two after it go over ZeroMQ.
         big = np.stack([replica.offset + np.arange(1 << 17) * 16, np.full(1 << 17, 16)], axis=1).astype(np.int64)
         big_expected = payload[:(1 << 17) * 16].tobytes()
         replies = store.read_pairs_many([(endpoint, small[0]), (endpoint, big), (endpoint, small[1]),
                                          (endpoint, small[2])])
         assert [bytes(r) for r in replies] == [expected[0], big_expected, expected[1], expected[2]]
-        assert raw.stats()["busy"] >= 1 and store._raw_backoff
+        assert raw.stats()["busy"] >= 1 and store.raw_routes.backoff
