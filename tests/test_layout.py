@@ -5,7 +5,7 @@ Rooms, from the top: ``engram_model`` -> ``engram_store.compat`` -> ``engram_sto
 ``engram_store.client`` -> ``engram_store.segment`` and ``master`` -> ``engram_store.wire`` and
 ``engram_store.disk`` -> ``engram_store.kernels`` -> the ground modules (errors, units, config, metrics, pages,
 progress: kernels raise the project's errors). A module may import its own room and rooms below it, never one
-above.
+above, and only through the room's door: its package or its public modules, not its private ones.
 """
 from __future__ import annotations
 
@@ -48,15 +48,19 @@ def _imports(name: str, path: Path):
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[:len(package.split(".")) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _absolute(package, node)
             # ``from .. import kernels`` names a room by the imported name
             yield from ([f"{target}.{alias.name}" for alias in node.names] if not node.module else [target])
         elif isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
+
+
+def _absolute(package: str, node: ast.ImportFrom) -> str:
+    """The module a ``from ... import`` in ``package`` imports from."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")[:len(package.split(".")) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
 
 
 def test_imports_run_one_way_between_rooms():
@@ -70,6 +74,30 @@ def test_imports_run_one_way_between_rooms():
             if other is not None and other != room and LEVELS[other] >= LEVELS[room]:
                 upward.append(f"{name} ({room}) imports {target} ({other})")
     assert not upward, "imports against the direction of the rooms:\n" + "\n".join(upward)
+
+
+def test_rooms_meet_at_their_doors():
+    """A module imports another room's names from that room's package or its public modules (no underscore), never
+    from its private modules or by a private name: what a room keeps private may change without the others knowing.
+    The ground modules (errors, units, config, ...) are everyone's."""
+    private = []
+    for name, path in _modules():
+        if name in JOINERS:
+            continue
+        room = _room(name)
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            target = _absolute(package, node)
+            other = _room(target)
+            if other in (None, room, "ground"):
+                continue
+            inner = [part for part in target.split(".") if part.startswith("_")]
+            names = [alias.name for alias in node.names if alias.name.startswith("_")]
+            if inner or names:
+                private.append(f"{name} ({room}) imports {', '.join(a.name for a in node.names)} from {target} ({other})")
+    assert not private, "imports through another room's private modules or names:\n" + "\n".join(private)
 
 
 def test_modules_stay_small():

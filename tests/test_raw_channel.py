@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from engram_store import (AuthError, DistributedStore, EngramStore, EngramStoreConfig, InvalidArgument,
                           ProtocolError, SegmentUnavailable)
 from engram_store.client import RawChannel, port_of
-from engram_store.wire._raw import HEADER, MAGIC, OP_HELLO, OP_READ, VERSION
+from engram_store.wire.raw import HEADER, MAGIC, OP_HELLO, OP_READ, VERSION
 from engram_store.testing import Cluster
 
 pytestmark = pytest.mark.timeout(240)

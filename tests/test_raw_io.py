@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engram_store.kernels import RAW_IO, check_pairs_for, direct_read_plan, read_direct, serve_params, serve_read
-from engram_store.kernels import _raw_io as rio
+from engram_store.kernels import raw_io as rio
 from engram_store.kernels import _raw_twins as twins
 from engram_store.segment._generations import Generations
 

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 
 from .._errors import EngramError, ProtocolError, RemoteError, SegmentUnavailable
-from ..kernels._raw_io import INTERRUPTED, NO_ROOM, OK, RAW_IO, TIMEOUT, _read_direct, client_buffer, \
-    direct_request_bytes, set_client_timeout
-from ..wire._raw import (
+from ..kernels.raw_io import (INTERRUPTED, NO_ROOM, OK, RAW_IO, TIMEOUT, client_buffer, direct_request_bytes,
+                               read_direct_unchecked, set_client_timeout)
+from ..wire.raw import (
     HEADER,
     MAGIC,
     OK_KIND,
@@ -172,14 +172,14 @@ class RawChannel:
             return False
         status = INTERRUPTED  # until the kernel says otherwise (a signal's exception may come at any bytecode)
         try:
-            status = _read_direct(self._fd, ids, plan, row_bytes, next(self._ids), self._direct, out)
+            status = read_direct_unchecked(self._fd, ids, plan, row_bytes, next(self._ids), self._direct, out)
             if status == NO_ROOM:  # a request larger than any before: a larger buffer, up to the kept size
                 if direct_request_bytes(ids, plan) > DIRECT_REQUEST_KEEP_BYTES or out.size < ids.shape[0] \
                         * plan[0] * row_bytes:
                     return False  # sent from pairs of its own (send_read)
                 self._direct = client_buffer(DIRECT_REQUEST_KEEP_BYTES, READ_KIND, OK_KIND, self.timeout_s)
                 status = INTERRUPTED
-                status = _read_direct(self._fd, ids, plan, row_bytes, next(self._ids), self._direct, out)
+                status = read_direct_unchecked(self._fd, ids, plan, row_bytes, next(self._ids), self._direct, out)
         finally:
             if status not in (OK, NO_ROOM):
                 self._close_socket()  # what is left on it must never be read as the answer to a later read

@@ -14,8 +14,7 @@ import numpy as np
 
 from .. import kernels as _kernels
 from .._errors import EngramError, InvalidArgument, ProtocolError, SegmentUnavailable
-from ..wire._protocol import frame_bytes
-from ..wire._transport import ZERO_COPY_SEND_BYTES
+from ..wire import ZERO_COPY_SEND_BYTES, frame_bytes
 from ._objects import ObjectInfo, Replica, as_bytes_view, check_key
 from ._raw_client import RawChannel, RawChannelRefused
 

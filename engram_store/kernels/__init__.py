@@ -1,6 +1,6 @@
 """Numba kernels for the hot paths, by topic: row planning and byte ranges (``_planning``), gathers and scatters
 (``_gather``), sorting (``_sort``), the hot-row cache (``_cache``), the generation checks of reads
-(``_generations``, ``_generations_table``), the raw read channel's round trips (``_raw_io``).
+(``_generations``, ``_generations_table``), the raw read channel's round trips (``raw_io``).
 
 Every kernel is compiled with ``cache=True`` (once per machine, loaded from the on-disk cache afterwards) and
 ``nogil=True`` (lookups in worker threads overlap with each other and with the caller). Compilation is lazy:
@@ -64,7 +64,8 @@ from ._planning import (
     plan_unique_rows,
     rows_to_ranges,
 )
-from ._raw_io import RAW_IO, SERVER_STATE_WORDS, direct_read_plan, read_direct, serve_params, serve_read
+from . import raw_io
+from .raw_io import RAW_IO, SERVER_STATE_WORDS, direct_read_plan, read_direct, serve_params, serve_read
 
 # The kernels themselves, for hot paths that validated their arguments once already (and for other kernels):
 # every one of them trusts its caller, as its checked wrapper above does not.
@@ -83,7 +84,7 @@ __all__ = [
     "read_direct", "readonly", "row_source", "rows_to_ranges", "scatter_ranges", "scatter_rows",
     "scatter_rows_prepared", "serve_params", "serve_read", "warmup", "word_shift",
     "direct_pairs_unchecked", "first_bad_row_unchecked", "gather_rows_unchecked", "plan_reads_unchecked",
-    "prefetch_hint", "scatter_rows_unchecked", "generation_table",
+    "prefetch_hint", "scatter_rows_unchecked", "generation_table", "raw_io",
 ]
 
 
@@ -105,7 +106,7 @@ def warmup(word_sizes: tuple[int, ...] = (8, 4, 2, 1), cache: bool = True) -> No
     plan = plan_reads(ids, heads, np.zeros(2, dtype=np.int64), 8)
     direct_pairs(ids, heads, np.zeros(2, dtype=np.int64), 8)
     if RAW_IO:  # the raw channel's round trips, on no socket: each returns at its first check or call
-        from ._raw_io import client_buffer
+        from .raw_io import client_buffer
         read_direct(-1, ids, direct_read_plan(heads, np.zeros(2, np.int64), named), 8, 1,
                     client_buffer(0, 0, 0, 1.0), np.zeros(32, dtype=np.uint8))
         serve_read(-1, -1, -1, 0, -1, np.zeros(64, dtype=np.uint8), np.zeros(64, dtype=np.uint8),

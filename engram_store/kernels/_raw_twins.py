@@ -1,4 +1,4 @@
-"""The plain Python and NumPy twins of the raw read channel's kernels (:mod:`._raw_io`), which the tests hold them
+"""The plain Python and NumPy twins of the raw read channel's kernels (:mod:`.raw_io`), which the tests hold them
 to: the same request bytes, the same answer to every reply, the same reply to every request (or the same refusal
 to answer it natively)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import struct
 import numpy as np
 
 from ._generations_table import HOLDS, check_table
-from ._raw_io import (
+from .raw_io import (
     CLOSED,
     FAILED,
     HEADER_BYTES,

@@ -10,8 +10,8 @@ import time
 import numpy as np
 
 from .._errors import AuthError, InvalidArgument, ProtocolError
-from ..wire._auth import REFUSALS
-from ..wire._raw import (
+from ..wire import REFUSALS
+from ..wire.raw import (
     HEADER,
     HELLO_BYTES,
     MAGIC,

@@ -84,9 +84,9 @@ import numpy as np
 
 from .. import kernels as _kernels
 from .._errors import InvalidArgument, SegmentUnavailable
-from ..wire._auth import REFUSALS
-from ..kernels._raw_io import serve_params
-from ..wire._raw import HEADER, MAGIC, OK_KIND, READ_KIND, STATUS_BUSY, TOKEN_BYTES, VERSION, timeval
+from ..wire import REFUSALS
+from ..kernels.raw_io import serve_params
+from ..wire.raw import HEADER, MAGIC, OK_KIND, READ_KIND, STATUS_BUSY, TOKEN_BYTES, VERSION, timeval
 from . import _raw_limits as limits
 from ._raw_receive import Receiving
 from ._raw_serving import Serving

@@ -17,11 +17,11 @@ import numpy as np
 
 from .. import kernels as _kernels
 from .._errors import EngramError, InvalidArgument
-from ..kernels._raw_io import GONE as GONE_NATIVE
-from ..kernels._raw_io import COUNT, PYTHON, RAW_IO, RECHECK, RING_AT, SEND_TIMEOUT, SERVED, _serve_read
-from ..kernels._raw_io import QUIET as QUIET_NATIVE
-from ..wire._auth import REFUSALS
-from ..wire._raw import HEADER, MAGIC, OP_READ, STATUS_OK, VERSION, error_reply, sendmsg_all, request_id_of
+from ..kernels.raw_io import GONE as GONE_NATIVE
+from ..kernels.raw_io import COUNT, PYTHON, RAW_IO, RECHECK, RING_AT, SEND_TIMEOUT, SERVED, serve_read_unchecked
+from ..kernels.raw_io import QUIET as QUIET_NATIVE
+from ..wire import REFUSALS
+from ..wire.raw import HEADER, MAGIC, OP_READ, STATUS_OK, VERSION, error_reply, sendmsg_all, request_id_of
 from . import _raw_limits as limits
 from ._raw_state import GONE, READY, WAIT, Buffers, Conn
 
@@ -151,7 +151,7 @@ class Serving:
         table = self.generations.table if self.generations is not None else None
         linger_ms, settle_ms = (int(limits.LINGER_S * 1000), int(limits.SETTLE_S * 1000)) if wait else (-1, -1)
         while True:
-            status = _serve_read(c.sock.fileno(), self._need_r, linger_ms, int(limits.STICKY_S * 1000), settle_ms,
+            status = serve_read_unchecked(c.sock.fileno(), self._need_r, linger_ms, int(limits.STICKY_S * 1000), settle_ms,
                                  bufs.request, bufs.reply_room(0), self.segment, _NO_TABLE if table is None else table,
                                  self._native_params, state)
             if self.metrics is not None:

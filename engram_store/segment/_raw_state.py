@@ -8,8 +8,8 @@ import socket
 
 import numpy as np
 
-from ..kernels._raw_io import SERVER_STATE_WORDS
-from ..wire._raw import HEADER, HELLO_BYTES
+from ..kernels.raw_io import SERVER_STATE_WORDS
+from ..wire.raw import HEADER, HELLO_BYTES
 from . import _raw_limits as limits
 
 # Receiving states of a connection, and what advancing it can end in.

@@ -15,8 +15,6 @@ import numpy as np
 
 from .. import kernels as _kernels
 from .._errors import ObjectNotFound, SegmentUnavailable, StalePlacement, StoreError
-from ..kernels._gather import _scatter_rows
-from ..kernels._planning import _direct_pairs, _plan_reads
 from ._keyed import KeyedSource
 from ._layout import Layer
 from ._placement import Placement, Placements, PlacementState
@@ -171,10 +169,10 @@ class StoreSource(KeyedSource):
             if direct:
                 # Every head on this server: one range per (m, h) in output order, so the reply lands in
                 # ``flat`` as it is; no sort, no scatter (a repeated row is read again).
-                pairs = _direct_pairs(ids2, placement.order, placement.bases, lay.row_bytes)
+                pairs = _kernels.direct_pairs_unchecked(ids2, placement.order, placement.bases, lay.row_bytes)
                 rows = ids2.size
             else:
-                pairs, r, head_rows, _, inverse = _plan_reads(ids2, placement.order, placement.bases,
+                pairs, r, head_rows, _, inverse = _kernels.plan_reads_unchecked(ids2, placement.order, placement.bases,
                                                                         lay.row_bytes)
                 pairs = pairs[:r]
                 rows = int(head_rows[-1])
@@ -192,7 +190,7 @@ class StoreSource(KeyedSource):
                 self.placements.stale(lay, exc)
                 read_native(native, [Job(self, lay, ids2, flat)])
                 return
-            if not direct and _scatter_rows(_kernels.readonly(np.frombuffer(data, dtype=np.uint8)),
+            if not direct and _kernels.scatter_rows_unchecked(_kernels.readonly(np.frombuffer(data, dtype=np.uint8)),
                                                      _kernels.readonly(inverse), placement.order, 0, lay.row_bytes,
                                                      flat) >= 0:
                 raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")

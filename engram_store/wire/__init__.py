@@ -4,12 +4,13 @@
 * ``_transport``: ZeroMQ servers (``RpcServer``) and client connections with timeouts;
 * ``_auth``: CURVE keys of a cluster and the ZAP authenticator;
 * ``_tickets``: the tickets that let a writer write one range of one segment (fencing);
-* ``_raw``: the raw read channel's framing.
+* ``raw``: the raw read channel's framing (public: the client and segment rooms speak it).
 """
 
 from ._auth import AUTH_DIR_ENV, REFUSALS, AuthKeys, exposure_warning, keygen, load_keys, resolve_auth_dir
 from ._protocol import PROTOCOL_VERSION, Request, decode, encode, frame_array, frame_bytes
-from ._raw import VERSION as RAW_VERSION
+from . import raw
+from .raw import VERSION as RAW_VERSION
 from ._tickets import WRITE_KEY_BYTES, make_ticket, read_ticket
 from ._transport import (ZERO_COPY_SEND_BYTES, Connection, ConnectionPool, RpcServer, io_threads,
                          serve_until_signalled, stop_on_signal_while_starting, wait_all)
@@ -39,5 +40,6 @@ __all__ = [
     "read_ticket",
     "resolve_auth_dir",
     "serve_until_signalled",
+    "raw",
     "wait_all",
 ]

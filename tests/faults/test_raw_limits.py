@@ -29,7 +29,7 @@ from engram_store import DistributedStore, EngramStore, EngramStoreConfig, Segme
 from engram_store.client import RawChannel, RawChannelRefused
 from engram_store.segment import RawReadServer
 from engram_store.segment import _raw_limits as _raw
-from engram_store.wire._raw import HEADER, MAGIC, OP_HELLO, OP_READ, STATUS_BUSY, TOKEN_BYTES, VERSION
+from engram_store.wire.raw import HEADER, MAGIC, OP_HELLO, OP_READ, STATUS_BUSY, TOKEN_BYTES, VERSION
 from engram_store.testing import Cluster, wait_ping
 
 HAS_CURVE = __import__("zmq").has("curve")

@@ -182,7 +182,7 @@ def _direct_request(ids, plan, row_bytes, kind, request_id, words):
 
 
 @njit(cache=True, nogil=True)
-def _read_direct(fd, ids, plan, row_bytes, request_id, buf, out):
+def read_direct_unchecked(fd, ids, plan, row_bytes, request_id, buf, out):
     # buf: the channel's buffer (see client_buffer): CLIENT_WORDS words of its own, then the request.
     words = buf[:buf.size - buf.size % 8].view(np.int64)
     nbytes = _direct_request(ids, plan, row_bytes, words[C_KIND], request_id, words[CLIENT_WORDS:])
@@ -285,7 +285,7 @@ def read_direct(fd: int, ids: np.ndarray, plan: np.ndarray, row_bytes: int, requ
     under ``plan`` (:func:`direct_read_plan`), built in ``buf`` (:func:`client_buffer`, which holds the kinds and
     the timeout too), and receive the reply's ``M * K * row_bytes`` bytes into ``out`` (uint8); returns OK or why
     not (see the module's answers). The whole call waits about the buffer's timeout at most (a blocking socket's
-    own timeouts bound each call in between). Hot paths call ``_read_direct`` with arguments prepared once."""
+    own timeouts bound each call in between). Hot paths call ``read_direct_unchecked`` with arguments prepared once."""
     if not (isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.ndim == 2 and ids.flags.c_contiguous):
         raise TypeError(f"ids: expected a C-contiguous int64 [M, H] array, got {getattr(ids, 'dtype', type(ids))}")
     for name, a, dtype in (("plan", plan, np.int64), ("buf", buf, np.uint8), ("out", out, np.uint8)):
@@ -297,7 +297,7 @@ def read_direct(fd: int, ids: np.ndarray, plan: np.ndarray, row_bytes: int, requ
                          "(client_buffer makes one)")
     if ids.shape[0] and ids.shape[1] <= int(plan[2:2 + int(plan[0])].max(initial=-1)):
         raise ValueError(f"plan: lists head {int(plan[2:2 + int(plan[0])].max())}, ids have {ids.shape[1]} heads")
-    return int(_read_direct(np.int64(fd), ids, plan, np.int64(row_bytes), np.int64(request_id), buf, out))
+    return int(read_direct_unchecked(np.int64(fd), ids, plan, np.int64(row_bytes), np.int64(request_id), buf, out))
 
 
 # ---- the segment: one read answered -----------------------------------------------------------------------------
@@ -423,7 +423,7 @@ def _serve_one(fd, need_fd, linger_ms, sticky_ms, request, reply, segment, table
 
 
 @njit(cache=True, nogil=True)
-def _serve_read(fd, need_fd, linger_ms, sticky_ms, settle_ms, request, reply, segment, table, params, state):
+def serve_read_unchecked(fd, need_fd, linger_ms, sticky_ms, settle_ms, request, reply, segment, table, params, state):
     # Answer reads until none comes within settle_ms of the last reply (or RING were answered): the caller's
     # bookkeeping then runs while the client takes its reply, not before the next request.
     state[COUNT] = 0
@@ -470,5 +470,5 @@ def serve_read(fd: int, need_fd: int, linger_ms: int, sticky_ms: int, settle_ms:
         raise ValueError("request, reply: expected 8-byte aligned buffers")
     if not 0 <= state[START] <= state[END] <= request.size:
         raise ValueError(f"state: expected 0 <= start <= end <= {request.size}, got {state[START]}, {state[END]}")
-    return int(_serve_read(np.int64(fd), np.int64(need_fd), np.int64(linger_ms), np.int64(sticky_ms),
+    return int(serve_read_unchecked(np.int64(fd), np.int64(need_fd), np.int64(linger_ms), np.int64(sticky_ms),
                            np.int64(settle_ms), request, reply, segment, table, params, state))
