@@ -45,24 +45,10 @@ class Receiving:
         while True:
             state = c.state
             if state == BODY and c.body is None:
-                nbytes = 16 * c.count
                 if loop and not c.slow:
                     return READY  # the header: a serving thread receives the ranges (they come with it)
-                if into is not None and nbytes <= into.size - HEADER.size:
-                    c.body, c.borrowed = into[HEADER.size:HEADER.size + nbytes], True
-                elif self._reserve(nbytes):
-                    c.body, c.reserved = request_buffer(nbytes), nbytes
-                else:  # no room: receive and drop the ranges, answer busy
-                    state = c.state = DROP
-                    c.left = nbytes - c.got
-            if state == HEAD:
-                view = memoryview(c.head)[c.got:HEADER.size]
-            elif state == TOKEN:
-                view = memoryview(c.head)[HEADER.size + c.got:HELLO_BYTES]
-            elif state == BODY:
-                view = memoryview(c.body)[c.got:]
-            else:
-                view = memoryview(self._drop_buf)[:min(c.left, len(self._drop_buf))]
+                state = self._claim_body(c, into)
+            view = self._part(c)
             want = len(view)
             fed = data is not None and pos < len(data)
             if fed:
@@ -101,17 +87,44 @@ class Receiving:
             elif state == BODY:
                 c.pending = False
                 return READY
-            else:  # the ranges of a read refused for lack of room are dropped: answer busy, keep serving
-                self._count("busy")
-                REFUSALS.refused(self._where, c.peer, "requests in flight exceed the bound on their bytes; "
-                                                      "answered busy, the client reads over ZeroMQ")
-                message = (f"raw read channel {self.address}: busy (more than {self.body_budget} bytes of "
-                           "requests in flight); read over ZeroMQ").encode()
-                if not self._send_small(c, HEADER.pack(MAGIC, VERSION, STATUS_BUSY, c.request_id, len(message))
-                                        + message):
-                    return GONE
-                c.next_message()
-                c.last_active = time.monotonic()
+            elif not self._answer_busy(c):
+                return GONE
+
+    def _claim_body(self, c: Conn, into: np.ndarray | None) -> int:
+        """A buffer for ``c``'s ranges: in ``into`` where they fit, else one of their own within the bound on bytes in
+        flight; without room the ranges are received and dropped (DROP, answered busy). Returns the new state."""
+        nbytes = 16 * c.count
+        if into is not None and nbytes <= into.size - HEADER.size:
+            c.body, c.borrowed = into[HEADER.size:HEADER.size + nbytes], True
+        elif self._reserve(nbytes):
+            c.body, c.reserved = request_buffer(nbytes), nbytes
+        else:
+            c.state, c.left = DROP, nbytes - c.got
+        return c.state
+
+    def _part(self, c: Conn) -> memoryview:
+        """Where the rest of ``c``'s current part goes: the header, the token, the ranges, or bytes to drop."""
+        if c.state == HEAD:
+            return memoryview(c.head)[c.got:HEADER.size]
+        if c.state == TOKEN:
+            return memoryview(c.head)[HEADER.size + c.got:HELLO_BYTES]
+        if c.state == BODY:
+            return memoryview(c.body)[c.got:]
+        return memoryview(self._drop_buf)[:min(c.left, len(self._drop_buf))]
+
+    def _answer_busy(self, c: Conn) -> bool:
+        """The ranges of a read refused for lack of room are dropped: answer busy and keep serving (False: the
+        connection must close)."""
+        self._count("busy")
+        REFUSALS.refused(self._where, c.peer, "requests in flight exceed the bound on their bytes; "
+                                              "answered busy, the client reads over ZeroMQ")
+        message = (f"raw read channel {self.address}: busy (more than {self.body_budget} bytes of "
+                   "requests in flight); read over ZeroMQ").encode()
+        if not self._send_small(c, HEADER.pack(MAGIC, VERSION, STATUS_BUSY, c.request_id, len(message)) + message):
+            return False
+        c.next_message()
+        c.last_active = time.monotonic()
+        return True
 
     def _wait(self, c: Conn) -> int:
         """WAIT: a read's ranges that are only partly in go on in the loop, in a buffer of their own."""
