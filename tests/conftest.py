@@ -1,5 +1,10 @@
 """Fixtures every folder of the suite shares.
 
+Folders by room: ``master/``, ``store/`` (client, segments, raw channel), ``tables/`` (EngramStore, engram-layers),
+``kernels/``, ``disk/``, ``compat/``, ``model/``, ``mooncake/`` (the Mooncake bridge), ``faults/`` (processes killed,
+paused, cut off, disks filled); at the top, what spans the house: the CLI, the docs, the layout rules, and the fault
+explorer (``nemesis*.py``, ``python tests/nemesis.py --help``).
+
 Conventions: a folder's helpers live beside its tests in ``<folder>_helpers.py`` (this folder's in
 ``suite_helpers.py``): pytest puts a test's folder, and this one, on ``sys.path``, so they are imported by that
 unique name (never ``from conftest import``: several folders have one, and the first imported wins); a script a
