@@ -119,15 +119,12 @@ class RawRoutes:
                                          f"not asked again before {DEAD_HOLD_S} s")
             state = SUSPECT
         if state is False or state is SUSPECT:
-            timeout_ms = int(self._timeout_s * 1000)
-            if state is SUSPECT:  # dead (ask briefly) or restarted on a new port (ask again)
-                timeout_ms = min(timeout_ms, REDISCOVERY_TIMEOUT_MS)
             try:
-                state = port_of(address, ping(timeout_ms))
+                if state is SUSPECT:  # dead (ask briefly) or restarted on a new port (ask again)
+                    state = self._rediscover(address, ping)
+                else:
+                    state = port_of(address, ping(int(self._timeout_s * 1000)))
             except SegmentUnavailable:
-                if state is SUSPECT:
-                    with self._lock:
-                        self.ports[address] = Unanswered(time.monotonic())
                 raise
             except EngramError:
                 state = None
@@ -165,12 +162,9 @@ class RawRoutes:
         self.close(address)
         if not exc.busy:
             try:
-                reply = ping(min(int(self._timeout_s * 1000), REDISCOVERY_TIMEOUT_MS))
+                state = self._rediscover(address, ping)
             except SegmentUnavailable as gone:
-                with self._lock:
-                    self.ports[address] = Unanswered(time.monotonic())
                 raise SegmentUnavailable(f"{exc}, and it did not answer a ping over ZeroMQ either") from gone
-            state = port_of(address, reply)
             with self._lock:
                 moved = state != self.ports.get(address)
                 self.ports[address] = state
@@ -179,6 +173,16 @@ class RawRoutes:
         log.debug("%s; reading from it over ZeroMQ for %g s", exc, RAW_BACKOFF_S)
         with self._lock:
             self.backoff[address] = time.monotonic() + RAW_BACKOFF_S
+
+    def _rediscover(self, address: str, ping: Ping) -> RawPort | None:
+        """Ask a segment whose channel failed where its channel is now, within REDISCOVERY_TIMEOUT_MS; one that does
+        not answer is marked Unanswered (SegmentUnavailable)."""
+        try:
+            return port_of(address, ping(min(int(self._timeout_s * 1000), REDISCOVERY_TIMEOUT_MS)))
+        except SegmentUnavailable:
+            with self._lock:
+                self.ports[address] = Unanswered(time.monotonic())
+            raise
 
     def set_timeout(self, timeout_s: float) -> None:
         """The timeout of every channel, open and to come."""
