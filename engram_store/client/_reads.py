@@ -5,8 +5,6 @@ ZeroMQ; one request per segment server, all in flight at once, failing over to a
 from __future__ import annotations
 
 import logging
-import mmap
-import os
 import time
 from typing import Any, NamedTuple, Sequence
 
@@ -40,62 +38,13 @@ class ReadPath:
     """The reads of a :class:`DistributedStore` (a mixin: the store holds the connections, mappings and channels)."""
 
     def local_view(self, replica: Replica) -> np.ndarray | None:
-        """The whole segment holding ``replica`` as a read-only uint8 array, if it is mapped on this host.
-
-        A mapping outlives a killed segment process (its file stays until reaped), so reads through it keep
-        returning the intact bytes until the master declares the segment dead and ``locate`` stops naming it.
-        """
-        if not self.local_direct:
-            return None
-        view = self._maps.get(replica.segment_id, False)
-        if view is not False:
-            return view
-        with self._maps_lock:
-            if replica.segment_id in self._maps:
-                return self._maps[replica.segment_id]
-            view = None
-            if replica.host_id == self._host_id and replica.shm_path:
-                try:
-                    fd = os.open(replica.shm_path, os.O_RDONLY)
-                    try:
-                        if os.fstat(fd).st_size == replica.segment_size:
-                            mm = mmap.mmap(fd, replica.segment_size, mmap.MAP_SHARED, mmap.PROT_READ)
-                            self._mmaps.append(mm)
-                            view = np.frombuffer(mm, dtype=np.uint8)
-                    finally:
-                        os.close(fd)
-                except OSError as exc:
-                    log.debug("segment %s not mappable here (%s); reading remotely", replica.segment_id, exc)
-            self._maps[replica.segment_id] = view
-            return view
+        """The whole segment holding ``replica`` as a read-only uint8 array, if it is mapped on this host (and
+        this client reads local-direct); see :meth:`LocalSegments.view`."""
+        return self.local_segments.view(replica) if self.local_direct else None
 
     def local_table(self, replica: Replica) -> np.ndarray | None:
-        """The generation table of a segment mapped on this host (int64, read-only), which says which put wrote
-        each of its objects (see ``engram_store.kernels._generations_table``); None where the segment publishes
-        none, or it is not mapped here."""
-        table = self._tables.get(replica.segment_id, False)
-        if table is not False:
-            return table
-        if self.local_view(replica) is None:
-            return None
-        with self._maps_lock:
-            if replica.segment_id in self._tables:
-                return self._tables[replica.segment_id]
-            table = None
-            try:
-                fd = os.open(replica.shm_path + ".gen", os.O_RDONLY)
-                try:
-                    size = os.fstat(fd).st_size
-                    if size >= 64 and size % 8 == 0:
-                        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-                        self._mmaps.append(mm)
-                        table = np.frombuffer(mm, dtype=np.int64)
-                finally:
-                    os.close(fd)
-            except OSError as exc:
-                log.debug("segment %s publishes no generation table here (%s)", replica.segment_id, exc)
-            self._tables[replica.segment_id] = table
-            return table
+        """The generation table of a segment mapped on this host; see :meth:`LocalSegments.table`."""
+        return self.local_segments.table(replica) if self.local_direct else None
 
     def get(self, key: str, lease: bool = True) -> bytes:
         """The bytes stored under ``key``; ``lease=False`` reads without taking a read lease."""

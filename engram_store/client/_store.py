@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-import mmap
 import numbers
 import os
 import threading
 import time
 from typing import Any, Sequence
 
-import numpy as np
 
-from .. import kernels as _kernels
 from .._config import DEFAULT_EMBEDDED_SEGMENT_SIZE, StoreConfig
 from .._errors import (
     ConfigError,
@@ -36,6 +33,7 @@ from .._errors import (
 from .._units import parse_size
 from ..segment import SegmentServer, host_id
 from ..wire import AUTH_DIR_ENV, Connection, ConnectionPool, load_keys, resolve_auth_dir, wait_all
+from ._local_segments import LocalSegments
 from ._objects import KeyInfo, ObjectInfo, check_key, replica_of
 from ._raw_client import raw_reads_default
 from ._raw_routes import RawRoutes
@@ -71,13 +69,8 @@ class DistributedStore(ReadPath, WritePath):
         self._auth = load_keys(auth_dir, server=False) if auth_dir else None
         self._pool = ConnectionPool(curve=self._auth.client_curve if self._auth else None)
         self._owned = list(_owned)  # servers this client started (mounted segment, embedded master)
-        self._maps: dict[str, np.ndarray | None] = {}
-        self._tables: dict[str, np.ndarray | None] = {}  # segment id -> its generation table, mapped read-only
-        self._wfds: dict[str, int | None] = {}  # segment files open for same-host puts (None: not here)
-        self._retired_fds: list[int] = []
-        self._maps_lock = threading.Lock()
-        self._mmaps: list[mmap.mmap] = []
-        self._host_id = host_id()
+        #: This host's segment files, mapped for local-direct reads and opened for same-host writes.
+        self.local_segments = LocalSegments(host_id())
         self._closed = False
         self.local_segment: SegmentServer | None = None
         self.raw_reads = raw_reads_default() if raw_reads is None else bool(raw_reads)
@@ -187,10 +180,7 @@ class DistributedStore(ReadPath, WritePath):
         segment = SegmentServer(size, self.master_address, host=host, port=0, auth=auth).start()
         self._owned.insert(0, segment)
         self.local_segment = segment
-        with self._maps_lock:
-            self._maps[segment.segment_id] = segment.memory.array
-            table = segment.generations.table
-            self._tables[segment.segment_id] = _kernels.readonly(table) if table is not None else None
+        self.local_segments.adopt(segment.segment_id, segment.memory.array, segment.generations.table)
 
     @property
     def timeout_ms(self) -> int:
@@ -235,13 +225,8 @@ class DistributedStore(ReadPath, WritePath):
 
     def forget_segment(self, segment_id: str) -> None:
         """Stop using a mapping of a segment (after it was declared dead)."""
-        with self._maps_lock:
-            if self.local_segment is None or segment_id != self.local_segment.segment_id:
-                self._maps.pop(segment_id, None)
-                self._tables.pop(segment_id, None)
-            fd = self._wfds.pop(segment_id, None)
-            if fd is not None:
-                self._retired_fds.append(fd)  # another thread may be writing with it; closed with the client
+        mine = self.local_segment is not None and segment_id == self.local_segment.segment_id
+        self.local_segments.forget(segment_id, keep_mapping=mine)
 
     # ---- metadata -------------------------------------------------------------------------------
 
@@ -333,14 +318,6 @@ class DistributedStore(ReadPath, WritePath):
         self._closed = True
         self._pool.close()
         self.raw_routes.close_all()
-        with self._maps_lock:
-            self._maps.clear()
-            self._tables.clear()
-            fds = [fd for fd in self._wfds.values() if fd is not None] + self._retired_fds
-            self._wfds.clear()
-            self._retired_fds = []
-        for fd in fds:
-            os.close(fd)
         master_owned = any(not isinstance(server, SegmentServer) for server in self._owned)
         for server in self._owned:
             try:
@@ -351,12 +328,7 @@ class DistributedStore(ReadPath, WritePath):
                     server.close()
             except Exception:
                 log.exception("closing %r failed", server)
-        for mm in self._mmaps:
-            try:
-                mm.close()
-            except BufferError:
-                pass  # an array still views it; the GC unmaps it later
-        self._mmaps.clear()
+        self.local_segments.close()
 
     def __enter__(self) -> "DistributedStore":
         return self

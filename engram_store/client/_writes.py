@@ -261,26 +261,7 @@ class WritePath:
         in this process) instead of requests; the master still decides where they go, and the object stays
         invisible until ``put_end``. The file is opened once per segment and kept open.
         """
-        if not self.local_direct or replica.get("host_id") != self._host_id or not replica.get("shm_path"):
-            return None
-        segment_id = replica["segment_id"]
-        fd = self._wfds.get(segment_id, False)
-        if fd is False:
-            with self._maps_lock:
-                fd = self._wfds.get(segment_id, False)
-                if fd is False:
-                    fd = None
-                    try:
-                        fd = os.open(replica["shm_path"], os.O_WRONLY | os.O_CLOEXEC)
-                        if os.fstat(fd).st_size != replica["size"]:
-                            os.close(fd)
-                            fd = None
-                    except OSError as exc:
-                        log.debug("segment %s not writable here (%s); writing remotely", segment_id, exc)
-                    self._wfds[segment_id] = fd
-        if fd is None or not 0 <= replica["offset"] <= replica["size"] - nbytes:
-            return None
-        return fd
+        return self.local_segments.write_fd(replica, nbytes) if self.local_direct else None
 
 
 class _RemoteWrite(NamedTuple):
