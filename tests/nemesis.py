@@ -150,10 +150,16 @@ class History(Faults):
         self.seed = seed
         self.rng = random.Random(seed)
         self.verbose = verbose
-        self.network = Network.maybe(seed) if partitions is not False else None
+        self.network = self.fs = None
+        self.dir = ""
+        try:  # interrupted half-way (Ctrl-C, SIGTERM), nothing is left behind
+            self.network = Network.maybe(seed) if partitions is not False else None
+            self.dir = tempfile.mkdtemp(prefix=f"engram-nemesis-{seed}-")
+            self.fs = FileSystem.maybe(os.path.join(self.dir, "fs"))  # where files live: a small tmpfs that can fill
+        except BaseException:
+            self.release()
+            raise
         self.plan = Plan.of(self.rng, self.network is not None)
-        self.dir = tempfile.mkdtemp(prefix=f"engram-nemesis-{seed}-")
-        self.fs = FileSystem.maybe(os.path.join(self.dir, "fs"))  # where files live: a small tmpfs that can fill
         self.files = self.fs.path if self.fs else self.dir
         self.t0 = time.monotonic()
         self.ops: list[Op] = []
@@ -456,11 +462,16 @@ class History(Faults):
             proc.expected_exit = True
             proc.close()
         reap_orphans()
+        self.release()
+
+    def release(self) -> None:
+        """Give back the namespaces, the file system and the directory of the history."""
         if self.network:
             self.network.close()
         if self.fs:
             self.fs.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def transcript(self) -> str:
         """The whole history: operations and events in time order, then the violations."""
@@ -502,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
                         "repeats the schedule, not the timing; default: %(default)s)")
     args = p.parse_args(argv)
     partitions = False if args.no_partitions else None
+    # SIGTERM stops like Ctrl-C: the history in progress tears down its processes, namespaces and file system.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     if args.seed is not None:
         history = run_seed(args.seed, verbose=True, partitions=partitions)
         print(f"seed {args.seed}: " + ("held" if not history.violations else
@@ -518,13 +531,16 @@ def main(argv: list[str] | None = None) -> int:
             break
         try:
             history = run_seed(seed, partitions=partitions)
+        except KeyboardInterrupt:
+            print(f"stopped during seed {seed} (not counted)", flush=True)
+            break
         except Exception:
             import traceback
+            ran += 1
             failed.append(seed)
             print(f"seed {seed}: the explorer itself failed:\n{traceback.format_exc()}", flush=True)
             continue
-        finally:
-            ran += 1
+        ran += 1
         if history.violations:
             failed.append(seed)
             os.makedirs(args.record, exist_ok=True)
