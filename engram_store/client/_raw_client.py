@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import EngramError, ProtocolError, RemoteError, SegmentUnavailable
-from ..kernels.raw_io import (INTERRUPTED, NO_ROOM, OK, RAW_IO, TIMEOUT, client_buffer, direct_request_bytes,
+from ..kernels.raw_io import (BAD_ID, INTERRUPTED, NO_ROOM, OK, RAW_IO, TIMEOUT, client_buffer, direct_request_bytes,
                                read_direct_unchecked, set_client_timeout)
 from ..wire.raw import (
     HEADER,
@@ -164,7 +164,8 @@ class RawChannel:
         ``plan``, sent, and the reply received into ``out``, without the GIL): True when ``out`` holds the rows.
 
         False, with nothing pending, when this connection cannot take it now (not connected, reads in flight, not
-        Linux) or the read did not end in rows (the segment closed the connection, answered busy or with an
+        Linux), when an id is outside the plan's limits (nothing was sent; the caller's id check names it), or the
+        read did not end in rows (the segment closed the connection, answered busy or with an
         error, or sent something unexpected): the connection is closed then, and the caller reads again through
         :meth:`send_read`, which reconnects, and reads the answer properly. No reply within the timeout raises
         :class:`SegmentUnavailable`, as :meth:`recv_read` does."""
@@ -181,7 +182,7 @@ class RawChannel:
                 status = INTERRUPTED
                 status = read_direct_unchecked(self._fd, ids, plan, row_bytes, next(self._ids), self._direct, out)
         finally:
-            if status not in (OK, NO_ROOM):
+            if status not in (OK, NO_ROOM, BAD_ID):
                 self._close_socket()  # what is left on it must never be read as the answer to a later read
         if status == OK:
             self._served += 1

@@ -9,6 +9,7 @@ import numpy as np
 
 from ._generations_table import HOLDS, check_table
 from .raw_io import (
+    BAD_ID,
     CLOSED,
     FAILED,
     HEADER_BYTES,
@@ -32,7 +33,7 @@ def direct_request_numpy(ids: np.ndarray, plan: np.ndarray, row_bytes: int, kind
     """The request :func:`read_direct` sends, built with NumPy: header, checks, :func:`direct_pairs`'s ranges."""
     K, C = int(plan[0]), int(plan[1])
     order, bases = plan[2:2 + K], plan[2 + K:2 + 2 * K]
-    checks = plan[2 + 2 * K:2 + 2 * K + 2 * C].reshape(C, 2)
+    checks = plan[2 + 3 * K:2 + 3 * K + 2 * C].reshape(C, 2)
     pairs = np.stack([(bases[None, :] + ids[:, order] * row_bytes).reshape(-1),
                       np.full(ids.shape[0] * K, row_bytes, dtype=np.int64)], axis=1)
     return _WORDS.pack(kind, request_id, C + ids.shape[0] * K) + checks.tobytes() + pairs.tobytes()
@@ -41,7 +42,11 @@ def direct_request_numpy(ids: np.ndarray, plan: np.ndarray, row_bytes: int, kind
 def read_direct_python(sock, ids: np.ndarray, plan: np.ndarray, row_bytes: int, kind: int, ok_kind: int,
                        request_id: int, out: np.ndarray) -> int:
     """:func:`read_direct` with the socket module (``sock`` blocking, with its own timeouts)."""
-    expected = ids.shape[0] * int(plan[0]) * row_bytes
+    K = int(plan[0])
+    rows = ids[:, plan[2:2 + K]]
+    if ((rows < 0) | (rows >= plan[2 + 2 * K:2 + 3 * K])).any():
+        return BAD_ID
+    expected = ids.shape[0] * K * row_bytes
     try:
         sock.sendall(direct_request_numpy(ids, plan, row_bytes, kind, request_id))
     except (BrokenPipeError, ConnectionResetError):

@@ -63,6 +63,7 @@ FAILED = 4  # any other socket error, or the connection ended inside a reply
 REFUSED = 5  # the reply carries another status (busy, an error): its message is still on the connection
 PROTOCOL = 6  # not the reply expected (another magic or version, request id or count)
 INTERRUPTED = 7  # a signal came (its handler runs once the caller is back in Python): the read may be half done
+BAD_ID = 8  # an id is outside its head's rows (the plan's limits): nothing was sent
 # serve_read's answers (state[COUNT] says how many reads it answered before it returned any of them).
 SERVED = 0  # reads were answered (RING of them, or no other came within the settle wait)
 QUIET = 1  # nothing came within the linger and the sticky wait (or at once, without a wait)
@@ -157,8 +158,8 @@ def _send_all(fd, address, nbytes, deadline_ns, interruptible, scratch, at_time,
 @njit(cache=True, nogil=True)
 def _direct_request(ids, plan, row_bytes, kind, request_id, words):
     # The request of a direct read into words (int64): header, the checks, then one (offset, row_bytes) per
-    # (m, listed head) in output order. plan: [K, C, order[K], bases[K], checks[2C, 2] flat]. Returns its bytes,
-    # or -1 when words is too small.
+    # (m, listed head) in output order. plan: [K, C, order[K], bases[K], limits[K], checks[2C, 2] flat]. Returns
+    # its bytes, -1 when words is too small, -2 when an id is outside [0, its head's limit).
     M = ids.shape[0]
     K = plan[0]
     C = plan[1]
@@ -169,13 +170,16 @@ def _direct_request(ids, plan, row_bytes, kind, request_id, words):
     words[1] = request_id
     words[2] = count
     p = 3
-    c0 = 2 + 2 * K
+    c0 = 2 + 3 * K
     for i in range(2 * C):
         words[p + i] = plan[c0 + i]
     p += 2 * C
     for m in range(M):
         for k in range(K):
-            words[p] = plan[2 + K + k] + ids[m, plan[2 + k]] * row_bytes
+            row = ids[m, plan[2 + k]]
+            if row < 0 or row >= plan[2 + 2 * K + k]:
+                return -2
+            words[p] = plan[2 + K + k] + row * row_bytes
             words[p + 1] = row_bytes
             p += 2
     return 8 * p
@@ -187,7 +191,7 @@ def read_direct_unchecked(fd, ids, plan, row_bytes, request_id, buf, out):
     words = buf[:buf.size - buf.size % 8].view(np.int64)
     nbytes = _direct_request(ids, plan, row_bytes, words[C_KIND], request_id, words[CLIENT_WORDS:])
     if nbytes < 0:
-        return NO_ROOM
+        return NO_ROOM if nbytes == -1 else BAD_ID
     expected = ids.shape[0] * plan[0] * row_bytes
     if out.size < expected:
         return NO_ROOM
@@ -262,15 +266,26 @@ def set_client_timeout(buf: np.ndarray, timeout_s: float) -> None:
     buf[:8 * CLIENT_WORDS].view(np.int64)[C_TIMEOUT_NS] = int(timeout_s * 1e9)
 
 
-def direct_read_plan(order: np.ndarray, bases: np.ndarray, checks: np.ndarray) -> np.ndarray:
-    """What :func:`read_direct` needs of a placement, in one int64 array: ``[K, C, order[K], bases[K], checks]``
-    (``order``: the K listed heads, ``bases``: where each one's table starts, ``checks``: int64 ``[C, 2]``)."""
+def direct_read_plan(order: np.ndarray, bases: np.ndarray, checks: np.ndarray,
+                     sizes: np.ndarray | None = None) -> np.ndarray:
+    """What :func:`read_direct` needs of a placement, in one int64 array: ``[K, C, order[K], bases[K], limits[K],
+    checks]`` (``order``: the K listed heads, ``bases``: where each one's table starts, ``checks``: int64 ``[C, 2]``,
+    ``sizes``: each head's rows, by head id, so that a read of an id outside them sends nothing and answers BAD_ID;
+    None: no limit)."""
     order = np.ascontiguousarray(order, dtype=np.int64)
     bases = np.ascontiguousarray(bases, dtype=np.int64)
     checks = np.ascontiguousarray(checks, dtype=np.int64).reshape(-1, 2)
     if order.ndim != 1 or bases.shape != order.shape:
         raise ValueError(f"bases: expected {order.size} entries (one per listed head), got shape {bases.shape}")
-    return np.concatenate(([order.size, checks.shape[0]], order, bases, checks.reshape(-1))).astype(np.int64)
+    if sizes is None:
+        limits = np.full(order.size, np.iinfo(np.int64).max, dtype=np.int64)
+    else:
+        sizes = np.ascontiguousarray(sizes, dtype=np.int64)
+        if sizes.ndim != 1 or (order.size and int(order.max()) >= sizes.size):
+            raise ValueError(f"sizes: expected the rows of every head up to {int(order.max(initial=-1))}, "
+                             f"got shape {sizes.shape}")
+        limits = sizes[order]
+    return np.concatenate(([order.size, checks.shape[0]], order, bases, limits, checks.reshape(-1))).astype(np.int64)
 
 
 def direct_request_bytes(ids: np.ndarray, plan: np.ndarray) -> int:
@@ -284,8 +299,9 @@ def read_direct(fd: int, ids: np.ndarray, plan: np.ndarray, row_bytes: int, requ
     """One lookup read on the socket ``fd``: send the request of the rows of ``ids`` (validated int64 ``[M, H]``)
     under ``plan`` (:func:`direct_read_plan`), built in ``buf`` (:func:`client_buffer`, which holds the kinds and
     the timeout too), and receive the reply's ``M * K * row_bytes`` bytes into ``out`` (uint8); returns OK or why
-    not (see the module's answers). The whole call waits about the buffer's timeout at most (a blocking socket's
-    own timeouts bound each call in between). Hot paths call ``read_direct_unchecked`` with arguments prepared once."""
+    not (see the module's answers; an id outside the plan's limits sends nothing: BAD_ID). The whole call waits
+    about the buffer's timeout at most (a blocking socket's own timeouts bound each call in between). Hot paths
+    call ``read_direct_unchecked`` with arguments prepared once."""
     if not (isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.ndim == 2 and ids.flags.c_contiguous):
         raise TypeError(f"ids: expected a C-contiguous int64 [M, H] array, got {getattr(ids, 'dtype', type(ids))}")
     for name, a, dtype in (("plan", plan, np.int64), ("buf", buf, np.uint8), ("out", out, np.uint8)):

@@ -127,14 +127,21 @@ class Layer:
         """Whether this store owns only some of the layer's heads (a head shard)."""
         return len(self.heads) < len(self.layer_sizes)
 
-    def check_ids(self, row_ids: Any) -> np.ndarray:
-        """``[B, L, H]`` row ids, validated: C-contiguous int64, every id in its head's range."""
+    def as_ids(self, row_ids: Any) -> np.ndarray:
+        """``[B, L, H]`` row ids as a C-contiguous int64 array of this layer's heads; their range is not checked
+        (:meth:`check_ids` checks it)."""
         ids = row_ids
         H = self.num_heads
         # The common case (a C-contiguous int64 array of the right shape) skips the generic conversion.
         if not (type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 3 and ids.shape[2] == H
                 and ids.size and ids.flags.c_contiguous):
             ids = as_row_ids(row_ids, H)
+        return ids
+
+    def check_ids(self, row_ids: Any) -> np.ndarray:
+        """``[B, L, H]`` row ids, validated: C-contiguous int64, every id in its head's range."""
+        ids = self.as_ids(row_ids)
+        H = self.num_heads
         bad = _kernels.first_bad_row_unchecked(_kernels.readonly(ids.reshape(-1, H)), self.sizes_arr)
         if bad >= 0:
             B, L, _ = ids.shape

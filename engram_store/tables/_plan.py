@@ -92,7 +92,8 @@ def _read_rounds(jobs: list[Job]) -> list[list]:
     rounds: list[list] = []
     current: list = []
     size = rows = 0
-    for owner, lay, ids2, flat in jobs:
+    for job in jobs:
+        owner, lay, ids2, flat = job.source, job.layer, job.ids, job.out
         M, H = ids2.shape
         per_m = H * lay.row_bytes
         if fits_one_round(ids2, flat):
@@ -120,8 +121,8 @@ def read_native(native: Any, jobs: list[Job], failed: set[str] | None = None) ->
     failed = set(failed or ())
     for round_jobs in _read_rounds(jobs):
         _read_round(native, round_jobs, failed)
-    for _, lay, _, _ in jobs:  # one lookup per job, however many rounds it took
-        lay.counters.add(lookups=1)
+    for job in jobs:  # one lookup per job, however many rounds it took
+        job.layer.counters.add(lookups=1)
 
 
 def _read_round(native: Any, jobs: list[Job], failed: set[str]) -> None:
@@ -130,7 +131,8 @@ def _read_round(native: Any, jobs: list[Job], failed: set[str]) -> None:
     for round_ in range(FAILOVER_ROUNDS + 1):
         remote_jobs, cached_jobs, placed = [], [], []
         counts: dict[int, dict] = {}  # remote counters of this attempt, per job: counted only if the job is done
-        for owner, lay, ids2, flat in pending:
+        for job in pending:
+            owner, lay, ids2, flat = job.source, job.layer, job.ids, job.out
             placement = owner.placements.get(lay, failed)
             placed.append(placement)
             try:
@@ -146,7 +148,7 @@ def _read_round(native: Any, jobs: list[Job], failed: set[str]) -> None:
             bad |= owner.read_cached(lay, placement, ids2, flat, counts)
         retry = []
         for job, placement in zip(pending, placed):
-            owner, lay, ids2, flat = job
+            lay, ids2, flat = job.layer, job.ids, job.out
             if lay.state.stale is not None and lay.state.placement is None:
                 retry.append(job)  # a segment refused it as stale: ask the master again
             elif any(address in bad for address, *_ in placement.remote):
@@ -161,9 +163,9 @@ def _read_round(native: Any, jobs: list[Job], failed: set[str]) -> None:
         bad.discard(STALE)
         failed |= bad
         log.warning("layers %s: segment(s) %s failed; retrying on other replicas",
-                    sorted({lay.layer_id for _, lay, _, _ in retry}), sorted(bad))
+                    sorted({job.layer.layer_id for job in retry}), sorted(bad))
         pending = retry
-    raise SegmentUnavailable(f"layers {sorted({lay.layer_id for _, lay, _, _ in pending})}: no live replica answered "
+    raise SegmentUnavailable(f"layers {sorted({job.layer.layer_id for job in pending})}: no live replica answered "
                              f"for some heads (failed: {', '.join(sorted(failed))})")
 
 

@@ -107,9 +107,9 @@ class DiskSource(Source):
         self._open(lay)
 
     def read(self, jobs: list[Job]) -> None:
-        read_many([(lay.state, ids2, flat) for _, lay, ids2, flat in jobs])
-        for _, lay, ids2, _ in jobs:
-            lay.counters.add(lookups=1, rows=ids2.size)
+        read_many([(job.layer.state, job.ids, job.out) for job in jobs])
+        for job in jobs:
+            job.layer.counters.add(lookups=1, rows=job.ids.size)
 
     def stats(self, lay: Layer, reset: bool) -> dict[str, int]:
         if lay.state is None:

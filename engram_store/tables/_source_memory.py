@@ -37,9 +37,9 @@ class ArraySource(Source):
             lay.state = InMemory.of(lay, [(j, t.reshape(-1).view(np.uint8)) for j, t in enumerate(tables)], keep)
 
     def read(self, jobs: list[Job]) -> None:
-        for _, lay, ids2, flat in jobs:
-            gather(lay, lay.state, ids2, flat, self.threads)
-            lay.counters.add(lookups=1, rows=ids2.size, local_rows=ids2.size)
+        for job in jobs:
+            gather(job.layer, job.layer.state, job.ids, job.out, self.threads)
+            job.layer.counters.add(lookups=1, rows=job.ids.size, local_rows=job.ids.size)
 
     def inline(self, lay: Layer, rows: int) -> bool:
         return rows <= PREFETCH_INLINE_ROWS
@@ -97,9 +97,9 @@ class DirSource(ArraySource):
         self._open(lay)
 
     def read(self, jobs: list[Job]) -> None:
-        for _, lay, ids2, flat in jobs:
-            gather(lay, lay.state.memory, ids2, flat, self.threads)
-            lay.counters.add(lookups=1, rows=ids2.size, local_rows=ids2.size)
+        for job in jobs:
+            gather(job.layer, job.layer.state.memory, job.ids, job.out, self.threads)
+            job.layer.counters.add(lookups=1, rows=job.ids.size, local_rows=job.ids.size)
 
     def local_tables(self, lay: Layer) -> list[np.ndarray] | None:
         return lay.state.memory.views(lay)

@@ -102,9 +102,9 @@ class MooncakeSource(KeyedSource):
     # ---- reads ------------------------------------------------------------------------------------------------
 
     def read(self, jobs: list[Job]) -> None:
-        for _, lay, ids2, flat in jobs:
-            self._read_one(lay, ids2, flat)
-            lay.counters.add(lookups=1, rows=ids2.size)
+        for job in jobs:
+            self._read_one(job.layer, job.ids, job.out)
+            job.layer.counters.add(lookups=1, rows=job.ids.size)
 
     def _read_one(self, lay: Layer, ids2: np.ndarray, flat: np.ndarray) -> None:
         """The store's planning over Mooncake's ``get_into_ranges`` (one call for all heads of the layer)."""

@@ -93,11 +93,17 @@ class StoreSource(KeyedSource):
 
     # ---- reads ------------------------------------------------------------------------------------------------
 
+    #: A lookup on the native path checks its ids as it builds its request (``kernels.read_direct``'s limits).
+    checks_ids = True
+
     def read(self, jobs: list[Job]) -> None:
         if len(jobs) == 1:
-            _, lay, ids2, flat = jobs[0]
-            self._read_one(lay, ids2, flat)
+            job = jobs[0]
+            self._read_one(job.layer, job.ids, job.out, job.unchecked)
         else:
+            for job in jobs:
+                if job.unchecked is not None:
+                    job.layer.check_ids(job.unchecked)
             read_native(self.native, jobs)
 
     def inline(self, lay: Layer, rows: int) -> bool:
@@ -108,13 +114,14 @@ class StoreSource(KeyedSource):
     def local_tables(self, lay: Layer) -> list[np.ndarray] | None:
         return self.placements.get(lay, set()).memory.views(lay)
 
-    def _read_one(self, lay: Layer, ids2: np.ndarray, flat: np.ndarray) -> None:
+    def _read_one(self, lay: Layer, ids2: np.ndarray, flat: np.ndarray, unchecked: np.ndarray | None = None) -> None:
         """One layer: the lean path of a lookup (see :func:`._plan.read_native` for the rest).
 
         With a fresh placement whose remote heads all live on one server, the rows are planned, read in one
         request and scattered with nothing in between (where none is mapped here, in one native call on this
         thread's raw channel: :meth:`DistributedStore.read_direct`); any failure takes the general path, which
-        fails over.
+        fails over. ``unchecked``: the ``[B, L, H]`` ids of ``ids2`` where their range is not checked yet: the
+        native call checks it (an id out of range sends nothing), every other path checks them first.
         """
         placement = lay.state.placement
         lean = self._lean.get(id(lay))
@@ -135,11 +142,13 @@ class StoreSource(KeyedSource):
                     if age >= ttl:
                         self.placements.get(lay, set())  # starts the check (the placement itself is unchanged)
                     return
-            except SegmentUnavailable:
+            except SegmentUnavailable:  # (raised once the request went out: its ids were in range)
                 with lay.lock:
                     lay.state.placement = None
                 read_native(native, [Job(self, lay, ids2, flat)], failed={lean.address})
                 return
+        if unchecked is not None:  # not read in one native call: checked as every read's ids are
+            lay.check_ids(unchecked)
         if placement is None or time.monotonic() - placement.checked_at >= self.placements.limits()[0] \
                 or len(placement.remote) > 1 or lay.state.cache is not None or not fits_one_round(ids2, flat):
             read_native(self.native, [Job(self, lay, ids2, flat)])
@@ -206,7 +215,7 @@ class StoreSource(KeyedSource):
         if lean is None or lean.placement is not placement:
             address, endpoints, _, _ = placement.remote[0]
             lean = self._lean[id(lay)] = _Lean(placement, address, endpoints, _kernels.direct_read_plan(
-                placement.order, placement.bases, placement.checks[0]))
+                placement.order, placement.bases, placement.checks[0], lay.sizes_arr))
         return lean
 
     def read_cached(self, lay: Layer, placement: Placement, ids2: np.ndarray, flat: np.ndarray,

@@ -245,20 +245,26 @@ class EngramStore:
 
     # ---- lookups --------------------------------------------------------------------------------
 
-    def _job(self, row_ids: Any, out: Any, layer: int | None, what: str = "lookup") -> tuple[Job, Any]:
-        """A checked read job, and what the call returns (the caller's ``out``, else a new array)."""
+    def _job(self, row_ids: Any, out: Any, layer: int | None, what: str = "lookup",
+             read_checks: bool = False) -> tuple[Job, Any]:
+        """A checked read job, and what the call returns (the caller's ``out``, else a new array).
+
+        ``read_checks``: the job is read at once and alone, so where the source checks ids as it reads them
+        (``Source.checks_ids``) their range is left to it (the job's ``unchecked``); nothing is read before."""
         lay = self._layer(layer)
         self._source.ready(lay, what)
-        ids = lay.check_ids(row_ids)
+        unchecked = read_checks and self._source.checks_ids
+        ids = lay.as_ids(row_ids) if unchecked else lay.check_ids(row_ids)
         shape = ids.shape + (lay.dim,)
         target = lay.check_out(out, shape) if out is not None else np.empty(shape, dtype=lay.dtype)
         M = ids.shape[0] * ids.shape[1]
-        job = Job(self._source, lay, ids.reshape(M, lay.num_heads), target.reshape(-1).view(np.uint8))
+        job = Job(self._source, lay, ids.reshape(M, lay.num_heads), target.reshape(-1).view(np.uint8),
+                  ids if unchecked else None)
         return job, out if out is not None else target
 
     def lookup(self, row_ids: Any, *, layer: int | None = None) -> np.ndarray:
         """Rows for ``[B, L, H]`` ids as ``[B, L, H, D]`` in the stored format (float32 by default)."""
-        job, result = self._job(row_ids, None, layer)
+        job, result = self._job(row_ids, None, layer, read_checks=True)
         self._source.read([job])  # one job: nothing to group
         return result
 
@@ -268,7 +274,7 @@ class EngramStore:
         ``out`` may be a NumPy array, a CPU tensor that speaks DLPack, or anything NumPy views without copying
         (see :meth:`Layer.check_out`); nothing else is allocated for it. Returns ``out``.
         """
-        job, result = self._job(row_ids, out, layer)
+        job, result = self._job(row_ids, out, layer, read_checks=True)
         self._source.read([job])  # one job: nothing to group
         return result
 

@@ -116,6 +116,30 @@ def test_a_lookup_read_sends_what_numpy_plans_and_receives_the_rows_in_place(M, 
         WORDS.pack(READ, 9, body.shape[0]) + body.tobytes()
 
 
+@settings(max_examples=40, deadline=None)
+@given(M=st.integers(1, 20), H=st.integers(1, 5), seed=st.integers(0, 2 ** 31))
+def test_a_lookup_read_of_an_id_outside_its_heads_rows_sends_nothing(M, H, seed):
+    """A plan with each head's rows: an id outside them is answered BAD_ID before a byte goes out; ids inside
+    them are read as a plan without limits reads them."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 50, H).astype(np.int64)
+    order = rng.permutation(H).astype(np.int64)
+    bases = (np.arange(H) * 4096).astype(np.int64)
+    plan = direct_read_plan(order, bases, np.zeros((0, 2), np.int64), sizes)
+    ids = rng.integers(0, sizes, (M, H)).astype(np.int64)
+    rows = bytes(M * H * 8)
+    for native in (True, False):
+        status, _, request = _client(ids, plan, 8, lambda r: WORDS.pack(OK, 9, len(rows)) + rows, native)
+        assert status == rio.OK
+        unlimited = direct_read_plan(order, bases, np.zeros((0, 2), np.int64))
+        assert request == twins.direct_request_numpy(ids, unlimited, 8, READ, 9)
+    m, h = int(rng.integers(M)), int(rng.integers(H))
+    ids[m, h] = int(rng.choice([-1, sizes[h], sizes[h] + 7, 1 << 62]))
+    for native in (True, False):
+        status, _, request = _client(ids, plan, 8, lambda r: WORDS.pack(OK, 9, len(rows)) + rows, native)
+        assert (status, request) == (rio.BAD_ID, b"")
+
+
 @pytest.mark.parametrize("case, answer, status", [
     ("closed before any reply", lambda r: None, rio.CLOSED),
     ("busy", lambda r: WORDS.pack(BUSY, 9, 4) + b"busy", rio.REFUSED),

@@ -145,6 +145,37 @@ def test_small_lookups_read_rows_as_they_are_and_large_ones_read_distinct_rows(o
     es.remove_from_store()
 
 
+def test_an_id_out_of_range_on_the_lean_path_is_refused_by_name_and_reads_nothing(one_segment_store):
+    """A lookup read in one native call checks its ids as it builds the request: an id outside its head's rows
+    raises the same InvalidArgument as every path, nothing is sent (the channel stays open), and the next lookup
+    reads the rows again in one call."""
+    sizes = [40, 50, 60]
+    tables = make_tables(sizes, 4, 11)
+    es = EngramStore(next(_layers), EngramStoreConfig(sizes, 4), one_segment_store)
+    es.populate(tables)
+    rng = np.random.default_rng(12)
+    ids = random_ids(rng, sizes, 2, 3)
+    for _ in range(2):  # the second lookup takes the lean path
+        assert np.array_equal(es.lookup(ids), expected_rows(tables, ids))
+    before = one_segment_store.raw_routes.channels.copy()
+    counts = es.stats()["remote_requests"]
+    for b, l, h, value in ((1, 2, 1, 50), (0, 0, 2, -1), (1, 0, 0, 1 << 40)):
+        bad = ids.copy()
+        bad[b, l, h] = value
+        with pytest.raises(InvalidArgument, match=rf"row_ids\[{b}, {l}, {h}\] = {value} is out of range: head {h} "):
+            es.lookup(bad)
+        out = np.full((2, 3, 3, 4), 7.0, dtype=np.float32)
+        with pytest.raises(InvalidArgument, match=rf"row_ids\[{b}, {l}, {h}\] = {value} is out of range"):
+            es.lookup_into(bad, out)
+        assert (out == 7.0).all()
+    # no request went out, and no connection was dropped for it
+    assert es.stats()["remote_requests"] == counts
+    assert one_segment_store.raw_routes.channels == before and all(ch.sock is not None for ch in before)
+    assert np.array_equal(es.lookup(ids), expected_rows(tables, ids))
+    assert es.stats()["remote_requests"] == counts + 1
+    es.remove_from_store()
+
+
 @pytest.fixture(scope="module")
 def mixed_store():
     """One segment mapped in this process (mounted by the client) and one in another process: a layer's heads
