@@ -497,6 +497,13 @@ def run_seed(seed: int, verbose: bool = False, partitions: bool | None = None) -
     return history
 
 
+def _stop(signum: int, frame) -> None:
+    """The first SIGINT or SIGTERM stops the explorer (KeyboardInterrupt); later ones are ignored while it cleans up."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def _seed_range(text: str) -> range:
     lo, _, hi = text.partition("-")
     return range(int(lo), int(hi or lo) + 1)
@@ -513,8 +520,10 @@ def main(argv: list[str] | None = None) -> int:
                         "repeats the schedule, not the timing; default: %(default)s)")
     args = p.parse_args(argv)
     partitions = False if args.no_partitions else None
-    # SIGTERM stops like Ctrl-C: the history in progress tears down its processes, namespaces and file system.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # SIGTERM stops like Ctrl-C: the history in progress tears down its processes, namespaces and file system,
+    # and a second signal (``timeout`` passes one on to its child as the shell sends another) does not cut that short.
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     if args.seed is not None:
         history = run_seed(args.seed, verbose=True, partitions=partitions)
         print(f"seed {args.seed}: " + ("held" if not history.violations else
