@@ -140,7 +140,11 @@ class Layer:
 
     def check_ids(self, row_ids: Any) -> np.ndarray:
         """``[B, L, H]`` row ids, validated: C-contiguous int64, every id in its head's range."""
-        ids = self.as_ids(row_ids)
+        return self.check_range(self.as_ids(row_ids))
+
+    def check_range(self, ids: np.ndarray) -> np.ndarray:
+        """``ids`` (:meth:`as_ids`' array), once every id is in its head's range; InvalidArgument names the first
+        that is not."""
         H = self.num_heads
         bad = _kernels.first_bad_row_unchecked(_kernels.readonly(ids.reshape(-1, H)), self.sizes_arr)
         if bad >= 0:

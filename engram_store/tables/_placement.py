@@ -98,13 +98,17 @@ class Placements:
         generation table around each gather (:meth:`gather`)."""
         return getattr(self.native, "reuse_delay_s", 2.0) / 2
 
-    def gather(self, lay: Layer, placement: Placement, ids2: np.ndarray, flat: np.ndarray, threads: int) -> None:
+    def gather(self, lay: Layer, placement: Placement, ids2: np.ndarray, flat: np.ndarray, threads: int,
+               age: float | None = None) -> None:
         """Gather the rows of the heads mapped on this host. Past :meth:`local_safe_s`, each segment's generation
         table is checked before (the named tables are still there) and after (no put claimed their space while
-        they were read); StalePlacement otherwise, and no row of this call is used."""
+        they were read); StalePlacement otherwise, and no row of this call is used. ``age``: the placement's age
+        now, where the caller has just taken it."""
         if not placement.memory.sources:
             return
-        if not placement.local_checks or time.monotonic() - placement.checked_at < self.local_safe_s():
+        if age is None:
+            age = time.monotonic() - placement.checked_at
+        if not placement.local_checks or age < self.local_safe_s():
             gather(lay, placement.memory, ids2, flat, threads)
             return
         seqs = [self._check_local(lay, table, checks) for table, checks in placement.local_checks]

@@ -7,6 +7,7 @@ cache (``row_cache_bytes``) keeps recently read remote rows in this process.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import Any
@@ -103,7 +104,7 @@ class StoreSource(KeyedSource):
         else:
             for job in jobs:
                 if job.unchecked is not None:
-                    job.layer.check_ids(job.unchecked)
+                    job.layer.check_range(job.unchecked)
             read_native(self.native, jobs)
 
     def inline(self, lay: Layer, rows: int) -> bool:
@@ -124,6 +125,7 @@ class StoreSource(KeyedSource):
         native call checks it (an id out of range sends nothing), every other path checks them first.
         """
         placement = lay.state.placement
+        age = time.monotonic() - placement.checked_at if placement is not None else math.inf
         lean = self._lean.get(id(lay))
         if lean is not None and lean.placement is placement and ids2.size <= READ_ROUND_ROWS \
                 and flat.size <= READ_ROUND_BYTES:
@@ -131,7 +133,6 @@ class StoreSource(KeyedSource):
             # ``flat`` in one native call, the first thing a lookup does (see _Lean). A placement past its TTL is
             # read as the general path reads it (segments check what they serve), and checked with the master
             # after the read, in the background: the check's own work does not land inside a lookup.
-            age = time.monotonic() - placement.checked_at
             ttl, stale = self.placements.limits()
             native = self.native
             try:
@@ -148,14 +149,14 @@ class StoreSource(KeyedSource):
                 read_native(native, [Job(self, lay, ids2, flat)], failed={lean.address})
                 return
         if unchecked is not None:  # not read in one native call: checked as every read's ids are
-            lay.check_ids(unchecked)
-        if placement is None or time.monotonic() - placement.checked_at >= self.placements.limits()[0] \
+            lay.check_range(unchecked)
+        if placement is None or age >= self.placements.limits()[0] \
                 or len(placement.remote) > 1 or lay.state.cache is not None or not fits_one_round(ids2, flat):
             read_native(self.native, [Job(self, lay, ids2, flat)])
             return
         if placement.memory.sources:
             try:
-                self.placements.gather(lay, placement, ids2, flat, self.threads)
+                self.placements.gather(lay, placement, ids2, flat, self.threads, age)
             except StalePlacement as exc:  # a mapped table was written over: ask the master where it is now
                 self.placements.stale(lay, exc)
                 read_native(self.native, [Job(self, lay, ids2, flat)])
