@@ -48,6 +48,19 @@ def parser(prog: str, description: str, **kwargs) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter, **kwargs)
 
 
+def non_negative(what: str) -> Callable[[str], int]:
+    """An argparse ``type`` for an integer >= 0, whose error names ``what`` (e.g. "a layer id")."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"expected {what} (an integer >= 0), got {text!r}")
+        return value
+    return parse
+
+
 def add_log_level(p: argparse.ArgumentParser, default: str = "INFO") -> None:
     p.add_argument("--log-level", default=default, type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
                    help=f"log messages of this level and above: {', '.join(LOG_LEVELS)}")

@@ -49,14 +49,7 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of segments, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number of segments >= 0, got {text!r}")
-    return value
+_count = _cli.non_negative("a number of segments")
 
 
 def _auth_default_help(what: str) -> str:

@@ -41,14 +41,7 @@ Examples:
 Exit status: 0 done, 1 a layer failed (not found, a checksum differs, a lease is live), 2 bad usage."""
 
 
-def _layer_id(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a layer id (an integer >= 0), got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a layer id (an integer >= 0), got {text!r}")
-    return value
+_layer_id = _cli.non_negative("a layer id")
 
 
 def _place_options() -> argparse.ArgumentParser:
