@@ -143,7 +143,9 @@ class StoreSource(KeyedSource):
                     if age >= ttl:
                         self.placements.get(lay, set())  # starts the check (the placement itself is unchanged)
                     return
-            except SegmentUnavailable:  # (raised once the request went out: its ids were in range)
+            except SegmentUnavailable:
+                if unchecked is not None:  # (the channel may have failed before the request was built)
+                    lay.check_range(unchecked)
                 with lay.lock:
                     lay.state.placement = None
                 read_native(native, [Job(self, lay, ids2, flat)], failed={lean.address})
