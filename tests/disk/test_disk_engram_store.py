@@ -1,13 +1,12 @@
 """EngramStore(..., disk_dir=...): layers on local SSD through the same API as every other place for tables."""
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from suite_helpers import run_threads
 from engram_store import (
     DistributedStore,
     EngramStore,
@@ -63,24 +62,14 @@ def test_lookups_equal_numpy_indexing_whatever_the_cache(published, cache_rows, 
 
 def test_concurrent_lookups_from_threads_share_the_cache(published):
     path, tables = published
-    errors = []
     with EngramStore(1, CONFIG, disk_dir=path, row_cache_bytes=64 << 10) as layer:
         def run(seed: int) -> None:
             rng = np.random.default_rng(seed)
-            try:
-                for _ in range(30):
-                    ids = _ids(rng, 2, 16) % np.array([50, 50, 50])  # a hot set: hits and fills race
-                    np.testing.assert_array_equal(layer.lookup(ids), _expected(tables, ids))
-            except BaseException as exc:  # reported below
-                errors.append(exc)
+            for _ in range(30):
+                ids = _ids(rng, 2, 16) % np.array([50, 50, 50])  # a hot set: hits and fills race
+                np.testing.assert_array_equal(layer.lookup(ids), _expected(tables, ids))
 
-        threads = [threading.Thread(target=run, args=(s,)) for s in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-            assert not t.is_alive(), "a lookup thread did not finish within 60 s"
-        assert not errors, errors[0]
+        run_threads(run, 4, 60, "a lookup thread")
         stats = layer.stats()
         assert stats["lookups"] == 120 and stats["rows"] == 120 * 2 * 16 * 3
         assert stats["cache_hits"] > 0 and stats["pages_read"] > 0 and stats["bytes_read"] >= 4096

@@ -21,6 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from suite_helpers import run_threads
 from engram_store import (AuthError, DistributedStore, EngramStore, EngramStoreConfig, InvalidArgument,
                           ProtocolError, SegmentUnavailable)
 from engram_store.client import RawChannel, port_of
@@ -211,26 +212,16 @@ def test_client_errors_name_the_problem(filled):
 
 def test_many_threads_read_at_once(filled):
     store, payload, replica = filled
-    errors = []
 
     def reader(seed):
         rng = np.random.default_rng(seed)
-        try:
-            for _ in range(200):
-                o = int(rng.integers(0, (1 << 20) - 4096))
-                n = int(rng.integers(1, 4096))
-                got = store.read_pairs(replica.address, np.array([[replica.offset + o, n]]), n)
-                assert bytes(got) == payload[o:o + n].tobytes()
-        except BaseException as exc:  # report in the main thread
-            errors.append(exc)
+        for _ in range(200):
+            o = int(rng.integers(0, (1 << 20) - 4096))
+            n = int(rng.integers(1, 4096))
+            got = store.read_pairs(replica.address, np.array([[replica.offset + o, n]]), n)
+            assert bytes(got) == payload[o:o + n].tobytes()
 
-    threads = [threading.Thread(target=reader, args=(s,)) for s in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-        assert not t.is_alive(), "a reader thread did not finish within 120 s"
-    assert not errors, errors[0]
+    run_threads(reader, 6, 120, "a reader thread")
 
 
 def test_lookups_agree_over_raw_and_zeromq_and_with_raw_reads_off(cluster):

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from suite_helpers import run_threads
 from engram_store import (
     ConfigError,
     DistributedStore,
@@ -381,25 +382,16 @@ def test_concurrent_lookups_from_threads(local_store):
     tables = make_tables(sizes, 8, 5)
     es = EngramStore(next(_layers), EngramStoreConfig(sizes, 8), local_store)
     es.populate(tables)
-    errors, done = [], []
+    done = []
 
     def worker(seed):
         rng = np.random.default_rng(seed)
-        try:
-            for _ in range(20):
-                ids = random_ids(rng, sizes, 4, 16)
-                np.testing.assert_array_equal(es.lookup(ids), expected_rows(tables, ids))
-            done.append(seed)
-        except BaseException as exc:  # reported below: a worker that raises must fail the test
-            errors.append(exc)
+        for _ in range(20):
+            ids = random_ids(rng, sizes, 4, 16)
+            np.testing.assert_array_equal(es.lookup(ids), expected_rows(tables, ids))
+        done.append(seed)
 
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-        assert not t.is_alive(), "a lookup thread did not finish within 60 s"
-    assert not errors, errors[0]
+    run_threads(worker, 4, 60, "a lookup thread")  # a worker that raises fails the test
     assert sorted(done) == [0, 1, 2, 3]
     es.remove_from_store()
     es.close()
