@@ -1,7 +1,10 @@
 """Helpers every folder of the suite may use (see conftest.py for the conventions)."""
+import json
 import os
 import threading
 from typing import Callable
+
+import zmq
 
 
 def fill_up(path: str) -> None:
@@ -16,6 +19,30 @@ def fill_up(path: str) -> None:
                     break
     finally:
         os.close(fd)
+
+
+def zmq_request(address: str, frames: list, timeout_ms: int = 5000) -> list[bytes] | None:
+    """Send ``frames`` as they are to the ZeroMQ server at ``address`` (a DEALER of its own); the reply's frames,
+    or None when none came within ``timeout_ms``."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{address}")
+    try:
+        sock.send_multipart(frames)
+        if not sock.poll(timeout_ms):
+            return None
+        return sock.recv_multipart()
+    finally:
+        sock.close(0)
+
+
+def manifest_objects(path: str) -> int:
+    """How many objects the catalogue next to the segment file ``path`` lists; -1 where there is none to read."""
+    try:
+        with open(path + ".manifest", encoding="utf-8") as f:
+            return len(json.load(f)["objects"])
+    except (OSError, ValueError):
+        return -1
 
 
 def run_threads(work: Callable[[int], None], count: int, timeout_s: float, what: str = "a thread") -> None:

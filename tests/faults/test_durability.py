@@ -1,7 +1,6 @@
 """Faults that must lose nothing: restarts, stalls, dead segments, re-replication."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -10,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from suite_helpers import manifest_objects
 from engram_store import DistributedStore, EngramStore, EngramStoreConfig, MasterUnavailable, SegmentUnavailable
 from engram_store.testing import Cluster
 
@@ -40,13 +40,6 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def _manifest_objects(path: str) -> int:
-    try:
-        with open(path + ".manifest", encoding="utf-8") as f:
-            return len(json.load(f)["objects"])
-    except (OSError, ValueError):
-        return -1
-
 
 @pytest.mark.parametrize("master_keeps_journal", [True, False])
 def test_whole_cluster_restart_with_file_backed_segments_keeps_tables(tmp_path, master_keeps_journal):
@@ -63,7 +56,7 @@ def test_whole_cluster_restart_with_file_backed_segments_keeps_tables(tmp_path, 
             store.put("plain", b"p" * 10_000)
             # Each segment learns its catalogue on a heartbeat and records it next to its data: the tables,
             # the layer's layout manifest and "plain".
-            _wait_for(lambda: sum(_manifest_objects(f) for f in files) == len(SIZES) + 2, 20, "manifests")
+            _wait_for(lambda: sum(manifest_objects(f) for f in files) == len(SIZES) + 2, 20, "manifests")
         segment_ids = [s.segment_id for s in c.segments]
         for proc in c.procs:  # the whole cluster dies at once
             proc.kill()
@@ -86,7 +79,7 @@ def test_removed_objects_do_not_come_back_after_a_segment_restart(tmp_path):
             store.put("kept", b"k" * 1000)
             store.put("gone", b"g" * 1000)
             store.remove("gone", force=True)
-            _wait_for(lambda: _manifest_objects(path) == 1, 20, "the manifest to drop the removed key")
+            _wait_for(lambda: manifest_objects(path) == 1, 20, "the manifest to drop the removed key")
             assert seg.terminate() == 0
             c.add_segment("8MiB", ["--file", path])
             _wait_for(lambda: len(store.status()["segments"]) == 1 and store.is_exist("kept"), 20, "re-register")

@@ -19,6 +19,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from suite_helpers import zmq_request
 from engram_store import DistributedStore, SegmentUnavailable
 from engram_store.wire.raw import HEADER, MAGIC, OP_HELLO, OP_READ, TOKEN_BYTES, VERSION
 from engram_store.segment import MAX_RANGES
@@ -56,16 +57,7 @@ def _send(address: str, header: dict, raw: list[bytes], truncate: int) -> list[b
     packed = msgpack.packb(header, use_bin_type=True)
     if truncate:
         packed = packed[:max(1, len(packed) - truncate)]
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://{address}")
-    try:
-        sock.send_multipart([packed, *raw])
-        if not sock.poll(5000):
-            return None
-        return sock.recv_multipart()
-    finally:
-        sock.close(0)
+    return zmq_request(address, [packed, *raw])
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,10 @@ import time
 import msgpack
 import numpy as np
 import pytest
-import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from suite_helpers import manifest_objects, zmq_request
 from engram_store.wire._protocol import PROTOCOL_VERSION as V
 from engram_store import DistributedStore, InvalidArgument, ProtocolError, SegmentServer, SegmentUnavailable
 from engram_store.client import _writes as _client
@@ -73,16 +73,8 @@ def _assert_silent(address: str) -> None:
 
 def _raw(address: str, frames: list, timeout_ms: int = 5000) -> dict | None:
     """Send raw frames to a server; the unpacked reply header, or None if no reply came."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://{address}")
-    try:
-        sock.send_multipart(frames)
-        if not sock.poll(timeout_ms):
-            return None
-        return msgpack.unpackb(sock.recv_multipart()[0])
-    finally:
-        sock.close(0)
+    reply = zmq_request(address, frames, timeout_ms)
+    return None if reply is None else msgpack.unpackb(reply[0])
 
 
 def test_segment_registers_its_reader_endpoints(reader_cluster):
@@ -279,14 +271,6 @@ def test_puts_round_trip_exactly_with_odd_sizes_and_offsets(monkeypatch, local_d
             conn.close()
 
 
-def _manifest_objects(path: str) -> int:
-    try:
-        with open(path + ".manifest", encoding="utf-8") as f:
-            return len(json.load(f)["objects"])
-    except (OSError, ValueError):
-        return -1
-
-
 def test_a_durable_segment_restarts_with_objects_written_both_ways(tmp_path):
     path = str(tmp_path / "segment.bin")
     same_host = np.random.default_rng(1).integers(0, 256, (5 << 20) + 3, dtype=np.uint8)
@@ -298,7 +282,7 @@ def test_a_durable_segment_restarts_with_objects_written_both_ways(tmp_path):
         with DistributedStore.connect(c.address, timeout_ms=5000, local_direct=False) as store:
             store.put("remote", remote)  # a write request; the segment pwrites it
             deadline = time.monotonic() + 20
-            while _manifest_objects(path) != 2:  # recorded after an fsync of the data
+            while manifest_objects(path) != 2:  # recorded after an fsync of the data
                 assert time.monotonic() < deadline, "the manifest never recorded both objects"
                 time.sleep(0.05)
             seg.kill()

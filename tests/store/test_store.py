@@ -9,10 +9,10 @@ import time
 import msgpack
 import numpy as np
 import pytest
-import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from suite_helpers import zmq_request
 from engram_store.wire._protocol import PROTOCOL_VERSION as V
 from engram_store import (
     DistributedStore,
@@ -186,19 +186,6 @@ def test_bad_arguments_name_the_argument(remote_client):
         remote_client.get_into("k", b"readonly")
 
 
-def _raw_request(address, frames, timeout_ms=3000):
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://{address}")
-    try:
-        sock.send_multipart(frames)
-        if not sock.poll(timeout_ms):
-            return None
-        return sock.recv_multipart()
-    finally:
-        sock.close(0)
-
-
 BAD_FRAMES = [
     [b""],
     [b"\xc1"],  # never valid msgpack
@@ -235,7 +222,7 @@ def test_malformed_frames_get_error_replies_and_servers_keep_serving(shared_clus
     remote_client.put(key, b"precious")
     status_before = remote_client.status()
     for frames in BAD_FRAMES:
-        reply = _raw_request(address, frames)
+        reply = zmq_request(address, frames, timeout_ms=3000)
         if frames == [b""]:
             continue  # an empty header frame may be dropped as noise; the server must still serve
         assert reply is not None, f"no reply to {frames!r}"
@@ -252,7 +239,7 @@ def test_malformed_frames_get_error_replies_and_servers_keep_serving(shared_clus
 @given(frames=st.lists(st.binary(max_size=64), min_size=1, max_size=4))
 def test_random_frames_never_break_the_segment(shared_cluster, frames):
     address = shared_cluster.segments[1].address
-    reply = _raw_request(address, frames, timeout_ms=2000)
+    reply = zmq_request(address, frames, timeout_ms=2000)
     if reply is not None:
         assert msgpack.unpackb(reply[0])["ok"] is False
     wait_ping(address, timeout_s=5, unavailable=SegmentUnavailable)
