@@ -146,9 +146,7 @@ class StoreSource(KeyedSource):
             except SegmentUnavailable:
                 if unchecked is not None:  # (the channel may have failed before the request was built)
                     lay.check_range(unchecked)
-                with lay.lock:
-                    lay.state.placement = None
-                read_native(native, [Job(self, lay, ids2, flat)], failed={lean.address})
+                self._read_without(lean.address, lay, ids2, flat)
                 return
         if unchecked is not None:  # not read in one native call: checked as every read's ids are
             lay.check_range(unchecked)
@@ -174,9 +172,7 @@ class StoreSource(KeyedSource):
                                      remote_bytes=flat.size)
                     return
             except SegmentUnavailable:
-                with lay.lock:
-                    lay.state.placement = None
-                read_native(native, [Job(self, lay, ids2, flat)], failed={address})
+                self._read_without(address, lay, ids2, flat)
                 return
             if direct:
                 # Every head on this server: one range per (m, h) in output order, so the reply lands in
@@ -194,9 +190,7 @@ class StoreSource(KeyedSource):
                                          np.concatenate((checks, pairs)) if checks.size else pairs,
                                          rows * lay.row_bytes, out=flat if direct else None)
             except SegmentUnavailable:
-                with lay.lock:
-                    lay.state.placement = None
-                read_native(native, [Job(self, lay, ids2, flat)], failed={address})
+                self._read_without(address, lay, ids2, flat)
                 return
             except StalePlacement as exc:  # removed and its space reused: ask the master where it is now
                 self.placements.stale(lay, exc)
@@ -210,6 +204,13 @@ class StoreSource(KeyedSource):
                              remote_requests=1, remote_rows=rows, remote_bytes=rows * lay.row_bytes)
         else:
             lay.counters.add(lookups=1, rows=ids2.size, local_rows=ids2.size)
+
+    def _read_without(self, address: str, lay: Layer, ids2: np.ndarray, flat: np.ndarray) -> None:
+        """Read the layer the general way after the segment at ``address`` failed: its placement is resolved again
+        (the master may have dropped the segment) and other replicas serve the heads it held."""
+        with lay.lock:
+            lay.state.placement = None
+        read_native(self.native, [Job(self, lay, ids2, flat)], failed={address})
 
     def _lean_of(self, lay: Layer, placement: Placement) -> "_Lean":
         """What a lookup of the layer needs to read it in one native call while ``placement`` holds (every remote
