@@ -282,18 +282,30 @@ class MasterServer:
             try:
                 placed = self.state.put_start(key, size, replica_num)
                 put_id = self.state.objects[key].put_id
-                results.append({"ok": True, "replicas": [
+                results.append({"ok": True, "generation": put_id, "replicas": [
                     {**self._replica(s, o), "ticket": self.state.ticket(s, put_id, o, size),
                      "direct_writes": s.direct_writes} for s, o in placed]})
             except EngramError as exc:
                 results.append({"ok": False, "code": exc.code, "message": str(exc)})
         return {"results": results, "put_timeout_ms": int(self.state.put_timeout_s * 1000)}
 
+    def _generations(self, req: Request, keys: list[str]) -> list[int]:
+        """The optional ``generations`` field: the put id of each key (0 where the writer names none)."""
+        if req.header.get("generations") is None:
+            return [0] * len(keys)
+        generations = req.int_list("generations", MAX_BATCH)
+        if len(generations) != len(keys):
+            raise InvalidArgument(f"field 'generations': expected {len(keys)} put ids (one per key), got "
+                                  f"{len(generations)}")
+        return generations
+
     def _put_renew(self, req: Request) -> dict:
-        return {"renewed": [self.state.put_renew(key) for key in self._keys(req)]}
+        keys = self._keys(req)
+        return {"renewed": [self.state.put_renew(k, g) for k, g in zip(keys, self._generations(req, keys))]}
 
     def _put_end(self, req: Request) -> dict:
         keys = self._keys(req)
+        generations = self._generations(req, keys)
         checksums = req.str_list("checksums", MAX_BATCH, 64, default=[]) if req.header.get("checksums") else []
         if checksums and len(checksums) != len(keys):
             raise InvalidArgument(f"field 'checksums': expected {len(keys)} checksums (one per key), got "
@@ -301,7 +313,7 @@ class MasterServer:
         results = []
         for i, key in enumerate(keys):
             try:
-                self.state.put_end(key, checksums[i] if checksums else "")
+                self.state.put_end(key, checksums[i] if checksums else "", generations[i])
                 results.append({"ok": True})
             except EngramError as exc:
                 results.append({"ok": False, "code": exc.code, "message": str(exc)})
@@ -309,9 +321,10 @@ class MasterServer:
 
     def _put_revoke(self, req: Request) -> dict:
         settled = req.bool("settled", default=False)
-        for key in self._keys(req):
+        keys = self._keys(req)
+        for key, generation in zip(keys, self._generations(req, keys)):
             try:
-                self.state.put_revoke(key, settled=settled)
+                self.state.put_revoke(key, settled=settled, generation=generation)
             except EngramError as exc:
                 log.warning("put_revoke %r: %s", key, exc)
         return {}
@@ -344,7 +357,9 @@ class MasterServer:
     def _remove_many(self, req: Request) -> dict:
         """Remove ``keys`` all or nothing (see MasterState.remove_many); the reply names where each removed
         object's replicas were (``removed``: ``{key: [[address, offset], ...]}``)."""
-        removed = self.state.remove_many(self._keys(req), req.bool("force", default=False))
+        keys = self._keys(req)
+        generations = self._generations(req, keys) if req.header.get("generations") is not None else None
+        removed = self.state.remove_many(keys, req.bool("force", default=False), generations)
         return {"removed": {key: [[self.state.segments[r.segment_id].address, r.offset] for r in replicas
                                   if r.segment_id in self.state.segments]
                             for key, replicas in removed.items()}}

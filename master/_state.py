@@ -323,18 +323,21 @@ class MasterState(Fencing, Repairs, Replay):
     def ticket(self, segment: Segment, put_id: int, offset: int, size: int) -> bytes:
         return make_ticket(segment.write_key, segment.segment_id, put_id, offset, size)
 
-    def put_renew(self, key: str) -> bool:
+    # ``generation`` below is the put's id as put_start gave it: a writer that names it acts on its own put only,
+    # never on one another writer started under the same key after a forced remove ended this one (0: any put).
+
+    def put_renew(self, key: str, generation: int = 0) -> bool:
         """The writer of a pending put is still writing; False when the put is not pending any more (revoked,
         expired, or forgotten by a restart): the writer must stop."""
         meta = self.objects.get(key)
-        if meta is None or meta.state != PENDING:
+        if meta is None or meta.state != PENDING or (generation and meta.put_id != generation):
             return False
         meta.renewed = self.clock()
         return True
 
-    def put_end(self, key: str, checksum: str = "") -> None:
+    def put_end(self, key: str, checksum: str = "", generation: int = 0) -> None:
         meta = self.objects.get(key)
-        if meta is None:
+        if meta is None or (generation and not self._written_by(key, generation)):
             raise ObjectNotFound(f"put_end {key!r}: no write in progress (revoked, timed out, fenced, or "
                                  "forgotten by a master restart)")
         if meta.state == COMPLETE:
@@ -345,11 +348,16 @@ class MasterState(Fencing, Repairs, Replay):
         self._touch(meta)
         self._journal_object(key, meta)
 
-    def put_revoke(self, key: str, settled: bool = False) -> None:
+    def put_revoke(self, key: str, settled: bool = False, generation: int = 0) -> None:
         """Abandon a pending put. ``settled``: its writer has no write in flight any more (every write it sent was
-        answered), so the space is free at once; otherwise the put is fenced first."""
+        answered), so the space is free at once; otherwise the put is fenced first. A put named by ``generation``
+        that was published already (the call that wrote it failed on another key) is removed: the call wrote
+        nothing."""
         meta = self.objects.get(key)
-        if meta is None:
+        if meta is None or (generation and not self._written_by(key, generation)):
+            return
+        if meta.state != PENDING and generation:
+            self.remove(key, force=True)
             return
         if meta.state != PENDING:
             raise InvalidArgument(f"put_revoke {key!r}: the object is complete; use remove")
@@ -394,10 +402,17 @@ class MasterState(Fencing, Repairs, Replay):
         self.journal({"op": "remove", "key": key})
         return meta.replicas
 
-    def remove_many(self, keys: list[str], force: bool = False) -> dict[str, list[Replica]]:
+    def remove_many(self, keys: list[str], force: bool = False,
+                    generations: list[int] | None = None) -> dict[str, list[Replica]]:
         """Remove several objects, all or nothing: if a read lease (or, without ``force``, a write in progress)
         holds any of them, none is removed and LeaseActive names it. Keys that are absent are skipped. Returns the
-        replicas of each object removed, by key (lost objects: none)."""
+        replicas of each object removed, by key (lost objects: none).
+
+        ``generations`` (one per key) removes only the objects those puts wrote: a key now holding another put's
+        object is skipped like an absent one. A writer undoing its own failed write passes the generations its
+        puts got, so it never removes what another writer put under the same keys meanwhile."""
+        if generations is not None:
+            keys = [k for k, g in zip(keys, generations) if self._written_by(k, g)]
         if not force:
             now = self.clock()
             for key in keys:
@@ -416,6 +431,17 @@ class MasterState(Fencing, Repairs, Replay):
             if key in self.objects or key in self.lost:
                 removed[key] = self.remove(key, force=True) or []
         return removed
+
+    def _written_by(self, key: str, generation: int) -> bool:
+        """Whether the object under ``key`` (complete, pending or lost) is the one the put ``generation`` wrote
+        (0: whichever is there)."""
+        if not generation:
+            return key in self.objects or key in self.lost
+        meta = self.objects.get(key)
+        if meta is not None:
+            return meta.put_id == generation or any(r.generation == generation for r in meta.replicas)
+        lost = self.lost.get(key)
+        return lost is not None and any(r.generation == generation for r in lost.places)
 
     def list_keys(self, prefix: str, after: str, limit: int) -> tuple[list[list], bool]:
         """Objects whose key starts with ``prefix``, after the key ``after``, in key order, at most ``limit``:

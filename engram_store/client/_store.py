@@ -29,6 +29,7 @@ from .._errors import (
     StoreError,
     describe,
     error_from_reply,
+    is_int,
 )
 from .._units import parse_size
 from ..segment import SegmentServer, host_id
@@ -261,14 +262,23 @@ class DistributedStore(ReadPath, WritePath):
         header = self._master_call("remove", {"key": check_key(key), "force": bool(force)})
         self._tell_dropped({key: header.get("replicas") or []})
 
-    def remove_many(self, keys: Sequence[str], force: bool = False) -> list[str]:
+    def remove_many(self, keys: Sequence[str], force: bool = False,
+                    generations: Sequence[int] | None = None) -> list[str]:
         """Remove several objects all or nothing: while a read lease (or, without ``force``, a write in progress)
         holds any of them, none is removed and LeaseActive names it. Absent keys are skipped; returns the keys
-        removed."""
+        removed. ``generations`` (one per key, from :meth:`put_generations`) removes only the objects those puts
+        wrote: a key holding another put's object is skipped like an absent one."""
         keys = [check_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
+        request: dict = {"keys": keys, "force": bool(force)}
+        if generations is not None:
+            generations = list(generations)
+            if len(generations) != len(keys) or not all(is_int(g) and g > 0 for g in generations):
+                raise InvalidArgument(f"generations: expected {len(keys)} put ids > 0 (one per key), got "
+                                      f"{describe(generations)}")
+            request["generations"] = [int(g) for g in generations]
         if not keys:
             return []
-        removed = self._master_call("remove_many", {"keys": keys, "force": bool(force)})["removed"]
+        removed = self._master_call("remove_many", request)["removed"]
         self._tell_dropped(removed)
         return [k for k in keys if k in removed]
 

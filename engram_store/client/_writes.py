@@ -73,7 +73,15 @@ class WritePath:
 
     def put_objects(self, keys: Sequence[str], buffers: Sequence[object], replica_num: int = 1,
                     progress: Callable[[int], None] | None = None) -> list[str]:
-        """:meth:`batch_put_from`, returning the xxh3_64 checksum (hex) of each object's bytes.
+        """:meth:`batch_put_from`, returning the xxh3_64 checksum (hex) of each object's bytes (see
+        :meth:`put_generations`)."""
+        return self.put_generations(keys, buffers, replica_num=replica_num, progress=progress)[0]
+
+    def put_generations(self, keys: Sequence[str], buffers: Sequence[object], replica_num: int = 1,
+                        progress: Callable[[int], None] | None = None) -> tuple[list[str], list[int]]:
+        """:meth:`batch_put_from`, returning the xxh3_64 checksum (hex) of each object's bytes and its generation
+        (the id of the put that wrote it): ``remove_many(keys, generations=...)`` removes those objects and never
+        one another writer put under the same key since.
 
         The master records each checksum, so a segment that comes back after the master lost track of it (a
         restart without a journal, missed heartbeats) can prove the object intact and have it adopted again.
@@ -91,9 +99,9 @@ class WritePath:
             raise InvalidArgument(f"replica_num: expected an integer >= 1, got {describe(replica_num)}")
         views = [as_bytes_view(b, f"buffers[{i}]") for i, b in enumerate(buffers)]
         if not keys:
-            return []
+            return [], []
         results, put_timeout_ms = self._put_start(keys, [v.nbytes for v in views], replica_num)
-        started = [k for k, r in zip(keys, results) if r.get("ok")]
+        started = {k: r["generation"] for k, r in zip(keys, results) if r.get("ok")}  # key -> its put's id
         writes = _Writes(self, started, put_timeout_ms)
         checksums: Future | None = None
         try:
@@ -107,7 +115,7 @@ class WritePath:
             self._run_writes(remote, progress, done, writes)
             self._seal_direct(direct, writes)
             sums = checksums.result() if checksums is not None else _checksums(views)
-            self._put_end(keys, sums)
+            self._put_end(keys, sums, [started[k] for k in keys])
         except BaseException:
             writes.close_direct(quiet=True)
             self._revoke(started, settled=writes.in_flight == 0)
@@ -115,7 +123,7 @@ class WritePath:
                 checksums.cancel()
             raise
         self._tell_catalogs(keys, views, results, sums, replica_num)
-        return sums
+        return sums, [started[k] for k in keys]
 
     def _plan_writes(self, views: list[np.ndarray], results: list[dict],
                      writes: "_Writes") -> tuple[list["_RemoteWrite"], list["_DirectWrite"]]:
@@ -158,9 +166,9 @@ class WritePath:
         if direct:
             self._ping_segments({job.replica["address"] for job in direct})
 
-    def _put_end(self, keys: list[str], sums: list[str]) -> None:
+    def _put_end(self, keys: list[str], sums: list[str], generations: list[int]) -> None:
         """Publish the objects with their checksums; raise the first key's refusal."""
-        ended = self._master_call("put_end", {"keys": keys, "checksums": sums})["results"]
+        ended = self._master_call("put_end", {"keys": keys, "checksums": sums, "generations": generations})["results"]
         for result in ended:
             if not result.get("ok"):
                 raise error_from_reply(result.get("code"), result.get("message"))
@@ -198,7 +206,8 @@ class WritePath:
             waiting = any(not r.get("ok") and r.get("code") == SegmentUnavailable.code for r in results)
             if not waiting or time.monotonic() > deadline:
                 return results, int(header.get("put_timeout_ms") or 30_000)
-            self._revoke([k for k, r in zip(keys, results) if r.get("ok")], settled=True)  # nothing written yet
+            # Nothing was written yet.
+            self._revoke({k: r["generation"] for k, r in zip(keys, results) if r.get("ok")}, settled=True)
             time.sleep(0.05)
 
     def _ping_segments(self, addresses: set[str]) -> None:
@@ -243,16 +252,18 @@ class WritePath:
             if progress is not None:
                 progress(int(done_bytes))
 
-    def _revoke(self, keys: list[str], settled: bool = False) -> None:
-        """Give up unfinished puts. ``settled``: every write sent for them was answered (none can land later), so
-        the master frees their space at once; otherwise it fences them first."""
-        if not keys:
+    def _revoke(self, puts: dict[str, int], settled: bool = False) -> None:
+        """Give up this call's puts (key -> put id), unfinished or published by a put_end that failed on another
+        key. ``settled``: every write sent for them was answered (none can land later), so the master frees their
+        space at once; otherwise it fences them first."""
+        if not puts:
             return
         try:
-            self._master_call("put_revoke", {"keys": keys, "settled": bool(settled)})
+            self._master_call("put_revoke", {"keys": list(puts), "generations": list(puts.values()),
+                                             "settled": bool(settled)})
         except EngramError as exc:
             log.warning("could not revoke %d unfinished write(s) (the master frees them after its put "
-                        "timeout): %s", len(keys), exc)
+                        "timeout): %s", len(puts), exc)
 
     def _local_write_fd(self, replica: dict, nbytes: int) -> int | None:
         """A write descriptor of the segment file of a freshly placed replica, if that file is on this host.
@@ -328,9 +339,10 @@ class _Writes:
     """One put call's dealings beside the bytes: renewing its pending keys with the master, the same-host writers it
     opened at segments (see :mod:`engram_store.segment._fence`), and how many write requests are still unanswered."""
 
-    def __init__(self, store: Any, keys: list[str], put_timeout_ms: int):
+    def __init__(self, store: Any, puts: dict[str, int], put_timeout_ms: int):
         self.store = store
-        self.keys = keys
+        self.keys = list(puts)
+        self.generations = list(puts.values())
         self.interval_s = max(0.05, put_timeout_ms / 1000.0 / RENEWALS_PER_TIMEOUT)
         self.next_renewal = time.monotonic() + self.interval_s
         self.in_flight = 0
@@ -343,7 +355,8 @@ class _Writes:
             return
         self.next_renewal = now + self.interval_s
         try:
-            renewed = self.store._master_call("put_renew", {"keys": self.keys})["renewed"]
+            renewed = self.store._master_call("put_renew", {"keys": self.keys,
+                                                            "generations": self.generations})["renewed"]
         except MasterUnavailable as exc:
             self.next_renewal = now + min(self.interval_s, 1.0)
             log.warning("could not renew %d pending put(s) with the master (%s); trying again", len(self.keys), exc)

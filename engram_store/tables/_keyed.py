@@ -8,7 +8,7 @@ reads each head back against the manifest's checksums. The subclasses say how to
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -18,6 +18,14 @@ from ._layout import Layer
 from ._source import Source, progress
 
 log = logging.getLogger(__name__)
+
+
+class Upload(NamedTuple):
+    """What :meth:`KeyedSource.put_tables` wrote: each table's checksum and, where the store names them, the
+    generation of each head's object (so undoing the upload removes those objects and nothing put since)."""
+    algorithm: str
+    checksums: list[str]
+    generations: list[int] | None = None
 
 
 class KeyedSource(Source):
@@ -41,9 +49,14 @@ class KeyedSource(Source):
     def put_manifest(self, lay: Layer, data: bytes, replica_num: int) -> None:
         raise NotImplementedError
 
-    def put_tables(self, lay: Layer, tables: list[np.ndarray], replica_num: int, bar: Any) -> tuple[str, list[str]]:
-        """Upload this store's heads; all or nothing. Returns the checksum algorithm and each table's checksum."""
+    def put_tables(self, lay: Layer, tables: list[np.ndarray], replica_num: int, bar: Any) -> Upload:
+        """Upload this store's heads; all or nothing."""
         raise NotImplementedError
+
+    def undo_upload(self, lay: Layer, upload: Upload) -> None:
+        """Remove the heads ``upload`` wrote (its manifest was not published). By key where the store names no
+        generations: a head another writer put under the same key after a forced remove would go too."""
+        self.remove_keys(lay.keys, force=True)
 
     def remove_key(self, key: str, force: bool) -> bool:
         """Remove one key; False when it was not there."""
@@ -77,13 +90,13 @@ class KeyedSource(Source):
         bar = progress(lay, tables)
         self.forget(lay)
         try:
-            algorithm, values = self.put_tables(lay, tables, replica_num, bar)
+            upload = self.put_tables(lay, tables, replica_num, bar)
         finally:
             bar.close()
         try:
-            self.publish(lay, values, replica_num, algorithm)
+            self.publish(lay, upload.checksums, replica_num, upload.algorithm)
         except BaseException:
-            self.remove_keys(lay.keys, force=True)  # all-or-nothing: no tables without their manifest
+            self.undo_upload(lay, upload)  # all-or-nothing: no tables without their manifest
             raise
 
     def publish(self, lay: Layer, checksums: list[str], replica_num: int, algorithm: str = "xxh3_64") -> None:

@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import kernels as _kernels
 from .._errors import InvalidArgument, LeaseActive, ObjectNotFound, StoreError
-from ._keyed import KeyedSource, check_code
+from ._keyed import KeyedSource, Upload, check_code
 from ._layout import Layer
 from ._source import Job
 
@@ -56,7 +56,7 @@ class MooncakeSource(KeyedSource):
         _mooncake_put(self.store, lay.manifest_key, np.frombuffer(data, dtype=np.uint8).copy(),
                       _replicate_config(replica_num))
 
-    def put_tables(self, lay: Layer, tables: list[np.ndarray], replica_num: int, bar: Any) -> tuple[str, list[str]]:
+    def put_tables(self, lay: Layer, tables: list[np.ndarray], replica_num: int, bar: Any) -> Upload:
         from concurrent.futures import ThreadPoolExecutor
 
         from ._manifest import checksums
@@ -65,7 +65,7 @@ class MooncakeSource(KeyedSource):
         with ThreadPoolExecutor(1, thread_name_prefix=f"engram-l{lay.layer_id}-checksum") as pool:
             sums = pool.submit(checksums, tables)
             self._upload(lay, tables, replica_num, bar)
-            return sums.result()
+            return Upload(*sums.result())
 
     def remove_key(self, key: str, force: bool) -> bool:
         # Remove first and read the code; no existence check before it: on a real Mooncake store

@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import kernels as _kernels
 from .._errors import ObjectNotFound, SegmentUnavailable, StalePlacement, StoreError
-from ._keyed import KeyedSource
+from ._keyed import KeyedSource, Upload
 from ._layout import Layer
 from ._placement import Placement, Placements, PlacementState
 from ._plan import READ_ROUND_BYTES, READ_ROUND_ROWS, STALE, fits_one_round, read_native, reads_direct, tally
@@ -61,9 +61,15 @@ class StoreSource(KeyedSource):
     def put_manifest(self, lay: Layer, data: bytes, replica_num: int) -> None:
         self.native.put(lay.manifest_key, data, replica_num=replica_num)
 
-    def put_tables(self, lay: Layer, tables: list[np.ndarray], replica_num: int, bar: Any) -> tuple[str, list[str]]:
+    def put_tables(self, lay: Layer, tables: list[np.ndarray], replica_num: int, bar: Any) -> Upload:
         # The store computes each table's xxh3_64 while it uploads (and the master keeps them).
-        return "xxh3_64", self.native.put_objects(lay.keys, tables, replica_num=replica_num, progress=bar)
+        return Upload("xxh3_64", *self.native.put_generations(lay.keys, tables, replica_num=replica_num,
+                                                              progress=bar))
+
+    def undo_upload(self, lay: Layer, upload: Upload) -> None:
+        """Remove the heads this upload's puts wrote, in one request: a head another writer put under the same key
+        since (after a forced remove of this populate's layer) is not this populate's to remove."""
+        self.native.remove_many(lay.keys, force=True, generations=upload.generations)
 
     def remove_key(self, key: str, force: bool) -> bool:
         try:

@@ -28,12 +28,12 @@ from engram_store.testing import Cluster, wait_ping
 pytestmark = pytest.mark.timeout(300)
 
 SEGMENT_SIZE = 16 << 20
-MASTER_OPS = ["ping", "register_segment", "heartbeat", "segment_objects", "put_start", "put_end", "put_revoke",
-              "get_replicas", "exist", "remove", "status", "no_such_op"]
+MASTER_OPS = ["ping", "register_segment", "heartbeat", "segment_objects", "put_start", "put_renew", "put_end",
+              "put_revoke", "get_replicas", "exist", "remove", "remove_many", "status", "no_such_op"]
 # Valid writes are legitimate changes; the segment gets only writes that end past its bytes.
 SEGMENT_OPS = ["ping", "read_ranges", "write", "no_such_op"]
 FIELDS = ["keys", "key", "sizes", "replica_num", "lease", "force", "segment_id", "address", "size", "shm_path",
-          "host_id", "objects", "offset"]
+          "host_id", "objects", "offset", "generations", "checksums", "settled"]
 
 huge_ints = st.sampled_from([-1, -(2**63), 2**63 - 1, 2**64 - 1, 2**62, SEGMENT_SIZE, SEGMENT_SIZE + 1])
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), huge_ints, st.floats(),

@@ -96,6 +96,38 @@ def test_put_lifecycle_and_visibility():
     assert sum(s.allocator.used for s in state.segments.values()) == 2 * _align(100)
 
 
+def test_a_writer_that_names_its_put_acts_on_that_put_only():
+    """A forced remove ends writer A's put and writer B puts the key again: A's put_end, renew, revoke and undo
+    (remove_many by generation) must not touch B's object, whatever state it is in."""
+    state, _, _ = _state()
+    state.put_start("k", 100, 1)
+    a = state.objects["k"].put_id
+    state.remove("k", force=True)  # another writer's forced remove fences A's put
+    state.put_start("k", 100, 1)
+    b = state.objects["k"].put_id
+    assert a != b
+    assert not state.put_renew("k", a) and state.put_renew("k", b)
+    with pytest.raises(ObjectNotFound, match="put_end 'k': no write in progress"):
+        state.put_end("k", "aa", a)
+    state.put_revoke("k", generation=a)
+    assert state.objects["k"].state == "pending"  # B's put goes on
+    state.put_end("k", "bb", b)
+    state.put_end("k", "bb", b)  # a retried put_end of one's own put is answered again
+    with pytest.raises(ObjectNotFound):
+        state.put_end("k", "aa", a)
+    assert state.remove_many(["k"], force=True, generations=[a]) == {}
+    assert state.exists("k") and state.objects["k"].checksum == "bb"
+    state.put_revoke("k", generation=a)
+    assert state.exists("k")
+    # A call whose put_end failed on another key revokes every key it wrote: the ones published go too.
+    state.put_revoke("k", generation=b)
+    assert not state.exists("k") and state.list_keys("", "", 10) == ([], False)
+    state.put_start("k", 100, 1)
+    c = state.objects["k"].put_id
+    state.put_end("k", "cc", c)
+    assert list(state.remove_many(["k", "absent"], force=True, generations=[c, 5])) == ["k"]
+
+
 def test_out_of_space_leaves_nothing():
     state, _, _ = _state()
     with pytest.raises(OutOfSpace, match="no room"):

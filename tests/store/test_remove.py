@@ -22,3 +22,36 @@ def test_a_lease_on_one_head_refuses_the_whole_remove_and_the_layer_stays_readab
         np.testing.assert_array_equal(EngramStore(1, config, store).lookup(ids)[0, 0, :, 0], [0, 1, 2])
         assert layer.remove_from_store(force=True) == 3
         assert store.list_keys("engram:") == []
+
+
+def test_a_populate_that_cannot_publish_undoes_its_own_heads_and_never_another_writers(monkeypatch):
+    """Writer A has put its heads and started its manifest when writer B removes the layer with force (which ends
+    A's manifest put) and populates it again. A's populate must fail, and undoing it must leave B's acknowledged
+    layer whole: A removes the objects its own puts wrote, not whatever is under its keys by then."""
+    from engram_store import ObjectNotFound, WriteFenced
+    from engram_store.testing import Cluster
+
+    config = EngramStoreConfig(table_vocab_sizes=[101, 103, 107], embedding_dim=8)
+    a_tables = [np.full((n, 8), 1 + h, np.float32) for h, n in enumerate(config.table_vocab_sizes)]
+    b_tables = [np.full((n, 8), 10 + h, np.float32) for h, n in enumerate(config.table_vocab_sizes)]
+    with Cluster(segments=1) as cluster, DistributedStore(cluster.address) as sa, \
+            DistributedStore(cluster.address) as sb:
+        a, b = EngramStore(1, config, sa), EngramStore(1, config, sb)
+        put_start = sa._put_start
+
+        def b_goes_between(keys, sizes, replica_num):
+            started = put_start(keys, sizes, replica_num)
+            if keys == ["engram:l1:manifest"]:
+                b.remove_from_store(force=True)
+                b.populate(b_tables)
+            return started
+
+        monkeypatch.setattr(sa, "_put_start", b_goes_between)
+        with pytest.raises((WriteFenced, ObjectNotFound)):
+            a.populate(a_tables)
+        monkeypatch.undo()
+        ids = np.zeros((1, 2, 3), np.int64)
+        np.testing.assert_array_equal(EngramStore(1, config, sa).lookup(ids)[0, 0, :, 0], [10, 11, 12])
+        assert b.verify() == [0, 1, 2]  # every head matches its manifest
+        assert sorted(k.key for k in sa.list_keys("engram:l1:")) == [
+            "engram:l1:h0", "engram:l1:h1", "engram:l1:h2", "engram:l1:manifest"]
