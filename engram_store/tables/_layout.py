@@ -76,21 +76,53 @@ class LookupCounters:
     FIELDS = ("lookups", "rows", "local_rows", "remote_rows", "remote_requests", "remote_bytes", "retries",
               "placement_refreshes", "cache_hits", "cache_misses", "pages_read", "bytes_read")
 
-    def __init__(self) -> None:
+    #: Lookups :meth:`add_remote` keeps aside at most, before it adds them up.
+    FOLD_EVERY = 1024
+
+    def __init__(self, row_bytes: int = 0) -> None:
         self._lock = threading.Lock()
         self._values = dict.fromkeys(self.FIELDS, 0)
+        self._row_bytes = row_bytes
+        self._remote: list[int] = []  # the rows of each add_remote not added up yet
 
     def add(self, **deltas: int) -> None:
         with self._lock:
             for name, delta in deltas.items():
                 self._values[name] += delta
 
+    def add_remote(self, rows: int) -> None:
+        """One lookup whose ``rows`` rows all came in one request. A model step's lookups pass here, every cache
+        cold by then, where the lock and five sums of :meth:`add` cost several microseconds: this appends (one
+        atomic list operation) and the sums are made when the counters are read, or every FOLD_EVERY lookups."""
+        remote = self._remote
+        remote.append(rows)
+        if len(remote) >= self.FOLD_EVERY:
+            with self._lock:
+                self._fold()
+
+    def _fold(self) -> None:
+        """Add up what add_remote kept aside (under the lock; appends may go on meanwhile, at the end)."""
+        remote = self._remote
+        n = len(remote)
+        if not n:
+            return
+        rows = sum(remote[:n])
+        del remote[:n]
+        values = self._values
+        values["lookups"] += n
+        values["rows"] += rows
+        values["remote_requests"] += n
+        values["remote_rows"] += rows
+        values["remote_bytes"] += rows * self._row_bytes
+
     def snapshot(self) -> dict[str, int]:
         with self._lock:
+            self._fold()
             return dict(self._values)
 
     def reset(self) -> None:
         with self._lock:
+            self._fold()
             self._values = dict.fromkeys(self.FIELDS, 0)
 
 
@@ -118,7 +150,7 @@ class Layer:
         self.keys = [f"engram:l{self.layer_id}:h{h}" for h in self.heads]
         self.layer_keys = [f"engram:l{self.layer_id}:h{h}" for h in range(len(sizes))]
         self.manifest_key = f"engram:l{self.layer_id}:manifest"
-        self.counters = LookupCounters()
+        self.counters = LookupCounters(self.row_bytes)
         self.lock = threading.Lock()
         self.state: Any = None
 

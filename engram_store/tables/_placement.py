@@ -71,6 +71,7 @@ class PlacementState:
         self.validated: tuple = ()       # the signature whose manifest was checked
         self.refreshing = False          # a background check is running
         self.cache = cache
+        self.lean: Any = None            # how a lookup reads the layer in one native call (the source's _Lean)
 
 
 class Placements:
@@ -85,12 +86,13 @@ class Placements:
         self._trouble_at = 0.0
         self._warned_at = -MASTER_WARN_INTERVAL_S
         self._closed = False
+        self.ttl_s = PLACEMENT_TTL_S  # (limits()[0], as an attribute: the express lookup reads it)
 
     def limits(self) -> tuple[float, float]:
         """``(ttl, stale)``: a placement younger than ttl is used as it is, up to stale while it is checked in the
         background. Reads never depend on them for their correctness (segments check what they serve, and tables
         mapped here are checked past :meth:`local_safe_s`): they say how soon a layer written again is seen."""
-        return PLACEMENT_TTL_S, PLACEMENT_STALE_S
+        return self.ttl_s, PLACEMENT_STALE_S
 
     def local_safe_s(self) -> float:
         """How long the master's answer alone proves what a mapping holds: half its reuse delay (a removed table's

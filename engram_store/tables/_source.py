@@ -97,6 +97,12 @@ class Source:
         """Fill each job's output with its rows and count the lookup (jobs of sources sharing this batch key)."""
         raise NotImplementedError
 
+    def express(self, lay: Layer, row_ids: Any, out: Any) -> Any:
+        """A lookup of one layer by the shortest path there is, or None where it takes the general one (the ids'
+        or ``out``'s type or shape, or the source's state): then :meth:`read` reads it, with every check and error.
+        ``out``: the caller's buffer, else None (a new array is returned)."""
+        return None
+
     def inline(self, lay: Layer, rows: int) -> bool:
         """Whether a read of ``rows`` rows is cheaper in the caller's thread than handed to a background one."""
         return False

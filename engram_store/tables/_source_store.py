@@ -24,6 +24,9 @@ from ._source import Job
 from ._source_memory import PREFETCH_INLINE_ROWS
 
 
+_INT64 = np.dtype(np.int64)
+
+
 class StoreSource(KeyedSource):
     """Layers in a :class:`~engram_store.DistributedStore` (or the one a Mooncake-compatible wrapper holds)."""
 
@@ -33,15 +36,13 @@ class StoreSource(KeyedSource):
         self.batch_key = native  # EngramStores on one store read together: one request per server for all
         self.row_cache_bytes = int(row_cache_bytes)
         self.placements = Placements(native, self.check_published, self._clear_cache)
-        self._lean: dict[int, _Lean] = {}  # id(layer) -> how a lookup reads it in one native call (see _Lean)
 
     def attach(self, lay: Layer) -> None:
         lay.state = PlacementState(_RowCache(self.row_cache_bytes, lay.row_bytes) if self.row_cache_bytes else None)
 
     def detach(self, lay: Layer) -> None:
         """Forget the layer's placement and cached rows (a closed EngramStore's next read resolves them again)."""
-        self._lean.pop(id(lay), None)
-        self.attach(lay)
+        self.attach(lay)  # (a new state: no placement, no _Lean)
 
     def _clear_cache(self, lay: Layer) -> None:
         if lay.state.cache is not None:
@@ -113,6 +114,43 @@ class StoreSource(KeyedSource):
                     job.layer.check_range(job.unchecked)
             read_native(self.native, jobs)
 
+    def express(self, lay: Layer, row_ids: Any, out: Any) -> Any:
+        """A lookup whose layer reads in one native call (see _Lean), placement fresh, ids a C-contiguous int64
+        ``[B, L, H]`` array (and ``out`` a matching writable array): the read, straight from the call. At a model
+        step's cadence every cache is cold and each Python call on the way costs microseconds: this is the
+        lean path of :meth:`_read_one` with nothing else on the way. An id out of range sends nothing (the kernel
+        checks them) and the general path names it."""
+        # Each test below is one the general path makes too, in the order that costs least when cold (a
+        # non-contiguous ``ids`` is copied by its reshape; the kernel checks the ids' range).
+        state = lay.state
+        lean = state.lean
+        if lean is None or state.placement is not lean.placement or type(row_ids) is not np.ndarray \
+                or row_ids.dtype is not _INT64 or time.monotonic() - lean.placement.checked_at >= self.placements.ttl_s:
+            return None
+        shape = row_ids.shape
+        if len(shape) != 3 or shape[2] != lay.num_heads or not 0 < row_ids.size <= lean.max_ids:
+            return None
+        if out is None:
+            rows = np.empty(shape + (lay.dim,), dtype=lay.dtype)
+        elif type(out) is np.ndarray and out.dtype is lay.dtype and out.shape == shape + (lay.dim,) \
+                and out.flags.c_contiguous and out.flags.writeable:
+            rows = out
+        else:
+            return None
+        flat = rows.reshape(-1).view(np.uint8)
+        ids2 = row_ids.reshape(-1, shape[2])
+        native = self.native
+        try:
+            if not native.read_direct(lean.endpoint or native.pick_endpoint(lean.endpoints), lean.plan, ids2,
+                                      lay.row_bytes, flat):
+                return None
+        except SegmentUnavailable:
+            lay.check_range(row_ids)
+            self._read_without(lean.address, lay, ids2, flat)
+            return rows
+        lay.counters.add_remote(ids2.size)
+        return rows
+
     def inline(self, lay: Layer, rows: int) -> bool:
         placement = lay.state.placement
         return (placement is not None and not placement.remote and rows <= PREFETCH_INLINE_ROWS
@@ -132,7 +170,7 @@ class StoreSource(KeyedSource):
         """
         placement = lay.state.placement
         age = time.monotonic() - placement.checked_at if placement is not None else math.inf
-        lean = self._lean.get(id(lay))
+        lean = lay.state.lean
         if lean is not None and lean.placement is placement and ids2.size <= READ_ROUND_ROWS \
                 and flat.size <= READ_ROUND_BYTES:
             # Every head on one server, read this way before: the request built, sent and the rows received into
@@ -144,8 +182,7 @@ class StoreSource(KeyedSource):
             try:
                 if age < stale and native.read_direct(lean.endpoint or native.pick_endpoint(lean.endpoints),
                                                       lean.plan, ids2, lay.row_bytes, flat):
-                    lay.counters.add(lookups=1, rows=ids2.size, remote_requests=1, remote_rows=ids2.size,
-                                     remote_bytes=flat.size)
+                    lay.counters.add_remote(ids2.size)
                     if age >= ttl:
                         self.placements.get(lay, set())  # starts the check (the placement itself is unchanged)
                     return
@@ -221,11 +258,12 @@ class StoreSource(KeyedSource):
     def _lean_of(self, lay: Layer, placement: Placement) -> "_Lean":
         """What a lookup of the layer needs to read it in one native call while ``placement`` holds (every remote
         head on one server, none mapped here, no row cache), made once per placement."""
-        lean = self._lean.get(id(lay))
+        lean = lay.state.lean
         if lean is None or lean.placement is not placement:
             address, endpoints, _, _ = placement.remote[0]
-            lean = self._lean[id(lay)] = _Lean(placement, address, endpoints, _kernels.direct_read_plan(
-                placement.order, placement.bases, placement.checks[0], lay.sizes_arr))
+            lean = lay.state.lean = _Lean(placement, address, endpoints, _kernels.direct_read_plan(
+                placement.order, placement.bases, placement.checks[0], lay.sizes_arr),
+                min(READ_ROUND_ROWS, READ_ROUND_BYTES // lay.row_bytes))
         return lean
 
     def read_cached(self, lay: Layer, placement: Placement, ids2: np.ndarray, flat: np.ndarray,
@@ -289,14 +327,15 @@ class _Lean:
     read (a model step's lookups come tens of milliseconds apart, every cache cold: each check skipped saves a
     few microseconds there); any failure takes the general path."""
 
-    __slots__ = ("placement", "address", "endpoints", "endpoint", "plan")
+    __slots__ = ("placement", "address", "endpoints", "endpoint", "plan", "max_ids")
 
-    def __init__(self, placement: Placement, address: str, endpoints: tuple, plan: np.ndarray):
+    def __init__(self, placement: Placement, address: str, endpoints: tuple, plan: np.ndarray, max_ids: int):
         self.placement = placement
         self.address = address
         self.endpoints = endpoints
         self.endpoint = endpoints[0] if len(endpoints) == 1 else None  # several: each thread picks its own
         self.plan = plan
+        self.max_ids = max_ids  # the most ids a lookup may have to be read in one round (READ_ROUND_*)
 
 
 class _RowCache:

@@ -264,6 +264,10 @@ class EngramStore:
 
     def lookup(self, row_ids: Any, *, layer: int | None = None) -> np.ndarray:
         """Rows for ``[B, L, H]`` ids as ``[B, L, H, D]`` in the stored format (float32 by default)."""
+        if layer is None and self._only is not None:
+            rows = self._source.express(self._only, row_ids, None)
+            if rows is not None:
+                return rows
         job, result = self._job(row_ids, None, layer, read_checks=True)
         self._source.read([job])  # one job: nothing to group
         return result
@@ -274,6 +278,8 @@ class EngramStore:
         ``out`` may be a NumPy array, a CPU tensor that speaks DLPack, or anything NumPy views without copying
         (see :meth:`Layer.check_out`); nothing else is allocated for it. Returns ``out``.
         """
+        if layer is None and self._only is not None and self._source.express(self._only, row_ids, out) is not None:
+            return out
         job, result = self._job(row_ids, out, layer, read_checks=True)
         self._source.read([job])  # one job: nothing to group
         return result
