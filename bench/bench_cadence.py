@@ -1,6 +1,6 @@
 """Remote lookups at the cadence serving uses, beside a bare blocking TCP echo of the same bytes in the same run.
 
-    python bench/bench_cadence.py [--quick] [--sections single,clients] [--spacings 0,1,5,30]
+    python bench/bench_cadence.py [--quick] [--sections single,clients,cold] [--spacings 0,1,5,30]
                                   [--busy none,py,np,py+np] [--shapes b1,b64,prefill] [--clients 4]
                                   [--passes N] [--json PATH]
 
@@ -22,6 +22,10 @@ Sections:
   ``--passes`` passes, so a burst of noise on a shared machine lands on both paths and spreads over all cells.
 - clients: ``--clients`` client processes (4) at 30 ms spacing against the same segment, each alternating the two
   paths as above; p50 and p99 over every call of every process.
+- cold: where a spaced lookup's time goes, with the CPU caches flushed before every call (a pass over 64 MiB) as a
+  model step's work flushes them: the lookup, the bare native read it makes (``DistributedStore.read_direct`` of
+  the same rows into a ready buffer: the round trip and nothing else) and the echo, taking turns; the Python around
+  the read is the difference.
 
 Spacings: 0 (back to back), 1, 5 and 30 ms (a decode step): the next call starts that long after the last one
 started (calls that take longer start at once). Shapes: B=1 and B=64 of Mooncake's scenario (8 heads x 50,000
@@ -68,6 +72,9 @@ QUICK_DIVISOR = 6
 ID_POOL = 16
 P50_TARGET, P99_TARGET = 1.5, 2.0
 CLIENTS_SPACING_MS = 30.0
+#: The cold section: calls per path, and the bytes passed over before each call to flush the caches.
+COLD_CALLS = 600
+COLD_SCRATCH_BYTES = 64 << 20
 
 
 # ---- busy "model" threads -----------------------------------------------------------------------------------------
@@ -220,6 +227,47 @@ def _single(master: str, echo: str, tables: dict, args) -> list[dict]:
     return results
 
 
+def _cold(master: str, echo: str, args) -> list[dict]:
+    """B=1 and B=64 lookups, their bare native reads and the echo, caches flushed before each call."""
+    configs = _configs()
+    scratch = np.zeros(COLD_SCRATCH_BYTES // 4, dtype=np.int32)
+    n = COLD_CALLS // (QUICK_DIVISOR if args.quick else 1)
+    out = []
+    with DistributedStore.connect(master, timeout_ms=TIMEOUT_MS, local_direct=False) as store, \
+            TcpEchoClient(echo) as tcp:
+        for shape in ("b1", "b64"):
+            layer_id, batch, length = SHAPES[shape]
+            layer = EngramStore(layer_id, configs[layer_id], store)
+            calls = Calls(layer, configs[layer_id], batch, length, tcp, seed=batch * 11 + length)
+            for i in range(20):
+                calls.remote(i)
+            lay = layer._layer(None)
+            lean = lay.state.lean  # how the lookup reads the layer in one native call
+            if lean is None:
+                raise RuntimeError("the layer is not read in one native call here (one segment, local_direct=False)")
+            ids2 = [ids.reshape(-1, lay.num_heads) for ids in calls.ids]
+            flat = np.empty(ids2[0].size * lay.row_bytes, dtype=np.uint8)
+
+            def native(i: int) -> None:
+                if not store.read_direct(lean.endpoint or store.pick_endpoint(lean.endpoints), lean.plan,
+                                         ids2[i % ID_POOL], lay.row_bytes, flat):
+                    raise RuntimeError("the bare native read did not go out")
+
+            paths = [("lookup", calls.remote), ("native", native), ("tcp", calls.echo)]
+            samples: dict[str, list[float]] = {name: [] for name, _ in paths}
+            for k in range(n):
+                for name, call in paths[k % 3:] + paths[:k % 3]:
+                    scratch += 1  # the caches, as a model step leaves them
+                    t0 = time.perf_counter()
+                    call(k)
+                    samples[name].append(time.perf_counter() - t0)
+            layer.close()
+            stats = {name: Stats.from_ns([int(v * 1e9) for v in values]).as_dict() for name, values in samples.items()}
+            out.append({"shape": shape, "rows": batch * length * MOONCAKE_HEADS, **stats,
+                        "python_us": stats["lookup"]["p50_us"] - stats["native"]["p50_us"]})
+    return out
+
+
 def _clients(master: str, echo: str, args) -> dict:
     """``args.clients`` processes at CLIENTS_SPACING_MS, each alternating the two paths; all calls pooled."""
     n = max(ROUND_CALLS, CALLS[CLIENTS_SPACING_MS] // (QUICK_DIVISOR if args.quick else 1))
@@ -261,14 +309,25 @@ def _worker(master: str, echo: str, start_at: float, n: int, spacing_ms: float, 
 
 # ---- output -----------------------------------------------------------------------------------------------------
 
+def _print_cold(cold: list[dict]) -> None:
+    print_table(["shape", "rows", "lookup p50", "native read p50", "python around it", "tcp p50", "lookup / tcp"],
+                [[c["shape"], str(c["rows"]), fmt(c["lookup"]["p50_us"]), fmt(c["native"]["p50_us"]),
+                  fmt(c["python_us"]), fmt(c["tcp"]["p50_us"]),
+                  fmt(c["lookup"]["p50_us"] / c["tcp"]["p50_us"], 2) + "x"] for c in cold],
+                title="caches flushed before every call (us)")
+
+
 def _print(results: list[dict], clients: dict | None) -> list[str]:
+    if not results and clients is None:
+        return []
     rows = []
     for r in results:
         rows.append([r["busy"], f"{r['spacing_ms']:g}", r["shape"], str(r["rows"]), fmt(r["remote"]["p50_us"]),
                      fmt(r["tcp"]["p50_us"]), fmt(r["ratio_p50"], 2) + "x", fmt(r["remote"]["p99_us"]),
                      fmt(r["tcp"]["p99_us"]), fmt(r["ratio_p99"], 2) + "x", str(r["remote"]["reps"])])
-    print_table(["busy", "spacing ms", "shape", "rows", "remote p50", "tcp p50", "p50 x", "remote p99", "tcp p99",
-                 "p99 x", "calls"], rows, title="remote lookup beside a bare TCP echo of the same bytes (us)")
+    if rows:
+        print_table(["busy", "spacing ms", "shape", "rows", "remote p50", "tcp p50", "p50 x", "remote p99", "tcp p99",
+                     "p99 x", "calls"], rows, title="remote lookup beside a bare TCP echo of the same bytes (us)")
     if clients is not None:
         print_table(["clients", "spacing ms", "shape", "remote p50", "tcp p50", "p50 x", "remote p99", "tcp p99",
                      "p99 x"],
@@ -300,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         return _worker(master, echo, float(start_at), int(n), float(spacing), int(seed))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"1/{QUICK_DIVISOR} of the calls (a ~1.5 min smoke run)")
-    p.add_argument("--sections", default="single,clients", help="single, clients (default: both)")
+    p.add_argument("--sections", default="single,clients,cold", help="single, clients, cold (default: all)")
     p.add_argument("--spacings", default=",".join(f"{s:g}" for s in SPACINGS_MS), help="ms between calls")
     p.add_argument("--busy", default=",".join(BUSY), help=f"busy sets in the client: {', '.join(BUSY)}")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"lookup shapes: {', '.join(SHAPES)}")
@@ -312,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     args.spacings = [float(s) for s in args.spacings.split(",") if s]
     args.busy = [b for b in args.busy.split(",") if b]
     args.shapes = [s for s in args.shapes.split(",") if s]
-    for name, got, known in (("--sections", args.sections, ("single", "clients")), ("--busy", args.busy, BUSY),
+    for name, got, known in (("--sections", args.sections, ("single", "clients", "cold")), ("--busy", args.busy, BUSY),
                              ("--shapes", args.shapes, tuple(SHAPES))):
         bad = [g for g in got if g not in known]
         if bad:
@@ -323,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json = default_json_path("bench_cadence")
 
     configs = _configs()
-    needed = sorted({SHAPES[s][0] for s in args.shapes} | ({1} if "clients" in args.sections else set()))
+    needed = sorted({SHAPES[s][0] for s in args.shapes} | ({1} if {"clients", "cold"} & set(args.sections) else set()))
     record: dict = {"benchmark": "bench_cadence", "quick": args.quick, "round_calls": ROUND_CALLS,
                     "passes": args.passes}
     with ExitStack() as stack:
@@ -341,8 +400,12 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         results = _single(cluster.address, echo.address, tables, args) if "single" in args.sections else []
         clients = _clients(cluster.address, echo.address, args) if "clients" in args.sections else None
+        cold = _cold(cluster.address, echo.address, args) if "cold" in args.sections else None
     record["results"] = results
     record["clients"] = clients
+    record["cold"] = cold
+    if cold:
+        _print_cold(cold)
     record["targets"] = _print(results, clients)
     write_json(args.json, record)
     return 0
