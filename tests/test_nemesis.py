@@ -23,9 +23,14 @@ FOUND = {
     5: "a durable segment's generation table, a sparse file on a file system that filled up, killed the segment "
        "with SIGBUS at its next write",
     345: "a layer whose manifest's segment died (its heads lived) read as never published, not as lost",
+    606: "a populate fenced by another client's forced remove undid its upload by key, after that client had "
+         "populated the layer again: the acknowledged layer was removed (writers now name their put ids)",
+    60022: "a key written again while its first object's segment was away from a master restarted without a "
+           "journal read back that first object once the second was lost with its segment: what a restart "
+           "without a journal may undo (docs/operating.md), which the checker now allows, and nothing more",
 }
 #: Further seeds explored on every run (CI's share of the exploration; each takes 5-15 s).
-EXPLORED = [101, 202, 303, 404, 505, 606]
+EXPLORED = [101, 202, 303, 404, 505]
 
 
 @pytest.mark.parametrize("seed", sorted(FOUND) + EXPLORED)
