@@ -17,7 +17,7 @@ class Faults:
         self.master.close()
         self.master = None
         if not self.plan.journal:
-            self.facts["journalless_restart"] = True
+            self._journalless_restart()
         self.master_down_until = self.now() + self.rng.uniform(0.0, 1.5)
         self.master_stopped_until = 0.0
         self.log("FAULT master killed (SIGKILL)")
@@ -32,10 +32,17 @@ class Faults:
         self.master.close()
         self.master = None
         if not self.plan.journal:
-            self.facts["journalless_restart"] = True
+            self._journalless_restart()
         self.master_down_until = self.now()
         self.master_stopped_until = 0.0
         self.log("FAULT master stopped (SIGTERM)")
+
+    def _journalless_restart(self) -> None:
+        """The master starts again without a journal: every segment is away from it until it registers again (a
+        heartbeat later), and a write or remove it answers meanwhile may be undone when they do (seed 70108: a
+        remove of a layer the new master did not know yet answered 0 removed, and the layer came back)."""
+        self.facts["journalless_restart"] = True
+        self.facts["segment_away"] = True
 
     def fault_master_pause(self) -> None:
         """SIGSTOP the master for up to three heartbeat timeouts."""
