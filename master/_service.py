@@ -358,8 +358,7 @@ class MasterServer:
         """Remove ``keys`` all or nothing (see MasterState.remove_many); the reply names where each removed
         object's replicas were (``removed``: ``{key: [[address, offset], ...]}``)."""
         keys = self._keys(req)
-        generations = self._generations(req, keys) if req.header.get("generations") is not None else None
-        removed = self.state.remove_many(keys, req.bool("force", default=False), generations)
+        removed = self.state.remove_many(keys, req.bool("force", default=False), self._generations(req, keys))
         return {"removed": {key: [[self.state.segments[r.segment_id].address, r.offset] for r in replicas
                                   if r.segment_id in self.state.segments]
                             for key, replicas in removed.items()}}

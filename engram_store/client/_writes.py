@@ -115,7 +115,8 @@ class WritePath:
             self._run_writes(remote, progress, done, writes)
             self._seal_direct(direct, writes)
             sums = checksums.result() if checksums is not None else _checksums(views)
-            self._put_end(keys, sums, [started[k] for k in keys])
+            generations = [started[k] for k in keys]  # (every key started, or the loop above raised)
+            self._put_end(keys, sums, generations)
         except BaseException:
             writes.close_direct(quiet=True)
             self._revoke(started, settled=writes.in_flight == 0)
@@ -123,7 +124,7 @@ class WritePath:
                 checksums.cancel()
             raise
         self._tell_catalogs(keys, views, results, sums, replica_num)
-        return sums, [started[k] for k in keys]
+        return sums, generations
 
     def _plan_writes(self, views: list[np.ndarray], results: list[dict],
                      writes: "_Writes") -> tuple[list["_RemoteWrite"], list["_DirectWrite"]]:

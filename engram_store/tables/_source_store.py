@@ -137,19 +137,8 @@ class StoreSource(KeyedSource):
             rows = out
         else:
             return None
-        flat = rows.reshape(-1).view(np.uint8)
-        ids2 = row_ids.reshape(-1, shape[2])
-        native = self.native
-        try:
-            if not native.read_direct(lean.endpoint or native.pick_endpoint(lean.endpoints), lean.plan, ids2,
-                                      lay.row_bytes, flat):
-                return None
-        except SegmentUnavailable:
-            lay.check_range(row_ids)
-            self._read_without(lean.address, lay, ids2, flat)
-            return rows
-        lay.counters.add_remote(ids2.size)
-        return rows
+        return rows if self._read_lean(lay, lean, row_ids.reshape(-1, shape[2]), rows.reshape(-1).view(np.uint8),
+                                       row_ids) else None
 
     def inline(self, lay: Layer, rows: int) -> bool:
         placement = lay.state.placement
@@ -171,25 +160,15 @@ class StoreSource(KeyedSource):
         placement = lay.state.placement
         age = time.monotonic() - placement.checked_at if placement is not None else math.inf
         lean = lay.state.lean
-        if lean is not None and lean.placement is placement and ids2.size <= READ_ROUND_ROWS \
-                and flat.size <= READ_ROUND_BYTES:
+        if lean is not None and lean.placement is placement and ids2.size <= lean.max_ids:
             # Every head on one server, read this way before: the request built, sent and the rows received into
             # ``flat`` in one native call, the first thing a lookup does (see _Lean). A placement past its TTL is
             # read as the general path reads it (segments check what they serve), and checked with the master
             # after the read, in the background: the check's own work does not land inside a lookup.
             ttl, stale = self.placements.limits()
-            native = self.native
-            try:
-                if age < stale and native.read_direct(lean.endpoint or native.pick_endpoint(lean.endpoints),
-                                                      lean.plan, ids2, lay.row_bytes, flat):
-                    lay.counters.add_remote(ids2.size)
-                    if age >= ttl:
-                        self.placements.get(lay, set())  # starts the check (the placement itself is unchanged)
-                    return
-            except SegmentUnavailable:
-                if unchecked is not None:  # (the channel may have failed before the request was built)
-                    lay.check_range(unchecked)
-                self._read_without(lean.address, lay, ids2, flat)
+            if age < stale and self._read_lean(lay, lean, ids2, flat, unchecked):
+                if age >= ttl:
+                    self.placements.get(lay, set())  # starts the check (the placement itself is unchanged)
                 return
         if unchecked is not None:  # not read in one native call: checked as every read's ids are
             lay.check_range(unchecked)
@@ -247,6 +226,26 @@ class StoreSource(KeyedSource):
                              remote_requests=1, remote_rows=rows, remote_bytes=rows * lay.row_bytes)
         else:
             lay.counters.add(lookups=1, rows=ids2.size, local_rows=ids2.size)
+
+    def _read_lean(self, lay: Layer, lean: "_Lean", ids2: np.ndarray, flat: np.ndarray,
+                   unchecked: np.ndarray | None) -> bool:
+        """Read ``ids2`` into ``flat`` in one native call under ``lean``: True once ``flat`` holds the rows (read so,
+        or, after the segment failed, read the general way from other replicas), False when the channel did not
+        take it (nothing was read: the caller takes the general path). ``unchecked``: the ``[B, L, H]`` ids whose
+        range the native call checks, checked here before a failover reads them (the channel may have failed
+        before the request was built)."""
+        native = self.native
+        try:
+            if not native.read_direct(lean.endpoint or native.pick_endpoint(lean.endpoints), lean.plan, ids2,
+                                      lay.row_bytes, flat):
+                return False
+        except SegmentUnavailable:
+            if unchecked is not None:
+                lay.check_range(unchecked)
+            self._read_without(lean.address, lay, ids2, flat)
+            return True
+        lay.counters.add_remote(ids2.size)
+        return True
 
     def _read_without(self, address: str, lay: Layer, ids2: np.ndarray, flat: np.ndarray) -> None:
         """Read the layer the general way after the segment at ``address`` failed: its placement is resolved again
