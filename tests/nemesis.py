@@ -175,7 +175,7 @@ class History(Faults):
         #: What happened that the contract allows for: a shared-memory segment died (its objects are truly gone);
         #: a master restarted without a journal (it knows only what segments tell it) while some segment was away
         #: (killed, paused, cut off: what it was told of writes and removes it may not know).
-        self.facts = {"shm_segment_died": False, "journalless_restart": False, "segment_away": False}
+        self.facts = {"shm_segment_died": False, "journalless_restart": False}
         self.registered: set[str] = set()  # segment ids the master knows once the faults have healed
         self._next_op = 1
         self._next_worker = 0

@@ -17,7 +17,7 @@ class Faults:
         self.master.close()
         self.master = None
         if not self.plan.journal:
-            self._journalless_restart()
+            self.facts["journalless_restart"] = True
         self.master_down_until = self.now() + self.rng.uniform(0.0, 1.5)
         self.master_stopped_until = 0.0
         self.log("FAULT master killed (SIGKILL)")
@@ -32,17 +32,10 @@ class Faults:
         self.master.close()
         self.master = None
         if not self.plan.journal:
-            self._journalless_restart()
+            self.facts["journalless_restart"] = True
         self.master_down_until = self.now()
         self.master_stopped_until = 0.0
         self.log("FAULT master stopped (SIGTERM)")
-
-    def _journalless_restart(self) -> None:
-        """The master starts again without a journal: every segment is away from it until it registers again (a
-        heartbeat later), and a write or remove it answers meanwhile may be undone when they do (seed 70108: a
-        remove of a layer the new master did not know yet answered 0 removed, and the layer came back)."""
-        self.facts["journalless_restart"] = True
-        self.facts["segment_away"] = True
 
     def fault_master_pause(self) -> None:
         """SIGSTOP the master for up to three heartbeat timeouts."""
@@ -80,7 +73,6 @@ class Faults:
         slot["proc"] = None
         if not slot["file"]:
             self.facts["shm_segment_died"] = True
-        self.facts["segment_away"] = True
         slot["down_until"] = self.now() + self.rng.uniform(0.0, 3.0)
         self.log(f"FAULT segment{i} killed (SIGKILL)" + ("" if slot["file"] else ": its shared memory is gone"))
 
@@ -99,7 +91,6 @@ class Faults:
         slot["proc"] = None
         if not slot["file"]:
             self.facts["shm_segment_died"] = True
-        self.facts["segment_away"] = True
         slot["down_until"] = self.now() + self.rng.uniform(0.0, 2.0)
         self.log(f"FAULT segment{i} stopped (SIGTERM)")
 
@@ -108,7 +99,6 @@ class Faults:
         i = self._segment()
         slot = self.segments[i]
         slot["proc"].signal(signal.SIGSTOP)
-        self.facts["segment_away"] = True
         slot["stopped_until"] = self.now() + self.rng.uniform(0.1, 4.0)
         self.log(f"FAULT segment{i} paused (SIGSTOP) until {slot['stopped_until']:.3f}")
 
@@ -129,7 +119,6 @@ class Faults:
     def fault_partition(self) -> None:
         """Cut two processes (or groups) apart for a while."""
         self.network.partition(self.rng, self.now(), self.log)
-        self.facts["segment_away"] = True  # a client or the master may have been cut off from a segment
 
 
 def _master_alive(h) -> bool:
