@@ -173,8 +173,8 @@ class History(Faults):
         self.master_stopped_until = 0.0
         self.master_down_until = 0.0
         #: What happened that the contract allows for: a shared-memory segment died (its objects are truly gone);
-        #: a master restarted without a journal (it knows only what segments tell it) while some segment was away
-        #: (killed, paused, cut off: what it was told of writes and removes it may not know).
+        #: a master restarted without a journal (it knows only what segments tell it, and every segment is away
+        #: from it until it registers again: what it was told of writes and removes meanwhile it may not know).
         self.facts = {"shm_segment_died": False, "journalless_restart": False}
         self.registered: set[str] = set()  # segment ids the master knows once the faults have healed
         self._next_op = 1
