@@ -23,10 +23,13 @@ SEND_MIN_BYTES_PER_S = 16 << 20
 #: the thread that waits answers each in one native call, with no hand-off.
 LINGER_S = 0.05
 STICKY_S = 5.0
-#: After a reply it answers natively, a serving thread answers the next read that comes within SETTLE_S too,
-#: before it counts them in the metrics: at a model step's cadence that bookkeeping then runs after the client
-#: has taken its reply instead of beside it, and back to back once every 64 reads.
-SETTLE_S = 0.001
+#: After a reply it answers natively, a serving thread waits up to SETTLE_S for the next read (watching the
+#: "thread wanted" pipe too) before it counts its reads in the metrics: at a model step's cadence that bookkeeping
+#: then runs after the client has taken its reply instead of beside it, and back to back once every 64 reads.
+#: It is no shorter than a kernel tick (4 ms at 250 Hz): a wait that ends before the next tick is the CPU's
+#: earliest timer, and arming and cancelling that on every request reprograms the timer twice (two exits in a
+#: virtual machine: 12 us more a read with the cores busy, measured with bench/bench_cadence.py).
+SETTLE_S = 0.05
 #: Connections held at once (at most the open-files limit less FD_RESERVE); past this a new one displaces the
 #: oldest that has not completed a message yet, else it is answered busy and the client reads over ZeroMQ.
 MAX_CONNECTIONS = 4096
