@@ -17,6 +17,7 @@ import numpy as np
 
 from .. import kernels as _kernels
 from .._errors import EngramError, InvalidArgument
+from .._sched import prefer_short_slice
 from ..kernels.raw_io import GONE as GONE_NATIVE
 from ..kernels.raw_io import COUNT, PYTHON, RAW_IO, RECHECK, RING_AT, SEND_TIMEOUT, SERVED, serve_read_unchecked
 from ..kernels.raw_io import QUIET as QUIET_NATIVE
@@ -53,6 +54,7 @@ class Serving:
                              daemon=True).start()
 
     def _serving_thread(self) -> None:
+        prefer_short_slice(limits.SERVING_SLICE_S)
         bufs = Buffers()
         while True:
             with self._lock:
