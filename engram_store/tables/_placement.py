@@ -86,13 +86,13 @@ class Placements:
         self._trouble_at = 0.0
         self._warned_at = -MASTER_WARN_INTERVAL_S
         self._closed = False
-        self.ttl_s = PLACEMENT_TTL_S  # (limits()[0], as an attribute: the express lookup reads it)
+        self.ttl_s, self.stale_s = PLACEMENT_TTL_S, PLACEMENT_STALE_S  # (limits(); the express lookup reads them)
 
     def limits(self) -> tuple[float, float]:
         """``(ttl, stale)``: a placement younger than ttl is used as it is, up to stale while it is checked in the
         background. Reads never depend on them for their correctness (segments check what they serve, and tables
         mapped here are checked past :meth:`local_safe_s`): they say how soon a layer written again is seen."""
-        return self.ttl_s, PLACEMENT_STALE_S
+        return self.ttl_s, self.stale_s
 
     def local_safe_s(self) -> float:
         """How long the master's answer alone proves what a mapping holds: half its reuse delay (a removed table's
@@ -149,10 +149,10 @@ class Placements:
             if age < ttl:
                 return cached
             if age < stale:
-                self._refresh_later(lay)
+                self.refresh_later(lay)
                 return cached
             if self._trouble():
-                self._refresh_later(lay)
+                self.refresh_later(lay)
                 if cached.memory.sources and not cached.local_checked:
                     return self._remote_only(lay, cached, failed)
                 return cached
@@ -294,7 +294,7 @@ class Placements:
                         "gave %.1f s ago, and checking again in the background", lay.layer_id, exc,
                         now - lay.state.known[2])
 
-    def _refresh_later(self, lay: Layer) -> None:
+    def refresh_later(self, lay: Layer) -> None:
         """Check the layer's placement with the master in a background thread (one check per layer at a time)."""
         with self._lock:
             if lay.state.refreshing or self._closed:

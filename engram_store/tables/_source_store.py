@@ -115,8 +115,10 @@ class StoreSource(KeyedSource):
             read_native(self.native, jobs)
 
     def express(self, lay: Layer, row_ids: Any, out: Any) -> Any:
-        """A lookup whose layer reads in one native call (see _Lean), placement fresh, ids a C-contiguous int64
-        ``[B, L, H]`` array (and ``out`` a matching writable array): the read, straight from the call. At a model
+        """A lookup whose layer reads in one native call (see _Lean), its placement younger than the stale limit
+        (past the TTL its check with the master starts in the background after the read, as :meth:`Placements.get`
+        has it), ids a C-contiguous int64 ``[B, L, H]`` array (and ``out`` a matching writable array): the read,
+        straight from the call. At a model
         step's cadence every cache is cold and each Python call on the way costs microseconds: this is the
         lean path of :meth:`_read_one` with nothing else on the way. An id out of range sends nothing (the kernel
         checks them) and the general path names it."""
@@ -125,8 +127,12 @@ class StoreSource(KeyedSource):
         state = lay.state
         lean = state.lean
         if lean is None or state.placement is not lean.placement or type(row_ids) is not np.ndarray \
-                or row_ids.dtype is not _INT64 or time.monotonic() - lean.placement.checked_at >= self.placements.ttl_s:
+                or row_ids.dtype is not _INT64:
             return None
+        placements = self.placements
+        age = time.monotonic() - lean.placement.checked_at
+        if age >= placements.stale_s:
+            return None  # the general path checks it with the master before use
         shape = row_ids.shape
         if len(shape) != 3 or shape[2] != lay.num_heads or not 0 < row_ids.size <= lean.max_ids:
             return None
@@ -137,8 +143,11 @@ class StoreSource(KeyedSource):
             rows = out
         else:
             return None
-        return rows if self._read_lean(lay, lean, row_ids.reshape(-1, shape[2]), rows.reshape(-1).view(np.uint8),
-                                       row_ids) else None
+        if not self._read_lean(lay, lean, row_ids.reshape(-1, shape[2]), rows.reshape(-1).view(np.uint8), row_ids):
+            return None
+        if age >= placements.ttl_s:
+            placements.refresh_later(lay)  # due for its check with the master: in the background, as get() does
+        return rows
 
     def inline(self, lay: Layer, rows: int) -> bool:
         placement = lay.state.placement
