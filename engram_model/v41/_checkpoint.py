@@ -286,9 +286,10 @@ def load_v41_table(path: Any, config: V41Config, layer_id: int, store: Any = Non
     populated as a head shard of the layer; the last publishes the layer's manifest. Under ``disk_dir`` the disk
     writer pulls the rows column by column in chunks and publishes the layer's files at the end. Either way memory
     stays bounded by one column (store) or one chunk (disk). Refuses a layer already (or partly) there. On any
-    failure nothing of the layer stays. ``progress`` shows a bar on stderr (None: where stderr is a terminal and
-    the data is large). Returns the layer's EngramStore (``row_cache_bytes``: its hot-row cache on disk), ready for
-    :class:`V41Engram`.
+    failure nothing this load wrote stays (each column written is taken back with
+    :meth:`EngramStore.undo_populate`: a layer that another process removed with force and loaded meanwhile stays
+    whole). ``progress`` shows a bar on stderr (None: where stderr is a terminal and the data is large). Returns
+    the layer's EngramStore (``row_cache_bytes``: its hot-row cache on disk), ready for :class:`V41Engram`.
     """
     ckpt = _as_checkpoint(path)
     layout = v41_store_config(config, layer_id)
@@ -316,8 +317,8 @@ def load_v41_table(path: Any, config: V41Config, layer_id: int, store: Any = Non
             log.info("layer %d: column %d/%d written (%d rows)", layer_id, c + 1, config.cols, prime)
     except BaseException:
         for shard in written:
-            try:
-                shard.remove_from_store(force=True)
+            try:  # this load's columns only: another process may have removed the layer and loaded it since
+                shard.undo_populate()
             except EngramError as exc:  # keep the original error; say what could not be cleaned up
                 log.error("layer %d: removing a column this load wrote failed: %s", layer_id, exc)
         layer.close()

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._errors import ObjectExists, ObjectLost, StoreError
+from .._errors import InvalidArgument, ObjectExists, ObjectLost, StoreError
 from . import _manifest as manifest
 from ._layout import Layer
 from ._source import Source, progress
@@ -26,6 +26,14 @@ class Upload(NamedTuple):
     algorithm: str
     checksums: list[str]
     generations: list[int] | None = None
+
+
+class Written(NamedTuple):
+    """What a populate wrote: its heads (``upload``) and, if it published the layer, the manifest (with the
+    manifest object's generation where the store names one)."""
+    upload: Upload
+    manifest: bool
+    manifest_generation: int | None = None
 
 
 class KeyedSource(Source):
@@ -46,7 +54,8 @@ class KeyedSource(Source):
         """The manifest's bytes, or None when the layer has none (never taking a lease that would block remove)."""
         raise NotImplementedError
 
-    def put_manifest(self, lay: Layer, data: bytes, replica_num: int) -> None:
+    def put_manifest(self, lay: Layer, data: bytes, replica_num: int) -> int | None:
+        """Put the manifest; the generation of its object, where the store names one."""
         raise NotImplementedError
 
     def put_tables(self, lay: Layer, tables: list[np.ndarray], replica_num: int, bar: Any) -> Upload:
@@ -57,6 +66,13 @@ class KeyedSource(Source):
         """Remove the heads ``upload`` wrote (its manifest was not published). By key where the store names no
         generations: a head another writer put under the same key after a forced remove would go too."""
         self.remove_keys(lay.keys, force=True)
+
+    def undo_written(self, lay: Layer, written: Written) -> int:
+        """Remove the manifest (if ``written`` published it), then the heads ``written`` wrote; heads removed. By
+        key where the store names no generations (as :meth:`undo_upload`)."""
+        if written.manifest:
+            self.remove_keys([lay.manifest_key], force=True)
+        return self.remove_keys(lay.keys, force=True)
 
     def remove_key(self, key: str, force: bool) -> bool:
         """Remove one key; False when it was not there."""
@@ -94,26 +110,43 @@ class KeyedSource(Source):
         finally:
             bar.close()
         try:
-            self.publish(lay, upload.checksums, replica_num, upload.algorithm)
+            published = self.publish(lay, upload.checksums, replica_num, upload.algorithm)
         except BaseException:
             self.undo_upload(lay, upload)  # all-or-nothing: no tables without their manifest
             raise
+        lay.written = Written(upload, *published)
 
-    def publish(self, lay: Layer, checksums: list[str], replica_num: int, algorithm: str = "xxh3_64") -> None:
-        """Write the manifest last, once every head of the layer is in the store (this call's or other shards')."""
+    def publish(self, lay: Layer, checksums: list[str], replica_num: int,
+                algorithm: str = "xxh3_64") -> tuple[bool, int | None]:
+        """Write the manifest last, once every head of the layer is in the store (this call's or other shards').
+        Returns whether this call wrote it, and its object's generation where the store names one."""
         if self.read_manifest(lay, lost_is_absent=True) is not None:
-            return
+            return False, None
         by_head = dict(zip(lay.heads, checksums))
         if lay.sharded:
             if not all(self.exists(lay.layer_keys)):
-                return  # other shards have yet to write their heads; the last one publishes
+                return False, None  # other shards have yet to write their heads; the last one publishes
             if algorithm == "xxh3_64":
                 # The other shards' checksums, as their writers gave them to the store with their tables.
                 by_head = {**self.recorded_checksums(lay), **by_head}
         try:
-            self.put_manifest(lay, manifest.encode(manifest.manifest_record(lay, by_head, algorithm)), replica_num)
+            generation = self.put_manifest(lay, manifest.encode(manifest.manifest_record(lay, by_head, algorithm)),
+                                           replica_num)
         except ObjectExists:
             manifest.check(lay, self.read_manifest(lay))  # a concurrent shard published first
+            return False, None
+        return True, generation
+
+    def undo_populate(self, lay: Layer) -> int:
+        written = lay.written
+        if written is None:
+            raise InvalidArgument(f"undo_populate: layer {lay.layer_id}: this EngramStore has no populate of it to "
+                                  "undo (none succeeded since it was opened or last removed it, or it was undone "
+                                  "already)")
+        self.forget(lay)
+        removed = self.undo_written(lay, written)
+        lay.written = None  # (kept after a failure: undoing again is safe, and finishes the job)
+        return removed
 
     def read_manifest(self, lay: Layer, lost_is_absent: bool = False) -> dict | None:
         """The layer's manifest, or None if it has none (not populated, or a populate still running). A manifest
@@ -139,6 +172,7 @@ class KeyedSource(Source):
     def remove(self, lay: Layer, force: bool) -> int:
         """The manifest goes first, so readers see the layer as unpublished, never half removed."""
         self.forget(lay)
+        lay.written = None  # nothing of an earlier populate is left for undo_populate to take back
         return self.remove_layer(lay, force)
 
     def remove_layer(self, lay: Layer, force: bool) -> int:

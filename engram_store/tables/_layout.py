@@ -153,6 +153,7 @@ class Layer:
         self.counters = LookupCounters(self.row_bytes)
         self.lock = threading.Lock()
         self.state: Any = None
+        self.written: Any = None  # what this store's last populate of the layer wrote (its source's record)
 
     @property
     def sharded(self) -> bool:

@@ -89,6 +89,13 @@ class Source:
         """Remove this store's heads of the layer; how many were removed."""
         raise self.unsupported(lay, "remove_from_store")
 
+    def undo_populate(self, lay: Layer) -> int:
+        """Remove what this store's last populate of the layer wrote, and nothing written since; heads removed."""
+        raise InvalidArgument(f"undo_populate: layer {lay.layer_id} of this EngramStore is not kept in a store: "
+                              "undo_populate takes back heads populated into a DistributedStore or a Mooncake store "
+                              "(tables under local_dir or disk_dir are published whole; remove_from_store removes "
+                              "them)")
+
     def verify(self, lay: Layer) -> list[int]:
         """Check this store's heads of the layer against their recorded checksums; the heads checked."""
         raise self.unsupported(lay, "verify")

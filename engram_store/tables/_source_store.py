@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import kernels as _kernels
 from .._errors import ObjectNotFound, SegmentUnavailable, StalePlacement, StoreError
-from ._keyed import KeyedSource, Upload
+from ._keyed import KeyedSource, Upload, Written
 from ._layout import Layer
 from ._placement import Placement, Placements, PlacementState
 from ._plan import READ_ROUND_BYTES, READ_ROUND_ROWS, STALE, fits_one_round, read_native, reads_direct, tally
@@ -59,8 +59,8 @@ class StoreSource(KeyedSource):
         except ObjectNotFound:
             return None
 
-    def put_manifest(self, lay: Layer, data: bytes, replica_num: int) -> None:
-        self.native.put(lay.manifest_key, data, replica_num=replica_num)
+    def put_manifest(self, lay: Layer, data: bytes, replica_num: int) -> int:
+        return self.native.put_generations([lay.manifest_key], [data], replica_num=replica_num)[1][0]
 
     def put_tables(self, lay: Layer, tables: list[np.ndarray], replica_num: int, bar: Any) -> Upload:
         # The store computes each table's xxh3_64 while it uploads (and the master keeps them).
@@ -71,6 +71,15 @@ class StoreSource(KeyedSource):
         """Remove the heads this upload's puts wrote, in one request: a head another writer put under the same key
         since (after a forced remove of this populate's layer) is not this populate's to remove."""
         self.native.remove_many(lay.keys, force=True, generations=upload.generations)
+
+    def undo_written(self, lay: Layer, written: Written) -> int:
+        """The manifest (if this populate published it) and the heads in one request, each only if still the
+        object this populate's put wrote."""
+        keys, generations = list(lay.keys), list(written.upload.generations)
+        if written.manifest:
+            keys, generations = [lay.manifest_key] + keys, [written.manifest_generation] + generations
+        removed = self.native.remove_many(keys, force=True, generations=generations)
+        return sum(1 for key in removed if key != lay.manifest_key)
 
     def remove_key(self, key: str, force: bool) -> bool:
         try:

@@ -184,6 +184,18 @@ class EngramStore:
         """
         return self._source.remove(self._layer(layer), force)
 
+    def undo_populate(self, *, layer: int | None = None) -> int:
+        """Remove what this EngramStore's last :meth:`populate` of the layer that succeeded wrote (a refused one
+        wrote nothing; one since removed by :meth:`remove_from_store` leaves nothing to undo): its heads and, if
+        that populate published the layer, the manifest (first). Returns how many heads were removed.
+
+        For a loader that writes a layer shard by shard and must take back the shards it wrote when a later one
+        fails. Unlike ``remove_from_store(force=True)``, an object another writer put under the same key since (after
+        a forced remove of this layer) is not removed: each key goes only while it holds the object this populate's
+        put wrote (in a Mooncake store, which names no puts, by key). Raises InvalidArgument when this EngramStore
+        has no populate of the layer to undo."""
+        return self._source.undo_populate(self._layer(layer))
+
     def stats(self, reset: bool = False, *, layer: int | None = None) -> dict[str, Any]:
         """Lookup counters (see :class:`LookupCounters`) of the layer, or summed over all layers of a multi-layer
         store when none is named; ``reset=True`` zeroes them after reading.

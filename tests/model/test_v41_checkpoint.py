@@ -139,6 +139,40 @@ def test_a_failing_column_removes_the_columns_written(tmp_path, embedded):
     layer.close()
 
 
+@pytest.mark.timeout(120)
+def test_a_failed_load_takes_back_its_own_columns_and_never_another_loads(tmp_path, embedded, monkeypatch):
+    """Load A has written columns 0 and 1 of layer 3 when another process removes the layer with force and loads
+    it whole. A's column 2 is then refused, and taking A back must leave the other load's layer whole: A removes
+    the objects its own puts wrote, not whatever is under its keys by then."""
+    from engram_model.v41 import _checkpoint as checkpoint
+
+    raw = write_checkpoint(tmp_path, np.random.default_rng(3))
+    pack = checkpoint._pack_column
+    raced = []
+
+    def pack_after_another_load(weight, scale, offset, out, layer_id, c, *rest):
+        if c == 2 and not raced:
+            raced.append(c)
+            EngramStore(3, v41_store_config(CFG, 3), embedded).remove_from_store(force=True)
+            load_v41_table(tmp_path, CFG, 3, embedded).close()
+        return pack(weight, scale, offset, out, layer_id, c, *rest)
+
+    monkeypatch.setattr(checkpoint, "_pack_column", pack_after_another_load)
+    with pytest.raises(ObjectExists, match="engram:l3:h2"):
+        load_v41_table(tmp_path, CFG, 3, embedded)
+    assert raced == [2]
+    table = EngramStore(3, v41_store_config(CFG, 3), embedded)
+    assert embedded.batch_is_exist(table.get_store_keys() + ["engram:l3:manifest"]) == [True] * (CFG.cols + 1)
+    packed = np.concatenate([raw["layers.3.engram.embed.weight"], raw["layers.3.engram.embed.scale"]], axis=1)
+    for c, (offset, prime) in enumerate(zip(CFG.offsets(3).tolist(), v41_store_config(CFG, 3).table_vocab_sizes)):
+        ids = np.zeros((prime, 1, CFG.cols), dtype=np.int64)
+        ids[:, 0, c] = np.arange(prime)
+        np.testing.assert_array_equal(table.lookup(ids)[:, 0, c], packed[offset:offset + prime])
+    assert table.verify() == list(range(CFG.cols))
+    table.remove_from_store()
+    table.close()
+
+
 def write_checkpoint_from(directory, raw):
     """Rewrite the sharded checkpoint with (modified) raw arrays, same dtypes and shards as write_checkpoint."""
     index = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
