@@ -4,7 +4,8 @@ interleaved with faults, checked against the store's contract.
 In the spirit of Jepsen and of FoundationDB's simulation tests: examples pin the cases someone thought of, this
 finds the ones nobody did. One seed fixes the cluster (journal or not, durable or shared-memory segments, replica
 count) and the schedule of operations (populate, lookup, prefetch, remove, verify of store, ``local_dir`` and
-``disk_dir`` layers; put, get and remove of objects; clients closing mid-call) and faults (SIGKILL, SIGSTOP and
+``disk_dir`` layers; undo of a client's own populate of a store layer; put, get and remove of objects; clients
+closing mid-call) and faults (SIGKILL, SIGSTOP and
 restarts of the master, with and without its journal, and of segments; clients killed mid-populate and mid-remove;
 network partitions between processes, where the machine lets this run make network namespaces). Processes are
 real (``engram-master``, ``engram-segment``, client processes running ``tests/nemesis_worker.py``); timings are
@@ -146,9 +147,12 @@ class Plan:
 class History(Faults):
     """Runs one seed: the cluster, the clients, the schedule of operations and faults, and the record of it."""
 
-    def __init__(self, seed: int, verbose: bool = False, partitions: bool | None = None):
+    def __init__(self, seed: int, verbose: bool = False, partitions: bool | None = None, undo: bool = True):
         self.seed = seed
         self.rng = random.Random(seed)
+        # Undos come from a stream of their own, so that without them (undo=False: how the seeds that found
+        # something before undo_populate existed replay their histories) the schedule is what it was.
+        self.undo_rng = random.Random(f"undo {seed}") if undo else None
         self.verbose = verbose
         self.network = self.fs = None
         self.dir = ""
@@ -337,8 +341,11 @@ class History(Faults):
             return {"op": "lookup", "kind": kind, "layer": layer, "seed": rng.randrange(1 << 30),
                     "prefetch": rng.random() < 0.4}
         if r < 0.67:
+            force = rng.random() < 0.5
+            if kind == "store" and self.undo_rng is not None and self.undo_rng.random() < 0.3:
+                return {"op": "undo", "kind": kind, "layer": layer}  # a loader taking back what it wrote
             return {"op": "remove", "kind": "store" if kind == "local" else kind, "layer": layer,
-                    "force": rng.random() < 0.5}  # local_dir layers are files: a deployment removes them
+                    "force": force}  # local_dir layers are files: a deployment removes them
         if r < 0.72:
             return {"op": "verify", "kind": kind, "layer": layer}
         if r < 0.75:
@@ -491,8 +498,8 @@ class History(Faults):
         final_check(self)
 
 
-def run_seed(seed: int, verbose: bool = False, partitions: bool | None = None) -> History:
-    history = History(seed, verbose=verbose, partitions=partitions)
+def run_seed(seed: int, verbose: bool = False, partitions: bool | None = None, undo: bool = True) -> History:
+    history = History(seed, verbose=verbose, partitions=partitions, undo=undo)
     history.run()
     return history
 
@@ -515,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=_seed_range, metavar="A-B", help="explore these seeds")
     p.add_argument("--minutes", type=float, default=None, help="stop exploring after this long (default: all)")
     p.add_argument("--no-partitions", action="store_true", help="never partition the network")
+    p.add_argument("--no-undo", action="store_true",
+                   help="no undo_populate in the schedule (how seeds found before it existed replay)")
     p.add_argument("--record", metavar="DIR", default=os.path.join(tempfile.gettempdir(), "engram-nemesis"),
                    help="where a history that broke the contract is written in full, as seed-S.log (a replay "
                         "repeats the schedule, not the timing; default: %(default)s)")
@@ -525,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     if args.seed is not None:
-        history = run_seed(args.seed, verbose=True, partitions=partitions)
+        history = run_seed(args.seed, verbose=True, partitions=partitions, undo=not args.no_undo)
         print(f"seed {args.seed}: " + ("held" if not history.violations else
                                        f"{len(history.violations)} violation(s)"))
         for v in history.violations:
@@ -539,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         if time.monotonic() > deadline:
             break
         try:
-            history = run_seed(seed, partitions=partitions)
+            history = run_seed(seed, partitions=partitions, undo=not args.no_undo)
         except KeyboardInterrupt:
             print(f"stopped during seed {seed} (not counted)", flush=True)
             break

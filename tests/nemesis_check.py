@@ -9,7 +9,8 @@ of unknown outcome (the client was killed, or the master or a segment did not an
 - After the faults heal, an object whose latest acknowledged write is a populate, with no other write invoked
   after it, is readable with that write's rows, or reported lost by name where its bytes are truly gone (a
   shared-memory segment that held it died). An object whose latest acknowledged write is a remove, with no
-  populate invoked after it, is absent.
+  populate invoked after it, is absent. An undo (``undo_populate``) of populate g removes the layer if it held g
+  and changes nothing if it held another populate's rows.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def _target(cmd: dict):
 
 
 def _writes(history, target) -> list:
-    return [op for op in history.ops if op.cmd["op"] in ("populate", "put", "remove", "remove_key")
+    return [op for op in history.ops if op.cmd["op"] in ("populate", "put", "remove", "remove_key", "undo")
             and _target(op.cmd) == target]
 
 
@@ -58,7 +59,10 @@ def check_read(history, op) -> list[str]:
 
 def expected_final(history, target) -> tuple[str, int | None]:
     """``("present", gen)``, ``("absent", None)`` or ``("any", None)`` for an object after the history."""
-    writes = _writes(history, target)
+    return _final(_writes(history, target))
+
+
+def _final(writes: list) -> tuple[str, int | None]:
     acked = [w for w in writes if w.outcome == "ok"]
     if not acked:
         if any(w.outcome == "unknown" and w.cmd["op"] in ("populate", "put") for w in writes):
@@ -74,6 +78,13 @@ def expected_final(history, target) -> tuple[str, int | None]:
         return "any", None
     if last.cmd["op"] in ("populate", "put"):
         return "present", last.cmd["gen"]
+    if last.cmd["op"] == "undo":
+        # Every other write that may have taken effect ended before it began: it acted on what they left.
+        before = _final([w for w in writes if w is not last])
+        undid = last.reply.get("undid")
+        if before[0] == "present" and (undid is None or before[1] != undid):
+            return before  # another populate's rows: not the undo's to remove
+        return ("absent", None) if before[0] != "any" else before
     return "absent", None
 
 

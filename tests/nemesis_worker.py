@@ -65,6 +65,8 @@ class Worker:
         self.local_direct, self.timeout_ms = local_direct, timeout_ms
         self.store: DistributedStore | None = None
         self.layers: dict[tuple[str, int], EngramStore] = {}
+        self.populated: dict[tuple[str, int], int] = {}  # the populate each open layer's undo would take back:
+        # its last one that succeeded (a refused populate wrote nothing), until a remove
 
     def _store(self) -> DistributedStore:
         if self.store is None:
@@ -85,6 +87,7 @@ class Worker:
         return es
 
     def _drop(self, kind: str, layer: int) -> None:
+        self.populated.pop((kind, layer), None)
         es = self.layers.pop((kind, layer), None)
         if es is not None:
             es.close()
@@ -94,7 +97,13 @@ class Worker:
         if op == "populate":
             self._layer(cmd["kind"], cmd["layer"]).populate(tables(cmd["layer"], cmd["gen"]),
                                                             replica_num=cmd.get("replicas", 1))
+            self.populated[(cmd["kind"], cmd["layer"])] = cmd["gen"]
             return {}
+        if op == "undo":
+            gen = self.populated.get((cmd["kind"], cmd["layer"]))
+            removed = self._layer(cmd["kind"], cmd["layer"]).undo_populate()
+            self.populated.pop((cmd["kind"], cmd["layer"]), None)
+            return {"removed": removed, "undid": gen}
         if op == "lookup":
             es = self._layer(cmd["kind"], cmd["layer"])
             rng = np.random.default_rng(cmd["seed"])

@@ -31,14 +31,21 @@ FOUND = {
     70108: "a remove answered by a master restarted without a journal before the segments registered again "
            "removed nothing, and the layer came back with them: every segment is away from such a master until "
            "it registers, which the checker now counts",
+    100017: "undo_populate after a populate refused with ObjectExists took back the layer's last populate that "
+            "succeeded, while the explorer's client had forgotten it at the refused one: a refused populate now "
+            "leaves what undo would take back as it was, in the client and in the model alike",
 }
+#: Seeds found before undo_populate was in the schedule: they replay the schedule they were found with
+#: (``--no-undo``).
+BEFORE_UNDO = {2, 5, 345, 606, 60022, 70108}
 #: Further seeds explored on every run (CI's share of the exploration; each takes 5-15 s).
 EXPLORED = [101, 202, 303, 404, 505]
 
 
 @pytest.mark.parametrize("seed", sorted(FOUND) + EXPLORED)
 def test_history_holds_to_the_contract(seed):
-    history = run_seed(seed)
+    history = run_seed(seed, undo=seed not in BEFORE_UNDO)
+    replay = f"--seed {seed}" + (" --no-undo" if seed in BEFORE_UNDO else "")
     assert not history.violations, (f"seed {seed} broke the contract (replay it with `python tests/nemesis.py "
-                                    f"--seed {seed}`):\n" + "\n".join(history.violations) + "\n\nhistory:\n"
+                                    f"{replay}`):\n" + "\n".join(history.violations) + "\n\nhistory:\n"
                                     + "\n".join(op.describe() for op in history.ops[-60:]))
