@@ -172,8 +172,9 @@ class KeyedSource(Source):
     def remove(self, lay: Layer, force: bool) -> int:
         """The manifest goes first, so readers see the layer as unpublished, never half removed."""
         self.forget(lay)
+        removed = self.remove_layer(lay, force)
         lay.written = None  # nothing of an earlier populate is left for undo_populate to take back
-        return self.remove_layer(lay, force)
+        return removed
 
     def remove_layer(self, lay: Layer, force: bool) -> int:
         """Remove the manifest, then the heads; returns how many heads were removed. A store that removes several
