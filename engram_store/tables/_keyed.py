@@ -62,14 +62,10 @@ class KeyedSource(Source):
         """Upload this store's heads; all or nothing."""
         raise NotImplementedError
 
-    def undo_upload(self, lay: Layer, upload: Upload) -> None:
-        """Remove the heads ``upload`` wrote (its manifest was not published). By key where the store names no
-        generations: a head another writer put under the same key after a forced remove would go too."""
-        self.remove_keys(lay.keys, force=True)
-
     def undo_written(self, lay: Layer, written: Written) -> int:
         """Remove the manifest (if ``written`` published it), then the heads ``written`` wrote; heads removed. By
-        key where the store names no generations (as :meth:`undo_upload`)."""
+        key where the store names no generations: a head another writer put under the same key after a forced
+        remove would go too."""
         if written.manifest:
             self.remove_keys([lay.manifest_key], force=True)
         return self.remove_keys(lay.keys, force=True)
@@ -112,7 +108,7 @@ class KeyedSource(Source):
         try:
             published = self.publish(lay, upload.checksums, replica_num, upload.algorithm)
         except BaseException:
-            self.undo_upload(lay, upload)  # all-or-nothing: no tables without their manifest
+            self.undo_written(lay, Written(upload, manifest=False))  # all-or-nothing: no tables without their manifest
             raise
         lay.written = Written(upload, *published)
 

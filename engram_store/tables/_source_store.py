@@ -67,14 +67,10 @@ class StoreSource(KeyedSource):
         return Upload("xxh3_64", *self.native.put_generations(lay.keys, tables, replica_num=replica_num,
                                                               progress=bar))
 
-    def undo_upload(self, lay: Layer, upload: Upload) -> None:
-        """Remove the heads this upload's puts wrote, in one request: a head another writer put under the same key
-        since (after a forced remove of this populate's layer) is not this populate's to remove."""
-        self.native.remove_many(lay.keys, force=True, generations=upload.generations)
-
     def undo_written(self, lay: Layer, written: Written) -> int:
         """The manifest (if this populate published it) and the heads in one request, each only if still the
-        object this populate's put wrote."""
+        object this populate's put wrote: a head another writer put under the same key since (after a forced
+        remove of this populate's layer) is not this populate's to remove."""
         keys, generations = list(lay.keys), list(written.upload.generations)
         if written.manifest:
             keys, generations = [lay.manifest_key] + keys, [written.manifest_generation] + generations
@@ -127,10 +123,9 @@ class StoreSource(KeyedSource):
         """A lookup whose layer reads in one native call (see _Lean), its placement younger than the stale limit
         (past the TTL its check with the master starts in the background after the read, as :meth:`Placements.get`
         has it), ids a C-contiguous int64 ``[B, L, H]`` array (and ``out`` a matching writable array): the read,
-        straight from the call. At a model
-        step's cadence every cache is cold and each Python call on the way costs microseconds: this is the
-        lean path of :meth:`_read_one` with nothing else on the way. An id out of range sends nothing (the kernel
-        checks them) and the general path names it."""
+        straight from the call. At a model step's cadence every cache is cold and each Python call on the way
+        costs microseconds: this is the lean path of :meth:`_read_one` with nothing else on the way. An id out of
+        range sends nothing (the kernel checks them) and the general path names it."""
         # Each test below is one the general path makes too, in the order that costs least when cold (a
         # non-contiguous ``ids`` is copied by its reshape; the kernel checks the ids' range).
         state = lay.state
@@ -186,7 +181,7 @@ class StoreSource(KeyedSource):
             ttl, stale = self.placements.limits()
             if age < stale and self._read_lean(lay, lean, ids2, flat, unchecked):
                 if age >= ttl:
-                    self.placements.get(lay, set())  # starts the check (the placement itself is unchanged)
+                    self.placements.refresh_later(lay)
                 return
         if unchecked is not None:  # not read in one native call: checked as every read's ids are
             lay.check_range(unchecked)
