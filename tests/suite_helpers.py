@@ -2,6 +2,7 @@
 import json
 import os
 import threading
+import time
 from typing import Callable
 
 import zmq
@@ -63,3 +64,25 @@ def run_threads(work: Callable[[int], None], count: int, timeout_s: float, what:
         t.join(timeout=timeout_s)
         assert not t.is_alive(), f"{what} did not finish within {timeout_s:g} s"
     assert not errors, errors[0]
+
+
+def read_ranges_served(store, timeout_s: float = 10.0) -> int:
+    """read_ranges requests the embedded segment of ``store`` has served so far, once the count has held still for
+    longer than a serving thread may keep reads it answered natively out of the metrics (it counts them when no
+    other read came within ``SETTLE_S`` of the last reply, or after 64)."""
+    from engram_store.segment import _raw_limits as limits
+
+    def count() -> int:
+        return sum(int(float(line.split()[-1])) for line in store.local_segment.server.metrics.render()
+                   if line.startswith('engram_requests_total{op="read_ranges"}'))
+
+    quiet_s = limits.SETTLE_S + 0.1
+    deadline = time.monotonic() + timeout_s
+    last = count()
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = count()
+        if now == last:
+            return now
+        last = now
+    return last

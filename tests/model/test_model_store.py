@@ -1,7 +1,5 @@
 """Engram with its tables in the store: populate, lookup, forward, prefetch, checkpoints, the demo."""
 
-import time
-
 import numpy as np
 import pytest
 
@@ -10,6 +8,7 @@ from engram_model import (BackboneConfig, CompressedTokenizer, Engram, EngramCon
 from engram_model import demo
 from engram_model.demo import quick_start_configs as demo_quick_start_configs
 from engram_store import InvalidArgument, InvalidType, ObjectExists
+from suite_helpers import read_ranges_served
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -229,20 +228,11 @@ def test_prefetch_layers_reads_every_layer_in_one_request_per_segment():
         input_ids = np.random.default_rng(4).integers(0, 128000, size=(2, 16))
         expected = {e.layer_id: e.query_embeddings(input_ids) for e in engrams}  # also resolves placements
 
-        def served():  # once the count holds still: a natively answered read is counted as its reply goes out
-            counts = []
-            while len(counts) < 2 or counts[-1] != counts[-2]:
-                time.sleep(0.05 if counts else 0)
-                lines = store.local_segment.server.metrics.render()
-                counts.append(sum(int(float(line.split()[-1])) for line in lines
-                                  if line.startswith('engram_requests_total{op="read_ranges"}')))
-            return counts[-1]
-
-        before = served()
+        before = read_ranges_served(store)
         handles = prefetch_layers(engrams, input_ids)
         for e in engrams:
             np.testing.assert_array_equal(handles[e.layer_id].result(timeout=30), expected[e.layer_id])
-        assert served() - before == 1  # both layers' tables sit on the one segment: one request for both
+        assert read_ranges_served(store) - before == 1  # both layers' tables sit on the one segment: one request for both
         for e in engrams:
             e.remove_from_store(force=True)
             e.close()

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from suite_helpers import run_threads
+from suite_helpers import read_ranges_served, run_threads
 from engram_store import (
     ConfigError,
     DistributedStore,
@@ -650,26 +650,6 @@ def test_a_layer_lost_with_its_writers_segment_can_be_removed_and_populated_agai
             assert np.array_equal(layer.lookup(ids), expected_rows(tables, ids))
 
 
-def _read_requests(store, quiet_s: float = 0.05, timeout_s: float = 10.0):
-    """read_ranges requests the embedded segment has served so far, once the count has held still for ``quiet_s``
-    (a read the segment answers natively is counted as its reply goes out, a moment after the client has it)."""
-    def count():
-        for line in store.local_segment.server.metrics.render():
-            if line.startswith('engram_requests_total{op="read_ranges"}'):
-                return int(float(line.split()[-1]))
-        return 0
-
-    deadline = time.monotonic() + timeout_s
-    last = count()
-    while time.monotonic() < deadline:
-        time.sleep(quiet_s)
-        now = count()
-        if now == last:
-            return now
-        last = now
-    return last
-
-
 @settings(max_examples=10, deadline=None)
 @given(g=st.lists(st.tuples(st.lists(st.integers(1, 500), min_size=1, max_size=4), st.sampled_from([1, 4, 16]),
                             st.sampled_from(["float32", "float16", "bytes"])), min_size=1, max_size=3),
@@ -689,9 +669,9 @@ def test_layers_read_together_in_one_request_per_server(g, B, L, seed):
             ids = {lid: random_ids(rng, cfg.table_vocab_sizes, B, L) for lid, cfg in configs.items()}
             for lid in configs:  # resolve the placements (each takes a master request, not a segment one)
                 layers.lookup(ids[lid], layer=lid)
-            before = _read_requests(store)
+            before = read_ranges_served(store)
             rows = layers.lookup_layers(ids)
-            assert _read_requests(store) - before == 1
+            assert read_ranges_served(store) - before == 1
             for lid in configs:
                 assert rows[lid].tobytes() == expected_rows(tables[lid], ids[lid]).tobytes()
             out = {lid: np.zeros_like(r) for lid, r in rows.items()}
@@ -701,11 +681,11 @@ def test_layers_read_together_in_one_request_per_server(g, B, L, seed):
             singles = [EngramStore(lid, cfg, store) for lid, cfg in configs.items()]
             for single, lid in zip(singles, configs):
                 single.lookup(ids[lid])  # resolves its placement (reading the manifest is a segment request)
-            before = _read_requests(store)
+            before = read_ranges_served(store)
             handles = prefetch_many([(single, ids[lid]) for single, lid in zip(singles, configs)])
             for handle, lid in zip(handles, configs):
                 assert handle.result(timeout=30).tobytes() == rows[lid].tobytes()
-            assert _read_requests(store) - before == 1
+            assert read_ranges_served(store) - before == 1
             with pytest.raises(InvalidArgument, match="unknown Engram layer 99"):
                 layers.lookup(ids[min(configs)], layer=99)
             if len(configs) > 1:
