@@ -168,8 +168,9 @@ class EngramStore:
 
     def __del__(self) -> None:
         # Mooncake's users release an EngramStore by dropping it, never with close(). On a real Mooncake store
-        # the native EngramStore keeps a staging buffer registered with the store's transfer engine; left
-        # registered, its freed memory is refused (as overlapping) when a later buffer is allocated there.
+        # its staging buffer, registered with the store's transfer engine, then goes to the next EngramStore on
+        # that store, still registered (freed, its memory would be refused as overlapping when a later buffer
+        # is allocated there), and nothing calls the store, which may be closed already.
         try:
             self.close()
         except Exception:  # at interpreter exit the store may be gone already

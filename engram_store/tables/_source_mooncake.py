@@ -1,7 +1,8 @@
 """Tables in a real Mooncake store (``mooncake.store.MooncakeDistributedStore``, or any store with its calls).
 
 Reads use the same planning as this project's store (distinct rows per head merged into byte ranges) over
-Mooncake's ``get_into_ranges``, into a staging buffer registered with the store, then scattered into the output.
+Mooncake's ``get_into_ranges``, into a staging buffer registered with the store, then scattered into the output;
+a source closed or dropped leaves its buffer registered for the next source of the store (``_SPARES``).
 Tables are uploaded hard-pinned (``_replicate_config``), so Mooncake's eviction never drops them.
 """
 
@@ -118,15 +119,7 @@ class MooncakeSource(KeyedSource):
         with self._lock:
             staging = self._staging
             if staging is None or staging.nbytes < need:
-                if self._staging_release is not None:
-                    self._staging_release()  # unregisters the smaller buffer
-                staging = np.empty(max(need, 1 << 20), dtype=np.uint8)
-                check_code(self.store.register_buffer(staging.ctypes.data, staging.nbytes), "register_buffer",
-                            "staging buffer")
-                self._staging = staging
-                # Unregistered on close(), or when this EngramStore is dropped without one: a registration left
-                # behind would make the store refuse a later buffer at the same address ("overlapped memory").
-                self._staging_release = weakref.finalize(self, _unregister, self.store, staging)
+                staging = self._new_staging(need)
             all_keys, all_dst, all_src, all_sizes = [], [], [], []
             zero = np.zeros(1, dtype=np.int64)
             for h in range(H):
@@ -170,6 +163,27 @@ class MooncakeSource(KeyedSource):
                     log.exception("rollback: could not remove %r", key)
             raise
 
+    def _new_staging(self, need: int) -> np.ndarray:
+        """A registered staging buffer of at least ``need`` bytes in place of this source's own (called under the
+        lock, in a read: the store is open). A smaller one of its own is unregistered; the new one is a spare
+        another source of this store left (see :data:`_SPARES`) or a new registration."""
+        store = self.store
+        if self._staging_release is not None:
+            self._staging_release.detach()
+            self._staging_release = None
+            old, self._staging = self._staging, None
+            check_code(store.unregister_buffer(old.ctypes.data), "unregister_buffer", "staging buffer")
+        staging = _take_spare(store, need)
+        if staging is None:
+            staging = np.empty(max(need, 1 << 20), dtype=np.uint8)
+            check_code(store.register_buffer(staging.ctypes.data, staging.nbytes), "register_buffer",
+                       "staging buffer")
+        self._staging = staging
+        # Closed or dropped, this source hands the buffer, still registered, to the next source of the store: a
+        # call into the store then could find it closed (Mooncake's client crashes the process there).
+        self._staging_release = weakref.finalize(self, _park, store, staging)
+        return staging
+
     def close(self) -> None:
         with self._lock:
             self._staging = None
@@ -212,9 +226,59 @@ def _mooncake_put(store: Any, key: str, buffer: np.ndarray, config: Any) -> None
         store.unregister_buffer(ptr)
 
 
-def _unregister(store: Any, buffer: np.ndarray) -> None:
-    """Unregister a staging buffer from a Mooncake store (it holds ``buffer`` alive until then)."""
+#: Registered staging buffers that no source holds, per store (by id: a weak reference to the store, or the store
+#: itself where it takes none, and the buffers): the next source of the store that needs one takes it. A buffer
+#: is never unregistered from a close or a finalizer, where the store may be closed already (a call into a closed
+#: Mooncake store crashes the process); nor is it freed while it may be registered, or the store would refuse a
+#: later buffer at the same address ("overlapped memory"). So spares live as long as their store: with Mooncake's
+#: own store their registrations die with it; behind any other object (a wrapper, a proxy) the store may live on,
+#: and they are kept in ``_KEPT``.
+_SPARES: dict[int, tuple[Any, bool, list[np.ndarray]]] = {}
+_KEPT: list[np.ndarray] = []
+#: Reentrant: a garbage collection inside _take_spare may run a source's finalizer (_park) or a store's
+#: weak-reference callback (_store_gone) on the same thread.
+_SPARES_LOCK = threading.RLock()
+
+
+def _spares(store: Any, create: bool) -> list[np.ndarray] | None:
+    entry = _SPARES.get(id(store))
+    if entry is not None:
+        ref, _, spares = entry
+        if (ref() if isinstance(ref, weakref.ref) else ref) is store:
+            return spares
+    if not create:
+        return None
+    key = id(store)
     try:
-        store.unregister_buffer(buffer.ctypes.data)
-    except Exception:  # the store may be closed already: nothing left to release
-        log.debug("could not unregister a staging buffer", exc_info=True)
+        ref = weakref.ref(store, lambda gone: _store_gone(key, gone))
+    except TypeError:
+        ref = store  # no weak reference: its spares keep it
+    spares = []
+    _SPARES[key] = (ref, type(store).__module__.partition(".")[0] == "mooncake", spares)
+    return spares
+
+
+def _store_gone(key: int, ref: weakref.ref) -> None:
+    with _SPARES_LOCK:
+        entry = _SPARES.get(key)
+        if entry is None or entry[0] is not ref:
+            return
+        del _SPARES[key]
+        if not entry[1]:
+            _KEPT.extend(entry[2])  # the store behind this object may live on, the buffers registered with it
+
+
+def _park(store: Any, buffer: np.ndarray) -> None:
+    """Keep a source's registered staging buffer for the next source of ``store`` (its close, or its finalizer)."""
+    with _SPARES_LOCK:
+        _spares(store, create=True).append(buffer)
+
+
+def _take_spare(store: Any, need: int) -> np.ndarray | None:
+    """A registered spare of ``store`` of at least ``need`` bytes, taken from the spares, or None."""
+    with _SPARES_LOCK:
+        spares = _spares(store, create=False)
+        for i, buffer in enumerate(spares or ()):
+            if buffer.nbytes >= need:
+                return spares.pop(i)
+    return None

@@ -11,6 +11,7 @@ non-CUDA wheel) and, on Debian/Ubuntu, ``apt-get install libibverbs1``.
 """
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -272,6 +273,73 @@ def test_tables_are_hard_pinned_against_eviction():
             layer.close()
             store.unregister_buffer(filler.ctypes.data)
             store.close()
+
+
+class RegisterCountingStore(CountingStore):
+    READS_AND_WRITES = ("register_buffer", "unregister_buffer")
+
+
+def test_a_dropped_layers_staging_buffer_serves_the_next_layer_still_registered(mooncake):
+    """A layer closed or dropped calls nothing on the store (it may be closed): its registered staging buffer
+    goes to the next layer on that store, which registers nothing and reads through it."""
+    store = RegisterCountingStore(mooncake)
+    sizes, D = [1009, 1013], 16
+    tables = tables_for(sizes, D, seed=11)
+    ids = np.stack([np.random.default_rng(12).integers(0, n, size=(2, 5)) for n in sizes], axis=-1)
+    first = EngramStore(47, EngramStoreConfig(table_vocab_sizes=sizes, embedding_dim=D), store)
+    try:
+        first.populate(tables)
+        np.testing.assert_array_equal(first.lookup(ids), gather(tables, ids))
+        before = dict(store.calls)  # the populate's own registrations, and the staging buffer's
+        first.close()
+        del first
+        gc.collect()
+        second = EngramStore(47, EngramStoreConfig(table_vocab_sizes=sizes, embedding_dim=D), store)
+        np.testing.assert_array_equal(second.lookup(ids), gather(tables, ids))
+        assert store.calls == before
+        del second  # dropped without close: the buffer goes back again
+        gc.collect()
+        third = EngramStore(47, EngramStoreConfig(table_vocab_sizes=sizes, embedding_dim=D), store)
+        np.testing.assert_array_equal(third.lookup(ids), gather(tables, ids))
+        assert store.calls == before
+    finally:
+        third = EngramStore(47, EngramStoreConfig(table_vocab_sizes=sizes, embedding_dim=D), mooncake)
+        third.remove_from_store(force=True)
+        third.close()
+
+
+# A layer closed or dropped after its Mooncake store was closed: nothing may call the closed store (its client
+# crashes the process).
+CLOSED_FIRST = textwrap.dedent('''
+    import gc, sys
+    import numpy as np
+    sys.path.insert(0, sys.argv[2])
+    from mooncake_procs import MooncakeMaster, connect
+    from engram_store import EngramStore, EngramStoreConfig
+
+    with MooncakeMaster() as master:
+        store = connect(master.address, segment_size=32 << 20)
+        layer = EngramStore(3, EngramStoreConfig(table_vocab_sizes=[17, 19], embedding_dim=8), store)
+        layer.populate([np.ones((17, 8), np.float32), np.ones((19, 8), np.float32)])
+        assert layer.lookup(np.zeros((1, 2, 2), np.int64)).sum() == 32
+        store.close()
+        if sys.argv[1] == "close":
+            layer.close()
+        del layer
+        gc.collect()
+        print("survived", sys.argv[1])
+''')
+
+
+@pytest.mark.parametrize("how", ["close", "drop"])
+def test_a_layer_closed_or_dropped_after_its_store_was_closed_calls_nothing_on_it(tmp_path, how):
+    script = tmp_path / "closed_first.py"
+    script.write_text(CLOSED_FIRST)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, str(script), how, os.path.dirname(os.path.abspath(__file__))],
+                          capture_output=True, text=True, timeout=150, cwd=REPO, env=env)
+    assert proc.returncode == 0 and f"survived {how}" in proc.stdout, \
+        f"exit {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-4000:]}"
 
 
 # ---- Engram -----------------------------------------------------------------------------------------
