@@ -348,20 +348,24 @@ class MasterServer:
         return {"exist": [self.state.exists(k) for k in self._keys(req)]}
 
     def _remove(self, req: Request) -> dict:
-        """Remove an object; the reply names where its replicas were (``replicas``: ``[[address, offset], ...]``),
-        so the remover can tell those segments at once (their catalogues learn it on a heartbeat otherwise)."""
+        """Remove an object; the reply names where its replicas were and the put that wrote each (``replicas``:
+        ``[[address, offset, generation], ...]``), so the remover can tell those segments at once: they refuse
+        reads of it from then on (their catalogues learn it on a heartbeat otherwise)."""
         replicas = self.state.remove(req.str("key", MAX_KEY_LEN), req.bool("force", default=False)) or []
-        return {"replicas": [[self.state.segments[r.segment_id].address, r.offset] for r in replicas
-                             if r.segment_id in self.state.segments]}
+        return {"replicas": self._where(replicas)}
 
     def _remove_many(self, req: Request) -> dict:
         """Remove ``keys`` all or nothing (see MasterState.remove_many); the reply names where each removed
-        object's replicas were (``removed``: ``{key: [[address, offset], ...]}``)."""
+        object's replicas were, as :meth:`_remove` does (``removed``: ``{key: [[address, offset, generation],
+        ...]}``)."""
         keys = self._keys(req)
         removed = self.state.remove_many(keys, req.bool("force", default=False), self._generations(req, keys))
-        return {"removed": {key: [[self.state.segments[r.segment_id].address, r.offset] for r in replicas
-                                  if r.segment_id in self.state.segments]
-                            for key, replicas in removed.items()}}
+        return {"removed": {key: self._where(replicas) for key, replicas in removed.items()}}
+
+    def _where(self, replicas: list) -> list[list]:
+        """``[[address, offset, generation], ...]`` of the replicas on segments still registered."""
+        segments = self.state.segments
+        return [[segments[r.segment_id].address, r.offset, r.generation] for r in replicas if r.segment_id in segments]
 
     def _list_keys(self, req: Request) -> dict:
         """Objects by key prefix, a page at a time: ``objects`` ``[[key, size, replica_num, replicas, state,

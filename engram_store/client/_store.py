@@ -283,12 +283,14 @@ class DistributedStore(ReadPath, WritePath):
         return [k for k in keys if k in removed]
 
     def _tell_dropped(self, removed: dict) -> None:
-        """Tell the segments that held removed objects at once (their catalogues learn it on a heartbeat
-        otherwise; a master restarted without a journal meanwhile would bring the objects back). Best effort."""
+        """Tell the segments that held removed objects at once, naming the put that wrote each: they refuse reads
+        of them from then on (readers holding an older placement learn of the remove at their next read), and
+        their catalogues drop them (else learnt on a heartbeat; a master restarted without a journal meanwhile would
+        bring the objects back). Best effort."""
         by_segment: dict[str, list] = {}
         for key, replicas in removed.items():
-            for address, offset in replicas:
-                by_segment.setdefault(address, []).append([key, offset])
+            for address, offset, *generation in replicas:  # (a master before generations names none)
+                by_segment.setdefault(address, []).append([key, offset, *generation[:1]])
         pending = []
         for address, objects in by_segment.items():
             try:

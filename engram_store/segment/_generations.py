@@ -6,7 +6,9 @@ any older entry the range meets. A reader names the objects it expects (place, s
 ``engram_store.kernels.check_generations``); the segment checks them before it gathers and again after, so a write
 that lands while it gathers is caught too (``version`` changes with every claim). Entries start from the
 catalogue at registration (a durable segment's objects outlive it), and objects this segment never learnt of are
-not refused: nothing is known to have replaced them.
+not refused: nothing is known to have replaced them. A remove that the segment hears of (the remover tells it at
+once, naming each object's put) marks the object's entry removed (:meth:`Generations.drop`), so reads naming it
+are refused from then on too.
 
 Entries live in sorted arrays the kernel searches; a claim (once per put and segment) builds new arrays and swaps
 them in whole, so readers never lock. Readers on this host that map the segment's bytes read them without asking
@@ -99,12 +101,30 @@ class Generations:
         if size <= 0 or generation <= 0 or self._entries.get(offset) == (size, generation):
             return  # the common case: a later write of the same put
         with self._lock:
+            if self._entries.get(offset) == (size, -generation):
+                return  # a late write of a put whose object was removed: it stays removed
             end = offset + size
             for base, (n, _) in list(self._entries.items()):
                 if base < end and offset < base + n:
                     del self._entries[base]
             self._entries[offset] = (size, generation)
             self._publish()
+
+    def drop(self, objects: list[tuple[int, int]]) -> int:
+        """Objects removed from here, as ``(offset, generation)``: each that is still that put's object is marked
+        removed (its entry keeps its range, with the generation negated), so a read naming it is refused at once,
+        as one naming an object written over is; the range's next put replaces the mark. An object this segment
+        never learnt of, or that another put has written over, is left as it is. Returns how many were marked."""
+        with self._lock:
+            marked = 0
+            for offset, generation in objects:
+                entry = self._entries.get(offset)
+                if generation > 0 and entry is not None and entry[1] == generation:
+                    self._entries[offset] = (entry[0], -generation)
+                    marked += 1
+            if marked:
+                self._publish()
+            return marked
 
     def holds(self, generation: int, offset: int, size: int) -> bool:
         """Whether put ``generation`` is still the latest writer of ``[offset, offset + size)``."""
@@ -169,5 +189,5 @@ class Generations:
         base, put = -int(pairs[2 * bad, 0]) - 1, int(pairs[2 * bad, 1])
         size = -int(pairs[2 * bad + 1, 0]) - 1
         return StalePlacement(f"read_ranges: the object of {size} bytes at offset {base} written by put {put} is no "
-                              f"longer there: another put has written over it since ({where}); ask the master "
-                              "where it is now")
+                              f"longer there: it was removed, or another put has written over it since ({where}); "
+                              "ask the master where it is now")

@@ -29,6 +29,7 @@ from .._errors import (
     MasterUnavailable,
     ProtocolError,
     RemoteError,
+    describe,
     is_int,
 )
 from ..wire import (PROTOCOL_VERSION, RAW_VERSION, AuthKeys, Connection, Request, RpcServer, frame_array, frame_bytes,
@@ -379,12 +380,19 @@ class SegmentServer:
         return {"added": self.catalog.add(entries)}
 
     def _catalog_drop(self, req: Request) -> dict:
-        """Objects removed from here: ``objects`` ``[[key, offset], ...]``, dropped from the catalogue at once."""
+        """Objects removed from here: ``objects`` ``[[key, offset, generation], ...]`` (the generation, the put
+        that wrote the object, may be left out), dropped from the catalogue at once; each named with its put is
+        marked removed in the generation record, so reads naming it are refused from now on."""
         raw = req.header.get("objects")
         if not isinstance(raw, list) or len(raw) > MAX_CATALOG_ENTRIES or not all(
-                isinstance(e, list) and len(e) >= 2 and isinstance(e[0], str) and isinstance(e[1], int) for e in raw):
-            raise InvalidArgument("catalog_drop: field 'objects': expected a list of [key, offset] entries")
-        return {"dropped": self.catalog.drop(raw)}
+                isinstance(e, list) and len(e) in (2, 3) and isinstance(e[0], str) and type(e[1]) is int
+                and (len(e) == 2 or type(e[2]) is int) for e in raw):
+            raise InvalidArgument(f"catalog_drop: field 'objects': expected a list of at most {MAX_CATALOG_ENTRIES} "
+                                  f"[key, offset] or [key, offset, generation] entries, got {describe(raw)}")
+        dropped = self.catalog.drop(raw)
+        if self.generations is not None:
+            self.generations.drop([(e[1], e[2]) for e in raw if len(e) == 3])
+        return {"dropped": dropped}
 
     def _write_close(self, req: Request) -> dict:
         """The writer's direct writes are done; ``fenced``: the put was fenced meanwhile (do not publish it)."""

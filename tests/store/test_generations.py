@@ -113,3 +113,24 @@ def test_an_overflowing_table_says_it_cannot_tell():
     table[2], table[3] = 2, 1  # capacity 2, overflowed
     named = check_pairs_for(np.array([0]), np.array([64]), np.array([1]))
     assert check_table(table, named)[0] == TABLE_UNKNOWN
+
+
+def test_a_removed_object_is_refused_until_another_put_claims_its_range():
+    generations = Generations()
+    generations.claim(0, 640, 7)
+    generations.claim(1024, 64, 8)
+    named = check_pairs_for(np.array([0, 1024]), np.array([640, 64]), np.array([7, 8]))
+    assert check_generations(named, *generations.arrays) == (4, -1)
+    version = generations.version
+    # Only the put named is marked: another put's object, or one never learnt of, is left as it is.
+    assert generations.drop([(0, 6), (1024, 8), (4096, 9)]) == 1
+    assert generations.version == version + 1 and not generations.holds(8, 1024, 64)
+    assert check_generations(named, *generations.arrays) == (4, 1)
+    with pytest.raises(StalePlacement, match="at offset 1024 written by put 8 is no longer there: it was removed"):
+        generations.split(named[2:], "here")
+    generations.claim(1024, 64, 8)  # a late write of the removed put does not bring it back
+    assert check_generations(named[2:], *generations.arrays) == (2, 0)
+    generations.claim(1024, 64, 9)  # the range's next put replaces the mark
+    assert check_generations(check_pairs_for(np.array([1024]), np.array([64]), np.array([9])),
+                             *generations.arrays) == (2, -1)
+    assert generations.drop([(0, 7)]) == 1 and generations.drop([(0, 7)]) == 0

@@ -212,6 +212,8 @@ BAD_FRAMES = [
     [msgpack.packb({"v": V, "id": 1, "op": "read_ranges"}), np.array([2**62], np.int64).tobytes(),
      np.array([2**62], np.int64).tobytes()],
     [msgpack.packb({"v": V, "id": 1, "op": "read_ranges"}), b"abc", b"de"],
+    [msgpack.packb({"v": V, "id": 1, "op": "catalog_drop", "objects": [["k", 0, "put 3"]]})],
+    [msgpack.packb({"v": V, "id": 1, "op": "catalog_drop", "objects": [["k", 0, 3, 4]]})],
 ]
 
 
