@@ -133,9 +133,9 @@ class StoreSource(KeyedSource):
         if lean is None or state.placement is not lean.placement or type(row_ids) is not np.ndarray \
                 or row_ids.dtype is not _INT64:
             return None
-        placements = self.placements
-        age = time.monotonic() - lean.placement.checked_at
-        if age >= placements.stale_s:
+        placement = lean.placement
+        age = time.monotonic() - placement.checked_at
+        if age >= placement.stale_s:
             return None  # the general path checks it with the master before use
         shape = row_ids.shape
         if len(shape) != 3 or shape[2] != lay.num_heads or not 0 < row_ids.size <= lean.max_ids:
@@ -149,14 +149,14 @@ class StoreSource(KeyedSource):
             return None
         if not self._read_lean(lay, lean, row_ids.reshape(-1, shape[2]), rows.reshape(-1).view(np.uint8), row_ids):
             return None
-        if age >= placements.ttl_s:
-            placements.refresh_later(lay)  # due for its check with the master: in the background, as get() does
+        if age >= placement.ttl_s:
+            self.placements.refresh_later(lay)  # due for its check with the master: in the background, as get() does
         return rows
 
     def inline(self, lay: Layer, rows: int) -> bool:
         placement = lay.state.placement
         return (placement is not None and not placement.remote and rows <= PREFETCH_INLINE_ROWS
-                and time.monotonic() - placement.checked_at < self.placements.limits()[0])
+                and time.monotonic() - placement.checked_at < placement.ttl_s)
 
     def local_tables(self, lay: Layer) -> list[np.ndarray] | None:
         return self.placements.get(lay, set()).memory.views(lay)
@@ -178,14 +178,14 @@ class StoreSource(KeyedSource):
             # ``flat`` in one native call, the first thing a lookup does (see _Lean). A placement past its TTL is
             # read as the general path reads it (segments check what they serve), and checked with the master
             # after the read, in the background: the check's own work does not land inside a lookup.
-            ttl, stale = self.placements.limits()
+            ttl, stale = self.placements.limits(placement)
             if age < stale and self._read_lean(lay, lean, ids2, flat, unchecked):
                 if age >= ttl:
                     self.placements.refresh_later(lay)
                 return
         if unchecked is not None:  # not read in one native call: checked as every read's ids are
             lay.check_range(unchecked)
-        if placement is None or age >= self.placements.limits()[0] \
+        if placement is None or age >= placement.ttl_s \
                 or len(placement.remote) > 1 or lay.state.cache is not None or not fits_one_round(ids2, flat):
             read_native(self.native, [Job(self, lay, ids2, flat)])
             return

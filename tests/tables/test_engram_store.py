@@ -473,6 +473,49 @@ def test_a_layer_repopulated_by_another_client_never_yields_foreign_rows(remote_
         a.remove(f"filler-{layer}", force=True)
 
 
+
+def test_a_layer_removed_by_another_client_is_refused_at_the_next_remote_read(remote_cluster):
+    """The remover tells the segments, naming each table's put: a reader whose placement is fresh is refused at
+    its next read (no wait for its placement check), and then finds the layer populated again at once."""
+    sizes = [64, 32]
+    layer = next(_layers)
+    with DistributedStore.connect(remote_cluster.address, local_direct=False) as a, \
+            DistributedStore.connect(remote_cluster.address, local_direct=False) as b:
+        writer = EngramStore(layer, EngramStoreConfig(sizes, 2), a)
+        reader = EngramStore(layer, EngramStoreConfig(sizes, 2), b)
+        writer.populate([np.ones((n, 2), dtype=np.float32) for n in sizes])
+        ids = np.zeros((1, 1, 2), dtype=np.int64)
+        assert reader.lookup(ids).tolist() == [[[[1.0, 1.0]] * 2]]
+        writer.remove_from_store(force=True)
+        with pytest.raises(ObjectNotFound):
+            reader.lookup(ids)
+        writer.populate([np.full((n, 2), 2, dtype=np.float32) for n in sizes])
+        assert reader.lookup(ids).tolist() == [[[[2.0, 2.0]] * 2]]
+        writer.remove_from_store(force=True)
+
+
+def test_a_placement_read_only_through_checking_segments_is_not_asked_of_the_master_each_second(remote_store,
+                                                                                                monkeypatch):
+    """Every table read through a segment that checks the put named: the placement outlives the 1 s a mapped one
+    is used for without a check, so a lookup at a model step's cadence wakes no placement check."""
+    sizes = [40, 50]
+    es = EngramStore(next(_layers), EngramStoreConfig(sizes, 4), remote_store)
+    tables = make_tables(sizes, 4, seed=9)
+    es.populate(tables)
+    ids = np.stack([np.arange(3) % n for n in sizes], axis=-1).reshape(1, 3, 2)
+    try:
+        np.testing.assert_array_equal(es.lookup(ids), expected_rows(tables, ids))
+        asked = []
+        locate = remote_store.locate
+        monkeypatch.setattr(remote_store, "locate", lambda *a, **k: asked.append(a) or locate(*a, **k))
+        time.sleep(1.2)  # past the 1 s after which a placement with a mapped table is checked before use
+        for _ in range(3):
+            np.testing.assert_array_equal(es.lookup(ids), expected_rows(tables, ids))
+        assert asked == []
+    finally:
+        es.remove_from_store(force=True)
+
+
 # ---- row formats, head shards and the layout manifest ----------------------------------------------------
 
 
