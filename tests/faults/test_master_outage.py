@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from engram_store import DistributedStore, EngramStore, EngramStoreConfig, SegmentUnavailable
+from engram_store.tables import _placement
 from engram_store.testing import Cluster
 
 pytestmark = pytest.mark.timeout(180)
@@ -33,7 +34,12 @@ def _expected(tables, ids):
 
 
 @pytest.mark.parametrize("local_direct", [True, False], ids=["local-direct", "remote"])
-def test_published_layers_stay_readable_while_the_master_is_paused_and_gone(tmp_path, local_direct, caplog):
+def test_published_layers_stay_readable_while_the_master_is_paused_and_gone(tmp_path, local_direct, caplog,
+                                                                            monkeypatch):
+    # Placements read only through segments are checked every 10 s: checked as often as mapped ones here, so that
+    # checks fall due while the master is away on both paths.
+    monkeypatch.setattr(_placement, "REMOTE_PLACEMENT_TTL_S", _placement.PLACEMENT_TTL_S)
+    monkeypatch.setattr(_placement, "REMOTE_PLACEMENT_STALE_S", _placement.PLACEMENT_STALE_S)
     journal = str(tmp_path / "master.journal")
     tables = _tables(1)
     with Cluster(segments=1, heartbeat_timeout_s=5.0, journal=journal) as c:
