@@ -435,6 +435,12 @@ def _print(results: list[dict], clients: list[dict]) -> list[str]:
             if small:
                 lines.append(f"{placement}: remote {what} <= {target}x the echo's at every spacing and busy set, "
                              f"B <= 64: " + ("met" if not over else "MISSED at " + ", ".join(over)))
+        if small:
+            # What decides those p99: each path's share of calls that waited (the GIL, the scheduler), over the cells.
+            share = {path: 100 * sum(r["slow_share"][path] * r[path]["reps"] for r in small)
+                     / max(1, sum(r[path]["reps"] for r in small)) for path in ("remote", "tcp")}
+            lines.append(f"{placement}: calls of 1 ms or more over those cells: remote {share['remote']:.2f}%, echo "
+                         f"{share['tcp']:.2f}% (what decides a p99 near the 1% edge)")
         for c in clients:
             if c["placement"] != placement:
                 continue
