@@ -5,8 +5,9 @@ keeps a removed table's space unallocated for its reuse delay (2 s by default), 
 master within that delay never leads to another object's bytes. A placement younger than PLACEMENT_TTL_S is used
 as it is; up to PLACEMENT_STALE_S it is used while a background thread checks it; older (a client that was idle),
 it is checked before use. A placement read only through segments that check each read (REMOTE_PLACEMENT_TTL_S)
-is checked far more rarely: its segments refuse what changed. When the master does not answer, reads go on from the last placement it gave and the
-check is retried in the background; only a layer this client never resolved needs the master to be read.
+is checked far more rarely: its segments refuse what changed. When the master does not answer, reads go on from the
+last placement it gave and the check is retried in the background; only a layer this client never resolved needs
+the master to be read.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from ._source import InMemory, gather
 log = logging.getLogger(__name__)
 
 #: How long a resolved table placement is used before it is checked with the master again (one request, in the
-#: background up to PLACEMENT_STALE_S, before use past it). Both stay well below the master's reuse delay (2 s by
-#: default; a master configured with a shorter one makes them shorter: a quarter and a half of it).
+#: background up to PLACEMENT_STALE_S, before use past it). Reads never depend on them for their correctness
+#: (segments check what they serve, and tables mapped here are checked past Placements.local_safe_s): they say how
+#: soon a layer written again is seen. Each placement carries its pair (Placement.ttl_s, stale_s).
 PLACEMENT_TTL_S = 0.5
 PLACEMENT_STALE_S = 1.0
 #: The same for a placement whose every table is read through its segment, each read naming the put that wrote it
@@ -65,8 +67,9 @@ class Placement:
     local_checks: tuple = ()          # per mapped segment: (its generation table, the check pairs of the tables
                                       # read from it); see Placements.gather
     local_checked: bool = False       # every mapped table can be checked that way (else: time is the proof)
-    ttl_s: float = PLACEMENT_TTL_S    # used as it is while younger (see Placements.limits)
-    stale_s: float = PLACEMENT_STALE_S  # used while checked in the background while younger
+    ttl_s: float = PLACEMENT_TTL_S    # used as it is while younger
+    stale_s: float = PLACEMENT_STALE_S  # used while younger, checked in the background (both REMOTE_PLACEMENT_*
+                                        # where every read is checked by its segment; see _build)
 
     def reads_from(self, failed: set[str]) -> bool:
         return any(address in failed for address, *_ in self.remote)
@@ -98,19 +101,6 @@ class Placements:
         self._trouble_at = 0.0
         self._warned_at = -MASTER_WARN_INTERVAL_S
         self._closed = False
-        self.ttl_s, self.stale_s = PLACEMENT_TTL_S, PLACEMENT_STALE_S
-        self.remote_ttl_s, self.remote_stale_s = REMOTE_PLACEMENT_TTL_S, REMOTE_PLACEMENT_STALE_S
-
-    def limits(self, placement: Placement | None = None) -> tuple[float, float]:
-        """``(ttl, stale)`` of ``placement`` (else of a placement with a table mapped here): one younger than ttl
-        is used as it is, up to stale while it is checked in the background. Reads never depend on them for their
-        correctness (segments check what they serve, and tables mapped here are checked past
-        :meth:`local_safe_s`): they say how soon a layer written again is seen. Placements read only through
-        segments that check them are given the longer ``remote_ttl_s`` and ``remote_stale_s`` when built (the
-        express lookup reads them there)."""
-        if placement is not None:
-            return placement.ttl_s, placement.stale_s
-        return self.ttl_s, self.stale_s
 
     def local_safe_s(self) -> float:
         """How long the master's answer alone proves what a mapping holds: half its reuse delay (a removed table's
@@ -163,10 +153,9 @@ class Placements:
         cached = lay.state.placement
         if cached is not None:
             age = time.monotonic() - cached.checked_at
-            ttl, stale = self.limits(cached)
-            if age < ttl:
+            if age < cached.ttl_s:
                 return cached
-            if age < stale:
+            if age < cached.stale_s:
                 self.refresh_later(lay)
                 return cached
             if self._trouble():
@@ -298,7 +287,8 @@ class Placements:
         # REMOTE_PLACEMENT_TTL_S). Not so for a placement built without the mappings (the master did not answer).
         through_segments = local and not local_tables and all(getattr(r, "generation", 0)
                                                                for entries in remote.values() for _, _, r in entries)
-        ttl, stale = (self.remote_ttl_s, self.remote_stale_s) if through_segments else (self.ttl_s, self.stale_s)
+        ttl, stale = (REMOTE_PLACEMENT_TTL_S, REMOTE_PLACEMENT_STALE_S) if through_segments \
+            else (PLACEMENT_TTL_S, PLACEMENT_STALE_S)
         return Placement(InMemory.of(lay, local_tables), groups,
                          _kernels.readonly(np.asarray(order, dtype=np.int64)),
                          _kernels.readonly(np.asarray(bases, dtype=np.int64)), signature, checked_at, tuple(checks),

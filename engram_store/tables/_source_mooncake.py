@@ -241,14 +241,14 @@ _SPARES_LOCK = threading.RLock()
 
 
 def _spares(store: Any, create: bool) -> list[np.ndarray] | None:
-    entry = _SPARES.get(id(store))
+    key = id(store)
+    entry = _SPARES.get(key)
     if entry is not None:
         ref, _, spares = entry
         if (ref() if isinstance(ref, weakref.ref) else ref) is store:
             return spares
     if not create:
         return None
-    key = id(store)
     try:
         ref = weakref.ref(store, lambda gone: _store_gone(key, gone))
     except TypeError:

@@ -178,9 +178,8 @@ class StoreSource(KeyedSource):
             # ``flat`` in one native call, the first thing a lookup does (see _Lean). A placement past its TTL is
             # read as the general path reads it (segments check what they serve), and checked with the master
             # after the read, in the background: the check's own work does not land inside a lookup.
-            ttl, stale = self.placements.limits(placement)
-            if age < stale and self._read_lean(lay, lean, ids2, flat, unchecked):
-                if age >= ttl:
+            if age < placement.stale_s and self._read_lean(lay, lean, ids2, flat, unchecked):
+                if age >= placement.ttl_s:
                     self.placements.refresh_later(lay)
                 return
         if unchecked is not None:  # not read in one native call: checked as every read's ids are
