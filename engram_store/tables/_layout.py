@@ -9,6 +9,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import kernels as _kernels
+from ..buffers import host_array
 from .._errors import InvalidArgument, InvalidType, describe, is_int
 
 #: Row formats and the NumPy dtype their items are returned as.
@@ -196,21 +197,15 @@ class Layer:
         flat byte buffer of exactly the right size is viewed with the right dtype and shape. Never copies: a
         buffer that cannot be written in place is refused.
         """
-        arr = out
-        if not isinstance(arr, np.ndarray):
-            if isinstance(out, (list, tuple, str, bytes)) or out is None:
-                raise InvalidType(f"out: expected a writable {self.dtype} buffer of shape {shape} (a NumPy array, "
-                                  f"a CPU tensor with __dlpack__, or an object with the buffer protocol or "
-                                  f"__array_interface__), got {type(out).__name__}")
-            arr = _from_dlpack(out) if hasattr(out, "__dlpack__") else None
-            if arr is None:
-                try:
-                    arr = np.asarray(out)
-                except Exception:  # anything NumPy cannot view
-                    arr = None
-                if arr is None or arr.dtype == object or arr.base is None:  # no view of the caller's memory
-                    raise InvalidType(f"out: expected a writable {self.dtype} buffer of shape {shape} that NumPy "
-                                      f"can view in place, got {type(out).__name__}")
+        if isinstance(out, (list, tuple, str, bytes)) or out is None:
+            raise InvalidType(f"out: expected a writable {self.dtype} buffer of shape {shape} (a NumPy array, "
+                              f"a CPU tensor with __dlpack__, or an object with the buffer protocol or "
+                              f"__array_interface__), got {type(out).__name__}")
+        view = host_array(out, "out", writable=False)
+        arr = view.array
+        if view.dtype == "bfloat16" and self.row_format != "bfloat16":
+            raise InvalidArgument(f"out: expected a writable C-contiguous {self.dtype} array of shape {shape}, got "
+                                  f"bfloat16 {arr.shape} (this layer's rows are {self.row_format})")
         if arr.dtype != self.dtype and arr.dtype == np.uint8 and arr.ndim == 1 and arr.flags.c_contiguous \
                 and arr.size == int(np.prod(shape)) * self.dtype.itemsize:
             arr = arr.view(self.dtype).reshape(shape)  # a flat byte buffer of the right size
@@ -219,28 +214,6 @@ class Layer:
                                   f"{arr.dtype} {arr.shape}{'' if arr.flags.c_contiguous else ' (not C-contiguous)'}"
                                   f"{'' if arr.flags.writeable else ' (read-only)'}")
         return arr
-
-
-#: DLPack device types whose memory the CPU reads and writes: kDLCPU, kDLCUDAHost (pinned), kDLCUDAManaged.
-_DLPACK_HOST_DEVICES = {1: "CPU", 3: "CUDA host (pinned)", 13: "CUDA managed"}
-
-
-def _from_dlpack(out: Any) -> np.ndarray:
-    """A NumPy view of a tensor that speaks DLPack, sharing its memory (never a copy); refused unless the memory is
-    the CPU's. A tensor that exports read-only memory yields a read-only view, which :meth:`check_out` refuses."""
-    try:
-        device_type = int(out.__dlpack_device__()[0])
-    except Exception as exc:
-        raise InvalidType(f"out: {type(out).__name__} has __dlpack__ but no usable __dlpack_device__ ({exc})") from None
-    if device_type not in _DLPACK_HOST_DEVICES:
-        raise InvalidArgument(f"out: a {type(out).__name__} on DLPack device type {device_type}; lookups write into "
-                              "host memory (a CPU or pinned tensor): read into one and copy it to the device")
-    try:
-        return np.from_dlpack(out, copy=False)
-    except TypeError:  # NumPy < 2.1 has no copy= (and never copies)
-        return np.from_dlpack(out)
-    except (BufferError, ValueError, RuntimeError) as exc:
-        raise InvalidType(f"out: NumPy cannot view {type(out).__name__} through DLPack in place ({exc})") from None
 
 
 def as_row_ids(row_ids: Any, num_heads: int) -> np.ndarray:

@@ -889,3 +889,25 @@ def test_a_closed_engram_store_still_removes_and_reads_synchronously(remote_stor
         layer.prefetch(ids, background=True)  # no background reads once closed
     assert layer.remove_from_store() == 2
     layer.close()
+
+
+def test_bfloat16_rows_fill_torch_and_ml_dtypes_bfloat16_buffers(local_store):
+    """NumPy has no bfloat16, so its DLPack import refuses such tensors: they are viewed through 16-bit integers."""
+    import ml_dtypes
+
+    sizes, dim = [41, 43], 16
+    bits = [np.random.default_rng(47 + h).integers(0, 1 << 16, (n, dim), dtype=np.uint16) for h, n in enumerate(sizes)]
+    ids = random_ids(np.random.default_rng(48), sizes, 2, 3)
+    want = expected_rows(bits, ids)
+    with EngramStore(next(_layers), EngramStoreConfig(sizes, dim, row_format="bfloat16"), None) as layer:
+        layer.bind_local(bits)
+        out = np.zeros(want.shape, ml_dtypes.bfloat16)
+        assert layer.lookup_into(ids, out) is out and np.array_equal(out.view(np.uint16), want)
+        torch = pytest.importorskip("torch", reason="torch is an optional extra (pip install -e '.[torch]')")
+        tensor = torch.zeros(want.shape, dtype=torch.bfloat16)
+        assert layer.lookup_into(ids, tensor) is tensor
+        assert np.array_equal(tensor.view(torch.int16).numpy().view(np.uint16), want)
+    with EngramStore(next(_layers), EngramStoreConfig(sizes, dim), None) as layer:  # float32 rows
+        layer.bind_local([b.astype(np.float32) for b in bits])
+        with pytest.raises(InvalidArgument, match=r"got bfloat16 .* \(this layer's rows are float32\)"):
+            layer.lookup_into(ids, torch.zeros(want.shape, dtype=torch.bfloat16))
