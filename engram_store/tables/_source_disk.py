@@ -107,7 +107,20 @@ class DiskSource(Source):
         self._open(lay)
 
     def read(self, jobs: list[Job]) -> None:
-        read_many([(job.layer.state, job.ids, job.out) for job in jobs])
+        requests, shards = [], []
+        for job in jobs:
+            if job.layer.sharded:  # the files hold every head: read the shard's as a whole layer's, then keep them
+                lay, M = job.layer, job.ids.shape[0]
+                ids = np.zeros((M, len(lay.layer_sizes)), dtype=np.int64)  # row 0 of other heads: one page each
+                ids[:, lay.heads] = job.ids
+                whole = np.empty((M, len(lay.layer_sizes), lay.row_bytes), dtype=np.uint8)
+                shards.append((job, whole))
+                requests.append((lay.state, ids, whole.reshape(-1)))
+            else:
+                requests.append((job.layer.state, job.ids, job.out))
+        read_many(requests)
+        for job, whole in shards:
+            job.out.reshape(whole.shape[0], job.layer.num_heads, -1)[:] = whole[:, job.layer.heads]
         for job in jobs:
             job.layer.counters.add(lookups=1, rows=job.ids.size)
 
