@@ -138,6 +138,7 @@ class InMemory:
     sources: list                               # kernels.RowSource per group of tables close together
     tables: dict = field(default_factory=dict)  # head index j -> flat read-only uint8 view of its table
     keep: list = field(default_factory=list)    # what must stay alive while the sources are used
+    _views: list | None = field(default=None, repr=False)  # views(): built once
 
     @classmethod
     def of(cls, lay: Layer, tables: Sequence[tuple[int, np.ndarray]], keep: list = ()) -> "InMemory":
@@ -152,9 +153,13 @@ class InMemory:
         return sum(int(source.heads.size) for source in self.sources)
 
     def views(self, lay: Layer) -> list[np.ndarray] | None:
+        """Each head's ``[N_h, row_bytes]`` view, the same list on every call (kernels that read the tables in
+        place may key what they derive from them on its identity); None unless every head is here."""
         if len(self.tables) != lay.num_heads:
             return None
-        return [self.tables[j].reshape(n, lay.row_bytes) for j, n in enumerate(lay.sizes)]
+        if self._views is None:
+            self._views = [self.tables[j].reshape(n, lay.row_bytes) for j, n in enumerate(lay.sizes)]
+        return self._views
 
 
 def gather(lay: Layer, memory: InMemory, ids2: np.ndarray, flat: np.ndarray, threads: int = 1) -> None:
