@@ -2,7 +2,7 @@
 
 The store's kernels (row gathers, range reads, planning), the model's hashing kernels (prefill and decode), and
 DeepSeek-V4.1's (hash, its continuous-batching step, FP8 row decoding fused with the gather for 12 and 24 columns,
-gate, checkpoint packing).
+gate, checkpoint packing, the engines' row gathers).
 Nothing needs this: kernels compile on first use and are cached on disk (see :mod:`engram_store.warmup` for
 where, and ``NUMBA_CACHE_DIR``). Run it when building a deployment image, so no request pays for compilation.
 """
@@ -75,6 +75,9 @@ def warm_v41(verbose: bool = True) -> float:
         hasher.commit(state, ids.ravel()[:3], [3, 0], [0, 1, 3])
         table.close()
     decode_fp8_rows(encode_fp8_rows(np.ones((2, 32), dtype=np.float32)))
+    from .v41._rows import warm_kernels
+
+    warm_kernels()  # the engines' row gathers (V41Rows)
     # Checkpoint reading: a one-layer file with the dtypes of the release, read as load_v41_table reads it.
     config = V41Config(layer_ids=[1], max_ngram_size=2, n_heads=1, head_dim=32, engram_vocab_size=2,
                        compressed_vocab_size=8, hidden_size=32, hc_mult=1)

@@ -9,6 +9,8 @@ Public surface::
     decode_fp8_rows, encode_fp8_rows packed FP8 rows (e4m3 + an e8m0 scale per 32 values) <-> bf16-exact float32
     V41Engram, V41Prefetch           one layer: the FP8 table in an EngramStore (v41_store_config), rows gathered
                                      and decoded in one kernel, the gate; prefetch() reads in the background
+    V41Rows, RowsHandle              a layer's rows for a serving engine, in SGLang's and vLLM's conventions (global
+                                     ids, -1 padding), into the engine's own buffers: bf16, packed or split
     V41Engram.from_checkpoint        a layer from safetensors shards, its table streamed into the store
     load_v41_weights, load_v41_table the same in parts; SafetensorsCheckpoint memory-maps F8/BF16 tensors
 
@@ -20,6 +22,7 @@ from ._config import V41Config, v41_store_config
 from ._engram import V41Engram, V41Prefetch
 from ._fp8 import decode_fp8_rows, encode_fp8_rows
 from ._hasher import V41Hasher, V41HashState
+from ._rows import RowsHandle, V41Rows
 from ._tokens import build_token_map, check_token_map, load_token_map, save_token_map
 from ._toy import write_toy_checkpoint
 
@@ -30,6 +33,8 @@ __all__ = [
     "V41HashState",
     "V41Hasher",
     "V41Prefetch",
+    "V41Rows",
+    "RowsHandle",
     "build_token_map",
     "check_token_map",
     "decode_fp8_rows",

@@ -52,6 +52,29 @@ def _decode_table() -> np.ndarray:
 DECODE_TABLE = _decode_table()
 
 
+#: The bf16 bits a NaN product gives in the engines' lookup (fp32 -> bf16 conversion of a NaN).
+BF16_NAN = 0x7FFF
+
+
+def _engine_bf16_table() -> np.ndarray:
+    """uint16 [256 scale bytes, 256 codes]: the bf16 bits vLLM's lookup gives, ``bf16(float32(e4m3(code)) *
+    float32 from the bits scale_byte << 23)``, rounded to nearest even. Unlike :data:`DECODE_TABLE`, scale byte 0
+    is +0.0 and 255 is +infinity (the bits are the float32's exponent field), and NaN products are kept (BF16_NAN),
+    not refused: the engines' gathers pass what the table holds."""
+    scales = (np.arange(256, dtype=np.uint32) << 23).view(np.float32).astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        exact = scales[:, None] * E4M3_TABLE[None, :].astype(np.float64)  # exact: a power of two times e4m3
+        product = exact.astype(np.float32)                                   # one rounding, as fp32 multiply
+    bits = product.view(np.uint32).astype(np.uint64)
+    table = (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF).astype(np.uint16)
+    table[np.isnan(product)] = BF16_NAN
+    table.flags.writeable = False
+    return table
+
+
+ENGINE_BF16_TABLE = _engine_bf16_table()
+
+
 def head_dim_of(row_bytes: int, name: str = "rows") -> int:
     """``head_dim`` of a packed row of ``row_bytes`` bytes (``row_bytes = head_dim * 33 / 32``)."""
     if row_bytes <= 0 or row_bytes % (FP8_BLOCK + 1):
