@@ -27,7 +27,7 @@ import mmap
 import os
 import shutil
 import threading
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -97,6 +97,12 @@ def sources_for(tables: Sequence[tuple[int, np.ndarray]], num_heads: int, row_by
         sources.append(_kernels.row_source(_kernels.readonly(span), base, np.asarray(heads, dtype=np.int64),
                                            row_bytes))
     return sources
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    written = 0
+    while written < data.nbytes:
+        written += os.pwrite(fd, data[written:], offset + written)
 
 
 def layout_text(row_bytes: int, sizes: Sequence[int]) -> bytes:
@@ -207,8 +213,8 @@ class LocalDir:
             try:
                 done = 0
                 for h, table in enumerate(tables):
-                    self._write_head(os.path.join(staging, f"head-{h}.bin"), table, sizes[h] * row_bytes)
-                    done += table.nbytes
+                    self._write_head(os.path.join(staging, f"head-{h}.bin"), table, sizes[h] * row_bytes, row_bytes)
+                    done += sizes[h] * row_bytes
                     if progress is not None:
                         progress(done)
                 with open(os.path.join(staging, "layout"), "wb") as f:
@@ -225,17 +231,22 @@ class LocalDir:
             lock.close(unlink=True)  # nothing left behind: a waiter locks the file at the path, not this one
 
     @staticmethod
-    def _write_head(file: str, table: np.ndarray, nbytes: int) -> None:
+    def _write_head(file: str, table: Any, nbytes: int, row_bytes: int) -> None:
+        """Write one head's file from its table, or from ``fill(start_row, out)`` called chunk by chunk."""
         fd = os.open(file, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
         try:
             reserve(fd, nbytes, file, "local_dir")  # a full tmpfs fails here, not with SIGBUS later
-            view = memoryview(table.reshape(-1).view(np.uint8))
             step = 64 << 20
-            for start in range(0, nbytes, step):  # pwrite: no page faults in this process
-                piece = view[start:start + step]
-                written = 0
-                while written < piece.nbytes:
-                    written += os.pwrite(fd, piece[written:], start + written)
+            if callable(table) and not isinstance(table, np.ndarray):
+                chunk = np.empty((max(1, step // row_bytes), row_bytes), dtype=np.uint8)
+                for start in range(0, nbytes // row_bytes, chunk.shape[0]):
+                    rows = chunk[:min(chunk.shape[0], nbytes // row_bytes - start)]
+                    table(start, rows)
+                    _pwrite_all(fd, memoryview(rows.reshape(-1)), start * row_bytes)
+            else:
+                view = memoryview(table.reshape(-1).view(np.uint8))
+                for start in range(0, nbytes, step):  # pwrite: no page faults in this process
+                    _pwrite_all(fd, view[start:start + step], start)
             os.fsync(fd)
             os.fchmod(fd, 0o400)
         finally:

@@ -59,6 +59,8 @@ class Source:
     #: Whether :meth:`read` of one lookup's job checks the ids' range itself (``Job.unchecked``): a read that
     #: checks them as it builds its request saves a kernel call (~10 us at a model step's cadence, caches cold).
     checks_ids = False
+    #: Whether :meth:`populate` takes ``fill(start_row, out)`` functions in place of tables (files on this host).
+    streams = False
 
     def __init__(self, threads: int = 1):
         self.threads = threads
@@ -187,7 +189,7 @@ def gather(lay: Layer, memory: InMemory, ids2: np.ndarray, flat: np.ndarray, thr
 
 def progress(lay: Layer, tables: Sequence[Any]) -> Progress:
     """The progress bar of a populate: shown for layers above PROGRESS_MIN_BYTES (where stderr is a terminal)."""
-    total = sum(t.nbytes for t in tables)
+    total = sum(n * lay.row_bytes for n in lay.sizes[:len(tables)])
     return Progress(total, f"populate layer {lay.layer_id}", enabled=None if total > PROGRESS_MIN_BYTES else False)
 
 

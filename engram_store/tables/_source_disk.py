@@ -31,6 +31,8 @@ CACHE_SCOPES = ("process", "host")
 class DiskSource(Source):
     """Layers published under ``disk_dir``; ``lay.state`` is the layer's open :class:`~engram_store.disk.DiskLayer`."""
 
+    streams = True
+
     def __init__(self, path: str | os.PathLike, row_cache_bytes: int, row_sizes: Sequence[int], threads: int = 1,
                  cache_scope: str = "process"):
         super().__init__(threads)
@@ -100,8 +102,8 @@ class DiskSource(Source):
         bar = progress(lay, tables)
         try:
             self.dir.write(lay.layer_id, lay.row_bytes, lay.layer_sizes,
-                           [t.reshape(-1).view(np.uint8).reshape(n, lay.row_bytes) for t, n in zip(tables, lay.sizes)],
-                           progress=bar)
+                           [t if callable(t) else t.reshape(-1).view(np.uint8).reshape(n, lay.row_bytes)
+                            for t, n in zip(tables, lay.sizes)], progress=bar)
         finally:
             bar.close()
         self._open(lay)

@@ -59,6 +59,8 @@ class _Mapped:
 class DirSource(ArraySource):
     """Layers published as files under ``local_dir`` (Mooncake's directory layout), mapped read-only."""
 
+    streams = True
+
     def __init__(self, path: str | os.PathLike, threads: int = 1):
         super().__init__(threads)
         self.dir = LocalDir(path)

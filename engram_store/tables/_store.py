@@ -148,11 +148,13 @@ class EngramStore:
 
         Into a store: refuses (naming the key) if any head already exists; if an upload fails, or the call is
         interrupted, every table this call wrote is removed before the error propagates. Under ``local_dir`` or
-        ``disk_dir``: the tables are written into files and published atomically. The caller's buffers may be
-        reused or freed once this returns.
+        ``disk_dir``: the tables are written into files and published atomically, and a table too large to hold
+        in memory may be given as a function ``fill(start_row, out)`` that writes rows ``start_row ..
+        start_row + len(out)`` into ``out`` (uint8 ``[rows, row_bytes]``), called chunk by chunk. The caller's
+        buffers may be reused or freed once this returns.
         """
         lay = self._layer(layer)
-        tables = _check_tables(lay, embedding_buffers)
+        tables = _check_tables(lay, embedding_buffers, streams=self._source.streams)
         if not isinstance(replica_num, int) or isinstance(replica_num, bool) or replica_num < 1:
             raise InvalidArgument(f"replica_num: expected an integer >= 1, got {describe(replica_num)}")
         self._source.populate(lay, tables, replica_num)
@@ -164,7 +166,7 @@ class EngramStore:
         Only for an EngramStore without a store, ``local_dir`` or ``disk_dir``, and once per layer.
         """
         lay = self._layer(layer)
-        tables = _check_tables(lay, embedding_buffers)
+        tables = _check_tables(lay, embedding_buffers, streams=False)
         self._source.bind(lay, tables, keep=list(embedding_buffers))
 
     def verify(self, *, layer: int | None = None) -> list[int]:
@@ -379,7 +381,7 @@ class EngramStore:
         return f"EngramStore(layers={self.get_layer_ids()}, store={self._source.where})"
 
 
-def _check_tables(lay: Layer, buffers: Sequence[np.ndarray]) -> list[np.ndarray]:
+def _check_tables(lay: Layer, buffers: Sequence[Any], streams: bool) -> list[Any]:
     n_heads = lay.num_heads
     if isinstance(buffers, np.ndarray) or not isinstance(buffers, (list, tuple)):
         raise InvalidType(f"embedding_buffers: expected a list of {n_heads} arrays (one per head), "
@@ -387,6 +389,8 @@ def _check_tables(lay: Layer, buffers: Sequence[np.ndarray]) -> list[np.ndarray]
     if len(buffers) != n_heads:
         raise InvalidArgument(f"embedding_buffers: expected {n_heads} tables (one per head), got {len(buffers)}")
     for h, (t, n) in enumerate(zip(buffers, lay.sizes)):
+        if streams and callable(t) and not isinstance(t, np.ndarray):
+            continue  # a fill(start_row, out) function, called as the files are written
         if not isinstance(t, np.ndarray):
             raise InvalidType(f"embedding_buffers[{h}]: expected a {lay.row_format} NumPy array, "
                               f"got {type(t).__name__}")
@@ -399,7 +403,7 @@ def _check_tables(lay: Layer, buffers: Sequence[np.ndarray]) -> list[np.ndarray]
         if not t.flags.c_contiguous:
             raise InvalidArgument(f"embedding_buffers[{h}]: expected a C-contiguous array "
                                   "(use np.ascontiguousarray)")
-    return [t.view(lay.dtype) for t in buffers]
+    return [t if callable(t) and not isinstance(t, np.ndarray) else t.view(lay.dtype) for t in buffers]
 
 
 def _source_for(store: Any, local_dir: Any, disk_dir: Any, require_manifest: bool, row_cache_bytes: int,

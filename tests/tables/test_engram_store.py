@@ -911,3 +911,26 @@ def test_bfloat16_rows_fill_torch_and_ml_dtypes_bfloat16_buffers(local_store):
         layer.bind_local([b.astype(np.float32) for b in bits])
         with pytest.raises(InvalidArgument, match=r"got bfloat16 .* \(this layer's rows are float32\)"):
             layer.lookup_into(ids, torch.zeros(want.shape, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("where", ["local_dir", "disk_dir"])
+def test_tables_in_files_populate_from_fill_functions_chunk_by_chunk(tmp_path, where):
+    sizes, dim = [300, 257], 16
+    tables = [np.random.default_rng(49 + h).integers(0, 256, (n, dim), dtype=np.uint8) for h, n in enumerate(sizes)]
+    calls = []
+
+    def fill_from(table):
+        def fill(start, out):
+            calls.append((start, out.shape))
+            out[:] = table[start:start + out.shape[0]]
+        return fill
+
+    config = EngramStoreConfig(sizes, dim, row_format="bytes")
+    with EngramStore(next(_layers), config, None, **{where: tmp_path}) as layer:
+        layer.populate([fill_from(t) for t in tables])
+        ids = random_ids(np.random.default_rng(50), sizes, 2, 3)
+        np.testing.assert_array_equal(layer.lookup(ids), expected_rows(tables, ids))
+    assert calls and all(shape[1] == dim for _, shape in calls)
+    with EngramStore(next(_layers), config, None) as layer:
+        with pytest.raises(InvalidType, match=r"embedding_buffers\[0\]: expected a bytes NumPy array, got function"):
+            layer.bind_local([fill_from(t) for t in tables])
