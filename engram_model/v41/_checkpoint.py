@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from engram_store import EngramStore
-from engram_store._errors import EngramError, InvalidArgument, InvalidType, ObjectExists, describe
+from engram_store._errors import EngramError, InvalidArgument, InvalidType, ObjectExists, ObjectNotFound, describe
 from engram_store._progress import Progress
 
 from .._fp8 import E4M3_TABLE
@@ -278,28 +278,31 @@ def _table_tensors(ckpt: SafetensorsCheckpoint, config: V41Config, layer_id: int
 
 
 def load_v41_table(path: Any, config: V41Config, layer_id: int, store: Any = None, *, disk_dir: Any = None,
-                   replica_num: int = 1, progress: bool | None = None, row_cache_bytes: int = 0) -> EngramStore:
-    """Stream one layer's FP8 table from the checkpoint into ``store`` (a DistributedStore) or under ``disk_dir`` (a
-    directory on local SSD, for tables larger than memory), column by column.
+                   local_dir: Any = None, replica_num: int = 1, progress: bool | None = None, row_cache_bytes: int = 0,
+                   cache_scope: str = "process") -> EngramStore:
+    """Stream one layer's FP8 table from the checkpoint into ``store`` (a DistributedStore), under ``disk_dir`` (a
+    directory on local SSD, for tables larger than memory) or under ``local_dir`` (files in memory, e.g. in
+    /dev/shm, shared by the host's processes), column by column.
 
     Into a store, each column is packed (codes then scale bytes, checked for NaNs) into one reused buffer and
-    populated as a head shard of the layer; the last publishes the layer's manifest. Under ``disk_dir`` the disk
-    writer pulls the rows column by column in chunks and publishes the layer's files at the end. Either way memory
-    stays bounded by one column (store) or one chunk (disk). Refuses a layer already (or partly) there. On any
-    failure nothing this load wrote stays (each column written is taken back with
+    populated as a head shard of the layer; the last publishes the layer's manifest. Under ``disk_dir`` or
+    ``local_dir`` the writer pulls the rows column by column in chunks and publishes the layer's files at the end.
+    Either way memory stays bounded by one column (store) or one chunk (files). Refuses a layer already (or partly)
+    there. On any failure nothing this load wrote stays (each column written is taken back with
     :meth:`EngramStore.undo_populate`: a layer that another process removed with force and loaded meanwhile stays
     whole). ``progress`` shows a bar on stderr (None: where stderr is a terminal and the data is large). Returns
-    the layer's EngramStore (``row_cache_bytes``: its hot-row cache on disk), ready for :class:`V41Engram`.
+    the layer's EngramStore, opened with ``row_cache_bytes`` and ``cache_scope`` (as :class:`EngramStore` takes
+    them), ready for :class:`V41Engram` and :class:`V41Rows`.
     """
     ckpt = _as_checkpoint(path)
     layout = v41_store_config(config, layer_id)
     weight, scale = _table_tensors(ckpt, config, layer_id)  # the tensors are checked before anything else
-    if store is not None and disk_dir is not None:
-        raise InvalidArgument(f"store, disk_dir: expected exactly one place for the table of layer {layer_id}, got "
-                              f"store={type(store).__name__} and disk_dir={describe(disk_dir)}")
+    options = _table_options(layer_id, store, disk_dir, local_dir, row_cache_bytes, cache_scope)
     if disk_dir is not None:
-        return _load_to_disk(ckpt, config, layer_id, disk_dir, progress, row_cache_bytes)
-    layer = _store_layer(store, layout, layer_id)
+        return _load_to_disk(ckpt, config, layer_id, disk_dir, progress, options)
+    if local_dir is not None:
+        return _load_to_local_dir(ckpt, config, layer_id, options)
+    layer = _store_layer(store, layout, layer_id, options)
     present = [k for k, e in zip(layer.get_store_keys(), store.batch_is_exist(layer.get_store_keys())) if e]
     if present:
         layer.close()
@@ -330,22 +333,30 @@ def load_v41_table(path: Any, config: V41Config, layer_id: int, store: Any = Non
 
 
 def open_v41_table(path: Any, config: V41Config, layer_id: int, store: Any = None, *, disk_dir: Any = None,
-                   replica_num: int = 1, progress: bool | None = None, row_cache_bytes: int = 0) -> EngramStore:
-    """The layer's EngramStore in ``store`` or under ``disk_dir``: opened where the layer is there already, else
-    streamed in from the checkpoint first (:func:`load_v41_table`). A layer partly there (an interrupted load) is
-    refused: remove it and load it again."""
+                   local_dir: Any = None, replica_num: int = 1, progress: bool | None = None, row_cache_bytes: int = 0,
+                   cache_scope: str = "process") -> EngramStore:
+    """The layer's EngramStore in ``store``, under ``disk_dir`` or under ``local_dir``: opened where the layer is
+    there already, else streamed in from the checkpoint first (:func:`load_v41_table`, which takes the same
+    arguments). A layer partly in a store (an interrupted load) is refused: remove it and load it again."""
     layout = v41_store_config(config, layer_id)
-    if store is not None and disk_dir is not None:
-        raise InvalidArgument(f"store, disk_dir: expected exactly one place for the table of layer {layer_id}, got "
-                              f"store={type(store).__name__} and disk_dir={describe(disk_dir)}")
+    options = _table_options(layer_id, store, disk_dir, local_dir, row_cache_bytes, cache_scope)
+    load = dict(disk_dir=disk_dir, local_dir=local_dir, replica_num=replica_num, progress=progress,
+                row_cache_bytes=row_cache_bytes, cache_scope=cache_scope)
     if disk_dir is not None:
         from engram_store.disk import DiskDir
 
         if layer_id in DiskDir(disk_dir).layers():
-            return EngramStore(layer_id, layout, disk_dir=disk_dir, row_cache_bytes=row_cache_bytes)
-        return load_v41_table(path, config, layer_id, disk_dir=disk_dir, progress=progress,
-                              row_cache_bytes=row_cache_bytes)
-    layer = _store_layer(store, layout, layer_id)
+            return EngramStore(layer_id, layout, None, **options)
+        return load_v41_table(path, config, layer_id, **load)
+    if local_dir is not None:
+        layer = EngramStore(layer_id, layout, None, **options)
+        try:
+            layer.local_tables()  # raises ObjectNotFound where the layer is not published there
+        except ObjectNotFound:
+            layer.close()
+            return load_v41_table(path, config, layer_id, **load)
+        return layer
+    layer = _store_layer(store, layout, layer_id, options)
     present = store.batch_is_exist(layer.get_store_keys())
     if all(present):
         return layer
@@ -355,14 +366,29 @@ def open_v41_table(path: Any, config: V41Config, layer_id: int, store: Any = Non
                               f"(an interrupted load?); engram-layers remove --master {store.master_address} "
                               f"{layer_id}, then load it again")
     _say_why_loading(store, layer_id)
-    return load_v41_table(path, config, layer_id, store, replica_num=replica_num, progress=progress)
+    return load_v41_table(path, config, layer_id, store, **load)
 
 
-def _store_layer(store: Any, layout: Any, layer_id: int) -> EngramStore:
+def _table_options(layer_id: int, store: Any, disk_dir: Any, local_dir: Any, row_cache_bytes: int,
+                   cache_scope: str) -> dict[str, Any]:
+    """The EngramStore keywords of the one place a layer's table is (refusing none or several)."""
+    places = {name: value for name, value in (("store", store), ("disk_dir", disk_dir), ("local_dir", local_dir))
+              if value is not None}
+    if len(places) != 1:
+        got = ", ".join(f"{name}={describe(value)}" for name, value in places.items()) or "none"
+        raise InvalidArgument(f"store, disk_dir, local_dir: expected exactly one place for the table of layer "
+                              f"{layer_id}, got {got}")
+    options: dict[str, Any] = {"row_cache_bytes": row_cache_bytes, "cache_scope": cache_scope}
+    if store is None:
+        options.update(places)
+    return options
+
+
+def _store_layer(store: Any, layout: Any, layer_id: int, options: dict[str, Any]) -> EngramStore:
     if isinstance(store, EngramStore) or not hasattr(store, "batch_is_exist"):
         raise InvalidType(f"store: expected a DistributedStore (the table goes in as head shards of layer "
                           f"{layer_id}), got {type(store).__name__}")
-    return EngramStore(layer_id, layout, store)
+    return EngramStore(layer_id, layout, store, **options)
 
 
 def _say_why_loading(store: Any, layer_id: int) -> None:
@@ -400,7 +426,7 @@ def _pack_column(weight: np.ndarray, scale: np.ndarray, offset: int, column: np.
 
 
 def _load_to_disk(ckpt: "SafetensorsCheckpoint", config: V41Config, layer_id: int, disk_dir: Any,
-                  progress: bool | None, row_cache_bytes: int) -> EngramStore:
+                  progress: bool | None, options: dict[str, Any]) -> EngramStore:
     """:func:`load_v41_table` into a ``disk_dir``: each column's rows are packed chunk by chunk as the writer asks."""
     from engram_store.disk import DiskDir
 
@@ -409,7 +435,20 @@ def _load_to_disk(ckpt: "SafetensorsCheckpoint", config: V41Config, layer_id: in
     directory = DiskDir(disk_dir)
     if layer_id in directory.layers():
         raise ObjectExists(f"layer {layer_id} is already published under disk_dir {directory.path}; remove it first")
+    nbytes = config.num_embeddings(layer_id) * config.row_bytes
+    bar = Progress(nbytes, f"layer {layer_id} to {directory.path}",
+                   enabled=progress if progress is not None else (None if nbytes >= PROGRESS_MIN_BYTES else False))
+    try:
+        directory.write(layer_id, config.row_bytes, layout.table_vocab_sizes,
+                        _column_fills(weight, scale, config, layer_id), progress=bar)
+    finally:
+        bar.close()
+    return EngramStore(layer_id, layout, **{**options, "disk_dir": directory.path})
 
+
+def _column_fills(weight: np.ndarray, scale: np.ndarray, config: V41Config, layer_id: int) -> list:
+    """One ``fill(start_row, out)`` per column: its rows packed (codes, then scale bytes) chunk by chunk, NaNs
+    refused naming the table row."""
     def column(c: int, offset: int):
         def fill(start: int, out: np.ndarray) -> None:
             rows = slice(offset + start, offset + start + out.shape[0])
@@ -418,14 +457,17 @@ def _load_to_disk(ckpt: "SafetensorsCheckpoint", config: V41Config, layer_id: in
                 raise InvalidArgument(f"layer {layer_id}: table row {offset + start + int(bad)} (column {c}) holds an "
                                       "e4m3 NaN code or e8m0 byte 255")
         return fill
+    return [column(c, offset) for c, offset in enumerate(config.offsets(layer_id).tolist())]
 
-    nbytes = config.num_embeddings(layer_id) * config.row_bytes
-    bar = Progress(nbytes, f"layer {layer_id} to {directory.path}",
-                   enabled=progress if progress is not None else (None if nbytes >= PROGRESS_MIN_BYTES else False))
+
+def _load_to_local_dir(ckpt: "SafetensorsCheckpoint", config: V41Config, layer_id: int,
+                       options: dict[str, Any]) -> EngramStore:
+    """:func:`load_v41_table` under a ``local_dir``: each column's file is written from its rows chunk by chunk."""
+    weight, scale = _table_tensors(ckpt, config, layer_id)
+    layer = EngramStore(layer_id, v41_store_config(config, layer_id), None, **options)
     try:
-        directory.write(layer_id, config.row_bytes, layout.table_vocab_sizes,
-                        [column(c, offset) for c, offset in enumerate(config.offsets(layer_id).tolist())],
-                        progress=bar)
-    finally:
-        bar.close()
-    return EngramStore(layer_id, layout, disk_dir=directory.path, row_cache_bytes=row_cache_bytes)
+        layer.populate(_column_fills(weight, scale, config, layer_id))
+    except BaseException:
+        layer.close()
+        raise
+    return layer

@@ -300,30 +300,36 @@ class V41Engram:
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, config: V41Config, layer_id: int, store: Any = None,
                         hasher: V41Hasher | None = None, *, disk_dir: str | os.PathLike | None = None,
-                        row_cache_bytes: int = 0, replica_num: int = 1, progress: bool | None = None) -> "V41Engram":
+                        local_dir: str | os.PathLike | None = None, row_cache_bytes: int = 0,
+                        cache_scope: str = "process", replica_num: int = 1,
+                        progress: bool | None = None) -> "V41Engram":
         """Layer ``layer_id`` of a V4.1 safetensors checkpoint (a file, or a directory of shards with or without
         ``model.safetensors.index.json``).
 
-        ``store`` is an :class:`EngramStore` already holding the layer's table, or a ``DistributedStore``; or, with
-        ``disk_dir``, the table lives in files on local SSD (``row_cache_bytes`` of hot rows kept in memory). For a
-        ``DistributedStore`` or a ``disk_dir`` the layer's EngramStore is built here (and closed with this layer),
-        and a table not yet there is streamed in from the checkpoint first, column by column
-        (:func:`engram_model.v41.load_v41_table`; ``replica_num``, ``progress`` go there). The weights are read and
-        checked before anything is written.
+        The table is in ``store`` (an :class:`EngramStore` already holding the layer's table, or a
+        ``DistributedStore``), under ``disk_dir`` (files on local SSD) or under ``local_dir`` (files in memory,
+        shared by the host's processes): exactly one. For all but an EngramStore the layer's EngramStore is built
+        here with ``row_cache_bytes`` and ``cache_scope`` (as :class:`EngramStore` takes them: with
+        ``cache_scope="host"`` one hot-row cache for every process of the host that opens the same ``disk_dir``)
+        and closed with this layer, and a table not yet there is streamed in from the checkpoint first, column by
+        column (:func:`engram_model.v41.load_v41_table`; ``replica_num``, ``progress`` go there). The weights are
+        read and checked before anything is written.
         """
-
         if not isinstance(config, V41Config):
             raise InvalidType(f"config: expected a V41Config, got {type(config).__name__}")
-        if (store is None) == (disk_dir is None):
-            raise InvalidArgument(f"store, disk_dir: expected exactly one place for the table of layer {layer_id}, "
-                                  f"got store={type(store).__name__} and disk_dir={disk_dir!r}")
+        places = [p for p in (store, disk_dir, local_dir) if p is not None]
+        if len(places) != 1:
+            raise InvalidArgument(f"store, disk_dir, local_dir: expected exactly one place for the table of layer "
+                                  f"{layer_id}, got store={type(store).__name__}, disk_dir={disk_dir!r} and "
+                                  f"local_dir={local_dir!r}")
         ckpt = SafetensorsCheckpoint(path)
         weights = load_v41_weights(ckpt, config, layer_id)
         owned = not isinstance(store, EngramStore)
         if owned and store is not None and not hasattr(store, "batch_is_exist"):
             raise InvalidType(f"store: expected an EngramStore or a DistributedStore, got {type(store).__name__}")
-        layer = open_v41_table(ckpt, config, layer_id, store, disk_dir=disk_dir, replica_num=replica_num,
-                               progress=progress, row_cache_bytes=row_cache_bytes) if owned else store
+        layer = open_v41_table(ckpt, config, layer_id, store, disk_dir=disk_dir, local_dir=local_dir,
+                               replica_num=replica_num, progress=progress, row_cache_bytes=row_cache_bytes,
+                               cache_scope=cache_scope) if owned else store
         try:
             engram = cls(config, layer_id, weights["wkv"], weights["q_weight"], weights["k_weight"], layer, hasher)
         except BaseException:

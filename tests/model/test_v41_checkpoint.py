@@ -207,8 +207,11 @@ def test_refusals_name_the_tensor(tmp_path):
     with pytest.raises(InvalidArgument, match="embed.weight: expected dtype F8_E4M3 or U8, got I32"):
         load_v41_table(tmp_path / "d.safetensors", CFG, 1, None)
     write_safetensors(tmp_path / "f.safetensors", layer_tensors(1, rng))
-    with pytest.raises(InvalidType, match="store: expected a DistributedStore"):
+    with pytest.raises(InvalidArgument, match="store, disk_dir, local_dir: expected exactly one place for the table "
+                                              "of layer 1, got none"):
         load_v41_table(tmp_path / "f.safetensors", CFG, 1, None)
+    with pytest.raises(InvalidType, match="store: expected a DistributedStore"):
+        load_v41_table(tmp_path / "f.safetensors", CFG, 1, object())
     (tmp_path / "e.safetensors").write_bytes(struct.pack("<Q", 10 ** 6) + b"{}")
     with pytest.raises(InvalidArgument, match="not a safetensors file"):
         SafetensorsCheckpoint(tmp_path / "e.safetensors")
@@ -296,3 +299,37 @@ def test_a_layer_the_store_lost_is_loaded_again_with_a_warning_naming_the_loss(t
             caplog.set_level(logging.INFO, logger="engram_model.v41._checkpoint")
             V41Engram.from_checkpoint(tmp_path, CFG, 1, store).close()
             assert "layer 1: the store lost" in caplog.text and "engram:l1:" in caplog.text
+
+
+def test_every_table_option_reaches_the_layer_from_a_checkpoint(tmp_path, embedded):
+    """local_dir, and a host-wide cache over disk_dir, straight from the constructors; the same rows everywhere."""
+    from engram_model.v41 import V41Rows, open_v41_table
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    write_checkpoint(ckpt, np.random.default_rng(11))
+    ids = V41Hasher(CFG, np.arange(100))(np.random.default_rng(12).integers(0, 100, size=(3, 5)))[:, :, 1]
+    ids = ids.reshape(-1, CFG.cols)
+    in_store = V41Engram.from_checkpoint(ckpt, CFG, 3, embedded)
+    in_shm = V41Engram.from_checkpoint(ckpt, CFG, 3, local_dir=tmp_path / "shm")
+    on_ssd = V41Engram.from_checkpoint(ckpt, CFG, 3, disk_dir=tmp_path / "ssd", row_cache_bytes=1 << 20,
+                                       cache_scope="host")
+    want = in_store.rows(ids[None])
+    for engram in (in_shm, on_ssd):
+        np.testing.assert_array_equal(engram.rows(ids[None]), want)
+    assert in_shm.store.local_dir == str(tmp_path / "shm") and in_shm.store.local_tables() is not None
+    assert on_ssd.store.stats()["host_cache_attaches"] >= 1
+    packed = [np.empty((ids.shape[0], CFG.cols, CFG.row_bytes), np.uint8) for _ in range(3)]
+    for engram, out in zip((in_store, in_shm, on_ssd), packed):
+        V41Rows(engram.store, CFG, 3).gather_into(ids, out)
+    np.testing.assert_array_equal(packed[1], packed[0])
+    np.testing.assert_array_equal(packed[2], packed[0])
+    again = open_v41_table(ckpt, CFG, 3, local_dir=tmp_path / "shm")  # published: opened, not written again
+    assert again.local_tables() is not None
+    again.close()
+    with pytest.raises(InvalidArgument, match="cache_scope: 'host' shares the row cache of disk_dir layers"):
+        V41Engram.from_checkpoint(ckpt, CFG, 3, local_dir=tmp_path / "shm", cache_scope="host")
+    with pytest.raises(InvalidArgument, match="store, disk_dir, local_dir: expected exactly one place"):
+        open_v41_table(ckpt, CFG, 3, disk_dir=tmp_path / "ssd", local_dir=tmp_path / "shm")
+    for engram in (in_store, in_shm, on_ssd):
+        engram.close()
