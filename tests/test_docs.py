@@ -2,7 +2,9 @@
 two set-up commands (which CI itself runs: the install, then the tests).
 
 A block that cannot run in a test (it needs a real checkpoint, or runs for minutes) is marked on the line before
-it with ``<!-- docs-test: skip (why) -->``; it is still compiled (python) or syntax-checked (bash). Code blocks are
+it with ``<!-- docs-test: skip (why) -->``; it is still compiled (python) or syntax-checked (bash). A block that
+needs an optional package (a serving engine) is marked ``<!-- docs-test: needs sglang -->``: it runs where the
+package imports and is skipped, saying so, elsewhere. Code blocks are
 ``python`` or ``bash``; output shown in a block has no language (or ``text``).
 
 Shell blocks start servers in the background on port 50051; here each runs with a free port in its place and a
@@ -11,6 +13,8 @@ directory of its own and must leave it empty: examples clean up what they make.
 """
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
 import re
 import subprocess
@@ -28,6 +32,7 @@ README = ROOT / "README.md"
 GUIDES = sorted((ROOT / "docs").glob("*.md"))
 SETUP_COMMANDS = ("pip install -e", "python -m pytest")
 SKIP = "<!-- docs-test: skip"
+NEEDS = "<!-- docs-test: needs "
 #: Fence languages: code that runs, and output that does not.
 RUNS, SHOWN = ("python", "bash"), ("", "text")
 
@@ -39,6 +44,7 @@ class Block:
     language: str
     text: str
     skip: bool       # marked: compiled or syntax-checked only
+    needs: tuple = ()  # optional packages it imports: skipped where one is missing
 
     @property
     def id(self) -> str:
@@ -54,8 +60,9 @@ def _blocks(path: Path) -> list[Block]:
             language, start = lines[i][3:].strip(), i
             end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
             before = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
+            needs = tuple(before[len(NEEDS):].rstrip(" ->").split(",")) if before.startswith(NEEDS) else ()
             out.append(Block(path, start + 1, language, "\n".join(lines[start + 1:end]) + "\n",
-                             before.startswith(SKIP)))
+                             before.startswith(SKIP), tuple(n.strip() for n in needs)))
             i = end
         i += 1
     return out
@@ -103,6 +110,16 @@ def test_python_block_runs(block, own_tmp):
     code = compile(block.text, str(block.path), "exec")
     if block.skip:
         return
+    missing = [name for name in block.needs if importlib.util.find_spec(name) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)}, which is not installed here (an optional serving engine)")
+    if block.needs:  # engines write caches into the temporary directory as they import: theirs, not the example's
+        imports = [node for node in ast.parse(block.text).body if isinstance(node, (ast.Import, ast.ImportFrom))]
+        saved, tempfile.tempdir = tempfile.tempdir, None
+        try:
+            exec(compile(ast.Module(imports, []), str(block.path), "exec"), {})
+        finally:
+            tempfile.tempdir = saved
     exec(code, {"__name__": "__docs__"})
 
 
