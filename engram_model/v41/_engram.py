@@ -34,6 +34,7 @@ import numpy as np
 
 from engram_store import EngramStore, LookupHandle
 from engram_store._errors import InvalidArgument, InvalidType, describe
+from engram_store.buffers import host_array
 
 from . import _kernels
 from ._checkpoint import SafetensorsCheckpoint, load_v41_weights, open_v41_table
@@ -133,9 +134,11 @@ class V41Engram:
 
     def _row_ids(self, row_ids: Any) -> np.ndarray:
         """This layer's ``[B, L, cols]`` rows from ``[B, L, cols]`` or a hasher's ``[B, L, n_layers, cols]``."""
+        if not isinstance(row_ids, np.ndarray) and hasattr(row_ids, "__dlpack__"):  # a CPU tensor (torch, ...)
+            row_ids = host_array(row_ids, "row_ids", writable=False).array
         if not isinstance(row_ids, np.ndarray) or row_ids.dtype.kind not in "iu":
-            raise InvalidType(f"row_ids: expected an integer NumPy array [B, L, cols] or [B, L, n_layers, cols], "
-                              f"got {getattr(row_ids, 'dtype', type(row_ids).__name__)}")
+            raise InvalidType(f"row_ids: expected an integer NumPy array or CPU tensor [B, L, cols] or "
+                              f"[B, L, n_layers, cols], got {getattr(row_ids, 'dtype', type(row_ids).__name__)}")
         cols, n_layers = self.config.cols, len(self.config.layer_ids)
         if row_ids.ndim == 4 and row_ids.shape[2:] == (n_layers, cols):
             row_ids = row_ids[:, :, self.layer_index]
@@ -151,7 +154,9 @@ class V41Engram:
         return self.hasher(input_ids, token_mask, position_ids)[:, :, self.layer_index]
 
     def rows(self, row_ids: Any, out: np.ndarray | None = None) -> np.ndarray:
-        """Decoded rows float32 ``[B, L, cols, head_dim]`` for ``row_ids`` (rows of the layer's table)."""
+        """Decoded rows float32 ``[B, L, cols, head_dim]`` (bf16 values) for ``row_ids`` (rows of the layer's
+        table, a NumPy array or CPU tensor); rows holding a NaN code or scale byte 255 are refused, naming the row.
+        For an engine's own buffers (bf16, packed, split; -1 padding) use :class:`V41Rows`."""
         ids = self._row_ids(row_ids)
         B, L, cols = ids.shape
         shape = (B, L, cols, self.config.head_dim)

@@ -176,3 +176,14 @@ def test_the_demo_runs(capsys):
     out = capsys.readouterr().out
     assert "the masked position passed through unchanged: True" in out
     assert "layer 1: 4 fused, 0 staged" in out  # warm-up, prefill, 2 decode steps: all decoded in place
+
+
+def test_rows_take_torch_ids():
+    torch = pytest.importorskip("torch", reason="torch is an optional extra (pip install -e '.[torch]')")
+    cfg = V41Config(layer_ids=[1, 2], n_heads=1, max_ngram_size=2, head_dim=32, engram_vocab_size=100,
+                    compressed_vocab_size=10, hidden_size=8, hc_mult=2)
+    tables, es, wkv, q, k = make_layer(cfg, 2, np.random.default_rng(3))
+    engram = V41Engram(cfg, 2, wkv, q, k, es)
+    ids = np.full((1, 3, 1), int(cfg.offsets(2)[0]) + 4)
+    np.testing.assert_array_equal(engram.rows(torch.from_numpy(ids.astype(np.int32))), engram.rows(ids))
+    es.close()
