@@ -165,10 +165,12 @@ def _run(step: str, T: int, cands: dict, rounds: int, baseline: str | None, extr
     for fn in cands.values():
         fn(sets - 1)  # compile, map, warm (timed rounds start from set 0)
     times: dict[str, list[float]] = {name: [] for name in cands}
+    items = list(cands.items())
     for r in range(rounds):
-        for i, (name, fn) in enumerate(cands.items()):
+        for i in range(len(items)):  # the order turns each round: no candidate always follows the same one
+            name, fn = items[(i + r) % len(items)]
             t0 = time.perf_counter_ns()
-            fn((r * len(cands) + i if fresh else r) % (sets - 1))
+            fn((r * len(items) + i if fresh else r) % (sets - 1))
             times[name].append((time.perf_counter_ns() - t0) / 1e3)
     med = {name: float(np.median(v)) for name, v in times.items()}
     base = med.get(baseline) if baseline else None
