@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
+
+from engram_store._errors import JournalError
 
 from ._fencing import Fence
 from ._records import COMPLETE, ObjectMeta, Replica, some_keys
@@ -67,6 +70,14 @@ class Repairs:
         meta = self.objects.get(job.key)
         usable = (ok and target is not None and meta is job.meta
                   and job.target_id not in {r.segment_id for r in meta.replicas})
+        replica = Replica(job.target_id, job.target_offset, job.put_id)
+        if usable:
+            try:
+                self._record(self._object_record(job.key, dataclasses.replace(meta, replicas=[*meta.replicas,
+                                                                                              replica])))
+            except JournalError as exc:
+                log.warning("re-replication of %r to %s is given up: %s", job.key, job.target_address, exc)
+                usable = False
         if not usable:
             if target is not None and ok:
                 target.allocator.free(job.target_offset, job.size)  # every write of the copy was answered
@@ -75,9 +86,8 @@ class Repairs:
                 target.fences.add(job.put_id)
                 self.fencing[job.put_id] = Fence(job.key, job.size, {job.target_id: job.target_offset})
             return False
-        meta.replicas.append(Replica(job.target_id, job.target_offset, job.put_id))
+        meta.replicas.append(replica)
         target.catalog_version += 1
-        self._journal_object(job.key, meta)
         return True
 
     # ---- lost objects a segment still holds ------------------------------------------------------
@@ -105,26 +115,40 @@ class Repairs:
 
     def offer_verified(self, segment_id: str, registration: str, keys: list[str]) -> int:
         """The segment checked the objects :meth:`verification_candidates` named; those in ``keys`` matched their
-        checksums and are restored; the space of the others is free again. Returns how many were restored."""
+        checksums and are restored (in one journal record, written first: if it cannot be, none is, and
+        JournalError says why; the segment is asked again when it next registers); the space of the others is
+        free again. A write of a restored key still in progress is fenced: the acknowledged object is back.
+        Returns how many were restored."""
         segment = self.segments.get(segment_id)
         if segment is None or registration != segment.registration:
             return 0
         verified = set(keys)
-        restored = []
-        for key, (offset, size, generation) in list(segment.verifying.items()):
-            del segment.verifying[key]
-            lost = self.lost.get(key)
-            if key in verified and lost is not None and key not in self.objects and lost.size == size:
-                del self.lost[key]
-                meta = self.objects[key] = ObjectMeta(size, lost.replica_num,
-                                                      [Replica(segment_id, offset, generation)], COMPLETE,
-                                                      checksum=lost.checksum)
-                self._journal_object(key, meta)
-                restored.append(key)
-            else:
-                segment.allocator.free(offset, size)
-        if restored:
+        restore: dict[str, ObjectMeta] = {}
+        for key, (offset, size, generation) in segment.verifying.items():
+            lost, meta = self.lost.get(key), self.objects.get(key)
+            if key in verified and lost is not None and lost.size == size and (meta is None
+                                                                                or meta.state == PENDING):
+                restore[key] = ObjectMeta(size, lost.replica_num, [Replica(segment_id, offset, generation)],
+                                          COMPLETE, checksum=lost.checksum)
+        verifying, segment.verifying = segment.verifying, {}
+        try:
+            self._record(*[self._object_record(key, meta) for key, meta in restore.items()])
+        except JournalError:
+            restore = {}
+            raise
+        finally:
+            for key, (offset, size, _) in verifying.items():
+                if key not in restore:
+                    segment.allocator.free(offset, size)
+        for key, meta in restore.items():
+            if key in self.objects:
+                log.warning("the write of %r in progress is fenced: segment %s brings back its lost object", key,
+                            segment_id)
+                self._fence(key, self.objects[key])
+            del self.lost[key]
+            self.objects[key] = meta
+        if restore:
             segment.catalog_version += 1
-            log.warning("segment %s: %d lost object(s) restored, their bytes intact%s", segment_id, len(restored),
-                        some_keys(restored))
-        return len(restored)
+            log.warning("segment %s: %d lost object(s) restored, their bytes intact%s", segment_id, len(restore),
+                        some_keys(list(restore)))
+        return len(restore)

@@ -26,6 +26,7 @@ from .._errors import (
     ConfigError,
     EngramError,
     InvalidArgument,
+    JournalError,
     MasterUnavailable,
     ProtocolError,
     RemoteError,
@@ -225,12 +226,19 @@ class SegmentServer:
                 except ProtocolError as exc:
                     raise ConfigError(f"segment {self.segment_id}: {self.master_address} is not an engram master "
                                       f"({self._what_answers(conn)}): {exc}; pass the master's HOST:PORT") from None
-                except MasterUnavailable:
+                except (MasterUnavailable, JournalError) as exc:
                     if time.monotonic() + delay > deadline:
+                        if isinstance(exc, JournalError):
+                            raise
                         raise MasterUnavailable(
                             f"segment {self.segment_id}: master {self.master_address} did not answer "
                             f"within {self._register_timeout_s:g} s (is the address right, and is engram-master "
                             "running there?)") from None
+                    if isinstance(exc, JournalError) and not warned:  # it cannot record the registration yet
+                        warned = True
+                        log.warning("segment %s: master %s could not register it (%s); trying again for up to "
+                                    "%.1f s", self.segment_id, self.master_address, exc,
+                                    max(0.0, deadline - time.monotonic()))
                     if not warned:
                         warned = True
                         log.warning("segment %s: master %s does not answer yet; trying again for up to %.1f s "
