@@ -64,7 +64,9 @@ class Adoption:
             records += [{"op": "removed", "key": key, "generation": r.generation} for r in meta.replicas
                         if r.generation]
         for key, meta in self.objects.items():
-            records.append(object_record(key, meta) if meta.replicas else self.lost[key].record(key))
+            records.append(object_record(key, meta))  # with no replica left, replay forgets the object here ...
+            if not meta.replicas:
+                records.append(self.lost[key].record(key))  # ... and remembers it lost
         return records
 
 
@@ -209,7 +211,7 @@ class Adoptions:
         for key, meta in plan.objects.items():
             if meta.replicas:
                 self.objects[key] = meta
-                self.lost.pop(key, None)
+                self.found(key, meta.replicas)
             else:
                 self.objects.pop(key, None)
                 self._remember_lost(key, plan.lost[key])

@@ -69,18 +69,7 @@ class Journal:
             return []
         except OSError as exc:
             raise JournalError(f"journal {self.path}: cannot read it: {exc.strerror or exc}") from None
-        lines = data.split(b"\n")
-        torn = lines.pop()  # what follows the last newline: empty unless a crash cut the last append short
-        if torn:
-            log.warning("journal %s: its last record (line %d, %d bytes) was cut short by a crash while it was "
-                        "written; dropped (its change was never made)", self.path, len(lines) + 1, len(torn))
-        reader = Reader(self.path)
-        records = []
-        for number, line in enumerate(lines, 1):
-            if not line.strip() and not reader.versioned:
-                continue  # blank lines of older journals
-            records.append(reader.decode(line, number))
-        return records[1:] if reader.versioned else records
+        return parse(data, self.path)
 
     def rewrite(self, records: Iterable[dict]) -> None:
         """Atomically replace the journal with ``records`` (after a header) and open it for appending."""
@@ -151,6 +140,22 @@ class Journal:
         """Close and let another process own the journal."""
         self.close()
         self.owner.release()
+
+
+def parse(data: bytes, path: str) -> list[dict]:
+    """The records of a journal's bytes (see :meth:`Journal.read`)."""
+    lines = data.split(b"\n")
+    torn = lines.pop()  # what follows the last newline: empty unless a crash cut the last append short
+    if torn:
+        log.warning("journal %s: its last record (line %d, %d bytes) was cut short by a crash while it was "
+                    "written; dropped (its change was never made)", path, len(lines) + 1, len(torn))
+    reader = Reader(path)
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip() and not reader.versioned:
+            continue  # blank lines of older journals
+        records.append(reader.decode(line, number))
+    return records[1:] if reader.versioned else records
 
 
 def _sync_directory(path: str) -> None:

@@ -82,6 +82,14 @@ class Replay:
         else:  # the journal's reader refuses these before replay
             raise JournalError(f"journal: cannot replay a record of unknown op {op!r}")
 
+    def found(self, key: str, replicas: list[Replica]) -> None:
+        """An object of ``key`` with ``replicas`` is known again: a lost one of the key is restored by it, or (written
+        anew while it was lost) is removed, so its bytes never come back over the new object."""
+        if key in self.lost and not any(r.generation == p.generation for r in replicas
+                                        for p in self.lost[key].places):
+            self._forget_lost(key)
+        self.lost.pop(key, None)
+
     def _free_replicas(self, meta: ObjectMeta) -> list[tuple[str, int, int]]:
         freed = []
         for replica in meta.replicas:
@@ -125,10 +133,7 @@ class Replay:
                         "another object, or a segment it does not know; that replica is not restored", key, size,
                         replica.segment_id, replica.offset)
         if replicas:
-            if key in self.lost and not any(r.generation == p.generation for r in replicas
-                                            for p in self.lost[key].places):
-                self._forget_lost(key)  # written anew while it was lost (not the lost object restored)
-            self.lost.pop(key, None)
+            self.found(key, replicas)
             self.objects[key] = ObjectMeta(size, replica_num, replicas, COMPLETE, checksum=checksum)
         elif refused:
             message = (f"object {key!r} was lost: the journal's record of it could not be replayed (its space at "
