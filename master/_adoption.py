@@ -137,7 +137,6 @@ class Adoptions:
         if meta is not None and meta.state == PENDING and self._restores_lost(key, offset, size, checksum, generation,
                                                                                sid):
             plan.fenced.add(key)
-            plan.notes.append(f"a write of {key!r} in progress is fenced: the segment brings back its lost object")
             return True
         if meta is not None and (meta.state != COMPLETE or meta.size != size
                                  or (checksum and meta.checksum and checksum != meta.checksum)):
@@ -205,6 +204,8 @@ class Adoptions:
         self.quarantine.clear()
         self.quarantine.extend(sorted(plan.quarantine, key=lambda e: e[0]))
         for key in plan.fenced:
+            log.warning("the write of %r in progress is fenced: segment %s brings back its lost object", key,
+                        segment.segment_id)
             self._fence(key, self.objects[key])
         for key, meta in plan.replaced.items():
             self._release(key, meta, keep=segment.segment_id)
@@ -220,7 +221,8 @@ class Adoptions:
         generations = [r.generation for m in plan.objects.values() for r in m.replicas]
         self.next_put_id = max([self.next_put_id, *(g + 1 for g in generations)])
         adopted = sum(1 for m in plan.objects.values() for r in m.replicas if r.segment_id == segment.segment_id)
-        log.info("segment %s: %d object(s) it holds are known, ignored %d", segment.segment_id, adopted, plan.skipped)
+        log.info("segment %s: adopted %d object(s) it still holds, ignored %d", segment.segment_id, adopted,
+                 plan.skipped)
         if plan.notes:
             log.warning("segment %s holds objects that differ from what the journal says (it lost records, or was "
                         "restored from an older copy); the segment's, verified, are taken: %s%s", segment.segment_id,
