@@ -37,7 +37,9 @@ class JournalFaults:
         """Call once ``self.dir`` exists; ``enabled``: journal faults in the schedule (seeds found before them
         replay without)."""
         self.journal_rng = random.Random(f"journal {self.seed}") if enabled else None
-        self.journal_disk = JournalDisk.maybe(os.path.join(self.dir, "journal-fs")) if enabled else None
+        self.journal_disk = None
+        if enabled and self.plan.journal:
+            self.journal_disk = JournalDisk.maybe(os.path.join(self.dir, "journal-fs"))
         self.facts["journal_cut"] = False
 
     @property
