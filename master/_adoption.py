@@ -54,6 +54,9 @@ class Adoption:
     #: Removed space held back for the reuse delay that the adopted objects may take; given back to the quarantine
     #: where they leave room.
     held_back: list = field(default_factory=list)
+    #: Journalled objects with a replica here that the segment does not list, by key -> (offset, size, generation):
+    #: asked about (see Segment.doubtful).
+    doubtful: dict = field(default_factory=dict)
     #: What differs from what the master knew, logged once applied.
     notes: list = field(default_factory=list)
     skipped: int = 0
@@ -110,7 +113,20 @@ class Adoptions:
                 plan.objects[key] = dataclasses.replace(meta, replicas=[*meta.replicas, replica],
                                                         checksum=meta.checksum or checksum)
             plan.lost.pop(key, None)
+        if journalled:
+            self._doubt(plan, {(w[0], w[1]) for w in map(_offer, offers)})
         return plan
+
+    def _doubt(self, plan: Adoption, listed: set) -> None:
+        """The journalled objects with a replica here that the segment does not list, as they will be."""
+        sid = plan.segment.segment_id
+        for key in self.objects.keys() | plan.objects.keys():
+            meta = plan.objects.get(key) or self.objects.get(key)
+            if key in plan.replaced and key not in plan.objects or meta.state != COMPLETE:
+                continue
+            for r in meta.replicas:
+                if r.segment_id == sid and (key, r.offset) not in listed:
+                    plan.doubtful[key] = (r.offset, meta.size, r.generation)
 
     def _wanted(self, plan: Adoption, offer: tuple, journalled: bool) -> bool:
         """Whether to take one offered object back (False: known already, removed, or another object's key)."""
@@ -196,6 +212,7 @@ class Adoptions:
     def apply_adoption(self, segment: Segment, plan: Adoption) -> None:
         """Make the planned changes (their record is written); ``segment`` is the registered segment."""
         segment.allocator, segment.held = plan.segment.allocator, plan.segment.held
+        segment.doubtful = plan.doubtful
         for reusable_at, _, offset, size in plan.held_back:
             for start, length in segment.allocator.free_blocks():
                 lo, hi = max(start, offset), min(start + length, offset + size)

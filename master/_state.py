@@ -113,7 +113,7 @@ class MasterState(Fencing, Repairs, Replay, Adoptions):
         fresh = Segment(segment_id, address, size, shm_path, host_id, FreeListAllocator(size), self.clock(),
                         public_key, tuple(read_addresses)) if known is None else None
         plan = None
-        if confirmed and objects and (known is None or not known.confirmed):
+        if confirmed and (objects and known is None or known is not None and not known.confirmed):
             journalled = known is not None  # restored by the replay, registering for the first time since
             target = fresh or dataclasses.replace(known, allocator=known.allocator.copy(), held=set(known.held))
             plan = self.plan_adoption(target, objects or [], held or [], journalled,
@@ -132,6 +132,7 @@ class MasterState(Fencing, Repairs, Replay, Adoptions):
                 for offset, length, _ in known.verifying.values():  # asked of the old registration: ask again
                     known.allocator.free(offset, length)
                 known.verifying.clear()
+                known.doubtful = {}
                 self._end_registration(known)
         segment = self.segments[segment_id]
         segment.confirmed = confirmed

@@ -172,10 +172,11 @@ def _judge(history, target, op, violation: str) -> None:
 
 def journal_cut_allows(history, target, op) -> str:
     """Why a cut journal (whole records lost from its end, ``facts["journal_cut"]``) explains this final read of a
-    store object, or "". The master takes back every object a live segment holds; what it cannot know is a remove
-    it lost (the object comes back where its place is free, or its segments refuse reads of it: StalePlacement, or
-    it is reported lost: written over), and an object whose every segment died, whose loss only the lost records
-    named (it reads as absent; nothing holds its bytes). Nothing else: no wrong row, no object a segment holds."""
+    store object, or "". The master takes back every object a live segment holds, and drops what a segment says it
+    no longer holds; what it cannot know is a remove it lost where the segment restarted since (the object comes
+    back; reported lost, or StalePlacement, where its segment disowns it), and an object whose every segment died,
+    whose loss only the lost records named (it reads as absent; nothing holds its bytes). Nothing else: no wrong
+    row, no object a segment holds."""
     if not history.facts.get("journal_cut") or target[0] not in ("store", "key"):
         return ""
     error = op.reply.get("error")

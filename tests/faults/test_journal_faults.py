@@ -230,8 +230,11 @@ def _cut(journal: str, records: int) -> None:
 def test_a_journal_that_lost_its_last_records_takes_back_what_the_segment_holds_and_one_that_rotted_is_refused(
         tmp_path):
     """Cut at a record boundary, the journal read as a shorter valid one: the master started without a word, layer
-    2 disappeared, the durable segment dropped it from its catalogue and the next layer was placed over it. A
-    changed byte anywhere is refused at start, naming the line."""
+    2 disappeared, the durable segment dropped it from its catalogue and the next layer was placed over it; layer 3,
+    whose remove was cut, came back listed, and every read of it was refused. A changed byte anywhere is refused at
+    start, naming the line."""
+    from engram_store import ObjectLost
+
     journal, data = str(tmp_path / "master.journal"), str(tmp_path / "seg.bin")
     extra = ["--reuse-delay", "0.2"]
     with Cluster(segments=0, journal=journal, extra=extra) as c:
@@ -239,10 +242,12 @@ def test_a_journal_that_lost_its_last_records_takes_back_what_the_segment_holds_
         with DistributedStore.connect(c.address, timeout_ms=5000, local_direct=False) as store:
             EngramStore(1, _config(), store).populate(_tables(1))
             EngramStore(1, _config(), store).remove_from_store()
-            time.sleep(0.4)  # past the reuse delay: layer 2 takes layer 1's space
+            time.sleep(0.4)  # past the reuse delay: the next layers take layer 1's space
+            EngramStore(3, _config(), store).populate(_tables(3))
+            EngramStore(3, _config(), store).remove_from_store()  # one record; the segment marks the layer removed
             EngramStore(2, _config(), store).populate(_tables(2))  # its heads, then its manifest: two records
         c.master.kill()
-        _cut(journal, 2)
+        _cut(journal, 3)  # layer 3's remove and all of layer 2
         with open(journal, "rb") as f:
             whole = f.read()
         damaged = bytearray(whole)
@@ -254,12 +259,16 @@ def test_a_journal_that_lost_its_last_records_takes_back_what_the_segment_holds_
         assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
         assert re.search(r"^engram-master: journal .*: line \d+ does not match its checksum", refused.stderr)
         with open(journal, "wb") as f:
-            f.write(whole)  # restored from a copy; still without its last two records
+            f.write(whole)  # restored from a copy; still without its last three records
         c.restart_master(journal=journal, extra=extra)
         with DistributedStore.connect(c.address, timeout_ms=5000, local_direct=False) as store:
-            _wait_for(lambda: store.status()["objects"] == len(SIZES) + 1, 30, "the segment to offer layer 2 back")
+            _wait_for(lambda: (store.status()["objects"], store.status()["lost"]) == (len(SIZES) + 1,) * 2, 30,
+                      "the segment to offer layer 2 back and disown layer 3")
             _check(EngramStore(2, _config(), store), _tables(2))
-            EngramStore(3, _config(), store).populate(_tables(3))
+            with pytest.raises(ObjectLost, match="engram:l3:.* was lost"):
+                EngramStore(3, _config(), store).lookup(np.zeros((1, 1, len(SIZES)), np.int64))
+            EngramStore(3, _config(), store).remove_from_store()  # a lost layer is removed like any other
+            EngramStore(4, _config(), store).populate(_tables(4))
             _check(EngramStore(2, _config(), store), _tables(2))
-            _check(EngramStore(3, _config(), store), _tables(3))
+            _check(EngramStore(4, _config(), store), _tables(4))
         assert "which the journal does not know" in c.master.output()

@@ -31,15 +31,18 @@ def _objects(state):
             for k, m in state.objects.items() if m.state == "complete"}
 
 
-def _restarted_on(records, catalogues, clock):
-    """A master started on ``records``, and every segment registering with the catalogue it holds; what it then
-    journals rebuilds it exactly."""
+def _restarted_on(records, catalogues, held, clock):
+    """A master started on ``records``, and every segment registering with the catalogue it offers, then answering
+    which of the objects the master asks about it holds (``held``: ``(key, offset, generation)`` of each); what the
+    master journals meanwhile rebuilds it exactly."""
     restored = MasterState(clock=clock)
     restored.replay(records)
     journal = restored.snapshot()
     restored.journal = journal.append
     for sid in SEGMENTS:
         _register(restored, sid, f"again-{sid}", catalogues[sid])
+        asked = restored.verification_candidates(sid)
+        restored.offer_verified(sid, f"again-{sid}", [c[0] for c in asked if (c[0], c[1], c[4]) in held[sid]])
     again = MasterState(clock=clock)
     again.replay(journal)
     assert (_objects(again), sorted(again.lost)) == (_objects(restored), sorted(restored.lost))
@@ -63,10 +66,14 @@ _op = st.one_of(
 
 
 @settings(max_examples=int(os.environ.get("ENGRAM_EXAMPLES", "150")), deadline=None)
-@given(ops=st.lists(_op, max_size=25))
-@example(ops=[("put", 1, 3000, 1), ("remove", 1), ("wait", 2.5), ("put", 2, 3000, 1)])  # into the removed space
-@example(ops=[("put", 1, 3000, 1), ("remove", 1), ("wait", 2.5), ("put", 1, 2000, 1)])  # the same key anew
-def test_a_journal_cut_at_any_record_gives_back_every_object_the_segments_hold(ops):
+@given(ops=st.lists(_op, max_size=25), lagging=st.sets(st.integers(0, 4)))
+@example(ops=[("put", 1, 3000, 1), ("remove", 1), ("wait", 2.5), ("put", 2, 3000, 1)], lagging=set())
+@example(ops=[("put", 1, 3000, 1), ("remove", 1), ("wait", 2.5), ("put", 1, 2000, 1)], lagging=set())
+@example(ops=[("put", 1, 3000, 1), ("put", 2, 100, 1), ("remove", 2)], lagging={1})
+def test_a_journal_cut_at_any_record_gives_back_every_object_the_segments_hold(ops, lagging):
+    """``lagging``: keys whose publication the segments' catalogues do not list yet (the writer could not tell
+    them, and no heartbeat came before the master restarted): they hold them all the same, and keep them where the
+    journal still names them (where it lost them too, nothing names them: that double fault is not recoverable)."""
     clock, journal = Clock(), []
     state = MasterState(clock=clock, journal=journal.append)
     for sid in SEGMENTS:
@@ -85,15 +92,22 @@ def test_a_journal_cut_at_any_record_gives_back_every_object_the_segments_hold(o
         elif op[0] == "wait":
             clock.now += op[1]
             state.release_quarantine()
-    catalogues = {sid: state.segment_objects(sid)[1] for sid in SEGMENTS}
+    held = {sid: {(o[0], o[1], o[5]) for o in state.segment_objects(sid)[1]} for sid in SEGMENTS}
+    catalogues = {sid: [o for o in state.segment_objects(sid)[1] if int(o[0][1:]) not in lagging]
+                  for sid in SEGMENTS}
     want = _objects(state)
     for cut in reversed(range(len(journal) + 1)):
-        restored = _restarted_on(journal[:cut], catalogues, Clock())
+        restored = _restarted_on(journal[:cut], catalogues, held, Clock())
         got = _objects(restored)
-        assert {k: got.get(k) for k in want} == want, f"cut after {cut} of {len(journal)} records"
-        # What the journal still names and the segments no longer hold was removed in what it lost: it comes
-        # back (where its place is still free), or is reported lost (written over), never on another's bytes.
-        assert set(got) - set(want) <= removed and set(restored.lost) <= removed
+        named = MasterState(clock=Clock())
+        named.replay(journal[:cut])  # what the journal that is left names
+        named = _objects(named)
+        unknowable = {k for k in want if int(k[1:]) in lagging and named.get(k) != want[k]}
+        assert {k: got.get(k) for k in want if k not in unknowable} == \
+            {k: v for k, v in want.items() if k not in unknowable}, f"cut after {cut} of {len(journal)} records"
+        # What the journal still names and the segments no longer hold was removed in what it lost: the segment
+        # says so when asked, and it is dropped (reported lost, by name), never read on another's bytes.
+        assert set(got) <= set(want) and set(restored.lost) <= removed | unknowable
         _no_overlap(restored)
         generations = [r.generation for m in restored.objects.values() for r in m.replicas]
         assert restored.next_put_id > max(generations, default=0)
