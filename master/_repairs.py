@@ -113,7 +113,7 @@ class Repairs:
             log.info("segment %s: asked to check %d lost object(s) it may still hold%s", segment_id,
                      len(candidates), some_keys([c[0] for c in candidates]))
         doubtful = [[key, offset, size, self.objects[key].checksum, generation]
-                    for key, (offset, size, generation) in segment.doubtful.items()]
+                    for key, (offset, size, generation) in segment.doubtful.items() if key in self.objects]
         if doubtful:
             log.info("segment %s: asked whether it holds %d object(s) the journal places there and its catalogue "
                      "does not list%s", segment_id, len(doubtful), some_keys([c[0] for c in doubtful]))
