@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from engram_store._errors import JournalError
+from engram_store._errors import EngramError, JournalError
 
 from ._records import COMPLETE, LostObject, ObjectMeta, Replica
 
@@ -41,7 +41,11 @@ class Replay:
         try:
             for record in records:
                 count += 1
-                self._replay_record(record, freed)
+                try:
+                    self._replay_record(record, freed)
+                except EngramError as exc:  # a record the schema allows that contradicts the ones before it
+                    raise JournalError(f"journal: record {count} ({record.get('op')}) cannot be replayed: {exc}; "
+                                       "refusing to start") from None
         finally:
             self.journal = journal
         self._quarantine_replayed(freed)

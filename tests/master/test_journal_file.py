@@ -142,3 +142,12 @@ def test_appends_to_a_full_disk_fail_whole_and_leave_every_acknowledged_record(t
     journal.append({"op": "forget_lost"})
     journal.release()
     assert _read(str(where / "journal")) == written + [{"op": "forget_lost"}]
+
+
+def test_a_record_that_contradicts_the_ones_before_it_is_refused_not_replayed():
+    from master import MasterState
+
+    records = [RECORDS[0], {**RECORDS[0], "size": 8192}]
+    with pytest.raises(JournalError, match=r"record 2 \(segment\) cannot be replayed: segment s1: registered with "
+                                           "size 4096, now claims 8192; refusing to start"):
+        MasterState().replay(records)
