@@ -4,7 +4,9 @@ and damaged at rest between master restarts.
 - **Full.** Where this run may mount (root), the journal lives on a tmpfs of a few MiB, which a fault fills for a
   while: every change the master cannot record is refused (``JournalError``, a definite failure the checker holds
   to "nothing changed"), and a master started meanwhile refuses to start, saying why, and is started again once
-  there is room. Elsewhere the journal lives in the history's directory and never fills.
+  there is room. A tmpfs still takes bytes into the last, partly used page of a file, so the running master is
+  also held to its journal's size meanwhile (RLIMIT_FSIZE: the kernel refuses every byte past it). Elsewhere the
+  journal lives in the history's directory and never fills.
 - **Rot.** The master is killed and its journal damaged before it starts again: a bit flipped anywhere (it must
   refuse to start, naming the line; then the journal is restored, as an operator restores a copy), the last record
   torn, or the last whole records cut (it must start; it cannot know what it lost, and the segments, which it
@@ -69,6 +71,7 @@ class JournalFaults:
         running = self.master is not None and self.master.alive() and not self.master_stopped_until
         if r < 0.12 and self.journal_disk is not None and not self.journal_disk.full_until:
             self.journal_disk.fill(self.now() + self.journal_rng.uniform(0.5, 4.0))
+            self._hold_journal(os.path.getsize(self.journal_file) if os.path.exists(self.journal_file) else None)
             self.log(f"FAULT the journal's file system is full until {self.journal_disk.full_until:.3f}")
         elif r < 0.24 and running and os.path.exists(self.journal_file) and not (
                 self.journal_disk is not None and self.journal_disk.full_until):  # a start must be possible
@@ -104,7 +107,20 @@ class JournalFaults:
     def heal_journal(self) -> None:
         if getattr(self, "journal_disk", None) and self.journal_disk.full_until:
             self.journal_disk.free()
+            self._hold_journal(None)
             self.log("the journal's file system has room again")
+
+    def _hold_journal(self, size: int | None) -> None:
+        """Hold the running master's files to ``size`` bytes (None: let go); a master started since has no hold."""
+        import resource
+
+        if self.master is None or not self.master.alive():
+            return
+        limit = resource.RLIM_INFINITY if size is None else size
+        try:
+            resource.prlimit(self.master.pid, resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def tend_journal(self, now: float) -> None:
         if getattr(self, "journal_disk", None) and self.journal_disk.full_until and now >= self.journal_disk.full_until:
