@@ -35,6 +35,7 @@ from ._errors import (
     WriteFenced,
     StalePlacement,
     DiskReadError,
+    JournalError,
 )
 from .segment import SegmentServer
 from ._units import format_size, parse_size
@@ -69,6 +70,7 @@ __all__ = [
     "WriteFenced",
     "StalePlacement",
     "DiskReadError",
+    "JournalError",
     "format_size",
     "lookup_many",
     "parse_size",

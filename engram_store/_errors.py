@@ -19,6 +19,8 @@ Every error engram raises derives from :class:`EngramError`::
         ├── WriteFenced                   a write of a put that was revoked, expired or forgotten was refused
         ├── StalePlacement                a segment refused a read of an object another put has overwritten
         ├── DiskReadError                 reading a layer's file on SSD failed, or it was shorter than its layout
+        ├── JournalError                  the master's journal could not be written (the change was not made), or
+        │                                 the journal it starts on is damaged
         ├── ProtocolError                 a peer sent a message that does not follow the wire protocol
         ├── RemoteError                   a server failed while handling a valid request
         └── AuthError                     a server refused this client's credentials
@@ -143,6 +145,14 @@ class DiskReadError(StoreError):
     code = "DISK_READ"
 
 
+class JournalError(StoreError):
+    """The master's journal could not be written (a full or read-only file system, an I/O error), so the change
+    asked for was not made: the master writes a change's record before it makes the change. At start: the journal
+    cannot be read or rewritten, or it is damaged (the message names the line and what is wrong with it)."""
+
+    code = "JOURNAL"
+
+
 class ProtocolError(StoreError):
     """A peer sent a message that does not follow the wire protocol (or a different version of it)."""
 
@@ -166,8 +176,8 @@ _BY_CODE = {
     for cls in (
         EngramError, InvalidArgument, ConfigError, InvalidType, NotConnected, StoreError,
         ObjectNotFound, ObjectExists, LeaseActive, OutOfSpace, Unavailable, MasterUnavailable,
-        SegmentUnavailable, ObjectLost, WriteFenced, StalePlacement, DiskReadError, ProtocolError, RemoteError,
-        AuthError,
+        SegmentUnavailable, ObjectLost, WriteFenced, StalePlacement, DiskReadError, JournalError, ProtocolError,
+        RemoteError, AuthError,
     )
 }
 

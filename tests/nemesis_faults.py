@@ -47,7 +47,7 @@ class Faults:
         """Start a second master on the same journal: it must refuse and leave the journal alone."""
         import subprocess
         import sys
-        journal = os.path.join(self.dir, "master.journal")
+        journal = self.journal_file
         before = os.stat(journal).st_ino if os.path.exists(journal) else None
         second = subprocess.run(self._prefix("master") + [sys.executable, "-m", "master", "--host",
                                 self._host("master"), "--port", "0", "--journal", journal],

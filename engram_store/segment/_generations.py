@@ -130,6 +130,20 @@ class Generations:
         """Whether put ``generation`` is still the latest writer of ``[offset, offset + size)``."""
         return self._entries.get(offset) == (size, generation)
 
+    def disowns(self, entry) -> bool:
+        """Whether the object a master asks about (``[key, offset, size, checksum, generation]``) was removed here,
+        or another put has written over it since: its bytes may still match, but it is not that put's object. One
+        never learnt of, or named without its put (an older master), is not disowned: its checksum decides."""
+        try:
+            offset, size, generation = int(entry[1]), int(entry[2]), int(entry[4])
+        except (IndexError, TypeError, ValueError):
+            return False
+        if generation <= 0 or size <= 0 or offset < 0:
+            return False
+        checks = _kernels.check_pairs_for(np.array([offset], dtype=np.int64), np.array([size], dtype=np.int64),
+                                          np.array([generation], dtype=np.int64))
+        return _kernels.check_generations(checks, *self.arrays)[1] >= 0
+
     def seed(self, objects: list) -> None:
         """Learn objects a catalogue names (``[key, offset, size, replica_num, checksum, generation]``), where no
         write this segment saw says otherwise."""

@@ -26,6 +26,7 @@ from .._errors import (
     ConfigError,
     EngramError,
     InvalidArgument,
+    JournalError,
     MasterUnavailable,
     ProtocolError,
     RemoteError,
@@ -225,28 +226,32 @@ class SegmentServer:
                 except ProtocolError as exc:
                     raise ConfigError(f"segment {self.segment_id}: {self.master_address} is not an engram master "
                                       f"({self._what_answers(conn)}): {exc}; pass the master's HOST:PORT") from None
-                except MasterUnavailable:
+                except (MasterUnavailable, JournalError) as exc:  # the latter: it cannot record the registration
+                    journal = isinstance(exc, JournalError)
                     if time.monotonic() + delay > deadline:
-                        raise MasterUnavailable(
+                        raise exc if journal else MasterUnavailable(
                             f"segment {self.segment_id}: master {self.master_address} did not answer "
                             f"within {self._register_timeout_s:g} s (is the address right, and is engram-master "
                             "running there?)") from None
                     if not warned:
                         warned = True
-                        log.warning("segment %s: master %s does not answer yet; trying again for up to %.1f s "
-                                    "(is the address right, and is engram-master running there?)", self.segment_id,
-                                    self.master_address, max(0.0, deadline - time.monotonic()))
+                        log.warning("segment %s: master %s %s; trying again for up to %.1f s%s", self.segment_id,
+                                    self.master_address, f"could not record it ({exc})" if journal else
+                                    "does not answer yet", max(0.0, deadline - time.monotonic()), "" if journal else
+                                    " (is the address right, and is engram-master running there?)")
                     time.sleep(delay)
                     delay = min(delay * 2, 1.0)
         finally:
             conn.close()
 
     def _answer_verify(self, conn: Connection, registration: str, candidates: list) -> None:
-        """Check the lost objects the master asks about (this segment was dropped before its catalogue named them)
-        and tell it which are intact; it keeps their space reserved until it hears back."""
+        """Check the objects the master asks about (lost ones: this segment was dropped before its catalogue named
+        them; or ones its journal places here that the catalogue does not list) and tell it which are intact, still
+        the object of the put it names; it keeps lost ones' space reserved until it hears back."""
         if not candidates:
             return
-        keys = self.catalog.matching(self.memory.array, candidates)
+        keys = self.catalog.matching(self.memory.array, [c for c in candidates if self.generations is None
+                                                         or not self.generations.disowns(c)])
         try:
             header, _ = conn.call("offer_objects", {"segment_id": self.segment_id, "registration": registration,
                                                     "keys": keys}, timeout_ms=self._rpc_timeout_ms)

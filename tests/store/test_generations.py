@@ -134,3 +134,18 @@ def test_a_removed_object_is_refused_until_another_put_claims_its_range():
     assert check_generations(check_pairs_for(np.array([1024]), np.array([64]), np.array([9])),
                              *generations.arrays) == (2, -1)
     assert generations.drop([(0, 7)]) == 1 and generations.drop([(0, 7)]) == 0
+
+
+def test_an_object_a_master_asks_about_is_disowned_once_removed_or_written_over():
+    """A master that replayed a journal which lost the records of a remove asks whether the object is still here:
+    its bytes may still match its checksum, but the segment that heard of the remove says it is not."""
+    generations = Generations()
+    generations.claim(0, 128, 7)
+    generations.claim(128, 128, 8)
+    generations.claim(256, 128, 9)
+    generations.drop([(0, 7)])  # removed
+    generations.claim(256, 64, 10)  # written over
+    assert generations.disowns(["a", 0, 128, "c", 7]) and generations.disowns(["c", 256, 128, "c", 9])
+    assert not generations.disowns(["b", 128, 128, "c", 8])
+    assert not generations.disowns(["d", 4096, 64, "c", 3])  # never learnt of: its checksum decides
+    assert not generations.disowns(["a", 0, 128, "c"]) and not generations.disowns(["a", "x", 1, "c", 7])
