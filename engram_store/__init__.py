@@ -35,6 +35,8 @@ from ._errors import (
     WriteFenced,
     StalePlacement,
     DiskReadError,
+    LockTimeout,
+    UnsafeFile,
 )
 from .segment import SegmentServer
 from ._units import format_size, parse_size
@@ -69,6 +71,8 @@ __all__ = [
     "WriteFenced",
     "StalePlacement",
     "DiskReadError",
+    "LockTimeout",
+    "UnsafeFile",
     "format_size",
     "lookup_many",
     "parse_size",
