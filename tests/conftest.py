@@ -36,7 +36,7 @@ def tmpfs(tmp_path):
             pytest.skip("mounting a tmpfs needs root")
         where = tmp_path / f"fs{len(mounted)}"
         where.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(where)],
                               capture_output=True, timeout=30)
         if done.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
