@@ -28,12 +28,22 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import tempfile
 import threading
 
 from ._errors import StoreError, UnsafeFile
 
 _OPEN_TRIES = 8
 _umask_lock = threading.Lock()
+
+
+def shared_base() -> str:
+    """Where this user's directory of shared files is made: ``ENGRAM_SHM_DIR``, else ``/dev/shm`` (memory, seen by
+    every process of the host), else the temporary directory."""
+    base = os.environ.get("ENGRAM_SHM_DIR")
+    if base:
+        return base
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 def umask() -> int:

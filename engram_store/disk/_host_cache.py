@@ -58,7 +58,7 @@ import xxhash
 
 from .._errors import EngramError, InvalidArgument, LockTimeout, OutOfSpace, StoreError, describe
 from .._pages import MADV_HUGEPAGE, madvise
-from .._shared_dirs import UserDir
+from .._shared_dirs import UserDir, shared_base
 from . import _cache_kernels as ck
 from . import _kernels as k
 from ._cache import LINE_BYTES, RowCache, door_words
@@ -87,7 +87,7 @@ DIE_MID_FILL_ENV = "ENGRAM_TEST_DIE_MID_FILL"
 
 
 def shm_dir() -> str:
-    return os.environ.get("ENGRAM_SHM_DIR") or "/dev/shm"
+    return shared_base()
 
 
 def _align(n: int, to: int) -> int:
