@@ -17,6 +17,9 @@ imported before it drops (the interpreter's own files may be closed to that user
     read PATH...                  try to read each file (list each directory): "readable PATH" or "refused PATH"
     connect PATH                  try to connect to a Unix socket: "connected" or "refused <reason>"
     write PATH TEXT               write a file of this text
+    chmod PATH MODE               change a file's mode (octal)
+    open-own PATH                 open PATH as engram opens a file in a shared place (``_shared_dirs.open_own``):
+                                  "opened", or the error's class and message
     rogue-segment MASTER FILE     register a segment with the master whose shm_path names FILE (of FILE's size) and
                                   answer its requests like a segment that takes direct writes, until stdin closes
 """
@@ -130,6 +133,23 @@ def write(path: str, text: str) -> str:
     return "written"
 
 
+def chmod(path: str, mode: str) -> str:
+    os.chmod(path, int(mode, 8))
+    return "changed"
+
+
+def open_own(path: str) -> str:
+    from engram_store import EngramError
+    from engram_store._shared_dirs import open_own as engram_open_own
+
+    try:
+        fd, _ = engram_open_own(path, os.O_RDWR, "a shared file")
+    except EngramError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    os.close(fd)
+    return "opened"
+
+
 def rogue_segment(master: str, file: str) -> str:
     """A segment that says its memory is ``file`` (a path it may not even read) and takes direct writes."""
     from engram_store.segment import host_id
@@ -165,6 +185,7 @@ def rogue_segment(master: str, file: str) -> str:
 
 ACTIONS = {"plant": plant, "symlink": symlink, "mkdir": mkdir, "fill": fill, "hold-lock": hold_lock,
            "truncate": truncate, "swap-layer": swap_layer, "read": read, "connect": connect, "write": write,
+           "chmod": chmod, "open-own": open_own,
            "rogue-segment": rogue_segment}
 
 
@@ -174,6 +195,8 @@ def main(argv: list[str]) -> int:
         uid, argv = int(argv[1]), argv[2:]
     action, args = ACTIONS[argv[0]], argv[1:]
     os.environ["INTRUDER_UID"] = str(uid)
+    if action is open_own:
+        import engram_store._shared_dirs  # noqa: F401  (loaded before the drop: the interpreter's files may be closed)
     if action is not rogue_segment:  # it loads its modules first, then drops
         _drop(uid)
     print(action(*args), flush=True)

@@ -49,6 +49,19 @@ def test_a_local_dir_others_may_write_is_refused(shared):
         EngramStore(1, CONFIG, local_dir=tables)
 
 
+def test_a_file_another_user_keeps_private_is_refused_by_name_not_with_a_bare_permission_error(shared):
+    """Where the system refuses to open another user's file (its mode, or fs.protected_regular in a sticky
+    directory), an unprivileged user gets an UnsafeFile naming the file, its owner and what to do."""
+    path = os.path.join(shared, "taken")
+    intruder("plant", path)
+    intruder("chmod", path, "600")
+    said = intruder("--uid", 65533, "open-own", path)
+    assert said.startswith(f"UnsafeFile: a shared file: {path} belongs to uid 65534 (mode 0600) and this user (uid "
+                           "65533) may not open it (Permission denied; in a sticky world-writable directory "
+                           "fs.protected_regular"), said
+    assert "remove it (as its owner or root)" in said
+
+
 def _made_under(*roots: str) -> list[str]:
     """Every file and directory below ``roots`` (not the roots themselves)."""
     return sorted(os.path.join(d, name) for root in roots for d, dirs, files in os.walk(root) for name in dirs + files)
