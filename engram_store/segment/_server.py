@@ -87,8 +87,8 @@ class SegmentServer:
     segment. With ``raw_reads`` (default) it also serves range reads on a plain TCP port, the raw read channel
     (:mod:`engram_store.segment._raw_server`), holding at most ``raw_max_connections`` connections (default its MAX_CONNECTIONS).
 
-    A context manager; :meth:`close` unregisters from the master, stops serving and removes the
-    shared-memory file. Use :meth:`start` to serve from a background thread (a segment mounted in a client
+    A context manager; :meth:`close` unregisters from the master, stops serving and lets go of its memory (and
+    its hand-over socket). Use :meth:`start` to serve from a background thread (a segment mounted in a client
     process), or :meth:`serve_forever` to serve from the calling thread (the ``engram-segment`` CLI).
     """
 
