@@ -100,9 +100,11 @@ def check_own_file(fd: int, path: str, what: str) -> os.stat_result:
     return st
 
 
-def open_refused(exc: OSError, path: str, what: str) -> StoreError:
-    """The error for an ``open`` of ``path`` that the system refused: a link (``O_NOFOLLOW``), or a file engram may
-    not open (another user's, or ``fs.protected_regular``'s refusal in a sticky directory)."""
+def open_refused(exc: OSError, path: str, what: str) -> OSError | UnsafeFile:
+    """The error for an ``open`` of ``path`` that the system refused: UnsafeFile for a link (``O_NOFOLLOW``) or a file
+    engram may not open because another user has it (its mode, or ``fs.protected_regular``'s refusal in a sticky
+    directory); any other refusal (a full disk, a directory where a file should be) stays the OSError it was, for
+    the caller to say what it was doing."""
     try:
         st = os.lstat(path)
     except OSError:
@@ -115,7 +117,7 @@ def open_refused(exc: OSError, path: str, what: str) -> StoreError:
                           f"{os.geteuid()}) may not open it ({exc.strerror}; in a sticky world-writable directory "
                           "fs.protected_regular refuses another user's files even where the mode allows); remove it "
                           "(as its owner or root), or choose another place")
-    return StoreError(f"{what}: cannot open {path}: {exc.strerror}")
+    return exc
 
 
 def open_own(path: str, flags: int, what: str, mode: int = 0o600, *, dir_fd: int | None = None,
@@ -125,16 +127,17 @@ def open_own(path: str, flags: int, what: str, mode: int = 0o600, *, dir_fd: int
     :func:`check_own_file`). Returns ``(fd, created)``; FileNotFoundError when it is not there and not ``create``."""
     shown = path if dir_fd is None else f"{_fd_path(dir_fd)}/{path}"
     flags = (flags & ~(os.O_CREAT | os.O_EXCL)) | os.O_NOFOLLOW | os.O_CLOEXEC
+    where = {} if dir_fd is None else {"dir_fd": dir_fd}
     for _ in range(_OPEN_TRIES):
         if create:
             try:
-                return os.open(path, flags | os.O_CREAT | os.O_EXCL, mode, dir_fd=dir_fd), True
+                return os.open(path, flags | os.O_CREAT | os.O_EXCL, mode, **where), True
             except FileExistsError:
                 pass
             except OSError as exc:
                 raise open_refused(exc, shown, what) from None
         try:
-            fd = os.open(path, flags, dir_fd=dir_fd)
+            fd = os.open(path, flags, **where)
         except FileNotFoundError:
             if not create:
                 raise
