@@ -17,11 +17,12 @@ import mmap
 import os
 import stat
 import threading
+import time
 
 import numpy as np
 
 from .. import kernels as _kernels
-from .._errors import EngramError, ProtocolError, UnsafeFile
+from .._errors import EngramError, ProtocolError, SegmentUnavailable, UnsafeFile
 from ..wire import handover
 from ._objects import Replica
 
@@ -29,6 +30,10 @@ log = logging.getLogger("engram_store.client")
 
 #: How long a hand-over (connect, ask, receive) may take.
 HANDOVER_TIMEOUT_S = 2.0
+#: After a segment's socket did not answer (it is gone, stopped or busy), its memory is asked for again this late.
+RETRY_S = 5.0
+#: What a segment's socket does when its process is gone or stopped: not a refusal of this client.
+_GONE = (ConnectionError, FileNotFoundError, TimeoutError)
 _SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 0x2)
 
 
@@ -41,6 +46,7 @@ class LocalSegments:
         self._tables: dict[str, np.ndarray | None] = {}  # segment id -> its generation table, mapped read-only
         self._write_fds: dict[str, int | None] = {}  # segment id -> its memory, open for same-host puts
         self._retired_fds: list[int] = []  # of dead segments: another thread may still be writing with one
+        self._retry_at: dict[str, float] = {}  # segment id -> when to ask again, after its socket did not answer
         self._mmaps: list[mmap.mmap] = []
         self._lock = threading.Lock()
 
@@ -59,6 +65,8 @@ class LocalSegments:
         view = self._views.get(replica.segment_id, False)
         if view is not False:
             return view
+        if self._retry_at.get(replica.segment_id, 0.0) > time.monotonic():
+            return None
         with self._lock:
             if replica.segment_id in self._views:
                 return self._views[replica.segment_id]
@@ -66,6 +74,11 @@ class LocalSegments:
             if replica.host_id == self.host_id and replica.shm_path:
                 try:
                     view, table = self._receive(replica.segment_id, replica.shm_path, replica.segment_size)
+                except _GONE as exc:  # not now: reads go to the segment (and fail over), and ask again later
+                    log.debug("segment %s does not answer on %s (%s); reading remotely", replica.segment_id,
+                              replica.shm_path, exc)
+                    self._retry_at[replica.segment_id] = time.monotonic() + RETRY_S
+                    return None
                 except (OSError, EngramError) as exc:
                     log.debug("segment %s not mappable here (%s); reading remotely", replica.segment_id, exc)
             self._views[replica.segment_id] = view
@@ -119,7 +132,8 @@ class LocalSegments:
     def write_fd(self, replica: dict, nbytes: int) -> int | None:
         """A write descriptor of the memory of a freshly placed replica's segment (``put_start``'s form), if it is on
         this host, hands its memory over for writes, and the replica's ``nbytes`` lie within it; asked for once
-        per segment and kept open."""
+        per segment and kept open. SegmentUnavailable where its socket does not answer (the segment is gone or
+        stopped: its requests would only time out)."""
         if replica.get("host_id") != self.host_id or not replica.get("shm_path"):
             return None
         segment_id = replica["segment_id"]
@@ -131,6 +145,9 @@ class LocalSegments:
                     fd = None
                     try:
                         fd = self._receive_writable(segment_id, replica["shm_path"], replica["size"])
+                    except _GONE as exc:
+                        raise SegmentUnavailable(f"segment {segment_id} does not answer on its hand-over socket "
+                                                 f"{replica['shm_path']} ({exc}): it is gone or stopped") from None
                     except (OSError, EngramError) as exc:
                         log.debug("segment %s not writable here (%s); writing remotely", segment_id, exc)
                     self._write_fds[segment_id] = fd
@@ -158,6 +175,7 @@ class LocalSegments:
             if not keep_mapping:
                 self._views.pop(segment_id, None)
                 self._tables.pop(segment_id, None)
+            self._retry_at.pop(segment_id, None)
             fd = self._write_fds.pop(segment_id, None)
             if fd is not None:
                 self._retired_fds.append(fd)  # another thread may be writing with it; closed with the client

@@ -23,6 +23,7 @@ One request and one reply on a SOCK_SEQPACKET connection: a msgpack map ``{v, se
 from __future__ import annotations
 
 import array
+import errno
 import os
 import re
 import socket
@@ -72,9 +73,11 @@ def send_message(sock: socket.socket, header: dict, fds: list[int] = ()) -> None
 
 def recv_message(sock: socket.socket, max_fds: int = MAX_FDS) -> tuple[dict, list[int]]:
     """One message and the descriptors that came with it (close-on-exec); ProtocolError if it is malformed (any
-    descriptor that came is closed first)."""
+    descriptor that came is closed first), ConnectionResetError if the peer closed without one."""
     size = socket.CMSG_SPACE(max_fds * array.array("i").itemsize)
     data, ancillary, flags, _ = sock.recvmsg(MAX_MESSAGE_BYTES, size, getattr(socket, "MSG_CMSG_CLOEXEC", 0))
+    if not data and not ancillary:
+        raise ConnectionResetError(errno.ECONNRESET, "the peer closed the connection without a message")
     fds = array.array("i")
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
