@@ -2,7 +2,7 @@
 
 Folders by room: ``master/``, ``store/`` (client, segments, raw channel), ``tables/`` (EngramStore, engram-layers),
 ``kernels/``, ``disk/``, ``compat/``, ``model/``, ``mooncake/`` (the Mooncake bridge), ``faults/`` (processes killed,
-paused, cut off, disks filled); at the top, what spans the house: the CLI, the docs, the layout rules, and the fault
+paused, cut off, disks filled), ``security/`` (another local user, run as a second uid; needs root); at the top, what spans the house: the CLI, the docs, the layout rules, and the fault
 explorer (``nemesis*.py``, ``python tests/nemesis.py --help``).
 
 Conventions: a folder's helpers live beside its tests in ``<folder>_helpers.py`` (this folder's in
