@@ -36,6 +36,8 @@ from ._errors import (
     StalePlacement,
     DiskReadError,
     JournalError,
+    LockTimeout,
+    UnsafeFile,
 )
 from .segment import SegmentServer
 from ._units import format_size, parse_size
@@ -71,6 +73,8 @@ __all__ = [
     "StalePlacement",
     "DiskReadError",
     "JournalError",
+    "LockTimeout",
+    "UnsafeFile",
     "format_size",
     "lookup_many",
     "parse_size",

@@ -7,7 +7,8 @@ count) and the schedule of operations (populate, lookup, prefetch, remove, verif
 ``disk_dir`` layers; undo of a client's own populate of a store layer; put, get and remove of objects; clients
 closing mid-call) and faults (SIGKILL, SIGSTOP and
 restarts of the master, with and without its journal, and of segments; clients killed mid-populate and mid-remove;
-network partitions between processes, where the machine lets this run make network namespaces). Processes are
+a paused segment's shared memory truncated under its readers, which its seals must refuse; network partitions
+between processes, where the machine lets this run make network namespaces). Processes are
 real (``engram-master``, ``engram-segment``, client processes running ``tests/nemesis_worker.py``); timings are
 not, so a seed replays the same schedule, not the same interleaving.
 

@@ -1,8 +1,9 @@
 """The segment server: owns one memory segment and serves writes and batched range reads.
 
-By default the segment is a shared-memory file (``/dev/shm/engram-<id>``), so a client on the same host can
-map it read-only and read with no request at all ("local-direct"). Every offset and length a request
-carries is checked against the segment before any byte moves.
+By default the segment is anonymous shared memory (a memfd sealed against shrinking), which it hands to clients on
+the same host as descriptors over a Unix socket (``_handover``), so they map it read-only and read with no request at
+all ("local-direct"). Every offset and length a request carries is checked against the segment before any byte
+moves.
 
 Reads are served by the main socket and by ``readers`` reader threads, each with a ROUTER socket of its own
 (registered with the master as the segment's ``read_addresses``); all gather from one read-only view of the
@@ -38,6 +39,7 @@ from ..wire import (PROTOCOL_VERSION, RAW_VERSION, AuthKeys, Connection, Request
 from ._catalog import Catalog
 from ._fence import WriteFence
 from ._generations import Generations
+from ._handover import MemoryHandover, start_handover
 from ._memory import SegmentMemory, host_id
 from ._raw_server import RawReadServer
 
@@ -86,8 +88,8 @@ class SegmentServer:
     segment. With ``raw_reads`` (default) it also serves range reads on a plain TCP port, the raw read channel
     (:mod:`engram_store.segment._raw_server`), holding at most ``raw_max_connections`` connections (default its MAX_CONNECTIONS).
 
-    A context manager; :meth:`close` unregisters from the master, stops serving and removes the
-    shared-memory file. Use :meth:`start` to serve from a background thread (a segment mounted in a client
+    A context manager; :meth:`close` unregisters from the master, stops serving and lets go of its memory (and
+    its hand-over socket). Use :meth:`start` to serve from a background thread (a segment mounted in a client
     process), or :meth:`serve_forever` to serve from the calling thread (the ``engram-segment`` CLI).
     """
 
@@ -130,16 +132,19 @@ class SegmentServer:
         self._prefault_thread: threading.Thread | None = None
         self._closed = False
         self.generations: Generations | None = None
+        self.handover: MemoryHandover | None = None
         self.server: RpcServer | None = None
         self._readers: list[RpcServer] = []
         self.raw: RawReadServer | None = None
         self.memory = SegmentMemory(size, path=os.path.abspath(file), keep_file=True) if file is not None \
             else SegmentMemory(size)
         try:
-            # Which put wrote which range: checked by every read that names its objects, and published beside
-            # the segment's file for readers on this host; a durable segment's objects as its manifest lists them.
-            self.generations = Generations(self.memory.path + ".gen" if self.memory.path else None, size)
+            # Which put wrote which range: checked by every read that names its objects, and published in a shared
+            # table for readers on this host; a durable segment's objects as its manifest lists them.
+            self.generations = Generations(f"engram-generations-{os.getpid()}", size)
             self.generations.seed(self.catalog.objects)
+            self.handover = start_handover(self.segment_id, self.size, self.memory.fd, self.generations.table_fd,
+                                           writable=not self.catalog.durable)
             # Reads gather from one read-only view of the mapping, built once; the mapping is faulted in the
             # background, so the first reads do not page-fault and start-up does not wait.
             self._src = _kernels.readonly(self.memory.array)
@@ -213,7 +218,8 @@ class SegmentServer:
                 try:
                     header, _ = conn.call("register_segment", {
                         "segment_id": self.segment_id, "address": self.address, "size": self.size,
-                        "read_addresses": self.read_addresses, "shm_path": self.memory.path, "host_id": host_id(),
+                        "read_addresses": self.read_addresses, "host_id": host_id(),
+                        "shm_path": self.handover.path if self.handover is not None else "",
                         "public_key": self._master_curve[0].decode() if self._master_curve else "",
                         "objects": objects, "write_key": key, "registration": registration,
                         "held": self.fence.held(), "direct_writes": not self.catalog.durable,
@@ -505,6 +511,8 @@ class SegmentServer:
         if self._prefault_thread is not None:
             self._prefault_thread.join()  # at most one madvise chunk: the mapping must outlive it
         self._src = None
+        if self.handover is not None:
+            self.handover.close()
         self.memory.close()
         if self.generations is not None:
             self.generations.close()

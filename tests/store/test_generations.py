@@ -81,18 +81,17 @@ def test_objects_never_learnt_of_pass_and_checks_without_sizes_are_refused():
 @given(claims=_claims, checks=st.lists(st.tuples(st.integers(0, 60).map(lambda x: x * 64),
                                                  st.integers(1, 8).map(lambda x: x * 64), st.integers(1, 5)),
                                        min_size=1, max_size=4))
-def test_the_shared_table_answers_as_the_segment_does(tmp_path_factory, claims, checks):
+def test_the_shared_table_answers_as_the_segment_does(claims, checks):
     """Readers on the host check the generation table the segment publishes in shared memory: the same answer
     as the segment's own check, and a seq that moves with every claim."""
     import mmap
 
     from engram_store.kernels import check_table, readonly
 
-    path = str(tmp_path_factory.mktemp("gen") / "segment.gen")
-    generations = Generations(path, 1 << 20)
+    generations = Generations("segment-generations", 1 << 20)
     try:
-        with open(path, "rb") as f:
-            table = readonly(np.frombuffer(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ), dtype=np.int64))
+        fd = generations.table_fd
+        table = readonly(np.frombuffer(mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ), dtype=np.int64))
         seqs = [int(table[0])]
         for offset, size, gen in claims:
             generations.claim(offset, size, gen)
@@ -103,7 +102,7 @@ def test_the_shared_table_answers_as_the_segment_does(tmp_path_factory, claims, 
         assert check_table(table, named) == (expected, seqs[-1])
     finally:
         generations.close()
-    assert not os.path.exists(path)
+    assert generations.table_fd == -1
 
 
 def test_an_overflowing_table_says_it_cannot_tell():
