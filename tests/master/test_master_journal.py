@@ -123,6 +123,46 @@ def test_a_lost_object_whose_bytes_do_not_verify_stays_lost_and_its_space_is_fre
     assert state.segments["s1"].allocator.used == 0 and "k" in state.lost
 
 
+def _journalled_generations(records) -> set[int]:
+    """Every put id a journal names: its objects' replicas, its lost objects' places, its removed objects."""
+    found = set()
+    for record in records:
+        found.update(r[2] for r in record.get("replicas", ()) if len(r) > 2)
+        found.update(r[2] for r in record.get("places", ()) if len(r) > 2)
+        if record["op"] == "removed":
+            found.add(record["generation"])
+    return found
+
+
+@pytest.mark.parametrize("start", [1, 1 << 61], ids=["start below", "start above"])
+@pytest.mark.parametrize("compacted", [False, True], ids=["journal", "snapshot"])
+def test_put_ids_after_a_replay_never_repeat_a_journalled_one(start, compacted):
+    """A new master starts its put ids at a random point; replayed below the journal's ids it must move past every
+    one the journal names, those of removed and lost objects too: segments refuse reads and writes by put id, and
+    a removed object's id marks its range removed there."""
+    journal = []
+    state = MasterState(clock=Clock(), journal=journal.append, next_put_id=1 << 40)
+    _registered(state, "s1", "s2")
+    for key in ("live", "lost", "removed"):  # the newest put is removed, the one before it lost
+        state.put_start(key, 100, 1)
+        state.put_end(key, "cc")
+    state.drop_segment(state.objects["lost"].replicas[0].segment_id, "missed heartbeats")
+    if state.objects.get("live") is None:  # it was on the dropped segment too: write it again elsewhere
+        state.put_start("live", 100, 1)
+        state.put_end("live", "cc")
+    state.remove("removed")
+    records = _replayed(journal).snapshot() if compacted else journal
+    named = _journalled_generations(records)
+    assert len(named) >= 3
+    restored = MasterState(clock=Clock(), next_put_id=start)
+    restored.replay(records)
+    _registered(restored, "s1", "s2")
+    restored.put_start("next", 100, 1)
+    put_id = restored.objects["next"].put_id
+    assert put_id not in named
+    assert put_id == max(start, max(named) + 1)
+
+
 # ---- the property: replay equals the running state, after any history -------------------------------------
 
 _op = st.one_of(
