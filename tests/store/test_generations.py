@@ -1,5 +1,5 @@
-"""Reads that name the objects they expect: the kernel against a plain Python reference, and the segment's record of
-which put wrote which range."""
+"""Reads that name the objects they expect: the kernel against a plain Python reference, the segment's record of
+which put wrote which range, and a client's remote read of an old placement refused over either read path."""
 
 import os
 
@@ -8,9 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engram_store import InvalidArgument, StalePlacement
+from engram_store import DistributedStore, InvalidArgument, StalePlacement
 from engram_store.kernels import check_generations, check_pairs_for
+from engram_store.segment import SegmentServer
 from engram_store.segment._generations import Generations
+from master import MasterServer
 
 
 def _reference(entries: dict, base: int, size: int, gen: int) -> bool:
@@ -134,3 +136,29 @@ def test_a_removed_object_is_refused_until_another_put_claims_its_range():
     assert check_generations(check_pairs_for(np.array([1024]), np.array([64]), np.array([9])),
                              *generations.arrays) == (2, -1)
     assert generations.drop([(0, 7)]) == 1 and generations.drop([(0, 7)]) == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("raw_reads", [True, False], ids=["raw channel", "zeromq"])
+def test_a_remote_read_of_an_old_placement_never_returns_the_bytes_that_took_its_space(raw_reads):
+    """A reader holds a placement of object a; a is removed and b, of the same size, takes its space at once (no
+    reuse delay). Reading a through that placement, over either read path, must raise StalePlacement, never return
+    b's bytes: the read names a's put, and the segment knows another put wrote there since."""
+    with MasterServer("127.0.0.1", 0, reuse_delay_s=0.0).start() as master, \
+            SegmentServer(8 << 20, master.address, host="127.0.0.1", port=0).start(), \
+            DistributedStore(master.address, local_direct=False, raw_reads=raw_reads) as store:
+        store.put("a", np.full(4096, 0xAA, np.uint8))
+        old = store.locate(["a"], lease=False)[0]
+        out = np.zeros(4096, np.uint8)
+        store.read_object(old, out)
+        assert (out == 0xAA).all()
+        store.remove("a", force=True)
+        out[:] = 0
+        with pytest.raises(StalePlacement, match="no longer there"):
+            store.read_object(old, out)  # removed: the remover told the segment
+        store.put("b", np.full(4096, 0xBB, np.uint8))
+        assert store.locate(["b"], lease=False)[0].replicas[0].offset == old.replicas[0].offset
+        with pytest.raises(StalePlacement, match="no longer there"):
+            store.read_object(old, out)  # written over by b's put
+        assert not (out == 0xBB).any(), "b's bytes reached a reader of a"
+        assert store.get("b") == b"\xbb" * 4096
