@@ -3,7 +3,8 @@
 Folders by room: ``master/``, ``store/`` (client, segments, raw channel), ``tables/`` (EngramStore, engram-layers),
 ``kernels/``, ``disk/``, ``compat/``, ``model/``, ``mooncake/`` (the Mooncake bridge), ``faults/`` (processes killed,
 paused, cut off, disks filled); at the top, what spans the house: the CLI, the docs, the layout rules, and the fault
-explorer (``nemesis*.py``, ``python tests/nemesis.py --help``).
+explorer (``nemesis*.py``, ``python tests/nemesis.py --help``), and, run on demand, the mutation pass over the
+contract's guards (``mutate.py``, see ``README.md`` here).
 
 Conventions: a folder's helpers live beside its tests in ``<folder>_helpers.py`` (this folder's in
 ``suite_helpers.py``): pytest puts a test's folder, and this one, on ``sys.path``, so they are imported by that

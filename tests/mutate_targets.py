@@ -1,0 +1,88 @@
+"""What ``tests/mutate.py`` mutates, and with which tests: the guards of the contract, the tests that cover each
+module, the mutants written by hand, and the mutants known to be equivalent (with the reason).
+
+Tests are listed fastest first: a run stops at the first failure (``-x``), so a killed mutant costs little. A
+module's list names the tests that exist to catch a broken guard of it, not every test that happens to pass
+through it; the whole suite is the last resort, not the measure. The checked wrappers' type checks (a dtype, a
+shape) are left out: they guard arguments, not the contract's rows and objects, and ``tests/kernels`` holds them.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Target(NamedTuple):
+    path: str                   # the module, relative to the repository
+    functions: tuple[str, ...]  # "function" or "Class.method"
+    tests: tuple[str, ...]      # pytest arguments, relative to the repository
+
+
+DISK_TESTS = ("tests/disk/test_disk_kernels.py", "tests/disk/test_cache_guards.py", "tests/disk/test_disk_read.py",
+              "tests/disk/test_host_cache.py")
+GENERATION_TESTS = ("tests/store/test_generations.py", "tests/store/test_raw_io.py")
+MASTER_TESTS = ("tests/master/test_master_journal.py", "tests/master/test_master_state.py")
+PLANNING_TESTS = ("tests/kernels/test_planning.py", "tests/kernels/test_kernels.py", "tests/store/test_raw_io.py")
+
+TARGETS = [
+    # the master's replay and fencing
+    Target("master/_replay.py", ("Replay.replay", "Replay._free_replicas", "Replay._quarantine_replayed",
+                                 "Replay._replay_object"), MASTER_TESTS),
+    Target("master/_fencing.py", ("Fencing._end_registration", "Fencing._report_held", "Fencing._reserved_by_fence",
+                                  "Fencing._fence", "Fencing._fence_acknowledged", "Fencing._forget_settled_fences",
+                                  "Fencing.fencing_bytes"), MASTER_TESTS),
+    Target("master/_state.py", ("MasterState.heartbeat",), MASTER_TESTS),
+    # the segment's fence
+    Target("engram_store/segment/_fence.py",
+           ("WriteFence.new_registration", "WriteFence._admit", "WriteFence.check", "WriteFence.ticket_of",
+            "WriteFence.open_direct", "WriteFence.close_direct", "WriteFence.fence", "WriteFence.heartbeat_fields",
+            "WriteFence.acknowledged"), ("tests/store/test_fence.py", "tests/faults/test_fencing.py")),
+    # generations, on the segment's side and in the kernels both sides share, and the client's read checks
+    Target("engram_store/segment/_generations.py",
+           ("Generations.claim", "Generations.drop", "Generations.holds", "Generations.seed", "Generations._publish",
+            "Generations.split", "Generations.recheck"), GENERATION_TESTS),
+    Target("engram_store/kernels/_generations.py", ("_check_generations", "check_generations", "check_pairs_for"),
+           GENERATION_TESTS),
+    Target("engram_store/kernels/_generations_table.py", ("_check_table",), GENERATION_TESTS),
+    Target("engram_store/client/_reads.py", ("ReadPath._read_remote", "reply_bytes", "with_checks"),
+           ("tests/store/test_generations.py", "tests/store/test_read_matrix.py")),
+    # V4.1's ragged decode state
+    Target("engram_model/v41/_hasher.py",
+           ("V41Hasher.step_ragged", "V41Hasher.commit", "V41Hasher._ragged", "V41Hasher._ragged_refused"),
+           ("tests/model/test_v41_ragged.py",)),
+    Target("engram_model/v41/_kernels.py", ("hash_ragged",), ("tests/model/test_v41_ragged.py",)),
+    # read planning
+    Target("engram_store/kernels/_planning.py",
+           ("_check_ranges", "_pairs_total", "_plan_pieces", "plan_pieces", "_first_bad_row", "_plan_unique_rows",
+            "_rows_to_ranges", "_plan_reads", "plan_reads", "_direct_pairs"), PLANNING_TESTS),
+    Target("engram_store/kernels/_sort.py", ("_sort_positions", "_minus_ones"), PLANNING_TESTS),
+    Target("engram_store/kernels/raw_io.py", ("_direct_request", "direct_read_plan"), PLANNING_TESTS),
+    # the hot-row cache (a process's and the host's) and its kernels: a busy set is never read, a half-written
+    # row never served, a dead writer's set repaired, a layer's keys never meet another's (last: each mutant
+    # recompiles the disk tier's kernels, and the host cache's tests start processes)
+    Target("engram_store/disk/_host_cache.py", ("HostRowCache.new_tag", "HostRowCache.fill", "HostRowCache._repair"),
+           ("tests/disk/test_cache_guards.py", "tests/disk/test_host_cache.py")),
+    Target("engram_store/disk/_cache_kernels.py",
+           ("_find", "_clock_victim", "_replace", "_cache_fill", "_cache_pin", "_cache_repair"), DISK_TESTS),
+    Target("engram_store/disk/_kernels.py", ("_find_way", "_probe_all", "_first_bad", "_plan_read", "_mark_used"),
+           DISK_TESTS),
+]
+
+#: Mutants written by hand: ``(path, function, text, replacement, what it breaks)``. The first five were found by
+#: hand before this tool existed; each has a test that kills it.
+HAND = [
+    ("engram_store/disk/_kernels.py", "_probe_all", "if way < WAYS and not (version & BUSY):", "if way < WAYS:",
+     "a busy set's rows are served"),
+    ("engram_store/client/_reads.py", "ReadPath._read_remote",
+     "named.add((replica.offset, info.size, replica.generation))", "named.add((replica.offset, info.size, 0))",
+     "remote reads name no generation"),
+    ("master/_replay.py", "Replay.replay", "*(g + 1 for g in generations)", "*(g for g in generations)",
+     "put ids repeat after a replay"),
+    ("engram_store/segment/_fence.py", "WriteFence._admit", "if fields[0] in self._fenced:",
+     "if fields[0] in self._acks:", "a fenced put writes again once its fence is acknowledged"),
+    ("engram_store/segment/_fence.py", "WriteFence.check", "offset + nbytes > start + size", "offset > start + size",
+     "a write runs past its ticket's range"),
+]
+
+#: Mutants that change nothing a caller can observe: ``(path, function, old, new) -> why``. They are not run.
+EQUIVALENT: dict[tuple[str, str, str, str], str] = {
+}
