@@ -86,8 +86,9 @@ def _skipped(node: ast.AST) -> bool:
         return True  # a message put together
     if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
         return True  # a docstring
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-            and isinstance(node.func.value, ast.Name) and node.func.value.id == "log":
+    call = node.value if isinstance(node, ast.Expr) else node
+    if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) \
+            and isinstance(call.func.value, ast.Name) and call.func.value.id == "log":
         return True
     return False
 
