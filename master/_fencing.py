@@ -84,6 +84,7 @@ class Fencing:
             return
         offset = fence.waiting.pop(segment.segment_id, None)
         if offset is not None:
+            # (Redundant today: heartbeat() reports the same list next, and _report_held frees a range it lacks.)
             if held is not None and (offset, fence.size) in {(int(o), int(n)) for o, n in held}:
                 segment.held.add((offset, fence.size))
             else:

@@ -428,12 +428,24 @@ def test_a_held_range_the_master_never_placed_is_reserved_even_beside_a_fence_of
     seg = state.segments["s1"]
     state.heartbeat("s1", seg.registration, [], [[2048, 1000]])  # a writer of an earlier registration
     assert seg.held == {(2048, 1000)} and _used(state)["s1"] == 2 * _align(1000)
+    assert state.fencing_bytes() == 2000  # the fence's and the held range's
     state.heartbeat("s1", seg.registration, [], [[0, 1000], [2048, 1000]])  # the fenced put's writer, live
     assert seg.held == {(0, 1000), (2048, 1000)} and _used(state)["s1"] == 2 * _align(1000)
     _ack(state, "s1", held=[(0, 1000)])  # the fence applied; the earlier writer exited
     assert seg.held == {(0, 1000)} and _used(state)["s1"] == _align(1000)
     _ack(state, "s1")
     assert _used(state)["s1"] == 0 and state.fencing_bytes() == 0
+
+
+def test_a_fence_still_waiting_on_other_segments_outlives_a_dropped_one():
+    state, _, _ = _state()
+    state.put_start("w", 1000, 2)
+    state.put_revoke("w")  # fenced on s1 and s2
+    state.drop_segment("s1", "missed heartbeats")
+    assert state.fencing_bytes() == 1000 and _used(state) == {"s2": _align(1000)}
+    _ack(state, "s2")
+    assert _used(state) == {"s2": 0} and not state.fencing
+    assert state.heartbeat("s1", "any") is None and state.heartbeat("s9") is None  # segments it does not know
 
 
 def test_objects_offered_back_by_a_segment_are_adopted_unless_another_object_has_the_key():
