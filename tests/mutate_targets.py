@@ -85,4 +85,33 @@ HAND = [
 
 #: Mutants that change nothing a caller can observe: ``(path, function, old, new) -> why``. They are not run.
 EQUIVALENT: dict[tuple[str, str, str, str], str] = {
+    # the master's replay
+    ("master/_replay.py", "Replay._quarantine_replayed", "self.reuse_delay_s <= 0", "False"):
+        "with no reuse delay what it quarantines is due at once, and put_start frees what is due before it allocates",
+    ("master/_replay.py", "Replay._quarantine_replayed", "self.reuse_delay_s <= 0", "self.reuse_delay_s < 0"):
+        "with no reuse delay what it quarantines is due at once, and put_start frees what is due before it allocates",
+    ("master/_replay.py", "Replay._quarantine_replayed", "lo < hi", "lo <= hi"):
+        "an empty overlap reserves, quarantines and later frees 0 bytes: the allocator takes each as a no-op",
+    # the master's fencing
+    ("master/_fencing.py", "Fencing._end_registration", "segment.fences.clear()", "pass"):
+        "the ids left go out with the next heartbeat reply; the segment applies and acknowledges them, and "
+        "heartbeat() drops them (their fences were settled here already)",
+    ("master/_fencing.py", "Fencing._reserved_by_fence", "f.waiting.get(segment_id) == offset and f.size == size",
+     "f.waiting.get(segment_id) == offset"):
+        "a held range is always one put's whole ticket range, and a fence waiting at that offset of that segment is "
+        "that put's (fenced space is not placed again), so the sizes are equal",
+    ("master/_fencing.py", "Fencing._fence", "segment is None", "False"):
+        "redundant (see the comment beside it): dropping a segment takes its replicas out of pending puts first",
+    ("master/_fencing.py", "Fencing._fence", "replica.segment_id in settled or not meta.size",
+     "replica.segment_id in settled"):
+        "a put of 0 bytes holds no space: fencing it only waits for an acknowledgement that frees 0 bytes",
+    ("master/_fencing.py", "Fencing._fence_acknowledged", "fence is None", "False"):
+        "redundant (see the comment beside it): a put id in a segment's fences always has a fence waiting on it",
+    ("master/_fencing.py", "Fencing._fence_acknowledged",
+     "held is not None and (offset, fence.size) in {(int(o), int(n)) for o, n in held}", "held is not None"):
+        "redundant (see the comment beside it): heartbeat() reports the same list next, which frees a range it lacks",
+    ("master/_fencing.py", "Fencing._fence_acknowledged", "(offset, fence.size) in {(int(o), int(n)) for o, n in held}",
+     "(offset, fence.size) not in {(int(o), int(n)) for o, n in held}"):
+        "heartbeat() reports the same list next: a listed range freed here is reserved again as held there, an "
+        "unlisted one kept here is freed there",
 }

@@ -72,7 +72,7 @@ class WriteFence:
             self._fenced.clear()
             self._acks.clear()
             for writer in self._direct.values():
-                writer.fenced = True
+                writer.fenced = True  # redundant today: each check of a writer also compares its registration
             return self.registration, self.key
 
     def _admit(self, ticket: bytes, what: str) -> tuple[int, int, int]:
