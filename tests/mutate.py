@@ -78,8 +78,10 @@ class Mutant:
 # ---- making mutants ------------------------------------------------------------------------------------------
 
 def _skipped(node: ast.AST) -> bool:
-    """Nodes whose insides are not guards: messages, log calls, assertions, nested annotations."""
+    """Nodes whose insides are not guards: messages, log calls (and ``if``s that only log), assertions."""
     if isinstance(node, (ast.JoinedStr, ast.Raise, ast.Assert)):
+        return True
+    if isinstance(node, ast.If) and not node.orelse and all(_skipped(stmt) for stmt in node.body):
         return True
     if isinstance(node, ast.BinOp) and any(isinstance(n, ast.JoinedStr) or isinstance(n, ast.Constant)
                                            and isinstance(n.value, str) for n in (node.left, node.right)):
@@ -188,7 +190,7 @@ class Source:
             body = new + extra
         else:
             body = f"({new}{extra})"
-        return " ".join(old.split()), self.text[:lo] + body + self.text[hi:]
+        return " ".join(old.replace("\\\n", " ").split()), self.text[:lo] + body + self.text[hi:]
 
 
 def mutants_of(root: Path, path: str, functions: tuple[str, ...], wide: bool = False) -> list[Mutant]:

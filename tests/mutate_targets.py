@@ -114,4 +114,31 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
      "(offset, fence.size) not in {(int(o), int(n)) for o, n in held}"):
         "heartbeat() reports the same list next: a listed range freed here is reserved again as held there, an "
         "unlisted one kept here is freed there",
+    # the segment's fence
+    ("engram_store/segment/_fence.py", "WriteFence.new_registration", "self._fenced.clear()", "pass"):
+        "put ids never repeat (a new master starts at a random point, a replayed one past every id its journal "
+        "names): a put fenced under an earlier key never comes back with a ticket of this one",
+    ("engram_store/segment/_fence.py", "WriteFence.new_registration", "self._acks.clear()", "pass"):
+        "the acknowledgements left reach the master with the next heartbeat, which drops put ids it is not waiting "
+        "on (it settled this segment's fences when it registered again)",
+    ("engram_store/segment/_fence.py", "WriteFence.new_registration", "True", "False"):
+        "redundant (see the comment beside it): each check of a writer compares its registration too",
+    ("engram_store/segment/_fence.py", "WriteFence.close_direct",
+     "writer is None or writer.fenced or writer.registration != self.registration or writer.put_id in self._fenced",
+     "writer is None or writer.registration != self.registration or writer.put_id in self._fenced"):
+        "redundant (see the comment beside it)",
+    ("engram_store/segment/_fence.py", "WriteFence.close_direct",
+     "writer is None or writer.fenced or writer.registration != self.registration or writer.put_id in self._fenced",
+     "writer is None or writer.fenced or writer.put_id in self._fenced"):
+        "redundant (see the comment beside it)",
+    ("engram_store/segment/_fence.py", "WriteFence.close_direct",
+     "writer is None or writer.fenced or writer.registration != self.registration or writer.put_id in self._fenced",
+     "writer is None or writer.fenced or writer.registration != self.registration"):
+        "redundant (see the comment beside it)",
+    ("engram_store/segment/_fence.py", "WriteFence.fence",
+     "writer.put_id == put_id and writer.registration == self.registration", "writer.put_id == put_id"):
+        "a writer opened under an earlier registration was marked fenced when the registration changed",
+    ("engram_store/segment/_fence.py", "WriteFence.heartbeat_fields",
+     "writer.fenced or writer.registration != self.registration", "writer.fenced"):
+        "a writer opened under an earlier registration was marked fenced when the registration changed",
 }

@@ -62,6 +62,18 @@ def test_a_fenced_put_stays_refused_after_its_fence_is_acknowledged():
     assert fence.check(eight, 0, START) == (8, 0, START)  # another put writes on
 
 
+def test_the_oldest_fences_are_forgotten_past_the_bound(monkeypatch):
+    from engram_store.segment import _fence as fence_module
+
+    monkeypatch.setattr(fence_module, "MAX_FENCED", 3)
+    fence, key = _fence()
+    fence.fence([1, 2, 3, 4, 5])
+    for put_id in (3, 4, 5):
+        with pytest.raises(WriteFenced):
+            fence.check(make_ticket(key, SEGMENT, put_id, START, SIZE), START, 1)
+    assert fence.check(make_ticket(key, SEGMENT, 2, START, SIZE), START, 1)[0] == 2  # a ticket that old expired
+
+
 def test_a_new_registration_fences_every_earlier_ticket():
     fence, old_key = _fence()
     old = make_ticket(old_key, SEGMENT, 7, START, SIZE)
@@ -79,23 +91,43 @@ def test_a_new_registration_fences_every_earlier_ticket():
 def test_a_live_writer_of_a_fenced_put_holds_its_range_until_it_exits():
     fence, key = _fence()
     writer = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    descriptors = len(os.listdir("/proc/self/fd"))
     try:
         mine, theirs = make_ticket(key, SEGMENT, 7, START, SIZE), make_ticket(key, SEGMENT, 8, 0, START)
+        other = make_ticket(key, SEGMENT, 9, START + SIZE, SIZE)
         assert fence.open_direct(mine, os.getpid()) == (7, START, SIZE)
         assert fence.open_direct(theirs, writer.pid) == (8, 0, START)
+        assert fence.open_direct(other, os.getpid()) == (9, START + SIZE, SIZE)
         assert fence.heartbeat_fields()["held"] == []  # open puts hold nothing: the master placed them
         fence.fence([7, 8])
         assert sorted(fence.heartbeat_fields()["held"]) == [[0, START], [START, SIZE]]
+        assert fence.close_direct(other) is False  # put 9 was not fenced: it may publish
         assert fence.close_direct(mine) is True  # fenced meanwhile: what it wrote must not be published
         assert fence.heartbeat_fields()["held"] == [[0, START]]
         writer.stdin.close()
         writer.wait(timeout=30)
         assert fence.heartbeat_fields()["held"] == [], "an exited writer still holds its range"
+        assert len(os.listdir("/proc/self/fd")) == descriptors - 1, "a writer's pidfd outlived it"  # (its stdin)
     finally:
         if writer.poll() is None:
             writer.kill()
             writer.wait()
         fence.close()
+
+
+def test_open_direct_keeps_one_descriptor_per_writer_and_none_for_a_refused_one():
+    fence, key = _fence()
+    ticket, fenced = make_ticket(key, SEGMENT, 7, START, SIZE), make_ticket(key, SEGMENT, 8, 0, START)
+    fence.fence([8])
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(WriteFenced):
+        fence.open_direct(fenced, os.getpid())
+    assert len(os.listdir("/proc/self/fd")) == before, "a refused writer's pidfd was left open"
+    fence.open_direct(ticket, os.getpid())
+    fence.open_direct(ticket, os.getpid())  # the same writer again (a retried write_open): one pidfd
+    assert len(os.listdir("/proc/self/fd")) == before + 1
+    fence.close_direct(ticket)
+    assert len(os.listdir("/proc/self/fd")) == before
 
 
 def test_a_writer_that_closes_an_unfenced_put_may_publish_it():
