@@ -62,6 +62,7 @@ class Mutant:
     old: str           # the source changed ...
     new: str           # ... and what it became
     kind: str
+    context: str = ""  # the source line the change starts on, stripped (tells apart equal changes of a function)
     text: str = field(repr=False, default="")  # the whole mutated module
     status: str = ""   # killed, timeout, survived, equivalent, broken (did not run: a syntax error)
     seconds: float = 0.0
@@ -211,7 +212,8 @@ def mutants_of(root: Path, path: str, functions: tuple[str, ...], wide: bool = F
                     if (target.lineno, old, new) in seen or " ".join(new.split()) == old:
                         continue
                     seen.add((target.lineno, old, new))
-                    out.append(Mutant(path, name, target.lineno, old, " ".join(new.split()), kind, text))
+                    out.append(Mutant(path, name, target.lineno, old, " ".join(new.split()), kind,
+                                      source.lines[target.lineno - 1].strip(), text))
     return out
 
 
@@ -229,7 +231,7 @@ def hand_mutants(root: Path) -> list[Mutant]:
             raise SystemExit(f"mutate: {path} {function}: expected {old!r} once, found it {body.count(old)} times")
         line = source.text[:lo + body.index(old)].count("\n") + 1
         text = source.text[:lo] + body.replace(old, new) + source.text[hi:]
-        out.append(Mutant(path, function, line, old, new, f"by hand: {kind}", text))
+        out.append(Mutant(path, function, line, old, new, f"by hand: {kind}", source.lines[line - 1].strip(), text))
     return out
 
 
@@ -381,8 +383,9 @@ def _selected(args, root: Path) -> list[tuple[Target, list[Mutant]]]:
             mutants = [m for m in mutants if any(f in m.function for f in args.function)]
         for m in mutants:
             known = previous.get(m.key, [])
-            if m.key in EQUIVALENT:
-                m.status, m.detail = "equivalent", EQUIVALENT[m.key]
+            why = EQUIVALENT.get(m.key + (m.context,)) or EQUIVALENT.get(m.key)
+            if why:
+                m.status, m.detail = "equivalent", why
             elif known and (args.resume or "survived" not in known):
                 m.status, m.detail = known[0], "in the earlier run"
         chosen.append((target, mutants))

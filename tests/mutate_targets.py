@@ -83,8 +83,9 @@ HAND = [
      "a write runs past its ticket's range"),
 ]
 
-#: Mutants that change nothing a caller can observe: ``(path, function, old, new) -> why``. They are not run.
-EQUIVALENT: dict[tuple[str, str, str, str], str] = {
+#: Mutants that change nothing a caller can observe: ``(path, function, old, new) -> why``, or with the stripped
+#: source line the change is on as a fifth item where the same change occurs twice in a function. Not run.
+EQUIVALENT: dict[tuple[str, ...], str] = {
     # the master's replay
     ("master/_replay.py", "Replay._quarantine_replayed", "self.reuse_delay_s <= 0", "False"):
         "with no reuse delay what it quarantines is due at once, and put_start frees what is due before it allocates",
@@ -141,4 +142,15 @@ EQUIVALENT: dict[tuple[str, str, str, str], str] = {
     ("engram_store/segment/_fence.py", "WriteFence.heartbeat_fields",
      "writer.fenced or writer.registration != self.registration", "writer.fenced"):
         "a writer opened under an earlier registration was marked fenced when the registration changed",
+    # the segment's generations
+    ("engram_store/segment/_generations.py", "Generations.drop", "generation > 0", "generation >= 0"):
+        "no entry is of put 0 (claim and seed skip it), so a drop naming 0 marks nothing either way",
+    ("engram_store/segment/_generations.py", "Generations._publish", "1", "2",
+     "table[OVERFLOW], table[COUNT] = 1, 0"):
+        "readers take any non-zero overflow word as overflowed",
+    ("engram_store/segment/_generations.py", "Generations._publish", "0", "1",
+     "table[OVERFLOW], table[COUNT] = 1, 0"):
+        "readers test the overflow word first and read no entry of an overflowed table",
+    ("engram_store/segment/_generations.py", "Generations.recheck", "self.version == version", "False"):
+        "the second check is made even when no claim came meanwhile, and answers as the first did",
 }

@@ -162,3 +162,64 @@ def test_a_remote_read_of_an_old_placement_never_returns_the_bytes_that_took_its
             store.read_object(old, out)  # written over by b's put
         assert not (out == 0xBB).any(), "b's bytes reached a reader of a"
         assert store.get("b") == b"\xbb" * 4096
+
+
+def test_claims_of_no_bytes_or_no_put_record_nothing():
+    generations = Generations()
+    generations.claim(0, 640, 7)
+    version = generations.version
+    for offset, size, put in [(0, 0, 9), (64, 0, 9), (0, 640, 0), (0, 640, -7)]:
+        generations.claim(offset, size, put)  # an empty object's write_open, or no put at all
+    assert generations.holds(7, 0, 640) and len(generations.arrays[0]) == 1 and generations.version == version
+    generations.claim(0, 640, 7)  # a later write of the same put: nothing changes, readers need not check again
+    assert generations.version == version
+
+
+def test_a_removed_object_stays_removed_whatever_generation_a_drop_names():
+    generations = Generations()
+    generations.claim(0, 640, 7)
+    assert generations.drop([(0, 7)]) == 1
+    named = check_pairs_for(np.array([0]), np.array([640]), np.array([7]))
+    for generation in (-7, 0, 8):
+        assert generations.drop([(0, generation)]) == 0
+        assert check_generations(named, *generations.arrays) == (2, 0), f"a drop naming {generation} brought it back"
+
+
+def test_a_catalogue_never_seeds_over_what_a_write_this_segment_saw_claimed():
+    """A catalogue older than a put this segment took writes for still lists the object that was there: seeding it
+    must not bring that object back (a reader of it would get the new put's bytes), nor hide the new one; objects
+    beside it are learnt."""
+    generations = Generations()
+    generations.claim(1024, 128, 9)  # put 9 writes over [1024, 1152)
+    version = generations.version
+    generations.seed([["old", 1024, 64, 1, "aa", 5], ["empty", 4096, 0, 1, "", 3], ["unknown", 8192, 64, 1, "dd", 0]])
+    assert generations.version == version, "a catalogue that taught nothing moved the version"
+    generations.seed([["old", 1024, 64, 1, "aa", 5], ["older", 1088, 64, 1, "bb", 4], ["before", 0, 64, 1, "cc", 3],
+                      ["beyond", 4096, 64, 1, "ee", 6], ["next", 1152, 64, 1, "ff", 7], ["prev", 960, 64, 1, "gg", 8]])
+    old, new = (check_pairs_for(np.array([b]), np.array([n]), np.array([g])) for b, n, g in [(1024, 64, 5),
+                                                                                            (1024, 128, 9)])
+    assert check_generations(old, *generations.arrays) == (2, 0)
+    assert check_generations(new, *generations.arrays) == (2, -1)
+    assert generations.arrays[0].tolist() == [0, 960, 1024, 1152, 4096]
+    assert generations.holds(3, 0, 64) and generations.holds(6, 4096, 64)
+    assert generations.holds(7, 1152, 64) and generations.holds(8, 960, 64)  # right beside the claim: learnt
+
+
+def test_the_shared_table_holds_as_many_entries_as_it_has_room_for_then_says_it_cannot_tell(tmp_path, monkeypatch):
+    from engram_store.kernels import TABLE_UNKNOWN, check_table
+    from engram_store.segment import _generations as generations_module
+
+    monkeypatch.setattr(generations_module, "TABLE_MIN", 3)
+    generations = Generations(str(tmp_path / "segment.gen"), 0)
+    try:
+        table = generations.table
+        named = check_pairs_for(np.array([0, 128, 256]), np.array([64, 64, 64]), np.array([1, 2, 3]))
+        for k in range(3):
+            generations.claim(128 * k, 64, k + 1)
+        assert check_table(table, named) == (-1, int(table[0]))  # full, not overflowed
+        generations.claim(0, 64, 4)
+        assert check_table(table, named) == (0, int(table[0]))
+        generations.claim(384, 64, 5)  # a fourth entry
+        assert check_table(table, named)[0] == TABLE_UNKNOWN
+    finally:
+        generations.close()
