@@ -153,4 +153,14 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "readers test the overflow word first and read no entry of an overflowed table",
     ("engram_store/segment/_generations.py", "Generations.recheck", "self.version == version", "False"):
         "the second check is made even when no claim came meanwhile, and answers as the first did",
+    # the check kernels
+    **{("engram_store/kernels/_generations.py", "check_generations", "pairs.shape[0] == 0 or pairs[0, 0] >= 0", new):
+       "a fast path: for a read that names no object the kernel finds no leading check either and answers (0, -1)"
+       for new in ("False", "pairs.shape[0] == 0 and pairs[0, 0] >= 0", "pairs[0, 0] >= 0", "pairs.shape[0] == 0")},
+    ("engram_store/kernels/_generations.py", "check_generations", "pairs[0, 0] >= 0", "pairs[0, 0] > 0"):
+        "a fast path: for a read that names no object the kernel finds no leading check either and answers (0, -1)",
+    ("engram_store/kernels/_generations_table.py", "_check_table", "1000", "1001"):
+        "how long a reader waits out a writer (a few microseconds are held odd): one spin more changes nothing",
+    ("engram_store/kernels/_generations_table.py", "_check_table", "1", "2", "return UNKNOWN, -1"):
+        "callers read no seq with an UNKNOWN answer",
 }

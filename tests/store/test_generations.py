@@ -223,3 +223,53 @@ def test_the_shared_table_holds_as_many_entries_as_it_has_room_for_then_says_it_
         assert check_table(table, named)[0] == TABLE_UNKNOWN
     finally:
         generations.close()
+
+
+def test_the_kernels_refuse_a_check_without_its_size_and_pass_no_checks(tmp_path):
+    """Both checks (the segment's arrays and the shared table a reader or the raw channel reads) count a read's
+    checks themselves: an object named by its place alone is refused, and a read naming none passes."""
+    from engram_store.kernels import check_table
+
+    generations = Generations(str(tmp_path / "segment.gen"), 1 << 20)
+    try:
+        generations.claim(0, 64, 3)
+        odd = np.array([[-1, 3], [-65, 3], [-1, 3]], np.int64)  # object (0, 64, put 3), then a place alone
+        assert check_generations(np.concatenate((odd, [[0, 8]])), *generations.arrays) == (3, 1)
+        seq = int(generations.table[0])
+        assert check_table(generations.table, odd) == (1, seq)
+        assert check_table(generations.table, odd[:2]) == (-1, seq)
+        assert check_table(generations.table, np.zeros((0, 2), np.int64)) == (-1, seq)
+    finally:
+        generations.close()
+
+
+def test_a_table_being_written_or_out_of_its_bounds_cannot_tell():
+    """A reader never answers from a table a segment is changing (odd seq: it gives up after its spins) or one
+    whose count is outside its capacity (a table it cannot trust)."""
+    from engram_store.kernels import TABLE_UNKNOWN, check_table
+
+    table = np.zeros(8 + 3 * 2, dtype=np.int64)
+    table[2] = 2  # capacity 2
+    table[8], table[10], table[12] = 0, 64, 1  # one entry: (0, 64, put 1)
+    named = check_pairs_for(np.array([0]), np.array([64]), np.array([2]))  # a check that entry refuses
+    table[1] = 1
+    assert check_table(table, named) == (0, 0)
+    for count in (-1, 3):
+        table[1] = count
+        assert check_table(table, named)[0] == TABLE_UNKNOWN
+    table[1], table[0] = 1, 5  # a writer between its two bumps of seq
+    assert check_table(table, named)[0] == TABLE_UNKNOWN
+
+
+def test_the_checks_wrapper_refuses_what_is_not_pairs_and_passes_a_read_that_names_nothing():
+    from engram_store._errors import InvalidType
+
+    generations = Generations()
+    generations.claim(0, 64, 3)
+    for bad in (np.zeros((2, 2), np.float64), np.zeros(4, np.int64), np.zeros((2, 3), np.int64)):
+        with pytest.raises(InvalidType, match="pairs: expected int64 \\[R, 2\\]"):
+            check_generations(bad, *generations.arrays)
+    plain = np.array([[0, 64], [0, 8]], np.int64)
+    assert check_generations(plain, *generations.arrays) == (0, -1)
+    ranges, _ = generations.split(plain, "here")
+    assert ranges.tolist() == plain.tolist()
