@@ -29,6 +29,7 @@ import copy
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -62,7 +63,7 @@ class Mutant:
     old: str           # the source changed ...
     new: str           # ... and what it became
     kind: str
-    context: str = ""  # the source line the change starts on, stripped (tells apart equal changes of a function)
+    context: str = ""  # the code of the line the change starts on (tells apart equal changes of one function)
     text: str = field(repr=False, default="")  # the whole mutated module
     status: str = ""   # killed, timeout, survived, equivalent, broken (did not run: a syntax error)
     seconds: float = 0.0
@@ -176,6 +177,10 @@ class Source:
         for line in self.lines:
             self.starts.append(self.starts[-1] + len(line))
 
+    def code(self, lineno: int) -> str:
+        """Line ``lineno`` without its indentation and its trailing comment."""
+        return re.sub(r"\s+#.*$", "", self.lines[lineno - 1]).strip()
+
     def offset(self, lineno: int, col_bytes: int) -> int:
         line = self.lines[lineno - 1]
         return self.starts[lineno - 1] + len(line.encode()[:col_bytes].decode())
@@ -213,7 +218,7 @@ def mutants_of(root: Path, path: str, functions: tuple[str, ...], wide: bool = F
                         continue
                     seen.add((target.lineno, old, new))
                     out.append(Mutant(path, name, target.lineno, old, " ".join(new.split()), kind,
-                                      source.lines[target.lineno - 1].strip(), text))
+                                      source.code(target.lineno), text))
     return out
 
 
@@ -231,7 +236,7 @@ def hand_mutants(root: Path) -> list[Mutant]:
             raise SystemExit(f"mutate: {path} {function}: expected {old!r} once, found it {body.count(old)} times")
         line = source.text[:lo + body.index(old)].count("\n") + 1
         text = source.text[:lo] + body.replace(old, new) + source.text[hi:]
-        out.append(Mutant(path, function, line, old, new, f"by hand: {kind}", source.lines[line - 1].strip(), text))
+        out.append(Mutant(path, function, line, old, new, f"by hand: {kind}", source.code(line), text))
     return out
 
 
@@ -381,6 +386,8 @@ def _selected(args, root: Path) -> list[tuple[Target, list[Mutant]]]:
         mutants += [m for m in hand if m.path == target.path]
         if args.function:
             mutants = [m for m in mutants if any(f in m.function for f in args.function)]
+        if args.line:
+            mutants = [m for m in mutants if m.line in args.line]
         for m in mutants:
             known = previous.get(m.key, [])
             why = EQUIVALENT.get(m.key + (m.context,)) or EQUIVALENT.get(m.key)
@@ -431,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--module", action="append", help="only targets whose path contains this (repeatable)")
     parser.add_argument("--function", action="append", help="only functions whose name contains this")
+    parser.add_argument("--line", action="append", type=int, help="only mutants on this line (repeatable)")
     parser.add_argument("--list", action="store_true", help="list the mutants and their tests; run nothing")
     parser.add_argument("--hand-only", action="store_true", help="only the mutants written by hand")
     parser.add_argument("--no-hand", action="store_true", help="leave out the mutants written by hand")

@@ -44,7 +44,9 @@ TARGETS = [
            GENERATION_TESTS),
     Target("engram_store/kernels/_generations_table.py", ("_check_table",), GENERATION_TESTS),
     Target("engram_store/client/_reads.py", ("ReadPath._read_remote", "reply_bytes", "with_checks"),
-           ("tests/store/test_generations.py", "tests/store/test_read_matrix.py")),
+           ("tests/store/test_generations.py", *(f"tests/store/test_store.py::test_{name}" for name in (
+               "put_get_roundtrip_random_sizes", "get_into_ranges_equals_numpy_slicing",
+               "get_fails_over_to_second_replica_before_master_notices")))),
     # V4.1's ragged decode state
     Target("engram_model/v41/_hasher.py",
            ("V41Hasher.step_ragged", "V41Hasher.commit", "V41Hasher._ragged", "V41Hasher._ragged_refused"),
@@ -83,8 +85,9 @@ HAND = [
      "a write runs past its ticket's range"),
 ]
 
-#: Mutants that change nothing a caller can observe: ``(path, function, old, new) -> why``, or with the stripped
-#: source line the change is on as a fifth item where the same change occurs twice in a function. Not run.
+#: Mutants that change nothing a caller can observe: ``(path, function, old, new) -> why``, or with the code of the
+#: line the change is on (no indentation, no comment) as a fifth item where the same change occurs twice in a
+#: function. Not run.
 EQUIVALENT: dict[tuple[str, ...], str] = {
     # the master's replay
     ("master/_replay.py", "Replay._quarantine_replayed", "self.reuse_delay_s <= 0", "False"):
@@ -163,4 +166,30 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "how long a reader waits out a writer (a few microseconds are held odd): one spin more changes nothing",
     ("engram_store/kernels/_generations_table.py", "_check_table", "1", "2", "return UNKNOWN, -1"):
         "callers read no seq with an UNKNOWN answer",
+    # V4.1's ragged decode state
+    ("engram_model/v41/_hasher.py", "V41Hasher.commit", "False", "True"):
+        "a commit that hashes its tokens too moves the state the same way (only each request's last max_n - 1 "
+        "tokens reach it) and returns nothing either way",
+    ("engram_model/v41/_hasher.py", "V41Hasher._ragged", "0", "1",
+     "out = np.empty((T if emit else 0, nl, cols), dtype=np.int64)"):
+        "a commit's output is neither written nor returned",
+    ("engram_model/v41/_kernels.py", "hash_ragged", "S <= MARK_SLOTS", "S < MARK_SLOTS"):
+        "at exactly MARK_SLOTS slots the sorted search finds a repeated slot as the marks do",
+    ("engram_model/v41/_kernels.py", "hash_ragged", "1", "2", "seen[slots[r]] = 1"): "any non-zero mark is a mark",
+    ("engram_model/v41/_kernels.py", "hash_ragged", "R > 1", "R >= 1"):
+        "a lone request has no slot to repeat: the sorted search finds none",
+    ("engram_model/v41/_kernels.py", "hash_ragged", "False", "True", "small = False"):
+        "the general modulo loop gives what one correction gives, for every prime (only slower)",
+    ("engram_model/v41/_kernels.py", "hash_ragged", "primes[layer, col] <= 4096", "primes[layer, col] < 4096"):
+        "4096 is no prime",
+    ("engram_model/v41/_kernels.py", "hash_ragged", "0", "1", "lanes = HASH_BLOCK if emit else 0"):
+        "a commit hashes nothing: its lanes are allocated and never read",
+    ("engram_model/v41/_kernels.py", "hash_ragged", "0", "1", "t0 = 0"):
+        "t0 is set at the first token of each block, before it is read",
+    ("engram_model/v41/_kernels.py", "hash_ragged", "lo == hi", "False"):
+        "a request without tokens loads its slot's history and, on a commit, writes it back unchanged",
+    ("engram_model/v41/_kernels.py", "hash_ragged", "nb == HASH_BLOCK", "nb != HASH_BLOCK"):
+        "hashing a token at a time gives the rows a block at a time gives (only slower)",
+    ("engram_model/v41/_kernels.py", "hash_ragged", "1", "2", "return 0, -1"):
+        "the position of a problem is read only with a problem",
 }
