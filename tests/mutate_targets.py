@@ -166,6 +166,10 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "how long a reader waits out a writer (a few microseconds are held odd): one spin more changes nothing",
     ("engram_store/kernels/_generations_table.py", "_check_table", "1", "2", "return UNKNOWN, -1"):
         "callers read no seq with an UNKNOWN answer",
+    # read planning
+    **{("engram_store/kernels/_planning.py", function, "o < 0 or n < 0 or o > limit or n > limit - o",
+        "o < 0 or n < 0 or n > limit - o"): "redundant (see the comment beside it): n >= 0 > limit - o then"
+       for function in ("_check_ranges", "_pairs_total")},
     # V4.1's ragged decode state
     ("engram_model/v41/_hasher.py", "V41Hasher.commit", "False", "True"):
         "a commit that hashes its tokens too moves the state the same way (only each request's last max_n - 1 "
