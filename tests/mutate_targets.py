@@ -170,6 +170,10 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     **{("engram_store/kernels/_planning.py", function, "o < 0 or n < 0 or o > limit or n > limit - o",
         "o < 0 or n < 0 or n > limit - o"): "redundant (see the comment beside it): n >= 0 > limit - o then"
        for function in ("_check_ranges", "_pairs_total")},
+    ("engram_store/kernels/_planning.py", "_pairs_total", "0", "1", "return i, 0"):
+        "the total of a refused read is never read",
+    ("engram_store/kernels/_planning.py", "plan_pieces", "1", "2", "sizes = np.empty(max(most, 1), dtype=np.int64)"):
+        "scratch room: only the pieces found are returned",
     # V4.1's ragged decode state
     ("engram_model/v41/_hasher.py", "V41Hasher.commit", "False", "True"):
         "a commit that hashes its tokens too moves the state the same way (only each request's last max_n - 1 "

@@ -140,3 +140,6 @@ def test_pieces_are_cut_at_the_exact_piece_size(lengths, piece, bounds):
     got_bounds, sizes = k.plan_pieces(pairs, sum(lengths), piece)
     assert got_bounds.tolist() == bounds
     assert sizes.tolist() == [sum(lengths[a:b]) for a, b in zip(bounds, bounds[1:])]
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=f"piece_bytes: expected > 0, got {bad}"):
+            k.plan_pieces(pairs, sum(lengths), bad)
