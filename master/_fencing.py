@@ -66,7 +66,7 @@ class Fencing:
         waiting = {}
         for replica in meta.replicas:
             segment = self.segments.get(replica.segment_id)
-            if segment is None:
+            if segment is None:  # redundant today: dropping a segment takes its replicas out of pending puts first
                 continue
             if replica.segment_id in settled or not meta.size:
                 segment.allocator.free(replica.offset, meta.size)
@@ -80,10 +80,11 @@ class Fencing:
         """The segment applied the fence of ``put_id``: free its replica there, unless the segment reports a live
         writer still writing that range (then it stays reserved as held)."""
         fence = self.fencing.get(put_id)
-        if fence is None:
+        if fence is None:  # redundant today: a put id in a segment's fences always has a fence waiting on it
             return
         offset = fence.waiting.pop(segment.segment_id, None)
         if offset is not None:
+            # (Redundant today: heartbeat() reports the same list next, and _report_held frees a range it lacks.)
             if held is not None and (offset, fence.size) in {(int(o), int(n)) for o, n in held}:
                 segment.held.add((offset, fence.size))
             else:

@@ -49,7 +49,12 @@ class Replay:
         finally:
             self.journal = journal
         self._quarantine_replayed(freed)
+        # Past every put id the journal names, a removed or lost object's too: segments know a range's writer by
+        # its put id (a removed object's id marks its range removed there), and a lost object is told from one
+        # written anew under its key by its id.
         generations = [r.generation for m in self.objects.values() for r in m.replicas]
+        generations += [p.generation for lost in self.lost.values() for p in lost.places]
+        generations += [generation for _, generation in self.removed]
         self.next_put_id = max([self.next_put_id, *(g + 1 for g in generations)])
         return count
 

@@ -2,8 +2,10 @@
 
 Folders by room: ``master/``, ``store/`` (client, segments, raw channel), ``tables/`` (EngramStore, engram-layers),
 ``kernels/``, ``disk/``, ``compat/``, ``model/``, ``mooncake/`` (the Mooncake bridge), ``faults/`` (processes killed,
-paused, cut off, disks filled), ``security/`` (another local user, run as a second uid; needs root); at the top, what spans the house: the CLI, the docs, the layout rules, and the fault
-explorer (``nemesis*.py``, ``python tests/nemesis.py --help``).
+paused, cut off, disks filled), ``security/`` (another local user, run as a second uid; needs root); at the top, what
+spans the house: the CLI, the docs, the layout rules, the fault explorer (``nemesis*.py``,
+``python tests/nemesis.py --help``), and, run on demand, the mutation pass over the contract's guards (``mutate.py``,
+see ``README.md`` here).
 
 Conventions: a folder's helpers live beside its tests in ``<folder>_helpers.py`` (this folder's in
 ``suite_helpers.py``): pytest puts a test's folder, and this one, on ``sys.path``, so they are imported by that

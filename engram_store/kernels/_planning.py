@@ -19,7 +19,8 @@ def _check_ranges(offsets, lengths, limit):
     for i in range(offsets.size):
         o = offsets[i]
         n = lengths[i]
-        # Written so that no sum can overflow: o and n are both checked against limit before subtracting.
+        # Written so that no sum can overflow: o and n are both checked against limit before subtracting. (o > limit
+        # is redundant: limit - o is then negative and n is not; it keeps the bound whole to the reader.)
         if o < 0 or n < 0 or o > limit or n > limit - o:
             return i
     return -1
@@ -41,7 +42,7 @@ def _pairs_total(pairs, limit):
     for i in range(pairs.shape[0]):
         o = pairs[i, 0]
         n = pairs[i, 1]
-        if o < 0 or n < 0 or o > limit or n > limit - o:
+        if o < 0 or n < 0 or o > limit or n > limit - o:  # (o > limit is redundant, as in _check_ranges)
             return i, 0
         total += n
     return -1, total

@@ -72,7 +72,7 @@ class WriteFence:
             self._fenced.clear()
             self._acks.clear()
             for writer in self._direct.values():
-                writer.fenced = True
+                writer.fenced = True  # redundant today: each check of a writer compares its registration too
             return self.registration, self.key
 
     def _admit(self, ticket: bytes, what: str) -> tuple[int, int, int]:
@@ -126,6 +126,8 @@ class WriteFence:
         wrote must not be published)."""
         with self._lock:
             writer = self._direct.pop(bytes(ticket), None)
+            # Each of the last three is redundant today given the others: fence() and new_registration() mark a
+            # writer fenced as its put goes into _fenced or the registration changes.
             fenced = writer is None or writer.fenced or writer.registration != self.registration \
                 or writer.put_id in self._fenced
         if writer is not None:

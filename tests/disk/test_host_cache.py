@@ -157,7 +157,19 @@ def test_a_process_killed_mid_fill_leaves_no_wrong_row_and_no_blocked_set(tmp_pa
         assert res.returncode == -signal.SIGKILL, (res.stdout, res.stderr[-2000:])
         s = int(cache.journal[0])
         assert s >= 0 and cache.meta[s * dk.META_WORDS] & dk.BUSY, "the dead writer left its set busy"
-        # the half-written row is never served: its set reads as a miss until the next fill repairs it
+        # the half-written row is never served: its set reads as a miss until the next fill repairs it. First a
+        # lookup of every row the busy set names (the dead writer's among them), probed before any fill repairs it
+        tag = store._layers[worker.LAYER].state.tag
+        row_base = np.concatenate(([0], np.cumsum(worker.SIZES)[:-1]))
+        keys = [int(key) for key in cache.meta[s * dk.META_WORDS + 1:(s + 1) * dk.META_WORDS]
+                if key >= 0 and key >> dk.KEY_ROW_BITS == tag]
+        ids = np.zeros((1, len(keys), 3), np.int64)
+        for m, key in enumerate(keys):
+            r = key & ((1 << dk.KEY_ROW_BITS) - 1)
+            h = int(np.searchsorted(row_base, r, side="right")) - 1
+            ids[0, m, h] = r - row_base[h]
+        assert keys, "the dead writer's set holds rows of this layer"
+        np.testing.assert_array_equal(store.lookup(ids), np.stack([tables[h][ids[..., h]] for h in range(3)], axis=-2))
         rng = np.random.default_rng(0)
         for _ in range(30):
             ids = np.stack([rng.integers(0, n, (2, 9)) for n in worker.SIZES], axis=-1).astype(np.int64)
@@ -167,7 +179,6 @@ def test_a_process_killed_mid_fill_leaves_no_wrong_row_and_no_blocked_set(tmp_pa
         assert st["host_cache_repairs"] == 1 and st["host_cache_fills_skipped"] == 0
         assert int(cache.journal[0]) == -1
         assert not any(cache.meta[::dk.META_WORDS] & dk.BUSY), "no set stays busy"
-        tag = store._layers[worker.LAYER].state.tag
         assert cached_rows_are_right(cache, tag, tables, worker.SIZES) > 0
 
 

@@ -123,6 +123,127 @@ def test_a_lost_object_whose_bytes_do_not_verify_stays_lost_and_its_space_is_fre
     assert state.segments["s1"].allocator.used == 0 and "k" in state.lost
 
 
+def test_a_journal_of_an_older_master_replays_with_the_defaults_of_the_fields_it_lacks():
+    records = [
+        {"op": "segment", "segment_id": "s1", "address": "127.0.0.1:1", "size": 8192, "shm_path": "", "host_id": "h"},
+        {"op": "object", "key": "old", "size": 100, "replicas": [["s1", 0]]},  # no checksum, count or generation
+        {"op": "lost", "key": "gone", "size": 100},                             # no message, count, sum or places
+    ]
+    restored = MasterState(clock=Clock())
+    assert restored.replay(records) == 3
+    meta = restored.objects["old"]
+    assert (meta.replica_num, meta.checksum, meta.replicas[0].generation) == (1, "", 0)
+    lost = restored.lost["gone"]
+    assert (lost.message, lost.replica_num, lost.checksum, lost.places) == ("object 'gone' was lost", 1, "", [])
+    with pytest.raises(ObjectLost, match="object 'gone' was lost"):
+        restored.get("gone")
+    restored.replay([{"op": "lost", "key": "gone", "size": 100, "message": "lost with segment s2", "places": []}])
+    assert restored.lost["gone"].message == "lost with segment s2"
+
+
+def test_a_replica_the_journal_places_where_it_cannot_be_is_reported_lost_never_dropped(caplog):
+    records = [
+        {"op": "segment", "segment_id": "s1", "address": "127.0.0.1:1", "size": 8192, "shm_path": "", "host_id": "h"},
+        {"op": "object", "key": "elsewhere", "size": 100, "replicas": [["s9", 0, 5]], "checksum": "aa"},
+        {"op": "object", "key": "half", "size": 100, "replicas": [["s1", 0, 6], ["s9", 0, 6]], "checksum": "bb"},
+        {"op": "object", "key": "over", "size": 100, "replicas": [["s1", 0, 7]], "checksum": "cc"},
+    ]
+    restored = _replayed(records)
+    assert sorted(restored.objects) == ["half"] and [r.segment_id for r in restored.objects["half"].replicas] == ["s1"]
+    assert sorted(restored.lost) == ["elsewhere", "over"]
+    assert "segment s9 offset 0" in restored.lost["elsewhere"].message
+    assert "segment s1 offset 0" in restored.lost["over"].message  # its space is the object before's
+    assert restored.lost["over"].places[0].generation == 7 and restored.lost["over"].checksum == "cc"
+    assert sum("not restored" in r.getMessage() for r in caplog.records) == 3
+
+
+def test_removed_space_anywhere_in_a_segment_is_quarantined_after_a_replay():
+    clock, journal = Clock(), []
+    state = MasterState(clock=clock, journal=journal.append)
+    _registered(state, "s1", size=8192)
+    for key in ("keep", "old"):
+        state.put_start(key, 4096, 1)
+        state.put_end(key, "aa")
+    assert state.objects["old"].replicas[0].offset == 4096
+    state.remove("old")
+    restored_clock = Clock()
+    restored = _replayed(journal, restored_clock)
+    _registered(restored, "s1", size=8192)
+    assert restored.quarantined_bytes("s1") == 4096
+    with pytest.raises(Exception, match="4096 bytes of removed objects become free within"):
+        restored.put_start("new", 4096, 1)
+    restored_clock.now += 2.5
+    assert restored.release_quarantine() == 1
+    assert restored.segments["s1"].allocator.free_blocks() == [(4096, 4096)]
+    restored.put_start("new", 4096, 1)
+    assert restored.objects["new"].replicas[0].offset == 4096
+
+
+@pytest.mark.parametrize("then", ["written anew", "restored"])
+def test_a_lost_object_replays_as_the_running_master_left_it(then):
+    """A lost object written anew under its key is forgotten (its old bytes are remembered as removed, so a segment
+    offering them back never brings them over the new object); one a segment restored is simply no longer lost."""
+    journal = []
+    state = MasterState(clock=Clock(), journal=journal.append)
+    _registered(state, "s1", "s2")
+    state.put_start("k", 100, 1)
+    state.put_end("k", "cc")
+    first = state.objects["k"].replicas[0]
+    state.drop_segment(first.segment_id, "missed heartbeats")
+    if then == "written anew":
+        state.put_start("k", 100, 1)
+        state.put_end("k", "dd")
+    else:
+        state.register_segment(first.segment_id, "127.0.0.1:9", 4096, "", "h", write_key=b"z" * 32,
+                               registration="again")
+        assert len(state.verification_candidates(first.segment_id)) == 1
+        assert state.offer_verified(first.segment_id, "again", ["k"]) == 1
+    assert not state.lost and ((("k", first.generation) in state.removed) == (then == "written anew"))
+    for records in (journal, _replayed(journal).snapshot()):
+        restored = _replayed(records)
+        assert _durable(restored) == _durable(state)
+        assert list(restored.removed) == list(state.removed)
+
+
+def _journalled_generations(records) -> set[int]:
+    """Every put id a journal names: its objects' replicas, its lost objects' places, its removed objects."""
+    found = set()
+    for record in records:
+        found.update(r[2] for r in record.get("replicas", ()) if len(r) > 2)
+        found.update(r[2] for r in record.get("places", ()) if len(r) > 2)
+        if record["op"] == "removed":
+            found.add(record["generation"])
+    return found
+
+
+@pytest.mark.parametrize("start", [1, 1 << 61], ids=["start below", "start above"])
+@pytest.mark.parametrize("compacted", [False, True], ids=["journal", "snapshot"])
+@pytest.mark.parametrize("newest", ["live", "lost", "removed"])
+def test_put_ids_after_a_replay_never_repeat_a_journalled_one(start, compacted, newest):
+    """A new master starts its put ids at a random point; replayed below the journal's ids it must move past every
+    one the journal names, those of removed and lost objects too: segments refuse reads and writes by put id, and
+    a removed object's id marks its range removed there."""
+    journal = []
+    state = MasterState(clock=Clock(), journal=journal.append, next_put_id=1 << 40)
+    _registered(state, "s1", "s2", "s3")
+    for key in sorted(("live", "lost", "removed"), key=lambda k: k == newest):  # each on a segment of its own
+        state.put_start(key, 100, 1)
+        state.put_end(key, "cc")
+    state.drop_segment(state.objects["lost"].replicas[0].segment_id, "missed heartbeats")
+    state.remove("removed")
+    assert sorted(state.objects) == ["live"] and sorted(state.lost) == ["lost"]
+    records = _replayed(journal).snapshot() if compacted else journal
+    named = _journalled_generations(records)
+    assert len(named) >= 3
+    restored = MasterState(clock=Clock(), next_put_id=start)
+    restored.replay(records)
+    _registered(restored, "s1", "s2")
+    restored.put_start("next", 100, 1)
+    put_id = restored.objects["next"].put_id
+    assert put_id not in named
+    assert put_id == max(start, max(named) + 1)
+
+
 # ---- the property: replay equals the running state, after any history -------------------------------------
 
 _op = st.one_of(

@@ -399,6 +399,55 @@ def test_a_dropped_segment_fences_the_other_replicas_of_puts_in_progress():
     assert _used(state) == {"s2": 0}
 
 
+def test_a_segment_that_registers_again_ends_its_own_puts_and_no_others():
+    state, _, _ = _state()
+    state.put_start("a", 1000, 1)
+    state.put_start("b", 1000, 1)
+    assert [state.objects[k].replicas[0].segment_id for k in "ab"] == ["s1", "s2"]
+    state.register_segment("s1", "127.0.0.1:1", 4096, "", "h", write_key=b"n" * 32, registration="again")
+    with pytest.raises(ObjectNotFound, match="no write in progress"):
+        state.put_end("a", "aa")  # its writes were refused by the new key: publishing it would publish nothing
+    state.put_end("b", "bb")
+    assert state.exists("b") and not state.exists("a") and _used(state) == {"s1": 0, "s2": _align(1000)}
+
+
+def test_fences_a_segment_had_not_acknowledged_are_settled_when_it_registers_again():
+    state, _, _ = _state()
+    state.put_start("w", 1000, 1)
+    state.put_revoke("w")  # its writer may have writes in flight: the space waits for the segment's fence
+    assert state.fencing_bytes() == 1000 and state.segments["s1"].fences
+    state.register_segment("s1", "127.0.0.1:1", 4096, "", "h", write_key=b"n" * 32, registration="again")
+    assert state.fencing_bytes() == 0 and not state.segments["s1"].fences and not state.fencing
+    assert _used(state) == {"s1": 0, "s2": 0}
+
+
+def test_a_held_range_the_master_never_placed_is_reserved_even_beside_a_fence_of_its_size():
+    state, _, _ = _state()
+    state.put_start("w", 1000, 1)
+    state.put_revoke("w")  # fenced at offset 0 of s1, 1000 bytes, not yet acknowledged
+    seg = state.segments["s1"]
+    state.heartbeat("s1", seg.registration, [], [[2048, 1000]])  # a writer of an earlier registration
+    assert seg.held == {(2048, 1000)} and _used(state)["s1"] == 2 * _align(1000)
+    assert state.fencing_bytes() == 2000  # the fence's and the held range's
+    state.heartbeat("s1", seg.registration, [], [[0, 1000], [2048, 1000]])  # the fenced put's writer, live
+    assert seg.held == {(0, 1000), (2048, 1000)} and _used(state)["s1"] == 2 * _align(1000)
+    _ack(state, "s1", held=[(0, 1000)])  # the fence applied; the earlier writer exited
+    assert seg.held == {(0, 1000)} and _used(state)["s1"] == _align(1000)
+    _ack(state, "s1")
+    assert _used(state)["s1"] == 0 and state.fencing_bytes() == 0
+
+
+def test_a_fence_still_waiting_on_other_segments_outlives_a_dropped_one():
+    state, _, _ = _state()
+    state.put_start("w", 1000, 2)
+    state.put_revoke("w")  # fenced on s1 and s2
+    state.drop_segment("s1", "missed heartbeats")
+    assert state.fencing_bytes() == 1000 and _used(state) == {"s2": _align(1000)}
+    _ack(state, "s2")
+    assert _used(state) == {"s2": 0} and not state.fencing
+    assert state.heartbeat("s1", "any") is None and state.heartbeat("s9") is None  # segments it does not know
+
+
 def test_objects_offered_back_by_a_segment_are_adopted_unless_another_object_has_the_key():
     state, _, _ = _state()
     state.put_start("mine", 100, 1)

@@ -237,6 +237,32 @@ def test_a_slot_named_twice_is_found_in_large_states_too():
     np.testing.assert_array_equal(got, hasher(np.array([[1], [2], [3]]))[:, 0])
 
 
+def test_a_slot_named_twice_is_found_wherever_it_sorts_in_large_states():
+    hasher = released_hasher()
+    big = hasher.begin(_kernels.MARK_SLOTS + 3)
+    for slots in ([7, 7], [9, 65538, 9], [65538, 3, 65538, 4]):  # the repeat sorts first, in the middle, last
+        before = big.history.copy()
+        with pytest.raises(InvalidArgument, match=f"got slot {slots[-2] if slots[-1] == 4 else slots[-1]} for "):
+            hasher.step_ragged(big, list(range(len(slots))), slots, list(range(len(slots) + 1)))
+        np.testing.assert_array_equal(big.history, before)
+
+
+def test_a_config_whose_primes_straddle_the_small_modulo_bound_hashes_as_numpy_does():
+    """Each column's modulo takes the general loop if any prime of the config is small (<= 4096), one correction
+    otherwise: a config whose primes run from tiny ones (one correction is far from enough) to ones above that
+    bound must take the loop everywhere."""
+    cfg = V41Config(layer_ids=list(range(20)), max_ngram_size=5, n_heads=8, engram_vocab_size=2,
+                    compressed_vocab_size=300, pad_id=0, hidden_size=8)
+    primes = [p for layer in cfg.layer_ids for heads in cfg.primes(layer) for p in heads]
+    assert primes[0] == 2 and primes[-1] > 4096
+    rng = np.random.default_rng(5)
+    hasher = V41Hasher(cfg, first_appearance_map(rng, 400, 300))
+    state = hasher.begin(4)
+    tokens = rng.integers(0, 400, 60)
+    parts = [(s, tokens[15 * s:15 * (s + 1)].tolist(), [True] * 15, [False] * 15) for s in range(4)]
+    ragged_call(hasher, state, parts, False, False, True)
+
+
 def test_bad_arguments_are_named_and_leave_the_state():
     hasher = released_hasher()
     state = hasher.begin(3)

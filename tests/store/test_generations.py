@@ -1,5 +1,5 @@
-"""Reads that name the objects they expect: the kernel against a plain Python reference, and the segment's record of
-which put wrote which range."""
+"""Reads that name the objects they expect: the kernel against a plain Python reference, the segment's record of
+which put wrote which range, and a client's remote read of an old placement refused over either read path."""
 
 import os
 
@@ -8,9 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engram_store import InvalidArgument, StalePlacement
+from engram_store import DistributedStore, InvalidArgument, StalePlacement
 from engram_store.kernels import check_generations, check_pairs_for
+from engram_store.segment import SegmentServer
 from engram_store.segment._generations import Generations
+from master import MasterServer
 
 
 def _reference(entries: dict, base: int, size: int, gen: int) -> bool:
@@ -148,3 +150,140 @@ def test_an_object_a_master_asks_about_is_disowned_once_removed_or_written_over(
     assert not generations.disowns(["b", 128, 128, "c", 8])
     assert not generations.disowns(["d", 4096, 64, "c", 3])  # never learnt of: its checksum decides
     assert not generations.disowns(["a", 0, 128, "c"]) and not generations.disowns(["a", "x", 1, "c", 7])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("raw_reads", [True, False], ids=["raw channel", "zeromq"])
+def test_a_remote_read_of_an_old_placement_never_returns_the_bytes_that_took_its_space(raw_reads):
+    """A reader holds a placement of object a; a is removed and b, of the same size, takes its space at once (no
+    reuse delay). Reading a through that placement, over either read path, must raise StalePlacement, never return
+    b's bytes: the read names a's put, and the segment knows another put wrote there since."""
+    with MasterServer("127.0.0.1", 0, reuse_delay_s=0.0).start() as master, \
+            SegmentServer(8 << 20, master.address, host="127.0.0.1", port=0).start(), \
+            DistributedStore(master.address, local_direct=False, raw_reads=raw_reads) as store:
+        store.put("a", np.full(4096, 0xAA, np.uint8))
+        old = store.locate(["a"], lease=False)[0]
+        out = np.zeros(4096, np.uint8)
+        store.read_object(old, out)
+        assert (out == 0xAA).all()
+        store.remove("a", force=True)
+        out[:] = 0
+        with pytest.raises(StalePlacement, match="no longer there"):
+            store.read_object(old, out)  # removed: the remover told the segment
+        store.put("b", np.full(4096, 0xBB, np.uint8))
+        assert store.locate(["b"], lease=False)[0].replicas[0].offset == old.replicas[0].offset
+        with pytest.raises(StalePlacement, match="no longer there"):
+            store.read_object(old, out)  # written over by b's put
+        assert not (out == 0xBB).any(), "b's bytes reached a reader of a"
+        assert store.get("b") == b"\xbb" * 4096
+
+
+def test_claims_of_no_bytes_or_no_put_record_nothing():
+    generations = Generations()
+    generations.claim(0, 640, 7)
+    version = generations.version
+    for offset, size, put in [(0, 0, 9), (64, 0, 9), (0, 640, 0), (0, 640, -7)]:
+        generations.claim(offset, size, put)  # an empty object's write_open, or no put at all
+    assert generations.holds(7, 0, 640) and len(generations.arrays[0]) == 1 and generations.version == version
+    generations.claim(0, 640, 7)  # a later write of the same put: nothing changes, readers need not check again
+    assert generations.version == version
+
+
+def test_a_removed_object_stays_removed_whatever_generation_a_drop_names():
+    generations = Generations()
+    generations.claim(0, 640, 7)
+    assert generations.drop([(0, 7)]) == 1
+    named = check_pairs_for(np.array([0]), np.array([640]), np.array([7]))
+    for generation in (-7, 0, 8):
+        assert generations.drop([(0, generation)]) == 0
+        assert check_generations(named, *generations.arrays) == (2, 0), f"a drop naming {generation} brought it back"
+
+
+def test_a_catalogue_never_seeds_over_what_a_write_this_segment_saw_claimed():
+    """A catalogue older than a put this segment took writes for still lists the object that was there: seeding it
+    must not bring that object back (a reader of it would get the new put's bytes), nor hide the new one; objects
+    beside it are learnt."""
+    generations = Generations()
+    generations.claim(1024, 128, 9)  # put 9 writes over [1024, 1152)
+    version = generations.version
+    generations.seed([["old", 1024, 64, 1, "aa", 5], ["empty", 4096, 0, 1, "", 3], ["unknown", 8192, 64, 1, "dd", 0]])
+    assert generations.version == version, "a catalogue that taught nothing moved the version"
+    generations.seed([["old", 1024, 64, 1, "aa", 5], ["older", 1088, 64, 1, "bb", 4], ["before", 0, 64, 1, "cc", 3],
+                      ["beyond", 4096, 64, 1, "ee", 6], ["next", 1152, 64, 1, "ff", 7], ["prev", 960, 64, 1, "gg", 8]])
+    old, new = (check_pairs_for(np.array([b]), np.array([n]), np.array([g])) for b, n, g in [(1024, 64, 5),
+                                                                                            (1024, 128, 9)])
+    assert check_generations(old, *generations.arrays) == (2, 0)
+    assert check_generations(new, *generations.arrays) == (2, -1)
+    assert generations.arrays[0].tolist() == [0, 960, 1024, 1152, 4096]
+    assert generations.holds(3, 0, 64) and generations.holds(6, 4096, 64)
+    assert generations.holds(7, 1152, 64) and generations.holds(8, 960, 64)  # right beside the claim: learnt
+
+
+def test_the_shared_table_holds_as_many_entries_as_it_has_room_for_then_says_it_cannot_tell(tmp_path, monkeypatch):
+    from engram_store.kernels import TABLE_UNKNOWN, check_table
+    from engram_store.segment import _generations as generations_module
+
+    monkeypatch.setattr(generations_module, "TABLE_MIN", 3)
+    generations = Generations(str(tmp_path / "segment.gen"), 0)
+    try:
+        table = generations.table
+        named = check_pairs_for(np.array([0, 128, 256]), np.array([64, 64, 64]), np.array([1, 2, 3]))
+        for k in range(3):
+            generations.claim(128 * k, 64, k + 1)
+        assert check_table(table, named) == (-1, int(table[0]))  # full, not overflowed
+        generations.claim(0, 64, 4)
+        assert check_table(table, named) == (0, int(table[0]))
+        generations.claim(384, 64, 5)  # a fourth entry
+        assert check_table(table, named)[0] == TABLE_UNKNOWN
+    finally:
+        generations.close()
+
+
+def test_the_kernels_refuse_a_check_without_its_size_and_pass_no_checks(tmp_path):
+    """Both checks (the segment's arrays and the shared table a reader or the raw channel reads) count a read's
+    checks themselves: an object named by its place alone is refused, and a read naming none passes."""
+    from engram_store.kernels import check_table
+
+    generations = Generations(str(tmp_path / "segment.gen"), 1 << 20)
+    try:
+        generations.claim(0, 64, 3)
+        odd = np.array([[-1, 3], [-65, 3], [-1, 3]], np.int64)  # object (0, 64, put 3), then a place alone
+        assert check_generations(np.concatenate((odd, [[0, 8]])), *generations.arrays) == (3, 1)
+        seq = int(generations.table[0])
+        assert check_table(generations.table, odd) == (1, seq)
+        assert check_table(generations.table, odd[:2]) == (-1, seq)
+        assert check_table(generations.table, np.zeros((0, 2), np.int64)) == (-1, seq)
+    finally:
+        generations.close()
+
+
+def test_a_table_being_written_or_out_of_its_bounds_cannot_tell():
+    """A reader never answers from a table a segment is changing (odd seq: it gives up after its spins) or one
+    whose count is outside its capacity (a table it cannot trust)."""
+    from engram_store.kernels import TABLE_UNKNOWN, check_table
+
+    table = np.zeros(8 + 3 * 2, dtype=np.int64)
+    table[2] = 2  # capacity 2
+    table[8], table[10], table[12] = 0, 64, 1  # one entry: (0, 64, put 1)
+    named = check_pairs_for(np.array([0]), np.array([64]), np.array([2]))  # a check that entry refuses
+    table[1] = 1
+    assert check_table(table, named) == (0, 0)
+    for count in (-1, 3):
+        table[1] = count
+        assert check_table(table, named)[0] == TABLE_UNKNOWN
+    table[1], table[0] = 1, 5  # a writer between its two bumps of seq
+    assert check_table(table, named)[0] == TABLE_UNKNOWN
+
+
+def test_the_checks_wrapper_refuses_what_is_not_pairs_and_passes_a_read_that_names_nothing():
+    from engram_store._errors import InvalidType
+
+    generations = Generations()
+    generations.claim(0, 64, 3)
+    for bad in (np.zeros((2, 2), np.float64), np.zeros(4, np.int64), np.zeros((2, 3), np.int64)):
+        with pytest.raises(InvalidType, match="pairs: expected int64 \\[R, 2\\]"):
+            check_generations(bad, *generations.arrays)
+    plain = np.array([[0, 64], [0, 8]], np.int64)
+    assert check_generations(plain, *generations.arrays) == (0, -1)
+    ranges, _ = generations.split(plain, "here")
+    assert ranges.tolist() == plain.tolist()

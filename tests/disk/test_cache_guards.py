@@ -1,0 +1,108 @@
+"""The hot-row cache's guards, each held by a test of its own that fails in milliseconds when the guard breaks.
+
+A lookup reads a set as a sequence lock and never reads one a writer holds busy, so a row half-written by a writer
+that died is never served; the next fill empties that set first; a hit marks its own way used, and nothing else.
+``test_host_cache.py`` shows the same with processes killed mid-fill; here each guard is met head on, not only
+when a random lookup happens to reach the dead writer's set before the repairing fill does.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engram_store.disk import HostRowCache, RowCache
+from engram_store.disk import _cache_kernels as ck
+from engram_store.disk import _kernels as dk
+
+ROW = 16
+ONE_SET = 7 * ROW + 79  # the bytes of one set of 7 ways
+
+
+def _rows(keys) -> np.ndarray:
+    """Each key's row: its bytes name the key, so a row served under another key shows."""
+    keys = np.asarray(keys, np.int64)
+    return ((keys[:, None] * 7 + np.arange(ROW)) % 251).astype(np.uint8)
+
+
+def _fill(cache: RowCache, keys, stop_at: int = -1) -> int:
+    """Offer ``keys`` and their rows; ``stop_at`` stops that insertion half-way, as a writer killed there would."""
+    keys = np.asarray(keys, np.int64)
+    cache.stop_at = stop_at
+    try:
+        return RowCache._fill_locked(cache, keys, np.arange(keys.size, dtype=np.int64), _rows(keys).reshape(-1))
+    finally:
+        cache.stop_at = -1
+
+
+def _probe(cache: RowCache, keys) -> tuple[np.ndarray, np.ndarray]:
+    """``(hit mask, rows copied)`` of a lookup of ``keys`` (one head, tag 0: a row's key is its id)."""
+    ids = np.asarray(keys, np.int64).reshape(-1, 1)
+    out = np.zeros(ids.size * ROW, np.uint8)
+    miss_pos, miss_key = np.empty(ids.size, np.int64), np.empty(ids.size, np.int64)
+    missed = dk._probe_all(ids, np.zeros(1, np.int64), 0, cache.meta, cache.rows, ROW, out, ROW, miss_pos, miss_key)
+    np.testing.assert_array_equal(miss_key[:missed], ids[miss_pos[:missed], 0])
+    hit = np.ones(ids.size, bool)
+    hit[miss_pos[:missed]] = False
+    return hit, out.reshape(-1, ROW)
+
+
+def test_a_probe_never_reads_a_set_a_writer_holds_busy():
+    cache = RowCache(ONE_SET, ROW, "always")
+    assert _fill(cache, range(5)) == 5
+    hit, rows = _probe(cache, range(5))
+    assert hit.all()
+    np.testing.assert_array_equal(rows, _rows(range(5)))
+    # A writer stops half-way through key 5's row: its key is in a way, half its row is not, the set is busy.
+    assert _fill(cache, [5], stop_at=0) == -1
+    assert cache.meta[0] & dk.BUSY and int(cache.journal[0]) == 0 and 5 in cache.meta[1:8]
+    hit, _ = _probe(cache, range(6))
+    assert not hit.any(), "a lookup took rows from a set a writer holds busy"
+    # The repair empties the set for good: nothing of what it held is found, and fills work again.
+    ck._cache_repair(cache.meta, 0)
+    assert not cache.meta[0] & dk.BUSY
+    hit, _ = _probe(cache, range(6))
+    assert not hit.any()
+    assert _fill(cache, [5, 6]) == 2
+    hit, rows = _probe(cache, [5, 6, 0])
+    assert hit.tolist() == [True, True, False]
+    np.testing.assert_array_equal(rows[:2], _rows([5, 6]))
+
+
+def test_a_hit_marks_its_own_way_used_and_a_miss_marks_nothing():
+    cache = RowCache(ONE_SET, ROW, "always")
+    _fill(cache, [10, 11, 12, 13])
+    assert cache.meta[0] & dk.REF_MASK == 0  # a fill leaves its ways unmarked
+    ways = {int(key): way for way, key in enumerate(cache.meta[1:8]) if key >= 0}
+    version = cache.meta[0] >> dk.VERSION_SHIFT
+    hit, _ = _probe(cache, [12, 99, 12])
+    assert hit.tolist() == [True, False, True]
+    assert cache.meta[0] & dk.REF_MASK == 1 << ways[12]
+    _probe(cache, [10])
+    assert cache.meta[0] & dk.REF_MASK == (1 << ways[12]) | (1 << ways[10])
+    assert cache.meta[0] >> dk.VERSION_SHIFT == version, "marking a way used is no change of the set's rows"
+
+
+def test_a_key_is_found_only_in_its_own_set():
+    """A row cached under a key is found by that key alone, wherever its set and way are."""
+    cache = RowCache(5 * ONE_SET, ROW, "always")
+    _fill(cache, np.arange(0, 400, 3))
+    keys = cache.meta.reshape(-1, dk.META_WORDS)[:, 1:]
+    held = set(keys[keys >= 0].tolist())
+    probe = np.arange(400, dtype=np.int64)
+    hit, rows = _probe(cache, probe)
+    assert set(probe[hit].tolist()) == held
+    np.testing.assert_array_equal(rows[hit], _rows(probe[hit]))
+
+
+@pytest.mark.timeout(60)
+def test_a_host_cache_fill_repairs_what_a_dead_writer_left_before_anything_else(tmp_path):
+    with HostRowCache(ONE_SET, ROW, scope="guards", directory=str(tmp_path)) as cache:
+        assert cache.fill(np.arange(4, dtype=np.int64), np.arange(4, dtype=np.int64), _rows(range(4)).reshape(-1)) == 4
+        assert _fill(cache, [4], stop_at=0) == -1  # a writer of another process died here, holding the lock
+        assert int(cache.journal[0]) == 0 and cache.meta[0] & dk.BUSY
+        assert not _probe(cache, range(5))[0].any()
+        assert cache.fill(np.array([7], np.int64), np.zeros(1, np.int64), _rows([7]).reshape(-1)) == 1
+        assert cache.stats()["repairs"] == 1 and int(cache.journal[0]) == -1 and not cache.meta[0] & dk.BUSY
+        hit, rows = _probe(cache, [7, 4, 0])
+        assert hit.tolist() == [True, False, False], "the dead writer's set was not emptied before the fill"
+        np.testing.assert_array_equal(rows[0], _rows([7])[0])

@@ -1,0 +1,203 @@
+"""What ``tests/mutate.py`` mutates, and with which tests: the guards of the contract, the tests that cover each
+module, the mutants written by hand, and the mutants known to be equivalent (with the reason).
+
+Tests are listed fastest first: a run stops at the first failure (``-x``), so a killed mutant costs little. A
+module's list names the tests that exist to catch a broken guard of it, not every test that happens to pass
+through it; the whole suite is the last resort, not the measure. The checked wrappers' type checks (a dtype, a
+shape) are left out: they guard arguments, not the contract's rows and objects, and ``tests/kernels`` holds them.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Target(NamedTuple):
+    path: str                   # the module, relative to the repository
+    functions: tuple[str, ...]  # "function" or "Class.method"
+    tests: tuple[str, ...]      # pytest arguments, relative to the repository
+
+
+DISK_TESTS = ("tests/disk/test_disk_kernels.py", "tests/disk/test_cache_guards.py", "tests/disk/test_disk_read.py",
+              "tests/disk/test_host_cache.py")
+GENERATION_TESTS = ("tests/store/test_generations.py", "tests/store/test_raw_io.py")
+MASTER_TESTS = ("tests/master/test_master_journal.py", "tests/master/test_master_state.py")
+PLANNING_TESTS = ("tests/kernels/test_planning.py", "tests/kernels/test_kernels.py", "tests/store/test_raw_io.py")
+
+TARGETS = [
+    # the master's replay and fencing
+    Target("master/_replay.py", ("Replay.replay", "Replay._free_replicas", "Replay._quarantine_replayed",
+                                 "Replay._replay_object"), MASTER_TESTS),
+    Target("master/_fencing.py", ("Fencing._end_registration", "Fencing._report_held", "Fencing._reserved_by_fence",
+                                  "Fencing._fence", "Fencing._fence_acknowledged", "Fencing._forget_settled_fences",
+                                  "Fencing.fencing_bytes"), MASTER_TESTS),
+    Target("master/_state.py", ("MasterState.heartbeat",), MASTER_TESTS),
+    # the segment's fence
+    Target("engram_store/segment/_fence.py",
+           ("WriteFence.new_registration", "WriteFence._admit", "WriteFence.check", "WriteFence.ticket_of",
+            "WriteFence.open_direct", "WriteFence.close_direct", "WriteFence.fence", "WriteFence.heartbeat_fields",
+            "WriteFence.acknowledged"), ("tests/store/test_fence.py", "tests/faults/test_fencing.py")),
+    # generations, on the segment's side and in the kernels both sides share, and the client's read checks
+    Target("engram_store/segment/_generations.py",
+           ("Generations.claim", "Generations.drop", "Generations.holds", "Generations.seed", "Generations._publish",
+            "Generations.split", "Generations.recheck"), GENERATION_TESTS),
+    Target("engram_store/kernels/_generations.py", ("_check_generations", "check_generations", "check_pairs_for"),
+           GENERATION_TESTS),
+    Target("engram_store/kernels/_generations_table.py", ("_check_table",), GENERATION_TESTS),
+    Target("engram_store/client/_reads.py", ("ReadPath._read_remote", "reply_bytes", "with_checks"),
+           ("tests/store/test_generations.py", *(f"tests/store/test_store.py::test_{name}" for name in (
+               "put_get_roundtrip_random_sizes", "get_into_ranges_equals_numpy_slicing",
+               "get_fails_over_to_second_replica_before_master_notices")))),
+    # V4.1's ragged decode state
+    Target("engram_model/v41/_hasher.py",
+           ("V41Hasher.step_ragged", "V41Hasher.commit", "V41Hasher._ragged", "V41Hasher._ragged_refused"),
+           ("tests/model/test_v41_ragged.py",)),
+    Target("engram_model/v41/_kernels.py", ("hash_ragged",), ("tests/model/test_v41_ragged.py",)),
+    # read planning
+    Target("engram_store/kernels/_planning.py",
+           ("_check_ranges", "_pairs_total", "_plan_pieces", "plan_pieces", "_first_bad_row", "_plan_unique_rows",
+            "_rows_to_ranges", "_plan_reads", "plan_reads", "_direct_pairs"), PLANNING_TESTS),
+    Target("engram_store/kernels/_sort.py", ("_sort_positions", "_minus_ones"), PLANNING_TESTS),
+    Target("engram_store/kernels/raw_io.py", ("_direct_request", "direct_read_plan"), PLANNING_TESTS),
+    # the hot-row cache (a process's and the host's) and its kernels: a busy set is never read, a half-written
+    # row never served, a dead writer's set repaired, a layer's keys never meet another's (last: each mutant
+    # recompiles the disk tier's kernels, and the host cache's tests start processes)
+    Target("engram_store/disk/_host_cache.py", ("HostRowCache.new_tag", "HostRowCache.fill", "HostRowCache._repair"),
+           ("tests/disk/test_cache_guards.py", "tests/disk/test_host_cache.py")),
+    Target("engram_store/disk/_cache_kernels.py",
+           ("_find", "_clock_victim", "_replace", "_cache_fill", "_cache_pin", "_cache_repair"), DISK_TESTS),
+    Target("engram_store/disk/_kernels.py", ("_find_way", "_probe_all", "_first_bad", "_plan_read", "_mark_used"),
+           DISK_TESTS),
+]
+
+#: Mutants written by hand: ``(path, function, text, replacement, what it breaks)``. The first five were found by
+#: hand before this tool existed; each has a test that kills it.
+HAND = [
+    ("engram_store/disk/_kernels.py", "_probe_all", "if way < WAYS and not (version & BUSY):", "if way < WAYS:",
+     "a busy set's rows are served"),
+    ("engram_store/client/_reads.py", "ReadPath._read_remote",
+     "named.add((replica.offset, info.size, replica.generation))", "named.add((replica.offset, info.size, 0))",
+     "remote reads name no generation"),
+    ("master/_replay.py", "Replay.replay", "*(g + 1 for g in generations)", "*(g for g in generations)",
+     "put ids repeat after a replay"),
+    ("engram_store/segment/_fence.py", "WriteFence._admit", "if fields[0] in self._fenced:",
+     "if fields[0] in self._acks:", "a fenced put writes again once its fence is acknowledged"),
+    ("engram_store/segment/_fence.py", "WriteFence.check", "offset + nbytes > start + size", "offset > start + size",
+     "a write runs past its ticket's range"),
+]
+
+#: Mutants that change nothing a caller can observe: ``(path, function, old, new) -> why``, or with the code of the
+#: line the change is on (no indentation, no comment) as a fifth item where the same change occurs twice in a
+#: function. Not run.
+EQUIVALENT: dict[tuple[str, ...], str] = {
+    # the master's replay
+    ("master/_replay.py", "Replay._quarantine_replayed", "self.reuse_delay_s <= 0", "False"):
+        "with no reuse delay what it quarantines is due at once, and put_start frees what is due before it allocates",
+    ("master/_replay.py", "Replay._quarantine_replayed", "self.reuse_delay_s <= 0", "self.reuse_delay_s < 0"):
+        "with no reuse delay what it quarantines is due at once, and put_start frees what is due before it allocates",
+    ("master/_replay.py", "Replay._quarantine_replayed", "lo < hi", "lo <= hi"):
+        "an empty overlap reserves, quarantines and later frees 0 bytes: the allocator takes each as a no-op",
+    # the master's fencing
+    ("master/_fencing.py", "Fencing._end_registration", "segment.fences.clear()", "pass"):
+        "the ids left go out with the next heartbeat reply; the segment applies and acknowledges them, and "
+        "heartbeat() drops them (their fences were settled here already)",
+    ("master/_fencing.py", "Fencing._reserved_by_fence", "f.waiting.get(segment_id) == offset and f.size == size",
+     "f.waiting.get(segment_id) == offset"):
+        "a held range is always one put's whole ticket range, and a fence waiting at that offset of that segment is "
+        "that put's (fenced space is not placed again), so the sizes are equal",
+    ("master/_fencing.py", "Fencing._fence", "segment is None", "False"):
+        "redundant (see the comment beside it): dropping a segment takes its replicas out of pending puts first",
+    ("master/_fencing.py", "Fencing._fence", "replica.segment_id in settled or not meta.size",
+     "replica.segment_id in settled"):
+        "a put of 0 bytes holds no space: fencing it only waits for an acknowledgement that frees 0 bytes",
+    ("master/_fencing.py", "Fencing._fence_acknowledged", "fence is None", "False"):
+        "redundant (see the comment beside it): a put id in a segment's fences always has a fence waiting on it",
+    ("master/_fencing.py", "Fencing._fence_acknowledged",
+     "held is not None and (offset, fence.size) in {(int(o), int(n)) for o, n in held}", "held is not None"):
+        "redundant (see the comment beside it): heartbeat() reports the same list next, which frees a range it lacks",
+    ("master/_fencing.py", "Fencing._fence_acknowledged", "(offset, fence.size) in {(int(o), int(n)) for o, n in held}",
+     "(offset, fence.size) not in {(int(o), int(n)) for o, n in held}"):
+        "heartbeat() reports the same list next: a listed range freed here is reserved again as held there, an "
+        "unlisted one kept here is freed there",
+    # the segment's fence
+    ("engram_store/segment/_fence.py", "WriteFence.new_registration", "self._fenced.clear()", "pass"):
+        "put ids never repeat (a new master starts at a random point, a replayed one past every id its journal "
+        "names): a put fenced under an earlier key never comes back with a ticket of this one",
+    ("engram_store/segment/_fence.py", "WriteFence.new_registration", "self._acks.clear()", "pass"):
+        "the acknowledgements left reach the master with the next heartbeat, which drops put ids it is not waiting "
+        "on (it settled this segment's fences when it registered again)",
+    ("engram_store/segment/_fence.py", "WriteFence.new_registration", "True", "False"):
+        "redundant (see the comment beside it): each check of a writer compares its registration too",
+    ("engram_store/segment/_fence.py", "WriteFence.close_direct",
+     "writer is None or writer.fenced or writer.registration != self.registration or writer.put_id in self._fenced",
+     "writer is None or writer.registration != self.registration or writer.put_id in self._fenced"):
+        "redundant (see the comment beside it)",
+    ("engram_store/segment/_fence.py", "WriteFence.close_direct",
+     "writer is None or writer.fenced or writer.registration != self.registration or writer.put_id in self._fenced",
+     "writer is None or writer.fenced or writer.put_id in self._fenced"):
+        "redundant (see the comment beside it)",
+    ("engram_store/segment/_fence.py", "WriteFence.close_direct",
+     "writer is None or writer.fenced or writer.registration != self.registration or writer.put_id in self._fenced",
+     "writer is None or writer.fenced or writer.registration != self.registration"):
+        "redundant (see the comment beside it)",
+    ("engram_store/segment/_fence.py", "WriteFence.fence",
+     "writer.put_id == put_id and writer.registration == self.registration", "writer.put_id == put_id"):
+        "a writer opened under an earlier registration was marked fenced when the registration changed",
+    ("engram_store/segment/_fence.py", "WriteFence.heartbeat_fields",
+     "writer.fenced or writer.registration != self.registration", "writer.fenced"):
+        "a writer opened under an earlier registration was marked fenced when the registration changed",
+    # the segment's generations
+    ("engram_store/segment/_generations.py", "Generations.drop", "generation > 0", "generation >= 0"):
+        "no entry is of put 0 (claim and seed skip it), so a drop naming 0 marks nothing either way",
+    ("engram_store/segment/_generations.py", "Generations._publish", "1", "2",
+     "table[OVERFLOW], table[COUNT] = 1, 0"):
+        "readers take any non-zero overflow word as overflowed",
+    ("engram_store/segment/_generations.py", "Generations._publish", "0", "1",
+     "table[OVERFLOW], table[COUNT] = 1, 0"):
+        "readers test the overflow word first and read no entry of an overflowed table",
+    ("engram_store/segment/_generations.py", "Generations.recheck", "self.version == version", "False"):
+        "the second check is made even when no claim came meanwhile, and answers as the first did",
+    # the check kernels
+    **{("engram_store/kernels/_generations.py", "check_generations", "pairs.shape[0] == 0 or pairs[0, 0] >= 0", new):
+       "a fast path: for a read that names no object the kernel finds no leading check either and answers (0, -1)"
+       for new in ("False", "pairs.shape[0] == 0 and pairs[0, 0] >= 0", "pairs[0, 0] >= 0", "pairs.shape[0] == 0")},
+    ("engram_store/kernels/_generations.py", "check_generations", "pairs[0, 0] >= 0", "pairs[0, 0] > 0"):
+        "a fast path: for a read that names no object the kernel finds no leading check either and answers (0, -1)",
+    ("engram_store/kernels/_generations_table.py", "_check_table", "1000", "1001"):
+        "how long a reader waits out a writer (a few microseconds are held odd): one spin more changes nothing",
+    ("engram_store/kernels/_generations_table.py", "_check_table", "1", "2", "return UNKNOWN, -1"):
+        "callers read no seq with an UNKNOWN answer",
+    # read planning
+    **{("engram_store/kernels/_planning.py", function, "o < 0 or n < 0 or o > limit or n > limit - o",
+        "o < 0 or n < 0 or n > limit - o"): "redundant (see the comment beside it): n >= 0 > limit - o then"
+       for function in ("_check_ranges", "_pairs_total")},
+    ("engram_store/kernels/_planning.py", "_pairs_total", "0", "1", "return i, 0"):
+        "the total of a refused read is never read",
+    ("engram_store/kernels/_planning.py", "plan_pieces", "1", "2", "sizes = np.empty(max(most, 1), dtype=np.int64)"):
+        "scratch room: only the pieces found are returned",
+    # V4.1's ragged decode state
+    ("engram_model/v41/_hasher.py", "V41Hasher.commit", "False", "True"):
+        "a commit that hashes its tokens too moves the state the same way (only each request's last max_n - 1 "
+        "tokens reach it) and returns nothing either way",
+    ("engram_model/v41/_hasher.py", "V41Hasher._ragged", "0", "1",
+     "out = np.empty((T if emit else 0, nl, cols), dtype=np.int64)"):
+        "a commit's output is neither written nor returned",
+    ("engram_model/v41/_kernels.py", "hash_ragged", "S <= MARK_SLOTS", "S < MARK_SLOTS"):
+        "at exactly MARK_SLOTS slots the sorted search finds a repeated slot as the marks do",
+    ("engram_model/v41/_kernels.py", "hash_ragged", "1", "2", "seen[slots[r]] = 1"): "any non-zero mark is a mark",
+    ("engram_model/v41/_kernels.py", "hash_ragged", "R > 1", "R >= 1"):
+        "a lone request has no slot to repeat: the sorted search finds none",
+    ("engram_model/v41/_kernels.py", "hash_ragged", "False", "True", "small = False"):
+        "the general modulo loop gives what one correction gives, for every prime (only slower)",
+    ("engram_model/v41/_kernels.py", "hash_ragged", "primes[layer, col] <= 4096", "primes[layer, col] < 4096"):
+        "4096 is no prime",
+    ("engram_model/v41/_kernels.py", "hash_ragged", "0", "1", "lanes = HASH_BLOCK if emit else 0"):
+        "a commit hashes nothing: its lanes are allocated and never read",
+    ("engram_model/v41/_kernels.py", "hash_ragged", "0", "1", "t0 = 0"):
+        "t0 is set at the first token of each block, before it is read",
+    ("engram_model/v41/_kernels.py", "hash_ragged", "lo == hi", "False"):
+        "a request without tokens loads its slot's history and, on a commit, writes it back unchanged",
+    ("engram_model/v41/_kernels.py", "hash_ragged", "nb == HASH_BLOCK", "nb != HASH_BLOCK"):
+        "hashing a token at a time gives the rows a block at a time gives (only slower)",
+    ("engram_model/v41/_kernels.py", "hash_ragged", "1", "2", "return 0, -1"):
+        "the position of a problem is read only with a problem",
+}
