@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 
 from ._fencing import Fence
-from ._records import COMPLETE, ObjectMeta, Replica, some_keys
+from ._records import COMPLETE, LostObject, ObjectMeta, Replica, some_keys
 
 log = logging.getLogger("master._state")
 
@@ -79,6 +79,47 @@ class Repairs:
         target.catalog_version += 1
         self._journal_object(job.key, meta)
         return True
+
+    # ---- objects a segment found damaged -----------------------------------------------------------
+
+    def drop_damaged(self, segment_id: str, damaged: list[tuple[str, int, int]]) -> list[str]:
+        """The segment found these replicas (``(key, offset, generation)``) no longer matching their checksums when
+        it started on its file: they are not served again. Each is dropped from its object (its space quarantined
+        as a removed one's: readers may hold its placement); an object left without a replica is lost, with a
+        message that says why. Returns the keys of the objects lost."""
+        segment = self.segments.get(segment_id)
+        if segment is None or not damaged:
+            return []
+        lost, dropped = [], []
+        reusable_at = self.clock() + self.reuse_delay_s
+        for key, offset, generation in damaged:
+            meta = self.objects.get(key)
+            if meta is None or meta.state != COMPLETE:
+                continue
+            bad = [r for r in meta.replicas if r.segment_id == segment_id and r.offset == offset
+                   and (not generation or not r.generation or r.generation == generation)]
+            if not bad:
+                continue  # another object under the key now (the segment's list was older)
+            self._touch(meta)
+            meta.replicas = [r for r in meta.replicas if r not in bad]
+            self.quarantine.append((reusable_at, segment.allocator, offset, meta.size))
+            dropped.append(key)
+            if meta.replicas:
+                self._journal_object(key, meta)
+                continue
+            del self.objects[key]
+            message = (f"object {key!r} was lost: its last replica, on segment {segment_id} at {segment.address}, "
+                       "no longer matched its checksum when the segment started on its file (damaged at rest)")
+            record = LostObject(message, meta.size, meta.replica_num, meta.checksum, bad)
+            self._remember_lost(key, record)
+            self.journal({"op": "object", "key": key, "size": meta.size, "replica_num": meta.replica_num,
+                          "replicas": [], "checksum": meta.checksum})
+            self.journal(record.record(key))
+            lost.append(key)
+        if dropped:
+            log.warning("segment %s: %d replica(s) damaged at rest dropped, %d object(s) lost with them%s",
+                        segment_id, len(dropped), len(lost), some_keys(dropped))
+        return lost
 
     # ---- lost objects a segment still holds ------------------------------------------------------
 

@@ -15,6 +15,8 @@ import numpy as np
 from .. import kernels as _kernels
 from ._objects import Replica
 
+_RETIRED = _kernels.generation_table.RETIRED
+
 log = logging.getLogger("engram_store.client")
 
 
@@ -62,13 +64,15 @@ class LocalSegments:
         each of its objects (see ``engram_store.kernels.generation_table``); None where the segment publishes
         none, or it is not mapped here."""
         table = self._tables.get(replica.segment_id, False)
-        if table is not False:
+        if table is not False and (table is None or not table[_RETIRED]):
             return table
         if self.view(replica) is None:
             return None
         with self._lock:
-            if replica.segment_id in self._tables:
-                return self._tables[replica.segment_id]
+            table = self._tables.get(replica.segment_id, False)
+            if table is not False and (table is None or not table[_RETIRED]):
+                return table
+            # A table its segment retired (it made a new file in its place) tells nothing: map the file anew.
             table = None
             try:
                 table = self._map(replica.shm_path + ".gen", None, np.int64)

@@ -18,9 +18,11 @@ seqlock (see ``engram_store.kernels._generations_table``).
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
+import stat
 import threading
 
 import numpy as np
@@ -34,8 +36,8 @@ from ..kernels import generation_table
 #: segment holding more objects marks the table overflowed; readers on its host then ask the master.
 TABLE_BYTES_PER_ENTRY = 4 << 10
 TABLE_MIN, TABLE_MAX = 1 << 12, 1 << 20
-SEQ, COUNT, CAPACITY, OVERFLOW = (generation_table.SEQ, generation_table.COUNT, generation_table.CAPACITY,
-                                  generation_table.OVERFLOW)
+SEQ, COUNT, CAPACITY, OVERFLOW, RETIRED = (generation_table.SEQ, generation_table.COUNT, generation_table.CAPACITY,
+                                           generation_table.OVERFLOW, generation_table.RETIRED)
 HEADER_WORDS, table_words = generation_table.HEADER_WORDS, generation_table.table_words
 
 log = logging.getLogger(__name__)
@@ -44,26 +46,20 @@ log = logging.getLogger(__name__)
 class Generations:
     """The latest writer of every range this segment knows; thread-safe, readers lock-free."""
 
-    def __init__(self, table_path: str | None = None, segment_bytes: int = 0) -> None:
+    def __init__(self, table_path: str | None = None, segment_bytes: int = 0, keep_file: bool = False) -> None:
         self._lock = threading.Lock()
         self._entries: dict[int, tuple[int, int]] = {}  # base -> (size, put id), not overlapping
         self.version = 0
         empty = np.zeros(0, dtype=np.int64)
         self.arrays: tuple[np.ndarray, np.ndarray, np.ndarray] = (empty, empty, empty)
         self.table_path = table_path
+        self._keep_file = keep_file
         self._map: mmap.mmap | None = None
         self._table: np.ndarray | None = None
         if table_path is not None:
             capacity = min(TABLE_MAX, max(TABLE_MIN, segment_bytes // TABLE_BYTES_PER_ENTRY))
-            nbytes = table_words(capacity) * 8
             try:
-                fd = os.open(table_path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
-                try:
-                    os.ftruncate(fd, 0)  # one a dead run of this segment left: its entries are not ours
-                    reserve(fd, nbytes, table_path, "generation table")  # no page left to fault in (SIGBUS)
-                    self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-                finally:
-                    os.close(fd)
+                self._map = _open_table(table_path, table_words(capacity) * 8)
             except (OSError, OutOfSpace) as exc:
                 log.warning("no generation table at %s (%s): readers on this host check their placements with "
                             "the master only", table_path, getattr(exc, "strerror", None) or exc)
@@ -73,8 +69,14 @@ class Generations:
                     pass
                 self.table_path = None
                 return
-            self._table = np.frombuffer(self._map, dtype=np.int64)
-            self._table[CAPACITY] = capacity
+            self._table = table = np.frombuffer(self._map, dtype=np.int64)
+            # A table a run of this segment left (a durable one restarted on its file) is taken over in place:
+            # a reader on this host that still maps it sees what this run publishes. Its entries are not ours.
+            seq = int(table[SEQ]) + 2 & ~1
+            table[SEQ] = seq + 1
+            table[HEADER_WORDS:] = 0
+            table[COUNT], table[OVERFLOW], table[RETIRED], table[CAPACITY] = 0, 0, 0, capacity
+            table[SEQ] = seq + 2
 
     @property
     def table(self) -> np.ndarray | None:
@@ -82,19 +84,24 @@ class Generations:
         return self._table
 
     def close(self) -> None:
-        """Unmap and remove the shared table (readers that mapped it keep their mapping)."""
+        """Unmap the shared table, and remove it unless it is kept for the next run of a durable segment (which
+        takes it over in place). Readers that mapped a removed one keep their mapping: it is marked retired."""
         with self._lock:
-            self._table = None
+            table, self._table = self._table, None
             if self._map is not None:
+                if not self._keep_file:
+                    _retire(table)
+                del table
                 try:
                     self._map.close()
                 except BufferError:
                     pass  # a reader in this process still holds a view of it: unmapped when that goes
                 self._map = None
-                try:
-                    os.unlink(self.table_path)
-                except OSError:
-                    pass
+                if not self._keep_file:
+                    try:
+                        os.unlink(self.table_path)
+                    except OSError:
+                        pass
 
     def claim(self, offset: int, size: int, generation: int) -> None:
         """Put ``generation`` is about to write ``[offset, offset + size)``: it is that range's latest writer."""
@@ -191,3 +198,34 @@ class Generations:
         return StalePlacement(f"read_ranges: the object of {size} bytes at offset {base} written by put {put} is no "
                               f"longer there: it was removed, or another put has written over it since ({where}); "
                               "ask the master where it is now")
+
+
+def _open_table(path: str, nbytes: int) -> mmap.mmap:
+    """The table file at ``path``, ``nbytes`` long, mapped read-write: the one already there when it has that size
+    (its inode kept, so readers that map it follow this run), else a new one (one of another size is retired and
+    unlinked first: truncating it under its readers would kill them with SIGBUS)."""
+    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise OSError(errno.EPERM, f"{path} is not a regular file of this user")
+        if st.st_size not in (0, nbytes):
+            if st.st_size >= HEADER_WORDS * 8:
+                old = mmap.mmap(fd, HEADER_WORDS * 8, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                _retire(np.frombuffer(old, dtype=np.int64))
+                old.close()
+            os.unlink(path)
+            os.close(fd)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o644)
+        reserve(fd, nbytes, path, "generation table")  # no page left to fault in (SIGBUS)
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def _retire(table: np.ndarray | None) -> None:
+    """Mark a table this segment no longer keeps, so that readers that still map it stop trusting it."""
+    if table is not None:
+        table[SEQ] += 1
+        table[RETIRED] = 1
+        table[SEQ] += 1

@@ -129,6 +129,7 @@ class SegmentServer:
         self._prefault_thread: threading.Thread | None = None
         self._closed = False
         self.generations: Generations | None = None
+        self._damaged: list[list] = []  # [key, offset, generation] found damaged at rest, until the master hears
         self.server: RpcServer | None = None
         self._readers: list[RpcServer] = []
         self.raw: RawReadServer | None = None
@@ -137,7 +138,9 @@ class SegmentServer:
         try:
             # Which put wrote which range: checked by every read that names its objects, and published beside
             # the segment's file for readers on this host; a durable segment's objects as its manifest lists them.
-            self.generations = Generations(self.memory.path + ".gen" if self.memory.path else None, size)
+            # A durable segment keeps its table for its next run, which takes it over in place.
+            self.generations = Generations(self.memory.path + ".gen" if self.memory.path else None, size,
+                                           keep_file=self.catalog.durable)
             self.generations.seed(self.catalog.objects)
             # Reads gather from one read-only view of the mapping, built once; the mapping is faulted in the
             # background, so the first reads do not page-fault and start-up does not wait.
@@ -201,7 +204,10 @@ class SegmentServer:
         """Register with the master under a new write key (every ticket issued before is dead from now on),
         offering back the objects this segment still holds and can prove intact."""
         registration, key = self.fence.new_registration()
-        objects = self.catalog.verified(self.memory.array)
+        objects, damaged = self.catalog.verified(self.memory.array)
+        if damaged:  # refused to readers from now on, and told to the master until it has heard
+            self.generations.drop([(offset, generation) for _, offset, generation in damaged])
+            self._damaged += damaged
         conn = Connection(self.master_address, unavailable=MasterUnavailable, curve=self._master_curve)
         delay = 0.05
         warned = False
@@ -216,7 +222,9 @@ class SegmentServer:
                         "public_key": self._master_curve[0].decode() if self._master_curve else "",
                         "objects": objects, "write_key": key, "registration": registration,
                         "held": self.fence.held(), "direct_writes": not self.catalog.durable,
+                        "damaged": self._damaged,
                     }, timeout_ms=attempt_ms)
+                    self._damaged = []
                     self.heartbeat_interval_s = max(0.05, header.get("heartbeat_interval_ms", 1000) / 1000.0)
                     log.info("segment %s registered with master %s (%d object(s) offered back)", self.segment_id,
                              self.master_address, len(objects))
