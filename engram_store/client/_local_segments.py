@@ -129,6 +129,11 @@ class LocalSegments:
             if fd is not None:
                 self._retired_fds.append(fd)  # another thread may be writing with it; closed with the client
 
+    def forked(self) -> None:
+        """In a forked child: the mappings and files are this process's copies (reads and ``pwrite`` through them
+        are its own); only the lock may have been held by a thread the child does not have."""
+        self._lock = threading.Lock()
+
     def close(self) -> None:
         """Close every file and mapping (a mapping an array still views is unmapped by the GC later)."""
         with self._lock:

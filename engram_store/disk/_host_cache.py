@@ -43,12 +43,14 @@ import logging
 import mmap
 import os
 import signal
+import threading
 import time
 import weakref
 
 import numpy as np
 import xxhash
 
+from .. import _fork
 from .._errors import InvalidArgument, OutOfSpace, StoreError, describe
 from .._pages import MADV_HUGEPAGE, madvise
 from . import _cache_kernels as ck
@@ -168,6 +170,29 @@ class HostRowCache(RowCache):
         die_at = os.environ.get(DIE_MID_FILL_ENV)
         self.stop_at = int(die_at) if die_at else -1
         self._finalizer = weakref.finalize(self, _detach, self._files, self._mm)  # also runs at exit
+        _fork.in_child(self._forked)
+
+    def _forked(self) -> None:
+        """In a forked child: the flocks the parent holds belong to open file descriptions the child shares, so the
+        child locks and unlocks nothing through them (that would take or drop the parent's locks): it closes its
+        copies of the descriptors and attaches with descriptions of its own, as a process of its own."""
+        self.lock, self._tag_lock = threading.Lock(), threading.Lock()
+        files = self._files
+        if files is None or self._closed:
+            return
+        for fd in (files.lock_fd, files.data_fd):
+            if fd >= 0:
+                os.close(fd)  # the description (and the parent's flock on it) lives on in the parent
+        files.lock_fd = files.data_fd = -1
+        try:
+            fd = os.open(files.data_path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            return  # the parent's last user deleted it: the child reads its mapping, attached to nothing
+        if (os.fstat(fd).st_dev, os.fstat(fd).st_ino) != self._file_id:
+            os.close(fd)
+            return
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        files.data_fd = fd
 
     # ---- the shared file -------------------------------------------------------------------------------
 
@@ -211,6 +236,8 @@ class HostRowCache(RowCache):
                 if fresh:
                     self._initialise(files.data_fd, size)
                 fcntl.flock(files.data_fd, fcntl.LOCK_SH)  # we are attached from here (converts an exclusive)
+                st = os.fstat(files.data_fd)
+                self._file_id = (st.st_dev, st.st_ino)
                 self._map(files.data_fd, size, regions, fresh)
                 ck._counter_add(self.counters, COUNTERS.index("attaches"), 1)
             finally:
@@ -367,7 +394,9 @@ class HostRowCache(RowCache):
 
 def _detach(files: _Files | None, mm: mmap.mmap | None) -> None:
     """Leave the cache: the last process attached deletes its files."""
-    if files is None or files.lock_fd < 0:
+    if files is None or files.data_fd < 0:
+        if files is not None:
+            files.close()
         return
     try:
         files.lock(None)

@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 import xxhash
 
+from .. import _fork
 from .._errors import DiskReadError, InvalidArgument, InvalidType, ObjectNotFound, StoreError, describe, is_int
 from . import _kernels as k
 from ._cache import RowCache
@@ -120,6 +121,16 @@ class IOEngine:
         self._pool_lock = threading.Lock()
         self._local = threading.local()
         self._closed = False
+        _fork.in_child(self._forked)
+
+    def _forked(self) -> None:
+        """In a forked child: the kernel gave it no AIO context (the forking thread's is the parent's, never used or
+        destroyed here) and the pool no thread; the child makes its own on first use (see ``engram_store._fork``)."""
+        inherited = getattr(self._local, "aio", None)
+        if inherited is not None:
+            inherited.ctx = 0  # its id may be a context this child makes later: never destroy it from here
+        _fork.keep(self._pool)
+        self._pool, self._pool_lock, self._local = None, threading.Lock(), threading.local()
 
     def buffer(self, nbytes: int) -> np.ndarray:
         """This thread's page-aligned read buffer of at least ``nbytes`` (the threads engine)."""
@@ -192,6 +203,14 @@ INLINE_BLOCKS = 1
 
 _default_engine: IOEngine | None = None
 _default_lock = threading.Lock()
+
+
+def _forget_default_lock() -> None:
+    global _default_lock
+    _default_lock = threading.Lock()  # another thread may have held it at a fork
+
+
+_fork.in_child(_forget_default_lock)
 
 
 def default_engine() -> IOEngine:
