@@ -13,6 +13,7 @@ import threading
 import numpy as np
 
 from .. import kernels as _kernels
+from .._errors import NO_FILES, too_many_open_files
 from ._objects import Replica
 
 _RETIRED = _kernels.generation_table.RETIRED
@@ -55,6 +56,7 @@ class LocalSegments:
                 try:
                     view = self._map(replica.shm_path, replica.segment_size, np.uint8)
                 except OSError as exc:
+                    _out_of_files(exc, f"mapping segment {replica.segment_id} ({replica.shm_path})")
                     log.debug("segment %s not mappable here (%s); reading remotely", replica.segment_id, exc)
             self._views[replica.segment_id] = view
             return view
@@ -77,6 +79,7 @@ class LocalSegments:
             try:
                 table = self._map(replica.shm_path + ".gen", None, np.int64)
             except OSError as exc:
+                _out_of_files(exc, f"mapping the generation table of segment {replica.segment_id}")
                 log.debug("segment %s publishes no generation table here (%s)", replica.segment_id, exc)
             self._tables[replica.segment_id] = table
             return table
@@ -113,6 +116,7 @@ class LocalSegments:
                             os.close(fd)
                             fd = None
                     except OSError as exc:
+                        _out_of_files(exc, f"opening segment {segment_id} ({replica['shm_path']}) to write")
                         log.debug("segment %s not writable here (%s); writing remotely", segment_id, exc)
                     self._write_fds[segment_id] = fd
         if fd is None or not 0 <= replica["offset"] <= replica["size"] - nbytes:
@@ -150,3 +154,10 @@ class LocalSegments:
                 mm.close()
             except BufferError:
                 pass  # an array still views it
+
+
+def _out_of_files(exc: OSError, what: str) -> None:
+    """Raise the named error where ``exc`` is this process out of file descriptors: not a reason to forget a
+    segment's file (the next call, with a descriptor free, maps it) nor a fault of the segment's."""
+    if exc.errno in NO_FILES:
+        raise too_many_open_files(what) from exc

@@ -38,6 +38,7 @@ adds by every process and reported by :meth:`stats`.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import mmap
@@ -51,7 +52,7 @@ import numpy as np
 import xxhash
 
 from .. import _fork
-from .._errors import InvalidArgument, OutOfSpace, StoreError, describe
+from .._errors import NO_FILES, ConfigError, InvalidArgument, OutOfSpace, StoreError, describe, too_many_open_files
 from .._pages import MADV_HUGEPAGE, madvise
 from . import _cache_kernels as ck
 from . import _kernels as k
@@ -166,7 +167,11 @@ class HostRowCache(RowCache):
         self._mm: mmap.mmap | None = None
         self._files: _Files | None = None
         self._closed = False
-        super().__init__(capacity_bytes, row_bytes, admission)
+        try:
+            super().__init__(capacity_bytes, row_bytes, admission)
+        except OSError as exc:
+            raise _directory_error(exc, self.directory, "directory=" if directory else
+                                   "ENGRAM_SHM_DIR" if os.environ.get("ENGRAM_SHM_DIR") else "the default") from exc
         die_at = os.environ.get(DIE_MID_FILL_ENV)
         self.stop_at = int(die_at) if die_at else -1
         self._finalizer = weakref.finalize(self, _detach, self._files, self._mm)  # also runs at exit
@@ -390,6 +395,24 @@ class HostRowCache(RowCache):
     def __repr__(self) -> str:
         return (f"HostRowCache({self.capacity_rows} rows of {self.row_bytes} B, {self.nbytes / 2**20:.1f} MiB, "
                 f"admission={self.admission!r}, {self.path})")
+
+
+def _directory_error(exc: OSError, directory: str, source: str) -> StoreError:
+    """What a host cache that cannot make its files in ``directory`` (named by ``source``: the ``directory``
+    argument, ENGRAM_SHM_DIR or the default) raises: the directory and what is wrong with it, by name."""
+    where = f"host row cache: {directory} ({source}: where it keeps its shared-memory files)"
+    if exc.errno in NO_FILES:
+        return too_many_open_files(f"attaching the host row cache in {directory}")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return OutOfSpace(f"{where}: no space left ({exc.strerror}: out of bytes or of inodes); free some there, "
+                          "or set ENGRAM_SHM_DIR to a directory with room")
+    if exc.errno in (errno.ENOTDIR, errno.EEXIST):
+        return ConfigError(f"{where}: expected a directory, got a path that is not one ({exc.strerror}); set "
+                           "ENGRAM_SHM_DIR to a directory")
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return ConfigError(f"{where}: this process may not create files there ({exc.strerror}); set "
+                           "ENGRAM_SHM_DIR to a directory it may write in")
+    return StoreError(f"{where}: {exc.strerror or exc}")
 
 
 def _detach(files: _Files | None, mm: mmap.mmap | None) -> None:
