@@ -128,9 +128,12 @@ class SegmentMemory:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if keep_file else os.O_EXCL), 0o600)
         try:
             existing = os.fstat(fd).st_size
-            if keep_file and existing not in (0, size):
+            if keep_file and existing > size:
                 raise ConfigError(f"segment file {path!r} holds {existing} bytes but the segment size is {size}; "
                                   "pass the size it was created with, or another file")
+            if keep_file and 0 < existing < size:  # (its manifest says the size is right: it lost its tail)
+                log.error("segment file %s holds %d of its %d bytes (truncated): the rest reads as zeros, and the "
+                          "objects there fail their checksums", path, existing, size)
             reserve(fd, size, path, "segment size")  # every page now: no SIGBUS later, faster first writes
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, ConfigError, OutOfSpace):

@@ -2,6 +2,7 @@
 segment finds damaged is lost, not served."""
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -90,6 +91,8 @@ def _flip(path: str, offset: int) -> None:
 
 
 def test_objects_a_durable_segment_finds_damaged_at_restart_are_lost_or_read_from_another_replica(tmp_path):
+    """A byte flipped in one object and the file's tail cut off while the segment was stopped: the segment starts,
+    the master drops the damaged replicas, readers read the other replica or get ObjectLost, status names them."""
     files = [str(tmp_path / f"segment-{i}.bin") for i in range(2)]
     tables = _tables(3)
     ids = _ids(3)
@@ -108,8 +111,9 @@ def test_objects_a_durable_segment_finds_damaged_at_restart_are_lost_or_read_fro
             head = next(r for r in remote.locate(["engram:l4:h2"])[0].replicas if r.segment_id == solo.segment_id)
             _wait_for(lambda: manifest_objects(files[i]) >= 2, 20, "the manifest to list the objects")
             assert segs[i].terminate() == 0
-            _flip(files[i], solo.offset + 4321)
             _flip(files[i], head.offset + 17)
+            assert solo.offset > head.offset
+            os.truncate(files[i], solo.offset + 100)  # and the file loses its tail: the segment reads zeros there
             c.add_segment("16MiB", ["--file", files[i]])
             status = remote.status()
             assert status["lost_keys"] == ["solo"] and status["under_replicated_keys"] == ["engram:l4:h2"]
@@ -127,7 +131,7 @@ def test_a_durable_segments_generation_table_is_taken_over_in_place_by_its_next_
     """Readers on the host map the table once: the next run on the same file keeps its inode, and a table it cannot
     keep (another size) is retired, so a reader still mapping it can tell nothing from it."""
     import mmap
-    import os
+
 
     from engram_store.kernels import check_pairs_for, generation_table
     from engram_store.segment._generations import Generations
