@@ -132,7 +132,6 @@ def test_a_durable_segments_generation_table_is_taken_over_in_place_by_its_next_
     keep (another size) is retired, so a reader still mapping it can tell nothing from it."""
     import mmap
 
-
     from engram_store.kernels import check_pairs_for, generation_table
     from engram_store.segment._generations import Generations
 
