@@ -44,6 +44,7 @@ from engram_store.testing import Proc, free_port, segment_ready, spawn_segment, 
 from engram_store.segment import reap_orphans  # noqa: E402
 
 from nemesis_faults import FAULTS, Faults  # noqa: E402
+from nemesis_rest import RestFaults  # noqa: E402
 from nemesis_net import FileSystem, Network  # noqa: E402
 
 #: The master's timing, short so that faults bite within a history of a few seconds.
@@ -144,15 +145,17 @@ class Plan:
                    steps=rng.randint(25, 45))
 
 
-class History(Faults):
+class History(Faults, RestFaults):
     """Runs one seed: the cluster, the clients, the schedule of operations and faults, and the record of it."""
 
-    def __init__(self, seed: int, verbose: bool = False, partitions: bool | None = None, undo: bool = True):
+    def __init__(self, seed: int, verbose: bool = False, partitions: bool | None = None, undo: bool = True,
+                 rest: bool = True):
         self.seed = seed
         self.rng = random.Random(seed)
         # Undos come from a stream of their own, so that without them (undo=False: how the seeds that found
         # something before undo_populate existed replay their histories) the schedule is what it was.
         self.undo_rng = random.Random(f"undo {seed}") if undo else None
+        self.rest_init(rest)  # faults at rest, from a stream of their own too (see nemesis_rest)
         self.verbose = verbose
         self.network = self.fs = None
         self.dir = ""
@@ -246,13 +249,14 @@ class History(Faults):
         slot["starting"] = False
         return True
 
-    def start_worker(self, wait: bool = True) -> Worker:
+    def start_worker(self, wait: bool = True, dies_at: int = 0) -> Worker:
         name = f"c{self._next_worker}"
         local_direct = self.plan.local_direct[self._next_worker % len(self.plan.local_direct)]
         self._next_worker += 1
         node = f"client{len(self.workers) % 3}"
-        worker = Worker(name, [self.master_address, os.path.join(self.files, "local"), os.path.join(self.files, "disk"),
-                               "1" if local_direct else "0", str(CLIENT_TIMEOUT_MS)], self._prefix(node), wait)
+        worker = Worker(name, [self.worker_master(name, local_direct), os.path.join(self.files, "local"),
+                               os.path.join(self.files, "disk"), "1" if local_direct else "0", str(CLIENT_TIMEOUT_MS),
+                               self.worker_cache(dies_at)], self._prefix(node), wait)
         worker.node = node
         self.workers[name] = worker
         return worker
@@ -276,7 +280,7 @@ class History(Faults):
     # ---- operations ---------------------------------------------------------------------------
 
     def issue(self, worker: Worker, cmd: dict) -> Op:
-        op = Op(self._next_op, worker.name, cmd, self.now())
+        op = Op(self._next_op, worker.name, self.rest_cmd(cmd), self.now())
         self._next_op += 1
         self.ops.append(op)
         worker.send(op)
@@ -371,6 +375,7 @@ class History(Faults):
                         self.issue(self.rng.choice(idle), self.next_op())
                         continue
                 self.fault()
+                self.rest_fault()
             self.heal()
             self.final_check()
         finally:
@@ -441,12 +446,14 @@ class History(Faults):
         if self.fs and self.fs.full_until and now >= self.fs.full_until:
             self.fs.free()
             self.log("the file system has room again")
+        self.rest_tend(now)
 
     def heal(self) -> None:
         """End every fault: resume, restart, reconnect; then let every operation in flight finish."""
         self.log("healing: every fault ends")
         if self.network:
             self.network.heal(self.log)
+        self.rest_heal()
         if self.fs and self.fs.full_until:
             self.fs.free()
             self.log("the file system has room again")
@@ -469,6 +476,7 @@ class History(Faults):
             proc.expected_exit = True
             proc.close()
         reap_orphans()
+        self.rest_close()
         self.release()
 
     def release(self) -> None:
@@ -498,8 +506,9 @@ class History(Faults):
         final_check(self)
 
 
-def run_seed(seed: int, verbose: bool = False, partitions: bool | None = None, undo: bool = True) -> History:
-    history = History(seed, verbose=verbose, partitions=partitions, undo=undo)
+def run_seed(seed: int, verbose: bool = False, partitions: bool | None = None, undo: bool = True,
+             rest: bool = True) -> History:
+    history = History(seed, verbose=verbose, partitions=partitions, undo=undo, rest=rest)
     history.run()
     return history
 
@@ -524,6 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-partitions", action="store_true", help="never partition the network")
     p.add_argument("--no-undo", action="store_true",
                    help="no undo_populate in the schedule (how seeds found before it existed replay)")
+    p.add_argument("--no-rest", action="store_true",
+                   help="no faults at rest or forks (nemesis_rest: how seeds found before them replay)")
     p.add_argument("--record", metavar="DIR", default=os.path.join(tempfile.gettempdir(), "engram-nemesis"),
                    help="where a history that broke the contract is written in full, as seed-S.log (a replay "
                         "repeats the schedule, not the timing; default: %(default)s)")
@@ -534,7 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     if args.seed is not None:
-        history = run_seed(args.seed, verbose=True, partitions=partitions, undo=not args.no_undo)
+        history = run_seed(args.seed, verbose=True, partitions=partitions, undo=not args.no_undo,
+                           rest=not args.no_rest)
         print(f"seed {args.seed}: " + ("held" if not history.violations else
                                        f"{len(history.violations)} violation(s)"))
         for v in history.violations:
@@ -548,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         if time.monotonic() > deadline:
             break
         try:
-            history = run_seed(seed, partitions=partitions, undo=not args.no_undo)
+            history = run_seed(seed, partitions=partitions, undo=not args.no_undo, rest=not args.no_rest)
         except KeyboardInterrupt:
             print(f"stopped during seed {seed} (not counted)", flush=True)
             break
