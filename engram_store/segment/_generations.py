@@ -85,13 +85,11 @@ class Generations:
 
     def close(self) -> None:
         """Unmap the shared table, and remove it unless it is kept for the next run of a durable segment (which
-        takes it over in place). Readers that mapped a removed one keep their mapping: it is marked retired."""
+        takes it over in place). Readers that mapped a removed one keep their mapping, as they keep the mapping of
+        the segment's memory, whose file no one writes again either."""
         with self._lock:
-            table, self._table = self._table, None
+            self._table = None
             if self._map is not None:
-                if not self._keep_file:
-                    _retire(table)
-                del table
                 try:
                     self._map.close()
                 except BufferError:

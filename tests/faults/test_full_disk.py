@@ -48,14 +48,15 @@ def test_a_durable_segment_on_a_full_disk_keeps_heartbeating_and_catches_up(tmpf
 
 
 def test_a_durable_segment_restarted_on_a_full_disk_serves_without_its_generation_table(tmpfs):
-    """Its data file is whole from the first run; the small table beside it finds no page. The segment warns
-    and serves (readers on its host then ask the master); a sparse table had killed it with SIGBUS at the first
-    write."""
+    """Its data file is whole from the first run; the small table beside it (kept for the next run, but deleted
+    here) finds no page. The segment warns and serves (readers on its host then ask the master); a sparse table
+    had killed it with SIGBUS at the first write."""
     tmpfs = tmpfs("16m")
     data = str(tmpfs / "segment.bin")
     with Cluster(segments=0, heartbeat_timeout_s=5.0) as c:
         first = c.add_segment("8MiB", ["--file", data])
         first.terminate()
+        os.unlink(data + ".gen")  # the next run would take it over in place, needing no page
         fill_up(str(tmpfs / "filler"))
         segment = c.add_segment("8MiB", ["--file", data])
         with DistributedStore.connect(c.address, timeout_ms=5000, local_direct=False) as store:
