@@ -31,7 +31,7 @@ if __name__ == "__main__":
     for fd in held[:spare]:
         os.close(fd)
     try:
-        with DistributedStore.connect(master, timeout_ms=2000, local_direct=local_direct) as store, \
+        with DistributedStore.connect(master, timeout_ms=1000, local_direct=local_direct) as store, \
                 EngramStore(1, CONFIG, store) as layer:
             layer.lookup(np.zeros((1, 1, 2), dtype=np.int64))
         result = {"outcome": "ok"}
