@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from suite_helpers import TcpProxy, manifest_objects
-from engram_store import (DistributedStore, EngramStore, EngramStoreConfig, ObjectLost, StalePlacement,
-                          SegmentUnavailable)
+from engram_store import DistributedStore, EngramStore, EngramStoreConfig, ObjectLost, StalePlacement
 from engram_store.testing import Cluster
 
 pytestmark = pytest.mark.timeout(120)
