@@ -26,7 +26,7 @@ import json
 import os
 import random
 
-from suite_helpers import TcpProxy
+from suite_helpers import TcpProxy, flip_byte
 
 #: How long after a rotted segment registers again local-direct readers may still read its bytes (their placement
 #: names the damaged replica until they check it with the master: at most PLACEMENT_STALE_S, and a check).
@@ -111,17 +111,10 @@ class RestFaults:
               and not s["stopped_until"] and not s.get("starting")]
         return self.rest_rng.choice(up) if up else None
 
-    def _stop_durable(self, i: int) -> bool:
+    def _stop_durable(self, i: int) -> None:
         """SIGTERM durable segment ``i``; it starts again on its file after a while (``tend_faults``)."""
-        slot = self.segments[i]
-        slot["proc"].expected_exit = True
-        code = slot["proc"].terminate()
-        if code != 0:
-            self.violation(f"segment{i} exited with {code} on SIGTERM:\n{slot['proc'].output()[-2000:]}")
-        slot["proc"].close()
-        slot["proc"] = None
-        slot["down_until"] = self.now() + self.rest_rng.uniform(0.0, 1.5)
-        return True
+        self.terminate_segment(i)
+        self.segments[i]["down_until"] = self.now() + self.rest_rng.uniform(0.0, 1.5)
 
     def rest_restart_cut_off(self) -> None:
         i = self._durable_up()
@@ -164,7 +157,7 @@ class RestFaults:
         key, offset, size = (lambda e: (e[0], int(e[1]), int(e[2])))(self.rest_rng.choice(objects))
         at = offset + self.rest_rng.randrange(max(1, size))
         if self.rest_rng.random() < 0.7:
-            _flip(slot["file"], at)
+            flip_byte(slot["file"], at)
             hit = [key]
             what = f"a byte of {key!r} at offset {at} flipped"
         else:
@@ -195,7 +188,7 @@ class RestFaults:
             os.chmod(file, 0o644)
             if self.rest_rng.random() < 0.7:
                 at = self.rest_rng.randrange(size)
-                _flip(file, at)
+                flip_byte(file, at)
                 what = f"a byte flipped at offset {at}"
             else:
                 at = self.rest_rng.randrange(size // 4096) * 4096
@@ -214,15 +207,6 @@ class RestFaults:
         worker.dies = True
         worker.proc.expected_exit = True
         self.log(f"FAULT client {worker.name} started to die half way through one of its host-cache fills")
-
-
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        if byte:
-            f.seek(offset)
-            f.write(bytes([byte[0] ^ 0x10]))
 
 
 def _target_of(key: str):

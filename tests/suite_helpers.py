@@ -46,6 +46,25 @@ def manifest_objects(path: str) -> int:
         return -1
 
 
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``predicate`` every 50 ms until it holds; fail the test naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def flip_byte(path: str, offset: int, mask: int = 0x40) -> None:
+    """Flip bits ``mask`` of the byte at ``offset`` of the file ``path`` (bytes that rot at rest); past the end of
+    the file, nothing."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        if byte:
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ mask]))
+
+
 def run_threads(work: Callable[[int], None], count: int, timeout_s: float, what: str = "a thread") -> None:
     """Run ``work(0)`` .. ``work(count - 1)`` in threads at once and wait for them: a thread still running after
     ``timeout_s`` fails the test, and so does the first exception any of them raised."""

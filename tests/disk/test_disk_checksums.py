@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 from disk_helpers import expected_rows, make_tables
+from suite_helpers import flip_byte
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,12 +29,8 @@ def test_page_checksum_kernel_matches_xxh64(n, seed, data_seed):
 
 
 def _flip(path: str, offset: int) -> None:
-    os.chmod(path, 0o644)
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x01]))
+    os.chmod(path, 0o644)  # published read-only
+    flip_byte(path, offset, 0x01)
 
 
 def test_each_block_of_a_written_layer_ends_with_the_checksum_of_the_rest(small_layer):

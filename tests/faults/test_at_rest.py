@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from suite_helpers import TcpProxy, manifest_objects
+from suite_helpers import TcpProxy, flip_byte, manifest_objects, wait_for
 from engram_store import DistributedStore, EngramStore, EngramStoreConfig, ObjectLost, StalePlacement
 from engram_store.testing import Cluster
 
@@ -35,13 +35,6 @@ def _expected(tables, ids):
     return np.stack([tables[h][ids[..., h]] for h in range(len(tables))], axis=-2)
 
 
-def _wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_a_reader_cut_off_from_the_master_never_reads_a_layer_written_where_a_restarted_segment_held_its_own(
         tmp_path):
     """A local-direct reader keeps the mappings of a durable segment across its restart; once it is cut off from
@@ -60,7 +53,7 @@ def test_a_reader_cut_off_from_the_master_never_reads_a_layer_written_where_a_re
             assert layer.stats()["local_rows"] > 0, "the reader maps the segment's file"
             assert seg.terminate() == 0  # the routine stop: the segment closes its files
             seg = c.add_segment("16MiB", ["--file", path])
-            _wait_for(lambda: writer.status()["segments"][0]["confirmed"], 20, "the segment to register again")
+            wait_for(lambda: writer.status()["segments"][0]["confirmed"], 20, "the segment to register again")
             np.testing.assert_array_equal(layer.lookup(ids), _expected(first, ids))
             proxy.freeze()
             EngramStore(1, CONFIG, writer).remove_from_store(force=True)
@@ -79,14 +72,6 @@ def test_a_reader_cut_off_from_the_master_never_reads_a_layer_written_where_a_re
                 served += 1
             assert refused, "the reader went on reading a layer that is gone"
             proxy.thaw()
-
-
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x40]))
 
 
 def test_objects_a_durable_segment_finds_damaged_at_restart_are_lost_or_read_from_another_replica(tmp_path):
@@ -108,9 +93,9 @@ def test_objects_a_durable_segment_finds_damaged_at_restart_are_lost_or_read_fro
             solo = remote.locate(["solo"])[0].replicas[0]
             i = [s.segment_id for s in segs].index(solo.segment_id)
             head = next(r for r in remote.locate(["engram:l4:h2"])[0].replicas if r.segment_id == solo.segment_id)
-            _wait_for(lambda: manifest_objects(files[i]) >= 2, 20, "the manifest to list the objects")
+            wait_for(lambda: manifest_objects(files[i]) >= 2, 20, "the manifest to list the objects")
             assert segs[i].terminate() == 0
-            _flip(files[i], head.offset + 17)
+            flip_byte(files[i], head.offset + 17)
             assert solo.offset > head.offset
             os.truncate(files[i], solo.offset + 100)  # and the file loses its tail: the segment reads zeros there
             c.add_segment("16MiB", ["--file", files[i]])
