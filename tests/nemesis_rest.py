@@ -89,12 +89,28 @@ class RestFaults:
                     self.proxies[name].thaw()
                 self.log(f"client {name} reaches the master again")
         for slot in self.segments:
-            if slot.get("rotted") and slot["proc"] is not None and not slot.get("starting"):
+            if slot.get("rotted") is not None and slot["proc"] is not None and not slot.get("starting"):
                 for target in slot.pop("rotted"):
                     self.rot_reads_until[target] = now + ROT_GRACE_S
+                slot.pop("truncated", None)
         for worker in [w for w in self.workers.values() if getattr(w, "dies", False) and not w.proc.alive()]:
             self.kill_worker(worker, "killed itself half way through a host-cache fill (the test hook)")
             self.log(f"client {worker.name} died mid-fill (its cache's test hook)")
+
+    def rest_refused(self, i: int) -> bool:
+        """Whether segment ``i`` failed to start as it must: its file was cut short and the file system has no room
+        to make it whole again (it says so, and is started again later)."""
+        slot = self.segments[i]
+        if not slot.get("truncated") or "No space left" not in slot["proc"].output():
+            return False
+        slot["proc"].expected_exit = True
+        slot["proc"].close()
+        slot["proc"] = None
+        slot["starting"] = False
+        slot["down_until"] = self.now() + 0.5
+        self.log(f"segment{i} refused to start: its file was cut short and the file system has no room to make it "
+                 "whole; starting it again later")
+        return True
 
     def rest_heal(self) -> None:
         self.rest_tend(float("inf"))
@@ -162,6 +178,7 @@ class RestFaults:
             what = f"a byte of {key!r} at offset {at} flipped"
         else:
             os.truncate(slot["file"], at)
+            slot["truncated"] = True
             hit = [e[0] for e in objects if int(e[1]) + int(e[2]) > at]
             what = f"cut short at offset {at} ({len(hit)} object(s) past it)"
         targets = {_target_of(k) for k in hit} - {None}
