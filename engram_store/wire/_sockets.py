@@ -8,7 +8,7 @@ import os
 
 import zmq
 
-from .._errors import NO_FILES, too_many_open_files
+from .._errors import NO_FILES, StoreError, Unavailable, out_of_files, too_many_open_files
 
 
 def _context() -> zmq.Context:
@@ -57,3 +57,12 @@ def io_threads() -> int:
     """ZeroMQ I/O threads of this process's context (``zmq.Context.instance(io_threads=N)`` before any
     socket sets it; servers pin sockets to them with ``io_affinity``)."""
     return int(_context().get(zmq.IO_THREADS))
+
+
+def failed(address: str, unavailable: type[Unavailable], what: str, exc: BaseException | None = None) -> StoreError:
+    """The error of a request to ``address`` that failed (``what`` happened): ResourceExhausted where the cause is
+    this process's open files (the connection could not be made, which reads as a peer that does not answer), else
+    ``unavailable``."""
+    if (isinstance(exc, zmq.ZMQError) and exc.errno in NO_FILES) or out_of_files():
+        return too_many_open_files(f"a connection to {address}")
+    return unavailable(what)

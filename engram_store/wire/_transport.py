@@ -20,9 +20,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ._auth import AuthKeys, HandshakeWatch, ensure_authenticator
-from ._sockets import _context, new_socket
-from .._errors import (NO_FILES, EngramError, InvalidArgument, ProtocolError, StoreError, Unavailable, describe,
-                       error_from_reply, out_of_files, too_many_open_files)
+from ._sockets import _context, failed, new_socket
+from .._errors import EngramError, InvalidArgument, ProtocolError, Unavailable, describe, error_from_reply
 from .._metrics import RequestMetrics
 from ._protocol import PROTOCOL_VERSION, Request, decode, encode, error_reply, pack_header, unpack_header
 
@@ -312,14 +311,6 @@ class Connection:
             self.socket = sock
         return self.socket
 
-    def _failed(self, what: str, exc: BaseException | None) -> StoreError:
-        """The error for a request that failed (``what`` happened): the resource that ran out where the cause is
-        this process's open files (the connection could not be made, which reads as a peer that does not answer),
-        else the peer's unavailability."""
-        if (isinstance(exc, zmq.ZMQError) and exc.errno in NO_FILES) or out_of_files():
-            return too_many_open_files(f"a connection to {self.address}")
-        return self.unavailable(what)
-
     def reset(self) -> None:
         """Drop the socket (after a timeout), so that a late reply is never read as a new one."""
         if self.socket is not None:
@@ -346,7 +337,7 @@ class Connection:
             raise self.unavailable(f"{op}: {self.address} is not accepting requests (queue full)") from exc
         except zmq.ZMQError as exc:
             self.reset()
-            raise self._failed(f"{op}: cannot send to {self.address}: {exc}", exc) from exc
+            raise failed(self.address, self.unavailable, f"{op}: cannot send to {self.address}: {exc}", exc) from exc
 
     def recv(self, request_id: int, deadline: float, op: str = "request", copy: bool = False) -> tuple[dict, list]:
         """Wait for the reply to ``request_id`` until ``deadline`` (time.monotonic); raise on error replies.
@@ -364,10 +355,12 @@ class Connection:
                 msg = sock.recv_multipart(copy=copy)
             except zmq.Again:
                 self.reset()
-                raise self._failed(f"{op}: no reply from {self.address} within the timeout", None) from None
+                raise failed(self.address, self.unavailable, f"{op}: no reply from {self.address} within the timeout") \
+                    from None
             except zmq.ZMQError as exc:
                 self.reset()
-                raise self._failed(f"{op}: receiving from {self.address} failed: {exc}", exc) from exc
+                raise failed(self.address, self.unavailable, f"{op}: receiving from {self.address} failed: {exc}",
+                             exc) from exc
             header, frames = self.parse(msg, op)
             if header.get("id") != request_id:
                 continue  # a stale reply to an abandoned request
