@@ -282,7 +282,7 @@ class History(Faults, RestFaults):
     # ---- operations ---------------------------------------------------------------------------
 
     def issue(self, worker: Worker, cmd: dict) -> Op:
-        op = Op(self._next_op, worker.name, self.rest_cmd(cmd), self.now())
+        op = Op(self._next_op, worker.name, self.rest_cmd(worker, cmd), self.now())
         self._next_op += 1
         self.ops.append(op)
         worker.send(op)

@@ -69,8 +69,11 @@ class RestFaults:
             return "process"
         return f"host-die:{dies_at}" if dies_at else "host"
 
-    def rest_cmd(self, cmd: dict) -> dict:
-        if self.rest_rng is not None and cmd["op"] == "lookup" and self.rest_rng.random() < FORK_P:
+    def rest_cmd(self, worker, cmd: dict) -> dict:
+        """``cmd`` as ``worker`` runs it: some lookups in a forked child (not where a child would inherit the
+        cache's test hook and die mid-fill in its parent's place)."""
+        if self.rest_rng is not None and cmd["op"] == "lookup" and self.rest_rng.random() < FORK_P \
+                and not getattr(worker, "dies", False):
             cmd["fork"] = True
         return cmd
 
