@@ -100,22 +100,24 @@ class Repairs:
                    and (not generation or not r.generation or r.generation == generation)]
             if not bad:
                 continue  # another object under the key now (the segment's list was older)
+            kept = [r for r in meta.replicas if r not in bad]
+            # The journal first, then the state: a change whose record could not be written is not made.
+            self.journal({"op": "object", "key": key, "size": meta.size, "replica_num": meta.replica_num,
+                          "replicas": [r.record() for r in kept], "checksum": meta.checksum})
+            record = None
+            if not kept:
+                record = LostObject(f"object {key!r} was lost: its last replica, on segment {segment_id} at "
+                                    f"{segment.address}, no longer matched its checksum when the segment started on "
+                                    "its file (damaged at rest)", meta.size, meta.replica_num, meta.checksum, bad)
+                self.journal(record.record(key))
             self._touch(meta)
-            meta.replicas = [r for r in meta.replicas if r not in bad]
+            meta.replicas = kept
             self.quarantine.append((reusable_at, segment.allocator, offset, meta.size))
             dropped.append(key)
-            if meta.replicas:
-                self._journal_object(key, meta)
-                continue
-            del self.objects[key]
-            message = (f"object {key!r} was lost: its last replica, on segment {segment_id} at {segment.address}, "
-                       "no longer matched its checksum when the segment started on its file (damaged at rest)")
-            record = LostObject(message, meta.size, meta.replica_num, meta.checksum, bad)
-            self._remember_lost(key, record)
-            self.journal({"op": "object", "key": key, "size": meta.size, "replica_num": meta.replica_num,
-                          "replicas": [], "checksum": meta.checksum})
-            self.journal(record.record(key))
-            lost.append(key)
+            if record is not None:
+                del self.objects[key]
+                self._remember_lost(key, record)
+                lost.append(key)
         if dropped:
             log.warning("segment %s: %d replica(s) damaged at rest dropped, %d object(s) lost with them%s",
                         segment_id, len(dropped), len(lost), some_keys(dropped))

@@ -141,3 +141,31 @@ def test_a_durable_segments_generation_table_is_taken_over_in_place_by_its_next_
         del reader
     finally:
         mapping.close()
+
+
+def test_the_master_drops_damaged_replicas_and_a_restart_from_its_journal_keeps_the_loss():
+    """The master's part, without processes: a replica named damaged leaves its object (the other replica stays),
+    an object left without one is lost with a message that says why, and replaying the journal gives the same."""
+    from master import MasterState
+
+    journal: list[dict] = []
+    state = MasterState(journal=journal.append)
+    for sid in ("s1", "s2"):
+        state.register_segment(sid, f"127.0.0.1:{sid[1:]}", 1 << 20, "", "h", write_key=b"k" * 32,
+                               registration=f"r-{sid}")
+    for key, replicas in (("pair", 2), ("solo", 1)):
+        state.put_start(key, 4096, replicas)
+        state.put_end(key, "aa")
+    solo = state.objects["solo"].replicas[0]
+    pair = next(r for r in state.objects["pair"].replicas if r.segment_id == solo.segment_id)
+    damaged = [("solo", solo.offset, solo.generation), ("pair", pair.offset, pair.generation),
+               ("pair", pair.offset, pair.generation + 1)]  # (another put's: not this object)
+    assert state.drop_damaged(solo.segment_id, damaged) == ["solo"]
+    assert [r.segment_id for r in state.objects["pair"].replicas] != [solo.segment_id]
+    assert len(state.objects["pair"].replicas) == 1 and "solo" not in state.objects
+    with pytest.raises(ObjectLost, match="no longer matched its checksum"):
+        state.get("solo")
+    restored = MasterState()
+    restored.replay(journal)
+    assert set(restored.objects) == {"pair"} and list(restored.lost) == ["solo"]
+    assert restored.objects["pair"].replicas == state.objects["pair"].replicas
