@@ -24,6 +24,7 @@ Every error engram raises derives from :class:`EngramError`::
         ├── UnsafeFile                    a file or directory in a shared place is not this user's own (owner, link,
         │                                 mode), so engram will not use it
         ├── LockTimeout                   another process held a lock engram waits for longer than the wait allows
+        ├── ResourceExhausted             this process ran out of open files (ulimit -n)
         ├── ProtocolError                 a peer sent a message that does not follow the wire protocol
         ├── RemoteError                   a server failed while handling a valid request
         └── AuthError                     a server refused this client's credentials
@@ -33,6 +34,9 @@ back to the class here, so a client sees the same exception a local call would r
 """
 
 from __future__ import annotations
+
+import errno
+import os
 
 import numpy as np
 
@@ -172,6 +176,42 @@ class LockTimeout(StoreError):
     code = "LOCK_TIMEOUT"
 
 
+class ResourceExhausted(StoreError):
+    """This process cannot open another file, socket or connection: it holds as many as ``ulimit -n`` allows (or
+    the host's limit is reached). The message says so and names what it was opening; the peer is not at fault."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+#: The errnos of a process (or host) out of file descriptors.
+NO_FILES = (errno.EMFILE, errno.ENFILE)
+
+
+def too_many_open_files(what: str) -> ResourceExhausted:
+    """The error for ``what`` (e.g. "connecting to HOST:PORT") failing because no file descriptor is left."""
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+    except (ImportError, OSError, ValueError):
+        limit = "?"
+    try:
+        held = f"; {len(os.listdir('/proc/self/fd')) - 1} open"
+    except OSError:
+        held = ""
+    return ResourceExhausted(f"too many open files (ulimit -n {limit}{held}): {what} needs another; raise the "
+                             "limit (ulimit -n) or open fewer files, sockets and stores in this process")
+
+
+def out_of_files() -> bool:
+    """Whether this process cannot open another file descriptor now (it tries one)."""
+    try:
+        os.close(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+    except OSError as exc:
+        return exc.errno in NO_FILES
+    return False
+
+
 class ProtocolError(StoreError):
     """A peer sent a message that does not follow the wire protocol (or a different version of it)."""
 
@@ -196,7 +236,7 @@ _BY_CODE = {
         EngramError, InvalidArgument, ConfigError, InvalidType, NotConnected, StoreError,
         ObjectNotFound, ObjectExists, LeaseActive, OutOfSpace, Unavailable, MasterUnavailable,
         SegmentUnavailable, ObjectLost, WriteFenced, StalePlacement, DiskReadError, JournalError, UnsafeFile,
-        LockTimeout, ProtocolError, RemoteError, AuthError,
+        LockTimeout, ResourceExhausted, ProtocolError, RemoteError, AuthError,
     )
 }
 

@@ -90,6 +90,49 @@ class Repairs:
         target.catalog_version += 1
         return True
 
+    # ---- objects a segment found damaged -----------------------------------------------------------
+
+    def drop_damaged(self, segment_id: str, damaged: list[tuple[str, int, int]]) -> list[str]:
+        """The segment found these replicas (``(key, offset, generation)``) no longer matching their checksums when
+        it started on its file: they are not served again. Each is dropped from its object (its space quarantined
+        as a removed one's: readers may hold its placement); an object left without a replica is lost, with a
+        message that says why. Returns the keys of the objects lost."""
+        segment = self.segments.get(segment_id)
+        if segment is None or not damaged:
+            return []
+        lost, dropped = [], []
+        reusable_at = self.clock() + self.reuse_delay_s
+        for key, offset, generation in damaged:
+            meta = self.objects.get(key)
+            if meta is None or meta.state != COMPLETE:
+                continue
+            bad = [r for r in meta.replicas if r.segment_id == segment_id and r.offset == offset
+                   and (not generation or not r.generation or r.generation == generation)]
+            if not bad:
+                continue  # another object under the key now (the segment's list was older)
+            kept = [r for r in meta.replicas if r not in bad]
+            # The journal first, then the state: a change whose record could not be written is not made.
+            self.journal({"op": "object", "key": key, "size": meta.size, "replica_num": meta.replica_num,
+                          "replicas": [r.record() for r in kept], "checksum": meta.checksum})
+            record = None
+            if not kept:
+                record = LostObject(f"object {key!r} was lost: its last replica, on segment {segment_id} at "
+                                    f"{segment.address}, no longer matched its checksum when the segment started on "
+                                    "its file (damaged at rest)", meta.size, meta.replica_num, meta.checksum, bad)
+                self.journal(record.record(key))
+            self._touch(meta)
+            meta.replicas = kept
+            self.quarantine.append((reusable_at, segment.allocator, offset, meta.size))
+            dropped.append(key)
+            if record is not None:
+                del self.objects[key]
+                self._remember_lost(key, record)
+                lost.append(key)
+        if dropped:
+            log.warning("segment %s: %d replica(s) damaged at rest dropped, %d object(s) lost with them%s",
+                        segment_id, len(dropped), len(lost), some_keys(dropped))
+        return lost
+
     # ---- lost objects a segment still holds ------------------------------------------------------
 
     def verification_candidates(self, segment_id: str) -> list[list]:

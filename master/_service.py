@@ -243,6 +243,7 @@ class MasterServer:
         write_key = req.bytes("write_key", 64)
         if len(write_key) < 16:
             raise InvalidArgument(f"field 'write_key': expected at least 16 random bytes, got {len(write_key)}")
+        damaged = _damaged_objects(req)
         known = self.state.register_segment(
             req.str("segment_id", 128), req.str("address", 512), req.int("size", 0, MAX_OBJECT_BYTES),
             req.str("shm_path", 4096, default="", allow_empty=True), req.str("host_id", 256, default="", allow_empty=True),
@@ -250,6 +251,7 @@ class MasterServer:
             read_addresses=_read_addresses(req), write_key=write_key, registration=req.str("registration", 64),
             held=req.ranges("held", default=[]), direct_writes=req.bool("direct_writes", default=False),
         )
+        self.state.drop_damaged(req.str("segment_id", 128), damaged)
         return {"known": known, "heartbeat_interval_ms": self._heartbeat_interval_ms(),
                 "verify": self.state.verification_candidates(req.str("segment_id", 128))}
 
@@ -449,6 +451,21 @@ def _manifest_objects(req: Request) -> list[tuple]:
                                   f"generation], got {entry!r:.80}")
         objects.append(tuple(entry))
     return objects
+
+
+def _damaged_objects(req: Request) -> list[tuple[str, int, int]]:
+    """The optional ``damaged`` field of ``register_segment``: ``[[key, offset, generation], ...]``, objects the
+    segment found no longer matching their checksums (generation 0: not known)."""
+    raw = req.header.get("damaged", [])
+    if not isinstance(raw, list) or len(raw) > MAX_MANIFEST_OBJECTS:
+        raise InvalidArgument(f"field 'damaged': expected a list of at most {MAX_MANIFEST_OBJECTS} entries, "
+                              f"got {type(raw).__name__}")
+    for i, entry in enumerate(raw):
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+                and 0 < len(entry[0]) <= MAX_KEY_LEN
+                and all(type(v) is int and 0 <= v < 1 << 63 for v in entry[1:])):
+            raise InvalidArgument(f"field 'damaged'[{i}]: expected [key, offset, generation], got {entry!r:.80}")
+    return [(e[0], e[1], e[2]) for e in raw]
 
 
 def _copy_object(job: RepairJob, timeout_ms: int, curve: tuple[bytes, bytes, bytes] | None = None) -> None:

@@ -220,7 +220,7 @@ def status(argv: Sequence[str] | None) -> int:
     for count, keys, what in ((header.get("under_replicated", 0), header.get("under_replicated_keys", []),
                                "under-replicated (fewer replicas than asked for)"),
                               (header.get("lost", 0), header.get("lost_keys", []),
-                               "lost (every replica was on segments that died)")):
+                               "lost (every replica was on segments that died, or damaged at rest)")):
         if count:
             shown = ", ".join(keys) + (f", ... ({count - len(keys)} more)" if count > len(keys) else "")
             print(f"  {count} object(s) {what}: {shown}")

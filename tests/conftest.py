@@ -30,15 +30,17 @@ def embedded():
 @pytest.fixture
 def tmpfs(tmp_path):
     """``tmpfs(size)`` mounts a file system of that size (``"1M"``, ``"64k"``) under tmp_path and returns its path,
-    for tests of full disks (root only: the test skips elsewhere); every one is unmounted after the test."""
+    for tests of full disks (root only: the test skips elsewhere); every one is unmounted after the test.
+    ``options``: more mount options (``"nr_inodes=4"``: a file system that runs out of inodes)."""
     mounted = []
 
-    def mount(size: str):
+    def mount(size: str, options: str = ""):
         if os.geteuid() != 0:
             pytest.skip("mounting a tmpfs needs root")
         where = tmp_path / f"fs{len(mounted)}"
         where.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(where)],
+        opts = f"size={size},mode=0755" + (f",{options}" if options else "")
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)],
                               capture_output=True, timeout=30)
         if done.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")

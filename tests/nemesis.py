@@ -46,6 +46,7 @@ from engram_store.segment import reap_orphans  # noqa: E402
 
 from nemesis_faults import FAULTS, Faults  # noqa: E402
 from nemesis_journal import JournalFaults  # noqa: E402
+from nemesis_rest import RestFaults  # noqa: E402
 from nemesis_net import FileSystem, Network  # noqa: E402
 
 #: The master's timing, short so that faults bite within a history of a few seconds.
@@ -146,16 +147,17 @@ class Plan:
                    steps=rng.randint(25, 45))
 
 
-class History(Faults, JournalFaults):
+class History(Faults, JournalFaults, RestFaults):
     """Runs one seed: the cluster, the clients, the schedule of operations and faults, and the record of it."""
 
     def __init__(self, seed: int, verbose: bool = False, partitions: bool | None = None, undo: bool = True,
-                 journal: bool = True):
+                 journal: bool = True, rest: bool = True):
         self.seed = seed
         self.rng = random.Random(seed)
         # Undos come from a stream of their own, so that without them (undo=False: how the seeds that found
         # something before undo_populate existed replay their histories) the schedule is what it was.
         self.undo_rng = random.Random(f"undo {seed}") if undo else None
+        self.rest_init(rest)  # faults at rest, from a stream of their own too (see nemesis_rest)
         self.verbose = verbose
         self.network = self.fs = None
         self.dir = ""
@@ -249,18 +251,21 @@ class History(Faults, JournalFaults):
                     raise RuntimeError(f"no ready line within {timeout_s:g} s")
                 return False
         except RuntimeError as exc:
+            if self.rest_refused(i):  # a file cut short on a full file system: it starts once there is room
+                return False
             self.violation(f"segment{i} did not start ({exc}):\n{slot['proc'].output()[-2500:]}")
             slot["proc"].expected_exit = True
         slot["starting"] = False
         return True
 
-    def start_worker(self, wait: bool = True) -> Worker:
+    def start_worker(self, wait: bool = True, dies_at: int = 0) -> Worker:
         name = f"c{self._next_worker}"
         local_direct = self.plan.local_direct[self._next_worker % len(self.plan.local_direct)]
         self._next_worker += 1
         node = f"client{len(self.workers) % 3}"
-        worker = Worker(name, [self.master_address, os.path.join(self.files, "local"), os.path.join(self.files, "disk"),
-                               "1" if local_direct else "0", str(CLIENT_TIMEOUT_MS)], self._prefix(node), wait)
+        worker = Worker(name, [self.worker_master(name, local_direct), os.path.join(self.files, "local"),
+                               os.path.join(self.files, "disk"), "1" if local_direct else "0", str(CLIENT_TIMEOUT_MS),
+                               self.worker_cache(dies_at)], self._prefix(node), wait)
         worker.node = node
         self.workers[name] = worker
         return worker
@@ -284,7 +289,7 @@ class History(Faults, JournalFaults):
     # ---- operations ---------------------------------------------------------------------------
 
     def issue(self, worker: Worker, cmd: dict) -> Op:
-        op = Op(self._next_op, worker.name, cmd, self.now())
+        op = Op(self._next_op, worker.name, self.rest_cmd(worker, cmd), self.now())
         self._next_op += 1
         self.ops.append(op)
         worker.send(op)
@@ -379,6 +384,7 @@ class History(Faults, JournalFaults):
                         self.issue(self.rng.choice(idle), self.next_op())
                         continue
                 self.fault()
+                self.rest_fault()
             self.heal()
             self.final_check()
         finally:
@@ -449,12 +455,14 @@ class History(Faults, JournalFaults):
         if self.fs and self.fs.full_until and now >= self.fs.full_until:
             self.fs.free()
             self.log("the file system has room again")
+        self.rest_tend(now)
 
     def heal(self) -> None:
         """End every fault: resume, restart, reconnect; then let every operation in flight finish."""
         self.log("healing: every fault ends")
         if self.network:
             self.network.heal(self.log)
+        self.rest_heal()
         if self.fs and self.fs.full_until:
             self.fs.free()
             self.log("the file system has room again")
@@ -478,6 +486,7 @@ class History(Faults, JournalFaults):
             proc.expected_exit = True
             proc.close()
         reap_orphans()
+        self.rest_close()
         self.release()
 
     def release(self) -> None:
@@ -509,8 +518,8 @@ class History(Faults, JournalFaults):
 
 
 def run_seed(seed: int, verbose: bool = False, partitions: bool | None = None, undo: bool = True,
-             journal: bool = True) -> History:
-    history = History(seed, verbose=verbose, partitions=partitions, undo=undo, journal=journal)
+             journal: bool = True, rest: bool = True) -> History:
+    history = History(seed, verbose=verbose, partitions=partitions, undo=undo, journal=journal, rest=rest)
     history.run()
     return history
 
@@ -537,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="no undo_populate in the schedule (how seeds found before it existed replay)")
     p.add_argument("--no-journal-faults", action="store_true",
                    help="no faults of the master's journal (how seeds found before they existed replay)")
+    p.add_argument("--no-rest", action="store_true",
+                   help="no faults at rest or forks (nemesis_rest: how seeds found before them replay)")
     p.add_argument("--record", metavar="DIR", default=os.path.join(tempfile.gettempdir(), "engram-nemesis"),
                    help="where a history that broke the contract is written in full, as seed-S.log (a replay "
                         "repeats the schedule, not the timing; default: %(default)s)")
@@ -548,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _stop)
     if args.seed is not None:
         history = run_seed(args.seed, verbose=True, partitions=partitions, undo=not args.no_undo,
-                           journal=not args.no_journal_faults)
+                           journal=not args.no_journal_faults, rest=not args.no_rest)
         print(f"seed {args.seed}: " + ("held" if not history.violations else
                                        f"{len(history.violations)} violation(s)"))
         for v in history.violations:
@@ -563,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
             break
         try:
             history = run_seed(seed, partitions=partitions, undo=not args.no_undo,
-                               journal=not args.no_journal_faults)
+                               journal=not args.no_journal_faults, rest=not args.no_rest)
         except KeyboardInterrupt:
             print(f"stopped during seed {seed} (not counted)", flush=True)
             break

@@ -19,6 +19,11 @@ import re
 
 #: Errors that say a layer or key is absent (not published, never written, removed).
 ABSENT = {"ObjectNotFound", "NotPublished", "LayerNotFound"}
+#: How often a final read that a server did not answer is tried: every fault has ended, but a segment started a
+#: moment ago loads its read kernels on its first read, which on a loaded host outlasts a client's timeout.
+FINAL_TRIES = 3
+#: Errors that say bytes rotted at rest: what a read of an object whose bytes rotted may end with (never wrong rows).
+ROTTED = {"ObjectLost", "DiskReadError"}
 
 
 def _target(cmd: dict):
@@ -54,7 +59,26 @@ def check_read(history, op) -> list[str]:
             why = f" (that write was refused: {refused[0].reply.get('message', '')[:200]})" if refused else ""
             problems.append(f"{cmd['op']} #{op.id} of {target} returned rows of populate {g}, which is not a "
                             f"write of it that may have taken effect{why}")
+    if problems and _reads_rot(history, target, op):
+        history.log(f"{cmd['op']} #{op.id} of {target} read bytes that rotted in a durable segment's file, "
+                    "local-direct, before the segment started again: allowed")
+        return []
     return problems
+
+
+def _reads_rot(history, target, op) -> bool:
+    """Whether ``op`` read ``target`` local-direct from a durable segment's file while bytes that rotted there were
+    not yet known to be damaged (the segment had not started again and the reader not asked the master since):
+    a local-direct read copies the page cache as it is (docs/operating.md)."""
+    rotted = getattr(history, "rotted", {}).get(target)
+    return (rotted is not None and op.worker in history.local_direct_workers and op.done >= rotted
+            and op.invoked < history.rot_reads_until.get(target, 0.0))
+
+
+def _rotted_since(history, target, invoked: float) -> bool:
+    """Whether ``target``'s bytes rotted after a write invoked at ``invoked`` (they may be that write's)."""
+    rotted = getattr(history, "rotted", {}).get(target)
+    return rotted is not None and rotted >= invoked
 
 
 def expected_final(history, target) -> tuple[str, int | None]:
@@ -95,17 +119,23 @@ def final_check(history) -> None:
     targets = sorted({_target(op.cmd) for op in history.ops if _target(op.cmd) is not None}, key=str)
     for target in targets:
         want, gen = expected_final(history, target)
+        written = max((w.invoked for w in _writes(history, target) if w.outcome == "ok"), default=0.0)
         if target[0] == "key":
             cmd = {"op": "get", "key": target[1]}
         else:
             cmd = {"op": "lookup", "kind": target[0], "layer": target[1], "seed": 7, "prefetch": False}
-        op = history.issue(worker, cmd)
-        history.wait_idle(worker)
+        for _ in range(FINAL_TRIES):
+            op = history.issue(worker, dict(cmd))
+            history.wait_idle(worker)
+            if op.reply.get("error") not in ("SegmentUnavailable", "MasterUnavailable"):
+                break
         if op.outcome == "pending":
             history.violation(f"final read of {target} did not finish")
             continue
         error = op.reply.get("error")
-        if want == "present":
+        if want == "present" and error in ROTTED and _rotted_since(history, target, written):
+            history.log(f"{target}: its bytes rotted at rest, and the read says so ({error}): allowed")
+        elif want == "present":
             if op.outcome == "ok":
                 got = op.reply.get("gens") or [op.reply.get("gen")]
                 if got != [gen] and target[0] in ("store", "key") and _journalless_restart(history) \

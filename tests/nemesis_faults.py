@@ -83,16 +83,21 @@ class Faults:
         if i is None:
             return
         slot = self.segments[i]
+        self.terminate_segment(i)
+        if not slot["file"]:
+            self.facts["shm_segment_died"] = True
+        slot["down_until"] = self.now() + self.rng.uniform(0.0, 2.0)
+        self.log(f"FAULT segment{i} stopped (SIGTERM)")
+
+    def terminate_segment(self, i: int) -> None:
+        """SIGTERM segment ``i`` and wait for it to exit; anything but a clean exit is a violation."""
+        slot = self.segments[i]
         slot["proc"].expected_exit = True
         code = slot["proc"].terminate()
         if code != 0:
             self.violation(f"segment{i} exited with {code} on SIGTERM:\n{slot['proc'].output()[-2000:]}")
         slot["proc"].close()
         slot["proc"] = None
-        if not slot["file"]:
-            self.facts["shm_segment_died"] = True
-        slot["down_until"] = self.now() + self.rng.uniform(0.0, 2.0)
-        self.log(f"FAULT segment{i} stopped (SIGTERM)")
 
     def fault_segment_pause(self) -> None:
         """SIGSTOP a segment, often past the master's heartbeat timeout (it is dropped and comes back). A process of

@@ -2,7 +2,8 @@
 against the store, and answers one JSON line on stdout.
 
 Rows carry their identity, so every read can be checked on the spot: row ``r`` of head ``h`` of layer ``L``,
-written by populate number ``G`` (its generation), is ``[L, G, h, r]`` as float32 (exact below 2**24). A lookup
+written by populate number ``G`` (its generation), is ``[L, G, h, r, G]`` as float32 (exact below 2**24): 20
+bytes, so that a ``disk_dir`` page of them has room for its checksum. A lookup
 answers which generations it saw and describes every row that is not exactly the one asked for; a get answers the
 generation of the bytes it read, after checking that they are the pattern that generation writes.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -18,10 +20,12 @@ import traceback
 
 import numpy as np
 
+import engram_store
 from engram_store import DistributedStore, EngramError, EngramStore, EngramStoreConfig
+from engram_store.disk._host_cache import DIE_MID_FILL_ENV
 
 SIZES = [331, 337, 347]
-DIM = 4
+DIM = 5
 CONFIG = EngramStoreConfig(table_vocab_sizes=SIZES, embedding_dim=DIM)
 #: Bytes of a key-value object: a 16-byte header (generation, length) and a pattern derived from both.
 VALUE_BYTES = 3000
@@ -31,7 +35,7 @@ def tables(layer: int, generation: int) -> list[np.ndarray]:
     out = []
     for h, n in enumerate(SIZES):
         t = np.empty((n, DIM), dtype=np.float32)
-        t[:, 0], t[:, 1], t[:, 2], t[:, 3] = layer, generation, h, np.arange(n)
+        t[:, 0], t[:, 1], t[:, 2], t[:, 3], t[:, 4] = layer, generation, h, np.arange(n), generation
         out.append(t)
     return out
 
@@ -53,16 +57,21 @@ def read_value(key: str, data: bytes) -> dict:
 def check_rows(rows: np.ndarray, ids: np.ndarray, layer: int) -> dict:
     """Which generations ``rows [B, L, H, D]`` come from, and every row that is not the one ``ids`` asked for."""
     heads = np.broadcast_to(np.arange(len(SIZES), dtype=np.float32), ids.shape)
-    wrong = ~((rows[..., 0] == layer) & (rows[..., 2] == heads) & (rows[..., 3] == ids.astype(np.float32)))
+    wrong = ~((rows[..., 0] == layer) & (rows[..., 2] == heads) & (rows[..., 3] == ids.astype(np.float32))
+              & (rows[..., 4] == rows[..., 1]))
     bad = [f"at {tuple(int(i) for i in where)}: asked layer {layer} head {where[-1]} row {int(ids[where])}, got "
            f"{rows[where].tolist()}" for where in zip(*np.nonzero(wrong))][:5]
     return {"gens": sorted({int(g) for g in np.unique(rows[..., 1])}), "bad": bad}
 
 
 class Worker:
-    def __init__(self, master: str, local_dir: str, disk_dir: str, local_direct: bool, timeout_ms: int):
+    def __init__(self, master: str, local_dir: str, disk_dir: str, local_direct: bool, timeout_ms: int,
+                 cache: str = "process"):
         self.master, self.local_dir, self.disk_dir = master, local_dir, disk_dir
         self.local_direct, self.timeout_ms = local_direct, timeout_ms
+        self.cache_scope = "host" if cache.startswith("host") else "process"
+        if cache.startswith("host-die:"):  # the host cache's test hook: this process dies mid-fill
+            os.environ[DIE_MID_FILL_ENV] = cache.split(":", 1)[1]
         self.store: DistributedStore | None = None
         self.layers: dict[tuple[str, int], EngramStore] = {}
         self.populated: dict[tuple[str, int], int] = {}  # the populate each open layer's undo would take back:
@@ -82,7 +91,8 @@ class Worker:
             elif kind == "local":
                 es = EngramStore(layer, CONFIG, local_dir=self.local_dir)
             else:
-                es = EngramStore(layer, CONFIG, disk_dir=self.disk_dir, row_cache_bytes=1 << 16)
+                es = EngramStore(layer, CONFIG, disk_dir=self.disk_dir, row_cache_bytes=1 << 16,
+                                 cache_scope=self.cache_scope)
             self.layers[(kind, layer)] = es
         return es
 
@@ -105,12 +115,7 @@ class Worker:
             self.populated.pop((cmd["kind"], cmd["layer"]), None)
             return {"removed": removed, "undid": gen}
         if op == "lookup":
-            es = self._layer(cmd["kind"], cmd["layer"])
-            rng = np.random.default_rng(cmd["seed"])
-            batch = int(rng.integers(1, 5))
-            ids = np.stack([rng.integers(0, n, size=(batch, 16)) for n in SIZES], axis=-1)
-            rows = es.prefetch(ids).result(timeout=60) if cmd.get("prefetch") else es.lookup(ids)
-            return check_rows(rows, ids, cmd["layer"])
+            return in_child(lambda: self._lookup(cmd)) if cmd.get("fork") else self._lookup(cmd)
         if op == "remove":
             try:
                 removed = self._layer(cmd["kind"], cmd["layer"]).remove_from_store(force=cmd.get("force", False))
@@ -139,6 +144,14 @@ class Worker:
                     "confirmed": sum(1 for s in status["segments"] if s.get("confirmed", True))}
         raise ValueError(f"unknown op {op!r}")
 
+    def _lookup(self, cmd: dict) -> dict:
+        es = self._layer(cmd["kind"], cmd["layer"])
+        rng = np.random.default_rng(cmd["seed"])
+        batch = int(rng.integers(1, 5))
+        ids = np.stack([rng.integers(0, n, size=(batch, 16)) for n in SIZES], axis=-1)
+        rows = es.prefetch(ids).result(timeout=60) if cmd.get("prefetch") else es.lookup(ids)
+        return check_rows(rows, ids, cmd["layer"])
+
     def _close_midcall(self, cmd: dict) -> dict:
         """Close the store (and every layer on it) while another thread is in a lookup; then start afresh."""
         es = self._layer("store", cmd["layer"])
@@ -166,9 +179,43 @@ class Worker:
         return {"reader_errors": errors}
 
 
+def in_child(work) -> dict:
+    """``work()`` in a child forked from this process, which has used the store: its answer, or its error raised
+    here again (a child that dies or hangs is a crash of ours)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        signal.alarm(60)
+        try:
+            out = {"ok": True, **work()}
+        except EngramError as exc:
+            out = {"ok": False, "error": type(exc).__name__, "message": str(exc)[:500]}
+        except BaseException:
+            out = {"ok": False, "error": "crash", "message": traceback.format_exc()[-2000:]}
+        os.write(w, json.dumps(out).encode())
+        os._exit(0)
+    os.close(w)
+    chunks = []
+    while chunk := os.read(r, 1 << 16):
+        chunks.append(chunk)
+    os.close(r)
+    status = os.waitpid(pid, 0)[1]
+    if not chunks:
+        raise RuntimeError(f"the forked child died without an answer (exit status {os.waitstatus_to_exitcode(status)})")
+    out = json.loads(b"".join(chunks))
+    if not out.pop("ok"):
+        cls = getattr(engram_store, out["error"], None)
+        if not (isinstance(cls, type) and issubclass(cls, EngramError)):
+            raise RuntimeError(f"the forked child failed: {out['message']}")
+        raise cls(f"(in a forked child) {out['message']}")
+    return out
+
+
 def main() -> int:
     master, local_dir, disk_dir, local_direct, timeout_ms = sys.argv[1:6]
-    worker = Worker(master, local_dir, disk_dir, local_direct == "1", int(timeout_ms))
+    worker = Worker(master, local_dir, disk_dir, local_direct == "1", int(timeout_ms),
+                    sys.argv[6] if len(sys.argv) > 6 else "process")
     print(json.dumps({"ready": os.getpid()}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)

@@ -59,6 +59,25 @@ def segment_memory(pid: int) -> str:
     raise AssertionError(f"segment process {pid} holds no segment memory")
 
 
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``predicate`` every 50 ms until it holds; fail the test naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def flip_byte(path: str, offset: int, mask: int = 0x40) -> None:
+    """Flip bits ``mask`` of the byte at ``offset`` of the file ``path`` (bytes that rot at rest); past the end of
+    the file, nothing."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        if byte:
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ mask]))
+
+
 def run_threads(work: Callable[[int], None], count: int, timeout_s: float, what: str = "a thread") -> None:
     """Run ``work(0)`` .. ``work(count - 1)`` in threads at once and wait for them: a thread still running after
     ``timeout_s`` fails the test, and so does the first exception any of them raised."""
@@ -99,3 +118,92 @@ def read_ranges_served(store, timeout_s: float = 10.0) -> int:
             return now
         last = now
     return last
+
+
+class TcpProxy:
+    """A TCP forwarder to ``upstream`` (``host:port``) on a free port of 127.0.0.1 (``address``), in a thread of its
+    own: a client connected through it is cut off from ``upstream`` while it is frozen (:meth:`freeze`: nothing is
+    forwarded either way and no connection is answered; the connections stay open, as under a partition that drops
+    packets), until :meth:`thaw`. A context manager; :meth:`close` closes every socket and joins the thread."""
+
+    def __init__(self, upstream: str):
+        import selectors
+        import socket
+
+        host, port = upstream.rsplit(":", 1)
+        self._upstream = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.setblocking(False)
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
+        self._peers: dict = {}  # socket -> the socket it forwards to
+        self._frozen = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="test-tcp-proxy")
+        self._thread.start()
+
+    def freeze(self) -> None:
+        self._frozen.set()
+
+    def thaw(self) -> None:
+        self._frozen.clear()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._frozen.is_set():
+                self._stop.wait(0.02)
+                continue
+            for key, _ in self._selector.select(timeout=0.02):
+                if key.fileobj is self._listener:
+                    self._accept()
+                else:
+                    self._forward(key.fileobj)
+
+    def _accept(self) -> None:
+        import selectors
+        import socket
+
+        try:
+            client, _ = self._listener.accept()
+        except BlockingIOError:
+            return
+        try:
+            server = socket.create_connection(self._upstream, timeout=5)
+        except OSError:
+            client.close()
+            return
+        for sock, peer in ((client, server), (server, client)):
+            sock.setblocking(True)
+            self._peers[sock] = peer
+            self._selector.register(sock, selectors.EVENT_READ, None)
+
+    def _forward(self, sock) -> None:
+        peer = self._peers.get(sock)
+        try:
+            data = sock.recv(1 << 16)
+            if data:
+                peer.sendall(data)
+                return
+        except OSError:
+            pass
+        for s in (sock, peer):  # one side closed: close both
+            if s in self._peers:
+                self._selector.unregister(s)
+                del self._peers[s]
+                s.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        for sock in list(self._peers):
+            sock.close()
+        self._peers.clear()
+        self._selector.close()
+        self._listener.close()
+
+    def __enter__(self) -> "TcpProxy":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

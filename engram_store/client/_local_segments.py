@@ -22,9 +22,11 @@ import time
 import numpy as np
 
 from .. import kernels as _kernels
-from .._errors import EngramError, ProtocolError, SegmentUnavailable, UnsafeFile
+from .._errors import NO_FILES, EngramError, ProtocolError, SegmentUnavailable, UnsafeFile, too_many_open_files
 from ..wire import handover
 from ._objects import Replica
+
+_RETIRED = _kernels.generation_table.RETIRED
 
 log = logging.getLogger("engram_store.client")
 
@@ -80,6 +82,7 @@ class LocalSegments:
                     self._retry_at[replica.segment_id] = time.monotonic() + RETRY_S
                     return None
                 except (OSError, EngramError) as exc:
+                    _out_of_files(exc, f"mapping segment {replica.segment_id} ({replica.shm_path})")
                     log.debug("segment %s not mappable here (%s); reading remotely", replica.segment_id, exc)
             self._views[replica.segment_id] = view
             self._tables[replica.segment_id] = table
@@ -90,10 +93,18 @@ class LocalSegments:
         each of its objects (see ``engram_store.kernels.generation_table``); None where the segment publishes
         none, or it is not mapped here."""
         table = self._tables.get(replica.segment_id, False)
-        if table is not False:
+        if table is not False and (table is None or not table[_RETIRED]):
             return table
+        if table is not False:
+            # Retired: its segment (a durable one restarted) made a new table in its place, which tells what this
+            # one no longer does. Ask the segment for its memory and table again.
+            with self._lock:
+                if self._tables.get(replica.segment_id, False) is table:
+                    self._views.pop(replica.segment_id, None)
+                    self._tables.pop(replica.segment_id, None)
         self.view(replica)
-        return self._tables.get(replica.segment_id)
+        table = self._tables.get(replica.segment_id)
+        return None if table is not None and table[_RETIRED] else table
 
     def _receive(self, segment_id: str, path: str, size: int) -> tuple[np.ndarray, np.ndarray | None]:
         """The memory and generation table the segment at ``path`` hands over, mapped read-only. Holds the lock."""
@@ -149,6 +160,7 @@ class LocalSegments:
                         raise SegmentUnavailable(f"segment {segment_id} does not answer on its hand-over socket "
                                                  f"{replica['shm_path']} ({exc}): it is gone or stopped") from None
                     except (OSError, EngramError) as exc:
+                        _out_of_files(exc, f"opening segment {segment_id} ({replica['shm_path']}) to write")
                         log.debug("segment %s not writable here (%s); writing remotely", segment_id, exc)
                     self._write_fds[segment_id] = fd
         if fd is None or not 0 <= replica["offset"] <= replica["size"] - nbytes:
@@ -180,6 +192,11 @@ class LocalSegments:
             if fd is not None:
                 self._retired_fds.append(fd)  # another thread may be writing with it; closed with the client
 
+    def forked(self) -> None:
+        """In a forked child: the mappings and files are this process's copies (reads and ``pwrite`` through them
+        are its own); only the lock may have been held by a thread the child does not have."""
+        self._lock = threading.Lock()
+
     def close(self) -> None:
         """Close every file and mapping (a mapping an array still views is unmapped by the GC later)."""
         with self._lock:
@@ -204,3 +221,10 @@ def _sealed(fd: int) -> bool:
         return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEAL_SHRINK)
     except (AttributeError, OSError):
         return False
+
+
+def _out_of_files(exc: Exception, what: str) -> None:
+    """Raise the named error where ``exc`` is this process out of file descriptors: not a reason to forget a
+    segment's memory (the next call, with a descriptor free, maps it) nor a fault of the segment's."""
+    if isinstance(exc, OSError) and exc.errno in NO_FILES:
+        raise too_many_open_files(what) from exc

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import EngramError, ProtocolError, RemoteError, SegmentUnavailable
+from .._errors import NO_FILES, EngramError, ProtocolError, RemoteError, SegmentUnavailable, too_many_open_files
 from ..kernels.raw_io import (BAD_ID, INTERRUPTED, NO_ROOM, OK, RAW_IO, TIMEOUT, client_buffer, direct_request_bytes,
                                read_direct_unchecked, set_client_timeout)
 from ..wire.raw import (
@@ -122,6 +122,8 @@ class RawChannel:
                 raise RawChannelRefused(f"read_ranges: the raw read channel of {self.address} ({self.host}:"
                                         f"{self.port}) refused the connection") from exc
             except OSError as exc:
+                if exc.errno in NO_FILES:
+                    raise too_many_open_files(f"connecting to the raw read channel of {self.address}") from exc
                 raise SegmentUnavailable(f"read_ranges: cannot connect to the raw read channel of {self.address} "
                                          f"({self.host}:{self.port}): {exc}") from exc
             self.sock = sock

@@ -18,6 +18,7 @@ import time
 from typing import Any, Sequence
 
 
+from .. import _fork
 from .._config import DEFAULT_EMBEDDED_SEGMENT_SIZE, StoreConfig
 from .._errors import (
     ConfigError,
@@ -79,6 +80,17 @@ class DistributedStore(ReadPath, WritePath):
         # that clients spread too.
         self._thread_slot = threading.local()
         self._slots = itertools.count(int.from_bytes(os.urandom(2), "little"))
+        _fork.in_child(self._forked)
+
+    def _forked(self) -> None:
+        """In a child forked from the process that connected: the parent's connections, raw channels and servers
+        stay the parent's (never closed from here); this process connects afresh on first use (see ``_fork``)."""
+        _fork.keep(self._pool, self.raw_routes, self._owned)
+        self._pool = ConnectionPool(curve=self._auth.client_curve if self._auth else None)
+        self.raw_routes = RawRoutes(self.timeout_ms / 1000.0)
+        self._owned = []  # the parent's master and segment: the parent stops them
+        self.local_segment = None
+        self.local_segments.forked()
 
     # ---- construction ---------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ import numpy as np
 import xxhash
 import zmq
 
+from .. import _fork
 from .._errors import (
     EngramError,
     InvalidArgument,
@@ -403,6 +404,16 @@ class _Writes:
 
 _CHECKSUM_POOL: ThreadPoolExecutor | None = None
 _CHECKSUM_POOL_LOCK = threading.Lock()
+
+
+def _forget_checksum_pool() -> None:
+    """In a forked child: the parent's pool has no thread here; the child makes its own on first use."""
+    global _CHECKSUM_POOL, _CHECKSUM_POOL_LOCK
+    _fork.keep(_CHECKSUM_POOL)
+    _CHECKSUM_POOL, _CHECKSUM_POOL_LOCK = None, threading.Lock()
+
+
+_fork.in_child(_forget_checksum_pool)
 
 
 def _checksum_pool() -> ThreadPoolExecutor:

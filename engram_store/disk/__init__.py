@@ -38,16 +38,18 @@ def warmup() -> None:
     import numpy as np
 
     sizes = [20, 3]
-    tables = [np.arange(n * 8, dtype=np.uint8).reshape(n, 8) for n in sizes]
+    row = 24  # 170 rows to a page leave room for its checksum: the checked read path is compiled too
+    tables = [(np.arange(n * row) % 251).astype(np.uint8).reshape(n, row) for n in sizes]
     with tempfile.TemporaryDirectory(prefix="engram-disk-warmup-") as tmp:
         d = DiskDir(tmp)
-        d.write(0, 8, sizes, [tables[0], lambda start, out: out.__setitem__(slice(None), tables[1][start:])],
+        d.write(0, row, sizes, [tables[0], lambda start, out: out.__setitem__(slice(None), tables[1][start:])],
                 progress=False)
         d.verify(0)
         ids = np.array([[0, 1], [19, 2], [5, 0]], dtype=np.int64)
-        out = np.empty(ids.size * 8, dtype=np.uint8)
+        out = np.empty(ids.size * row, dtype=np.uint8)
         for mode in ("auto", "threads"):
-            with IOEngine(2, mode) as engine, d.open(0, 8, sizes, cache=RowCache(1 << 12, 8), engine=engine) as layer:
+            with IOEngine(2, mode) as engine, d.open(0, row, sizes, cache=RowCache(1 << 12, row),
+                                                     engine=engine) as layer:
                 layer.read_rows(ids, out)
                 layer.read_rows(ids, out)
                 warm_layer(layer, LayerProfile.from_counts([0, 1], [3, 2], [5, 4]))

@@ -15,8 +15,9 @@ from . import _kernels as k
 from ._cache import RowCache
 from .._layer_dir import LayerLock, open_layer_dir, remove_leftover
 from ._files import aligned_empty, open_direct
-from ._layout import DATA_FILE, check_layer_id, layer_dir_name, read_manifest
-from ._reader import DiskLayer, DiskReadError, IOEngine
+from ._layout import DATA_FILE, check_layer_id, layer_dir_name, page_checks, read_manifest
+from ._checksum import first_bad_block
+from ._reader import DiskLayer, DiskReadError, IOEngine, damaged_block
 from ._writer import DEFAULT_CHUNK_BYTES, DEFAULT_LOCK_TIMEOUT_S, HeadSource, LayerWriter, write_layer
 
 log = logging.getLogger(__name__)
@@ -104,9 +105,15 @@ class DiskDir:
         finally:
             lock.close(unlink=True)  # the lock file goes too: a waiter that opened it locks a fresh one
 
+    def page_checks(self, layer_id: int) -> str:
+        """How the layer's pages are checked as they are read: ``"xxh64"``, or ``"unchecked (why)"``."""
+        record, layout = read_manifest(self.layer_path(layer_id))
+        return page_checks(record, layout)
+
     def verify(self, layer_id: int) -> None:
-        """Re-read a published layer and check each head against the manifest's checksum (StoreError if one
-        differs). Reads the whole file once, with O_DIRECT where allowed."""
+        """Re-read a published layer and check each page against its checksum (DiskReadError naming the first
+        damaged one) and each head against the manifest's checksum (StoreError if one differs). Reads the whole
+        file once, with O_DIRECT where allowed."""
         verify_layer(self.path, layer_id)
 
 
@@ -135,6 +142,9 @@ def verify_layer(directory: str | os.PathLike, layer_id: int) -> None:
                 nbytes = -(-count // lay.rows_per_block) * lay.block_bytes
                 got = _read_exact(fd, buf[:nbytes], offset, file)
                 assert got == nbytes, "short reads raise"
+                bad = first_bad_block(buf, lay.block_bytes, nbytes // lay.block_bytes, offset) if lay.checked else -1
+                if bad >= 0:
+                    raise DiskReadError(damaged_block(layer_id, lay, file, offset + bad * lay.block_bytes))
                 k._unpack_rows(buf, lay.row_bytes, lay.rows_per_block, lay.block_bytes, count, rows)
                 hasher.update(rows[:count * lay.row_bytes])
                 offset += nbytes

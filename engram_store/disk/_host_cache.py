@@ -45,18 +45,22 @@ adds by every process and reported by :meth:`stats`.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import mmap
 import os
 import signal
+import threading
 import time
 import weakref
 
 import numpy as np
 import xxhash
 
-from .._errors import EngramError, InvalidArgument, LockTimeout, OutOfSpace, StoreError, describe
+from .. import _fork
+from .._errors import (NO_FILES, ConfigError, EngramError, InvalidArgument, LockTimeout, OutOfSpace, StoreError,
+                       describe, too_many_open_files)
 from .._pages import MADV_HUGEPAGE, madvise
 from .._shared_dirs import UserDir, shared_base
 from . import _cache_kernels as ck
@@ -182,11 +186,38 @@ class HostRowCache(RowCache):
         self._mm: mmap.mmap | None = None
         self._files: _Files | None = None
         self._closed = False
-        super().__init__(capacity_bytes, row_bytes, admission)
+        try:
+            super().__init__(capacity_bytes, row_bytes, admission)
+        except OSError as exc:
+            raise _directory_error(exc, self.directory, "directory=" if directory else
+                                   "ENGRAM_SHM_DIR" if os.environ.get("ENGRAM_SHM_DIR") else "the default") from exc
         die_at = os.environ.get(DIE_MID_FILL_ENV)
         self.stop_at = int(die_at) if die_at else -1
         self._finalizer = weakref.finalize(self, _detach, self._files, self._mm,  # also runs at exit
                                           self.lock_timeout_s)
+        _fork.in_child(self._forked)
+
+    def _forked(self) -> None:
+        """In a forked child: the flocks the parent holds belong to open file descriptions the child shares, so the
+        child locks and unlocks nothing through them (that would take or drop the parent's locks): it closes its
+        copies of the descriptors and attaches with descriptions of its own, as a process of its own."""
+        self.lock, self._tag_lock = threading.Lock(), threading.Lock()
+        files = self._files
+        if files is None or self._closed:
+            return
+        for fd in (files.lock_fd, files.data_fd):
+            if fd >= 0:
+                os.close(fd)  # the description (and the parent's flock on it) lives on in the parent
+        files.lock_fd = files.data_fd = -1
+        try:
+            fd, _ = files.dir.open(files.name, os.O_RDWR, create=False)
+        except (OSError, EngramError):
+            return  # the parent's last user deleted it: the child reads its mapping, attached to nothing
+        if (os.fstat(fd).st_dev, os.fstat(fd).st_ino) != self._file_id:
+            os.close(fd)
+            return
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        files.data_fd = fd
 
     # ---- the shared file -------------------------------------------------------------------------------
 
@@ -235,6 +266,8 @@ class HostRowCache(RowCache):
                 if fresh:
                     self._initialise(files.data_fd, size)
                 fcntl.flock(files.data_fd, fcntl.LOCK_SH)  # we are attached from here (converts an exclusive)
+                st = os.fstat(files.data_fd)
+                self._file_id = (st.st_dev, st.st_ino)
                 self._map(files.data_fd, size, regions, fresh)
                 ck._counter_add(self.counters, COUNTERS.index("attaches"), 1)
             finally:
@@ -390,10 +423,30 @@ class HostRowCache(RowCache):
                 f"admission={self.admission!r}, {self.path})")
 
 
+def _directory_error(exc: OSError, directory: str, source: str) -> StoreError:
+    """What a host cache that cannot make its files in ``directory`` (named by ``source``: the ``directory``
+    argument, ENGRAM_SHM_DIR or the default) raises: the directory and what is wrong with it, by name."""
+    where = f"host row cache: {directory} ({source}: where it keeps its shared-memory files)"
+    if exc.errno in NO_FILES:
+        return too_many_open_files(f"attaching the host row cache in {directory}")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return OutOfSpace(f"{where}: no space left ({exc.strerror}: out of bytes or of inodes); free some there, "
+                          "or set ENGRAM_SHM_DIR to a directory with room")
+    if exc.errno in (errno.ENOTDIR, errno.EEXIST):
+        return ConfigError(f"{where}: expected a directory, got a path that is not one ({exc.strerror}); set "
+                           "ENGRAM_SHM_DIR to a directory")
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return ConfigError(f"{where}: this process may not create files there ({exc.strerror}); set "
+                           "ENGRAM_SHM_DIR to a directory it may write in")
+    return StoreError(f"{where}: {exc.strerror or exc}")
+
+
 def _detach(files: _Files | None, mm: mmap.mmap | None, timeout_s: float = DEFAULT_LOCK_TIMEOUT_MS / 1e3) -> None:
     """Leave the cache: the last process attached deletes its files (one that cannot take the lock in time leaves
     them to the next process to attach)."""
-    if files is None or files.lock_fd < 0:
+    if files is None or files.data_fd < 0:
+        if files is not None:
+            files.close()
         return
     try:
         if files.lock(timeout_s):

@@ -25,6 +25,7 @@ import numpy as np
 from numba import njit
 
 from ..kernels import prefetch_hint as _prefetch
+from ._checksum import block_ok, seal_block
 from ._native import (address, atomic_add, errno, fence_acquire, load_acquire, memcpy, memcpy_to,
                       or_low_byte_relaxed, pread, syscall3, syscall5)
 
@@ -57,8 +58,10 @@ def _set_of(key, n_sets):
 # ---- layout (the writer) --------------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True)
-def _pack_rows(rows, row_bytes, rows_per_block, block_bytes, out):
-    """Lay ``rows`` (flat bytes of n whole rows, the first one at a block start) out as whole blocks in ``out``."""
+def _pack_rows(rows, row_bytes, rows_per_block, block_bytes, out, first_offset=0, summed=0):
+    """Lay ``rows`` (flat bytes of n whole rows, the first one at a block start) out as whole blocks in ``out``;
+    with ``summed`` > 0 (``DiskLayout.summed_bytes``), each block ends with the checksum of its first ``summed``
+    bytes, seeded with its offset in the file (the first block's is ``first_offset``)."""
     n = rows.size // row_bytes
     blocks = (n + rows_per_block - 1) // rows_per_block
     for b in range(blocks):
@@ -68,6 +71,8 @@ def _pack_rows(rows, row_bytes, rows_per_block, block_bytes, out):
         pad_from = b * block_bytes + count * row_bytes
         for p in range(pad_from, (b + 1) * block_bytes):
             out[p] = 0
+        if summed > 0:
+            seal_block(out, b * block_bytes, summed, first_offset + b * block_bytes)
     return blocks * block_bytes
 
 
@@ -269,7 +274,12 @@ def _plan_read(ids, n_rows, head_offset, row_base, rows_per_block, block_bytes, 
 #
 # A *batch* is what one read moves, for one or several layers: ``fds[j]``, ``offsets[j]``, ``lens[j]`` describe
 # block j; the rows it serves are ``starts[j] .. starts[j + 1]``, row t copied from ``src_off[t]`` bytes into the
-# block to the address ``dst[t]`` (``row_len[t]`` bytes). ``status[j]`` ends as the bytes read or -errno.
+# block to the address ``dst[t]`` (``row_len[t]`` bytes). ``sums[j]``: the bytes of block j its checksum covers
+# (0: unchecked); a block whose checksum does not match serves nothing. ``status[j]`` ends as the bytes read,
+# -errno, or BAD_CHECKSUM.
+
+#: status of a block read whole whose bytes do not match its checksum
+BAD_CHECKSUM = np.int64(-(1 << 61))
 
 @njit(cache=True, nogil=True)
 def _serve_block(j, buf, buf_at, starts, dst, src_off, row_len):
@@ -278,10 +288,10 @@ def _serve_block(j, buf, buf_at, starts, dst, src_off, row_len):
 
 
 @njit(cache=True, nogil=True)
-def _pread_drive(fds, offsets, lens, starts, dst, src_off, row_len, buf, counter, status):
+def _pread_drive(fds, offsets, lens, starts, dst, src_off, row_len, sums, buf, counter, status):
     """One of several threads reading a batch with blocking ``pread``: claim the next block through
-    ``counter[0]``, read it into ``buf``, serve its rows. A failed or short read stops every thread of the batch
-    (the counter jumps past the end). Returns the number of blocks this thread read."""
+    ``counter[0]``, read it into ``buf``, check it, serve its rows. A failed, short or damaged read stops every
+    thread of the batch (the counter jumps past the end). Returns the number of blocks this thread read."""
     P = offsets.size
     done = 0
     while True:
@@ -292,7 +302,9 @@ def _pread_drive(fds, offsets, lens, starts, dst, src_off, row_len, buf, counter
         while got < 0 and errno() == EINTR:
             got = pread(fds[j], buf, 0, lens[j], offsets[j])
         status[j] = got if got >= 0 else -errno()
-        if got != lens[j]:
+        if got == lens[j] and not block_ok(buf, 0, sums[j], offsets[j]):
+            status[j] = BAD_CHECKSUM
+        if status[j] != lens[j]:
             atomic_add(counter, 0, P)
             break
         done += 1
@@ -308,8 +320,8 @@ SUBMIT_BATCH = 1    # reads per io_submit (see _aio_drive); 1 and 2 measured ~0.
 
 
 @njit(cache=True, nogil=True)
-def _aio_drive(ctx, nr_submit, nr_getevents, fds, offsets, lens, starts, dst, src_off, row_len, bufs, slot_bytes,
-               iocbs, ptrs, events, counter, status):
+def _aio_drive(ctx, nr_submit, nr_getevents, fds, offsets, lens, starts, dst, src_off, row_len, sums, bufs,
+               slot_bytes, iocbs, ptrs, events, counter, status):
     """Read a batch with Linux native AIO from one thread, ``ptrs.size`` reads in flight. Each read goes to the
     kernel in an ``io_submit`` of its own as soon as a slot is free (a direct read's submission does its work in
     the call, a few microseconds: a batch of 32 keeps the last one waiting for the first 31, and the reads then
@@ -386,7 +398,9 @@ def _aio_drive(ctx, nr_submit, nr_getevents, fds, offsets, lens, starts, dst, sr
             j = data & low
             slot = data >> SLOT_SHIFT
             status[j] = res
-            if res == lens[j]:
+            if res == lens[j] and not block_ok(bufs, slot * slot_bytes, sums[j], offsets[j]):
+                status[j] = BAD_CHECKSUM
+            if status[j] == lens[j]:
                 _serve_block(j, bufs, slot * slot_bytes, starts, dst, src_off, row_len)
             elif not stopped:
                 stopped = True

@@ -19,6 +19,12 @@ one page for small rows and one row's pages for large ones.
 
 The checksum of a head is xxh3_64 of its logical rows (``N_h * row_bytes`` bytes, no padding), the value
 ``EngramStore`` records in its own manifests for the same table.
+
+Every block read back is checked as well, where its rows leave room: a layer of format ``engram-disk-v2`` whose
+blocks have at least 8 bytes of padding (264-byte rows: 136) keeps XXH64 of each block's other bytes in its last 8
+(see ``_checksum``), and the reader checks each block as it lands, before any of its rows is served or cached. Its
+manifest says so (``"page_checksum": {"algorithm": "xxh64", ...}``, or ``null`` for rows that fill their pages to
+within 8 bytes, which are read unchecked). Layers written before (``engram-disk-v1``) are read unchecked.
 """
 from __future__ import annotations
 
@@ -28,9 +34,14 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .._errors import ConfigError, InvalidArgument, InvalidType, StoreError, describe
+from ._checksum import CHECKSUM_BYTES
 
 PAGE_BYTES = 4096
-FORMAT = "engram-disk-v1"
+FORMAT = "engram-disk-v2"
+#: Layers written before page checksums: read unchecked.
+FORMAT_V1 = "engram-disk-v1"
+#: What a v2 manifest records of its page checksums.
+PAGE_CHECKSUM = {"algorithm": "xxh64", "seed": "block offset", "at": "last 8 bytes of each block"}
 MANIFEST = "manifest.json"
 DATA_FILE = "rows.bin"
 #: A key's row part in the hot-row cache has 40 bits: no layer may hold more rows than that.
@@ -70,9 +81,12 @@ class DiskLayout:
     block_bytes: int                  # bytes of one block: a page, or one large row's pages
     head_offsets: tuple[int, ...]     # byte offset of each head's first block in the file (page-aligned)
     file_bytes: int                   # the file's size: a whole number of pages
+    checked: bool = False             # each block's last 8 bytes hold its checksum (see _checksum)
 
     @classmethod
-    def of(cls, row_bytes: int, sizes: Sequence[int]) -> "DiskLayout":
+    def of(cls, row_bytes: int, sizes: Sequence[int], checked: bool = False) -> "DiskLayout":
+        """The geometry of ``sizes`` rows of ``row_bytes``; ``checked``: with page checksums where the rows leave
+        room for them (see :attr:`room`)."""
         row_bytes = _positive_int(row_bytes, "row_bytes")
         if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__len__") or len(sizes) == 0:
             raise InvalidArgument(f"sizes: expected a non-empty list of row counts, one per head, "
@@ -88,7 +102,18 @@ class DiskLayout:
         for n in sizes:
             offsets.append(at)
             at += -(-n // rows_per_block) * block_bytes
-        return cls(row_bytes, sizes, rows_per_block, block_bytes, tuple(offsets), at)
+        room = block_bytes - rows_per_block * row_bytes >= CHECKSUM_BYTES
+        return cls(row_bytes, sizes, rows_per_block, block_bytes, tuple(offsets), at, bool(checked) and room)
+
+    @property
+    def room(self) -> bool:
+        """Whether a block's rows leave room for its checksum (8 bytes)."""
+        return self.block_bytes - self.rows_per_block * self.row_bytes >= CHECKSUM_BYTES
+
+    @property
+    def summed_bytes(self) -> int:
+        """The bytes of a block its checksum covers (all but its last 8), or 0 for a layout without checksums."""
+        return self.block_bytes - CHECKSUM_BYTES if self.checked else 0
 
     @property
     def num_heads(self) -> int:
@@ -109,7 +134,19 @@ class DiskLayout:
 
 def manifest(layer_id: int, layout: DiskLayout, checksums: Sequence[str]) -> dict:
     return {"format": FORMAT, "layer_id": layer_id, "row_bytes": layout.row_bytes, "sizes": list(layout.sizes),
-            "layout": layout.as_dict(), "checksum": {"algorithm": "xxh3_64", "heads": list(checksums)}}
+            "layout": layout.as_dict(), "checksum": {"algorithm": "xxh3_64", "heads": list(checksums)},
+            "page_checksum": dict(PAGE_CHECKSUM) if layout.checked else None}
+
+
+def page_checks(record: dict, layout: DiskLayout) -> str:
+    """How a layer's pages are checked as they are read, in words: ``"xxh64"``, or why they are not."""
+    if layout.checked:
+        return "xxh64"
+    if record.get("format") == FORMAT_V1:
+        return "unchecked (written before page checksums)"
+    if layout.room:
+        return "unchecked (written without page checksums)"
+    return "unchecked (its rows fill the pages: no room for a checksum)"
 
 
 def read_manifest(path: str) -> tuple[dict, DiskLayout]:
@@ -122,15 +159,20 @@ def read_manifest(path: str) -> tuple[dict, DiskLayout]:
         raise StoreError(f"disk layer: cannot read {file}: {exc.strerror}") from None
     except ValueError as exc:
         raise StoreError(f"disk layer: {file} is not valid JSON: {exc}") from None
-    if not isinstance(record, dict) or record.get("format") != FORMAT:
-        raise StoreError(f"disk layer: {file} is not an {FORMAT} manifest (format "
+    if not isinstance(record, dict) or record.get("format") not in (FORMAT, FORMAT_V1):
+        raise StoreError(f"disk layer: {file} is not an {FORMAT} (or {FORMAT_V1}) manifest (format "
                          f"{describe(record.get('format') if isinstance(record, dict) else record)})")
+    pages = record.get("page_checksum") if record["format"] == FORMAT else None
     try:
-        layout = DiskLayout.of(record["row_bytes"], record["sizes"])
+        layout = DiskLayout.of(record["row_bytes"], record["sizes"], checked=pages is not None)
         stored = record["layout"]
         checksums = record["checksum"]["heads"]
     except (KeyError, TypeError, InvalidArgument, InvalidType) as exc:
         raise StoreError(f"disk layer: {file} is malformed: {exc}") from None
+    if pages is not None and (pages != PAGE_CHECKSUM or not layout.checked):
+        raise StoreError(f"disk layer: {file} records page checksums {describe(pages, 200)}, expected "
+                         f"{PAGE_CHECKSUM}" + ("" if layout.room else f" (and {layout.row_bytes}-byte rows leave "
+                                                                      "no room for them)"))
     if stored != layout.as_dict() or len(checksums) != layout.num_heads:
         raise StoreError(f"disk layer: {file} records layout {describe(stored, 200)}, but row_bytes="
                          f"{layout.row_bytes} and {layout.num_heads} heads give {describe(layout.as_dict(), 200)}")

@@ -201,3 +201,26 @@ def syscall3(typingctx, number, a, b, c):
 def syscall5(typingctx, number, a, b, c, d, e):
     """libc ``syscall(number, a, b, c, d, e)`` with int64 arguments: the result, or -1 with errno set."""
     return _syscall(5)(typingctx, number, a, b, c, d, e)
+
+
+def _load(width: int):
+    def typer(typingctx, arr, index):
+        if not (isinstance(arr, types.Array) and arr.dtype == types.uint8):
+            return None
+        out = types.uint64 if width == 64 else types.uint32
+
+        def codegen(context, builder, signature, args):
+            ptr = _address(context, builder, signature.args[0], args[0], args[1])
+            value = builder.load(builder.bitcast(ptr, ir.IntType(width).as_pointer()), align=1)
+            return value
+
+        return out(arr, index), codegen
+
+    return intrinsic(typer)
+
+
+#: ``load_u64(a, i)``: the 8 bytes ``a[i:i + 8]`` of a uint8 array as a uint64, in the host's byte order (an
+#: unaligned load; no bounds check).
+load_u64 = _load(64)
+#: ``load_u32(a, i)``: the 4 bytes ``a[i:i + 4]`` as a uint32, the same way.
+load_u32 = _load(32)

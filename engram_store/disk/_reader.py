@@ -31,11 +31,13 @@ from typing import Any, Sequence
 import numpy as np
 import xxhash
 
+from .. import _fork
 from .._errors import DiskReadError, InvalidArgument, InvalidType, ObjectNotFound, StoreError, describe, is_int
 from . import _kernels as k
 from ._cache import RowCache
 from ._files import aligned_empty, open_direct
-from ._layout import DATA_FILE, PAGE_BYTES, check_expected, check_layer_id, layer_dir_name, read_manifest
+from ._layout import (DATA_FILE, PAGE_BYTES, DiskLayout, check_expected, check_layer_id, layer_dir_name, page_checks,
+                      read_manifest)
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +121,16 @@ class IOEngine:
         self._pool_lock = threading.Lock()
         self._local = threading.local()
         self._closed = False
+        _fork.in_child(self._forked)
+
+    def _forked(self) -> None:
+        """In a forked child: the kernel gave it no AIO context (the forking thread's is the parent's, never used or
+        destroyed here) and the pool no thread; the child makes its own on first use (see ``engram_store._fork``)."""
+        inherited = getattr(self._local, "aio", None)
+        if inherited is not None:
+            inherited.ctx = 0  # its id may be a context this child makes later: never destroy it from here
+        _fork.keep(self._pool)
+        self._pool, self._pool_lock, self._local = None, threading.Lock(), threading.local()
 
     def buffer(self, nbytes: int) -> np.ndarray:
         """This thread's page-aligned read buffer of at least ``nbytes`` (the threads engine)."""
@@ -193,6 +205,14 @@ _default_engine: IOEngine | None = None
 _default_lock = threading.Lock()
 
 
+def _forget_default_lock() -> None:
+    global _default_lock
+    _default_lock = threading.Lock()  # another thread may have held it at a fork
+
+
+_fork.in_child(_forget_default_lock)
+
+
 def default_engine() -> IOEngine:
     """The process's shared engine (``DEFAULT_DEPTH`` reads in flight), made on first use."""
     global _default_engine
@@ -237,6 +257,8 @@ class DiskLayer:
         check_expected(self.path, layout, row_bytes, sizes)
         self.layout = layout
         self.checksums: tuple[str, ...] = tuple(record["checksum"]["heads"])
+        #: How each block read is checked: "xxh64", or "unchecked (why)".
+        self.page_checks = page_checks(record, layout)
         try:
             self._fd, self.direct = open_direct(self.file, os.O_RDONLY, direct=direct)
             size = os.fstat(self._fd).st_size
@@ -424,19 +446,20 @@ class _Batch:
             at = job.out.ctypes.data
             parts.append((np.full(P, fd, dtype=np.int64), job.offsets, np.full(P, lay.block_bytes, dtype=np.int64),
                           job.starts[1:] + rows_before, at + job.miss_pos[job.order] * lay.row_bytes,
-                          job.in_block[job.order], np.full(K, lay.row_bytes, dtype=np.int64)))
+                          job.in_block[job.order], np.full(K, lay.row_bytes, dtype=np.int64),
+                          np.full(P, lay.summed_bytes, dtype=np.int64)))
             rows_before += K
         cat = [np.concatenate(column) for column in zip(*parts)]
         self.fds, self.offsets, self.lens = cat[0], cat[1], cat[2]
         self.starts = np.concatenate(([0], cat[3])).astype(np.int64)
-        self.dst, self.src_off, self.row_len = cat[4], cat[5], cat[6]
+        self.dst, self.src_off, self.row_len, self.sums = cat[4], cat[5], cat[6], cat[7]
         self.first_block = np.cumsum([0] + [job.blocks for job in jobs])
         self.max_block = max(job.layer.layout.block_bytes for job in jobs)
         self.status = np.full(self.offsets.size, k.NOT_READ, dtype=np.int64)
         self.counter = np.zeros(1, dtype=np.int64)
 
     def arrays(self) -> tuple:
-        return self.fds, self.offsets, self.lens, self.starts, self.dst, self.src_off, self.row_len
+        return self.fds, self.offsets, self.lens, self.starts, self.dst, self.src_off, self.row_len, self.sums
 
     def check(self) -> None:
         ok = self.status == self.lens
@@ -449,11 +472,24 @@ class _Batch:
         if got == k.NOT_READ:
             raise DiskReadError(f"disk layer {layer.layer_id}: {layer.file}: the block at offset {offset} was not "
                                 "read")
+        if got == k.BAD_CHECKSUM:
+            raise DiskReadError(damaged_block(layer.layer_id, layer.layout, layer.file, offset))
         if got < 0:
             raise DiskReadError(f"disk layer {layer.layer_id}: reading {want} bytes of {layer.file} at offset "
                                 f"{offset} failed: {os.strerror(-got)} (errno {-got})")
         raise DiskReadError(f"disk layer {layer.layer_id}: short read of {layer.file} at offset {offset}: got {got} "
                             f"of {want} bytes (the file is shorter than its manifest says: truncated?)")
+
+
+def damaged_block(layer_id: int, layout: DiskLayout, file: str, offset: int) -> str:
+    """What to say of a block that does not match its checksum: the layer, the head (column) and the page."""
+    head = int(np.searchsorted(np.asarray(layout.head_offsets), offset, side="right")) - 1
+    block = (offset - layout.head_offsets[head]) // layout.block_bytes
+    rows = f"rows {block * layout.rows_per_block}-{(block + 1) * layout.rows_per_block - 1}" \
+        if layout.rows_per_block > 1 else f"row {block}"
+    return (f"disk layer {layer_id}: head {head}, page {block} ({rows}) at offset {offset} of {file} does not match "
+            "its checksum: the file was damaged at rest, and none of its rows is served; remove the layer and "
+            "populate it again")
 
 
 def read_many(requests: Sequence[tuple[DiskLayer, np.ndarray, np.ndarray]], engine: IOEngine | None = None) -> None:

@@ -62,7 +62,7 @@ class LayerWriter:
         if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
             raise InvalidArgument(f"directory: expected a directory path, got {describe(directory)}")
         self.layer_id = check_layer_id(layer_id)
-        self.layout = DiskLayout.of(row_bytes, sizes)
+        self.layout = DiskLayout.of(row_bytes, sizes, checked=True)  # where the rows leave room in a page
         if not is_int(chunk_bytes) or chunk_bytes <= 0:
             raise InvalidArgument(f"chunk_bytes: expected a byte count > 0, got {describe(chunk_bytes)}")
         self.directory = os.path.abspath(os.fspath(directory))
@@ -156,7 +156,8 @@ class LayerWriter:
     def _write_chunk(self, flat: np.ndarray, offset: int) -> None:
         lay = self.layout
         blocks = self._blocks[0]  # free: the write in flight (if any) holds the other buffer
-        nbytes = _kernels._pack_rows(flat, lay.row_bytes, lay.rows_per_block, lay.block_bytes, blocks)
+        nbytes = _kernels._pack_rows(flat, lay.row_bytes, lay.rows_per_block, lay.block_bytes, blocks, offset,
+                                     lay.summed_bytes)
         self._wait()
         self._blocks.reverse()
         self._pending = self._pool.submit(_pwrite_all, self._fd, blocks[:nbytes], offset, self.staging)

@@ -1,8 +1,10 @@
 """The generation table a segment publishes in shared memory, for readers on its host that map its bytes.
 
-Layout (int64 words): ``[seq, count, capacity, overflow, 0, 0, 0, 0]``, then ``capacity`` bases, ``capacity``
-sizes and ``capacity`` generations, the first ``count`` of each in use (sorted by base, not overlapping, as
-``engram_store.segment._generations`` keeps them). The segment bumps ``seq`` to an odd value before it changes
+Layout (int64 words): ``[seq, count, capacity, overflow, retired, 0, 0, 0]``, then ``capacity`` bases,
+``capacity`` sizes and ``capacity`` generations, the first ``count`` of each in use (sorted by base, not
+overlapping, as ``engram_store.segment._generations`` keeps them). ``retired`` is set on a table its segment no
+longer keeps (it made a new file in its place): a reader that still maps it can tell nothing from it, and maps the
+file anew. The segment bumps ``seq`` to an odd value before it changes
 the arrays and to the next even value after (a seqlock): a reader checks the objects it names against one even
 ``seq``, gathers its rows, and reads ``seq`` again; the same value means no put claimed a range meanwhile (a put
 claims its range before its first byte lands), so the rows it gathered are the named objects' own.
@@ -16,7 +18,7 @@ from ._generations import _check_generations
 from .._errors import InvalidType
 
 HEADER_WORDS = 8
-SEQ, COUNT, CAPACITY, OVERFLOW = range(4)
+SEQ, COUNT, CAPACITY, OVERFLOW, RETIRED = range(5)
 #: check_table's answers besides a check's index: all named objects are there, or the table cannot tell now.
 HOLDS = -1
 UNKNOWN = -2
@@ -33,7 +35,7 @@ def _check_table(table, checks):
         seq = table[SEQ]
         if seq & 1:
             continue
-        if table[OVERFLOW]:
+        if table[OVERFLOW] or table[RETIRED]:
             return UNKNOWN, seq
         n = table[COUNT]
         cap = table[CAPACITY]
@@ -50,7 +52,8 @@ def _check_table(table, checks):
 def check_table(table: np.ndarray, checks: np.ndarray) -> tuple[int, int]:
     """``(bad, seq)`` for ``checks`` (pairs as ``kernels.check_pairs_for`` makes them) against a segment's
     published ``table`` (int64, read-only): ``bad`` is HOLDS (-1) when every named object is there, the index of
-    the first that another put has written over, or UNKNOWN (-2) when the table cannot tell (it overflowed);
+    the first that another put has written over, or UNKNOWN (-2) when the table cannot tell (it overflowed, or
+was retired);
     ``seq`` is what to compare after the gather (``table[0]``)."""
     if table.dtype != np.int64 or table.ndim != 1 or table.size < HEADER_WORDS:
         raise InvalidType(f"table: expected an int64 generation table, got {table.dtype} {table.shape}")

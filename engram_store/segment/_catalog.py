@@ -135,20 +135,26 @@ class Catalog:
                 keys.append(key)
         return keys
 
-    def verified(self, memory: np.ndarray) -> list[list]:
-        """The entries whose bytes in ``memory`` still match their checksum (a manifest written before checksums
-        were kept has none: its entries are trusted, as the file was flushed before they were written)."""
+    def verified(self, memory: np.ndarray) -> tuple[list[list], list[list]]:
+        """``(intact, damaged)``: the entries whose bytes in ``memory`` still match their checksum (a manifest
+        written before checksums were kept has none: its entries are trusted, as the file was flushed before they
+        were written), and ``[key, offset, generation]`` of the others, which are dropped from the catalogue: bytes
+        that rotted at rest are never offered back, nor served."""
         good, bad = [], []
         for entry in self.objects:
             key, offset, size = entry[0], int(entry[1]), int(entry[2])
             checksum = entry[4] if len(entry) > 4 else None
-            if not 0 <= offset <= self.size - size:
-                bad.append(key)
-            elif checksum and xxhash.xxh3_64_hexdigest(memory[offset:offset + size]) != checksum:
-                bad.append(key)
+            if not 0 <= offset <= self.size - size or (
+                    checksum and xxhash.xxh3_64_hexdigest(memory[offset:offset + size]) != checksum):
+                bad.append([key, offset, int(entry[5]) if len(entry) > 5 and entry[5] else 0])
             else:
                 good.append(list(entry))
         if bad:
-            log.warning("segment %s: %d object(s) no longer match their checksums and are not offered back (e.g. "
-                        "%s)", self.segment_id, len(bad), ", ".join(map(repr, bad[:3])))
-        return good
+            log.error("segment %s: %d object(s) no longer match their checksums (damaged at rest): not offered back "
+                      "and not served; the master hears of them and lists them as lost where no other replica is "
+                      "left (e.g. %s)", self.segment_id, len(bad), ", ".join(repr(e[0]) for e in bad[:3]))
+            try:
+                self.drop(bad)
+            except StoreError as exc:  # the manifest keeps them; the next verification finds them again
+                log.warning("%s", exc)
+        return good, bad

@@ -14,7 +14,9 @@ Entries live in sorted arrays the kernel searches; a claim (once per put and seg
 them in whole, so readers never lock. Readers on this host that map the segment's bytes read them without asking
 the segment: it publishes the same entries in a small table of shared memory, behind a seqlock (see
 ``engram_store.kernels._generations_table``), which it hands to them with its memory: a memfd sealed against
-shrinking, with no name another user could open (see ``._memory``).
+shrinking, with no name another user could open (see ``._memory``). A durable segment's table is a file beside its
+own (``<file>.gen``, its owner's, as the data file is), kept for the next run, which takes it over in place: a reader
+still mapping it from before the restart then sees the new run's claims and drops, as it sees the new run's bytes.
 """
 
 from __future__ import annotations
@@ -29,24 +31,28 @@ import numpy as np
 from .. import kernels as _kernels
 from .._errors import InvalidArgument, StalePlacement, StoreError
 from ..kernels import generation_table
+from .._pages import reserve
+from .._shared_dirs import open_own
 from ._memory import anonymous_memory
 
 #: Entries the shared table holds: one per 4 KiB of segment, at least 4,096 and at most 2**20 (24 MiB). A
 #: segment holding more objects marks the table overflowed; readers on its host then ask the master.
 TABLE_BYTES_PER_ENTRY = 4 << 10
 TABLE_MIN, TABLE_MAX = 1 << 12, 1 << 20
-SEQ, COUNT, CAPACITY, OVERFLOW = (generation_table.SEQ, generation_table.COUNT, generation_table.CAPACITY,
-                                  generation_table.OVERFLOW)
+SEQ, COUNT, CAPACITY, OVERFLOW, RETIRED = (generation_table.SEQ, generation_table.COUNT, generation_table.CAPACITY,
+                                           generation_table.OVERFLOW, generation_table.RETIRED)
 HEADER_WORDS, table_words = generation_table.HEADER_WORDS, generation_table.table_words
 
 log = logging.getLogger(__name__)
 
 
 class Generations:
-    """The latest writer of every range this segment knows; thread-safe, readers lock-free. ``table_name``: publish
-    them in a shared table (a memfd of that name, ``table_fd``) for readers on this host."""
+    """The latest writer of every range this segment knows; thread-safe, readers lock-free. They are published in
+    a shared table for readers on this host (``table_fd``): a memfd named ``table_name``, or, for a durable segment,
+    the file ``table_path`` beside its data file, kept for its next run, which takes it over in place (a reader that
+    still maps it, cut off from the master, then sees what the new run writes over its objects)."""
 
-    def __init__(self, table_name: str | None = None, segment_bytes: int = 0) -> None:
+    def __init__(self, table_name: str | None = None, segment_bytes: int = 0, table_path: str | None = None) -> None:
         self._lock = threading.Lock()
         self._entries: dict[int, tuple[int, int]] = {}  # base -> (size, put id), not overlapping
         self.version = 0
@@ -55,24 +61,32 @@ class Generations:
         self.table_fd = -1
         self._map: mmap.mmap | None = None
         self._table: np.ndarray | None = None
-        if table_name is not None:
-            capacity = min(TABLE_MAX, max(TABLE_MIN, segment_bytes // TABLE_BYTES_PER_ENTRY))
-            nbytes = table_words(capacity) * 8
+        if table_name is None and table_path is None:
+            return
+        capacity = min(TABLE_MAX, max(TABLE_MIN, segment_bytes // TABLE_BYTES_PER_ENTRY))
+        nbytes = table_words(capacity) * 8
+        try:
+            # every page reserved now: none left to fault in (SIGBUS)
+            fd = _open_table(table_path, nbytes, table_name or "") if table_path is not None \
+                else anonymous_memory(nbytes, table_name or "", "generation table")[0]
             try:
-                # every page reserved now: none left to fault in (SIGBUS)
-                fd, _ = anonymous_memory(nbytes, table_name, "generation table")
-                try:
-                    self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-                except OSError:
-                    os.close(fd)
-                    raise
-            except (OSError, StoreError) as exc:
-                log.warning("no generation table (%s): readers on this host check their placements with the master "
-                            "only", getattr(exc, "strerror", None) or exc)
-                return
-            self.table_fd = fd
-            self._table = np.frombuffer(self._map, dtype=np.int64)
-            self._table[CAPACITY] = capacity
+                self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError:
+                os.close(fd)
+                raise
+        except (OSError, StoreError) as exc:
+            log.warning("no generation table (%s): readers on this host check their placements with the master "
+                        "only", getattr(exc, "strerror", None) or exc)
+            return
+        self.table_fd = fd
+        self._table = table = np.frombuffer(self._map, dtype=np.int64)
+        # A table a run of this segment left (a durable one restarted on its file) is taken over in place: a reader
+        # on this host that still maps it sees what this run publishes. Its entries are not ours.
+        seq = int(table[SEQ]) + 2 & ~1
+        table[SEQ] = seq + 1
+        table[HEADER_WORDS:] = 0
+        table[COUNT], table[OVERFLOW], table[RETIRED], table[CAPACITY] = 0, 0, 0, capacity
+        table[SEQ] = seq + 2
 
     @property
     def table(self) -> np.ndarray | None:
@@ -80,7 +94,8 @@ class Generations:
         return self._table
 
     def close(self) -> None:
-        """Unmap and let go of the shared table (readers that mapped it keep their mapping)."""
+        """Unmap and let go of the shared table; a durable segment's file stays for its next run. Readers that
+        mapped it keep their mapping, as they keep the segment's memory, which no one writes again either."""
         with self._lock:
             self._table = None
             if self._map is not None:
@@ -202,3 +217,51 @@ class Generations:
         return StalePlacement(f"read_ranges: the object of {size} bytes at offset {base} written by put {put} is no "
                               f"longer there: it was removed, or another put has written over it since ({where}); "
                               "ask the master where it is now")
+
+
+def _open_table(path: str, nbytes: int, name: str) -> int:
+    """The table file at ``path`` (this user's own, never through a link: UnsafeFile otherwise), ``nbytes`` long and
+    its pages reserved, opened read-write: the one already there when it has that size (its inode kept, so readers
+    that map it follow this run), else a new one (one of another size is retired and unlinked first: truncating it
+    under its readers would kill them with SIGBUS). Where no file can be made (a full disk), shared memory named
+    ``name`` serves this run, and nothing is left at ``path``."""
+    try:
+        return _table_file(path, nbytes)
+    except (OSError, StoreError) as exc:
+        fd = anonymous_memory(nbytes, name, "generation table")[0]
+        log.warning("generation table %s not made (%s): this run's table is shared memory, not kept for the next "
+                    "run", path, getattr(exc, "strerror", None) or exc)
+        return fd
+
+
+def _table_file(path: str, nbytes: int) -> int:
+    fd, _ = open_own(path, os.O_RDWR, "generation table", 0o644, create=True)  # nothing removed if refused
+    try:
+        size = os.fstat(fd).st_size
+        if size not in (0, nbytes):
+            if size >= HEADER_WORDS * 8:
+                old = mmap.mmap(fd, HEADER_WORDS * 8, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                _retire(np.frombuffer(old, dtype=np.int64))
+                old.close()
+            os.unlink(path)
+            os.close(fd)
+            fd = -1
+            fd, _ = open_own(path, os.O_RDWR, "generation table", 0o644, create=True)
+        reserve(fd, nbytes, path, "generation table")
+        return fd
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        raise
+
+
+def _retire(table: np.ndarray | None) -> None:
+    """Mark a table this segment no longer keeps, so that readers that still map it stop trusting it."""
+    if table is not None:
+        table[SEQ] += 1
+        table[RETIRED] = 1
+        table[SEQ] += 1

@@ -239,9 +239,12 @@ def _open_file(path: str, size: int, keep_file: bool) -> int:
         raise ConfigError(f"segment file {path!r} exists already; pass another path")
     try:
         existing = os.fstat(fd).st_size
-        if existing not in (0, size):
+        if existing > size:
             raise ConfigError(f"segment file {path!r} holds {existing} bytes but the segment size is {size}; "
                               "pass the size it was created with, or another file")
+        if 0 < existing < size:  # (its manifest says the size is right: it lost its tail)
+            log.error("segment file %s holds %d of its %d bytes (truncated): the rest reads as zeros, and the "
+                      "objects there fail their checksums", path, existing, size)
         reserve(fd, size, path, "segment size")  # every page now: no SIGBUS later, faster first writes
     except BaseException:
         os.close(fd)

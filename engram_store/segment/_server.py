@@ -115,6 +115,7 @@ class SegmentServer:
         self._closed = False
         self.generations: Generations | None = None
         self.handover: MemoryHandover | None = None
+        self._damaged: list[list] = []  # [key, offset, generation] found damaged at rest, until the master hears
         self.server: RpcServer | None = None
         self._readers: list[RpcServer] = []
         self.raw: RawReadServer | None = None
@@ -122,8 +123,10 @@ class SegmentServer:
             else SegmentMemory(size)
         try:
             # Which put wrote which range: checked by every read that names its objects, and published in a shared
-            # table for readers on this host; a durable segment's objects as its manifest lists them.
-            self.generations = Generations(f"engram-generations-{os.getpid()}", size)
+            # table for readers on this host; a durable segment's objects as its manifest lists them. A durable
+            # segment keeps its table in a file beside its own for its next run, which takes it over in place.
+            self.generations = Generations(f"engram-generations-{os.getpid()}", size,
+                                           table_path=self.memory.path + ".gen" if self.catalog.durable else None)
             self.generations.seed(self.catalog.objects)
             self.handover = start_handover(self.segment_id, self.size, self.memory.fd, self.generations.table_fd,
                                            writable=not self.catalog.durable)
@@ -189,7 +192,10 @@ class SegmentServer:
         """Register with the master under a new write key (every ticket issued before is dead from now on),
         offering back the objects this segment still holds and can prove intact."""
         registration, key = self.fence.new_registration()
-        objects = self.catalog.verified(self.memory.array)
+        objects, damaged = self.catalog.verified(self.memory.array)
+        if damaged:  # refused to readers from now on, and told to the master until it has heard
+            self.generations.drop([(offset, generation) for _, offset, generation in damaged])
+            self._damaged += damaged
         conn = Connection(self.master_address, unavailable=MasterUnavailable, curve=self._master_curve)
         delay = 0.05
         warned = False
@@ -205,7 +211,9 @@ class SegmentServer:
                         "public_key": self._master_curve[0].decode() if self._master_curve else "",
                         "objects": objects, "write_key": key, "registration": registration,
                         "held": self.fence.held(), "direct_writes": not self.catalog.durable,
+                        "damaged": self._damaged,
                     }, timeout_ms=attempt_ms)
+                    self._damaged = []
                     self.heartbeat_interval_s = max(0.05, header.get("heartbeat_interval_ms", 1000) / 1000.0)
                     log.info("segment %s registered with master %s (%d object(s) offered back)", self.segment_id,
                              self.master_address, len(objects))

@@ -302,13 +302,21 @@ class DiskDirLayers:
                                      f"cannot read {file}: {exc}"))
                 continue
             out.append(LayerInfo(layer_id, PUBLISHED, len(sizes), sum(sizes), "bytes", row_bytes,
-                                 sum(sizes) * row_bytes, 1, sizes))
+                                 sum(sizes) * row_bytes, 1, sizes, self._page_checks(layer_id)))
         out += [_partial(lid, names) for lid, names in _staged(self.path).items() if lid not in published]
         return sorted(out, key=lambda info: info.layer_id)
 
+    def _page_checks(self, layer_id: int) -> str:
+        """What ``list`` says of a layer's pages: nothing where each page read is checked, else that it is not."""
+        try:
+            checks = self.dir.page_checks(layer_id)
+        except StoreError as exc:
+            return f"its manifest does not open: {exc}"
+        return "" if checks == "xxh64" else f"pages read {checks}"
+
     def verify(self, layer_id: int) -> str:
         self.dir.verify(layer_id)
-        return "every head matches the checksum of its manifest"
+        return "every page and every head match their checksums"
 
     def remove(self, layer_id: int, force: bool) -> str:
         path = self.dir.layer_path(layer_id)

@@ -86,6 +86,10 @@ class LookupCounters:
         self._row_bytes = row_bytes
         self._remote: list[int] = []  # the rows of each add_remote not added up yet
 
+    def forked(self) -> None:
+        """In a forked child: a thread the child does not have may have held the lock."""
+        self._lock = threading.Lock()
+
     def add(self, **deltas: int) -> None:
         with self._lock:
             for name, delta in deltas.items():
@@ -155,6 +159,11 @@ class Layer:
         self.lock = threading.Lock()
         self.state: Any = None
         self.written: Any = None  # what this store's last populate of the layer wrote (its source's record)
+
+    def forked(self) -> None:
+        """In a forked child: a thread the child does not have may have held the locks."""
+        self.lock = threading.Lock()
+        self.counters.forked()
 
     @property
     def sharded(self) -> bool:

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .. import _fork
 from .. import kernels as _kernels
 from .._errors import EngramError, ObjectNotFound, SegmentUnavailable, StalePlacement, StoreError, Unavailable
 from ._layout import Layer
@@ -84,7 +85,7 @@ class PlacementState:
         self.stale: StalePlacement | None = None  # a segment said the placement was stale: the master must answer
         self.known: tuple | None = None  # (infos, signature, time) of the master's last answer
         self.validated: tuple = ()       # the signature whose manifest was checked
-        self.refreshing = False          # a background check is running
+        self.refreshing = 0              # the id of the process whose background check is running (0: none)
         self.cache = cache
         self.lean: Any = None            # how a lookup reads the layer in one native call (the source's _Lean)
 
@@ -101,6 +102,12 @@ class Placements:
         self._trouble_at = 0.0
         self._warned_at = -MASTER_WARN_INTERVAL_S
         self._closed = False
+        _fork.in_child(self._forked)
+
+    def _forked(self) -> None:
+        """In a forked child: the parent's checking thread is not here; the child starts its own on first use."""
+        _fork.keep(self._refresher)
+        self._lock, self._refresher = threading.Lock(), None
 
     def local_safe_s(self) -> float:
         """How long the master's answer alone proves what a mapping holds: half its reuse delay (a removed table's
@@ -310,9 +317,9 @@ class Placements:
     def refresh_later(self, lay: Layer) -> None:
         """Check the layer's placement with the master in a background thread (one check per layer at a time)."""
         with self._lock:
-            if lay.state.refreshing or self._closed:
-                return
-            lay.state.refreshing = True
+            if lay.state.refreshing == _fork.pid() or self._closed:
+                return  # (a check the parent had running at a fork is not running in the child)
+            lay.state.refreshing = _fork.pid()
             if self._refresher is None:
                 self._refresher = ThreadPoolExecutor(1, thread_name_prefix="engram-placement")
             refresher = self._refresher
@@ -334,7 +341,7 @@ class Placements:
         except Exception:
             log.exception("layer %d: placement check failed", lay.layer_id)
         finally:
-            state.refreshing = False
+            state.refreshing = 0
 
     def close(self) -> None:
         with self._lock:

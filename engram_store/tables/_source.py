@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
+from .. import _fork
 from .. import kernels as _kernels
 from .._errors import InvalidArgument, NotConnected, StoreError
 from .._progress import Progress
@@ -196,6 +197,16 @@ def progress(lay: Layer, tables: Sequence[Any]) -> Progress:
 _POOL_LOCK = threading.Lock()
 _POOL: ThreadPoolExecutor | None = None
 _POOL_SIZE = 0
+
+
+def _forget_gather_pool() -> None:
+    """In a forked child: the parent's pool has no thread here; the child makes its own on first use."""
+    global _POOL, _POOL_SIZE, _POOL_LOCK
+    _fork.keep(_POOL)
+    _POOL, _POOL_SIZE, _POOL_LOCK = None, 0, threading.Lock()
+
+
+_fork.in_child(_forget_gather_pool)
 
 
 def _gather_pool(workers: int) -> ThreadPoolExecutor:

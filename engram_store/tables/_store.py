@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from .. import _fork
 from .._errors import InvalidArgument, InvalidType, NotConnected, describe, is_int
 from ._layout import EngramStoreConfig, Layer, LookupCounters, sort_key
 from ._plan import LookupHandle, read_jobs, start_reads
@@ -85,6 +86,15 @@ class EngramStore:
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._closed = False
+        _fork.in_child(self._forked)
+
+    def _forked(self) -> None:
+        """In a forked child: the parent's background pool has no thread here, and its locks may be held by threads
+        the child does not have; the child makes its own on first use (see ``engram_store._fork``)."""
+        _fork.keep(self._executor)
+        self._lock, self._executor = threading.Lock(), None
+        for layer in self._layers.values():
+            layer.forked()
 
     # ---- layers and getters (work without a store) ------------------------------------------------
 

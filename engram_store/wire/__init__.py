@@ -14,8 +14,9 @@ from ._protocol import PROTOCOL_VERSION, Request, decode, encode, frame_array, f
 from . import handover, raw
 from .raw import VERSION as RAW_VERSION
 from ._tickets import WRITE_KEY_BYTES, make_ticket, read_ticket
-from ._transport import (ZERO_COPY_SEND_BYTES, Connection, ConnectionPool, RpcServer, io_threads,
-                         serve_until_signalled, stop_on_signal_while_starting, wait_all)
+from ._sockets import io_threads
+from ._transport import (ZERO_COPY_SEND_BYTES, Connection, ConnectionPool, RpcServer, serve_until_signalled,
+                         stop_on_signal_while_starting, wait_all)
 
 __all__ = [
     "AUTH_DIR_ENV",

@@ -20,6 +20,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ._auth import AuthKeys, HandshakeWatch, ensure_authenticator
+from ._sockets import _context, failed, new_socket
 from .._errors import EngramError, InvalidArgument, ProtocolError, Unavailable, describe, error_from_reply
 from .._metrics import RequestMetrics
 from ._protocol import PROTOCOL_VERSION, Request, decode, encode, error_reply, pack_header, unpack_header
@@ -43,16 +44,6 @@ MONITOR_WAKE_MS = 200
 _MORE = zmq.SNDMORE | zmq.NOBLOCK
 #: Requests whose frames total at least this many bytes are sent without a copy.
 ZERO_COPY_SEND_BYTES = 64 << 10
-
-
-def _context() -> zmq.Context:
-    return zmq.Context.instance()
-
-
-def io_threads() -> int:
-    """ZeroMQ I/O threads of this process's context (``zmq.Context.instance(io_threads=N)`` before any
-    socket sets it; servers pin sockets to them with ``io_affinity``)."""
-    return int(_context().get(zmq.IO_THREADS))
 
 
 class RpcServer:
@@ -100,7 +91,7 @@ class RpcServer:
         self._monitor_thread: threading.Thread | None = None
         self._closed = False
         context = _context()
-        self.socket = context.socket(zmq.ROUTER)
+        self.socket = new_socket(zmq.ROUTER, f"serving {name}")
         self.socket.setsockopt(zmq.LINGER, 0)
         if io_affinity:
             self.socket.setsockopt(zmq.AFFINITY, io_affinity)
@@ -301,7 +292,10 @@ class Connection:
             self.reset()
             raise self.unavailable(f"the client is closed; cannot reach {self.address}")
         if self.socket is None:
-            sock = _context().socket(zmq.DEALER)
+            try:
+                sock = new_socket(zmq.DEALER, f"connecting to {self.address}")
+            except zmq.ZMQError as exc:
+                raise self.unavailable(f"cannot open a connection to {self.address}: {exc}") from exc
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, DEFAULT_HWM)
             sock.setsockopt(zmq.SNDHWM, DEFAULT_HWM)
@@ -343,7 +337,7 @@ class Connection:
             raise self.unavailable(f"{op}: {self.address} is not accepting requests (queue full)") from exc
         except zmq.ZMQError as exc:
             self.reset()
-            raise self.unavailable(f"{op}: cannot send to {self.address}: {exc}") from exc
+            raise failed(self.address, self.unavailable, f"{op}: cannot send to {self.address}: {exc}", exc) from exc
 
     def recv(self, request_id: int, deadline: float, op: str = "request", copy: bool = False) -> tuple[dict, list]:
         """Wait for the reply to ``request_id`` until ``deadline`` (time.monotonic); raise on error replies.
@@ -361,10 +355,12 @@ class Connection:
                 msg = sock.recv_multipart(copy=copy)
             except zmq.Again:
                 self.reset()
-                raise self.unavailable(f"{op}: no reply from {self.address} within the timeout") from None
+                raise failed(self.address, self.unavailable, f"{op}: no reply from {self.address} within the timeout") \
+                    from None
             except zmq.ZMQError as exc:
                 self.reset()
-                raise self.unavailable(f"{op}: receiving from {self.address} failed: {exc}") from exc
+                raise failed(self.address, self.unavailable, f"{op}: receiving from {self.address} failed: {exc}",
+                             exc) from exc
             header, frames = self.parse(msg, op)
             if header.get("id") != request_id:
                 continue  # a stale reply to an abandoned request

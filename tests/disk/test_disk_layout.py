@@ -118,7 +118,7 @@ def test_verify_finds_a_damaged_file(small_layer):
     with open(file, "r+b") as f:
         f.seek(DiskLayout.of(264, sizes).row_offset(2, 5))
         f.write(b"\xff")
-    with pytest.raises(Exception, match="head 2 .* checksum"):
+    with pytest.raises(Exception, match="head 2, page 0 .* checksum"):
         d.verify(7)
 
 

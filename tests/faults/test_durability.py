@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from suite_helpers import manifest_objects
+from suite_helpers import manifest_objects, wait_for
 from engram_store import DistributedStore, EngramStore, EngramStoreConfig, MasterUnavailable, SegmentUnavailable
 from engram_store.testing import Cluster
 
@@ -33,13 +33,6 @@ def _expected(tables: list[np.ndarray], ids: np.ndarray) -> np.ndarray:
     return np.stack([tables[h][ids[..., h]] for h in range(len(tables))], axis=-2)
 
 
-def _wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 
 @pytest.mark.parametrize("master_keeps_journal", [True, False])
 def test_whole_cluster_restart_with_file_backed_segments_keeps_tables(tmp_path, master_keeps_journal):
@@ -56,7 +49,7 @@ def test_whole_cluster_restart_with_file_backed_segments_keeps_tables(tmp_path, 
             store.put("plain", b"p" * 10_000)
             # Each segment learns its catalogue on a heartbeat and records it next to its data: the tables,
             # the layer's layout manifest and "plain".
-            _wait_for(lambda: sum(manifest_objects(f) for f in files) == len(SIZES) + 2, 20, "manifests")
+            wait_for(lambda: sum(manifest_objects(f) for f in files) == len(SIZES) + 2, 20, "manifests")
         segment_ids = [s.segment_id for s in c.segments]
         for proc in c.procs:  # the whole cluster dies at once
             proc.kill()
@@ -79,10 +72,10 @@ def test_removed_objects_do_not_come_back_after_a_segment_restart(tmp_path):
             store.put("kept", b"k" * 1000)
             store.put("gone", b"g" * 1000)
             store.remove("gone", force=True)
-            _wait_for(lambda: manifest_objects(path) == 1, 20, "the manifest to drop the removed key")
+            wait_for(lambda: manifest_objects(path) == 1, 20, "the manifest to drop the removed key")
             assert seg.terminate() == 0
             c.add_segment("8MiB", ["--file", path])
-            _wait_for(lambda: len(store.status()["segments"]) == 1 and store.is_exist("kept"), 20, "re-register")
+            wait_for(lambda: len(store.status()["segments"]) == 1 and store.is_exist("kept"), 20, "re-register")
             assert store.get("kept") == b"k" * 1000
             assert not store.is_exist("gone")
 
@@ -157,16 +150,16 @@ def test_master_re_replicates_objects_that_lost_a_replica():
             holders = {r.segment_id for r in store.locate(["precious"])[0].replicas}
             assert len(holders) == 2
             c.segments[0].kill()
-            _wait_for(lambda: len(store.status()["segments"]) == 1, 10, "the dead segment to be dropped")
+            wait_for(lambda: len(store.status()["segments"]) == 1, 10, "the dead segment to be dropped")
             # No segment to copy to yet: the master reports the object as below its replica count.
-            _wait_for(lambda: "no segment to copy them to" in c.master.output(), 10, "the unrepairable report")
+            wait_for(lambda: "no segment to copy them to" in c.master.output(), 10, "the unrepairable report")
             assert store.status()["under_replicated"] == 1
             spare = c.add_segment("64MiB")
-            _wait_for(lambda: len(store.locate(["precious"])[0].replicas) == 2, 20, "the copy")
+            wait_for(lambda: len(store.locate(["precious"])[0].replicas) == 2, 20, "the copy")
             assert spare.segment_id in {r.segment_id for r in store.locate(["precious"])[0].replicas}
             assert store.status()["under_replicated"] == 0
             c.segments[1].kill()  # the original survivor goes too: the copy alone must hold the bytes
-            _wait_for(lambda: len(store.status()["segments"]) == 1, 10, "the second drop")
+            wait_for(lambda: len(store.status()["segments"]) == 1, 10, "the second drop")
             assert store.get("precious") == payload
 
 
@@ -201,8 +194,8 @@ def test_calls_against_dead_servers_leak_no_threads_or_sockets():
         layer.close()
         store.close()
         c.segments[0].signal(signal.SIGCONT)
-        _wait_for(lambda: threading.active_count() <= threads, 10, "client threads to end")
+        wait_for(lambda: threading.active_count() <= threads, 10, "client threads to end")
         # libzmq closes a socket's connections and mailbox (eventfd) in its own I/O thread after zmq_close
         # returns: wait for that as for the threads, then hold the same bound.
-        _wait_for(lambda: open_fds() <= fds + 2, 10, "closed sockets to be released")
+        wait_for(lambda: open_fds() <= fds + 2, 10, "closed sockets to be released")
         assert open_fds() <= fds + 2, "sockets or files left open"  # allow the ZeroMQ context's own
