@@ -31,7 +31,7 @@ import stat
 import tempfile
 import threading
 
-from ._errors import StoreError, UnsafeFile
+from ._errors import NO_FILES, ConfigError, OutOfSpace, StoreError, UnsafeFile, too_many_open_files
 
 _OPEN_TRIES = 8
 _umask_lock = threading.Lock()
@@ -160,6 +160,21 @@ def _fd_path(fd: int) -> str:
         return f"<directory fd {fd}>"
 
 
+def directory_error(exc: OSError, where: str, hint: str) -> StoreError:
+    """What a directory that cannot be made or used (``where`` says which, and for what) raises, by the cause: out
+    of descriptors, of bytes or inodes, not a directory, not this process's to write; ``hint`` says what to do."""
+    if exc.errno in NO_FILES:
+        return too_many_open_files(where)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return OutOfSpace(f"{where}: no space left ({exc.strerror}: out of bytes or of inodes); free some there, "
+                          f"or {hint}")
+    if exc.errno in (errno.ENOTDIR, errno.EEXIST):
+        return ConfigError(f"{where}: expected a directory, got a path that is not one ({exc.strerror}); {hint}")
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return ConfigError(f"{where}: this process may not create files there ({exc.strerror}); {hint}")
+    return StoreError(f"{where}: {exc.strerror or exc}; {hint}")
+
+
 class UserDir:
     """``<base>/engram-<uid>``: this user's directory in a shared place, held open (see the module docstring).
 
@@ -174,7 +189,7 @@ class UserDir:
         except FileExistsError:
             pass
         except OSError as exc:
-            raise StoreError(f"{what}: cannot create {self.path}: {exc.strerror}; {hint}") from None
+            raise directory_error(exc, f"{what}: cannot create {self.path}", hint) from None
         try:
             self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:

@@ -22,7 +22,8 @@ import time
 import numpy as np
 
 from .. import kernels as _kernels
-from .._errors import NO_FILES, EngramError, ProtocolError, SegmentUnavailable, UnsafeFile, too_many_open_files
+from .._errors import (NO_FILES, EngramError, ProtocolError, ResourceExhausted, SegmentUnavailable, UnsafeFile,
+                       too_many_open_files)
 from ..wire import handover
 from ._objects import Replica
 
@@ -226,5 +227,7 @@ def _sealed(fd: int) -> bool:
 def _out_of_files(exc: Exception, what: str) -> None:
     """Raise the named error where ``exc`` is this process out of file descriptors: not a reason to forget a
     segment's memory (the next call, with a descriptor free, maps it) nor a fault of the segment's."""
+    if isinstance(exc, ResourceExhausted):
+        raise exc
     if isinstance(exc, OSError) and exc.errno in NO_FILES:
         raise too_many_open_files(what) from exc

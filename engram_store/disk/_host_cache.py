@@ -59,10 +59,9 @@ import numpy as np
 import xxhash
 
 from .. import _fork
-from .._errors import (NO_FILES, ConfigError, EngramError, InvalidArgument, LockTimeout, OutOfSpace, StoreError,
-                       describe, too_many_open_files)
+from .._errors import EngramError, InvalidArgument, LockTimeout, OutOfSpace, StoreError, describe
 from .._pages import MADV_HUGEPAGE, madvise
-from .._shared_dirs import UserDir, shared_base
+from .._shared_dirs import UserDir, directory_error, shared_base
 from . import _cache_kernels as ck
 from . import _kernels as k
 from ._cache import LINE_BYTES, RowCache, door_words
@@ -86,6 +85,8 @@ DEFAULT_FILL_WAIT_MS = 20.0
 #: How long attaching, detaching, a new tag or a pin waits for the lock before it raises LockTimeout (a pin of a
 #: large profile holds it for a while; a fill for microseconds).
 DEFAULT_LOCK_TIMEOUT_MS = 30_000.0
+#: What to do when the directory of the shared-memory files will not do.
+_HINT = "set ENGRAM_SHM_DIR to a directory this user may write, with room"
 #: Test hook: the fill of this process stops half-way through its N-th insertion and the process kills itself.
 DIE_MID_FILL_ENV = "ENGRAM_TEST_DIE_MID_FILL"
 
@@ -186,11 +187,12 @@ class HostRowCache(RowCache):
         self._mm: mmap.mmap | None = None
         self._files: _Files | None = None
         self._closed = False
+        source = "directory=" if directory else "ENGRAM_SHM_DIR" if os.environ.get("ENGRAM_SHM_DIR") else "the default"
+        self._where = f"host row cache: {self.directory} ({source}: where it keeps its shared-memory files)"
         try:
             super().__init__(capacity_bytes, row_bytes, admission)
         except OSError as exc:
-            raise _directory_error(exc, self.directory, "directory=" if directory else
-                                   "ENGRAM_SHM_DIR" if os.environ.get("ENGRAM_SHM_DIR") else "the default") from exc
+            raise directory_error(exc, self._where, _HINT) from exc
         die_at = os.environ.get(DIE_MID_FILL_ENV)
         self.stop_at = int(die_at) if die_at else -1
         self._finalizer = weakref.finalize(self, _detach, self._files, self._mm,  # also runs at exit
@@ -248,9 +250,8 @@ class HostRowCache(RowCache):
         try:
             os.makedirs(self.directory, exist_ok=True)
         except OSError as exc:
-            raise StoreError(f"host row cache: cannot create {self.directory}: {exc.strerror}; set ENGRAM_SHM_DIR "
-                             "to a directory this user may write") from None
-        own = UserDir(self.directory, "host row cache", "set ENGRAM_SHM_DIR to another directory")
+            raise directory_error(exc, self._where, _HINT) from None
+        own = UserDir(self.directory, self._where, _HINT)
         regions = self._layout()
         size = regions["file"][1]
         files = self._files = _Files(own, self.name)
@@ -421,24 +422,6 @@ class HostRowCache(RowCache):
     def __repr__(self) -> str:
         return (f"HostRowCache({self.capacity_rows} rows of {self.row_bytes} B, {self.nbytes / 2**20:.1f} MiB, "
                 f"admission={self.admission!r}, {self.path})")
-
-
-def _directory_error(exc: OSError, directory: str, source: str) -> StoreError:
-    """What a host cache that cannot make its files in ``directory`` (named by ``source``: the ``directory``
-    argument, ENGRAM_SHM_DIR or the default) raises: the directory and what is wrong with it, by name."""
-    where = f"host row cache: {directory} ({source}: where it keeps its shared-memory files)"
-    if exc.errno in NO_FILES:
-        return too_many_open_files(f"attaching the host row cache in {directory}")
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return OutOfSpace(f"{where}: no space left ({exc.strerror}: out of bytes or of inodes); free some there, "
-                          "or set ENGRAM_SHM_DIR to a directory with room")
-    if exc.errno in (errno.ENOTDIR, errno.EEXIST):
-        return ConfigError(f"{where}: expected a directory, got a path that is not one ({exc.strerror}); set "
-                           "ENGRAM_SHM_DIR to a directory")
-    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return ConfigError(f"{where}: this process may not create files there ({exc.strerror}); set "
-                           "ENGRAM_SHM_DIR to a directory it may write in")
-    return StoreError(f"{where}: {exc.strerror or exc}")
 
 
 def _detach(files: _Files | None, mm: mmap.mmap | None, timeout_s: float = DEFAULT_LOCK_TIMEOUT_MS / 1e3) -> None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from .._errors import ProtocolError, UnsafeFile
+from .._errors import ProtocolError, UnsafeFile, out_of_files, too_many_open_files
 
 HANDOVER_VERSION = 1
 MAX_MESSAGE_BYTES = 4096
@@ -84,6 +84,8 @@ def recv_message(sock: socket.socket, max_fds: int = MAX_FDS) -> tuple[dict, lis
             fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
     fds = list(fds)
     try:
+        if flags & socket.MSG_CTRUNC and out_of_files():  # the descriptors found no room here
+            raise too_many_open_files("receiving a segment's memory on its hand-over socket")
         if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
             raise ProtocolError(f"hand-over message cut short (more than {MAX_MESSAGE_BYTES} bytes or {max_fds} "
                                 "descriptors)")

@@ -121,7 +121,7 @@ def test_a_durable_segments_generation_table_is_taken_over_in_place_by_its_next_
 
     path = str(tmp_path / "segment.bin.gen")
     checks = check_pairs_for(np.array([0]), np.array([4096]), np.array([7]))
-    first = Generations(path, 16 << 20, keep_file=True)
+    first = Generations(None, 16 << 20, table_path=path)
     first.claim(0, 4096, 7)
     with open(path, "rb") as f:
         mapping = mmap.mmap(f.fileno(), 0, mmap.MAP_SHARED, mmap.PROT_READ)
@@ -130,12 +130,12 @@ def test_a_durable_segments_generation_table_is_taken_over_in_place_by_its_next_
         assert generation_table.check_table(reader, checks)[0] == generation_table.HOLDS
         first.close()
         assert os.path.exists(path), "a durable segment's table outlives its run"
-        second = Generations(path, 16 << 20, keep_file=True)
+        second = Generations(None, 16 << 20, table_path=path)
         assert generation_table.check_table(reader, checks)[0] == generation_table.HOLDS  # not known: not refused
         second.claim(0, 4096, 8)
         assert generation_table.check_table(reader, checks)[0] == 0, "the reader's mapping follows the new run"
         second.close()
-        third = Generations(path, 64 << 20, keep_file=True)  # a table of another size: a new file
+        third = Generations(None, 64 << 20, table_path=path)  # a table of another size: a new file
         assert generation_table.check_table(reader, checks)[0] == generation_table.UNKNOWN
         third.close()
         del reader
