@@ -13,13 +13,14 @@ default) keeps one per EngramStore.
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from .._errors import InvalidArgument, ObjectExists, ObjectNotFound
 from ..disk import DiskDir, HostRowCache, LayerProfile, RowCache, read_many, warm_layer
 from ._layout import Layer
+from ._sizing import Sizing
 from ._source import Job, Source, progress
 
 #: Counters a disk layer keeps that EngramStore.stats() reports.
@@ -43,6 +44,7 @@ class DiskSource(Source):
         # One cache per row size, the bytes shared out by how many layers use each size. Every missed row is
         # admitted: on real n-gram traffic the doorkeeper cost 5-10 points of hit rate (bench_cache_policy.py).
         self.caches: dict[int, RowCache] = {}
+        self.sizing = Sizing()  # the hit rate of every cache size, from the lookups
         scope = os.path.realpath(self.dir.path)  # one cache for every path to the directory
         for size in sorted(set(row_sizes)):
             share = int(row_cache_bytes) * row_sizes.count(size) // len(row_sizes)
@@ -57,14 +59,15 @@ class DiskSource(Source):
                                   "(pass row_cache_bytes > 0)")
         return warm_layer(lay.state, profile, max_rows)
 
-    def cache_stats(self) -> dict[str, int]:
-        """The host caches' own counters, summed over row sizes, as ``host_cache_<name>``."""
-        out: dict[str, int] = {}
+    def finish_stats(self, total: dict[str, Any], layers: list[Layer], reset: bool) -> dict[str, Any]:
+        """The host caches' own counters, summed over row sizes, as ``host_cache_<name>``, and the layers' hit
+        rate at every cache size."""
         for cache in self.caches.values():
             if isinstance(cache, HostRowCache):
                 for name, value in cache.stats().items():
-                    out[f"host_cache_{name}"] = out.get(f"host_cache_{name}", 0) + value
-        return out
+                    total[f"host_cache_{name}"] = total.get(f"host_cache_{name}", 0) + value
+        total.update(self.sizing.report(layers, reset))
+        return total
 
     def close(self) -> None:
         super().close()
@@ -72,6 +75,7 @@ class DiskSource(Source):
             cache.close()
 
     def attach(self, lay: Layer) -> None:
+        self.sizing.add(lay)
         self._open(lay)  # a published layer is opened (and its layout checked) now
 
     def _open(self, lay: Layer) -> bool:
@@ -125,6 +129,7 @@ class DiskSource(Source):
             job.out.reshape(whole.shape[0], job.layer.num_heads, -1)[:] = whole[:, job.layer.heads]
         for job in jobs:
             job.layer.counters.add(lookups=1, rows=job.ids.size)
+        self.sizing.observe(jobs)
 
     def stats(self, lay: Layer, reset: bool) -> dict[str, int]:
         if lay.state is None:
