@@ -52,15 +52,12 @@ class MissRatioCurve:
             raise InvalidArgument(f"max_keys: expected an int in [1, 2**30], got {describe(max_keys)}")
         self.lock = threading.Lock()
         slots = 1 << int(2 * (max_keys + 1) - 1).bit_length()
-        self.state = np.zeros(mk.N_SCALARS + 2 * slots, dtype=np.int64)
+        times = -(-(4 * max_keys + 2) // mk.TIME_QUANTUM) * mk.TIME_QUANTUM  # a rebuild every ~3 * max_keys touches
+        self.state = np.zeros(mk.N_SCALARS + 2 * slots + times // 64 + times // mk.TIME_QUANTUM, dtype=np.int64)
         self.scal = self.state[:mk.N_SCALARS]
-        self.scal[mk.THRESHOLD] = mk.FULL
-        self.scal[mk.NOW] = 1
-        self.scal[mk.MAX_KEYS] = max_keys
-        self.state[mk.N_SCALARS:mk.N_SCALARS + slots] = -1
-        self.fen = np.zeros(4 * max_keys + 2, dtype=np.int32)
+        self.scal[[mk.THRESHOLD, mk.NOW, mk.MAX_KEYS, mk.SLOTS, mk.TIMES]] = [mk.FULL, 1, max_keys, slots, times]
+        self.state[mk.N_SCALARS:mk.N_SCALARS + 2 * slots:2] = -1
         self.hist = np.zeros((0, mk.N_BINS + 1), dtype=np.float64)
-        self._scratch = np.empty(0, dtype=np.int64)
 
     @property
     def columns(self) -> int:
@@ -82,14 +79,12 @@ class MissRatioCurve:
         """Replay one lookup (``ids`` int64 ``[M, H]``, head h's rows from ``row_base[h]``, in columns ``col0 +
         h``); ``buf`` (see ``_mrc_kernels.observe``) also collects the rows sampled at its threshold."""
         with self.lock:
-            if self._scratch.size < ids.size:
-                self._scratch = np.empty(max(ids.size, 2 * self._scratch.size), dtype=np.int64)
-            mk.observe(ids, row_base, tag, col0, self.state, self.fen, self.hist, self._scratch, buf)
+            mk.observe(ids, row_base, tag, col0, self.state, self.hist, buf)
 
     def replay(self, keys: np.ndarray, cols: np.ndarray, col_map: np.ndarray) -> None:
         """Replay collected accesses, column ``cols[i]`` counted as ``col_map[cols[i]]`` (-1: not counted)."""
         with self.lock:
-            mk.replay(keys, cols, col_map, self.state, self.fen, self.hist)
+            mk.replay(keys, cols, col_map, self.state, self.hist)
 
     def hits(self, cols: Sequence[int], sizes: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
         """(estimated hits ``[len(cols), len(sizes)]`` of an LRU of each size in rows, rows looked up per column)."""
