@@ -20,12 +20,12 @@ smallest cache that reaches a hit rate the user names.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 from numba import njit
 
-from engram_store._errors import InvalidArgument, describe
+from engram_store._errors import InvalidArgument, describe, is_int
 from engram_store.disk import SIZE_LADDER, LayerProfile, MissRatioCurve, bytes_for_rows
 
 from ._config import V41Config
@@ -199,3 +199,11 @@ def hit_rate_by_order(stats: Mapping[str, Any], n_heads: int, heads: list[int] |
         by_order.setdefault(col // n_heads + 2, []).append(rates)
     return {n: [{"bytes": e["bytes"], "hit_rate": float(np.mean([r[i] for r in rows]))}
                 for i, e in enumerate(ladder)] for n, rows in sorted(by_order.items())}
+
+
+def order_labels(n_heads: int) -> Callable[[int, int], dict[str, int]]:
+    """``head_labels`` for ``engram_store.metrics_text`` / ``serve_metrics`` of V4.1 layers: each column's n-gram
+    ``order`` (column ``(n - 2) * n_heads + h``) as a label of its series."""
+    if not is_int(n_heads) or n_heads < 1:
+        raise InvalidArgument(f"n_heads: expected an int >= 1 (V41Config.n_heads), got {describe(n_heads)}")
+    return lambda layer_id, head: {"order": head // n_heads + 2}

@@ -13,11 +13,13 @@ default) keeps one per EngramStore.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Sequence
 
 import numpy as np
 
 from .._errors import InvalidArgument, ObjectExists, ObjectNotFound
+from .._metrics import RequestMetrics
 from ..disk import DiskDir, HostRowCache, LayerProfile, RowCache, read_many, warm_layer
 from ._layout import Layer
 from ._sizing import Sizing
@@ -45,6 +47,7 @@ class DiskSource(Source):
         # admitted: on real n-gram traffic the doorkeeper cost 5-10 points of hit rate (bench_cache_policy.py).
         self.caches: dict[int, RowCache] = {}
         self.sizing = Sizing()  # the hit rate of every cache size, from the lookups
+        self.read_metrics: RequestMetrics | None = None  # reads timed once metrics are asked for (_prometheus)
         scope = os.path.realpath(self.dir.path)  # one cache for every path to the directory
         for size in sorted(set(row_sizes)):
             share = int(row_cache_bytes) * row_sizes.count(size) // len(row_sizes)
@@ -124,7 +127,15 @@ class DiskSource(Source):
                 requests.append((lay.state, ids, whole.reshape(-1)))
             else:
                 requests.append((job.layer.state, job.ids, job.out))
-        read_many(requests)
+        timed, start = self.read_metrics, time.perf_counter()
+        try:
+            read_many(requests)
+        except BaseException:
+            if timed is not None:
+                timed.record("read", time.perf_counter() - start, False)
+            raise
+        if timed is not None:
+            timed.record("read", time.perf_counter() - start, True)
         for job, whole in shards:
             job.out.reshape(whole.shape[0], job.layer.num_heads, -1)[:] = whole[:, job.layer.heads]
         for job in jobs:
