@@ -234,7 +234,11 @@ the distinct n-grams of the head's order in TOKENS and the distinct table rows t
 collision rate (the share of distinct n-grams that share their row with another, which a larger
 --engram-vocab-size reduces) next to the rate a uniform hash would give; and the occupancy (the
 share of the table's rows the corpus touches). With --tokenizer, also the compression ratio of
-the compressed tokenizer (original vocabulary / compressed vocabulary)."""
+the compressed tokenizer (original vocabulary / compressed vocabulary).
+
+With --v41: how large a DeepSeek-V4.1 hot-row cache (row_cache_bytes) must be, from TOKENS or a
+saved profile: the working set, the first-touch bound, the hit rate at every cache size per layer
+and n-gram order, and with --hit-rate the smallest cache that reaches it."""
 
 
 def _parser():
@@ -267,9 +271,10 @@ def _parser():
                         "report the working set, the first-touch bound and the hit rate at every cache size")
     p.add_argument("--from-profile", metavar="PATH",
                    help="with --v41, in place of TOKENS: a profile written by --profile (counts, no order: the hit "
-                        "rate of a cache holding the most frequent rows)")
+                        "rate of a cache holding the most frequent rows) (default: none)")
     p.add_argument("--hit-rate", type=float, metavar="R",
-                   help="with --v41: also the smallest row_cache_bytes reaching this hit rate (0 < R <= 1)")
+                   help="with --v41: also the smallest row_cache_bytes reaching this hit rate, 0 < R <= 1 "
+                        "(default: none)")
     _cli.add_log_level(p, "WARNING")
     return p
 

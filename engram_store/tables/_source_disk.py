@@ -93,8 +93,10 @@ class DiskSource(Source):
 
     def ready(self, lay: Layer, what: str) -> None:
         if not self._open(lay):
+            new = (" disk_dir did not exist: this EngramStore created it, empty; if you meant an existing "
+                   "directory, check the path.") if self.dir.created else ""
             raise ObjectNotFound(f"{what}: layer {lay.layer_id} is not published under disk_dir {self.dir.path} "
-                                 f"(no {self.dir.layer_path(lay.layer_id)}); populate it first")
+                                 f"(no {self.dir.layer_path(lay.layer_id)}); populate it first.{new}")
 
     def populate(self, lay: Layer, tables: list[np.ndarray], replica_num: int) -> None:
         if lay.sharded:
