@@ -6,8 +6,8 @@ distinct page reads with many in flight (O_DIRECT); ``row_cache_bytes`` keeps ho
 all layers of a row size. Every layer of a call is read in one batch, so all their pages are in flight together.
 
 ``cache_scope="host"`` puts that cache in shared memory, one for every process of the host that opens the same
-``disk_dir`` with the same ``row_cache_bytes`` (:class:`~engram_store.disk.HostRowCache`); ``"process"`` (the
-default) keeps one per EngramStore.
+``disk_dir`` (:class:`~engram_store.disk.HostRowCache`: one asking for another ``row_cache_bytes`` attaches to the
+cache there, with a warning); ``"process"`` (the default) keeps one per EngramStore.
 """
 
 from __future__ import annotations

@@ -43,8 +43,9 @@ class EngramStore:
     head shard: the store owns and reads just those heads. ``threads`` > 1 splits large gathers from memory on
     this host over that many threads (the kernel releases the GIL). ``row_cache_bytes`` with a store keeps each
     layer's recently read remote rows in this process. ``cache_scope="host"`` (``disk_dir`` only) shares the row
-    cache with every process of the host that opens the same ``disk_dir`` with the same ``row_cache_bytes``: one
-    copy of the hot rows in shared memory instead of one per worker (see :class:`engram_store.disk.HostRowCache`);
+    cache with every process of the host that opens the same ``disk_dir`` (another ``row_cache_bytes`` attaches to
+    the one there, with a warning): one copy of the hot rows in shared memory instead of one per worker (see
+    :class:`engram_store.disk.HostRowCache`);
     :meth:`warm_cache` pins the most frequent rows of a profile in it.
     """
 
