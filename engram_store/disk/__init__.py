@@ -19,6 +19,7 @@ host in shared memory (``HostRowCache``, ``_host_cache``), warm-started from a p
 from ._cache import RowCache
 from ._dir import DiskDir, verify_layer
 from ._host_cache import HostRowCache
+from ._host_mrc import HostCurve
 from ._mrc import SIZE_LADDER, MissRatioCurve, bytes_for_rows
 from ._profile import LayerProfile, load_profile, save_profile, warm_layer
 from ._layout import PAGE_BYTES, DiskLayout
@@ -26,7 +27,8 @@ from ._reader import DEFAULT_DEPTH, DiskLayer, DiskReadError, IOEngine, aio_avai
 from ._writer import LayerWriter, write_layer
 
 __all__ = [
-    "DiskDir", "DiskLayer", "DiskLayout", "DiskReadError", "HostRowCache", "IOEngine", "LayerProfile", "LayerWriter",
+    "DiskDir", "DiskLayer", "DiskLayout", "DiskReadError", "HostCurve", "HostRowCache", "IOEngine", "LayerProfile",
+    "LayerWriter",
     "MissRatioCurve", "SIZE_LADDER", "bytes_for_rows",
     "RowCache", "PAGE_BYTES", "DEFAULT_DEPTH", "aio_available", "default_engine", "load_profile", "read_many",
     "save_profile", "verify_layer", "warm_layer", "write_layer", "warmup",

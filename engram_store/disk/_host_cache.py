@@ -6,7 +6,7 @@ the same hot rows N times. Processes that open ``HostRowCache(capacity_bytes, ro
 same scope (``EngramStore`` passes its ``disk_dir``) and row size map one file in ``/dev/shm``
 (``ENGRAM_SHM_DIR`` overrides the directory)::
 
-    engram-rowcache-<hash>        header page | set metadata | CLOCK hands | doorkeeper bits | rows
+    engram-rowcache-<hash>        header page | set metadata | CLOCK hands | doorkeeper bits | curve | rows
     engram-rowcache-<hash>.lock   flock'd by the one process filling the cache (or attaching to it, or leaving it)
 
 Why it is correct, in the simplest design that is:
@@ -51,6 +51,8 @@ import os
 import signal
 import time
 import weakref
+from contextlib import contextmanager
+from typing import Iterator
 
 import numpy as np
 import xxhash
@@ -60,6 +62,7 @@ from .._pages import MADV_HUGEPAGE, madvise
 from . import _cache_kernels as ck
 from . import _kernels as k
 from ._cache import ADMISSIONS, LINE_BYTES, RowCache, door_words
+from ._host_mrc import REGION_BYTES as CURVE_BYTES
 from ._layout import PAGE_BYTES
 
 log = logging.getLogger(__name__)
@@ -186,6 +189,7 @@ class HostRowCache(RowCache):
                                     ("meta", self.n_sets * k.META_WORDS * 8, PAGE_BYTES),
                                     ("hands", self.n_sets, LINE_BYTES),
                                     ("door", door_words(self.n_sets) * 8, LINE_BYTES),
+                                    ("curve", CURVE_BYTES, PAGE_BYTES),
                                     ("rows", self.n_sets * k.WAYS * self.row_bytes, PAGE_BYTES)):
             at = _align(at, align)
             regions[name] = (at, nbytes)
@@ -277,6 +281,7 @@ class HostRowCache(RowCache):
         self.hands = region("hands", np.uint8)
         self.door = region("door", np.uint64)
         self.rows = region("rows", np.uint8)
+        self.curve_region = region("curve", np.uint8)  # the host's hit rate at every size (_host_mrc)
         self.door_state = header[H_DOOR_STATE:H_DOOR_STATE + 2]
         self.journal = header[H_JOURNAL:H_JOURNAL + 1]
         self.counters = header[H_COUNTERS:H_COUNTERS + len(COUNTERS)]
@@ -338,6 +343,19 @@ class HostRowCache(RowCache):
         ck._counter_add(self.counters, COUNTERS.index("fills"), 1)
         ck._counter_add(self.counters, COUNTERS.index("inserted"), n)
         return n
+
+    @contextmanager
+    def locked(self, timeout_s: float) -> Iterator[bool]:
+        """Hold the cache's locks (this process's and the host's) to change shared state other than rows (the
+        curve of ``_host_mrc``); yields whether they were taken within ``timeout_s``."""
+        with self.lock:
+            if not self._files.lock(timeout_s):
+                yield False
+                return
+            try:
+                yield True
+            finally:
+                self._files.unlock()
 
     def _pin_locked(self, keys: np.ndarray, rows: np.ndarray, max_ways: int) -> int:
         self._files.lock(None)

@@ -46,7 +46,7 @@ class DiskSource(Source):
         # One cache per row size, the bytes shared out by how many layers use each size. Every missed row is
         # admitted: on real n-gram traffic the doorkeeper cost 5-10 points of hit rate (bench_cache_policy.py).
         self.caches: dict[int, RowCache] = {}
-        self.sizing = Sizing()  # the hit rate of every cache size, from the lookups
+        self.sizing = Sizing(self.caches)  # the hit rate of every cache size, from the lookups
         self.read_metrics: RequestMetrics | None = None  # reads timed once metrics are asked for (_prometheus)
         scope = os.path.realpath(self.dir.path)  # one cache for every path to the directory
         for size in sorted(set(row_sizes)):
@@ -74,6 +74,7 @@ class DiskSource(Source):
 
     def close(self) -> None:
         super().close()
+        self.sizing.close()  # the rows the host's curve has not had yet
         for cache in self.caches.values():
             cache.close()
 
