@@ -25,6 +25,10 @@ DIM = 4
 CONFIG = EngramStoreConfig(table_vocab_sizes=SIZES, embedding_dim=DIM)
 #: Bytes of a key-value object: a 16-byte header (generation, length) and a pattern derived from both.
 VALUE_BYTES = 3000
+#: The row caches of a client's disk layers, by its pid: its own, or the host's asked for at one size or another (a
+#: client asking another size attaches to the one there), so clients killed mid-fill, mid-replay of the host's
+#: curve or mid-attach leave the others a cache to check every row against.
+DISK_CACHES = ((1 << 16, "process"), (1 << 16, "host"), (1 << 17, "host"))
 
 
 def tables(layer: int, generation: int) -> list[np.ndarray]:
@@ -82,7 +86,8 @@ class Worker:
             elif kind == "local":
                 es = EngramStore(layer, CONFIG, local_dir=self.local_dir)
             else:
-                es = EngramStore(layer, CONFIG, disk_dir=self.disk_dir, row_cache_bytes=1 << 16)
+                cache_bytes, scope = DISK_CACHES[os.getpid() % len(DISK_CACHES)]
+                es = EngramStore(layer, CONFIG, disk_dir=self.disk_dir, row_cache_bytes=cache_bytes, cache_scope=scope)
             self.layers[(kind, layer)] = es
         return es
 
@@ -167,7 +172,8 @@ class Worker:
 
 
 def main() -> int:
-    master, local_dir, disk_dir, local_direct, timeout_ms = sys.argv[1:6]
+    master, local_dir, disk_dir, local_direct, timeout_ms, shm_dir = sys.argv[1:7]
+    os.environ["ENGRAM_SHM_DIR"] = shm_dir  # host caches in the explorer's directory, gone with it
     worker = Worker(master, local_dir, disk_dir, local_direct == "1", int(timeout_ms))
     print(json.dumps({"ready": os.getpid()}), flush=True)
     for line in sys.stdin:
