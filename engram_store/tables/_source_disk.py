@@ -130,7 +130,8 @@ class DiskSource(Source):
                 requests.append((lay.state, ids, whole.reshape(-1)))
             else:
                 requests.append((job.layer.state, job.ids, job.out))
-        timed, start = self.read_metrics, time.perf_counter()
+        timed = self.read_metrics
+        start = time.perf_counter() if timed is not None else 0.0
         try:
             read_many(requests)
         except BaseException:
