@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _mrc_kernels as mk
-from ._mrc import DEFAULT_MAX_KEYS, MissRatioCurve
+from ._mrc import DEFAULT_MAX_KEYS, MissRatioCurve, new_state, state_words
 
 BUSY, RESETS, DROPPED, GENERATION, LAYERS, NEXT_COLUMN = range(6)
 HEADER_WORDS = 8
@@ -44,13 +44,7 @@ FLUSH_AT = 1024
 BUFFER_ROWS = 4096
 
 
-def _state_words(max_keys: int) -> int:
-    slots = 1 << int(2 * (max_keys + 1) - 1).bit_length()
-    times = -(-(4 * max_keys + 2) // mk.TIME_QUANTUM) * mk.TIME_QUANTUM
-    return mk.N_SCALARS + 2 * slots + times // 64 + times // mk.TIME_QUANTUM
-
-
-STATE_WORDS = _state_words(DEFAULT_MAX_KEYS)
+STATE_WORDS = state_words(DEFAULT_MAX_KEYS)
 REGION_BYTES = 8 * (HEADER_WORDS + 3 * MAX_LAYERS + STATE_WORDS) + 8 * MAX_COLUMNS * (mk.N_BINS + 1)
 
 
@@ -111,8 +105,7 @@ class HostCurve:
         self.header[:] = 0
         self.layers[:] = 0
         self.hist[:] = 0.0
-        fresh = MissRatioCurve(DEFAULT_MAX_KEYS).state
-        self.state[:] = fresh
+        self.state[:] = new_state(DEFAULT_MAX_KEYS)
         self.header[RESETS], self.header[GENERATION] = resets, generation
 
     def _register(self) -> None:

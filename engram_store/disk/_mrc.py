@@ -43,6 +43,27 @@ def bytes_for_rows(rows: int, row_bytes: int) -> int:
     return -(-int(rows) // WAYS) * per_set_bytes(row_bytes)
 
 
+def _geometry(max_keys: int) -> tuple[int, int]:
+    """The table's slots (load <= 1/2) and the times before a rebuild (~3 * max_keys touches) of a stack."""
+    slots = 1 << int(2 * (max_keys + 1) - 1).bit_length()
+    return slots, -(-(4 * max_keys + 2) // mk.TIME_QUANTUM) * mk.TIME_QUANTUM
+
+
+def state_words(max_keys: int) -> int:
+    """The int64 words of a stack's state (laid out in ``_mrc_kernels``)."""
+    slots, times = _geometry(max_keys)
+    return mk.N_SCALARS + 2 * slots + times // 64 + times // mk.TIME_QUANTUM
+
+
+def new_state(max_keys: int) -> np.ndarray:
+    """An empty stack tracking at most ``max_keys`` rows, every row sampled until there are more."""
+    slots, times = _geometry(max_keys)
+    state = np.zeros(state_words(max_keys), dtype=np.int64)
+    state[[mk.THRESHOLD, mk.NOW, mk.MAX_KEYS, mk.SLOTS, mk.TIMES]] = [mk.FULL, 1, max_keys, slots, times]
+    state[mk.N_SCALARS:mk.N_SCALARS + 2 * slots:2] = -1  # every key slot empty
+    return state
+
+
 class MissRatioCurve:
     """A sampled LRU stack over row keys (``(tag << 40) | row``) and the weight of its distances per column.
     Thread-safe. Columns are added as layers arrive (:meth:`add_columns`)."""
@@ -51,12 +72,8 @@ class MissRatioCurve:
         if not is_int(max_keys) or not 1 <= max_keys <= 1 << 30:
             raise InvalidArgument(f"max_keys: expected an int in [1, 2**30], got {describe(max_keys)}")
         self.lock = threading.Lock()
-        slots = 1 << int(2 * (max_keys + 1) - 1).bit_length()
-        times = -(-(4 * max_keys + 2) // mk.TIME_QUANTUM) * mk.TIME_QUANTUM  # a rebuild every ~3 * max_keys touches
-        self.state = np.zeros(mk.N_SCALARS + 2 * slots + times // 64 + times // mk.TIME_QUANTUM, dtype=np.int64)
+        self.state = new_state(max_keys)
         self.scal = self.state[:mk.N_SCALARS]
-        self.scal[[mk.THRESHOLD, mk.NOW, mk.MAX_KEYS, mk.SLOTS, mk.TIMES]] = [mk.FULL, 1, max_keys, slots, times]
-        self.state[mk.N_SCALARS:mk.N_SCALARS + 2 * slots:2] = -1
         self.hist = np.zeros((0, mk.N_BINS + 1), dtype=np.float64)
 
     @property
@@ -104,12 +121,6 @@ class MissRatioCurve:
         """The sample's state: ``rate``, ``tracked_rows``, ``rebuilds``, ``rate_drops``."""
         return {"rate": self.rate, "tracked_rows": int(self.scal[mk.KEYS]), "rebuilds": int(self.scal[mk.REBUILDS]),
                 "rate_drops": int(self.scal[mk.RATE_DROPS])}
-
-
-def hit_rates(hits: np.ndarray, looked: np.ndarray) -> list[float]:
-    """Hit rates from summed hits per size and the rows looked up (0.0 where nothing was looked up)."""
-    total = float(np.sum(looked))
-    return [float(h) / total if total else 0.0 for h in np.asarray(hits, dtype=np.float64).reshape(-1)]
 
 
 # ---- the twin ---------------------------------------------------------------------------------------------------
