@@ -62,40 +62,57 @@ def save_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray],
 def load_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Read every tensor of a safetensors file (native-endian arrays; BF16 widened to float32).
 
-    The file is memory-mapped, so a multi-gigabyte table is copied once, into its array.
+    The file is read with ``pread`` into each tensor's array, not mapped: a multi-gigabyte table is copied once,
+    and a file that shrinks while it is read is an InvalidArgument naming it, not SIGBUS.
     """
     where = os.fspath(path)
-    size = os.path.getsize(where)
-    if size < 8:
-        raise InvalidArgument(f"{where}: not a safetensors file (only {size} bytes)")
-    raw = np.memmap(where, dtype=np.uint8, mode="r")
+    fd = os.open(where, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        (n,) = struct.unpack("<Q", raw[:8].tobytes())
-        if n > min(MAX_HEADER_BYTES, size - 8):
-            raise InvalidArgument(f"{where}: not a safetensors file (header length {n} exceeds the file)")
+        size = os.fstat(fd).st_size
+        if size < 8:
+            raise InvalidArgument(f"{where}: not a safetensors file (only {size} bytes)")
+        (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+        if n > min(MAX_HEADER_BYTES, size - 8):  # not quoted: the bytes may be anyone's
+            raise InvalidArgument(f"{where}: not a safetensors file (its header length exceeds the file's {size} "
+                                  "bytes)")
         try:
-            header = json.loads(raw[8:8 + n].tobytes().decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            header = json.loads(_pread_exact(fd, 8, n, where).decode("utf-8"))
+        except UnicodeDecodeError:
+            raise InvalidArgument(f"{where}: not a safetensors file (its header is not UTF-8 text)") from None
+        except json.JSONDecodeError as exc:
             raise InvalidArgument(f"{where}: not a safetensors file (header is not JSON: {exc})") from None
         if not isinstance(header, dict):
-            raise InvalidArgument(f"{where}: safetensors header must be a JSON object, got {describe(header)}")
-        data = raw[8 + n:]
-        return {name: _read_tensor(where, name, info, data) for name, info in header.items()
+            raise InvalidArgument(f"{where}: safetensors header must be a JSON object, got {type(header).__name__}")
+        return {name: _read_tensor(where, name, info, fd, 8 + n, size - 8 - n) for name, info in header.items()
                 if name != "__metadata__"}
     finally:
-        del raw  # unmaps the file (every tensor returned is a copy)
+        os.close(fd)
 
 
-def _read_tensor(where: str, name: str, info: object, data: np.ndarray) -> np.ndarray:
+def _pread_exact(fd: int, offset: int, nbytes: int, where: str, into: np.ndarray | None = None) -> bytes:
+    """``nbytes`` at ``offset`` of ``fd`` (into ``into``, a uint8 array of that size, when given); InvalidArgument
+    naming ``where`` when the file ends first (it shrank while it was read)."""
+    out = np.empty(nbytes, dtype=np.uint8) if into is None else into
+    view, done = memoryview(out), 0
+    while done < nbytes:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise InvalidArgument(f"{where}: needs bytes up to {offset + nbytes}, but the file ends at "
+                                  f"{os.fstat(fd).st_size} bytes now: it was truncated while it was read")
+        done += got
+    return out.tobytes() if into is None else b""
+
+
+def _read_tensor(where: str, name: str, info: object, fd: int, start: int, data_bytes: int) -> np.ndarray:
     if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
         raise InvalidArgument(f"{where}: tensor {name!r} needs dtype, shape and data_offsets, got {describe(info)}")
     dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
     if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
         raise InvalidArgument(f"{where}: tensor {name!r} has a bad shape {describe(shape)}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
-            and 0 <= offsets[0] <= offsets[1] <= len(data)):
+            and 0 <= offsets[0] <= offsets[1] <= data_bytes):
         raise InvalidArgument(f"{where}: tensor {name!r} has data_offsets {describe(offsets)} outside the "
-                              f"{len(data)} data bytes")
+                              f"{data_bytes} data bytes")
     count = int(np.prod(shape, dtype=np.int64))
     if dtype_name == "BF16":
         nbytes, dtype = 2 * count, np.dtype("<u2")
@@ -108,10 +125,11 @@ def _read_tensor(where: str, name: str, info: object, data: np.ndarray) -> np.nd
     if offsets[1] - offsets[0] != nbytes:
         raise InvalidArgument(f"{where}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes, but {dtype_name} "
                               f"{shape} needs {nbytes}")
-    arr = data[offsets[0]:offsets[1]].view(dtype).reshape(shape)
+    arr = np.empty(shape, dtype=dtype)
+    _pread_exact(fd, start + offsets[0], nbytes, f"{where}: tensor {name!r}", arr.reshape(-1).view(np.uint8))
     if dtype_name == "BF16":
         return (arr.astype(np.uint32) << 16).view(np.float32)
-    return arr.astype(dtype.newbyteorder("="), copy=True)
+    return arr.astype(dtype.newbyteorder("="), copy=False)
 
 
 def save_checkpoint(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]) -> None:

@@ -37,6 +37,9 @@ from ._errors import (
     WriteFenced,
     StalePlacement,
     DiskReadError,
+    JournalError,
+    LockTimeout,
+    UnsafeFile,
 )
 from .segment import SegmentServer
 from ._units import format_size, parse_size
@@ -71,6 +74,9 @@ __all__ = [
     "WriteFenced",
     "StalePlacement",
     "DiskReadError",
+    "JournalError",
+    "LockTimeout",
+    "UnsafeFile",
     "format_size",
     "lookup_many",
     "metrics_text",

@@ -19,6 +19,11 @@ Every error engram raises derives from :class:`EngramError`::
         ├── WriteFenced                   a write of a put that was revoked, expired or forgotten was refused
         ├── StalePlacement                a segment refused a read of an object another put has overwritten
         ├── DiskReadError                 reading a layer's file on SSD failed, or it was shorter than its layout
+        ├── JournalError                  the master's journal could not be written (the change was not made), or
+        │                                 the journal it starts on is damaged
+        ├── UnsafeFile                    a file or directory in a shared place is not this user's own (owner, link,
+        │                                 mode), so engram will not use it
+        ├── LockTimeout                   another process held a lock engram waits for longer than the wait allows
         ├── ProtocolError                 a peer sent a message that does not follow the wire protocol
         ├── RemoteError                   a server failed while handling a valid request
         └── AuthError                     a server refused this client's credentials
@@ -143,6 +148,30 @@ class DiskReadError(StoreError):
     code = "DISK_READ"
 
 
+class JournalError(StoreError):
+    """The master's journal could not be written (a full or read-only file system, an I/O error), so the change
+    asked for was not made: the master writes a change's record before it makes the change. At start: the journal
+    cannot be read or rewritten, or it is damaged (the message names the line and what is wrong with it)."""
+
+    code = "JOURNAL"
+
+
+class UnsafeFile(StoreError):
+    """A file or directory engram would create, open or map in a place other users share (``/dev/shm``, ``/tmp``, a
+    directory a flag or a peer names) is not this user's own: it belongs to another user, is a symbolic link, is not
+    a regular file (or directory), or others may write to it. Nothing was read from it or written to it; the message
+    says what was found and what to do (remove it, fix its mode, or choose another place)."""
+
+    code = "UNSAFE_FILE"
+
+
+class LockTimeout(StoreError):
+    """A lock engram takes on a file (a layer's writer lock, the host row cache's lock) stayed held by another
+    process for longer than the wait allows. Nothing was changed; the message names the lock file."""
+
+    code = "LOCK_TIMEOUT"
+
+
 class ProtocolError(StoreError):
     """A peer sent a message that does not follow the wire protocol (or a different version of it)."""
 
@@ -166,8 +195,8 @@ _BY_CODE = {
     for cls in (
         EngramError, InvalidArgument, ConfigError, InvalidType, NotConnected, StoreError,
         ObjectNotFound, ObjectExists, LeaseActive, OutOfSpace, Unavailable, MasterUnavailable,
-        SegmentUnavailable, ObjectLost, WriteFenced, StalePlacement, DiskReadError, ProtocolError, RemoteError,
-        AuthError,
+        SegmentUnavailable, ObjectLost, WriteFenced, StalePlacement, DiskReadError, JournalError, UnsafeFile,
+        LockTimeout, ProtocolError, RemoteError, AuthError,
     )
 }
 

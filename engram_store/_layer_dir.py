@@ -4,6 +4,10 @@ A writer of layer L holds ``<dir>/layer-<L>.lock`` (:class:`LayerLock`) for its 
 in a directory of its own and publishes them with one rename (:func:`publish_staged`); whatever a writer or remover
 that died left is deleted by the next one, under the lock (:func:`remove_leftover`). Readers never see a layer half
 written: it is there whole, or not at all.
+
+A directory of layers is used only when this user or root owns it and no one else may write to it
+(``_shared_dirs.check_layer_dir``): another user who could would move a published layer away and put their own in
+its place. Published files are read-only with the read bits the umask leaves; directories get what it leaves.
 """
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ import os
 import shutil
 import time
 
-from ._errors import InvalidArgument, StoreError, describe
+from ._errors import InvalidArgument, LockTimeout, StoreError, describe
+from ._shared_dirs import check_layer_dir, open_own
 
 log = logging.getLogger(__name__)
 
@@ -21,8 +26,9 @@ LOCK_POLL_S = 0.05
 
 
 def open_layer_dir(path: object, flag: str, warn_if_new: bool = False) -> str:
-    """The absolute path of a directory of layers (``flag`` names the argument in errors), created if need be;
-    ``warn_if_new``: a mistyped path would otherwise read as an empty place, every layer "not published"."""
+    """The absolute path of a directory of layers (``flag`` names the argument in errors), created if need be and
+    refused (UnsafeFile) where another user could change it; ``warn_if_new``: a mistyped path would otherwise read
+    as an empty place, every layer "not published"."""
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise InvalidArgument(f"{flag}: expected a directory path, got {describe(path)}")
     path = os.path.abspath(os.fspath(path))
@@ -31,6 +37,7 @@ def open_layer_dir(path: object, flag: str, warn_if_new: bool = False) -> str:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
         raise InvalidArgument(f"{flag}: cannot create {path}: {exc.strerror}") from None
+    check_layer_dir(path, flag)
     if created and warn_if_new:
         log.warning("%s %s did not exist: created it, empty (no layers there yet; if you meant an existing "
                     "directory, check the path)", flag, path)
@@ -51,7 +58,7 @@ class LayerLock:
         self.fd = -1
         deadline = time.monotonic() + timeout_s
         while True:
-            fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
+            fd, _ = open_own(path, os.O_RDWR, f"{what} lock")
             try:
                 while True:
                     try:
@@ -59,8 +66,8 @@ class LayerLock:
                         break
                     except BlockingIOError:
                         if time.monotonic() >= deadline:
-                            raise StoreError(f"{what}: another writer holds {path} (waited {timeout_s:g} s)"
-                                             ) from None
+                            raise LockTimeout(f"{what}: another writer holds {path} (waited {timeout_s:g} s)"
+                                              ) from None
                         time.sleep(LOCK_POLL_S)
                 if _is_at(fd, path):
                     self.fd = fd

@@ -17,6 +17,7 @@ import socket
 import time
 
 from ._errors import ConfigError
+from ._shared_dirs import open_own
 
 __all__ = ["OwnerLock", "FileInUse"]
 
@@ -34,7 +35,7 @@ class OwnerLock:
         self._since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
         self._fd: int | None = None
         for _ in range(100):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd, _ = open_own(self.path, os.O_RDWR, f"{what} lock")  # never through a link, ours alone
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:

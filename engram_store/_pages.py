@@ -95,6 +95,60 @@ def reserve(fd: int, nbytes: int, path: str, what: str) -> None:
     os.ftruncate(fd, nbytes)
 
 
+#: Where a cgroup (v2, then v1) says how much memory its processes may use, and how much they use.
+_CGROUP_MEMORY = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                  ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
+def available_memory() -> tuple[int | None, str]:
+    """Bytes of memory this process may still take without pushing the host (or its cgroup) into the OOM killer,
+    and where that figure comes from; ``(None, "")`` where the system does not say."""
+    best: tuple[int | None, str] = (None, "")
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    best = (int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo")
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_file, usage_file in _CGROUP_MEMORY:
+        try:
+            with open(limit_file, encoding="ascii") as f:
+                limit = f.read().strip()
+            with open(usage_file, encoding="ascii") as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:
+            left = max(0, int(limit) - usage)
+            if best[0] is None or left < best[0]:
+                best = (left, f"the limit of this process's cgroup ({limit_file})")
+        break
+    return best
+
+
+def reserve_memory(fd: int, nbytes: int, what: str) -> None:
+    """Allocate ``nbytes`` of the anonymous shared-memory file ``fd`` (a memfd) now and make that its size.
+
+    Such memory is bounded by no file system, so a size past what the host (or the process's cgroup) has available
+    is refused up front with OutOfSpace naming ``what``: allocating it page by page would end in the OOM killer,
+    not in an error. Within it, a page that cannot be had fails here rather than with SIGBUS on first touch.
+    """
+    available, source = available_memory()
+    if available is not None and nbytes > available:
+        raise OutOfSpace(f"{what}: cannot reserve {nbytes} bytes of memory ({available} bytes available, by "
+                         f"{source}); ask for less, or free memory first")
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EDQUOT):
+            raise OutOfSpace(f"{what}: cannot reserve {nbytes} bytes of memory: {exc.strerror}") from None
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+    os.ftruncate(fd, nbytes)
+
+
 _libc = None
 
 

@@ -36,8 +36,9 @@ def free_port() -> int:
 
 
 def wait_ping(address: str, timeout_s: float = START_TIMEOUT_S, unavailable=MasterUnavailable,
-              auth_dir: str | None = None) -> dict:
-    """Ping ``address`` until it answers; raise if it does not within ``timeout_s``.
+              auth_dir: str | None = None, proc: "Proc | None" = None) -> dict:
+    """Ping ``address`` until it answers; raise if it does not within ``timeout_s``, or once ``proc`` (the server's
+    process, if given) has exited.
 
     ``auth_dir``: the key directory of a server started with ``--auth``.
     """
@@ -47,9 +48,11 @@ def wait_ping(address: str, timeout_s: float = START_TIMEOUT_S, unavailable=Mast
     try:
         while True:
             try:
-                header, _ = conn.call("ping", timeout_ms=500)
+                header, _ = conn.call("ping", timeout_ms=500 if proc is None else 100)
                 return header
             except EngramError:
+                if proc is not None and not proc.alive():
+                    raise RuntimeError(f"it exited with code {proc.popen.returncode}") from None
                 if time.monotonic() > deadline:
                     raise
     finally:
@@ -160,11 +163,11 @@ def start_master(*, port: int | None = None, heartbeat_timeout_s: float = 10.0, 
     proc = Proc(args + (extra or []), "master")
     proc.address = f"{host}:{port}"
     try:
-        wait_ping(proc.address, auth_dir=auth_dir)
-    except BaseException:
+        wait_ping(proc.address, auth_dir=auth_dir, proc=proc)
+    except BaseException as exc:
         out = proc.output()
         proc.close()
-        raise RuntimeError(f"master did not start:\n{out}") from None
+        raise RuntimeError(f"master did not start ({exc}):\n{out}") from None
     return proc
 
 

@@ -41,6 +41,13 @@ class FreeListAllocator:
     def free_blocks(self) -> list[tuple[int, int]]:
         return list(zip(self._offsets, self._sizes))
 
+    def copy(self) -> "FreeListAllocator":
+        """An independent allocator with the same free blocks (to work out a change before making it)."""
+        other = FreeListAllocator(0)
+        other.capacity, other.used = self.capacity, self.used
+        other._offsets, other._sizes = list(self._offsets), list(self._sizes)
+        return other
+
     def allocate(self, size: int) -> int | None:
         """Reserve ``size`` bytes; return the offset, or None when no free block is large enough."""
         if size == 0:

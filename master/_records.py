@@ -50,6 +50,10 @@ class Segment:
     #: Lost objects whose bytes this segment may still hold, by key -> (offset, size): reserved while the segment
     #: checks them against their checksums (it was asked to at registration and answers with ``offer_objects``).
     verifying: dict = field(default_factory=dict)
+    #: Objects a replayed journal places here that the segment's catalogue did not list at its first registration
+    #: since, by key -> (offset, size, generation): it is asked whether it still holds them (its catalogue may lag a
+    #: publication; or the journal lost the records of their remove), and those it does not are dropped here.
+    doubtful: dict = field(default_factory=dict)
 
     def describe(self) -> dict:
         return {

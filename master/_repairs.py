@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
+from engram_store._errors import JournalError
+
 from ._fencing import Fence
-from ._records import COMPLETE, ObjectMeta, Replica, some_keys
+from ._records import COMPLETE, LostObject, ObjectMeta, Replica, some_keys
 
 log = logging.getLogger("master._state")
 
@@ -67,6 +70,14 @@ class Repairs:
         meta = self.objects.get(job.key)
         usable = (ok and target is not None and meta is job.meta
                   and job.target_id not in {r.segment_id for r in meta.replicas})
+        replica = Replica(job.target_id, job.target_offset, job.put_id)
+        if usable:
+            try:
+                self._record(self._object_record(job.key, dataclasses.replace(meta, replicas=[*meta.replicas,
+                                                                                              replica])))
+            except JournalError as exc:
+                log.warning("re-replication of %r to %s is given up: %s", job.key, job.target_address, exc)
+                usable = False
         if not usable:
             if target is not None and ok:
                 target.allocator.free(job.target_offset, job.size)  # every write of the copy was answered
@@ -75,17 +86,17 @@ class Repairs:
                 target.fences.add(job.put_id)
                 self.fencing[job.put_id] = Fence(job.key, job.size, {job.target_id: job.target_offset})
             return False
-        meta.replicas.append(Replica(job.target_id, job.target_offset, job.put_id))
+        meta.replicas.append(replica)
         target.catalog_version += 1
-        self._journal_object(job.key, meta)
         return True
 
     # ---- lost objects a segment still holds ------------------------------------------------------
 
     def verification_candidates(self, segment_id: str) -> list[list]:
-        """Lost objects that had a replica on this segment, as ``[key, offset, size, checksum]``: the segment is
-        asked to check their bytes (it may have been dropped before it learnt of them, so they are not in the
-        catalogue it offered back). Their ranges stay reserved until it answers (:meth:`offer_verified`)."""
+        """What the segment is asked to check, as ``[key, offset, size, checksum, generation]``: lost objects that
+        had a replica on it (it may have been dropped before it learnt of them, so they are not in the catalogue it
+        offered back), their ranges reserved until it answers (:meth:`offer_verified`); and objects a replayed
+        journal places on it that its catalogue does not list (``Segment.doubtful``)."""
         segment = self.segments.get(segment_id)
         if segment is None or not segment.confirmed:
             return []
@@ -96,35 +107,96 @@ class Repairs:
             for place in lost.places:
                 if place.segment_id == segment_id and segment.allocator.reserve(place.offset, lost.size):
                     segment.verifying[key] = (place.offset, lost.size, place.generation)
-                    candidates.append([key, place.offset, lost.size, lost.checksum])
+                    candidates.append([key, place.offset, lost.size, lost.checksum, place.generation])
                     break
         if candidates:
             log.info("segment %s: asked to check %d lost object(s) it may still hold%s", segment_id,
                      len(candidates), some_keys([c[0] for c in candidates]))
-        return candidates
+        doubtful = [[key, offset, size, self.objects[key].checksum, generation]
+                    for key, (offset, size, generation) in segment.doubtful.items() if key in self.objects]
+        if doubtful:
+            log.info("segment %s: asked whether it holds %d object(s) the journal places there and its catalogue "
+                     "does not list%s", segment_id, len(doubtful), some_keys([c[0] for c in doubtful]))
+        return candidates + doubtful
 
     def offer_verified(self, segment_id: str, registration: str, keys: list[str]) -> int:
-        """The segment checked the objects :meth:`verification_candidates` named; those in ``keys`` matched their
-        checksums and are restored; the space of the others is free again. Returns how many were restored."""
+        """The segment checked the objects :meth:`verification_candidates` named; ``keys`` are those it holds
+        intact. Lost ones are restored (a write of such a key still in progress is fenced: the acknowledged object
+        is back), the space of the others is free again; doubtful ones it does not hold are dropped there (lost,
+        by name, where that was their last replica). All in one journal record, written first: if it cannot be,
+        nothing changes and JournalError says why (lost objects are asked about again when the segment next
+        registers; doubtful ones stay as the journal says). Returns how many were restored."""
         segment = self.segments.get(segment_id)
         if segment is None or registration != segment.registration:
             return 0
         verified = set(keys)
-        restored = []
-        for key, (offset, size, generation) in list(segment.verifying.items()):
-            del segment.verifying[key]
-            lost = self.lost.get(key)
-            if key in verified and lost is not None and key not in self.objects and lost.size == size:
-                del self.lost[key]
-                meta = self.objects[key] = ObjectMeta(size, lost.replica_num,
-                                                      [Replica(segment_id, offset, generation)], COMPLETE,
-                                                      checksum=lost.checksum)
-                self._journal_object(key, meta)
-                restored.append(key)
-            else:
-                segment.allocator.free(offset, size)
-        if restored:
+        restore: dict[str, ObjectMeta] = {}
+        for key, (offset, size, generation) in segment.verifying.items():
+            lost, meta = self.lost.get(key), self.objects.get(key)
+            if key in verified and lost is not None and lost.size == size and (meta is None
+                                                                                or meta.state == PENDING):
+                restore[key] = ObjectMeta(size, lost.replica_num, [Replica(segment_id, offset, generation)],
+                                          COMPLETE, checksum=lost.checksum)
+        dropped = self._not_held(segment, verified)
+        verifying, segment.verifying = segment.verifying, {}
+        try:
+            self._record(*[self._object_record(key, meta) for key, meta in restore.items()],
+                         *[r for key, (meta, lost) in dropped.items()
+                           for r in [self._object_record(key, meta)] + ([lost.record(key)] if lost else [])])
+        except JournalError:
+            restore, dropped = {}, {}
+            raise
+        finally:
+            for key, (offset, size, _) in verifying.items():
+                if key not in restore:
+                    segment.allocator.free(offset, size)
+            segment.doubtful = {}
+        self._restore(segment, restore)
+        self._drop_not_held(segment, dropped)
+        return len(restore)
+
+    def _not_held(self, segment, verified: set) -> dict:
+        """The doubtful objects the segment does not hold as the journal says, as they will be: ``{key: (meta without
+        the replica there, LostObject or None)}``."""
+        dropped = {}
+        for key, (offset, size, generation) in segment.doubtful.items():
+            meta = self.objects.get(key)
+            here = [r for r in meta.replicas if r.segment_id == segment.segment_id and r.offset == offset
+                    and r.generation == generation] if meta is not None and meta.state == COMPLETE else []
+            if key in verified or not here:
+                continue
+            kept = dataclasses.replace(meta, replicas=[r for r in meta.replicas if r is not here[0]])
+            lost = None if kept.replicas else LostObject(
+                f"object {key!r} was lost: segment {segment.segment_id}, where the journal placed it at offset "
+                f"{offset}, no longer holds it (it was removed or written over in records the journal lost)",
+                meta.size, meta.replica_num, meta.checksum, [])
+            dropped[key] = (kept, lost)
+        return dropped
+
+    def _restore(self, segment, restore: dict) -> None:
+        for key, meta in restore.items():
+            if key in self.objects:
+                log.warning("the write of %r in progress is fenced: segment %s brings back its lost object", key,
+                            segment.segment_id)
+                self._fence(key, self.objects[key])
+            del self.lost[key]
+            self.objects[key] = meta
+        if restore:
             segment.catalog_version += 1
-            log.warning("segment %s: %d lost object(s) restored, their bytes intact%s", segment_id, len(restored),
-                        some_keys(restored))
-        return len(restored)
+            log.warning("segment %s: %d lost object(s) restored, their bytes intact%s", segment.segment_id,
+                        len(restore), some_keys(list(restore)))
+
+    def _drop_not_held(self, segment, dropped: dict) -> None:
+        for key, (kept, lost) in dropped.items():
+            old = self.objects[key]
+            segment.allocator.free(next(r.offset for r in old.replicas if r not in kept.replicas), old.size)
+            if lost is None:
+                self.objects[key] = kept
+            else:
+                del self.objects[key]
+                self._remember_lost(key, lost)
+            self._touch(old)
+        if dropped:
+            log.warning("segment %s does not hold %d object(s) the journal places there (removed or written over "
+                        "in records the journal lost); dropped there%s", segment.segment_id, len(dropped),
+                        some_keys(list(dropped)))

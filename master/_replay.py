@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 
+from engram_store._errors import EngramError, JournalError
+
 from ._records import COMPLETE, LostObject, ObjectMeta, Replica
 
 log = logging.getLogger("master._state")
@@ -29,7 +31,8 @@ class Replay:
 
         Restored segments get a fresh heartbeat deadline; a segment that died while the master was
         down misses it and is dropped then. They are unconfirmed: nothing is allocated on one until it registers
-        again, with a new write key that fences every put the old master had started there. Leases are not
+        again, with a new write key that fences every put the old master had started there, and offers back what
+        it holds, which the master compares with what the journal says (see :mod:`._adoption`). Leases are not
         restored: they only ever delay a remove.
         """
         journal, self.journal = self.journal, (lambda record: None)
@@ -38,41 +41,58 @@ class Replay:
         try:
             for record in records:
                 count += 1
-                op = record.get("op")
-                if op == "segment":
-                    self.register_segment(record["segment_id"], record["address"], record["size"],
-                                          record["shm_path"], record["host_id"], record.get("public_key", ""),
-                                          read_addresses=tuple(record.get("read_addresses") or ()),
-                                          confirmed=False)
-                elif op == "drop_segment":
-                    self.drop_segment(record["segment_id"], record.get("reason", "was dropped"))
-                elif op == "object":
-                    self._replay_object(record)
-                elif op == "remove":
-                    meta = self.objects.pop(record["key"], None)
-                    if meta is not None:
-                        self.remember_removed(record["key"], meta)
-                        freed += self._free_replicas(meta)
-                    elif record["key"] in self.lost:
-                        self._forget_lost(record["key"])
-                elif op == "lost":
-                    self._remember_lost(record["key"], LostObject(
-                        str(record.get("message") or f"object {record['key']!r} was lost"), int(record["size"]),
-                        int(record.get("replica_num", 1)), str(record.get("checksum") or ""),
-                        [_replica(p) for p in record.get("places") or ()]))
-                elif op == "removed":
-                    self.removed[(str(record["key"]), int(record["generation"]))] = None
-                elif op == "forget_lost":
-                    for key in list(self.lost):
-                        self._forget_lost(key)
-                else:
-                    log.warning("journal: skipping unknown record %r", op)
+                try:
+                    self._replay_record(record, freed)
+                except EngramError as exc:  # a record the schema allows that contradicts the ones before it
+                    raise JournalError(f"journal: record {count} ({record.get('op')}) cannot be replayed: {exc}; "
+                                       "refusing to start") from None
         finally:
             self.journal = journal
         self._quarantine_replayed(freed)
         generations = [r.generation for m in self.objects.values() for r in m.replicas]
         self.next_put_id = max([self.next_put_id, *(g + 1 for g in generations)])
         return count
+
+    def _replay_record(self, record: dict, freed: list[tuple[str, int, int]]) -> None:
+        op = record.get("op")
+        if op == "segment":
+            self.register_segment(record["segment_id"], record["address"], record["size"], record["shm_path"],
+                                  record["host_id"], record.get("public_key") or "",
+                                  read_addresses=tuple(record.get("read_addresses") or ()), confirmed=False)
+        elif op == "drop_segment":
+            self.drop_segment(record["segment_id"], record.get("reason") or "was dropped")
+        elif op == "object":
+            self._replay_object(record)
+        elif op == "remove":
+            meta = self.objects.pop(record["key"], None)
+            if meta is not None:
+                self.remember_removed(record["key"], meta)
+                freed += self._free_replicas(meta)
+            elif record["key"] in self.lost:
+                self._forget_lost(record["key"])
+        elif op == "lost":
+            self._remember_lost(record["key"], LostObject(
+                str(record.get("message") or f"object {record['key']!r} was lost"), int(record["size"]),
+                int(record.get("replica_num") or 1), str(record.get("checksum") or ""),
+                [_replica(p) for p in record.get("places") or ()]))
+        elif op == "removed":
+            self.removed[(str(record["key"]), int(record["generation"]))] = None
+        elif op == "forget_lost":
+            for key in list(self.lost):
+                self._forget_lost(key)
+        elif op == "batch":
+            for inner in record["records"]:
+                self._replay_record(inner, freed)
+        else:  # the journal's reader refuses these before replay
+            raise JournalError(f"journal: cannot replay a record of unknown op {op!r}")
+
+    def found(self, key: str, replicas: list[Replica]) -> None:
+        """An object of ``key`` with ``replicas`` is known again: a lost one of the key is restored by it, or (written
+        anew while it was lost) is removed, so its bytes never come back over the new object."""
+        if key in self.lost and not any(r.generation == p.generation for r in replicas
+                                        for p in self.lost[key].places):
+            self._forget_lost(key)
+        self.lost.pop(key, None)
 
     def _free_replicas(self, meta: ObjectMeta) -> list[tuple[str, int, int]]:
         freed = []
@@ -111,16 +131,13 @@ class Replay:
             else:
                 refused.append(replica)
         checksum = str(record.get("checksum") or "")
-        replica_num = int(record.get("replica_num", len(replicas)))
+        replica_num = int(record.get("replica_num") or len(replicas) or 1)
         for replica in refused:
             log.warning("journal: object %r (%d bytes) at segment %s offset %d overlaps space the journal gives "
                         "another object, or a segment it does not know; that replica is not restored", key, size,
                         replica.segment_id, replica.offset)
         if replicas:
-            if key in self.lost and not any(r.generation == p.generation for r in replicas
-                                            for p in self.lost[key].places):
-                self._forget_lost(key)  # written anew while it was lost (not the lost object restored)
-            self.lost.pop(key, None)
+            self.found(key, replicas)
             self.objects[key] = ObjectMeta(size, replica_num, replicas, COMPLETE, checksum=checksum)
         elif refused:
             message = (f"object {key!r} was lost: the journal's record of it could not be replayed (its space at "

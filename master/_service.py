@@ -9,7 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from engram_store._errors import EngramError, InvalidArgument, SegmentUnavailable, Unavailable
+from engram_store._errors import EngramError, InvalidArgument, JournalError, SegmentUnavailable, Unavailable
 from engram_store._metrics import MetricsEndpoint, gauge
 from engram_store.wire import PROTOCOL_VERSION, AuthKeys, Connection, Request, RpcServer
 from engram_store._units import parse_address
@@ -42,6 +42,8 @@ STATUS_KEYS = 20
 #: How often the master hands memory freed by bursts of large messages (a flood of garbage, a register of a
 #: segment with a million objects) back to the system: the allocator keeps it otherwise.
 TRIM_S = 10.0
+#: A change the journal refuses in the periodic work (a dead segment's drop) is tried at every tick; said this often.
+JOURNAL_WARN_S = 10.0
 
 
 class MasterServer:
@@ -56,6 +58,7 @@ class MasterServer:
                                  reuse_delay_s=config.reuse_delay_s, put_timeout_s=config.put_timeout_s)
         self.journal = self._open_journal(config)
         self._last_tick = time.monotonic()
+        self._journal_warned = -JOURNAL_WARN_S
         self._next_trim = self._last_tick + TRIM_S
         self.re_replicate = config.re_replicate
         self._rpc_timeout_ms = max(1000, int(config.heartbeat_timeout_s * 1000))
@@ -76,7 +79,7 @@ class MasterServer:
         try:
             records = journal.read()
             self.state.replay(records)
-            journal.rewrite(self.state.snapshot())
+            journal.rewrite(self.state.snapshot())  # a journal that cannot be written is refused here, at start
         except BaseException:
             journal.release()
             raise
@@ -123,7 +126,7 @@ class MasterServer:
                 self.journal.release()
             raise
         if self.journal is not None:
-            self.journal.owner.describe(serving=server.address)
+            self.journal.describe_owner(serving=server.address)
         return server, metrics
 
     @property
@@ -167,13 +170,24 @@ class MasterServer:
         stalled = gap - TICK_MS / 1000.0 if gap > STALL_GAP_S else 0.0
         if stalled:
             log.warning("master did not run for %.1f s; not counting that time against segment heartbeats", gap)
-        self.state.expire_segments(running_gap_s=stalled)
+        self._journalled(self.state.expire_segments, stalled)
         self.state.expire_puts()
         self.state.release_quarantine()
         if self._repair_pool is not None:
             self._tend_repairs(now)
         if self.metrics is not None:
             self.metrics.publish(self._metric_lines(now))
+
+    def _journalled(self, task, *args) -> None:
+        """Run a periodic task that journals; one the journal refuses is tried again at the next tick, and said
+        at most every JOURNAL_WARN_S."""
+        try:
+            task(*args)
+        except JournalError as exc:
+            now = time.monotonic()
+            if now >= self._journal_warned + JOURNAL_WARN_S:
+                self._journal_warned = now
+                log.warning("%s (trying again)", exc)
 
     def _metric_lines(self, now: float) -> list[str]:
         """The Prometheus exposition of the master's state and request statistics (built in the serving thread)."""
@@ -310,14 +324,10 @@ class MasterServer:
         if checksums and len(checksums) != len(keys):
             raise InvalidArgument(f"field 'checksums': expected {len(keys)} checksums (one per key), got "
                                   f"{len(checksums)}")
-        results = []
-        for i, key in enumerate(keys):
-            try:
-                self.state.put_end(key, checksums[i] if checksums else "", generations[i])
-                results.append({"ok": True})
-            except EngramError as exc:
-                results.append({"ok": False, "code": exc.code, "message": str(exc)})
-        return {"results": results}
+        errors = self.state.put_end_many([(key, checksums[i] if checksums else "", generations[i])
+                                          for i, key in enumerate(keys)])
+        return {"results": [{"ok": True} if exc is None else {"ok": False, "code": exc.code, "message": str(exc)}
+                            for exc in errors]}
 
     def _put_revoke(self, req: Request) -> dict:
         settled = req.bool("settled", default=False)

@@ -1,8 +1,10 @@
 """The master's metadata: segments, objects, placement, leases, liveness and write fencing. No sockets, no files.
 
-Every change that must survive a restart is handed to ``journal`` (a callable taking one record dict), so
-the state can be rebuilt by :meth:`MasterState.replay`. Pending puts are not journalled: after a restart a
-write that had not reached ``put_end`` is absent, never half visible.
+Every change that must survive a restart is handed to ``journal`` (a callable taking one record dict) before it is
+made, so the state can be rebuilt by :meth:`MasterState.replay`: a change whose record cannot be written (the
+callable raises JournalError) is not made. A change that touches several objects is one record (a ``batch``), so a
+crash never replays half of it. Pending puts are not journalled: after a restart a write that had not reached
+``put_end`` is absent, never half visible.
 
 Fencing: a write must never land in space another object owns. Each registration of a segment brings a fresh
 secret ``write_key`` chosen by the segment; every replica of a put gets a *ticket* (the put's id and the range it
@@ -17,6 +19,7 @@ again. See DESIGN.md, "Fencing".
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -25,7 +28,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from engram_store._errors import (
+    EngramError,
     InvalidArgument,
+    JournalError,
     LeaseActive,
     ObjectExists,
     ObjectLost,
@@ -35,6 +40,7 @@ from engram_store._errors import (
 )
 from engram_store.wire import make_ticket
 
+from ._adoption import Adoptions
 from ._allocator import FreeListAllocator
 from ._fencing import Fencing
 from ._records import (COMPLETE, LOST_KEYS_KEPT, PENDING, REMOVED_KEPT, LostObject, ObjectMeta, Replica, Segment,
@@ -45,7 +51,7 @@ from ._replay import Replay
 log = logging.getLogger(__name__)
 
 @dataclass
-class MasterState(Fencing, Repairs, Replay):
+class MasterState(Fencing, Repairs, Replay, Adoptions):
     lease_ttl_s: float = 5.0
     heartbeat_timeout_s: float = 10.0
     #: A pending put whose writer has not renewed it (put_start, put_renew) for this long is fenced and its space
@@ -87,81 +93,57 @@ class MasterState(Fencing, Repairs, Replay):
         segment refuses their old tickets already); ``held`` are ranges the segment reports as still written by
         live writers of such puts, reserved until it stops reporting them.
 
-        ``objects`` is what the segment says it holds, as ``(key, offset, size, replica_num[, checksum])`` (a
-        durable segment's manifest, or a segment's catalogue, the bytes verified against their checksums). They
-        are adopted only when this master does not know the segment (it lost its state, or dropped the segment
-        while it was away): a known segment's objects are the ones this master recorded, which already include
-        every write and every remove.
+        ``objects`` is what the segment says it holds, as ``(key, offset, size, replica_num[, checksum[,
+        generation]])`` (its catalogue, the bytes verified against their checksums). They are taken back when this
+        master does not know the segment (it lost its state, or dropped the segment while it was away), and at the
+        segment's first registration since the master replayed its journal, where the journal does not know them
+        (see :mod:`._adoption`). Otherwise a known segment's objects are the ones this master recorded, which
+        already include every write and every remove. The segment's record and what it changes are journalled
+        first, as one record: a registration that cannot be journalled raises JournalError and changes nothing.
         """
-        now = self.clock()
         known = self.segments.get(segment_id)
-        if known is not None:
-            if known.size != size:
-                raise InvalidArgument(
-                    f"segment {segment_id}: registered with size {known.size}, now claims {size}"
-                )
-            known.address, known.shm_path, known.host_id = address, shm_path, host_id
-            known.public_key = public_key
-            known.read_addresses = tuple(read_addresses)
-            known.last_heartbeat = now
-            if confirmed and (registration != known.registration or not known.confirmed):
-                for offset, size, _ in known.verifying.values():  # asked of the old registration: ask again
-                    known.allocator.free(offset, size)
-                known.verifying.clear()
-                self._end_registration(known)
-        else:
-            self.segments[segment_id] = Segment(
-                segment_id, address, size, shm_path, host_id, FreeListAllocator(size), now, public_key,
-                tuple(read_addresses),
+        if known is not None and known.size != size:
+            raise InvalidArgument(
+                f"segment {segment_id}: registered with size {known.size}, now claims {size}"
             )
+        fields = {"address": address, "shm_path": shm_path, "host_id": host_id, "public_key": public_key,
+                  "read_addresses": tuple(read_addresses)}
+        record = {"op": "segment", "segment_id": segment_id, "size": size, **fields,
+                  "read_addresses": list(read_addresses)}
+        fresh = Segment(segment_id, address, size, shm_path, host_id, FreeListAllocator(size), self.clock(),
+                        public_key, tuple(read_addresses)) if known is None else None
+        plan = None
+        if confirmed and (objects and known is None or known is not None and not known.confirmed):
+            journalled = known is not None  # restored by the replay, registering for the first time since
+            target = fresh or dataclasses.replace(known, allocator=known.allocator.copy(), held=set(known.held))
+            plan = self.plan_adoption(target, objects or [], held or [], journalled,
+                                      original=known.allocator if known is not None else None)
+        changed = known is None or any(getattr(known, name) != value for name, value in fields.items())
+        self._record(*([record] if changed else []), *(plan.records(self._object_record) if plan else []))
+        if known is None:
+            self.segments[segment_id] = fresh
             log.info("segment %s registered at %s (%d bytes, %d reader sockets)", segment_id, address, size,
                      len(read_addresses))
+        else:
+            for name, value in fields.items():
+                setattr(known, name, value)
+            known.last_heartbeat = self.clock()
+            if confirmed and (registration != known.registration or not known.confirmed):
+                for offset, length, _ in known.verifying.values():  # asked of the old registration: ask again
+                    known.allocator.free(offset, length)
+                known.verifying.clear()
+                known.doubtful = {}
+                self._end_registration(known)
         segment = self.segments[segment_id]
         segment.confirmed = confirmed
         if confirmed:
             segment.write_key, segment.registration = bytes(write_key), registration
             segment.direct_writes = bool(direct_writes)
-            self._report_held(segment, held or [])
-        self.journal({"op": "segment", "segment_id": segment_id, "address": address, "size": size,
-                      "shm_path": shm_path, "host_id": host_id, "public_key": public_key,
-                      "read_addresses": list(read_addresses)})
-        if known is None and objects:
-            self._adopt(segment, objects)
+            if plan is not None:
+                self.apply_adoption(segment, plan)
+            else:
+                self._report_held(segment, held or [])
         return known is not None
-
-    def _adopt(self, segment: Segment, objects: list[tuple]) -> None:
-        adopted = skipped = 0
-        for entry in objects:
-            key, offset, size, replica_num = entry[:4]
-            checksum = entry[4] if len(entry) > 4 else ""
-            generation = entry[5] if len(entry) > 5 else 0
-            if generation and (key, generation) in self.removed:
-                log.info("segment %s still lists %r, which was removed while it was away; not adopted",
-                         segment.segment_id, key)
-                skipped += 1
-                continue
-            meta = self.objects.get(key)
-            if meta is not None and (meta.state != COMPLETE or meta.size != size
-                                     or (checksum and meta.checksum and checksum != meta.checksum)):
-                log.warning("segment %s holds %r (%d bytes) but this master has another object under that key; "
-                            "ignoring the segment's copy", segment.segment_id, key, size)
-                skipped += 1
-                continue
-            if not segment.allocator.reserve(offset, size):
-                log.warning("segment %s: %r at offset %d overlaps another object; ignoring it",
-                            segment.segment_id, key, offset)
-                skipped += 1
-                continue
-            if meta is None:
-                meta = self.objects[key] = ObjectMeta(size, max(1, replica_num), [], COMPLETE, checksum=checksum)
-                self.lost.pop(key, None)
-            elif checksum and not meta.checksum:
-                meta.checksum = checksum
-            meta.replicas.append(Replica(segment.segment_id, offset, generation))
-            self._journal_object(key, meta)
-            adopted += 1
-        segment.catalog_version += 1
-        log.info("segment %s: adopted %d object(s) it still holds, ignored %d", segment.segment_id, adopted, skipped)
 
     def segment_objects(self, segment_id: str) -> tuple[int, list[list]]:
         """``(catalog_version, [[key, offset, size, replica_num, checksum, generation], ...])`` of the complete
@@ -179,9 +161,19 @@ class MasterState(Fencing, Repairs, Replay):
             if segment is not None:
                 segment.catalog_version += 1
 
-    def _journal_object(self, key: str, meta: ObjectMeta) -> None:
-        self.journal({"op": "object", "key": key, "size": meta.size, "replica_num": meta.replica_num,
-                      "replicas": [r.record() for r in meta.replicas], "checksum": meta.checksum})
+    @staticmethod
+    def _object_record(key: str, meta: ObjectMeta, checksum: str | None = None) -> dict:
+        return {"op": "object", "key": key, "size": meta.size, "replica_num": meta.replica_num,
+                "replicas": [r.record() for r in meta.replicas],
+                "checksum": meta.checksum if checksum is None else checksum}
+
+    def _record(self, *records: dict) -> None:
+        """Journal the records of one change, before it is made (several as one ``batch`` record, so a crash
+        never leaves half of the change); raises JournalError when they cannot be written: make no change then."""
+        if len(records) == 1:
+            self.journal(records[0])
+        elif records:
+            self.journal({"op": "batch", "records": list(records)})
 
     def heartbeat(self, segment_id: str, registration: str | None = None, fenced: list[int] = (),
                   held: list[tuple[int, int]] | None = None) -> Segment | None:
@@ -205,9 +197,11 @@ class MasterState(Fencing, Repairs, Replay):
 
     def drop_segment(self, segment_id: str, reason: str) -> int:
         """Forget a segment and every replica on it; returns how many objects lost their last replica."""
-        segment = self.segments.pop(segment_id, None)
+        segment = self.segments.get(segment_id)
         if segment is None:
             return 0
+        self._record({"op": "drop_segment", "segment_id": segment_id, "reason": reason})
+        del self.segments[segment_id]
         for fence in self.fencing.values():
             fence.waiting.pop(segment_id, None)  # its space went with it
         self._forget_settled_fences()
@@ -231,7 +225,6 @@ class MasterState(Fencing, Repairs, Replay):
                 lost.append(key)
         log.warning("segment %s at %s dropped (%s); %d object(s) lost%s", segment_id, segment.address, reason,
                     len(lost), some_keys(lost))
-        self.journal({"op": "drop_segment", "segment_id": segment_id, "reason": reason})
         return len(lost)
 
     def expire_segments(self, running_gap_s: float = 0.0) -> list[str]:
@@ -248,8 +241,14 @@ class MasterState(Fencing, Repairs, Replay):
                 meta.renewed += running_gap_s  # nor does it expire the puts being written meanwhile
         dead = [s.segment_id for s in self.segments.values()
                 if now - s.last_heartbeat > self.heartbeat_timeout_s]
+        failed = None
         for segment_id in dead:
-            self.drop_segment(segment_id, f"missed heartbeats for over {self.heartbeat_timeout_s:g} s")
+            try:
+                self.drop_segment(segment_id, f"missed heartbeats for over {self.heartbeat_timeout_s:g} s")
+            except JournalError as exc:
+                failed = exc  # still registered: dropped at a later check, once the journal takes the record
+        if failed is not None:
+            raise failed
         return dead
 
     def expire_puts(self) -> list[str]:
@@ -311,8 +310,8 @@ class MasterState(Fencing, Repairs, Replay):
                 + (f"; {abandoned} bytes of abandoned writes become free once their segments have fenced them "
                    "(within a heartbeat, or when their writer exits)" if abandoned else "") + ")"
             )
-        if key in self.lost:
-            self._forget_lost(key)  # written anew: the lost bytes must not come back over the new object
+        # A lost object of the key stays lost (and restorable) until this put is published: a put that fails must
+        # not erase the loss (put_end forgets it; a segment that brings the lost object back fences this put).
         put_id = self.next_put_id
         self.next_put_id += 1
         now = self.clock()
@@ -336,17 +335,37 @@ class MasterState(Fencing, Repairs, Replay):
         return True
 
     def put_end(self, key: str, checksum: str = "", generation: int = 0) -> None:
-        meta = self.objects.get(key)
-        if meta is None or (generation and not self._written_by(key, generation)):
-            raise ObjectNotFound(f"put_end {key!r}: no write in progress (revoked, timed out, fenced, or "
-                                 "forgotten by a master restart)")
-        if meta.state == COMPLETE:
-            return
-        meta.state = COMPLETE
-        meta.put_id = 0
-        meta.checksum = checksum
-        self._touch(meta)
-        self._journal_object(key, meta)
+        error = self.put_end_many([(key, checksum, generation)])[0]
+        if error is not None:
+            raise error
+
+    def put_end_many(self, puts: list[tuple[str, str, int]]) -> list[EngramError | None]:
+        """Publish ``(key, checksum, generation)`` puts, all in one journal record: each answered None (published,
+        or published already) or with its error; if the record cannot be written, none is published and each
+        gets the JournalError. Publishing a key that was lost forgets the loss: the key holds the new object."""
+        results: list[EngramError | None] = []
+        ready: dict[str, tuple[ObjectMeta, str]] = {}
+        for key, checksum, generation in puts:
+            meta = self.objects.get(key)
+            if meta is None or (generation and not self._written_by(key, generation)):
+                results.append(ObjectNotFound(f"put_end {key!r}: no write in progress (revoked, timed out, fenced, "
+                                              "or forgotten by a master restart)"))
+                continue
+            results.append(None)
+            if meta.state != COMPLETE and key not in ready:
+                ready[key] = (meta, checksum)
+        try:
+            self._record(*[self._object_record(key, meta, checksum) for key, (meta, checksum) in ready.items()])
+        except JournalError as exc:
+            return [exc if key in ready and error is None else error for (key, _, _), error in zip(puts, results)]
+        for key, (meta, checksum) in ready.items():
+            if key in self.lost:
+                self._forget_lost(key)  # written anew: the lost bytes must not come back over the new object
+            meta.state = COMPLETE
+            meta.put_id = 0
+            meta.checksum = checksum
+            self._touch(meta)
+        return results
 
     def put_revoke(self, key: str, settled: bool = False, generation: int = 0) -> None:
         """Abandon a pending put. ``settled``: its writer has no write in flight any more (every write it sent was
@@ -380,56 +399,61 @@ class MasterState(Fencing, Repairs, Replay):
     def remove(self, key: str, force: bool = False) -> list[Replica] | None:
         """Remove a complete object, or with ``force`` a put still being written (it is fenced). Removing a lost
         object (its data died with its segments) forgets the loss, so the key reads as absent again, as ``exists``
-        already says, and can be written anew."""
+        already says, and can be written anew. Returns the replicas of a complete object removed."""
         meta = self.objects.get(key)
-        if meta is None and key in self.lost:
-            self._forget_lost(key)
-            self.journal({"op": "remove", "key": key})
-            return
-        if meta is None:
+        if meta is None and key not in self.lost:
             raise ObjectNotFound(f"remove: no object under key {key!r}")
-        if meta.state == PENDING:
-            if not force:
-                raise LeaseActive(f"remove {key!r}: a write is in progress (last renewed by its writer "
-                                  f"{self.clock() - meta.renewed:.1f} s ago); pass force=True to revoke it")
-            log.warning("put of %r revoked by a forced remove", key)
-            self._fence(key, meta)
-            return
-        remaining = meta.lease_until - self.clock()
-        if remaining > 0 and not force:
-            raise LeaseActive(f"remove {key!r}: a read lease is live for {remaining:.2f} s more; pass force=True")
-        self._release(key, meta)
-        self.journal({"op": "remove", "key": key})
-        return meta.replicas
+        if meta is not None and not force:
+            self._check_removable(key, meta, self.clock())
+        return self._remove_keys([key])[key] or None
 
     def remove_many(self, keys: list[str], force: bool = False,
                     generations: list[int] | None = None) -> dict[str, list[Replica]]:
         """Remove several objects, all or nothing: if a read lease (or, without ``force``, a write in progress)
-        holds any of them, none is removed and LeaseActive names it. Keys that are absent are skipped. Returns the
-        replicas of each object removed, by key (lost objects: none).
+        holds any of them, none is removed and LeaseActive names it; if the journal cannot take the removal, none
+        is removed and JournalError says why. Keys that are absent are skipped. Returns the replicas of each object
+        removed, by key (lost objects and writes in progress: none).
 
         ``generations`` (one per key) removes only the objects those puts wrote: a key now holding another put's
         object is skipped like an absent one. A writer undoing its own failed write passes the generations its
         puts got, so it never removes what another writer put under the same keys meanwhile."""
         if generations is not None:
             keys = [k for k, g in zip(keys, generations) if self._written_by(k, g)]
+        keys = [k for k in dict.fromkeys(keys) if k in self.objects or k in self.lost]
         if not force:
             now = self.clock()
             for key in keys:
-                meta = self.objects.get(key)
-                if meta is None:
-                    continue
-                if meta.state == PENDING:
-                    raise LeaseActive(f"remove {key!r}: a write is in progress (last renewed by its writer "
-                                      f"{now - meta.renewed:.1f} s ago); nothing of the {len(keys)} objects was "
-                                      "removed; pass force=True to revoke it")
-                if meta.lease_until > now:
-                    raise LeaseActive(f"remove {key!r}: a read lease is live for {meta.lease_until - now:.2f} s more; "
-                                      f"nothing of the {len(keys)} objects was removed; pass force=True")
+                if key in self.objects:
+                    self._check_removable(key, self.objects[key], now, f"nothing of the {len(keys)} objects was "
+                                                                       "removed; ")
+        return self._remove_keys(keys)
+
+    def _check_removable(self, key: str, meta: ObjectMeta, now: float, said: str = "") -> None:
+        """LeaseActive unless the object may be removed without ``force``."""
+        if meta.state == PENDING:
+            raise LeaseActive(f"remove {key!r}: a write is in progress (last renewed by its writer "
+                              f"{now - meta.renewed:.1f} s ago); {said}pass force=True to revoke it")
+        if meta.lease_until > now:
+            raise LeaseActive(f"remove {key!r}: a read lease is live for {meta.lease_until - now:.2f} s more; "
+                              f"{said}pass force=True")
+
+    def _remove_keys(self, keys: list[str]) -> dict[str, list[Replica]]:
+        """Remove each key (complete: released; being written: fenced; lost: forgotten), after one journal record
+        of them all; returns the replicas of each complete object removed, by key."""
+        self._record(*[{"op": "remove", "key": key} for key in keys
+                       if key in self.lost or self.objects[key].state == COMPLETE])
         removed = {}
         for key in keys:
-            if key in self.objects or key in self.lost:
-                removed[key] = self.remove(key, force=True) or []
+            meta = self.objects.get(key)
+            removed[key] = []
+            if meta is not None and meta.state == PENDING:
+                log.warning("put of %r revoked by a forced remove", key)
+                self._fence(key, meta)
+            elif meta is not None:
+                self._release(key, meta)
+                removed[key] = meta.replicas
+            if key in self.lost:
+                self._forget_lost(key)
         return removed
 
     def _written_by(self, key: str, generation: int) -> bool:
@@ -456,29 +480,23 @@ class MasterState(Fencing, Repairs, Replay):
         return rows[:limit], len(rows) > limit
 
     def remove_all(self, force: bool = False) -> tuple[int, int]:
-        """Remove every complete object (and forget every lost one; with ``force`` also revoke every pending put);
-        returns (removed, refused by a lease or a write in progress)."""
-        removed = refused = 0
-        if self.lost:
-            for key in list(self.lost):
-                self._forget_lost(key)
-            self.journal({"op": "forget_lost"})
-        for key in list(self.objects):
-            try:
-                self.remove(key, force)
-                removed += 1
-            except LeaseActive:
-                refused += 1
-        return removed, refused
+        """Remove every complete object (and forget every lost one; with ``force`` also revoke every pending put),
+        in one journal record; returns (removed, refused by a lease or a write in progress)."""
+        now = self.clock()
+        keys = [k for k, m in self.objects.items() if force or (m.state == COMPLETE and m.lease_until <= now)]
+        refused = len(self.objects) - len(keys)
+        self._remove_keys(list(dict.fromkeys([*keys, *self.lost])))
+        return len(keys), refused
 
-    def _release(self, key: str, meta: ObjectMeta) -> None:
-        """Forget a complete object; its space is quarantined (readers may hold its placement)."""
+    def _release(self, key: str, meta: ObjectMeta, keep: str = "") -> None:
+        """Forget a complete object; its space is quarantined (readers may hold its placement), except on the
+        segment ``keep`` (whose space the caller has dealt with)."""
         self._touch(meta)
         self.remember_removed(key, meta)
         reusable_at = self.clock() + self.reuse_delay_s
         for replica in meta.replicas:
             segment = self.segments.get(replica.segment_id)
-            if segment is None:
+            if segment is None or replica.segment_id == keep:
                 continue
             if self.reuse_delay_s > 0 and meta.size:
                 self.quarantine.append((reusable_at, segment.allocator, replica.offset, meta.size))

@@ -2,7 +2,7 @@
 
 Folders by room: ``master/``, ``store/`` (client, segments, raw channel), ``tables/`` (EngramStore, engram-layers),
 ``kernels/``, ``disk/``, ``compat/``, ``model/``, ``mooncake/`` (the Mooncake bridge), ``faults/`` (processes killed,
-paused, cut off, disks filled); at the top, what spans the house: the CLI, the docs, the layout rules, and the fault
+paused, cut off, disks filled), ``security/`` (another local user, run as a second uid; needs root); at the top, what spans the house: the CLI, the docs, the layout rules, and the fault
 explorer (``nemesis*.py``, ``python tests/nemesis.py --help``).
 
 Conventions: a folder's helpers live beside its tests in ``<folder>_helpers.py`` (this folder's in
@@ -56,7 +56,7 @@ def tmpfs(tmp_path):
             pytest.skip("mounting a tmpfs needs root")
         where = tmp_path / f"fs{len(mounted)}"
         where.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(where)],
                               capture_output=True, timeout=30)
         if done.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")

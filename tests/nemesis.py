@@ -7,7 +7,8 @@ count) and the schedule of operations (populate, lookup, prefetch, remove, verif
 ``disk_dir`` layers, behind a client's own row cache or the host's, shared and asked for at different sizes; undo
 of a client's own populate of a store layer; put, get and remove of objects; clients closing mid-call) and faults (SIGKILL, SIGSTOP and
 restarts of the master, with and without its journal, and of segments; clients killed mid-populate and mid-remove;
-network partitions between processes, where the machine lets this run make network namespaces). Processes are
+a paused segment's shared memory truncated under its readers, which its seals must refuse; network partitions
+between processes, where the machine lets this run make network namespaces). Processes are
 real (``engram-master``, ``engram-segment``, client processes running ``tests/nemesis_worker.py``); timings are
 not, so a seed replays the same schedule, not the same interleaving.
 
@@ -44,6 +45,7 @@ from engram_store.testing import Proc, free_port, segment_ready, spawn_segment, 
 from engram_store.segment import reap_orphans  # noqa: E402
 
 from nemesis_faults import FAULTS, Faults  # noqa: E402
+from nemesis_journal import JournalFaults  # noqa: E402
 from nemesis_net import FileSystem, Network  # noqa: E402
 
 #: The master's timing, short so that faults bite within a history of a few seconds.
@@ -144,10 +146,11 @@ class Plan:
                    steps=rng.randint(25, 45))
 
 
-class History(Faults):
+class History(Faults, JournalFaults):
     """Runs one seed: the cluster, the clients, the schedule of operations and faults, and the record of it."""
 
-    def __init__(self, seed: int, verbose: bool = False, partitions: bool | None = None, undo: bool = True):
+    def __init__(self, seed: int, verbose: bool = False, partitions: bool | None = None, undo: bool = True,
+                 journal: bool = True):
         self.seed = seed
         self.rng = random.Random(seed)
         # Undos come from a stream of their own, so that without them (undo=False: how the seeds that found
@@ -180,6 +183,11 @@ class History(Faults):
         #: a master restarted without a journal (it knows only what segments tell it, and every segment is away
         #: from it until it registers again: what it was told of writes and removes meanwhile it may not know).
         self.facts = {"shm_segment_died": False, "journalless_restart": False}
+        try:
+            self.setup_journal(journal)  # where the journal lives, and its faults (tests/nemesis_journal.py)
+        except BaseException:
+            self.release()
+            raise
         self.registered: set[str] = set()  # segment ids the master knows once the faults have healed
         self._next_op = 1
         self._next_worker = 0
@@ -212,7 +220,7 @@ class History(Faults):
         return f"{self._host('master')}:{self.master_port}"
 
     def start_master(self) -> None:
-        journal = os.path.join(self.dir, "master.journal") if self.plan.journal else None
+        journal = self.journal_file if self.plan.journal else None
         self.master = start_master(port=self.master_port, journal=journal, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
                                    lease_ttl_s=LEASE_TTL_S, extra=MASTER_EXTRA, prefix=self._prefix("master"),
                                    host=self._host("master"))
@@ -397,11 +405,11 @@ class History(Faults):
 
     def fault(self) -> None:
         names = [n for n, (weight, applies) in FAULTS.items() if applies(self)]
-        if not names:
-            return
-        weights = [FAULTS[n][0] for n in names]
-        name = self.rng.choices(names, weights=weights)[0]
-        getattr(self, "fault_" + name)()
+        if names:
+            weights = [FAULTS[n][0] for n in names]
+            name = self.rng.choices(names, weights=weights)[0]
+            getattr(self, "fault_" + name)()
+        self.journal_fault()
 
     def kill_worker(self, worker: Worker, why: str) -> None:
         worker.proc.expected_exit = True
@@ -424,8 +432,8 @@ class History(Faults):
             self.master.signal(signal.SIGCONT)
             self.master_stopped_until = 0.0
             self.log("master resumed (SIGCONT)")
-        if self.master is None and now >= self.master_down_until:
-            self.start_master()
+        self.tend_journal(now)
+        if self.master is None and now >= self.master_down_until and self.start_master_or_refusal():
             self.log(f"master started again{' from its journal' if self.plan.journal else ' without a journal'}")
         for i, slot in enumerate(self.segments):
             if slot["proc"] is not None and slot["stopped_until"] and now >= slot["stopped_until"]:
@@ -451,6 +459,7 @@ class History(Faults):
         if self.fs and self.fs.full_until:
             self.fs.free()
             self.log("the file system has room again")
+        self.heal_journal()
         self.master_stopped_until = min(self.master_stopped_until, self.now()) if self.master_stopped_until else 0
         self.master_down_until = min(self.master_down_until, self.now())
         for slot in self.segments:
@@ -478,6 +487,7 @@ class History(Faults):
             self.network.close()
         if self.fs:
             self.fs.close()
+        self.release_journal()
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -499,8 +509,9 @@ class History(Faults):
         final_check(self)
 
 
-def run_seed(seed: int, verbose: bool = False, partitions: bool | None = None, undo: bool = True) -> History:
-    history = History(seed, verbose=verbose, partitions=partitions, undo=undo)
+def run_seed(seed: int, verbose: bool = False, partitions: bool | None = None, undo: bool = True,
+             journal: bool = True) -> History:
+    history = History(seed, verbose=verbose, partitions=partitions, undo=undo, journal=journal)
     history.run()
     return history
 
@@ -525,6 +536,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-partitions", action="store_true", help="never partition the network")
     p.add_argument("--no-undo", action="store_true",
                    help="no undo_populate in the schedule (how seeds found before it existed replay)")
+    p.add_argument("--no-journal-faults", action="store_true",
+                   help="no faults of the master's journal (how seeds found before they existed replay)")
     p.add_argument("--record", metavar="DIR", default=os.path.join(tempfile.gettempdir(), "engram-nemesis"),
                    help="where a history that broke the contract is written in full, as seed-S.log (a replay "
                         "repeats the schedule, not the timing; default: %(default)s)")
@@ -535,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     if args.seed is not None:
-        history = run_seed(args.seed, verbose=True, partitions=partitions, undo=not args.no_undo)
+        history = run_seed(args.seed, verbose=True, partitions=partitions, undo=not args.no_undo,
+                           journal=not args.no_journal_faults)
         print(f"seed {args.seed}: " + ("held" if not history.violations else
                                        f"{len(history.violations)} violation(s)"))
         for v in history.violations:
@@ -549,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
         if time.monotonic() > deadline:
             break
         try:
-            history = run_seed(seed, partitions=partitions, undo=not args.no_undo)
+            history = run_seed(seed, partitions=partitions, undo=not args.no_undo,
+                               journal=not args.no_journal_faults)
         except KeyboardInterrupt:
             print(f"stopped during seed {seed} (not counted)", flush=True)
             break

@@ -115,8 +115,8 @@ def final_check(history) -> None:
                     history.log(f"{target}: the earlier write {got[0]} back under a master without a journal while "
                                 f"a segment was away: allowed")
                 elif got != [gen]:
-                    history.violation(f"{target}: the last acknowledged write was populate {gen}, but the final read "
-                                      f"returned rows of {got}")
+                    _judge(history, target, op, f"{target}: the last acknowledged write was populate {gen}, but the "
+                                                f"final read returned rows of {got}")
             elif error == "ObjectLost":
                 # Lost is the truth only while the segment that held it is gone: one that is registered again
                 # (the same id: its memory outlived a pause, a partition or a restart on its file) restores it.
@@ -131,19 +131,19 @@ def final_check(history) -> None:
                     history.log(f"{target}: gone under a master without a journal while a segment was away "
                                 f"({error}): allowed")
                 else:
-                    history.violation(f"{target}: acknowledged populate {gen} is silently gone: {error}: "
-                                      f"{op.reply.get('message')}")
+                    _judge(history, target, op, f"{target}: acknowledged populate {gen} is silently gone: {error}: "
+                                                f"{op.reply.get('message')}")
             else:
                 history.violation(f"{target}: final read failed: {error}: {op.reply.get('message')}")
         elif want == "absent":
             if op.outcome == "ok" and target[0] in ("store", "key") and _journalless_restart(history):
                 history.log(f"{target}: back under a master without a journal while a segment was away: allowed")
             elif op.outcome == "ok":
-                history.violation(f"{target}: its last acknowledged write removed it, but it reads back: "
-                                  f"{op.reply}")
+                _judge(history, target, op, f"{target}: its last acknowledged write removed it, but it reads back: "
+                                            f"{op.reply}")
             elif error not in ABSENT and error != "ObjectLost":
-                history.violation(f"{target}: expected absent, final read failed with {error}: "
-                                  f"{op.reply.get('message')}")
+                _judge(history, target, op, f"{target}: expected absent, final read failed with {error}: "
+                                            f"{op.reply.get('message')}")
         # Reads that succeed are held to the per-read contract by check_read already.
 
 
@@ -159,6 +159,37 @@ def _journalless_restart(history) -> bool:
     never heard of may be undone by the restart, and so may one the master answered before the segments came back
     (seed 70108: a remove found nothing, and the layer came back with them; documented in docs/operating.md)."""
     return history.facts["journalless_restart"]
+
+
+def _judge(history, target, op, violation: str) -> None:
+    """A final read that breaks the contract, unless what happened allows it (:func:`journal_cut_allows`)."""
+    allowed = journal_cut_allows(history, target, op)
+    if allowed:
+        history.log(f"{target}: {allowed}: allowed")
+    else:
+        history.violation(violation)
+
+
+def journal_cut_allows(history, target, op) -> str:
+    """Why a cut journal (whole records lost from its end, ``facts["journal_cut"]``) explains this final read of a
+    store object, or "". The master takes back every object a live segment holds, and drops what a segment says it
+    no longer holds; what it cannot know is a remove it lost where the segment restarted since (the object comes
+    back; reported lost, or StalePlacement, where its segment disowns it), and an object whose every segment died,
+    whose loss only the lost records named (it reads as absent; nothing holds its bytes). Nothing else: no wrong
+    row, no object a segment holds."""
+    if not history.facts.get("journal_cut") or target[0] not in ("store", "key"):
+        return ""
+    error = op.reply.get("error")
+    want, _ = expected_final(history, target)
+    if want == "absent" and (op.outcome == "ok" or error in ("StalePlacement", "ObjectLost")):
+        return f"a remove the cut journal lost ({error or 'it reads back'})"
+    if want == "present" and op.outcome == "ok":
+        got = op.reply.get("gens") or [op.reply.get("gen")]
+        if len(got) == 1 and got[0] in _written_gens(history, target):
+            return f"an earlier write {got[0]} back: the cut journal lost the remove of it"
+    if want == "present" and error in ABSENT and history.facts["shm_segment_died"]:
+        return "gone with its shared-memory segment, and the cut journal lost the record of that loss"
+    return ""
 
 
 def converge(history, worker, timeout_s: float = 45.0) -> None:

@@ -47,7 +47,7 @@ class Faults:
         """Start a second master on the same journal: it must refuse and leave the journal alone."""
         import subprocess
         import sys
-        journal = os.path.join(self.dir, "master.journal")
+        journal = self.journal_file
         before = os.stat(journal).st_ino if os.path.exists(journal) else None
         second = subprocess.run(self._prefix("master") + [sys.executable, "-m", "master", "--host",
                                 self._host("master"), "--port", "0", "--journal", journal],
@@ -95,12 +95,37 @@ class Faults:
         self.log(f"FAULT segment{i} stopped (SIGTERM)")
 
     def fault_segment_pause(self) -> None:
-        """SIGSTOP a segment, often past the master's heartbeat timeout (it is dropped and comes back)."""
+        """SIGSTOP a segment, often past the master's heartbeat timeout (it is dropped and comes back). A process of
+        its user then tries to shrink a shared-memory segment's memory and generation table under the clients
+        mapping them (no random draw: the schedules of older seeds stay as they were)."""
         i = self._segment()
         slot = self.segments[i]
         slot["proc"].signal(signal.SIGSTOP)
         slot["stopped_until"] = self.now() + self.rng.uniform(0.1, 4.0)
         self.log(f"FAULT segment{i} paused (SIGSTOP) until {slot['stopped_until']:.3f}")
+        if not slot["file"]:
+            self._shrink_memory(i, slot["proc"].pid)
+
+    def _shrink_memory(self, i: int, pid: int) -> None:
+        """Truncate every memfd of segment ``i`` (through /proc, as its user or root may): the seals must refuse.
+        Had one shrunk, the clients mapping it would die of SIGBUS (which the checker reports too)."""
+        tried = 0
+        for name in os.listdir(f"/proc/{pid}/fd"):
+            path = f"/proc/{pid}/fd/{name}"
+            try:
+                if not os.readlink(path).startswith("/memfd:engram-"):
+                    continue
+                fd = os.open(path, os.O_RDWR)
+            except OSError:
+                continue
+            try:
+                os.ftruncate(fd, 0)
+                self.violation(f"segment{i}'s memory {os.readlink(path)} was shrunk under its readers")
+            except PermissionError:
+                tried += 1
+            finally:
+                os.close(fd)
+        self.log(f"FAULT segment{i}: shrinking its memory refused ({tried} memfd(s) sealed)")
 
     def fault_client_kill(self) -> None:
         """SIGKILL a client, often mid-operation (a writer killed mid-populate or mid-remove); a new one starts."""

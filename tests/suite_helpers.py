@@ -46,6 +46,19 @@ def manifest_objects(path: str) -> int:
         return -1
 
 
+def segment_memory(pid: int) -> str:
+    """A path through /proc to the memory of the segment process ``pid`` (its memfd), for a test that changes bytes
+    behind the segment's back (it opens even while the segment is stopped)."""
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(f"/memfd:engram-segment-{pid}"):
+            return f"/proc/{pid}/fd/{fd}"
+    raise AssertionError(f"segment process {pid} holds no segment memory")
+
+
 def run_threads(work: Callable[[int], None], count: int, timeout_s: float, what: str = "a thread") -> None:
     """Run ``work(0)`` .. ``work(count - 1)`` in threads at once and wait for them: a thread still running after
     ``timeout_s`` fails the test, and so does the first exception any of them raised."""

@@ -34,18 +34,25 @@ FOUND = {
     100017: "undo_populate after a populate refused with ObjectExists took back the layer's last populate that "
             "succeeded, while the explorer's client had forgotten it at the refused one: a refused populate now "
             "leaves what undo would take back as it was, in the client and in the model alike",
+    424236: "a put of a key lost with its segment failed (another segment paused past the heartbeat timeout: "
+            "WriteFenced) and erased the loss, so the lost object's segment came back with it intact and it was not "
+            "restored (put_start forgot the loss; publication does now)",
 }
 #: Seeds found before undo_populate was in the schedule: they replay the schedule they were found with
 #: (``--no-undo``).
 BEFORE_UNDO = {2, 5, 345, 606, 60022, 70108}
+#: Seeds found before the explorer made faults of the master's journal: they replay without them
+#: (``--no-journal-faults``).
+BEFORE_JOURNAL = {2, 5, 345, 606, 60022, 70108, 100017, 424236}
 #: Further seeds explored on every run (CI's share of the exploration; each takes 5-15 s).
 EXPLORED = [101, 202, 303, 404, 505]
 
 
 @pytest.mark.parametrize("seed", sorted(FOUND) + EXPLORED)
 def test_history_holds_to_the_contract(seed):
-    history = run_seed(seed, undo=seed not in BEFORE_UNDO)
-    replay = f"--seed {seed}" + (" --no-undo" if seed in BEFORE_UNDO else "")
+    history = run_seed(seed, undo=seed not in BEFORE_UNDO, journal=seed not in BEFORE_JOURNAL)
+    replay = (f"--seed {seed}" + (" --no-undo" if seed in BEFORE_UNDO else "")
+              + (" --no-journal-faults" if seed in BEFORE_JOURNAL else ""))
     assert not history.violations, (f"seed {seed} broke the contract (replay it with `python tests/nemesis.py "
                                     f"{replay}`):\n" + "\n".join(history.violations) + "\n\nhistory:\n"
                                     + "\n".join(op.describe() for op in history.ops[-60:]))

@@ -12,7 +12,7 @@ Public surface::
     V41Rows, RowsHandle              a layer's rows for a serving engine, in SGLang's and vLLM's conventions (global
                                      ids, -1 padding), into the engine's own buffers: bf16, packed or split
     V41Engram.from_checkpoint        a layer from safetensors shards, its table streamed into the store
-    load_v41_weights, load_v41_table the same in parts; SafetensorsCheckpoint memory-maps F8/BF16 tensors
+    load_v41_weights, load_v41_table the same in parts; SafetensorsCheckpoint reads F8/BF16 tensors (pread)
     hit_rate_by_order, order_labels  a disk_dir EngramStore's stats() curves by n-gram order; metrics labelled so
 
 Demo: ``python -m engram_model.v41.demo``. Loading a checkpoint into a running store: ``engram-load-v41``.

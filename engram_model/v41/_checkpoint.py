@@ -9,23 +9,17 @@ Per Engram layer L the checkpoint holds::
     layers.{L}.engram.q_weight       BF16     [hc, hidden]
     layers.{L}.engram.k_weight       BF16     [hc, hidden]
 
-Other stacks add a ``model.`` prefix or call the scales ``weight_scale_inv``; both are accepted. NumPy has no
-name for F8_E4M3, F8_E8M0 or BF16, so the header is parsed here and the data memory-mapped as bytes: a table
-(101 GB in the release) is never read into memory at once. :func:`load_v41_table` copies it into the store one
-column (one head shard of the layer) at a time, so memory stays bounded by one column (about 4.2 GB); the last
-shard publishes the layer's manifest. If a column fails, the columns this call wrote are removed first.
-
-Headers are held to the format: each tensor's bytes match its dtype and shape, and the tensors cover the data
-section exactly, in order of offsets, without overlaps or holes.
+Other stacks add a ``model.`` prefix or call the scales ``weight_scale_inv``; both are accepted. The shards are read
+by :class:`SafetensorsCheckpoint` (``_safetensors``: headers held to the format, data read with ``pread``, so a shard
+truncated mid-load is a named error and not SIGBUS, and index entries confined to the checkpoint's directory).
+:func:`load_v41_table` copies a table into the store one column (one head shard of the layer) at a time, reading a
+run of rows at a time, so memory stays bounded by one column (about 4.2 GB); the last shard publishes the layer's
+manifest. If a column fails, the columns this call wrote are removed first.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import os
-import struct
 from typing import Any
 
 import numpy as np
@@ -37,176 +31,15 @@ from engram_store._progress import Progress
 from .._fp8 import E4M3_TABLE
 from . import _kernels
 from ._config import FP8_BLOCK, V41Config, v41_store_config
+from ._safetensors import FLOATS as _FLOATS
+from ._safetensors import SafetensorsCheckpoint
 
 log = logging.getLogger(__name__)
 
-INDEX_FILE = "model.safetensors.index.json"
-#: Largest header accepted (as the safetensors reference implementation bounds it).
-MAX_HEADER_BYTES = 100 << 20
 #: Rows packed per chunk while a column is copied (16 MiB of 264-byte rows); the progress bar moves per chunk.
 CHUNK_ROWS = 1 << 16
 #: Columns smaller than this show no progress bar.
 PROGRESS_MIN_BYTES = 64 << 20
-#: How each safetensors dtype is mapped: raw bytes for the float8 types, bit patterns for BF16.
-_DTYPES = {"F8_E4M3": np.dtype("u1"), "F8_E8M0": np.dtype("u1"), "U8": np.dtype("u1"), "I8": np.dtype("i1"),
-           "BF16": np.dtype("<u2"), "F16": np.dtype("<f2"), "F32": np.dtype("<f4"), "F64": np.dtype("<f8"),
-           "I16": np.dtype("<i2"), "I32": np.dtype("<i4"), "I64": np.dtype("<i8"), "U16": np.dtype("<u2"),
-           "U32": np.dtype("<u4"), "U64": np.dtype("<u8"), "BOOL": np.dtype("?")}
-_FLOATS = ("BF16", "F16", "F32", "F64")
-#: Largest dimension of a tensor's shape (a size NumPy can index).
-_MAX_DIM = 2 ** 63 - 1
-
-
-class SafetensorsCheckpoint:
-    """The tensors of a safetensors checkpoint, memory-mapped on demand.
-
-    ``path`` is a ``.safetensors`` file or a directory: with ``model.safetensors.index.json`` its ``weight_map``
-    says which shard holds each tensor (only the shards asked for are opened), without one every
-    ``*.safetensors`` file in it is read.
-    """
-
-    def __init__(self, path: str | os.PathLike):
-        where = os.fspath(path)
-        self.path = where
-        self._headers: dict[str, dict[str, Any]] = {}
-        if os.path.isfile(where):
-            self._where = {name: where for name in self._header(where)}
-        elif os.path.isdir(where):
-            index = os.path.join(where, INDEX_FILE)
-            if os.path.isfile(index):
-                self._where = self._read_index(index)
-            else:
-                shards = sorted(f for f in os.listdir(where) if f.endswith(".safetensors"))
-                if not shards:
-                    raise InvalidArgument(f"path: {where!r} holds no {INDEX_FILE} and no .safetensors file")
-                self._where = {name: os.path.join(where, f) for f in shards for name in self._header(
-                    os.path.join(where, f))}
-        else:
-            raise InvalidArgument(f"path: no such checkpoint file or directory {where!r}")
-
-    def _read_index(self, index: str) -> dict[str, str]:
-        try:
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f).get("weight_map")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
-            raise InvalidArgument(f"{index}: not a safetensors index ({exc})") from None
-        except RecursionError:
-            raise InvalidArgument(f"{index}: not a safetensors index (it nests deeper than the JSON parser "
-                                  "follows)") from None
-        if not isinstance(weight_map, dict):
-            raise InvalidArgument(f"{index}: expected a \"weight_map\" object, got {describe(weight_map)}")
-        base = os.path.dirname(index)
-        return {str(name): os.path.join(base, str(file)) for name, file in weight_map.items()}
-
-    def _header(self, file: str) -> dict[str, Any]:
-        header = self._headers.get(file)
-        if header is not None:
-            return header
-        try:
-            size = os.path.getsize(file)
-            with open(file, "rb") as f:
-                raw = f.read(8)
-                (n,) = struct.unpack("<Q", raw) if len(raw) == 8 else (-1,)
-                if not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
-                    raise InvalidArgument(f"{file}: not a safetensors file (header length {n}, file {size} bytes)")
-                header = json.loads(f.read(n).decode("utf-8"))
-        except FileNotFoundError:
-            raise InvalidArgument(f"{file}: shard listed in the index does not exist") from None
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise InvalidArgument(f"{file}: not a safetensors file (header is not JSON: {exc})") from None
-        except RecursionError:
-            raise InvalidArgument(f"{file}: not a safetensors file (the header nests deeper than the JSON parser "
-                                  "follows; a safetensors header is an object of flat tensor entries)") from None
-        if not isinstance(header, dict):
-            raise InvalidArgument(f"{file}: safetensors header must be a JSON object, got {describe(header)}")
-        header.pop("__metadata__", None)
-        data_bytes = size - 8 - n
-        for name, info in header.items():
-            _check_entry(file, name, info, data_bytes)
-            info["_start"] = 8 + n + info["data_offsets"][0]
-        _check_tiling(file, header, data_bytes)
-        self._headers[file] = header
-        return header
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._where
-
-    def names(self) -> list[str]:
-        return sorted(self._where)
-
-    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
-        """``(safetensors dtype name, shape)`` of a tensor."""
-        entry = self._entry(name)
-        return entry["dtype"], tuple(entry["shape"])
-
-    def _entry(self, name: str) -> dict[str, Any]:
-        file = self._where.get(name)
-        if file is None:
-            raise InvalidArgument(f"{self.path}: no tensor {name!r}")
-        entry = self._header(file).get(name)
-        if entry is None:
-            raise InvalidArgument(f"{file}: the index places {name!r} here, but the shard does not hold it")
-        return entry
-
-    def raw(self, name: str) -> np.ndarray:
-        """A read-only memory map of the tensor's data: uint8 for the float8 types, uint16 bits for BF16."""
-        entry = self._entry(name)
-        dtype, shape = _DTYPES[entry["dtype"]], tuple(entry["shape"])
-        count = math.prod(shape)
-        if count == 0:
-            return np.zeros(shape, dtype=dtype)
-        return np.memmap(self._where[name], dtype=dtype, mode="r", offset=entry["_start"], shape=shape)
-
-    def float32(self, name: str) -> np.ndarray:
-        """A float tensor (BF16, F16, F32, F64) read into a new float32 array (BF16 widened exactly)."""
-        dtype, _ = self.info(name)
-        if dtype not in _FLOATS:
-            raise InvalidArgument(f"{name}: expected a float tensor ({', '.join(_FLOATS)}), got {dtype}")
-        arr = self.raw(name)
-        if dtype == "BF16":
-            return (arr.astype(np.uint32) << 16).view(np.float32)
-        return np.array(arr, dtype=np.float32)
-
-
-def _check_entry(file: str, name: str, info: Any, data_bytes: int) -> None:
-    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
-        raise InvalidArgument(f"{file}: tensor {name!r} needs dtype, shape and data_offsets, got {describe(info)}")
-    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if dtype not in _DTYPES:
-        raise InvalidArgument(f"{file}: tensor {name!r} has dtype {dtype!r}, which this reader does not know "
-                              f"(known: {', '.join(sorted(_DTYPES))})")
-    if not (isinstance(shape, list) and all(type(d) is int and 0 <= d <= _MAX_DIM for d in shape)):
-        raise InvalidArgument(f"{file}: tensor {name!r} has a bad shape {describe(shape)} (expected a list of "
-                              f"ints in [0, {_MAX_DIM}])")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-            and 0 <= offsets[0] <= offsets[1] <= data_bytes):
-        raise InvalidArgument(f"{file}: tensor {name!r} has data_offsets {describe(offsets)} outside the "
-                              f"{data_bytes} data bytes")
-    need = math.prod(shape) * _DTYPES[dtype].itemsize  # Python ints: a product past int64 does not wrap to 0
-    if offsets[1] - offsets[0] != need:
-        raise InvalidArgument(f"{file}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes, but {dtype} "
-                              f"{shape} needs {need}")
-
-
-def _check_tiling(file: str, header: dict[str, Any], data_bytes: int) -> None:
-    """The tensors must cover the data section exactly, one after another in order of offsets (as the
-    safetensors format requires): no two share a byte, and no byte belongs to none."""
-    spans = sorted((info["data_offsets"][0], info["data_offsets"][1], name) for name, info in header.items())
-    at, last = 0, None
-    for start, end, name in spans:
-        if start < at:
-            raise InvalidArgument(f"{file}: tensor {name!r} has data_offsets [{start}, {end}], which overlap tensor "
-                                  f"{last[2]!r} at [{last[0]}, {last[1]}] (safetensors tensors must not share "
-                                  "bytes)")
-        if start > at:
-            where = f"between {last[2]!r} and {name!r}" if last is not None else f"before {name!r}"
-            raise InvalidArgument(f"{file}: bytes [{at}, {start}) of the data belong to no tensor ({where}); "
-                                  "safetensors tensors must cover the data without holes")
-        at, last = end, (start, end, name)
-    if at != data_bytes:
-        where = f"after {last[2]!r}" if last is not None else "the header lists no tensor"
-        raise InvalidArgument(f"{file}: bytes [{at}, {data_bytes}) of the data belong to no tensor ({where}); "
-                              "safetensors tensors must cover the data without holes")
 
 
 def _as_checkpoint(path: Any) -> SafetensorsCheckpoint:
@@ -255,26 +88,43 @@ def load_v41_weights(path: Any, config: V41Config, layer_id: int) -> dict[str, n
     if scale_dtype in _FLOATS:  # scales stored as their values
         scales = ckpt.float32(scale_name)
     else:
-        raw = np.asarray(ckpt.raw(scale_name))
+        raw = ckpt.raw(scale_name)
         if (raw == 255).any():
             i, j = (int(v) for v in np.argwhere(raw == 255)[0])
             raise InvalidArgument(f"{scale_name}: block [{i}, {j}] has e8m0 byte 255 (NaN)")
         scales = np.ldexp(1.0, raw.astype(np.int64) - 127).astype(np.float32)
     wkv = np.empty(shape, dtype=np.float32)
-    bad = _kernels.dequantize_blocks(np.asarray(ckpt.raw(name)), np.ascontiguousarray(scales), E4M3_TABLE, wkv)
+    bad = _kernels.dequantize_blocks(ckpt.raw(name), np.ascontiguousarray(scales), E4M3_TABLE, wkv)
     if bad >= 0:
         raise InvalidArgument(f"{name}: e4m3 NaN code at {list(divmod(int(bad), shape[1]))}")
     out["wkv"] = wkv
     return out
 
 
-def _table_tensors(ckpt: SafetensorsCheckpoint, config: V41Config, layer_id: int) -> tuple[np.ndarray, np.ndarray]:
+class _TableRows:
+    """A layer's table in the checkpoint, read a run of rows at a time into buffers it reuses: ``rows(start, count)``
+    gives ``(codes [count, head_dim], scale bytes [count, head_dim / 32])``."""
+
+    def __init__(self, ckpt: SafetensorsCheckpoint, weight: str, scale: str, head_dim: int):
+        self.ckpt, self.weight, self.scale = ckpt, weight, scale
+        self.codes = np.empty((0, head_dim), np.uint8)
+        self.scales = np.empty((0, head_dim // FP8_BLOCK), np.uint8)
+
+    def __call__(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        if count > self.codes.shape[0]:
+            self.codes = np.empty((count, self.codes.shape[1]), np.uint8)
+            self.scales = np.empty((count, self.scales.shape[1]), np.uint8)
+        return (self.ckpt.read_rows(self.weight, start, self.codes[:count]),
+                self.ckpt.read_rows(self.scale, start, self.scales[:count]))
+
+
+def _table_tensors(ckpt: SafetensorsCheckpoint, config: V41Config, layer_id: int) -> _TableRows:
     rows, hd = config.num_embeddings(layer_id), config.head_dim
     weight = tensor_name(ckpt, layer_id, "embed.weight")
     _expect(ckpt, weight, ("F8_E4M3", "U8"), (rows, hd))
     scale = tensor_name(ckpt, layer_id, "embed.scale")
     _expect(ckpt, scale, ("F8_E8M0", "U8"), (rows, hd // FP8_BLOCK))
-    return np.asarray(ckpt.raw(weight)), np.asarray(ckpt.raw(scale))
+    return _TableRows(ckpt, weight, scale, hd)
 
 
 def load_v41_table(path: Any, config: V41Config, layer_id: int, store: Any = None, *, disk_dir: Any = None,
@@ -296,7 +146,7 @@ def load_v41_table(path: Any, config: V41Config, layer_id: int, store: Any = Non
     """
     ckpt = _as_checkpoint(path)
     layout = v41_store_config(config, layer_id)
-    weight, scale = _table_tensors(ckpt, config, layer_id)  # the tensors are checked before anything else
+    table = _table_tensors(ckpt, config, layer_id)  # the tensors are checked before anything else
     options = _table_options(layer_id, store, disk_dir, local_dir, row_cache_bytes, cache_scope)
     if disk_dir is not None:
         return _load_to_disk(ckpt, config, layer_id, disk_dir, progress, options)
@@ -313,7 +163,7 @@ def load_v41_table(path: Any, config: V41Config, layer_id: int, store: Any = Non
     written: list[EngramStore] = []
     try:
         for c, (offset, prime) in enumerate(zip(offsets.tolist(), primes)):
-            column = _pack_column(weight, scale, offset, buffer[:prime], layer_id, c, config.cols, progress)
+            column = _pack_column(table, offset, buffer[:prime], layer_id, c, config.cols, progress)
             shard = EngramStore(layer_id, layout, store, heads=[c])
             shard.populate([column], replica_num=replica_num)
             written.append(shard)
@@ -404,8 +254,8 @@ def _say_why_loading(store: Any, layer_id: int) -> None:
         log.info("layer %d is not in the store yet: streaming it from the checkpoint", layer_id)
 
 
-def _pack_column(weight: np.ndarray, scale: np.ndarray, offset: int, column: np.ndarray, layer_id: int, c: int,
-                 cols: int, progress: bool | None) -> np.ndarray:
+def _pack_column(table: _TableRows, offset: int, column: np.ndarray, layer_id: int, c: int, cols: int,
+                 progress: bool | None) -> np.ndarray:
     """Pack column ``c``'s rows (``column.shape[0]`` of them from table row ``offset``) into ``column``: codes then
     scale bytes, refusing NaN codes, chunk by chunk with a progress bar."""
     prime, row_bytes = column.shape
@@ -415,7 +265,7 @@ def _pack_column(weight: np.ndarray, scale: np.ndarray, offset: int, column: np.
     try:
         for lo in range(0, prime, CHUNK_ROWS):
             hi = min(lo + CHUNK_ROWS, prime)
-            bad = _kernels.pack_rows(weight[offset + lo:offset + hi], scale[offset + lo:offset + hi], column[lo:hi])
+            bad = _kernels.pack_rows(*table(offset + lo, hi - lo), column[lo:hi])
             if bad >= 0:
                 raise InvalidArgument(f"layer {layer_id}: table row {offset + lo + int(bad)} (column {c}) holds an "
                                       "e4m3 NaN code or e8m0 byte 255")
@@ -431,7 +281,7 @@ def _load_to_disk(ckpt: "SafetensorsCheckpoint", config: V41Config, layer_id: in
     from engram_store.disk import DiskDir
 
     layout = v41_store_config(config, layer_id)
-    weight, scale = _table_tensors(ckpt, config, layer_id)
+    table = _table_tensors(ckpt, config, layer_id)
     directory = DiskDir(disk_dir)
     if layer_id in directory.layers():
         raise ObjectExists(f"layer {layer_id} is already published under disk_dir {directory.path}; remove it first")
@@ -440,19 +290,18 @@ def _load_to_disk(ckpt: "SafetensorsCheckpoint", config: V41Config, layer_id: in
                    enabled=progress if progress is not None else (None if nbytes >= PROGRESS_MIN_BYTES else False))
     try:
         directory.write(layer_id, config.row_bytes, layout.table_vocab_sizes,
-                        _column_fills(weight, scale, config, layer_id), progress=bar)
+                        _column_fills(table, config, layer_id), progress=bar)
     finally:
         bar.close()
     return EngramStore(layer_id, layout, **{**options, "disk_dir": directory.path})
 
 
-def _column_fills(weight: np.ndarray, scale: np.ndarray, config: V41Config, layer_id: int) -> list:
+def _column_fills(table: _TableRows, config: V41Config, layer_id: int) -> list:
     """One ``fill(start_row, out)`` per column: its rows packed (codes, then scale bytes) chunk by chunk, NaNs
     refused naming the table row."""
     def column(c: int, offset: int):
         def fill(start: int, out: np.ndarray) -> None:
-            rows = slice(offset + start, offset + start + out.shape[0])
-            bad = _kernels.pack_rows(weight[rows], scale[rows], out)
+            bad = _kernels.pack_rows(*table(offset + start, out.shape[0]), out)
             if bad >= 0:
                 raise InvalidArgument(f"layer {layer_id}: table row {offset + start + int(bad)} (column {c}) holds an "
                                       "e4m3 NaN code or e8m0 byte 255")
@@ -463,10 +312,10 @@ def _column_fills(weight: np.ndarray, scale: np.ndarray, config: V41Config, laye
 def _load_to_local_dir(ckpt: "SafetensorsCheckpoint", config: V41Config, layer_id: int,
                        options: dict[str, Any]) -> EngramStore:
     """:func:`load_v41_table` under a ``local_dir``: each column's file is written from its rows chunk by chunk."""
-    weight, scale = _table_tensors(ckpt, config, layer_id)
+    table = _table_tensors(ckpt, config, layer_id)
     layer = EngramStore(layer_id, v41_store_config(config, layer_id), None, **options)
     try:
-        layer.populate(_column_fills(weight, scale, config, layer_id))
+        layer.populate(_column_fills(table, config, layer_id))
     except BaseException:
         layer.close()
         raise

@@ -4,7 +4,7 @@
                     [--replica-num N] [--auth DIR] [--verify] [--progress | --no-progress] [--log-level INFO]
 
 Reads ``config.json`` (or ``--config``) for the layout, then each layer's ``layers.{L}.engram.embed.weight`` and
-``embed.scale`` from the safetensors shards (memory-mapped), packs them column by column into 264-byte rows and
+``embed.scale`` from the safetensors shards (read, not mapped), packs them column by column into 264-byte rows and
 populates them as head shards of the layer, so memory stays bounded by one column (about 4.2 GB for the
 release). With ``--disk-dir`` the layer is written as page-aligned files on local SSD instead (tables larger than
 memory), chunk by chunk, and published when whole. A layer already there is refused; a load that fails leaves
@@ -34,7 +34,7 @@ DESCRIPTION = """\
 Stream the Engram tables of a DeepSeek-V4.1 checkpoint into a running store, or onto local SSD.
 
 Reads config.json (or --config) for the layout, then each layer's layers.{L}.engram.embed.weight
-and embed.scale from the safetensors shards (memory-mapped), packs them column by column into
+and embed.scale from the safetensors shards (read, not mapped), packs them column by column into
 264-byte rows and populates them as head shards of the layer, so memory stays bounded by one
 column (about 4.2 GB for the release). With --disk-dir the layer is written as page-aligned files
 on local SSD instead (tables larger than memory), chunk by chunk, and published when whole. A layer

@@ -1,32 +1,52 @@
-"""The segment files of this host that a client uses directly: mapped read-only for local-direct reads (with their
-generation tables), opened for same-host writes. Each is opened once, on first use, and kept until the segment is
-declared dead or the client closes; one lock guards them.
+"""The segments of this host that a client uses directly: their memory mapped read-only for local-direct reads (with
+their generation tables), and held open for same-host writes. Each is asked for once, on first use, and kept until
+the segment is declared dead or the client closes; one lock guards them.
+
+The memory comes only as descriptors the segment itself hands over on its Unix socket (``wire.handover``: the
+socket's directory, its name and the peer's credentials must agree), never by opening a path a peer names, so no
+registration can lead this client to map or write a file of its choosing. A descriptor is mapped only when nothing
+can shrink it under the mapping: sealed memory (a memfd), or else a file of the segment's user that no one else may
+write, from a segment run by this user or root.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
+import stat
 import threading
+import time
 
 import numpy as np
 
 from .. import kernels as _kernels
+from .._errors import EngramError, ProtocolError, SegmentUnavailable, UnsafeFile
+from ..wire import handover
 from ._objects import Replica
 
 log = logging.getLogger("engram_store.client")
 
+#: How long a hand-over (connect, ask, receive) may take.
+HANDOVER_TIMEOUT_S = 2.0
+#: After a segment's socket did not answer (it is gone, stopped or busy), its memory is asked for again this late.
+RETRY_S = 5.0
+#: What a segment's socket does when its process is gone or stopped: not a refusal of this client.
+_GONE = (ConnectionError, FileNotFoundError, TimeoutError)
+_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 0x2)
+
 
 class LocalSegments:
-    """This host's segment files, as one client uses them (see the module docstring)."""
+    """This host's segments, as one client uses them (see the module docstring)."""
 
     def __init__(self, host_id: str):
         self.host_id = host_id
         self._views: dict[str, np.ndarray | None] = {}  # segment id -> its memory, mapped read-only (None: not here)
         self._tables: dict[str, np.ndarray | None] = {}  # segment id -> its generation table, mapped read-only
-        self._write_fds: dict[str, int | None] = {}  # segment id -> its file, open for same-host puts
+        self._write_fds: dict[str, int | None] = {}  # segment id -> its memory, open for same-host puts
         self._retired_fds: list[int] = []  # of dead segments: another thread may still be writing with one
+        self._retry_at: dict[str, float] = {}  # segment id -> when to ask again, after its socket did not answer
         self._mmaps: list[mmap.mmap] = []
         self._lock = threading.Lock()
 
@@ -39,22 +59,30 @@ class LocalSegments:
     def view(self, replica: Replica) -> np.ndarray | None:
         """The whole segment holding ``replica`` as a read-only uint8 array, if it is mapped on this host.
 
-        A mapping outlives a killed segment process (its file stays until reaped), so reads through it keep
+        A mapping outlives a killed segment process (the memory stays while it is mapped), so reads through it keep
         returning the intact bytes until the master declares the segment dead and ``locate`` stops naming it.
         """
         view = self._views.get(replica.segment_id, False)
         if view is not False:
             return view
+        if self._retry_at.get(replica.segment_id, 0.0) > time.monotonic():
+            return None
         with self._lock:
             if replica.segment_id in self._views:
                 return self._views[replica.segment_id]
-            view = None
+            view = table = None
             if replica.host_id == self.host_id and replica.shm_path:
                 try:
-                    view = self._map(replica.shm_path, replica.segment_size, np.uint8)
-                except OSError as exc:
+                    view, table = self._receive(replica.segment_id, replica.shm_path, replica.segment_size)
+                except _GONE as exc:  # not now: reads go to the segment (and fail over), and ask again later
+                    log.debug("segment %s does not answer on %s (%s); reading remotely", replica.segment_id,
+                              replica.shm_path, exc)
+                    self._retry_at[replica.segment_id] = time.monotonic() + RETRY_S
+                    return None
+                except (OSError, EngramError) as exc:
                     log.debug("segment %s not mappable here (%s); reading remotely", replica.segment_id, exc)
             self._views[replica.segment_id] = view
+            self._tables[replica.segment_id] = table
             return view
 
     def table(self, replica: Replica) -> np.ndarray | None:
@@ -64,36 +92,48 @@ class LocalSegments:
         table = self._tables.get(replica.segment_id, False)
         if table is not False:
             return table
-        if self.view(replica) is None:
-            return None
-        with self._lock:
-            if replica.segment_id in self._tables:
-                return self._tables[replica.segment_id]
-            table = None
-            try:
-                table = self._map(replica.shm_path + ".gen", None, np.int64)
-            except OSError as exc:
-                log.debug("segment %s publishes no generation table here (%s)", replica.segment_id, exc)
-            self._tables[replica.segment_id] = table
-            return table
+        self.view(replica)
+        return self._tables.get(replica.segment_id)
 
-    def _map(self, path: str, size: int | None, dtype: type) -> np.ndarray | None:
-        """``path`` mapped read-only, if it is ``size`` bytes (a table: at least 64, whole words); None if not.
-        Holds the lock."""
-        fd = os.open(path, os.O_RDONLY)
+    def _receive(self, segment_id: str, path: str, size: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The memory and generation table the segment at ``path`` hands over, mapped read-only. Holds the lock."""
+        handed = handover.fetch(path, segment_id, "read", HANDOVER_TIMEOUT_S)
         try:
-            actual = os.fstat(fd).st_size
-            if (actual != size) if size is not None else (actual < 64 or actual % 8):
-                return None
-            mm = mmap.mmap(fd, actual, mmap.MAP_SHARED, mmap.PROT_READ)
-            self._mmaps.append(mm)
-            return np.frombuffer(mm, dtype=dtype)
+            if "memory" not in handed.fds or handed.size != size:
+                raise ProtocolError(f"segment {segment_id} handed over {sorted(handed.fds)} of {handed.size} bytes, "
+                                    f"expected its memory of {size} bytes")
+            view = self._map(handed.fds["memory"], size, np.uint8, handed.uid, segment_id)
+            table = None
+            if "table" in handed.fds:
+                try:
+                    table = self._map(handed.fds["table"], None, np.int64, handed.uid, segment_id)
+                except (OSError, EngramError) as exc:
+                    log.debug("segment %s: generation table not mapped (%s)", segment_id, exc)
+            return view, table
         finally:
-            os.close(fd)
+            handed.close()
+
+    def _map(self, fd: int, size: int | None, dtype: type, owner: int, segment_id: str) -> np.ndarray:
+        """The handed-over file ``fd`` mapped read-only, if it is ``size`` bytes (a table: at least 64, whole words)
+        and nothing can shrink it under the mapping (see the module docstring). Holds the lock."""
+        st = os.fstat(fd)
+        actual = st.st_size
+        if not stat.S_ISREG(st.st_mode) or ((actual != size) if size is not None else (actual < 64 or actual % 8)):
+            raise ProtocolError(f"segment {segment_id} handed over a file of {actual} bytes (mode {st.st_mode:o}), "
+                                f"expected {size if size is not None else 'a generation table'}")
+        if not _sealed(fd) and (owner not in (os.geteuid(), 0) or st.st_uid != owner or st.st_mode & 0o022):
+            raise UnsafeFile(f"segment {segment_id}: its memory is a file of uid {st.st_uid} (mode "
+                             f"{stat.S_IMODE(st.st_mode):04o}) that is not sealed, from a segment of uid {owner}: "
+                             "someone other than this user or root could shrink it under the mapping")
+        mm = mmap.mmap(fd, actual, mmap.MAP_SHARED, mmap.PROT_READ)
+        self._mmaps.append(mm)
+        return np.frombuffer(mm, dtype=dtype)
 
     def write_fd(self, replica: dict, nbytes: int) -> int | None:
-        """A write descriptor of the segment file of a freshly placed replica (``put_start``'s form), if that file
-        is on this host and the replica's ``nbytes`` lie within it; opened once per segment and kept open."""
+        """A write descriptor of the memory of a freshly placed replica's segment (``put_start``'s form), if it is on
+        this host, hands its memory over for writes, and the replica's ``nbytes`` lie within it; asked for once
+        per segment and kept open. SegmentUnavailable where its socket does not answer (the segment is gone or
+        stopped: its requests would only time out)."""
         if replica.get("host_id") != self.host_id or not replica.get("shm_path"):
             return None
         segment_id = replica["segment_id"]
@@ -104,16 +144,30 @@ class LocalSegments:
                 if fd is False:
                     fd = None
                     try:
-                        fd = os.open(replica["shm_path"], os.O_WRONLY | os.O_CLOEXEC)
-                        if os.fstat(fd).st_size != replica["size"]:
-                            os.close(fd)
-                            fd = None
-                    except OSError as exc:
+                        fd = self._receive_writable(segment_id, replica["shm_path"], replica["size"])
+                    except _GONE as exc:
+                        raise SegmentUnavailable(f"segment {segment_id} does not answer on its hand-over socket "
+                                                 f"{replica['shm_path']} ({exc}): it is gone or stopped") from None
+                    except (OSError, EngramError) as exc:
                         log.debug("segment %s not writable here (%s); writing remotely", segment_id, exc)
                     self._write_fds[segment_id] = fd
         if fd is None or not 0 <= replica["offset"] <= replica["size"] - nbytes:
             return None
         return fd
+
+    @staticmethod
+    def _receive_writable(segment_id: str, path: str, size: int) -> int:
+        handed = handover.fetch(path, segment_id, "write", HANDOVER_TIMEOUT_S)
+        try:
+            fd = handed.fds.get("memory", -1)
+            st = os.fstat(fd) if fd >= 0 else None
+            if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != size or handed.size != size \
+                    or fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+                raise ProtocolError(f"segment {segment_id} handed over {sorted(handed.fds)}, not its memory of "
+                                    f"{size} bytes open for writing")
+            return handed.fds.pop("memory")
+        finally:
+            handed.close()
 
     def forget(self, segment_id: str, keep_mapping: bool = False) -> None:
         """Stop using a segment (declared dead); ``keep_mapping`` for one this client runs itself."""
@@ -121,6 +175,7 @@ class LocalSegments:
             if not keep_mapping:
                 self._views.pop(segment_id, None)
                 self._tables.pop(segment_id, None)
+            self._retry_at.pop(segment_id, None)
             fd = self._write_fds.pop(segment_id, None)
             if fd is not None:
                 self._retired_fds.append(fd)  # another thread may be writing with it; closed with the client
@@ -141,3 +196,11 @@ class LocalSegments:
                 mm.close()
             except BufferError:
                 pass  # an array still views it
+
+
+def _sealed(fd: int) -> bool:
+    """Whether the file ``fd`` is sealed against shrinking (a memfd's F_SEAL_SHRINK)."""
+    try:
+        return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEAL_SHRINK)
+    except (AttributeError, OSError):
+        return False

@@ -16,7 +16,8 @@ class Replica:
     """Where one copy of an object lives.
 
     ``read_addresses`` are the segment's reader sockets (``read_ranges`` and ``ping`` only), empty for a
-    segment without readers; ``address`` serves every operation.
+    segment without readers; ``address`` serves every operation. ``shm_path`` is the segment's hand-over socket on
+    its host (see ``engram_store.wire.handover``; empty for none), never a file to open.
     """
 
     segment_id: str

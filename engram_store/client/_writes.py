@@ -267,11 +267,12 @@ class WritePath:
                         "timeout): %s", len(puts), exc)
 
     def _local_write_fd(self, replica: dict, nbytes: int) -> int | None:
-        """A write descriptor of the segment file of a freshly placed replica, if that file is on this host.
+        """A write descriptor of the memory of a freshly placed replica's segment, if it is on this host and hands
+        it over (``LocalSegments.write_fd``).
 
-        Writes to a same-host segment are then ``pwrite`` calls into its file (memory speed, no page faults
+        Writes to a same-host segment are then ``pwrite`` calls into its memory (memory speed, no page faults
         in this process) instead of requests; the master still decides where they go, and the object stays
-        invisible until ``put_end``. The file is opened once per segment and kept open.
+        invisible until ``put_end``. The descriptor is asked for once per segment and kept open.
         """
         return self.local_segments.write_fd(replica, nbytes) if self.local_direct else None
 
@@ -368,7 +369,7 @@ class _Writes:
                               "was removed with force, or the master restarted); nothing of it is published")
 
     def open_direct(self, replica: dict) -> bool:
-        """Tell a same-host segment that this process writes the replica straight into its file; False when the
+        """Tell a same-host segment that this process writes the replica straight into its memory; False when the
         segment cannot watch this process (then the replica is written through requests)."""
         conn = self.store._segment_conn(replica["address"])
         try:

@@ -3,27 +3,33 @@ layers.
 
 A serving host runs a worker process per GPU; each reading the same SSD layers behind a cache of its own keeps
 the same hot rows N times. Processes that open ``HostRowCache(capacity_bytes, row_bytes, scope=...)`` with the
-same scope (``EngramStore`` passes its ``disk_dir``) and row size map one file in ``/dev/shm``
-(``ENGRAM_SHM_DIR`` overrides the directory)::
+same scope (``EngramStore`` passes its ``disk_dir``) and row size map one file in the user's own directory under
+``/dev/shm`` (``ENGRAM_SHM_DIR`` overrides ``/dev/shm``)::
 
-    engram-rowcache-<hash>        header page | set metadata | CLOCK hands | doorkeeper bits | curve | rows
-    engram-rowcache-<hash>.lock   flock'd by the one process filling the cache (or attaching to it, or leaving it)
+    engram-<uid>/                             mode 0700, this user's alone (see ``engram_store._shared_dirs``)
+    engram-<uid>/engram-rowcache-<hash>       header page | set metadata | CLOCK hands | doorkeeper bits | curve | rows
+    engram-<uid>/engram-rowcache-<hash>.lock  flock'd by the one process filling the cache (or attaching, or leaving)
 
 Why it is correct, in the simplest design that is:
 
+* **No other user shares it**: the name is predictable, so it lives in a directory only this user may enter, opened
+  once and checked with ``fstat``; each file is created exclusively (``O_EXCL``, never through a link) or, when it
+  is there, used only if ``fstat`` shows it is this user's own. Another user can neither take the name first, nor
+  read the rows, nor hold the lock. Processes of different users keep caches of their own.
 * **No silent second cache**: the file is named by the scope and the row size only. A process that asks for
   another capacity or admission than the cache already there attaches to that one, as it is, and says so in a
   warning naming both sizes: a second cache would hold the same hot rows again (a worker restarted with another
   ``row_cache_bytes`` doubled the memory without a word), and refusing would stop a worker from serving over a
   number it can be told about. Every process attached must leave for a new size to take effect.
-
 * **Lookups take no lock**, as in a process's cache: a set is read as a sequence lock (version, keys and row,
   version again) and a row counts as a hit only if the version did not move and no writer was busy in the set.
   Shared memory changes nothing in that argument.
 * **Fills between processes** are serialised by ``flock`` on the lock file (and by a thread lock inside each
   process: a flock is per open file, so two threads of one process would both hold it). A fill that cannot
   take it within ``fill_wait_ms`` is skipped and counted (``fills_skipped``): the rows were read and are
-  returned; they are only not cached this time. A stopped process holding the lock never blocks another.
+  returned; they are only not cached this time. A stopped process holding the lock never blocks another's
+  lookups; what must take it (attaching, tags, pins) waits at most ``lock_timeout_ms`` and then raises
+  ``LockTimeout`` naming the lock file.
 * **A writer killed mid-fill** releases the flock (the kernel drops it with the process). Before changing a set
   a writer writes the set's index to the header's journal word and clears it when the set is readable again,
   so the next process to take the lock finds at most one unfinished set there: it empties that set and moves
@@ -57,8 +63,9 @@ from typing import Iterator
 import numpy as np
 import xxhash
 
-from .._errors import InvalidArgument, OutOfSpace, StoreError, describe
+from .._errors import EngramError, InvalidArgument, LockTimeout, OutOfSpace, StoreError, describe
 from .._pages import MADV_HUGEPAGE, madvise
+from .._shared_dirs import UserDir, shared_base
 from . import _cache_kernels as ck
 from . import _kernels as k
 from ._cache import ADMISSIONS, LINE_BYTES, RowCache, door_words
@@ -81,12 +88,15 @@ HEADER_WORDS = 2 * PAGE_BYTES // 8
 REGISTRY_ENTRIES = (HEADER_WORDS - H_REGISTRY) // 2
 #: How long a fill waits for another process's fill before it skips caching its rows.
 DEFAULT_FILL_WAIT_MS = 20.0
+#: How long attaching, detaching, a new tag or a pin waits for the lock before it raises LockTimeout (a pin of a
+#: large profile holds it for a while; a fill for microseconds).
+DEFAULT_LOCK_TIMEOUT_MS = 30_000.0
 #: Test hook: the fill of this process stops half-way through its N-th insertion and the process kills itself.
 DIE_MID_FILL_ENV = "ENGRAM_TEST_DIE_MID_FILL"
 
 
 def shm_dir() -> str:
-    return os.environ.get("ENGRAM_SHM_DIR") or "/dev/shm"
+    return shared_base()
 
 
 def _align(n: int, to: int) -> int:
@@ -94,34 +104,44 @@ def _align(n: int, to: int) -> int:
 
 
 class _Files:
-    """The lock file and the data file of one host cache, and the flocks on them."""
+    """The lock file and the data file of one host cache in this user's directory, and the flocks on them."""
 
-    def __init__(self, directory: str, name: str):
-        self.lock_path = os.path.join(directory, name + ".lock")
-        self.data_path = os.path.join(directory, name)
+    def __init__(self, directory: UserDir, name: str):
+        self.dir = directory
+        self.name = name
+        self.lock_name = name + ".lock"
+        self.lock_path = directory.join(self.lock_name)
+        self.data_path = directory.join(name)
         self.lock_fd = -1
         self.data_fd = -1
 
-    def lock(self, timeout_s: float | None) -> bool:
-        """Take the lock file (opening the file at the path anew if its holder deleted it meanwhile); False if
-        ``timeout_s`` passed first (None: wait as long as it takes)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    def lock(self, timeout_s: float) -> bool:
+        """Take the lock file (opening the file at the name anew if its holder deleted it meanwhile); False if
+        ``timeout_s`` passed first."""
+        deadline = time.monotonic() + timeout_s
         pause = 20e-6
         while True:
             if self.lock_fd < 0:
-                self.lock_fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+                self.lock_fd, _ = self.dir.open(self.lock_name, os.O_RDWR)
             try:
                 fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                if deadline is not None and time.monotonic() >= deadline:
+                if time.monotonic() >= deadline:
                     return False
                 time.sleep(pause)
                 pause = min(pause * 2, 1e-3)
                 continue
-            if _same_file(self.lock_fd, self.lock_path):
+            if self.dir.same_file(self.lock_fd, self.lock_name):
                 return True
-            os.close(self.lock_fd)  # deleted by the last process leaving: lock the file now at the path
+            os.close(self.lock_fd)  # deleted by the last process leaving: lock the file now at the name
             self.lock_fd = -1
+
+    def lock_or_raise(self, timeout_s: float, what: str) -> None:
+        """Take the lock within ``timeout_s``, or raise LockTimeout naming the lock file."""
+        if not self.lock(timeout_s):
+            raise LockTimeout(f"host row cache: {what}: another process held {self.lock_path} for more than "
+                              f"{timeout_s:g} s (a stopped or stuck process of this user; `fuser {self.lock_path}` "
+                              "names it); stop it, or use cache_scope='process'")
 
     def unlock(self) -> None:
         fcntl.flock(self.lock_fd, fcntl.LOCK_UN)
@@ -132,15 +152,6 @@ class _Files:
             setattr(self, name, -1)
             if fd >= 0:
                 os.close(fd)
-
-
-def _same_file(fd: int, path: str) -> bool:
-    try:
-        there = os.stat(path)
-    except FileNotFoundError:
-        return False
-    held = os.fstat(fd)
-    return (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino)
 
 
 def _nobody_holds(fd: int) -> bool:
@@ -160,17 +171,23 @@ class HostRowCache(RowCache):
 
     ``scope``: a string naming what the cache holds (EngramStore passes the ``disk_dir`` path). ``admission``
     defaults to ``"always"`` (measured best on real n-gram traffic, ``bench/bench_cache_policy.py``).
+    ``directory``: where this user's directory of shared files is made (default ``ENGRAM_SHM_DIR`` or
+    ``/dev/shm``). ``lock_timeout_ms``: the longest wait for the lock before LockTimeout (fills wait
+    ``fill_wait_ms`` and skip).
     """
 
     def __init__(self, capacity_bytes: int, row_bytes: int, *, scope: str, admission: str = "always",
-                 directory: str | None = None, fill_wait_ms: float = DEFAULT_FILL_WAIT_MS):
+                 directory: str | None = None, fill_wait_ms: float = DEFAULT_FILL_WAIT_MS,
+                 lock_timeout_ms: float = DEFAULT_LOCK_TIMEOUT_MS):
         if not isinstance(scope, str) or not scope:
             raise InvalidArgument(f"scope: expected a non-empty string, got {describe(scope)}")
-        if isinstance(fill_wait_ms, bool) or not isinstance(fill_wait_ms, (int, float)) or not fill_wait_ms >= 0:
-            raise InvalidArgument(f"fill_wait_ms: expected a number >= 0, got {describe(fill_wait_ms)}")
+        for flag, value in (("fill_wait_ms", fill_wait_ms), ("lock_timeout_ms", lock_timeout_ms)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise InvalidArgument(f"{flag}: expected a number >= 0, got {describe(value)}")
         self.directory = os.path.abspath(directory or shm_dir())
         self.scope = scope
         self.fill_wait_s = float(fill_wait_ms) / 1e3
+        self.lock_timeout_s = float(lock_timeout_ms) / 1e3
         self._capacity_bytes = int(capacity_bytes) if isinstance(capacity_bytes, (int, np.integer)) else 0
         self._mm: mmap.mmap | None = None
         self._files: _Files | None = None
@@ -178,7 +195,8 @@ class HostRowCache(RowCache):
         super().__init__(capacity_bytes, row_bytes, admission)
         die_at = os.environ.get(DIE_MID_FILL_ENV)
         self.stop_at = int(die_at) if die_at else -1
-        self._finalizer = weakref.finalize(self, _detach, self._files, self._mm)  # also runs at exit
+        self._finalizer = weakref.finalize(self, _detach, self._files, self._mm,  # also runs at exit
+                                          self.lock_timeout_s)
 
     # ---- the shared file -------------------------------------------------------------------------------
 
@@ -204,18 +222,23 @@ class HostRowCache(RowCache):
 
     @property
     def path(self) -> str:
-        return os.path.join(self.directory, self.name)
+        return os.path.join(self.directory, f"engram-{os.geteuid()}", self.name)
 
     def _alloc(self) -> None:
-        os.makedirs(self.directory, exist_ok=True)
-        _sweep(self.directory, keep=self.name)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"host row cache: cannot create {self.directory}: {exc.strerror}; set ENGRAM_SHM_DIR "
+                             "to a directory this user may write") from None
+        own = UserDir(self.directory, "host row cache", "set ENGRAM_SHM_DIR to another directory")
         regions = self._layout()
         size = regions["file"][1]
-        files = self._files = _Files(self.directory, self.name)
+        files = self._files = _Files(own, self.name)
         try:
-            files.lock(None)
+            _sweep(own, keep=self.name)
+            files.lock_or_raise(self.lock_timeout_s, "attaching")
             try:
-                files.data_fd = os.open(files.data_path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+                files.data_fd, _ = own.open(self.name, os.O_RDWR)
                 fresh = _nobody_holds(files.data_fd)  # no live process has it: (re)initialise it
                 if not fresh and self._adopt(files.data_fd):  # another size or admission asked: the one there
                     regions = self._layout()
@@ -232,6 +255,7 @@ class HostRowCache(RowCache):
                 files.unlock()
         except BaseException:
             files.close()
+            own.close()
             raise
 
     def _adopt(self, fd: int) -> bool:
@@ -308,7 +332,7 @@ class HostRowCache(RowCache):
         self._check_row_bytes(row_bytes)
         identity = int(identity) & 0x7FFF_FFFF_FFFF_FFFF
         with self.lock:
-            self._files.lock(None)
+            self._files.lock_or_raise(self.lock_timeout_s, "a layer's tag")
             try:
                 reg = self._header[H_REGISTRY:H_REGISTRY + 2 * REGISTRY_ENTRIES].reshape(-1, 2)
                 if identity:
@@ -358,7 +382,7 @@ class HostRowCache(RowCache):
                 self._files.unlock()
 
     def _pin_locked(self, keys: np.ndarray, rows: np.ndarray, max_ways: int) -> int:
-        self._files.lock(None)
+        self._files.lock_or_raise(self.lock_timeout_s, "pinning rows")
         try:
             self._repair()
             return super()._pin_locked(keys, rows, max_ways)
@@ -386,7 +410,7 @@ class HostRowCache(RowCache):
 
     def clear(self) -> None:
         with self.lock:
-            self._files.lock(None)
+            self._files.lock_or_raise(self.lock_timeout_s, "clearing")
             try:
                 meta = self.meta.reshape(-1, k.META_WORDS)
                 meta[:, 0] += k.BUSY
@@ -414,23 +438,25 @@ class HostRowCache(RowCache):
                 f"admission={self.admission!r}, {self.path})")
 
 
-def _detach(files: _Files | None, mm: mmap.mmap | None) -> None:
-    """Leave the cache: the last process attached deletes its files."""
+def _detach(files: _Files | None, mm: mmap.mmap | None, timeout_s: float = DEFAULT_LOCK_TIMEOUT_MS / 1e3) -> None:
+    """Leave the cache: the last process attached deletes its files (one that cannot take the lock in time leaves
+    them to the next process to attach)."""
     if files is None or files.lock_fd < 0:
         return
     try:
-        files.lock(None)
-        fcntl.flock(files.data_fd, fcntl.LOCK_UN)
-        if _nobody_holds(files.data_fd):
-            for path in (files.data_path, files.lock_path):
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-    except OSError as exc:
+        if files.lock(timeout_s):
+            fcntl.flock(files.data_fd, fcntl.LOCK_UN)
+            if _nobody_holds(files.data_fd):
+                files.dir.unlink(files.name)
+                files.dir.unlink(files.lock_name)
+        else:
+            log.warning("host row cache %s: another process held %s for more than %g s; detached without "
+                        "cleaning up", files.data_path, files.lock_path, timeout_s)
+    except (OSError, EngramError) as exc:
         log.warning("host row cache %s: detaching failed: %s", files.data_path, exc)
     finally:
         files.close()
+        files.dir.close()
     if mm is not None:
         try:
             mm.close()
@@ -438,25 +464,21 @@ def _detach(files: _Files | None, mm: mmap.mmap | None) -> None:
             pass
 
 
-def _sweep(directory: str, keep: str) -> None:
-    """Delete the host caches in ``directory`` that no process holds (left by processes that died)."""
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    for name in names:
+def _sweep(directory: UserDir, keep: str) -> None:
+    """Delete the host caches in this user's ``directory`` that no process holds (left by processes that died)."""
+    for name in directory.names():
         if not name.startswith(PREFIX) or name.endswith(".lock") or name == keep:
             continue
         files = _Files(directory, name)
         try:
             if not files.lock(0):
                 continue
-            files.data_fd = os.open(files.data_path, os.O_RDWR | os.O_CLOEXEC)
+            files.data_fd, _ = directory.open(name, os.O_RDWR, create=False)
             if _nobody_holds(files.data_fd):
                 log.info("removing the host row cache %s: no process uses it", files.data_path)
-                os.unlink(files.data_path)
-                os.unlink(files.lock_path)
-        except OSError:
+                directory.unlink(name)
+                directory.unlink(files.lock_name)
+        except (OSError, EngramError):
             pass
         finally:
             files.close()

@@ -27,6 +27,7 @@ import xxhash
 from .._errors import InvalidArgument, InvalidType, ObjectExists, OutOfSpace, StoreError, describe, is_int
 from .._pages import reserve
 from .._progress import Progress
+from .._shared_dirs import check_layer_dir, dir_mode, file_mode
 from . import _kernels
 from .._layer_dir import LayerLock, publish_staged, remove_leftover
 from ._files import aligned_empty, open_direct
@@ -82,15 +83,17 @@ class LayerWriter:
         self._closed = False
         try:
             os.makedirs(self.directory, exist_ok=True)
+            check_layer_dir(self.directory, "disk_dir")
             self._lock = LayerLock(self.path + ".lock", lock_timeout_s)
             if os.path.exists(self.path):
                 raise ObjectExists(f"disk layer {self.layer_id} is already published at {self.path}; remove that "
                                    "directory to write it again")
             remove_leftover(self.staging, "writer")
             remove_leftover(self.path + ".removing", "remover")
-            os.mkdir(self.staging, 0o755)
+            os.mkdir(self.staging, 0o700)  # published with the mode the umask leaves (dir_mode)
             file = os.path.join(self.staging, DATA_FILE)
-            self._fd, self.direct = open_direct(file, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644, direct)
+            self._fd, self.direct = open_direct(file, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600,
+                                                direct)
             _reserve(self._fd, file, lay.file_bytes)
         except OSError as exc:
             self._cleanup()
@@ -175,11 +178,12 @@ class LayerWriter:
                                   " were never written; nothing was published")
         try:
             os.fsync(self._fd)
-            os.fchmod(self._fd, 0o444)
+            os.fchmod(self._fd, file_mode())
             os.close(self._fd)
             self._fd = -1
             _write_file(os.path.join(self.staging, MANIFEST), dumps(manifest(self.layer_id, self.layout,
                                                                              self._checksums)), self.layer_id)
+            os.chmod(self.staging, dir_mode())
             publish_staged(self.staging, self.path)
         except OSError as exc:
             self.abort()
@@ -270,14 +274,14 @@ def _reserve(fd: int, file: str, nbytes: int) -> None:
 
 def _write_file(path: str, data: bytes, layer_id: int) -> None:
     """Write a small file whole, synced and read-only; a full disk raises OutOfSpace naming it."""
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         view = memoryview(data)
         written = 0
         while written < len(view):
             written += os.write(fd, view[written:])
         os.fsync(fd)  # where the file system allocates late, this is where a full disk shows
-        os.fchmod(fd, 0o444)
+        os.fchmod(fd, file_mode())
     except OSError as exc:
         if exc.errno in _NO_SPACE:
             raise OutOfSpace(f"disk layer {layer_id}: no space left writing {path} ({len(data)} bytes): "

@@ -2,8 +2,9 @@
 
 * ``_server``: :class:`SegmentServer`, its ZeroMQ handlers (writes, reads, pings), reader sockets, registration
   and heartbeats with the master;
-* ``_memory``: the segment's shared-memory file; ``_catalog``: the objects it holds, offered back when it
-  registers again; ``_fence``: the checks a write passes before it lands;
+* ``_memory``: the segment's memory (a sealed memfd, or a durable file); ``_handover``: that memory handed to
+  processes on the host as descriptors; ``_catalog``: the objects it holds, offered back when it registers again;
+  ``_fence``: the checks a write passes before it lands;
 * ``_raw_server`` (with ``_raw_receive``, ``_raw_serving``, ``_raw_state``, ``_raw_limits``): the raw read
   channel, range reads over plain TCP;
 * ``cli``: the ``engram-segment`` command.

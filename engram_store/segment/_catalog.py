@@ -13,6 +13,7 @@ import numpy as np
 import xxhash
 
 from .._errors import ConfigError, OutOfSpace, StoreError
+from .._shared_dirs import open_own
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,9 @@ class Catalog:
     without a journal) offers its objects back when it registers again, each one only after its bytes are
     verified against its checksum (:meth:`verified`). A file-backed segment also keeps it next to its data file
     (``<file>.manifest``, JSON ``{"segment_id", "size", "catalog", "objects"}``), written atomically (temporary
-    file, fsync, rename) and only after the data file was flushed, so it never names bytes that are not on disk.
+    file, fsync, rename) and only after the data file was flushed, so it never names bytes that are not on disk. It
+    is made as the data file is (exclusively, never through a link, mode 0644 less the umask) and read only when it
+    is this user's own (``engram_store._shared_dirs``).
     """
 
     def __init__(self, data_path: str | None, size: int):
@@ -37,9 +40,10 @@ class Catalog:
         self._lock = threading.Lock()  # the heartbeat thread records the master's list, writers add to it
         if self.path is None:
             return
-        if os.path.exists(self.path):
+        if os.path.lexists(self.path):
             try:
-                with open(self.path, encoding="utf-8") as f:
+                fd, _ = open_own(self.path, os.O_RDONLY, "segment manifest", create=False)
+                with open(fd, encoding="utf-8") as f:
                     record = json.load(f)
                 self.segment_id = str(record["segment_id"])
                 recorded_size = int(record["size"])
@@ -88,7 +92,12 @@ class Catalog:
         if self.path is not None:
             tmp = self.path + ".tmp"
             try:
-                with open(tmp, "w", encoding="utf-8") as f:
+                try:
+                    os.unlink(tmp)  # a writer that died left it (unlink never follows a link)
+                except FileNotFoundError:
+                    pass
+                fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+                with open(fd, "w", encoding="utf-8") as f:
                     json.dump({"segment_id": self.segment_id, "size": self.size, "catalog": version,
                                "objects": objects}, f, separators=(",", ":"))
                     f.flush()

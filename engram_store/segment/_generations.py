@@ -12,8 +12,9 @@ are refused from then on too.
 
 Entries live in sorted arrays the kernel searches; a claim (once per put and segment) builds new arrays and swaps
 them in whole, so readers never lock. Readers on this host that map the segment's bytes read them without asking
-the segment: it publishes the same entries in a small shared-memory file beside its own (``<file>.gen``), behind a
-seqlock (see ``engram_store.kernels._generations_table``).
+the segment: it publishes the same entries in a small table of shared memory, behind a seqlock (see
+``engram_store.kernels._generations_table``), which it hands to them with its memory: a memfd sealed against
+shrinking, with no name another user could open (see ``._memory``).
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ import threading
 import numpy as np
 
 from .. import kernels as _kernels
-from .._errors import InvalidArgument, OutOfSpace, StalePlacement
-from .._pages import reserve
+from .._errors import InvalidArgument, StalePlacement, StoreError
 from ..kernels import generation_table
+from ._memory import anonymous_memory
 
 #: Entries the shared table holds: one per 4 KiB of segment, at least 4,096 and at most 2**20 (24 MiB). A
 #: segment holding more objects marks the table overflowed; readers on its host then ask the master.
@@ -42,37 +43,34 @@ log = logging.getLogger(__name__)
 
 
 class Generations:
-    """The latest writer of every range this segment knows; thread-safe, readers lock-free."""
+    """The latest writer of every range this segment knows; thread-safe, readers lock-free. ``table_name``: publish
+    them in a shared table (a memfd of that name, ``table_fd``) for readers on this host."""
 
-    def __init__(self, table_path: str | None = None, segment_bytes: int = 0) -> None:
+    def __init__(self, table_name: str | None = None, segment_bytes: int = 0) -> None:
         self._lock = threading.Lock()
         self._entries: dict[int, tuple[int, int]] = {}  # base -> (size, put id), not overlapping
         self.version = 0
         empty = np.zeros(0, dtype=np.int64)
         self.arrays: tuple[np.ndarray, np.ndarray, np.ndarray] = (empty, empty, empty)
-        self.table_path = table_path
+        self.table_fd = -1
         self._map: mmap.mmap | None = None
         self._table: np.ndarray | None = None
-        if table_path is not None:
+        if table_name is not None:
             capacity = min(TABLE_MAX, max(TABLE_MIN, segment_bytes // TABLE_BYTES_PER_ENTRY))
             nbytes = table_words(capacity) * 8
             try:
-                fd = os.open(table_path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
+                # every page reserved now: none left to fault in (SIGBUS)
+                fd, _ = anonymous_memory(nbytes, table_name, "generation table")
                 try:
-                    os.ftruncate(fd, 0)  # one a dead run of this segment left: its entries are not ours
-                    reserve(fd, nbytes, table_path, "generation table")  # no page left to fault in (SIGBUS)
                     self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-                finally:
-                    os.close(fd)
-            except (OSError, OutOfSpace) as exc:
-                log.warning("no generation table at %s (%s): readers on this host check their placements with "
-                            "the master only", table_path, getattr(exc, "strerror", None) or exc)
-                try:
-                    os.unlink(table_path)
                 except OSError:
-                    pass
-                self.table_path = None
+                    os.close(fd)
+                    raise
+            except (OSError, StoreError) as exc:
+                log.warning("no generation table (%s): readers on this host check their placements with the master "
+                            "only", getattr(exc, "strerror", None) or exc)
                 return
+            self.table_fd = fd
             self._table = np.frombuffer(self._map, dtype=np.int64)
             self._table[CAPACITY] = capacity
 
@@ -82,7 +80,7 @@ class Generations:
         return self._table
 
     def close(self) -> None:
-        """Unmap and remove the shared table (readers that mapped it keep their mapping)."""
+        """Unmap and let go of the shared table (readers that mapped it keep their mapping)."""
         with self._lock:
             self._table = None
             if self._map is not None:
@@ -91,10 +89,9 @@ class Generations:
                 except BufferError:
                     pass  # a reader in this process still holds a view of it: unmapped when that goes
                 self._map = None
-                try:
-                    os.unlink(self.table_path)
-                except OSError:
-                    pass
+            if self.table_fd >= 0:
+                os.close(self.table_fd)
+                self.table_fd = -1
 
     def claim(self, offset: int, size: int, generation: int) -> None:
         """Put ``generation`` is about to write ``[offset, offset + size)``: it is that range's latest writer."""
@@ -129,6 +126,20 @@ class Generations:
     def holds(self, generation: int, offset: int, size: int) -> bool:
         """Whether put ``generation`` is still the latest writer of ``[offset, offset + size)``."""
         return self._entries.get(offset) == (size, generation)
+
+    def disowns(self, entry) -> bool:
+        """Whether the object a master asks about (``[key, offset, size, checksum, generation]``) was removed here,
+        or another put has written over it since: its bytes may still match, but it is not that put's object. One
+        never learnt of, or named without its put (an older master), is not disowned: its checksum decides."""
+        try:
+            offset, size, generation = int(entry[1]), int(entry[2]), int(entry[4])
+        except (IndexError, TypeError, ValueError):
+            return False
+        if generation <= 0 or size <= 0 or offset < 0:
+            return False
+        checks = _kernels.check_pairs_for(np.array([offset], dtype=np.int64), np.array([size], dtype=np.int64),
+                                          np.array([generation], dtype=np.int64))
+        return _kernels.check_generations(checks, *self.arrays)[1] >= 0
 
     def seed(self, objects: list) -> None:
         """Learn objects a catalogue names (``[key, offset, size, replica_num, checksum, generation]``), where no

@@ -1,12 +1,24 @@
-"""A segment's memory: a shared-memory (or regular) file mapped read-write, and what knows about such files.
+"""A segment's memory: anonymous shared memory sealed against shrinking (a memfd), or the file of a durable segment,
+mapped read-write; and what knows about them.
 
-Segment files live in ``/dev/shm`` as ``engram-<pid>-<id>``, so a client on the same host can map one read-only
-(local-direct reads) and a new segment can remove the files of processes that died without cleaning up.
+Clients on the same host read a segment's memory in place and write their puts straight into it; they get it as a
+descriptor the segment hands them (``_handover``), never by a path. The memory is a memfd: it has no name another
+user could take first or open, it goes when the last process holding it does (nothing is left behind by a kill),
+and it is sealed against shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``), so no process holding
+it, the segment's own clients included, can take pages from under a reader's mapping (which would kill the reader
+with SIGBUS). Where the kernel makes no memfd, an anonymous file in this user's directory (created exclusively and
+unlinked at once) stands in, without seals.
+
+A durable segment (``--file``) keeps its bytes in a regular file, which cannot be sealed. It is created exclusively,
+never through a link, or used only when ``fstat`` shows a regular file of this user that no one else may write (see
+``engram_store._shared_dirs``); its user (changing the mode first) and root can still truncate it, which kills the
+segment and the clients mapping it (docs/operating.md says so).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -16,15 +28,50 @@ import uuid
 
 import numpy as np
 
-from .._errors import ConfigError, InvalidArgument, OutOfSpace
-from .._pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise, prefault, reserve
+from .._errors import ConfigError, InvalidArgument, StoreError
+from .._pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise, prefault, reserve, reserve_memory
+from .._shared_dirs import UserDir, open_own, shared_base
+from ..wire import handover
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 THP_SHMEM_SETTING = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+#: Seals of a segment's memory: it can neither shrink nor grow, and no one can add a seal (F_SEAL_WRITE would stop
+#: the segment's own writes).
+SEALS = (getattr(fcntl, "F_SEAL_SHRINK", 0x2) | getattr(fcntl, "F_SEAL_GROW", 0x4)
+         | getattr(fcntl, "F_SEAL_SEAL", 0x1))
 
 
+def anonymous_memory(size: int, name: str, what: str) -> tuple[int, bool]:
+    """A shared-memory file of ``size`` bytes with no name in any directory, its pages reserved: a memfd sealed
+    against shrinking and growing, or (no memfd here) a file made and unlinked in this user's directory. Returns
+    ``(fd, sealed)``; OutOfSpace (naming ``what``) when the memory is not there."""
+    try:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except (AttributeError, OSError) as exc:
+        log.info("%s: no memfd here (%s); using an unlinked file in this user's directory, without seals", what,
+                 getattr(exc, "strerror", None) or exc)
+        own = UserDir(shared_base(), what, "set ENGRAM_SHM_DIR to another directory")
+        unique = f"{name}-{uuid.uuid4().hex}"
+        try:
+            fd, _ = own.open(unique, os.O_RDWR)
+            own.unlink(unique)
+        finally:
+            own.close()
+        try:
+            reserve(fd, size, own.path, what)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, False
+    try:
+        reserve_memory(fd, size, what)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, True
 def host_id() -> str:
     """Identifies this machine (and boot), so a client can tell whether a segment's file is local."""
     try:
@@ -35,32 +82,36 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def reap_orphans(directory: str = SHM_DIR) -> list[str]:
-    """Remove segment files left by processes that died without cleaning up (e.g. after SIGKILL)."""
+def reap_orphans(directory: str | None = None) -> list[str]:
+    """Remove the hand-over sockets that segments which died without cleaning up (e.g. after SIGKILL) left in this
+    user's directory under ``directory`` (default: ``shared_base()``); their memory went with them."""
+    base = directory or shared_base()
+    if not os.path.isdir(os.path.join(base, f"engram-{os.geteuid()}")):
+        return []
+    try:
+        own = UserDir(base, "segment hand-over")
+    except StoreError as exc:
+        log.warning("%s", exc)
+        return []
     removed = []
     try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        parts = name.split("-")
-        if len(parts) != 3 or parts[0] != "engram" or not parts[1].isdigit():
-            continue
-        pid = int(parts[1])
-        try:
-            os.kill(pid, 0)
-            continue  # still running
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # someone else's live process
-        try:
-            os.unlink(os.path.join(directory, name))
+        for name in own.names():
+            owner = handover.owner_of(own.join(name))
+            if owner is None:
+                continue
+            try:
+                os.kill(owner[1], 0)
+                continue  # still running
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue
+            own.unlink(name)
             removed.append(name)
-        except OSError:
-            pass
+    finally:
+        own.close()
     if removed:
-        log.info("removed %d segment file(s) left by dead processes in %s", len(removed), directory)
+        log.info("removed %d hand-over socket(s) left by dead segments in %s", len(removed), own.path)
     return removed
 
 
@@ -108,47 +159,42 @@ def _log_huge_page_policy(policy: str) -> None:
 
 
 class SegmentMemory:
-    """A segment's bytes: a shared-memory (or regular) file mapped read-write, removed on close.
+    """A segment's bytes, mapped read-write: a sealed memfd, or (``path``) the file of a durable segment, kept on
+    close when ``keep_file``.
 
-    The file stays open (``fd``): writes go in with ``pwrite`` (:meth:`write`), which moves bytes at
-    memory speed where a copy into a freshly mapped page pays a fault per 4 KiB, and :meth:`flush` is an
-    ``fsync`` of it. The mapping is what reads gather from; :meth:`prefault` maps it in ahead of them.
+    The file stays open (``fd``): writes go in with ``pwrite`` (:meth:`write`), which moves bytes at memory speed
+    where a copy into a freshly mapped page pays a fault per 4 KiB, and :meth:`flush` is an ``fsync`` of it. The
+    mapping is what reads gather from; :meth:`prefault` maps it in ahead of them. ``sealed``: no process can
+    shrink it (a memfd's seals).
     """
 
     def __init__(self, size: int, path: str | None = None, keep_file: bool = False):
         if size <= 0:
             raise InvalidArgument(f"segment size: expected > 0 bytes, got {size}")
-        if path is None:
-            directory = SHM_DIR if os.path.isdir(SHM_DIR) else os.environ.get("TMPDIR", "/tmp")
-            reap_orphans(directory)
-            path = os.path.join(directory, f"engram-{os.getpid()}-{uuid.uuid4().hex}")
         self.path = path
         self.size = size
         self._keep_file = keep_file
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if keep_file else os.O_EXCL), 0o600)
+        if path is None:
+            fd, self.sealed = anonymous_memory(size, f"engram-segment-{os.getpid()}", "segment size")
+            self.name = f"memfd {os.getpid()}/{fd}"
+        else:
+            fd, self.sealed, self.name = _open_file(path, size, keep_file), False, path
         try:
-            existing = os.fstat(fd).st_size
-            if keep_file and existing not in (0, size):
-                raise ConfigError(f"segment file {path!r} holds {existing} bytes but the segment size is {size}; "
-                                  "pass the size it was created with, or another file")
-            reserve(fd, size, path, "segment size")  # every page now: no SIGBUS later, faster first writes
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except (OSError, ConfigError, OutOfSpace):
+        except OSError:
             os.close(fd)
-            if not keep_file:
-                os.unlink(path)
             raise
         self.fd = fd
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
         self.address = self.array.ctypes.data
         self._closed = False
-        if os.path.dirname(path) == SHM_DIR:
+        if path is None:
             policy = shmem_huge_pages()
             _log_huge_page_policy(policy)
             if policy in ("advise", "within_size", "always", "force"):
                 err = madvise(self.address, size, MADV_HUGEPAGE)
                 if err:
-                    log.debug("segment %s: madvise(MADV_HUGEPAGE) failed: %s", path, os.strerror(err))
+                    log.debug("segment %s: madvise(MADV_HUGEPAGE) failed: %s", self.name, os.strerror(err))
 
     def write(self, offset: int, data: memoryview) -> int:
         """Write ``data`` at ``offset`` with ``pwrite`` (the caller checked that it fits); returns its length."""
@@ -159,7 +205,7 @@ class SegmentMemory:
         is set; returns the bytes prefaulted. The caller sets ``stop`` and joins before closing the memory."""
         if self._closed:
             return 0
-        return prefault(self.address, self.size, stop, name=f"segment {self.path}", chunk_bytes=chunk_bytes)
+        return prefault(self.address, self.size, stop, name=f"segment {self.name}", chunk_bytes=chunk_bytes)
 
     def flush(self) -> None:
         """Make the segment's bytes durable in its file (fsync; writes went in with pwrite)."""
@@ -174,10 +220,32 @@ class SegmentMemory:
         try:
             self._mmap.close()
         except BufferError:
-            log.debug("segment %s: memory still referenced at close; leaving the mapping to the GC", self.path)
+            log.debug("segment %s: memory still referenced at close; leaving the mapping to the GC", self.name)
         os.close(self.fd)
-        if not self._keep_file:
+        if self.path is not None and not self._keep_file:
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+def _open_file(path: str, size: int, keep_file: bool) -> int:
+    """The file of a durable segment, opened read-write and its pages reserved: created exclusively (never through
+    a link; its mode what the umask leaves of 0644), or used again only if it is this user's own (UnsafeFile) and of
+    the segment's size (ConfigError)."""
+    fd, created = open_own(path, os.O_RDWR, "segment file", 0o644, create=True)
+    if not keep_file and not created:
+        os.close(fd)
+        raise ConfigError(f"segment file {path!r} exists already; pass another path")
+    try:
+        existing = os.fstat(fd).st_size
+        if existing not in (0, size):
+            raise ConfigError(f"segment file {path!r} holds {existing} bytes but the segment size is {size}; "
+                              "pass the size it was created with, or another file")
+        reserve(fd, size, path, "segment size")  # every page now: no SIGBUS later, faster first writes
+    except BaseException:
+        os.close(fd)
+        if created:
+            os.unlink(path)
+        raise
+    return fd

@@ -1,8 +1,9 @@
 """The segment server: owns one memory segment and serves writes and batched range reads.
 
-By default the segment is a shared-memory file (``/dev/shm/engram-<id>``), so a client on the same host can
-map it read-only and read with no request at all ("local-direct"). Every offset and length a request
-carries is checked against the segment before any byte moves.
+By default the segment is anonymous shared memory (a memfd sealed against shrinking), which it hands to clients on
+the same host as descriptors over a Unix socket (``_handover``), so they map it read-only and read with no request at
+all ("local-direct"). Every offset and length a request carries is checked against the segment before any byte
+moves.
 
 Reads are served by the main socket and by ``readers`` reader threads, each with a ROUTER socket of its own
 (registered with the master as the segment's ``read_addresses``); all gather from one read-only view of the
@@ -26,6 +27,7 @@ from .._errors import (
     ConfigError,
     EngramError,
     InvalidArgument,
+    JournalError,
     MasterUnavailable,
     ProtocolError,
     RemoteError,
@@ -37,8 +39,10 @@ from ..wire import (PROTOCOL_VERSION, RAW_VERSION, AuthKeys, Connection, Request
 from ._catalog import Catalog
 from ._fence import WriteFence
 from ._generations import Generations
+from ._handover import MemoryHandover, start_handover
 from ._memory import SegmentMemory, host_id
 from ._raw_server import RawReadServer
+from ._readers import DEFAULT_READERS, MAX_READERS, READERS_MIN_CPUS, default_readers  # noqa: F401 (exported)
 
 log = logging.getLogger(__name__)
 
@@ -51,27 +55,8 @@ MAX_RANGES = 1 << 22
 MAX_CATALOG_ENTRIES = 1 << 16
 #: A single-range read at least this long is sent from the segment memory without a gather copy.
 ZERO_COPY_BYTES = 1 << 20
-#: Reader threads a segment starts by default on a host with spare cores (see :func:`default_readers`): each
-#: serves reads on a socket of its own, so several clients' requests are received, gathered and answered at
-#: once (the gather and the socket I/O release the GIL).
-DEFAULT_READERS = 2
-#: Below this many CPUs a segment starts one reader: the clients and the segment already share every core,
-#: and two readers' GIL hand-offs cost more than the second brings (2-core VM: 13-36% fewer raw reads/s with
-#: 2 and 4 client processes, within noise with 1 and 8; bench/bench_store.py's readers section).
-READERS_MIN_CPUS = 4
-MAX_READERS = 64
 #: After a failed heartbeat, the next one goes out this soon (or at the usual interval, if shorter).
 RETRY_HEARTBEAT_S = 0.25
-
-
-def default_readers() -> int:
-    """Reader threads a segment starts unless told: :data:`DEFAULT_READERS`, or 1 on a host with fewer than
-    :data:`READERS_MIN_CPUS` CPUs available to this process."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return DEFAULT_READERS if cpus >= READERS_MIN_CPUS else 1
 
 
 class SegmentServer:
@@ -85,8 +70,8 @@ class SegmentServer:
     segment. With ``raw_reads`` (default) it also serves range reads on a plain TCP port, the raw read channel
     (:mod:`engram_store.segment._raw_server`), holding at most ``raw_max_connections`` connections (default its MAX_CONNECTIONS).
 
-    A context manager; :meth:`close` unregisters from the master, stops serving and removes the
-    shared-memory file. Use :meth:`start` to serve from a background thread (a segment mounted in a client
+    A context manager; :meth:`close` unregisters from the master, stops serving and lets go of its memory (and
+    its hand-over socket). Use :meth:`start` to serve from a background thread (a segment mounted in a client
     process), or :meth:`serve_forever` to serve from the calling thread (the ``engram-segment`` CLI).
     """
 
@@ -129,16 +114,19 @@ class SegmentServer:
         self._prefault_thread: threading.Thread | None = None
         self._closed = False
         self.generations: Generations | None = None
+        self.handover: MemoryHandover | None = None
         self.server: RpcServer | None = None
         self._readers: list[RpcServer] = []
         self.raw: RawReadServer | None = None
         self.memory = SegmentMemory(size, path=os.path.abspath(file), keep_file=True) if file is not None \
             else SegmentMemory(size)
         try:
-            # Which put wrote which range: checked by every read that names its objects, and published beside
-            # the segment's file for readers on this host; a durable segment's objects as its manifest lists them.
-            self.generations = Generations(self.memory.path + ".gen" if self.memory.path else None, size)
+            # Which put wrote which range: checked by every read that names its objects, and published in a shared
+            # table for readers on this host; a durable segment's objects as its manifest lists them.
+            self.generations = Generations(f"engram-generations-{os.getpid()}", size)
             self.generations.seed(self.catalog.objects)
+            self.handover = start_handover(self.segment_id, self.size, self.memory.fd, self.generations.table_fd,
+                                           writable=not self.catalog.durable)
             # Reads gather from one read-only view of the mapping, built once; the mapping is faulted in the
             # background, so the first reads do not page-fault and start-up does not wait.
             self._src = _kernels.readonly(self.memory.array)
@@ -212,7 +200,8 @@ class SegmentServer:
                 try:
                     header, _ = conn.call("register_segment", {
                         "segment_id": self.segment_id, "address": self.address, "size": self.size,
-                        "read_addresses": self.read_addresses, "shm_path": self.memory.path, "host_id": host_id(),
+                        "read_addresses": self.read_addresses, "host_id": host_id(),
+                        "shm_path": self.handover.path if self.handover is not None else "",
                         "public_key": self._master_curve[0].decode() if self._master_curve else "",
                         "objects": objects, "write_key": key, "registration": registration,
                         "held": self.fence.held(), "direct_writes": not self.catalog.durable,
@@ -225,28 +214,32 @@ class SegmentServer:
                 except ProtocolError as exc:
                     raise ConfigError(f"segment {self.segment_id}: {self.master_address} is not an engram master "
                                       f"({self._what_answers(conn)}): {exc}; pass the master's HOST:PORT") from None
-                except MasterUnavailable:
+                except (MasterUnavailable, JournalError) as exc:  # the latter: it cannot record the registration
+                    journal = isinstance(exc, JournalError)
                     if time.monotonic() + delay > deadline:
-                        raise MasterUnavailable(
+                        raise exc if journal else MasterUnavailable(
                             f"segment {self.segment_id}: master {self.master_address} did not answer "
                             f"within {self._register_timeout_s:g} s (is the address right, and is engram-master "
                             "running there?)") from None
                     if not warned:
                         warned = True
-                        log.warning("segment %s: master %s does not answer yet; trying again for up to %.1f s "
-                                    "(is the address right, and is engram-master running there?)", self.segment_id,
-                                    self.master_address, max(0.0, deadline - time.monotonic()))
+                        log.warning("segment %s: master %s %s; trying again for up to %.1f s%s", self.segment_id,
+                                    self.master_address, f"could not record it ({exc})" if journal else
+                                    "does not answer yet", max(0.0, deadline - time.monotonic()), "" if journal else
+                                    " (is the address right, and is engram-master running there?)")
                     time.sleep(delay)
                     delay = min(delay * 2, 1.0)
         finally:
             conn.close()
 
     def _answer_verify(self, conn: Connection, registration: str, candidates: list) -> None:
-        """Check the lost objects the master asks about (this segment was dropped before its catalogue named them)
-        and tell it which are intact; it keeps their space reserved until it hears back."""
+        """Check the objects the master asks about (lost ones: this segment was dropped before its catalogue named
+        them; or ones its journal places here that the catalogue does not list) and tell it which are intact, still
+        the object of the put it names; it keeps lost ones' space reserved until it hears back."""
         if not candidates:
             return
-        keys = self.catalog.matching(self.memory.array, candidates)
+        keys = self.catalog.matching(self.memory.array, [c for c in candidates if self.generations is None
+                                                         or not self.generations.disowns(c)])
         try:
             header, _ = conn.call("offer_objects", {"segment_id": self.segment_id, "registration": registration,
                                                     "keys": keys}, timeout_ms=self._rpc_timeout_ms)
@@ -500,6 +493,8 @@ class SegmentServer:
         if self._prefault_thread is not None:
             self._prefault_thread.join()  # at most one madvise chunk: the mapping must outlive it
         self._src = None
+        if self.handover is not None:
+            self.handover.close()
         self.memory.close()
         if self.generations is not None:
             self.generations.close()

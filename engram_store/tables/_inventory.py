@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import EngramError, InvalidArgument, LeaseActive, ObjectNotFound, StoreError
+from .._shared_dirs import open_own
 from ..disk import DiskDir
 from ._layout import ROW_FORMATS, EngramStoreConfig
 from ._local_dir import LAYOUT_MAGIC, LocalDir, MappedLayer
@@ -252,7 +253,7 @@ class LocalDirLayers:
         the next writer removes if this process dies, and delete it. The lock file stays: Mooncake's writers
         lock it by name and do not expect it to go."""
         final = LocalDir(self.path).layer_path(layer_id)
-        fd = os.open(final + ".lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        fd, _ = open_own(final + ".lock", os.O_RDWR, "local_dir lock")
         try:
             deadline = time.monotonic() + LOCK_TIMEOUT_S
             while True:

@@ -10,12 +10,18 @@ Two ways to hold a layer's tables in this host's memory and read them with the l
 The directory layout is Mooncake's, so a directory written by either is read by the other::
 
     <dir>/layer-<L>/layout        "mooncake-engram-v1\\n<row_bytes>\\n<N_0>\\n<N_1>\\n..."
-    <dir>/layer-<L>/head-<h>.bin  the rows of head h, [N_h, row_bytes], C order (mode 0400)
-    <dir>/layer-<L>.lock          flock'd by a writer for the whole populate (removed when it is done)
+    <dir>/layer-<L>/head-<h>.bin  the rows of head h, [N_h, row_bytes], C order
+    <dir>/layer-<L>.lock          flock'd by a writer for the whole populate (removed when it is done; mode 0600)
     <dir>/layer-<L>.tmp/          where a writer stages the files before one rename publishes them
 
 A reader never sees a half-written layer: the layer directory appears by ``rename`` only once every file in it
 is complete. A staging directory left by a writer that died is removed by the next writer.
+
+Readers map the head files, so a file that shrank under them would kill them (SIGBUS). Published files are
+therefore read-only (the read bits the umask leaves; directories get what it leaves), the directory must be this
+user's or root's and no one else's to write (``_layer_dir.open_layer_dir``), and a head file is mapped only when it
+is a regular file of this user or root that no one else may write. Only this user, by changing the mode first, or
+root can still truncate one.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import logging
 import mmap
 import os
 import shutil
+import stat
 import threading
 from typing import Any, Callable, Sequence
 
@@ -33,9 +40,10 @@ import numpy as np
 
 from .. import _pages
 from .. import kernels as _kernels
-from .._errors import ConfigError, ObjectExists, OutOfSpace, StoreError
+from .._errors import ConfigError, ObjectExists, OutOfSpace, StoreError, UnsafeFile
 from .._layer_dir import LayerLock, open_layer_dir, publish_staged, remove_leftover
 from .._pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise, reserve
+from .._shared_dirs import dir_mode, file_mode, open_refused
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +137,7 @@ class MappedLayer:
         try:
             for h, n in enumerate(sizes):
                 file = os.path.join(path, f"head-{h}.bin")
-                fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+                fd = _open_head(file)
                 try:
                     size = os.fstat(fd).st_size
                     if size != n * row_bytes:
@@ -217,12 +225,9 @@ class LocalDir:
                     done += sizes[h] * row_bytes
                     if progress is not None:
                         progress(done)
-                with open(os.path.join(staging, "layout"), "wb") as f:
-                    f.write(layout_text(row_bytes, sizes))
-                    f.flush()
-                    os.fsync(f.fileno())
+                _write_layout(os.path.join(staging, "layout"), layout_text(row_bytes, sizes))
                 MappedLayer(staging, row_bytes, sizes, prefault_pages=False).close()  # check it as a reader will
-                os.chmod(staging, 0o755)
+                os.chmod(staging, dir_mode())
                 publish_staged(staging, final)
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -232,8 +237,9 @@ class LocalDir:
 
     @staticmethod
     def _write_head(file: str, table: Any, nbytes: int, row_bytes: int) -> None:
-        """Write one head's file from its table, or from ``fill(start_row, out)`` called chunk by chunk."""
-        fd = os.open(file, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+        """Write one head's file from its table, or from ``fill(start_row, out)`` called chunk by chunk; synced and
+        read-only."""
+        fd = os.open(file, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             reserve(fd, nbytes, file, "local_dir")  # a full tmpfs fails here, not with SIGBUS later
             step = 64 << 20
@@ -248,7 +254,35 @@ class LocalDir:
                 for start in range(0, nbytes, step):  # pwrite: no page faults in this process
                     _pwrite_all(fd, view[start:start + step], start)
             os.fsync(fd)
-            os.fchmod(fd, 0o400)
+            os.fchmod(fd, file_mode())
         finally:
             os.close(fd)
+
+
+def _write_layout(file: str, text: bytes) -> None:
+    fd = os.open(file, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        _pwrite_all(fd, memoryview(text), 0)
+        os.fsync(fd)
+        os.fchmod(fd, file_mode())
+    finally:
+        os.close(fd)
+
+
+def _open_head(file: str) -> int:
+    """A head file opened to be mapped: a regular file (not a link) of this user or root that no one else may write,
+    or UnsafeFile; a file another user could truncate would kill its readers."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            raise
+        raise open_refused(exc, file, "local_dir") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o022:
+        os.close(fd)
+        raise UnsafeFile(f"local_dir: {file} (uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}) is not a file "
+                         f"of this user (uid {os.geteuid()}) or root that only its owner may write; another user could "
+                         "change or truncate it under its readers: remove the layer and populate it again")
+    return fd
 

@@ -4,12 +4,14 @@
 * ``_transport``: ZeroMQ servers (``RpcServer``) and client connections with timeouts;
 * ``_auth``: CURVE keys of a cluster and the ZAP authenticator;
 * ``_tickets``: the tickets that let a writer write one range of one segment (fencing);
-* ``raw``: the raw read channel's framing (public: the client and segment rooms speak it).
+* ``raw``: the raw read channel's framing (public: the client and segment rooms speak it);
+* ``handover``: a segment's memory handed to processes on its host as descriptors over a Unix socket (public: the
+  client and segment rooms speak it).
 """
 
 from ._auth import AUTH_DIR_ENV, REFUSALS, AuthKeys, exposure_warning, keygen, load_keys, resolve_auth_dir
 from ._protocol import PROTOCOL_VERSION, Request, decode, encode, frame_array, frame_bytes
-from . import raw
+from . import handover, raw
 from .raw import VERSION as RAW_VERSION
 from ._tickets import WRITE_KEY_BYTES, make_ticket, read_ticket
 from ._transport import (ZERO_COPY_SEND_BYTES, Connection, ConnectionPool, RpcServer, io_threads,
@@ -40,6 +42,7 @@ __all__ = [
     "read_ticket",
     "resolve_auth_dir",
     "serve_until_signalled",
+    "handover",
     "raw",
     "wait_all",
 ]

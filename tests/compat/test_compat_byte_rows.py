@@ -599,7 +599,7 @@ def test_local_tables_own_copies_and_reopen(tmp_path):
         reader.lookup_into(1, np.array([[[17, 0, 0, 0]]], dtype=np.int64), output)
     assert not output.any()
     head = tmp_path / "layer-1" / "head-0.bin"
-    assert head.stat().st_mode & 0o777 == 0o400
+    assert head.stat().st_mode & 0o777 == 0o444 & ~_umask()  # read-only, readable as the umask allows
     assert (tmp_path / "layer-1" / "layout").read_text() == "mooncake-engram-v1\n264\n17\n19\n23\n29\n"
 
 
@@ -638,3 +638,9 @@ def test_a_layer_that_cannot_be_written_fails_with_runtime_error(tmp_path):
         table.populate(1, [np.zeros((3, 4), dtype=np.uint8)])
     assert isinstance(info.value, StoreError)
     assert not (tmp_path / "layer-1").exists()
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

@@ -32,10 +32,13 @@ PROCESS_TIMEOUT_S = 120
 
 @pytest.fixture
 def shm(tmp_path, monkeypatch):
+    """The directory this user's host caches live in (``engram-<uid>`` under ENGRAM_SHM_DIR)."""
     path = tmp_path / "shm"
     path.mkdir()
     monkeypatch.setenv("ENGRAM_SHM_DIR", str(path))
-    return path
+    own = path / f"engram-{os.geteuid()}"
+    own.mkdir(mode=0o700)
+    return own
 
 
 def publish(disk_dir, seed: int) -> list[np.ndarray]:
@@ -108,7 +111,7 @@ def test_lookups_from_several_processes_equal_numpy_indexing(tmp_path_factory, s
                     p.wait()
         for p, (out, err) in zip(procs, outs):
             assert p.returncode == 0 and out.startswith("ok"), (out, err[-2000:])
-        assert os.listdir(base / "shm") == [], "the last process deletes the cache's files"
+        assert os.listdir(base / "shm" / f"engram-{os.geteuid()}") == [], "the last process deletes the cache's files"
     finally:
         del os.environ["ENGRAM_SHM_DIR"]
 

@@ -25,6 +25,7 @@ from engram_store import (
     ObjectNotFound,
 )
 from engram_store.testing import Cluster, wait_ping
+from suite_helpers import segment_memory
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -175,7 +176,7 @@ def test_a_segment_declared_dead_comes_back_with_the_objects_it_can_prove_intact
             status = subprocess.run([sys.executable, "-m", "master", "status", "--master", c.address],
                                     capture_output=True, text=True, timeout=60)
             assert f"{HEADS + 3} object(s) lost" in status.stdout, status.stdout
-            fd = os.open(victim.shm_path, os.O_WRONLY)  # the bytes of one object change while it is away
+            fd = os.open(segment_memory(c.segments[0].pid), os.O_WRONLY)  # one object's bytes change meanwhile
             try:
                 os.pwrite(fd, b"X" * 10, victim.offset + 100)
             finally:

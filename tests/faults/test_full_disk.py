@@ -47,10 +47,10 @@ def test_a_durable_segment_on_a_full_disk_keeps_heartbeating_and_catches_up(tmpf
         assert "Traceback" not in c.segments[0].output()
 
 
-def test_a_durable_segment_restarted_on_a_full_disk_serves_without_its_generation_table(tmpfs):
-    """Its data file is whole from the first run; the small table beside it finds no page. The segment warns
-    and serves (readers on its host then ask the master); a sparse table had killed it with SIGBUS at the first
-    write."""
+def test_a_durable_segment_restarted_on_a_full_disk_serves_with_its_generation_table(tmpfs):
+    """Its data file is whole from the first run; its generation table is shared memory (a sealed memfd), not a file
+    beside the data, so a full disk takes nothing from it and readers on its host keep checking it. (A sparse table
+    file had once killed the segment with SIGBUS at the first write.)"""
     tmpfs = tmpfs("16m")
     data = str(tmpfs / "segment.bin")
     with Cluster(segments=0, heartbeat_timeout_s=5.0) as c:
@@ -62,4 +62,93 @@ def test_a_durable_segment_restarted_on_a_full_disk_serves_without_its_generatio
             store.put("k", b"k" * 4096)
             assert store.get("k") == b"k" * 4096
         assert segment.alive(), segment.output()
-        assert "no generation table" in segment.output()
+        assert "no generation table" not in segment.output()
+
+
+# ---- the master's journal -------------------------------------------------------------------------------------
+
+def _tables(layer: int) -> list:
+    import numpy as np
+
+    return [np.full((n, 8), layer * 1000 + h, dtype=np.float32) for h, n in enumerate((101, 103))]
+
+
+def _config():
+    from engram_store import EngramStoreConfig
+
+    return EngramStoreConfig(table_vocab_sizes=[101, 103], embedding_dim=8)
+
+
+def _lookup(store, layer: int):
+    import numpy as np
+
+    from engram_store import EngramStore
+
+    rows = EngramStore(layer, _config(), store).lookup(np.zeros((1, 2, 2), dtype=np.int64))
+    return sorted({float(v) for v in rows[..., 0].ravel()})
+
+
+def test_a_master_whose_journal_cannot_grow_makes_no_change_it_could_not_record(tmp_path):
+    """The master changed its state before it appended the record, and kept the change when the append failed: a
+    remove that raised had removed, a put that failed then took the removed object's space, and after a restart on
+    the journal a local-direct read of the first key returned the second object's bytes; a layer's remove stopped
+    part-way. Here the journal is held at its size (RLIMIT_FSIZE on the master: the kernel refuses every byte past
+    it, as a full disk refuses a new page), so every change from then on fails at its append, deterministically."""
+    import resource
+
+    from engram_store import EngramStore, JournalError
+
+    journal = str(tmp_path / "master.journal")
+    extra = ["--reuse-delay", "0"]  # a removed object's space is taken at once: what made the wrong rows
+    with Cluster(segments=1, segment_size="8MiB", journal=journal, extra=extra) as c:
+        with DistributedStore.connect(c.address, timeout_ms=5000) as store:
+            store.put("a0", b"0" * 4096)
+            EngramStore(1, _config(), store).populate(_tables(1))
+            size = os.path.getsize(journal)
+            resource.prlimit(c.master.pid, resource.RLIMIT_FSIZE, (size, size))
+            with pytest.raises(JournalError, match="cannot write a record: File too large; the change was not made"):
+                store.remove("a0")
+            assert store.get("a0") == b"0" * 4096
+            with pytest.raises(JournalError):
+                EngramStore(1, _config(), store).remove_from_store()
+            assert _lookup(store, 1) == [1000.0, 1001.0]
+            with pytest.raises(JournalError):
+                store.put("a1", b"1" * 4096)
+            with pytest.raises(JournalError):
+                EngramStore(2, _config(), store).populate(_tables(2))
+            assert not store.is_exist("a1") and store.status()["objects"] == 3 + 1
+            assert os.path.getsize(journal) == size
+        c.master.kill()
+        c.restart_master(journal=journal, extra=extra)
+        with DistributedStore.connect(c.address, timeout_ms=5000) as store:
+            deadline = time.monotonic() + 20
+            while not all(s["confirmed"] for s in store.status()["segments"]):
+                assert time.monotonic() < deadline, "the segment did not register again"
+                time.sleep(0.05)
+            assert store.get("a0") == b"0" * 4096 and _lookup(store, 1) == [1000.0, 1001.0]
+            assert not store.is_exist("a1") and store.status()["objects"] == 3 + 1
+        assert "Traceback" not in c.master.output()
+
+
+@pytest.mark.parametrize("disk", ["full", "read-only"])
+def test_a_master_refuses_to_start_on_a_journal_it_cannot_write_and_says_why(tmpfs, disk):
+    """Before, a raw OSError traceback."""
+    import subprocess
+    import sys
+
+    from master import Journal
+
+    where = tmpfs("1m")
+    journal = Journal(str(where / "master.journal"))
+    journal.rewrite([{"op": "forget_lost"}])
+    journal.release()
+    if disk == "full":
+        fill_up(str(where / "filler"))
+    else:
+        subprocess.run(["mount", "-o", "remount,ro", str(where)], check=True, timeout=30)
+    done = subprocess.run([sys.executable, "-m", "master", "--port", "0", "--journal", str(where / "master.journal")],
+                          capture_output=True, text=True, timeout=60)
+    why = "No space left on device" if disk == "full" else "Read-only file system"
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("engram-master: journal ") and why in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr

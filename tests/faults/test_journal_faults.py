@@ -3,6 +3,7 @@ journal."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from engram_store import DistributedStore, EngramStore, EngramStoreConfig
+from engram_store import DistributedStore, EngramError, EngramStore, EngramStoreConfig, OutOfSpace
 from engram_store.testing import Cluster, free_port, start_master
 from engram_store.wire import Connection
 
@@ -147,7 +148,8 @@ def test_a_segment_stopped_while_it_waits_for_the_master_exits_cleanly_and_leave
         c.procs.append(segment)
 
         def memory() -> list[str]:
-            return [f for f in os.listdir("/dev/shm") if f.startswith(f"engram-{segment.pid}-")]
+            own = f"/dev/shm/engram-{os.geteuid()}"  # its hand-over socket, which goes with its memory
+            return [f for f in os.listdir(own) if f.startswith(f"engram-{segment.pid}-")] if os.path.isdir(own) else []
 
         try:
             _wait_for(memory, 30, "the segment's shared memory")
@@ -191,3 +193,83 @@ def test_a_lost_manifest_is_reported_lost_to_readers_and_absent_to_writers():
     with pytest.raises(ObjectLost, match="layer 1 is lost: object 'engram:l1:manifest' was lost"):
         source.check_published(lay)
     assert source.read_manifest(lay, lost_is_absent=True) is None
+
+
+def test_a_failed_put_of_a_lost_key_leaves_it_lost_and_its_segment_comes_back_with_it(tmp_path):
+    """Explorer seed 424236, made deterministic: put_start forgot the loss, so once the put failed the key was gone
+    for good, and the durable segment that came back with it intact was told it had been removed."""
+    data = str(tmp_path / "a.bin")
+    with Cluster(segments=0, heartbeat_timeout_s=2.0) as c:
+        a = c.add_segment("8MiB", ["--file", data])
+        with DistributedStore.connect(c.address, timeout_ms=5000, local_direct=False) as store:
+            store.put("k", b"k" * 4096)
+            b = c.add_segment("8MiB")
+            a.kill()
+            _wait_for(lambda: store.status()["lost_keys"] == ["k"], 30, "the master to drop the killed segment")
+            b.signal(signal.SIGSTOP)  # the put goes to b, which does not answer: it fails and is revoked
+            try:
+                store.timeout_ms = 1000
+                with pytest.raises(EngramError) as failed:
+                    store.put("k", b"n" * 4096)
+                assert not isinstance(failed.value, OutOfSpace), failed.value  # it did start (b was registered)
+            finally:
+                b.signal(signal.SIGCONT)
+            store.timeout_ms = 5000
+            assert store.status()["lost_keys"] == ["k"]
+            c.add_segment("8MiB", ["--file", data])  # a, restarted on its file
+            _wait_for(lambda: store.status()["lost"] == 0, 30, "the segment to come back with the key")
+            assert store.get("k") == b"k" * 4096
+
+
+def _cut(journal: str, records: int) -> None:
+    with open(journal, "rb") as f:
+        lines = f.read().splitlines(keepends=True)
+    with open(journal, "wb") as f:
+        f.write(b"".join(lines[:-records]))
+
+
+def test_a_journal_that_lost_its_last_records_takes_back_what_the_segment_holds_and_one_that_rotted_is_refused(
+        tmp_path):
+    """Cut at a record boundary, the journal read as a shorter valid one: the master started without a word, layer
+    2 disappeared, the durable segment dropped it from its catalogue and the next layer was placed over it; layer 3,
+    whose remove was cut, came back listed, and every read of it was refused. A changed byte anywhere is refused at
+    start, naming the line."""
+    from engram_store import ObjectLost
+
+    journal, data = str(tmp_path / "master.journal"), str(tmp_path / "seg.bin")
+    extra = ["--reuse-delay", "0.2"]
+    with Cluster(segments=0, journal=journal, extra=extra) as c:
+        c.add_segment("8MiB", ["--file", data])
+        with DistributedStore.connect(c.address, timeout_ms=5000, local_direct=False) as store:
+            EngramStore(1, _config(), store).populate(_tables(1))
+            EngramStore(1, _config(), store).remove_from_store()
+            time.sleep(0.4)  # past the reuse delay: the next layers take layer 1's space
+            EngramStore(3, _config(), store).populate(_tables(3))
+            EngramStore(3, _config(), store).remove_from_store()  # one record; the segment marks the layer removed
+            EngramStore(2, _config(), store).populate(_tables(2))  # its heads, then its manifest: two records
+        c.master.kill()
+        _cut(journal, 3)  # layer 3's remove and all of layer 2
+        with open(journal, "rb") as f:
+            whole = f.read()
+        damaged = bytearray(whole)
+        damaged[len(whole) // 2] ^= 0x04
+        with open(journal, "wb") as f:
+            f.write(damaged)
+        refused = subprocess.run([sys.executable, "-m", "master", "--port", "0", "--journal", journal],
+                                 capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+        assert re.search(r"^engram-master: journal .*: line \d+ does not match its checksum", refused.stderr)
+        with open(journal, "wb") as f:
+            f.write(whole)  # restored from a copy; still without its last three records
+        c.restart_master(journal=journal, extra=extra)
+        with DistributedStore.connect(c.address, timeout_ms=5000, local_direct=False) as store:
+            _wait_for(lambda: (store.status()["objects"], store.status()["lost"]) == (len(SIZES) + 1,) * 2, 30,
+                      "the segment to offer layer 2 back and disown layer 3")
+            _check(EngramStore(2, _config(), store), _tables(2))
+            with pytest.raises(ObjectLost, match="engram:l3:.* was lost"):
+                EngramStore(3, _config(), store).lookup(np.zeros((1, 1, len(SIZES)), np.int64))
+            EngramStore(3, _config(), store).remove_from_store()  # a lost layer is removed like any other
+            EngramStore(4, _config(), store).populate(_tables(4))
+            _check(EngramStore(2, _config(), store), _tables(2))
+            _check(EngramStore(4, _config(), store), _tables(4))
+        assert "which the journal does not know" in c.master.output()

@@ -102,7 +102,7 @@ def test_lost_objects_are_journalled_and_restored_by_a_segment_that_still_holds_
     assert sorted(restored.lost) == ["k"]
     # The segment comes back with the bytes (it never learnt of the object: its catalogue does not name it).
     restored.register_segment(sid, "127.0.0.1:9", 4096, "", "h", write_key=b"z" * 32, registration="again")
-    assert restored.verification_candidates(sid) == [["k", offset, 100, "cc"]]
+    assert restored.verification_candidates(sid) == [["k", offset, 100, "cc", generation]]
     assert restored.segments[sid].allocator.used > 0  # reserved while the segment checks: nothing lands there
     assert restored.offer_verified(sid, "again", ["k"]) == 1
     assert restored.get("k").replicas[0].offset == offset

@@ -90,8 +90,10 @@ def test_weights_are_read_and_dequantised(tmp_path, sharded, names):
         assert got[part].dtype == np.float32
     ckpt = SafetensorsCheckpoint(tmp_path)
     assert ckpt.info(base + "embed.weight") == ("F8_E4M3", (CFG.num_embeddings(3), 64))
-    table = ckpt.raw(base + "embed.weight")
-    assert isinstance(table, np.memmap) and not table.flags.writeable  # mapped, not read
+    np.testing.assert_array_equal(ckpt.raw(base + "embed.weight"), raw[base + "embed.weight"])
+    rows = np.empty((7, 64), np.uint8)  # a table is read a run of rows at a time, never mapped
+    np.testing.assert_array_equal(ckpt.read_rows(base + "embed.weight", 100, rows), raw[base + "embed.weight"][100:107])
+    ckpt.close()
 
 
 @pytest.mark.timeout(120)
@@ -150,12 +152,12 @@ def test_a_failed_load_takes_back_its_own_columns_and_never_another_loads(tmp_pa
     pack = checkpoint._pack_column
     raced = []
 
-    def pack_after_another_load(weight, scale, offset, out, layer_id, c, *rest):
+    def pack_after_another_load(table, offset, out, layer_id, c, *rest):
         if c == 2 and not raced:
             raced.append(c)
             EngramStore(3, v41_store_config(CFG, 3), embedded).remove_from_store(force=True)
             load_v41_table(tmp_path, CFG, 3, embedded).close()
-        return pack(weight, scale, offset, out, layer_id, c, *rest)
+        return pack(table, offset, out, layer_id, c, *rest)
 
     monkeypatch.setattr(checkpoint, "_pack_column", pack_after_another_load)
     with pytest.raises(ObjectExists, match="engram:l3:h2"):

@@ -81,18 +81,17 @@ def test_objects_never_learnt_of_pass_and_checks_without_sizes_are_refused():
 @given(claims=_claims, checks=st.lists(st.tuples(st.integers(0, 60).map(lambda x: x * 64),
                                                  st.integers(1, 8).map(lambda x: x * 64), st.integers(1, 5)),
                                        min_size=1, max_size=4))
-def test_the_shared_table_answers_as_the_segment_does(tmp_path_factory, claims, checks):
+def test_the_shared_table_answers_as_the_segment_does(claims, checks):
     """Readers on the host check the generation table the segment publishes in shared memory: the same answer
     as the segment's own check, and a seq that moves with every claim."""
     import mmap
 
     from engram_store.kernels import check_table, readonly
 
-    path = str(tmp_path_factory.mktemp("gen") / "segment.gen")
-    generations = Generations(path, 1 << 20)
+    generations = Generations("segment-generations", 1 << 20)
     try:
-        with open(path, "rb") as f:
-            table = readonly(np.frombuffer(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ), dtype=np.int64))
+        fd = generations.table_fd
+        table = readonly(np.frombuffer(mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ), dtype=np.int64))
         seqs = [int(table[0])]
         for offset, size, gen in claims:
             generations.claim(offset, size, gen)
@@ -103,7 +102,7 @@ def test_the_shared_table_answers_as_the_segment_does(tmp_path_factory, claims, 
         assert check_table(table, named) == (expected, seqs[-1])
     finally:
         generations.close()
-    assert not os.path.exists(path)
+    assert generations.table_fd == -1
 
 
 def test_an_overflowing_table_says_it_cannot_tell():
@@ -134,3 +133,18 @@ def test_a_removed_object_is_refused_until_another_put_claims_its_range():
     assert check_generations(check_pairs_for(np.array([1024]), np.array([64]), np.array([9])),
                              *generations.arrays) == (2, -1)
     assert generations.drop([(0, 7)]) == 1 and generations.drop([(0, 7)]) == 0
+
+
+def test_an_object_a_master_asks_about_is_disowned_once_removed_or_written_over():
+    """A master that replayed a journal which lost the records of a remove asks whether the object is still here:
+    its bytes may still match its checksum, but the segment that heard of the remove says it is not."""
+    generations = Generations()
+    generations.claim(0, 128, 7)
+    generations.claim(128, 128, 8)
+    generations.claim(256, 128, 9)
+    generations.drop([(0, 7)])  # removed
+    generations.claim(256, 64, 10)  # written over
+    assert generations.disowns(["a", 0, 128, "c", 7]) and generations.disowns(["c", 256, 128, "c", 9])
+    assert not generations.disowns(["b", 128, 128, "c", 8])
+    assert not generations.disowns(["d", 4096, 64, "c", 3])  # never learnt of: its checksum decides
+    assert not generations.disowns(["a", 0, 128, "c"]) and not generations.disowns(["a", "x", 1, "c", 7])

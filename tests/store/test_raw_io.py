@@ -200,8 +200,8 @@ PARAMS = serve_params(READ, OK, max_ranges=64, max_bytes=1 << 12, stream_min_byt
 
 
 @pytest.fixture
-def table(tmp_path):
-    generations = Generations(str(tmp_path / "seg.gen"), SEGMENT.size)
+def table():
+    generations = Generations("seg-generations", SEGMENT.size)
     generations.claim(0, 4096, 7)
     generations.claim(8192, 4096, 8)
     try:
@@ -245,9 +245,8 @@ _checks = st.lists(st.sampled_from([(0, 4096, 7), (0, 4096, 6), (8192, 4096, 8),
 
 @settings(max_examples=150, deadline=None)
 @given(ranges=_ranges, checks=_checks, odd=st.booleans())
-def test_a_read_is_answered_as_the_python_twin_answers_it_or_left_to_the_caller(tmp_path_factory, ranges, checks,
-                                                                              odd):
-    generations = Generations(str(tmp_path_factory.mktemp("gen") / "seg.gen"), SEGMENT.size)
+def test_a_read_is_answered_as_the_python_twin_answers_it_or_left_to_the_caller(ranges, checks, odd):
+    generations = Generations("seg-generations", SEGMENT.size)
     generations.claim(0, 4096, 7)
     generations.claim(8192, 4096, 8)
     server = Server(generations.table)
