@@ -172,8 +172,9 @@ class Worker:
 
 
 def main() -> int:
-    master, local_dir, disk_dir, local_direct, timeout_ms, shm_dir = sys.argv[1:7]
-    os.environ["ENGRAM_SHM_DIR"] = shm_dir  # host caches in the explorer's directory, gone with it
+    master, local_dir, disk_dir, local_direct, timeout_ms = sys.argv[1:6]
+    if len(sys.argv) > 6:  # the explorer's: host caches in its directory, gone with it
+        os.environ["ENGRAM_SHM_DIR"] = sys.argv[6]
     worker = Worker(master, local_dir, disk_dir, local_direct == "1", int(timeout_ms))
     print(json.dumps({"ready": os.getpid()}), flush=True)
     for line in sys.stdin:
