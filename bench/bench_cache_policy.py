@@ -16,7 +16,9 @@ Policies, at caches of 0.1%, 1% and 10% of the stream's distinct rows:
 * ``door``, ``always``: the tier's set-associative cache (``engram_store.disk``'s own kernels, 7 ways, CLOCK),
   with doorkeeper admission (the process cache's default) or admitting every missed row (the host cache's);
 * ``always+warm``, ``door+warm``: the same, warm-started: the profile's most frequent rows pinned first, in at
-  most 2 of each set's 7 ways (``EngramStore.warm_cache``).
+  most 2 of each set's 7 ways (``EngramStore.warm_cache``);
+* ``curve``: not a cache: the hit rate the tier's miss-ratio curve predicts at that size (``MissRatioCurve``, the
+  sampled LRU stack behind ``stats()['hit_rate_by_size']``), from one replay of the stream for every size.
 
 Two scenarios: ``cold`` (a server starting on the rest of the stream: caches start empty, the bound counts first
 touches within it) and ``steady`` (every cache has served the past first, uncounted; the bound counts first
@@ -33,7 +35,7 @@ from _common import default_json_path, print_table, write_json
 from _policy import first_touch_hits, lru_hits
 
 import corpus as corpus_mod
-from engram_store.disk import RowCache
+from engram_store.disk import MissRatioCurve, RowCache
 from engram_store.disk import _kernels as dk
 from engram_store.disk._cache import MAX_PINNED_WAYS, per_set_bytes
 
@@ -81,6 +83,23 @@ def run_cache(keys: np.ndarray, capacity_rows: int, admission: str, batch: int, 
     return lookups - misses
 
 
+def curve_hits(keys: np.ndarray, capacities: list[int], batch: int, start: int, replay_from: int) -> np.ndarray:
+    """Hits the miss-ratio curve predicts at each capacity (rows), ``[len(capacities)]``, over tokens from ``start``:
+    the stream replayed from ``replay_from``, its counts zeroed at ``start`` (the stack kept, as the cache's rows)."""
+    T, C = keys.shape
+    curve = MissRatioCurve()
+    col0 = curve.add_columns(C)
+    row_base = np.zeros(C, np.int64)
+    for a in range(replay_from, T, batch):
+        if a <= start < a + batch:
+            curve.observe(np.ascontiguousarray(keys[a:start]), row_base, TAG, col0)
+            curve.reset()
+            curve.observe(np.ascontiguousarray(keys[start:a + batch]), row_base, TAG, col0)
+        else:
+            curve.observe(keys[a:a + batch], row_base, TAG, col0)
+    return curve.hits(range(col0, col0 + C), capacities)[0].sum(axis=0)
+
+
 def orders(hits: np.ndarray, per_column: int, n_heads: int = 8) -> list[float]:
     """Hit rate of each n-gram order (columns (n - 2) * n_heads + h)."""
     return [float(hits[i:i + n_heads].sum() / (per_column * n_heads)) for i in range(0, hits.size, n_heads)]
@@ -116,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         replay_from = start if scenario == "cold" else 0
         bound = first_touch_hits(keys, n_keys, start, replay_from)
         table, records = [], []
-        for frac in sizes:
+        caps = [max(dk.WAYS, int(n_keys * frac)) for frac in sizes]
+        predicted = curve_hits(keys, [-(-cap // dk.WAYS) * dk.WAYS for cap in caps], args.batch, start, replay_from)
+        for frac, curve in zip(sizes, predicted):
             cap = max(dk.WAYS, int(n_keys * frac))
             hits = {"bound": bound}
             t1 = time.monotonic()
@@ -126,15 +147,17 @@ def main(argv: list[str] | None = None) -> int:
                 hits[name] = run_cache(keys, cap, admission, args.batch, start, replay_from,
                                        pins if name.endswith("+warm") else None)
             rate = {name: float(h.sum() / (per_column * C)) for name, h in hits.items()}
+            rate["curve"] = float(curve / (per_column * C))
             best = max(policies[1:], key=lambda n: rate[n])
             print(f"  {scenario} {frac:g}: {time.monotonic() - t1:.1f} s", file=sys.stderr)
             table.append([f"{frac:.1%}", f"{cap:,}", f"{cap * ROW_BYTES / 2**20:,.0f} MiB", f"{rate['bound']:.1%}",
-                          f"{rate['LRU']:.1%}"] + [f"{rate[n]:.1%}" for n in policies[1:]]
+                          f"{rate['LRU']:.1%}"] + [f"{rate[n]:.1%}" for n in policies[1:]] + [f"{rate['curve']:.1%}"]
                          + [best, f"{(rate['bound'] - rate[best]) * 100:+.1f}", f"{(rate[best] - rate['LRU']) * 100:+.1f}"])
             records.append({"size_frac": frac, "capacity_rows": cap, "hit_rate": rate, "best": best,
                             "hit_rate_by_order": {n: orders(h, per_column) for n, h in hits.items()}})
         results["scenarios"][scenario] = records
-        print_table(["cache", "rows", "V4.1 rows", "bound", "LRU", *policies[1:], "best", "bound-best", "best-LRU"],
+        print_table(["cache", "rows", "V4.1 rows", "bound", "LRU", *policies[1:], "curve", "best", "bound-best",
+                     "best-LRU"],
                     table, title=f"{scenario}: hit rate over the last {per_column:,} tokens "
                                  f"({'caches start empty' if scenario == 'cold' else 'after serving the past'}), "
                                  f"batches of {args.batch} tokens")

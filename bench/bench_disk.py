@@ -20,7 +20,8 @@ Sections (all by default):
 * ``hit``: a lookup served wholly from the cache beside the local-direct gather kernel reading the same rows from
   memory (packed in a table of their own, and scattered over a ``--layer-table``-sized table as a real layer's
   are) and ``np.take``; then ``EngramStore.lookup_into`` from a cached disk layer beside the same call on the same
-  tables bound in memory.
+  tables bound in memory, and beside itself without the hit rate at every cache size (``stats()
+  ['hit_rate_by_size']``: what keeping it costs a lookup).
 
 The layer (48 heads of 264-byte rows, ``--size`` bytes, 30 GB by default: more than this machine's memory) is
 written once under ``--dir`` and reused by later runs. Row ``r`` of head ``h`` starts with the 8 bytes of
@@ -567,7 +568,8 @@ def section_hit(d: DiskDir, sizes: list[int], quick: bool, seed: int, layer_tabl
 
 def section_hit_api(directory: str, quick: bool, seed: int) -> list[dict]:
     """``EngramStore.lookup_into`` served wholly from the disk tier's cache beside the same call on tables bound in
-    memory (``bind_local``: the local-direct gather), on a layer small enough to hold in both."""
+    memory (``bind_local``: the local-direct gather), on a layer small enough to hold in both; and beside the same
+    disk lookups with the hit rate at every cache size not kept (what ``stats()['hit_rate_by_size']`` costs)."""
     per_head = 5_000 if quick else 20_000
     config = EngramStoreConfig(table_vocab_sizes=[per_head] * HEADS, embedding_dim=ROW_BYTES, row_format="bytes")
     tables = []
@@ -602,30 +604,40 @@ def section_hit_api(directory: str, quick: bool, seed: int) -> list[dict]:
                                     axis=1)[:, None, :] for _ in range(reps)]
                 out = np.empty((M, 1, HEADS, ROW_BYTES), dtype=np.uint8)
                 disk.stats(reset=True)
-                t_disk, t_mem = [], []
+                t_disk, t_mem, t_bare = [], [], []
+                sizing = disk._source.sizing
                 for i, ids in enumerate(batches):
                     t0 = time.perf_counter_ns()
                     disk.lookup_into(ids, out)
                     t_disk.append(time.perf_counter_ns() - t0)
                     check_rows(ids.reshape(M, HEADS), out.reshape(-1))
+                    bare = batches[(i + reps // 3) % reps]  # the same kind of lookup without the curve
+                    sizing.observe = lambda jobs: None
+                    t0 = time.perf_counter_ns()
+                    disk.lookup_into(bare, out)
+                    t_bare.append(time.perf_counter_ns() - t0)
+                    del sizing.observe
+                    check_rows(bare.reshape(M, HEADS), out.reshape(-1))
                     other = batches[(i + reps // 2) % reps]  # other rows: not the ones just pulled into the CPU caches
                     t0 = time.perf_counter_ns()
                     memory.lookup_into(other, out)
                     t_mem.append(time.perf_counter_ns() - t0)
                     check_rows(other.reshape(M, HEADS), out.reshape(-1))
                 st = disk.stats()
-                c, m = Stats.from_ns(t_disk), Stats.from_ns(t_mem)
+                c, m, bare = Stats.from_ns(t_disk), Stats.from_ns(t_mem), Stats.from_ns(t_bare)
                 results.append({"lookup": label, "rows": M * HEADS, "disk_cache": c.as_dict(),
-                                "bind_local": m.as_dict(),
+                                "bind_local": m.as_dict(), "without_curve": bare.as_dict(),
+                                "curve_cost_p50": c.p50_us / bare.p50_us,
                                 "hit_rate": st["cache_hits"] / max(1, st["cache_hits"] + st["cache_misses"]),
                                 "ratio_p50": c.p50_us / m.p50_us})
     finally:
         shutil.rmtree(where, ignore_errors=True)
     print_table(["lookup", "disk tier, cache hits p50 us", "p99 us", "bind_local p50 us", "p99 us", "hits / local",
-                 "hit rate"],
+                 "hit rate", "without the curve p50 us", "with / without"],
                 [[f"{r['lookup']} {r['rows']:,}", fmt(r["disk_cache"]["p50_us"]), fmt(r["disk_cache"]["p99_us"]),
                   fmt(r["bind_local"]["p50_us"]), fmt(r["bind_local"]["p99_us"]), fmt(r["ratio_p50"], 2),
-                  f"{r['hit_rate']:.1%}"] for r in results],
+                  f"{r['hit_rate']:.1%}", fmt(r["without_curve"]["p50_us"]), fmt(r["curve_cost_p50"], 3)]
+                 for r in results],
                 title=f"cache hits through the API: EngramStore.lookup_into on a disk_dir layer ({per_head:,} rows a "
                       "head, a cache of 4/3 of them, lookups of rows it holds) beside the same lookups of the same "
                       "tables bound in memory (local-direct)")

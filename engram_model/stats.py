@@ -16,11 +16,19 @@ compressed vocabulary), which shrinks the space of n-grams before hashing.
 
 ``--profile PATH`` also writes the corpus's row frequencies as a warm-start profile of the hot-row cache
 (``EngramStore.warm_cache(PATH)``; format in :mod:`engram_store.disk._profile`): per layer, every looked-up row
-of every head with its count, most frequent first. ``--v41`` hashes with DeepSeek-V4.1's released config instead
-(``V41Config``, layers ``--layer-ids``, default 1 and 14; ``--tokenizer`` is then required: the token map is built
-from it), so the profile's heads are the layer's 24 columns::
+of every head with its count, most frequent first.
 
-    engram-stats corpus.npy --v41 --tokenizer tokenizer.json --profile v41-profile.npz
+``--v41`` answers the sizing question of DeepSeek-V4.1's tables on SSD before serving: how large must
+``row_cache_bytes`` be? It hashes TOKENS as V4.1 does (``--tokenizer``: a ``tokenizer.json``, or a token map saved
+with ``save_token_map``) and replays the rows into the miss-ratio curve a serving process keeps, or reads a saved
+profile (``--from-profile``, no TOKENS), and reports per layer and n-gram order the working set, the first-touch
+bound, the hit rate at caches of 0.1% to 100% of the rows, and with ``--hit-rate R`` the smallest cache reaching R
+(:mod:`engram_model.v41._sizing`). The config is the released one, or ``--config config.json`` (a V4.1
+``config.json``), then the flags ``--layer-ids``, ``--engram-vocab-size N``, ``--max-ngram-size``,
+``--n-head-per-ngram`` (V4.1's ``n_heads``) and ``--pad-id``::
+
+    engram-stats corpus.npy --v41 --tokenizer tokenizer.json --hit-rate 0.6 --profile v41-profile.npz
+    engram-stats --v41 --from-profile v41-profile.npz --layer-ids 1 14 --hit-rate 0.6
 """
 
 from __future__ import annotations
@@ -34,7 +42,8 @@ import numpy as np
 
 from engram_store import _cli
 from engram_store._errors import EngramError, InvalidArgument
-from engram_store.disk import LayerProfile, save_profile
+from engram_store._units import format_size
+from engram_store.disk import LayerProfile, load_profile, save_profile
 
 from ._config import BackboneConfig, EngramConfig
 from ._hashing import NgramHashMapping
@@ -115,11 +124,8 @@ def profile_rows(ids: np.ndarray, valid: np.ndarray | None = None) -> LayerProfi
     return LayerProfile.from_counts(distinct % H, distinct // H, counts)
 
 
-def _v41_profiles(ids: np.ndarray, tokenizer_path: str, layer_ids: list[int] | None) -> dict[int, LayerProfile]:
-    from .v41 import V41Config, V41Hasher, build_token_map
-
-    config = V41Config(layer_ids=tuple(layer_ids or (1, 14)))
-    hasher = V41Hasher(config, build_token_map(tokenizer_path))
+def _v41_profiles(ids: np.ndarray, hasher: Any) -> dict[int, LayerProfile]:
+    config = hasher.config
     valid = ids >= 0
     rows = hasher(np.where(valid, ids, config.pad_id))                      # [B, L, n_layers, cols]
     out = {}
@@ -129,6 +135,98 @@ def _v41_profiles(ids: np.ndarray, tokenizer_path: str, layer_ids: list[int] | N
     return out
 
 
+def _v41_config(args: Any, token_map: np.ndarray | None) -> Any:
+    """V4.1's released config, or ``--config``'s, then the flags (and the token map's compressed vocabulary)."""
+    from .v41 import V41Config
+
+    base = V41Config.from_hf_config(args.config) if args.config else V41Config(layer_ids=(1, 14))
+    fields = dataclasses.asdict(base)
+    if len(args.engram_vocab_size or [0]) != 1:
+        raise InvalidArgument(f"--engram-vocab-size: V4.1 takes one size for every order, got {args.engram_vocab_size}")
+    for flag, name in (("layer_ids", "layer_ids"), ("engram_vocab_size", "engram_vocab_size"),
+                       ("max_ngram_size", "max_ngram_size"), ("n_head_per_ngram", "n_heads"), ("pad_id", "pad_id")):
+        value = getattr(args, flag)
+        if value is not None:
+            fields[name] = value[0] if flag == "engram_vocab_size" else tuple(value) if flag == "layer_ids" else value
+    if token_map is not None and not args.config:  # the hash's multipliers are drawn against the map's size
+        fields["compressed_vocab_size"] = int(token_map.max()) + 1
+    return V41Config(**fields)
+
+
+def _token_map(path: str) -> np.ndarray:
+    from .v41 import build_token_map, load_token_map
+
+    try:
+        return load_token_map(path) if path.endswith(".npy") else build_token_map(path)
+    except (EngramError, OSError, ValueError) as exc:
+        raise InvalidArgument(f"--tokenizer {path}: {exc}") from None
+
+
+def _main_v41(args: Any) -> int:
+    from .v41 import V41Hasher
+    from .v41._sizing import ProfileCurve, replay_tokens, sizing_report
+
+    try:
+        if (args.tokens is None) == (args.from_profile is None):
+            raise InvalidArgument("--v41: expected TOKENS (with --tokenizer) or --from-profile PATH, one of them")
+        if args.hit_rate is not None and not 0 < args.hit_rate <= 1:
+            raise InvalidArgument(f"--hit-rate: expected a hit rate in (0, 1], got {args.hit_rate}")
+        if args.from_profile is not None:
+            if args.profile:
+                raise InvalidArgument("--profile: a profile is written from TOKENS, not from --from-profile")
+            config = _v41_config(args, None)
+            source = ProfileCurve(config, load_profile(args.from_profile))
+        else:
+            if not args.tokenizer:
+                raise InvalidArgument("--v41: TOKENS need --tokenizer (tokenizer.json, or a saved token map .npy)")
+            token_map = _token_map(args.tokenizer)
+            config = _v41_config(args, token_map)
+            ids = load_tokens(args.tokens)
+            source = replay_tokens(config, token_map, ids)
+            if args.profile:
+                save_profile(args.profile, _v41_profiles(ids, V41Hasher(config, token_map)))
+        report = sizing_report(source, args.hit_rate)
+    except (EngramError, OSError, ValueError) as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    report["source"] = "profile" if args.from_profile else "tokens"
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    _print_sizing(report, config)
+    if args.profile:
+        print(f"profile of every looked-up row -> {args.profile}")
+    return 0
+
+
+def _print_sizing(report: dict[str, Any], config: Any) -> None:
+    lids = list(report["layers"])
+    how = "a cache holding the profile's most frequent rows; an LRU on traffic with locality hits more" \
+        if report["source"] == "profile" else "an LRU, the corpus replayed"
+    print(f"V4.1 layers {lids}: {report['rows']:,} rows of {report['row_bytes']} bytes; {report['lookups']:,} lookups "
+          f"of {report['working_set_rows']:,} distinct rows (working set: row_cache_bytes "
+          f"{format_size(report['working_set_bytes'])})")
+    print(f"first-touch bound (a cache of unbounded size still misses every first touch): "
+          f"{report['first_touch_bound']:.1%}")
+    orders = range(2, config.max_ngram_size + 1)
+    print(f"hit rate by row_cache_bytes ({how}):")
+    print(f"{'row_cache_bytes':>15} {'rows':>13} {'all':>6} " + " ".join(f"{'layer ' + str(lid):>9}" for lid in lids)
+          + " " + " ".join(f"{'order ' + str(n):>8}" for n in orders))
+    for i, entry in enumerate(report["hit_rate_by_size"]):
+        layers = [report["layers"][lid]["hit_rate_by_size"][i]["hit_rate"] for lid in lids]
+        by_order = [float(np.mean([report["layers"][lid]["hit_rate_by_order"][n][i] for lid in lids])) for n in orders]
+        print(f"{format_size(entry['bytes']):>15} {entry['rows']:>13,} {entry['hit_rate']:>6.1%} "
+              + " ".join(f"{x:>9.1%}" for x in layers) + " " + " ".join(f"{x:>8.1%}" for x in by_order))
+    target = report.get("target")
+    if target is not None:
+        if target["rows"] is None:
+            print(f"a hit rate of {target['hit_rate']:.1%} is out of reach: the first-touch bound is "
+                  f"{report['first_touch_bound']:.1%}")
+        else:
+            print(f"a hit rate of {target['hit_rate']:.1%} needs row_cache_bytes >= {target['bytes']:,} "
+                  f"({format_size(target['bytes'])}, {target['rows']:,} rows)")
+
+
 PROG = "engram-stats"
 DESCRIPTION = """\
 How well an Engram configuration's tables fit a token corpus. For every head of every layer:
@@ -136,15 +234,20 @@ the distinct n-grams of the head's order in TOKENS and the distinct table rows t
 collision rate (the share of distinct n-grams that share their row with another, which a larger
 --engram-vocab-size reduces) next to the rate a uniform hash would give; and the occupancy (the
 share of the table's rows the corpus touches). With --tokenizer, also the compression ratio of
-the compressed tokenizer (original vocabulary / compressed vocabulary)."""
+the compressed tokenizer (original vocabulary / compressed vocabulary).
+
+With --v41: how large a DeepSeek-V4.1 hot-row cache (row_cache_bytes) must be, from TOKENS or a
+saved profile: the working set, the first-touch bound, the hit rate at every cache size per layer
+and n-gram order, and with --hit-rate the smallest cache that reaches it."""
 
 
 def _parser():
     defaults = EngramConfig()
     p = _cli.parser(PROG, DESCRIPTION, epilog="Fields come from EngramConfig's defaults, then --config, then the flags.")
-    p.add_argument("tokens", metavar="TOKENS", help=".npy array of token ids (1-D: one sequence; 2-D: one per row) "
-                   "or a text file of whitespace-separated ids, one sequence per line")
-    p.add_argument("--config", metavar="JSON", help="a JSON object of EngramConfig fields (default: none)")
+    p.add_argument("tokens", metavar="TOKENS", nargs="?", help=".npy array of token ids (1-D: one sequence; 2-D: one "
+                   "per row) or a text file of whitespace-separated ids, one sequence per line")
+    p.add_argument("--config", metavar="JSON", help="a JSON object of EngramConfig fields; with --v41, a V4.1 "
+                   "config.json (default: none)")
     p.add_argument("--engram-vocab-size", type=int, nargs="+", metavar="N",
                    help=f"table size per n-gram order before rounding to primes (default: {defaults.engram_vocab_size})")
     p.add_argument("--max-ngram-size", type=int, metavar="N",
@@ -163,8 +266,15 @@ def _parser():
     p.add_argument("--profile", metavar="PATH",
                    help="also write a warm-start profile of the row cache, .npz (default: none)")
     p.add_argument("--v41", action="store_true",
-                   help="with --profile and --tokenizer: hash with DeepSeek-V4.1's released config, layers "
-                        "--layer-ids (default: 1 14), and write only the profile")
+                   help="size a V4.1 hot-row cache: hash TOKENS with --tokenizer as DeepSeek-V4.1 does (its released "
+                        "config, layers 1 14, unless --config or the flags say otherwise), or read --from-profile; "
+                        "report the working set, the first-touch bound and the hit rate at every cache size")
+    p.add_argument("--from-profile", metavar="PATH",
+                   help="with --v41, in place of TOKENS: a profile written by --profile (counts, no order: the hit "
+                        "rate of a cache holding the most frequent rows) (default: none)")
+    p.add_argument("--hit-rate", type=float, metavar="R",
+                   help="with --v41: also the smallest row_cache_bytes reaching this hit rate, 0 < R <= 1 "
+                        "(default: none)")
     _cli.add_log_level(p, "WARNING")
     return p
 
@@ -177,17 +287,10 @@ def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     _cli.setup_logging(args.log_level)
     if args.v41:
-        try:
-            if not args.profile or not args.tokenizer:
-                raise InvalidArgument("--v41: expected --profile PATH and --tokenizer tokenizer.json with it")
-            profiles = _v41_profiles(load_tokens(args.tokens), args.tokenizer, args.layer_ids)
-            save_profile(args.profile, profiles)
-        except (EngramError, OSError, ValueError) as exc:
-            print(f"{PROG}: {exc}", file=sys.stderr)
-            return 2
-        for lid, prof in profiles.items():
-            print(f"layer {lid}: {prof.rows.size} distinct rows, {int(prof.counts.sum())} lookups -> {args.profile}")
-        return 0
+        return _main_v41(args)
+    if args.tokens is None:
+        print(f"{PROG}: TOKENS: expected a token file (or --v41 --from-profile PATH)", file=sys.stderr)
+        return 2
     try:
         fields: dict[str, Any] = {}
         if args.config:

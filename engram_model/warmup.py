@@ -74,6 +74,10 @@ def warm_v41(verbose: bool = True) -> float:
         hasher.step_ragged(state, ids.ravel(), [3, 0], [0, 2, 6], token_mask=~flags, doc_start=flags, commit=False)
         hasher.commit(state, ids.ravel()[:3], [3, 0], [0, 1, 3])
         table.close()
+        if n_heads == 8:  # engram-stats --v41: a corpus replayed into the curve, first touches counted
+            from .v41._sizing import replay_tokens, sizing_report
+
+            sizing_report(replay_tokens(config, np.arange(16, dtype=np.int64) % 8, ids, max_keys=4), 0.5)
     decode_fp8_rows(encode_fp8_rows(np.ones((2, 32), dtype=np.float32)))
     from .v41._rows import warm_kernels
 

@@ -7,13 +7,15 @@ Public surface::
     EngramStore           per-head tables of one or more layers: [B, L, H] -> [B, L, H, D] row lookup
     EngramStoreConfig     table sizes, embedding dimension and row format of one layer
     lookup_many, prefetch_many   rows of several EngramStores at once (one request per segment server)
+    metrics_text, serve_metrics  a serving process's Prometheus text: lookups, rows, cache hits, SSD reads
     StoreConfig           store configuration from a JSON file, the environment, or keywords
     EngramError, ...      the exception tree (see ``engram_store._errors``)
 """
 
 from .client import DistributedStore, KeyInfo, ObjectInfo, Replica
 from ._config import StoreConfig
-from .tables import EngramStore, EngramStoreConfig, LookupHandle, lookup_many, prefetch_many
+from .tables import (EngramStore, EngramStoreConfig, LookupHandle, lookup_many, metrics_text, prefetch_many,
+                     serve_metrics)
 from ._errors import (
     AuthError,
     ConfigError,
@@ -79,6 +81,8 @@ __all__ = [
     "UnsafeFile",
     "format_size",
     "lookup_many",
+    "metrics_text",
     "parse_size",
     "prefetch_many",
+    "serve_metrics",
 ]

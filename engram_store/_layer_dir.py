@@ -25,22 +25,18 @@ log = logging.getLogger(__name__)
 LOCK_POLL_S = 0.05
 
 
-def open_layer_dir(path: object, flag: str, warn_if_new: bool = False) -> str:
+def open_layer_dir(path: object, flag: str) -> str:
     """The absolute path of a directory of layers (``flag`` names the argument in errors), created if need be and
-    refused (UnsafeFile) where another user could change it; ``warn_if_new``: a mistyped path would otherwise read
-    as an empty place, every layer "not published"."""
+    refused (UnsafeFile) where another user could change it. A directory created here is no warning: a writer makes
+    one on purpose, and a reader of a mistyped path is told when it finds no layer there (``DiskDir.created``)."""
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise InvalidArgument(f"{flag}: expected a directory path, got {describe(path)}")
     path = os.path.abspath(os.fspath(path))
-    created = not os.path.isdir(path)
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
         raise InvalidArgument(f"{flag}: cannot create {path}: {exc.strerror}") from None
     check_layer_dir(path, flag)
-    if created and warn_if_new:
-        log.warning("%s %s did not exist: created it, empty (no layers there yet; if you meant an existing "
-                    "directory, check the path)", flag, path)
     return path
 
 

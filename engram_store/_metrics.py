@@ -1,9 +1,9 @@
 """Request counters and latency histograms per operation, in the Prometheus text format.
 
-A server's serving thread records into :class:`RequestMetrics` (one lock-free append per request: the
-serving thread is the only writer); :func:`serve_metrics` exposes a text snapshot over HTTP on ``/metrics``
-from a daemon thread. The snapshot is rebuilt by the serving thread (``publish``), so the HTTP thread never
-reads state that is being changed.
+A server's serving thread records into :class:`RequestMetrics`; :class:`MetricsEndpoint` exposes text over HTTP
+on ``/metrics`` from a daemon thread: a snapshot the serving thread rebuilds (``publish``: the master's, so the
+HTTP thread never reads state that is being changed), or text rendered at each request by a ``render`` callable
+(a serving process's EngramStores, whose counters are read under their own locks).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import bisect
 import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -78,18 +79,27 @@ class RequestMetrics:
         return lines
 
 
-def gauge(name: str, help_text: str, samples: list[tuple[str, float]]) -> list[str]:
-    """Lines of one gauge: ``samples`` are ``(labels, value)`` with labels like ``'segment="a"'`` or ``''``."""
-    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
+def gauge(name: str, help_text: str, samples: list[tuple[str, float]], kind: str = "gauge") -> list[str]:
+    """Lines of one gauge (or ``kind="counter"``): ``samples`` are ``(labels, value)`` with labels like
+    ``'segment="a"'`` or ``''``."""
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
     lines += [f"{name}{{{labels}}} {value}" if labels else f"{name} {value}" for labels, value in samples]
     return lines
 
 
-class MetricsEndpoint:
-    """``GET /metrics`` on ``host:port`` from a daemon thread, answering the last published text."""
+def labels(**values: object) -> str:
+    """``key="value",...`` with the values escaped as the text format wants (backslash, quote, newline)."""
+    esc = lambda v: str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return ",".join(f'{k}="{esc(v)}"' for k, v in values.items())
 
-    def __init__(self, host: str, port: int):
+
+class MetricsEndpoint:
+    """``GET /metrics`` on ``host:port`` from a daemon thread, answering the last published text, or what
+    ``render()`` returns at each request. A context manager; ``close()`` stops it."""
+
+    def __init__(self, host: str, port: int, render: Callable[[], list[str]] | None = None):
         self._text = b"# no metrics published yet\n"
+        self._render = render
         endpoint = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -97,7 +107,12 @@ class MetricsEndpoint:
                 if self.path.split("?", 1)[0] != "/metrics":
                     self.send_error(404, "only /metrics is served here")
                     return
-                body = endpoint._text
+                try:
+                    body = endpoint._body()
+                except Exception as exc:  # noqa: BLE001 (a scrape must get an answer, and the server go on)
+                    log.warning("metrics: rendering failed: %s", exc)
+                    self.send_error(500, f"rendering the metrics failed: {exc}")
+                    return
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
                 self.send_header("Content-Length", str(len(body)))
@@ -113,10 +128,20 @@ class MetricsEndpoint:
         self._thread = threading.Thread(target=self._server.serve_forever, name="engram-metrics", daemon=True)
         self._thread.start()
 
+    def _body(self) -> bytes:
+        return ("\n".join(self._render()) + "\n").encode() if self._render is not None else self._text
+
     def publish(self, lines: list[str]) -> None:
         self._text = ("\n".join(lines) + "\n").encode()
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._server.shutdown()
+            self._server.server_close()
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> "MetricsEndpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

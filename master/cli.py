@@ -13,12 +13,12 @@ import logging
 import socket
 import sys
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from engram_store import _cli
 from engram_store.wire import (AUTH_DIR_ENV, Connection, exposure_warning, keygen, load_keys, resolve_auth_dir,
                                serve_until_signalled, stop_on_signal_while_starting)
-from engram_store._errors import EngramError
+from engram_store._errors import EngramError, MasterUnavailable
 from engram_store._units import format_size, parse_address
 
 from ._config import (
@@ -146,6 +146,31 @@ def _nothing_listens(host: str, port: int) -> str | None:
         return exc.strerror or str(exc)
 
 
+def _first_status(conn: Connection, args: Any, prog: str, address: str, deadline: float,
+                  auth_hint: str) -> dict | None:
+    """The master's first answer to ``status`` (None: nothing listens, said on stderr). Asked at once; only when
+    no answer came within a second is the port checked with a bare TCP connect, so a master that answers is never
+    probed: one with --auth logs a connection closed before its handshake as a refused client."""
+    host, _, port = address.rpartition(":")
+    try:
+        return conn.call("status", timeout_ms=int(max(0.05, min(FIRST_ANSWER_S, deadline - time.monotonic()))
+                                                  * 1000))[0]
+    except MasterUnavailable as exc:
+        if "no reply" not in str(exc):
+            raise
+    why = None if args.wait_segments else _nothing_listens(host, int(port))
+    if why is not None:
+        print(f"{prog}: no reply from {address}: nothing listens there ({why}); is engram-master running on that "
+              f"port? (start one with: {PROG} --host {host} --port {port})", file=sys.stderr)
+        return None
+    if time.monotonic() < deadline:
+        waiting = (f"waiting up to {args.timeout:g} s for a master to answer on {address}" if args.wait_segments
+                   else f"{address} accepts connections but has not answered in {FIRST_ANSWER_S:g} s; waiting up "
+                        f"to {args.timeout:g} s ({auth_hint})")
+        print(f"{prog}: {waiting}", file=sys.stderr, flush=True)
+    return conn.call("status", timeout_ms=int(max(0.05, deadline - time.monotonic()) * 1000))[0]
+
+
 def _registered(header: dict) -> int:
     """Segments that have registered with this master (not those a journal restored that have yet to)."""
     return sum(1 for s in header["segments"] if s.get("confirmed", True))
@@ -153,8 +178,6 @@ def _registered(header: dict) -> int:
 
 def status(argv: Sequence[str] | None) -> int:
     args = _status_parser().parse_args(argv)
-    from engram_store._errors import MasterUnavailable
-
     prog = f"{PROG} status"
     try:
         host, port = parse_address(args.master, "--master")
@@ -164,23 +187,13 @@ def status(argv: Sequence[str] | None) -> int:
         return 2
     address = f"{host}:{port}"
     deadline = time.monotonic() + args.timeout
-    why = _nothing_listens(host, port)
-    if why is not None and args.wait_segments:  # a script that has just started the master: let it come up
-        with _cli.announce_after(f"waiting up to {args.timeout:g} s for a master to listen on {address}", prog):
-            while why is not None and time.monotonic() < deadline:
-                time.sleep(0.05)
-                why = _nothing_listens(host, port)
-    if why is not None:
-        print(f"{prog}: no reply from {address}: nothing listens there ({why}); is engram-master running on that "
-              f"port? (start one with: {PROG} --host {host} --port {port})", file=sys.stderr)
-        return 1
     auth_hint = ("a master started with --auth answers only clients that have its keys: pass --auth DIR" if not
                  args.auth else f"check that {args.auth} holds the keys the master was started with")
     conn = Connection(address, unavailable=MasterUnavailable, curve=curve)
     try:
-        with _cli.announce_after(f"{address} accepts connections but has not answered in {FIRST_ANSWER_S:g} s; "
-                                 f"waiting up to {args.timeout:g} s ({auth_hint})", prog, FIRST_ANSWER_S):
-            header, _ = conn.call("status", timeout_ms=int(max(1.0, deadline - time.monotonic()) * 1000))
+        header = _first_status(conn, args, prog, address, deadline, auth_hint)
+        if header is None:
+            return 1
         if args.wait_segments:
             announced = False
             while _registered(header) < args.wait_segments:
@@ -198,7 +211,10 @@ def status(argv: Sequence[str] | None) -> int:
                 # at least a second for the answer itself, so a loaded master is not mistaken for a silent one
                 header, _ = conn.call("status", timeout_ms=int(max(1.0, deadline - time.monotonic()) * 1000))
     except MasterUnavailable as exc:
-        if "no reply" in str(exc):
+        if "no reply" in str(exc) and _nothing_listens(host, port) is not None:
+            print(f"{prog}: no reply from {address} within {args.timeout:g} s: nothing listens there; is "
+                  f"engram-master running on that port?", file=sys.stderr)
+        elif "no reply" in str(exc):
             print(f"{prog}: no reply from {address} within {args.timeout:g} s: something listens there but it did "
                   f"not answer as an engram master ({auth_hint})", file=sys.stderr)
         else:

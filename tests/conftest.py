@@ -14,8 +14,28 @@ test runs as a process of its own is named ``*_worker.py``.
 """
 import os
 import subprocess
+import tempfile
 
 import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_files_in_the_runs_own_directory(tmp_path_factory):
+    """Everything the run writes through ``tempfile`` (its own files, and its child processes' through ``TMPDIR``:
+    servers' logs, the explorer's directories) lands in a directory of the session's, which pytest removes with
+    the rest when every test passed (``tmp_path_retention_policy = "failed"``): a run leaves nothing in the
+    system's temporary directory."""
+    directory = str(tmp_path_factory.mktemp("tmp", numbered=False))
+    saved = tempfile.tempdir, os.environ.get("TMPDIR")
+    tempfile.tempdir = os.environ["TMPDIR"] = directory
+    try:
+        yield directory
+    finally:
+        tempfile.tempdir = saved[0]
+        if saved[1] is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved[1]
 
 
 @pytest.fixture

@@ -4,8 +4,8 @@ interleaved with faults, checked against the store's contract.
 In the spirit of Jepsen and of FoundationDB's simulation tests: examples pin the cases someone thought of, this
 finds the ones nobody did. One seed fixes the cluster (journal or not, durable or shared-memory segments, replica
 count) and the schedule of operations (populate, lookup, prefetch, remove, verify of store, ``local_dir`` and
-``disk_dir`` layers; undo of a client's own populate of a store layer; put, get and remove of objects; clients
-closing mid-call) and faults (SIGKILL, SIGSTOP and
+``disk_dir`` layers, behind a client's own row cache or the host's, shared and asked for at different sizes; undo
+of a client's own populate of a store layer; put, get and remove of objects; clients closing mid-call) and faults (SIGKILL, SIGSTOP and
 restarts of the master, with and without its journal, and of segments; clients killed mid-populate and mid-remove;
 a paused segment's shared memory truncated under its readers, which its seals must refuse; network partitions
 between processes, where the machine lets this run make network namespaces). Processes are
@@ -265,7 +265,7 @@ class History(Faults, JournalFaults, RestFaults):
         node = f"client{len(self.workers) % 3}"
         worker = Worker(name, [self.worker_master(name, local_direct), os.path.join(self.files, "local"),
                                os.path.join(self.files, "disk"), "1" if local_direct else "0", str(CLIENT_TIMEOUT_MS),
-                               self.worker_cache(dies_at)], self._prefix(node), wait)
+                               self.worker_cache(dies_at), os.path.join(self.dir, "shm")], self._prefix(node), wait)
         worker.node = node
         self.workers[name] = worker
         return worker

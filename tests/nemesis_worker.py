@@ -29,6 +29,10 @@ DIM = 5
 CONFIG = EngramStoreConfig(table_vocab_sizes=SIZES, embedding_dim=DIM)
 #: Bytes of a key-value object: a 16-byte header (generation, length) and a pattern derived from both.
 VALUE_BYTES = 3000
+#: The row caches of a client's disk layers, by its pid: its own, or the host's asked for at one size or another (a
+#: client asking another size attaches to the one there), so clients killed mid-fill, mid-replay of the host's
+#: curve or mid-attach leave the others a cache to check every row against.
+DISK_CACHES = ((1 << 16, "process"), (1 << 16, "host"), (1 << 17, "host"))
 
 
 def tables(layer: int, generation: int) -> list[np.ndarray]:
@@ -69,7 +73,7 @@ class Worker:
                  cache: str = "process"):
         self.master, self.local_dir, self.disk_dir = master, local_dir, disk_dir
         self.local_direct, self.timeout_ms = local_direct, timeout_ms
-        self.cache_scope = "host" if cache.startswith("host") else "process"
+        self.host_cache = cache.startswith("host")
         if cache.startswith("host-die:"):  # the host cache's test hook: this process dies mid-fill
             os.environ[DIE_MID_FILL_ENV] = cache.split(":", 1)[1]
         self.store: DistributedStore | None = None
@@ -91,8 +95,10 @@ class Worker:
             elif kind == "local":
                 es = EngramStore(layer, CONFIG, local_dir=self.local_dir)
             else:
-                es = EngramStore(layer, CONFIG, disk_dir=self.disk_dir, row_cache_bytes=1 << 16,
-                                 cache_scope=self.cache_scope)
+                cache_bytes, scope = DISK_CACHES[os.getpid() % len(DISK_CACHES)]
+                if self.host_cache:  # the explorer's stream of faults at rest asked for the host's, at any size
+                    scope = "host"
+                es = EngramStore(layer, CONFIG, disk_dir=self.disk_dir, row_cache_bytes=cache_bytes, cache_scope=scope)
             self.layers[(kind, layer)] = es
         return es
 
@@ -214,6 +220,8 @@ def in_child(work) -> dict:
 
 def main() -> int:
     master, local_dir, disk_dir, local_direct, timeout_ms = sys.argv[1:6]
+    if len(sys.argv) > 7:  # the explorer's: host caches in its directory, gone with it
+        os.environ["ENGRAM_SHM_DIR"] = sys.argv[7]
     worker = Worker(master, local_dir, disk_dir, local_direct == "1", int(timeout_ms),
                     sys.argv[6] if len(sys.argv) > 6 else "process")
     print(json.dumps({"ready": os.getpid()}), flush=True)

@@ -213,7 +213,7 @@ def _remove_the_toy():
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def test_loader_errors_name_the_argument_the_user_gave(tmp_path, capsys):
+def test_loader_errors_name_the_argument_the_user_gave(tmp_path, capsys, caplog):
     load = _entry("engram-load-v41")
     assert load([str(tmp_path / "nowhere"), "--disk-dir", str(tmp_path / "ssd")]) == 2
     assert "CHECKPOINT_DIR: no such file or directory" in capsys.readouterr().err
@@ -226,7 +226,9 @@ def test_loader_errors_name_the_argument_the_user_gave(tmp_path, capsys):
     assert "CHECKPOINT_DIR: " in err and "safetensors" in err and "path:" not in err
     checkpoint = str(_toy_config().parent)
     ssd = str(tmp_path / "ssd")
-    assert load([checkpoint, "--disk-dir", ssd, "--layers", "1", "--no-progress"]) == 0
+    with caplog.at_level(logging.WARNING):
+        assert load([checkpoint, "--disk-dir", ssd, "--layers", "1", "--no-progress"]) == 0
+    assert "did not exist" not in caplog.text + capsys.readouterr().err  # a loader makes its disk_dir: no warning
     assert load([checkpoint, "--disk-dir", ssd, "--layers", "1", "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert f"engram-layers remove --disk-dir {ssd} 1" in err and "path_or_dict" not in err
@@ -250,17 +252,23 @@ def test_stats_names_tokens_and_config(tmp_path, capsys):
     assert "--config: cannot read" in capsys.readouterr().err
 
 
-def test_a_new_disk_dir_is_created_with_a_warning(tmp_path, caplog):
-    from engram_store import EngramStore, EngramStoreConfig
+def test_a_new_disk_dir_is_created_and_a_reader_of_it_is_told_to_check_the_path(tmp_path, caplog):
+    import numpy as np
+
+    from engram_store import EngramStore, EngramStoreConfig, ObjectNotFound
 
     config = EngramStoreConfig(table_vocab_sizes=[10], embedding_dim=8)
     with caplog.at_level(logging.WARNING):
-        EngramStore(1, config, disk_dir=str(tmp_path / "typo")).close()
-    assert any("did not exist" in r.getMessage() and "typo" in r.getMessage() for r in caplog.records)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        EngramStore(1, config, disk_dir=str(tmp_path / "typo")).close()  # there now: no warning
-    assert not any("did not exist" in r.getMessage() for r in caplog.records)
+        with EngramStore(1, config, disk_dir=str(tmp_path / "typo")) as store:
+            with pytest.raises(ObjectNotFound, match=r"disk_dir did not exist: .*created it.*check the path"):
+                store.lookup(np.zeros((1, 1, 1), np.int64))
+        with EngramStore(1, config, disk_dir=str(tmp_path / "typo")) as store:  # there now: a plain not-published
+            with pytest.raises(ObjectNotFound) as caught:
+                store.lookup(np.zeros((1, 1, 1), np.int64))
+            assert "did not exist" not in str(caught.value)
+        with EngramStore(1, config, disk_dir=str(tmp_path / "new")) as writer:  # made to be written: no warning
+            writer.populate([np.zeros((10, 8), np.float32)])
+    assert not any("did not exist" in r.getMessage() for r in caplog.records), caplog.text
 
 
 def test_a_read_only_disk_dir_names_the_directory(tmp_path, monkeypatch):

@@ -8,8 +8,10 @@ package imports and is skipped, saying so, elsewhere. Code blocks are
 ``python`` or ``bash``; output shown in a block has no language (or ``text``).
 
 Shell blocks start servers in the background on port 50051; here each runs with a free port in its place and a
-home directory of its own, and everything it started is killed when it ends. Every block runs with a temporary
-directory of its own and must leave it empty: examples clean up what they make.
+home directory of its own, and everything it started is killed when it ends. A reader runs them one after the
+other in one shell, on the one port: so each block stops the servers it starts (``kill`` with the ``$!`` it
+kept). Every block runs in a working directory, a home and a temporary directory of its own and must leave them
+empty: examples clean up what they make.
 """
 from __future__ import annotations
 
@@ -81,6 +83,28 @@ def test_the_readme_has_the_blocks_it_promises():
     text = README.read_text()
     unlinked = [g.name for g in GUIDES if f"docs/{g.name}" not in text]
     assert not unlinked, f"guides the README's map does not link: {unlinked}"
+    assert re.search(r"suite takes\s+about \d+ minutes", text), "the README says how long the tests run"
+
+
+#: A server started in the background: ``engram-master ... &`` or ``engram-segment ... &`` (a comment may follow).
+_BACKGROUND_SERVER = re.compile(r"^(engram-master|engram-segment)\b[^\n]*&\s*(#.*)?$", re.M)
+
+
+def test_every_block_that_starts_servers_stops_them():
+    """Each server a block starts with ``&`` has its pid kept on the next line (``NAME=$!``) and killed later in
+    the block: a reader running the guides in one shell would otherwise find port 50051 taken by the last block's
+    master, and a new master that cannot bind exits while the block goes on against the old one."""
+    unstopped = []
+    for block in SHELL:
+        lines = block.text.splitlines()
+        for i, line in enumerate(lines):
+            if not _BACKGROUND_SERVER.match(line):
+                continue
+            kept = re.match(r"^(\w+)=\$!$", lines[i + 1].strip()) if i + 1 < len(lines) else None
+            later = "\n".join(lines[i + 2:])
+            if kept is None or not re.search(rf"^kill\b[^\n]*\${kept.group(1)}\b", later, re.M):
+                unstopped.append(f"{block.id}: {line.strip()}")
+    assert not unstopped, "servers started in the background and never stopped:\n" + "\n".join(unstopped)
 
 
 def test_every_code_block_is_python_or_bash():
@@ -104,9 +128,20 @@ def own_tmp(tmp_path):
     assert not left, f"the example left temporary files or directories behind: {left}"
 
 
+@pytest.fixture
+def own_cwd(tmp_path, monkeypatch):
+    """A working directory for the block alone; it must be empty afterwards."""
+    directory = tmp_path / "cwd"
+    directory.mkdir()
+    monkeypatch.chdir(directory)
+    yield directory
+    left = sorted(p.name for p in directory.iterdir())
+    assert not left, f"the example left files or directories in its working directory: {left}"
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("block", PYTHON, ids=[b.id for b in PYTHON])
-def test_python_block_runs(block, own_tmp):
+def test_python_block_runs(block, own_tmp, own_cwd):
     code = compile(block.text, str(block.path), "exec")
     if block.skip:
         return
@@ -148,5 +183,7 @@ def test_shell_block_runs(block, tmp_path, own_tmp):
     result = subprocess.run(["bash", "-c", wrapped], cwd=home, env=env, timeout=200)
     out = log.read_text()
     assert result.returncode == 0, f"exit {result.returncode}\n{out}"
+    left = sorted(p.name for p in home.iterdir())
+    assert not left, f"the example left files or directories in its home and working directory: {left}"
     if "engram-master status" in block.text:
         assert "segment(s)" in out, out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import os
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,14 @@ def test_no_import_circles():
 
 def _is_package(name: str) -> bool:
     return (ROOT / Path(*name.split(".")) / "__init__.py").exists()
+
+
+def test_the_run_keeps_its_temporary_files_in_its_own_directory(tmp_path_factory, pytestconfig):
+    """What tests and their processes write through tempfile lands under the run's base directory, which pytest
+    removes when the run passes: nothing is left in the system's temporary directory."""
+    import tempfile
+
+    base = tmp_path_factory.getbasetemp()
+    assert Path(tempfile.gettempdir()).is_relative_to(base)
+    assert Path(os.environ["TMPDIR"]).is_relative_to(base)
+    assert pytestconfig.getini("tmp_path_retention_policy") == "failed"

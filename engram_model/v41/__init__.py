@@ -13,6 +13,7 @@ Public surface::
                                      ids, -1 padding), into the engine's own buffers: bf16, packed or split
     V41Engram.from_checkpoint        a layer from safetensors shards, its table streamed into the store
     load_v41_weights, load_v41_table the same in parts; SafetensorsCheckpoint reads F8/BF16 tensors (pread)
+    hit_rate_by_order, order_labels  a disk_dir EngramStore's stats() curves by n-gram order; metrics labelled so
 
 Demo: ``python -m engram_model.v41.demo``. Loading a checkpoint into a running store: ``engram-load-v41``.
 """
@@ -23,6 +24,7 @@ from ._engram import V41Engram, V41Prefetch
 from ._fp8 import decode_fp8_rows, encode_fp8_rows
 from ._hasher import V41Hasher, V41HashState
 from ._rows import RowsHandle, V41Rows
+from ._sizing import hit_rate_by_order, order_labels
 from ._tokens import build_token_map, check_token_map, load_token_map, save_token_map
 from ._toy import write_toy_checkpoint
 
@@ -39,6 +41,8 @@ __all__ = [
     "check_token_map",
     "decode_fp8_rows",
     "encode_fp8_rows",
+    "hit_rate_by_order",
+    "order_labels",
     "load_token_map",
     "load_v41_table",
     "open_v41_table",

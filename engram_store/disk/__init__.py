@@ -19,13 +19,17 @@ host in shared memory (``HostRowCache``, ``_host_cache``), warm-started from a p
 from ._cache import RowCache
 from ._dir import DiskDir, verify_layer
 from ._host_cache import HostRowCache
+from ._host_mrc import HostCurve
+from ._mrc import SIZE_LADDER, MissRatioCurve, bytes_for_rows
 from ._profile import LayerProfile, load_profile, save_profile, warm_layer
 from ._layout import PAGE_BYTES, DiskLayout
 from ._reader import DEFAULT_DEPTH, DiskLayer, DiskReadError, IOEngine, aio_available, default_engine, read_many
 from ._writer import LayerWriter, write_layer
 
 __all__ = [
-    "DiskDir", "DiskLayer", "DiskLayout", "DiskReadError", "HostRowCache", "IOEngine", "LayerProfile", "LayerWriter",
+    "DiskDir", "DiskLayer", "DiskLayout", "DiskReadError", "HostCurve", "HostRowCache", "IOEngine", "LayerProfile",
+    "LayerWriter",
+    "MissRatioCurve", "SIZE_LADDER", "bytes_for_rows",
     "RowCache", "PAGE_BYTES", "DEFAULT_DEPTH", "aio_available", "default_engine", "load_profile", "read_many",
     "save_profile", "verify_layer", "warm_layer", "write_layer", "warmup",
 ]
@@ -58,3 +62,10 @@ def warmup() -> None:
         ck._cache_repair(RowCache(1 << 12, 8).meta, 0)
         ck._counter_add(np.zeros(2, dtype=np.int64), 0, 1)
         ck._count_lookup(np.zeros(2, dtype=np.int64), 1, 1)
+        curve = MissRatioCurve(2)
+        col0 = curve.add_columns(2)
+        buf = np.zeros(9, dtype=np.int64)
+        buf[2] = 1 << 32
+        curve.observe(ids, np.array([0, 20], dtype=np.int64), 1, col0, buf)  # past 2 keys: the rate drops
+        curve.replay(buf[3:3 + buf[0]], buf[6:6 + buf[0]], np.arange(2, dtype=np.int64))
+        curve.hits([0, 1], [1.0, 10.0])

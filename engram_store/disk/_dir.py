@@ -35,7 +35,11 @@ class DiskDir:
     """Layers published under one directory (see ``_layout`` for the files). Creates the directory."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = open_layer_dir(path, "disk_dir", warn_if_new=True)
+        #: Whether this DiskDir made the directory: a layer not published there then may be a mistyped path, which
+        #: a reader is told (a writer, which makes a new directory on purpose, is not warned).
+        self.created = isinstance(path, (str, os.PathLike)) and bool(os.fspath(path)) \
+            and not os.path.isdir(os.fspath(path))
+        self.path = open_layer_dir(path, "disk_dir")
         self._remove_dead_removers_leftovers()
 
     def _remove_dead_removers_leftovers(self) -> None:

@@ -3,11 +3,11 @@ layers.
 
 A serving host runs a worker process per GPU; each reading the same SSD layers behind a cache of its own keeps
 the same hot rows N times. Processes that open ``HostRowCache(capacity_bytes, row_bytes, scope=...)`` with the
-same scope (``EngramStore`` passes its ``disk_dir``), row size, capacity and admission map one file in the user's
-own directory under ``/dev/shm`` (``ENGRAM_SHM_DIR`` overrides ``/dev/shm``)::
+same scope (``EngramStore`` passes its ``disk_dir``) and row size map one file in the user's own directory under
+``/dev/shm`` (``ENGRAM_SHM_DIR`` overrides ``/dev/shm``)::
 
     engram-<uid>/                             mode 0700, this user's alone (see ``engram_store._shared_dirs``)
-    engram-<uid>/engram-rowcache-<hash>       header page | set metadata | CLOCK hands | doorkeeper bits | rows
+    engram-<uid>/engram-rowcache-<hash>       header page | set metadata | CLOCK hands | doorkeeper bits | curve | rows
     engram-<uid>/engram-rowcache-<hash>.lock  flock'd by the one process filling the cache (or attaching, or leaving)
 
 Why it is correct, in the simplest design that is:
@@ -16,6 +16,11 @@ Why it is correct, in the simplest design that is:
   once and checked with ``fstat``; each file is created exclusively (``O_EXCL``, never through a link) or, when it
   is there, used only if ``fstat`` shows it is this user's own. Another user can neither take the name first, nor
   read the rows, nor hold the lock. Processes of different users keep caches of their own.
+* **No silent second cache**: the file is named by the scope and the row size only. A process that asks for
+  another capacity or admission than the cache already there attaches to that one, as it is, and says so in a
+  warning naming both sizes: a second cache would hold the same hot rows again (a worker restarted with another
+  ``row_cache_bytes`` doubled the memory without a word), and refusing would stop a worker from serving over a
+  number it can be told about. Every process attached must leave for a new size to take effect.
 * **Lookups take no lock**, as in a process's cache: a set is read as a sequence lock (version, keys and row,
   version again) and a row counts as a hit only if the version did not move and no writer was busy in the set.
   Shared memory changes nothing in that argument.
@@ -54,6 +59,8 @@ import signal
 import threading
 import time
 import weakref
+from contextlib import contextmanager
+from typing import Iterator
 
 import numpy as np
 import xxhash
@@ -64,16 +71,18 @@ from .._pages import MADV_HUGEPAGE, madvise
 from .._shared_dirs import UserDir, directory_error, shared_base
 from . import _cache_kernels as ck
 from . import _kernels as k
-from ._cache import LINE_BYTES, RowCache, door_words
+from ._cache import ADMISSIONS, LINE_BYTES, RowCache, door_words
+from ._host_mrc import REGION_BYTES as CURVE_BYTES
 from ._layout import PAGE_BYTES
 
 log = logging.getLogger(__name__)
 
 PREFIX = "engram-rowcache-"
+ADMISSION_NAMES = {code: name for name, code in ADMISSIONS.items()}
 MAGIC = 0x454E4752414D5243  # "ENGRAMRC"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 #: Header words (int64): the file's geometry, the journal, the tag counter, shared counters, the tag registry.
-H_MAGIC, H_LAYOUT, H_SETS, H_ROW_BYTES, H_DOOR_WORDS, H_CAPACITY = 0, 1, 2, 3, 4, 5
+H_MAGIC, H_LAYOUT, H_SETS, H_ROW_BYTES, H_DOOR_WORDS, H_CAPACITY, H_ADMISSION = 0, 1, 2, 3, 4, 5, 6
 H_JOURNAL, H_NEXT_TAG, H_DOOR_STATE = 8, 9, 10    # H_DOOR_STATE: 2 words
 H_COUNTERS = 16
 COUNTERS = ("hits", "misses", "fills", "inserted", "fills_skipped", "repairs", "attaches")
@@ -160,8 +169,9 @@ def _nobody_holds(fd: int) -> bool:
 
 
 class HostRowCache(RowCache):
-    """A :class:`RowCache` in shared memory that every process of the host attaching with the same ``scope``,
-    ``capacity_bytes``, ``row_bytes`` and ``admission`` shares (see the module docstring). A context manager;
+    """A :class:`RowCache` in shared memory that every process of the host attaching with the same ``scope`` and
+    ``row_bytes`` shares (see the module docstring: one asking for another ``capacity_bytes`` or ``admission``
+    attaches to the cache there, with a warning). A context manager;
     ``close()`` detaches (and deletes the files when this was the last process); it is also called at exit.
 
     ``scope``: a string naming what the cache holds (EngramStore passes the ``disk_dir`` path). ``admission``
@@ -230,6 +240,7 @@ class HostRowCache(RowCache):
                                     ("meta", self.n_sets * k.META_WORDS * 8, PAGE_BYTES),
                                     ("hands", self.n_sets, LINE_BYTES),
                                     ("door", door_words(self.n_sets) * 8, LINE_BYTES),
+                                    ("curve", CURVE_BYTES, PAGE_BYTES),
                                     ("rows", self.n_sets * k.WAYS * self.row_bytes, PAGE_BYTES)):
             at = _align(at, align)
             regions[name] = (at, nbytes)
@@ -239,7 +250,7 @@ class HostRowCache(RowCache):
 
     @property
     def name(self) -> str:
-        key = f"{self.scope}\0{self.row_bytes}\0{self._capacity_bytes}\0{self.admission}\0{LAYOUT_VERSION}"
+        key = f"{self.scope}\0{self.row_bytes}\0{LAYOUT_VERSION}"  # not the size: one cache per scope and row size
         return PREFIX + xxhash.xxh3_64_hexdigest(key.encode())
 
     @property
@@ -261,6 +272,9 @@ class HostRowCache(RowCache):
             try:
                 files.data_fd, _ = own.open(self.name, os.O_RDWR)
                 fresh = _nobody_holds(files.data_fd)  # no live process has it: (re)initialise it
+                if not fresh and self._adopt(files.data_fd):  # another size or admission asked: the one there
+                    regions = self._layout()
+                    size = regions["file"][1]
                 if not fresh and os.fstat(files.data_fd).st_size != size:
                     raise StoreError(f"host row cache {files.data_path}: the file in use holds "
                                      f"{os.fstat(files.data_fd).st_size} bytes, expected {size}")
@@ -277,6 +291,25 @@ class HostRowCache(RowCache):
             files.close()
             own.close()
             raise
+
+    def _adopt(self, fd: int) -> bool:
+        """Take the geometry of the cache other processes hold (its sets, capacity and admission) where this
+        process asked for another, with a warning naming both; whether it changed."""
+        header = np.frombuffer(os.pread(fd, HEADER_WORDS * 8, 0), dtype=np.int64)
+        if header.size < HEADER_WORDS or header[H_MAGIC] != MAGIC or header[H_LAYOUT] != LAYOUT_VERSION \
+                or header[H_ROW_BYTES] != self.row_bytes:
+            return False  # not a cache of this layout: _map refuses it, naming what it found
+        theirs = (int(header[H_CAPACITY]), ADMISSION_NAMES.get(int(header[H_ADMISSION]), "?"))
+        if theirs == (self._capacity_bytes, self.admission):
+            return False
+        log.warning("host row cache for %s (rows of %d B): asked for row_cache_bytes=%d (admission %s), attached to "
+                    "the cache other processes use, of %d bytes (admission %s): one cache per disk_dir and row "
+                    "size; to change its size, restart every process with the same row_cache_bytes (%s)",
+                    self.scope, self.row_bytes, self._capacity_bytes, self.admission, theirs[0], theirs[1],
+                    self.path)
+        self._capacity_bytes, self.admission = theirs
+        self.n_sets = int(header[H_SETS])
+        return True
 
     def _initialise(self, fd: int, size: int) -> None:
         os.ftruncate(fd, 0)  # a dead process's leftover: drop its pages
@@ -306,22 +339,24 @@ class HostRowCache(RowCache):
         self.hands = region("hands", np.uint8)
         self.door = region("door", np.uint64)
         self.rows = region("rows", np.uint8)
+        self.curve_region = region("curve", np.uint8)  # the host's hit rate at every size (_host_mrc)
         self.door_state = header[H_DOOR_STATE:H_DOOR_STATE + 2]
         self.journal = header[H_JOURNAL:H_JOURNAL + 1]
         self.counters = header[H_COUNTERS:H_COUNTERS + len(COUNTERS)]
         self._header = header
-        geometry = [LAYOUT_VERSION, self.n_sets, self.row_bytes, self.door.size, self._capacity_bytes]
+        geometry = [LAYOUT_VERSION, self.n_sets, self.row_bytes, self.door.size, self._capacity_bytes,
+                    ADMISSIONS[self.admission]]
         if fresh:
             self.meta[:] = -1
             self.meta[::k.META_WORDS] = 0
             header[H_JOURNAL] = -1
             header[H_NEXT_TAG] = 1
             self.door_state[1] = self.capacity_rows
-            header[H_LAYOUT:H_CAPACITY + 1] = geometry
+            header[H_LAYOUT:H_ADMISSION + 1] = geometry
             header[H_MAGIC] = MAGIC  # last: a file without it was never fully initialised
-        elif header[H_MAGIC] != MAGIC or header[H_LAYOUT:H_CAPACITY + 1].tolist() != geometry:
+        elif header[H_MAGIC] != MAGIC or header[H_LAYOUT:H_ADMISSION + 1].tolist() != geometry:
             raise StoreError(f"host row cache {self.path}: the file in use has another layout "
-                             f"({header[H_LAYOUT:H_CAPACITY + 1].tolist()}, expected {geometry})")
+                             f"({header[H_LAYOUT:H_ADMISSION + 1].tolist()}, expected {geometry})")
 
     # ---- tags, fills, counters -------------------------------------------------------------------------
 
@@ -366,6 +401,19 @@ class HostRowCache(RowCache):
         ck._counter_add(self.counters, COUNTERS.index("fills"), 1)
         ck._counter_add(self.counters, COUNTERS.index("inserted"), n)
         return n
+
+    @contextmanager
+    def locked(self, timeout_s: float) -> Iterator[bool]:
+        """Hold the cache's locks (this process's and the host's) to change shared state other than rows (the
+        curve of ``_host_mrc``); yields whether they were taken within ``timeout_s``."""
+        with self.lock:
+            if not self._files.lock(timeout_s):
+                yield False
+                return
+            try:
+                yield True
+            finally:
+                self._files.unlock()
 
     def _pin_locked(self, keys: np.ndarray, rows: np.ndarray, max_ways: int) -> int:
         self._files.lock_or_raise(self.lock_timeout_s, "pinning rows")

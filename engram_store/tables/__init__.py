@@ -7,11 +7,14 @@
 * ``_plan``: read planning (rounds, output-order vs distinct rows, failover) and the background handle;
 * ``_placement``: where a store layer's tables are, checked with the master;
 * ``_source`` and one module per row source: in-process arrays and ``local_dir`` files (``_source_memory``), this
-  project's store (``_source_store``), a Mooncake store (``_source_mooncake``), files on SSD (``_source_disk``).
+  project's store (``_source_store``), a Mooncake store (``_source_mooncake``), files on SSD (``_source_disk``);
+* ``_sizing``: the hit rate at every cache size of a ``disk_dir`` store's layers (``stats()['hit_rate_by_size']``);
+* ``_prometheus``: a serving process's metrics (``metrics_text``, ``serve_metrics``).
 """
 
 from ._layout import ROW_FORMATS, EngramStoreConfig, LookupCounters
 from ._plan import LookupHandle
+from ._prometheus import metrics_text, serve_metrics
 from ._store import EngramStore, lookup_many, prefetch_many
 
 __all__ = [
@@ -21,5 +24,7 @@ __all__ = [
     "LookupCounters",
     "LookupHandle",
     "lookup_many",
+    "metrics_text",
     "prefetch_many",
+    "serve_metrics",
 ]

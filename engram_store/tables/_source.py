@@ -125,6 +125,11 @@ class Source:
         """Counters the source keeps itself, added to the layer's :class:`LookupCounters`."""
         return {}
 
+    def finish_stats(self, total: dict[str, Any], layers: list[Layer], reset: bool) -> dict[str, Any]:
+        """``EngramStore.stats()`` of ``layers`` once their counters are summed: what is not a sum (a cache's own
+        counters, hit rates) is added here."""
+        return total
+
     def detach(self, lay: Layer) -> None:
         """Let go of what the source holds for a layer (the EngramStore is closing)."""
         with lay.lock:

@@ -6,20 +6,23 @@ distinct page reads with many in flight (O_DIRECT); ``row_cache_bytes`` keeps ho
 all layers of a row size. Every layer of a call is read in one batch, so all their pages are in flight together.
 
 ``cache_scope="host"`` puts that cache in shared memory, one for every process of the host that opens the same
-``disk_dir`` with the same ``row_cache_bytes`` (:class:`~engram_store.disk.HostRowCache`); ``"process"`` (the
-default) keeps one per EngramStore.
+``disk_dir`` (:class:`~engram_store.disk.HostRowCache`: one asking for another ``row_cache_bytes`` attaches to the
+cache there, with a warning); ``"process"`` (the default) keeps one per EngramStore.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Sequence
+import time
+from typing import Any, Sequence
 
 import numpy as np
 
 from .._errors import InvalidArgument, ObjectExists, ObjectNotFound
+from .._metrics import RequestMetrics
 from ..disk import DiskDir, HostRowCache, LayerProfile, RowCache, read_many, warm_layer
 from ._layout import Layer
+from ._sizing import Sizing
 from ._source import Job, Source, progress
 
 #: Counters a disk layer keeps that EngramStore.stats() reports.
@@ -43,6 +46,8 @@ class DiskSource(Source):
         # One cache per row size, the bytes shared out by how many layers use each size. Every missed row is
         # admitted: on real n-gram traffic the doorkeeper cost 5-10 points of hit rate (bench_cache_policy.py).
         self.caches: dict[int, RowCache] = {}
+        self.sizing = Sizing(self.caches)  # the hit rate of every cache size, from the lookups
+        self.read_metrics: RequestMetrics | None = None  # reads timed once metrics are asked for (_prometheus)
         scope = os.path.realpath(self.dir.path)  # one cache for every path to the directory
         for size in sorted(set(row_sizes)):
             share = int(row_cache_bytes) * row_sizes.count(size) // len(row_sizes)
@@ -57,21 +62,24 @@ class DiskSource(Source):
                                   "(pass row_cache_bytes > 0)")
         return warm_layer(lay.state, profile, max_rows)
 
-    def cache_stats(self) -> dict[str, int]:
-        """The host caches' own counters, summed over row sizes, as ``host_cache_<name>``."""
-        out: dict[str, int] = {}
+    def finish_stats(self, total: dict[str, Any], layers: list[Layer], reset: bool) -> dict[str, Any]:
+        """The host caches' own counters, summed over row sizes, as ``host_cache_<name>``, and the layers' hit
+        rate at every cache size."""
         for cache in self.caches.values():
             if isinstance(cache, HostRowCache):
                 for name, value in cache.stats().items():
-                    out[f"host_cache_{name}"] = out.get(f"host_cache_{name}", 0) + value
-        return out
+                    total[f"host_cache_{name}"] = total.get(f"host_cache_{name}", 0) + value
+        total.update(self.sizing.report(layers, reset))
+        return total
 
     def close(self) -> None:
         super().close()
+        self.sizing.close()  # the rows the host's curve has not had yet
         for cache in self.caches.values():
             cache.close()
 
     def attach(self, lay: Layer) -> None:
+        self.sizing.add(lay)
         self._open(lay)  # a published layer is opened (and its layout checked) now
 
     def _open(self, lay: Layer) -> bool:
@@ -86,8 +94,10 @@ class DiskSource(Source):
 
     def ready(self, lay: Layer, what: str) -> None:
         if not self._open(lay):
+            new = (" disk_dir did not exist: this EngramStore created it, empty; if you meant an existing "
+                   "directory, check the path.") if self.dir.created else ""
             raise ObjectNotFound(f"{what}: layer {lay.layer_id} is not published under disk_dir {self.dir.path} "
-                                 f"(no {self.dir.layer_path(lay.layer_id)}); populate it first")
+                                 f"(no {self.dir.layer_path(lay.layer_id)}); populate it first.{new}")
 
     def populate(self, lay: Layer, tables: list[np.ndarray], replica_num: int) -> None:
         if lay.sharded:
@@ -120,11 +130,21 @@ class DiskSource(Source):
                 requests.append((lay.state, ids, whole.reshape(-1)))
             else:
                 requests.append((job.layer.state, job.ids, job.out))
-        read_many(requests)
+        timed = self.read_metrics
+        start = time.perf_counter() if timed is not None else 0.0
+        try:
+            read_many(requests)
+        except BaseException:
+            if timed is not None:
+                timed.record("read", time.perf_counter() - start, False)
+            raise
+        if timed is not None:
+            timed.record("read", time.perf_counter() - start, True)
         for job, whole in shards:
             job.out.reshape(whole.shape[0], job.layer.num_heads, -1)[:] = whole[:, job.layer.heads]
         for job in jobs:
             job.layer.counters.add(lookups=1, rows=job.ids.size)
+        self.sizing.observe(jobs)
 
     def stats(self, lay: Layer, reset: bool) -> dict[str, int]:
         if lay.state is None:

@@ -44,8 +44,9 @@ class EngramStore:
     head shard: the store owns and reads just those heads. ``threads`` > 1 splits large gathers from memory on
     this host over that many threads (the kernel releases the GIL). ``row_cache_bytes`` with a store keeps each
     layer's recently read remote rows in this process. ``cache_scope="host"`` (``disk_dir`` only) shares the row
-    cache with every process of the host that opens the same ``disk_dir`` with the same ``row_cache_bytes``: one
-    copy of the hot rows in shared memory instead of one per worker (see :class:`engram_store.disk.HostRowCache`);
+    cache with every process of the host that opens the same ``disk_dir`` (another ``row_cache_bytes`` attaches to
+    the one there, with a warning): one copy of the hot rows in shared memory instead of one per worker (see
+    :class:`engram_store.disk.HostRowCache`);
     :meth:`warm_cache` pins the most frequent rows of a profile in it.
     """
 
@@ -213,10 +214,11 @@ class EngramStore:
         store when none is named; ``reset=True`` zeroes them after reading.
 
         Layers under ``disk_dir`` add ``cache_hits_per_head`` and ``cache_misses_per_head`` (lists, one count per
-        head: for a V4.1 layer, per column, so ``(n - 2) * n_heads + h`` gives the hit rate of n-gram order n),
-        and a host cache its own counters over all its processes (``host_cache_hits``, ``host_cache_misses``,
-        ``host_cache_fills``, ``host_cache_inserted``, ``host_cache_fills_skipped``, ``host_cache_repairs``,
-        ``host_cache_attaches``, ``host_cache_held_rows``, ...; never reset).
+        head: for a V4.1 layer, per column, so ``(n - 2) * n_heads + h`` gives the hit rate of n-gram order n);
+        ``hit_rate_by_size``, the predicted hit rate of a cache of every size from 0.1% to 100% of the rows (a list
+        of ``{'bytes', 'hit_rate'}``; per head in ``hit_rate_by_size_per_head``; see docs/ssd-tier.md); and a host
+        cache its own counters over all its processes (``host_cache_hits``, ``host_cache_misses``, ...; never
+        reset) and the same curves for the whole host (``host_cache_hit_rate_by_size``, ...).
         """
         layers = [self._layer(layer)] if layer is not None or len(self._layers) == 1 else list(self._layers.values())
         total: dict[str, Any] = dict.fromkeys(LookupCounters.FIELDS, 0)
@@ -231,10 +233,7 @@ class EngramStore:
                         total[name] = total.get(name, 0) + value
             if reset:
                 lay.counters.reset()
-        cache_stats = getattr(self._source, "cache_stats", None)
-        if cache_stats is not None:
-            total.update(cache_stats())
-        return total
+        return self._source.finish_stats(total, layers, reset)
 
     def warm_cache(self, profile: Any, *, layer: int | None = None, max_rows: int | None = None) -> int:
         """Pin the most frequent rows of ``profile`` in the row cache of a ``disk_dir`` layer (warm start); returns

@@ -7,6 +7,7 @@ with the last process. Each test uses its own shared-memory directory (ENGRAM_SH
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -139,6 +140,31 @@ def test_processes_share_one_cache_and_its_counters(tmp_path, shm):
         s = store.stats()
         assert s["cache_misses_per_head"] == [20, 20, 20] and s["cache_hits_per_head"] == [0, 0, 0]
         assert s["host_cache_hits"] == 60 and s["host_cache_misses"] == 60 and s["host_cache_attaches"] == 3
+        assert len(os.listdir(shm)) == 2
+    assert os.listdir(shm) == []
+
+
+def test_another_size_or_admission_attaches_to_the_cache_there_and_says_so(tmp_path, shm, caplog):
+    disk = tmp_path / "disk"
+    publish(disk, 6)
+    ids = np.stack([np.arange(20) % n for n in worker.SIZES], axis=-1)[None].astype(np.int64)
+    with EngramStore(worker.LAYER, worker.config(), disk_dir=disk, row_cache_bytes=1 << 16,
+                     cache_scope="host") as store:
+        store.lookup(ids)
+        (res,) = run_workers([(disk, 1 << 17, 6, 1, 0)])  # a worker restarted with twice the memory
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert "asked for row_cache_bytes=131072" in res.stderr and "of 65536 bytes" in res.stderr, res.stderr
+        assert len(os.listdir(shm)) == 2, os.listdir(shm)  # one cache: its file and its lock, not a second pair
+        with caplog.at_level(logging.WARNING):
+            other = HostRowCache(1 << 18, worker.ROW_BYTES, scope=os.path.realpath(disk), admission="doorkeeper")
+        try:
+            mine = store._source.caches[worker.ROW_BYTES]
+            assert (other.path, other.capacity_rows, other.admission) == (mine.path, mine.capacity_rows, "always")
+            assert other.stats()["attaches"] == 3 and other.stats()["held_rows"] == mine.stats()["held_rows"] > 0
+        finally:
+            other.close()
+        assert "row_cache_bytes=262144 (admission doorkeeper)" in caplog.text, caplog.text
+        assert "of 65536 bytes (admission always)" in caplog.text
         assert len(os.listdir(shm)) == 2
     assert os.listdir(shm) == []
 

@@ -44,8 +44,8 @@ def _wait_for(predicate, timeout_s: float = 10.0) -> bool:
     return predicate()
 
 
-def _status(master: str, auth_dir: str) -> dict:
-    result = _engram_master("status", "--master", master, "--auth", auth_dir, "--json")
+def _status(master: str, auth_dir: str, *extra: str) -> dict:
+    result = _engram_master("status", "--master", master, "--auth", auth_dir, "--json", *extra)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -100,6 +100,12 @@ def test_authorised_client_round_trips(auth_cluster, keys):
             store.remove(key, force=True)
     segments = _status(auth_cluster.address, keys)["segments"]
     assert [s["address"] for s in segments] == [auth_cluster.segments[0].address]
+    # status first asks, and checks with a bare TCP connect that something listens only when no answer came: a
+    # connection closed before its handshake would show the master a client it refused
+    assert _status(auth_cluster.address, keys, "--wait-segments", "1")["segments"]
+    # a last round trip: by its answer the master has read the connection events of the calls before it
+    DistributedStore.connect(auth_cluster.address, timeout_ms=5000, auth_dir=keys).close()
+    assert "refused" not in auth_cluster.master.output(), auth_cluster.master.output()
 
 
 @pytest.mark.timeout(120)
