@@ -46,6 +46,7 @@ TARGETS = [
     Target("engram_store/client/_reads.py", ("ReadPath._read_remote", "reply_bytes", "with_checks"),
            ("tests/store/test_generations.py", *(f"tests/store/test_store.py::test_{name}" for name in (
                "put_get_roundtrip_random_sizes", "get_into_ranges_equals_numpy_slicing",
+               "remote_reads_split_at_the_reply_limit_land_where_numpy_slicing_puts_them",
                "get_fails_over_to_second_replica_before_master_notices")))),
     # V4.1's ragged decode state
     Target("engram_model/v41/_hasher.py",
@@ -200,4 +201,16 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "hashing a token at a time gives the rows a block at a time gives (only slower)",
     ("engram_model/v41/_kernels.py", "hash_ragged", "1", "2", "return 0, -1"):
         "the position of a problem is read only with a problem",
+    # the client's remote reads
+    ("engram_store/client/_reads.py", "reply_bytes", "pairs[0, 0] < 0", "pairs[0, 0] <= 0"):
+        "a first pair at offset 0 is a range, and every range's offset is >= 0: both branches sum the same lengths",
+    ("engram_store/client/_reads.py", "with_checks", "not named", "False"):
+        "every request names the objects of its items, at least one: the guard only spares an empty zip",
+    # read planning
+    ("engram_store/kernels/_planning.py", "_plan_unique_rows", "8", "9",
+     "counts = np.empty((1 << (8 if M < 2048 else 11)) + 1, dtype=np.int64)"):
+        "a larger counts array than the radix needs: the sort takes its radix's width from M, not from counts",
+    ("engram_store/kernels/_planning.py", "_plan_unique_rows", "11", "12",
+     "counts = np.empty((1 << (8 if M < 2048 else 11)) + 1, dtype=np.int64)"):
+        "a larger counts array than the radix needs: the sort takes its radix's width from M, not from counts",
 }

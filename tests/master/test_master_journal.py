@@ -126,13 +126,17 @@ def test_a_lost_object_whose_bytes_do_not_verify_stays_lost_and_its_space_is_fre
 def test_a_journal_of_an_older_master_replays_with_the_defaults_of_the_fields_it_lacks():
     records = [
         {"op": "segment", "segment_id": "s1", "address": "127.0.0.1:1", "size": 8192, "shm_path": "", "host_id": "h"},
+        {"op": "segment", "segment_id": "s2", "address": "127.0.0.1:2", "size": 8192, "shm_path": "", "host_id": "h"},
         {"op": "object", "key": "old", "size": 100, "replicas": [["s1", 0]]},  # no checksum, count or generation
+        {"op": "object", "key": "two", "size": 100, "replicas": [["s1", 4096], ["s2", 0]]},  # the count: its replicas
+        {"op": "object", "key": "three", "size": 100, "replicas": [["s2", 4096]], "replica_num": 3},  # one short
         {"op": "lost", "key": "gone", "size": 100},                             # no message, count, sum or places
     ]
     restored = MasterState(clock=Clock())
-    assert restored.replay(records) == 3
+    assert restored.replay(records) == 6
     meta = restored.objects["old"]
     assert (meta.replica_num, meta.checksum, meta.replicas[0].generation) == (1, "", 0)
+    assert (restored.objects["two"].replica_num, restored.objects["three"].replica_num) == (2, 3)
     lost = restored.lost["gone"]
     assert (lost.message, lost.replica_num, lost.checksum, lost.places) == ("object 'gone' was lost", 1, "", [])
     with pytest.raises(ObjectLost, match="object 'gone' was lost"):
@@ -154,6 +158,7 @@ def test_a_replica_the_journal_places_where_it_cannot_be_is_reported_lost_never_
     assert "segment s9 offset 0" in restored.lost["elsewhere"].message
     assert "segment s1 offset 0" in restored.lost["over"].message  # its space is the object before's
     assert restored.lost["over"].places[0].generation == 7 and restored.lost["over"].checksum == "cc"
+    assert restored.lost["elsewhere"].replica_num == 1  # none restored, and the record names no count: one
     assert sum("not restored" in r.getMessage() for r in caplog.records) == 3
 
 

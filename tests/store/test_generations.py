@@ -287,3 +287,13 @@ def test_the_checks_wrapper_refuses_what_is_not_pairs_and_passes_a_read_that_nam
     assert check_generations(plain, *generations.arrays) == (0, -1)
     ranges, _ = generations.split(plain, "here")
     assert ranges.tolist() == plain.tolist()
+
+
+def test_the_bytes_a_read_returns_are_its_ranges_lengths_whatever_checks_lead_it():
+    from engram_store.client._reads import reply_bytes
+
+    assert reply_bytes(np.zeros((0, 2), dtype=np.int64)) == 0  # a read of nothing
+    pairs = np.array([[0, 10], [64, 3]], dtype=np.int64)  # a first range at offset 0 is a range, not a check
+    assert reply_bytes(pairs) == 13
+    checks = check_pairs_for(np.array([0]), np.array([128]), np.array([5]))
+    assert reply_bytes(np.concatenate((checks, pairs))) == 13

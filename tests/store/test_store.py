@@ -39,8 +39,9 @@ def shared_cluster():
 
 @pytest.fixture(scope="module")
 def remote_client(shared_cluster):
-    """A client with no segment of its own: every read goes over the network."""
-    with DistributedStore.connect(shared_cluster.address, timeout_ms=10_000) as store:
+    """A client that reads every byte over the network (the segments are on this host: without local_direct=False
+    it would map them and read in place)."""
+    with DistributedStore.connect(shared_cluster.address, timeout_ms=10_000, local_direct=False) as store:
         yield store
 
 
@@ -96,6 +97,47 @@ def test_get_into_ranges_equals_numpy_slicing(remote_client, data):
     finally:
         for key in keys:
             remote_client.remove(key, force=True)
+
+
+@pytest.mark.parametrize("raw_reads", [True, False], ids=["raw channel", "zeromq"])
+def test_remote_reads_split_at_the_reply_limit_land_where_numpy_slicing_puts_them(shared_cluster, monkeypatch,
+                                                                                raw_reads):
+    """Objects of both segments read in one call, several ranges each or one range of a whole object, in requests
+    split where the next object would pass the reply limit (made small here): every byte lands where NumPy puts it,
+    whether it lands in place (one range alone in its request) or is scattered from a reply."""
+    from engram_store.client import _reads
+
+    monkeypatch.setattr(_reads, "CHUNK_BYTES", 10_000)
+    sizes = [1, 5_000, 4_999, 10_000, 10_001, 23_456, 3, 7_000]
+    keys = [fresh_key("split") for _ in sizes]
+    objects = [np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8) for i, n in enumerate(sizes)]
+    with DistributedStore.connect(shared_cluster.address, timeout_ms=10_000, local_direct=False,
+                                  raw_reads=raw_reads) as store:
+        store.batch_put_from(keys, objects)
+        sent, send = [], store.read_pairs_many
+        monkeypatch.setattr(store, "read_pairs_many", lambda requests, outs=None: (
+            sent.extend(pairs for _, pairs in requests), send(requests, outs))[1])
+        try:
+            dst = np.zeros(sum(sizes) * 2, dtype=np.uint8)
+            expected, cursor = dst.copy(), 7
+            all_dst, all_src, all_sizes = [], [], []
+            for k, obj in enumerate(objects):
+                cuts = [(0, obj.size)] if k % 2 else [(s, min(obj.size, s + 1 + s % 97) - s)
+                                                      for s in range(0, obj.size, 1 + obj.size // 5)]
+                all_dst.append([]), all_src.append([]), all_sizes.append([])
+                for start, length in reversed(cuts):  # the destination in another order than the source
+                    all_dst[-1].append(cursor), all_src[-1].append(start), all_sizes[-1].append(length)
+                    expected[cursor:cursor + length] = obj[start:start + length]
+                    cursor += length + 1
+            assert store.get_into_ranges([dst], [keys], [all_dst], [all_src], [all_sizes]) == [all_sizes]
+            np.testing.assert_array_equal(dst, expected)
+            assert [store.get(key) for key in keys] == [obj.tobytes() for obj in objects]
+            for pairs in sent:  # each object a request names leads it with two checks
+                objects_named = int((pairs[:, 0] < 0).sum()) // 2
+                assert _reads.reply_bytes(pairs) <= 10_000 or objects_named == 1, \
+                    f"a request of {objects_named} objects asks {_reads.reply_bytes(pairs)} bytes, past the limit"
+        finally:
+            store.remove_many(keys, force=True)
 
 
 def test_get_into_ranges_rejects_out_of_bounds(remote_client):
