@@ -19,7 +19,9 @@ bytes. Per layer and step, on the same ids (uniform over each column, as hashes 
   random-read rate sets the time), a remote segment (``engram-segment`` process, reads over TCP).
 
 Times are medians of calls interleaved round by round (each candidate once per round), in one process, on a
-shared machine: compare rows within one run.
+shared machine: compare rows within one run. Every call reads an id set of its own (the sets in turn), so none
+finds rows in the CPU's caches that the call before brought in: the engine's gather and engram's read cold rows
+alike, as a serving step does.
 """
 from __future__ import annotations
 
@@ -157,10 +159,10 @@ def _engram_candidates(where: str, rows: V41Rows, ids: list, bufs: dict) -> dict
             f"engram {where}: bf16": lambda r: rows.gather_into(ids[r], bufs["bf16"])}
 
 
-def _run(step: str, T: int, cands: dict, rounds: int, baseline: str | None, extra: dict | None = None,
-         fresh: bool = False) -> dict:
-    """Median microseconds of each candidate, calls interleaved round by round; print the table. Each round's
-    candidates read the same id set, or with ``fresh`` each call a set of its own (a cache's steady state)."""
+def _run(step: str, T: int, cands: dict, rounds: int, baseline: str | None, extra: dict | None = None) -> dict:
+    """Median microseconds of each candidate, calls interleaved round by round; print the table. Every call reads
+    an id set of its own, the sets in turn: no candidate finds rows that the one before it brought into the CPU's
+    caches (a serving step reads rows the step before did not), and over the rounds each reads them all."""
     sets = SETS[step.split(", ")[-1]]
     for fn in cands.values():
         fn(sets - 1)  # compile, map, warm (timed rounds start from set 0)
@@ -170,7 +172,7 @@ def _run(step: str, T: int, cands: dict, rounds: int, baseline: str | None, extr
         for i in range(len(items)):  # the order turns each round: no candidate always follows the same one
             name, fn = items[(i + r) % len(items)]
             t0 = time.perf_counter_ns()
-            fn((r * len(items) + i if fresh else r) % (sets - 1))
+            fn((r * len(items) + i) % (sets - 1))
             times[name].append((time.perf_counter_ns() - t0) / 1e3)
     med = {name: float(np.median(v)) for name, v in times.items()}
     base = med.get(baseline) if baseline else None
@@ -217,7 +219,7 @@ def _time_table(where: str, es: EngramStore, config: V41Config, layer: int, ids:
         cands = _engram_candidates(where, rows, ids[step], bufs)
         if disk:  # every call reads ids of its own: the host cache's hit rate is that of uniform traffic
             es.stats(reset=True)
-        out = _run(f"{where}, {step}", T, cands, max(3, rounds[step] // 3), None, fresh=disk)
+        out = _run(f"{where}, {step}", T, cands, max(3, rounds[step] // 3), None)
         if disk:
             out["host_cache_hit_rate"] = _hit_rate(es.stats(reset=True))
             print(f"host cache ({HOST_CACHE_BYTES >> 20} MiB) hit rate over these calls: "
