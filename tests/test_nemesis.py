@@ -47,8 +47,9 @@ BEFORE_JOURNAL = {2, 5, 345, 606, 60022, 70108, 100017, 424236}
 #: Seeds found before the faults at rest and forks (``tests/nemesis_rest.py``): they replay without them
 #: (``--no-rest``); the explored seeds run with them.
 BEFORE_REST = {2, 5, 345, 606, 60022, 70108, 100017, 424236}
-#: Further seeds explored on every run (CI's share of the exploration; each takes 5-15 s).
-EXPLORED = [101, 202, 303, 404, 505]
+#: Further seeds explored on every run (CI's share of the exploration; each takes 5-20 s, so three keep the suite
+#: inside CI's time; explore more with ``python tests/nemesis.py --seeds A-B``).
+EXPLORED = [101, 404, 505]
 
 
 @pytest.mark.parametrize("seed", sorted(FOUND) + EXPLORED)
