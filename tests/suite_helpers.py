@@ -3,7 +3,8 @@ import json
 import os
 import threading
 import time
-from typing import Callable
+from collections import OrderedDict
+from typing import Callable, Hashable, Iterable
 
 import zmq
 
@@ -207,3 +208,19 @@ class TcpProxy:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def exact_lru_hits(stream: Iterable[Hashable], size: float) -> int:
+    """How many of ``stream``'s keys an exact LRU cache of ``int(size)`` keys finds (the twin miss-ratio curves are
+    held to)."""
+    lru: OrderedDict = OrderedDict()
+    hits = 0
+    for key in stream:
+        if key in lru:
+            hits += 1
+            lru.move_to_end(key)
+        else:
+            lru[key] = None
+            if len(lru) > int(size):
+                lru.popitem(last=False)
+    return hits

@@ -2,7 +2,6 @@
 the interleaved stream; a process killed mid-replay; layers past the region's room."""
 from __future__ import annotations
 
-from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -10,6 +9,7 @@ import pytest
 from engram_store import EngramStore, EngramStoreConfig
 from engram_store.disk import SIZE_LADDER, HostCurve
 from engram_store.disk import _host_mrc as hm
+from suite_helpers import exact_lru_hits
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -47,22 +47,10 @@ def test_the_host_curve_is_an_exact_lru_of_every_process_lookups(published, monk
         mine = a.stats()["hit_rate_by_size"]
     universe = sum(SIZES)
     for f, entry in zip(SIZE_LADDER, stats["host_cache_hit_rate_by_size"]):
-        assert entry["hit_rate"] == pytest.approx(_lru(stream, f * universe) / len(stream), abs=0.01), f
+        assert entry["hit_rate"] == pytest.approx(exact_lru_hits(stream, f * universe) / len(stream), abs=0.01), f
     assert mine != stats["host_cache_hit_rate_by_size"]  # a's own lookups alone: another curve
     assert len(stats["host_cache_hit_rate_by_size_per_head"]) == 2
 
-
-def _lru(stream, size: float) -> int:
-    lru, hits = OrderedDict(), 0
-    for key in stream:
-        if key in lru:
-            hits += 1
-            lru.move_to_end(key)
-        else:
-            lru[key] = None
-            if len(lru) > int(size):
-                lru.popitem(last=False)
-    return hits
 
 
 def test_a_process_killed_mid_replay_starts_the_curve_afresh(published):

@@ -18,6 +18,7 @@ from engram_store.disk import MissRatioCurve
 from engram_store.disk import _mrc_kernels as mk
 from engram_store.disk._kernels import WAYS
 from engram_store.disk._mrc import SIZE_LADDER, bytes_for_rows, distance_bin_twin, sample_hash_twin, shards_twin
+from suite_helpers import exact_lru_hits
 
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
 sys.path.insert(0, BENCH)
@@ -74,16 +75,7 @@ def test_at_a_rate_of_one_hits_equal_an_exact_lru_at_every_bin_edge(seed, n_keys
     got, looked = curve.hits([0], sizes)
     assert looked.tolist() == [T]
     for S, hits in zip(sizes, got[0]):
-        lru, want = OrderedDict(), 0
-        for x in ids[:, 0].tolist():
-            if x in lru:
-                want += 1
-                lru.move_to_end(x)
-            else:
-                lru[x] = None
-                if len(lru) > S:
-                    lru.popitem(last=False)
-        assert hits == pytest.approx(want, abs=1e-9), S
+        assert hits == pytest.approx(exact_lru_hits(ids[:, 0].tolist(), S), abs=1e-9), S
 
 
 def test_max_keys_is_checked():

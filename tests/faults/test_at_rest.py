@@ -9,30 +9,22 @@ import numpy as np
 import pytest
 
 from suite_helpers import TcpProxy, flip_byte, manifest_objects, wait_for
-from engram_store import DistributedStore, EngramStore, EngramStoreConfig, ObjectLost, StalePlacement
+from engram_store import DistributedStore, EngramStore, ObjectLost, StalePlacement
 from engram_store.testing import Cluster
+from faults_helpers import CONFIG, expected_rows, layer_ids, layer_tables
 
 pytestmark = pytest.mark.timeout(120)
 
-SIZES = [1009, 1013, 1019, 1021]
-DIM = 16
-CONFIG = EngramStoreConfig(table_vocab_sizes=SIZES, embedding_dim=DIM)
 #: The master's reuse delay here: a removed layer's space is taken again soon after.
 REUSE_DELAY = ["--reuse-delay", "0.3"]
 
 
 def _tables(seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.standard_normal((n, DIM), dtype=np.float32) for n in SIZES]
+    return layer_tables(seed)
 
 
 def _ids(seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return np.stack([rng.integers(0, n, size=(2, 16)) for n in SIZES], axis=-1)
-
-
-def _expected(tables, ids):
-    return np.stack([tables[h][ids[..., h]] for h in range(len(tables))], axis=-2)
+    return layer_ids(seed, (2, 16))
 
 
 def test_a_reader_cut_off_from_the_master_never_reads_a_layer_written_where_a_restarted_segment_held_its_own(
@@ -49,12 +41,12 @@ def test_a_reader_cut_off_from_the_master_never_reads_a_layer_written_where_a_re
             EngramStore(1, CONFIG, writer).populate(first)
             layer = EngramStore(1, CONFIG, reader)
             ids = _ids(0)
-            np.testing.assert_array_equal(layer.lookup(ids), _expected(first, ids))
+            np.testing.assert_array_equal(layer.lookup(ids), expected_rows(first, ids))
             assert layer.stats()["local_rows"] > 0, "the reader maps the segment's file"
             assert seg.terminate() == 0  # the routine stop: the segment closes its files
             seg = c.add_segment("16MiB", ["--file", path])
             wait_for(lambda: writer.status()["segments"][0]["confirmed"], 20, "the segment to register again")
-            np.testing.assert_array_equal(layer.lookup(ids), _expected(first, ids))
+            np.testing.assert_array_equal(layer.lookup(ids), expected_rows(first, ids))
             proxy.freeze()
             EngramStore(1, CONFIG, writer).remove_from_store(force=True)
             time.sleep(0.5)  # past the reuse delay: the next layer takes the same space
@@ -68,7 +60,7 @@ def test_a_reader_cut_off_from_the_master_never_reads_a_layer_written_where_a_re
                 except StalePlacement:
                     refused += 1
                     continue
-                np.testing.assert_array_equal(got, _expected(first, ids))
+                np.testing.assert_array_equal(got, expected_rows(first, ids))
                 served += 1
             assert refused, "the reader went on reading a layer that is gone"
             proxy.thaw()
@@ -88,7 +80,7 @@ def test_objects_a_durable_segment_finds_damaged_at_restart_are_lost_or_read_fro
             remote.put("solo", b"s" * 5000, replica_num=1)
             layers = [EngramStore(4, CONFIG, store) for store in (remote, local)]
             for layer in layers:
-                np.testing.assert_array_equal(layer.lookup(ids), _expected(tables, ids))
+                np.testing.assert_array_equal(layer.lookup(ids), expected_rows(tables, ids))
             assert remote.get("solo") == b"s" * 5000
             solo = remote.locate(["solo"])[0].replicas[0]
             i = [s.segment_id for s in segs].index(solo.segment_id)
@@ -107,7 +99,7 @@ def test_objects_a_durable_segment_finds_damaged_at_restart_are_lost_or_read_fro
             for layer in layers:  # the placement each reader holds names the damaged replica: it reads the other
                 for seed in range(4):
                     ids = _ids(10 + seed)
-                    np.testing.assert_array_equal(layer.lookup(ids), _expected(tables, ids))
+                    np.testing.assert_array_equal(layer.lookup(ids), expected_rows(tables, ids))
             assert not remote.is_exist("solo")
 
 

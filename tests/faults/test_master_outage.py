@@ -8,29 +8,21 @@ import time
 import numpy as np
 import pytest
 
-from engram_store import DistributedStore, EngramStore, EngramStoreConfig, SegmentUnavailable
+from engram_store import DistributedStore, EngramStore, SegmentUnavailable
 from engram_store.tables import _placement
 from engram_store.testing import Cluster
+from faults_helpers import CONFIG, expected_rows, layer_ids, layer_tables
 
 pytestmark = pytest.mark.timeout(180)
 
-SIZES = [1009, 1013, 1019, 1021]
-DIM = 16
-CONFIG = EngramStoreConfig(table_vocab_sizes=SIZES, embedding_dim=DIM)
 
 
 def _tables(seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.standard_normal((n, DIM), dtype=np.float32) for n in SIZES]
+    return layer_tables(seed)
 
 
 def _ids(seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return np.stack([rng.integers(0, n, size=(4, 32)) for n in SIZES], axis=-1)
-
-
-def _expected(tables, ids):
-    return np.stack([tables[h][ids[..., h]] for h in range(len(tables))], axis=-2)
+    return layer_ids(seed, (4, 32))
 
 
 @pytest.mark.parametrize("local_direct", [True, False], ids=["local-direct", "remote"])
@@ -47,7 +39,7 @@ def test_published_layers_stay_readable_while_the_master_is_paused_and_gone(tmp_
             layer = EngramStore(1, CONFIG, store)
             layer.populate(tables)
             ids = _ids(0)
-            np.testing.assert_array_equal(layer.lookup(ids), _expected(tables, ids))
+            np.testing.assert_array_equal(layer.lookup(ids), expected_rows(tables, ids))
             caplog.set_level(logging.WARNING, logger="engram_store.tables._placement")
             c.master.signal(signal.SIGSTOP)
             slowest = 0.0
@@ -59,7 +51,7 @@ def test_published_layers_stay_readable_while_the_master_is_paused_and_gone(tmp_
                     start = time.monotonic()
                     got = layer.prefetch(ids).result() if n % 2 else layer.lookup(ids)
                     slowest = max(slowest, time.monotonic() - start)
-                    np.testing.assert_array_equal(got, _expected(tables, ids))
+                    np.testing.assert_array_equal(got, expected_rows(tables, ids))
                     n += 1
                 if phase == "paused":
                     c.master.kill()
@@ -67,10 +59,10 @@ def test_published_layers_stay_readable_while_the_master_is_paused_and_gone(tmp_
             assert slowest < 1.0 + 1.5
             assert "the master did not answer a placement check" in caplog.text
             c.restart_master(journal=journal, heartbeat_timeout_s=5.0)
-            np.testing.assert_array_equal(layer.lookup(ids), _expected(tables, ids))
+            np.testing.assert_array_equal(layer.lookup(ids), expected_rows(tables, ids))
             other = EngramStore(2, CONFIG, store)
             other.populate(_tables(2))  # writes work again once the segment has registered anew
-            np.testing.assert_array_equal(other.lookup(ids), _expected(_tables(2), ids))
+            np.testing.assert_array_equal(other.lookup(ids), expected_rows(_tables(2), ids))
 
 
 def test_a_paused_segment_fails_a_lookup_within_one_timeout_and_names_the_segment():
@@ -80,7 +72,7 @@ def test_a_paused_segment_fails_a_lookup_within_one_timeout_and_names_the_segmen
             layer = EngramStore(3, CONFIG, store)
             layer.populate(tables)
             ids = _ids(3)
-            np.testing.assert_array_equal(layer.lookup(ids), _expected(tables, ids))
+            np.testing.assert_array_equal(layer.lookup(ids), expected_rows(tables, ids))
             store.timeout_ms = 1000
             c.segments[0].signal(signal.SIGSTOP)
             start = time.monotonic()
@@ -89,7 +81,7 @@ def test_a_paused_segment_fails_a_lookup_within_one_timeout_and_names_the_segmen
             assert time.monotonic() - start < 1.9  # one timeout, not one for the tables and one for the manifest
             store.timeout_ms = 10_000
             c.segments[0].signal(signal.SIGCONT)
-            np.testing.assert_array_equal(layer.lookup(ids), _expected(tables, ids))
+            np.testing.assert_array_equal(layer.lookup(ids), expected_rows(tables, ids))
 
 
 def test_rows_read_again_after_a_failover_are_counted_once():
@@ -102,7 +94,7 @@ def test_rows_read_again_after_a_failover_are_counted_once():
             layer.lookup(ids)  # heads are read from both segments
             c.segments[0].kill()
             layer.stats(reset=True)
-            np.testing.assert_array_equal(layer.lookup(ids), _expected(tables, ids))
+            np.testing.assert_array_equal(layer.lookup(ids), expected_rows(tables, ids))
             stats = layer.stats()
             assert stats["retries"] == 1 and stats["rows"] == ids.size
             assert stats["remote_rows"] == ids.size  # the attempt that delivered: every row from one segment

@@ -3,7 +3,6 @@ exact LRU over the rows the hasher gives; and a disk_dir store's curves by n-gra
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ from engram_model.stats import main
 from engram_model.v41 import V41Config, V41Hasher, hit_rate_by_order, save_token_map, v41_store_config
 from engram_store import EngramStore, InvalidArgument
 from engram_store.disk import SIZE_LADDER, bytes_for_rows
+from suite_helpers import exact_lru_hits
 
 VOCAB = 300
 CONFIG = V41Config(layer_ids=(3, 7), max_ngram_size=3, n_heads=2, head_dim=32, engram_vocab_size=500,
@@ -62,19 +62,6 @@ def _stream(ids, token_map, config):
     return out
 
 
-def _lru_rate(stream, size: int) -> float:
-    lru, hits = OrderedDict(), 0
-    for key in stream:
-        if key in lru:
-            hits += 1
-            lru.move_to_end(key)
-        else:
-            lru[key] = None
-            if len(lru) > size:
-                lru.popitem(last=False)
-    return hits / len(stream)
-
-
 def _run(capsys, *argv) -> tuple[int, str, str]:
     code = main([str(a) for a in argv])
     out = capsys.readouterr()
@@ -96,9 +83,9 @@ def test_tokens_give_the_working_set_the_bound_and_an_exact_lru_curve(corpus, tm
     for f, entry in zip(SIZE_LADDER, report["hit_rate_by_size"]):
         assert entry["rows"] == round(max(1.0, f * distinct))
         assert entry["bytes"] == bytes_for_rows(entry["rows"], CONFIG.row_bytes)
-        assert entry["hit_rate"] == pytest.approx(_lru_rate(stream, entry["rows"]), abs=0.01), f
+        assert entry["hit_rate"] == pytest.approx(exact_lru_hits(stream, entry["rows"]) / len(stream), abs=0.01), f
     target = report["target"]
-    assert _lru_rate(stream, target["rows"]) >= 0.3 - 0.01 > _lru_rate(stream, int(target["rows"] * 0.85))
+    assert exact_lru_hits(stream, target["rows"]) / len(stream) >= 0.3 - 0.01 > exact_lru_hits(stream, int(target["rows"] * 0.85)) / len(stream)
     assert target["bytes"] == bytes_for_rows(target["rows"], CONFIG.row_bytes)
     layer = report["layers"]["3"]
     assert set(layer["hit_rate_by_order"]) == {"2", "3"} and layer["lookups"] == len(stream) // 2
