@@ -41,6 +41,7 @@ SCHEMA: dict[str, dict[str, tuple[str, bool]]] = {
              "checksum": (STR, False), "places": (REPLICAS, False)},
     "removed": {"key": (STR, True), "generation": (INT, True)},
     "forget_lost": {},
+    "put_ids": {"below": (INT, True)},
     "batch": {"records": (RECORDS, True)},
 }
 

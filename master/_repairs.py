@@ -53,8 +53,11 @@ class Repairs:
                 offset = target.allocator.allocate(meta.size)
                 if offset is not None:
                     source = meta.replicas[0]
-                    put_id = self.next_put_id
-                    self.next_put_id += 1
+                    try:
+                        put_id = self.take_put_id()
+                    except JournalError:
+                        target.allocator.free(offset, meta.size)
+                        return jobs
                     jobs.append(RepairJob(key, meta, self.segments[source.segment_id].address, source.offset,
                                           target.segment_id, target.address, offset, meta.size, put_id,
                                           self.ticket(target, put_id, offset, meta.size)))

@@ -82,6 +82,8 @@ class Replay:
                 [_replica(p) for p in record.get("places") or ()]))
         elif op == "removed":
             self.removed[(str(record["key"]), int(record["generation"]))] = None
+        elif op == "put_ids":  # ids below it may have been handed out: the next starts there
+            self.next_put_id = max(self.next_put_id, int(record["below"]))
         elif op == "forget_lost":
             for key in list(self.lost):
                 self._forget_lost(key)
@@ -161,4 +163,5 @@ class Replay:
                     for k, m in self.objects.items() if m.state == COMPLETE]
         records += [lost.record(key) for key, lost in self.lost.items()]
         records += [{"op": "removed", "key": key, "generation": generation} for key, generation in self.removed]
+        records.append({"op": "put_ids", "below": max(self.put_ids_below, self.next_put_id)})
         return records

@@ -50,6 +50,10 @@ from ._replay import Replay
 
 log = logging.getLogger(__name__)
 
+#: Put ids handed out per journal record (see MasterState.put_ids_below): one record per million puts.
+PUT_ID_BLOCK = 1 << 20
+
+
 @dataclass
 class MasterState(Fencing, Repairs, Replay, Adoptions):
     lease_ttl_s: float = 5.0
@@ -76,6 +80,10 @@ class MasterState(Fencing, Repairs, Replay, Adoptions):
     #: must not repeat across restarts of a master, with or without a journal: each master starts at a random
     #: point of a 62-bit space.
     next_put_id: int = field(default_factory=lambda: (secrets.randbits(30) << 32) + 1)
+    #: Put ids below this one may be handed out without a word to the journal: a master journals the end of each
+    #: block of PUT_ID_BLOCK ids before it hands out the block's first (:meth:`take_put_id`), so a master that
+    #: replays its journal starts past every id handed out before, written or not (0: none journalled yet).
+    put_ids_below: int = 0
 
     # ---- segments -------------------------------------------------------------------------------
 
@@ -312,12 +320,28 @@ class MasterState(Fencing, Repairs, Replay, Adoptions):
             )
         # A lost object of the key stays lost (and restorable) until this put is published: a put that fails must
         # not erase the loss (put_end forgets it; a segment that brings the lost object back fences this put).
-        put_id = self.next_put_id
-        self.next_put_id += 1
+        try:
+            put_id = self.take_put_id()
+        except JournalError:
+            for segment, offset in placed:
+                segment.allocator.free(offset, size)
+            raise
         now = self.clock()
         self.objects[key] = ObjectMeta(size, replica_num, [Replica(s.segment_id, o, put_id) for s, o in placed],
                                        PENDING, started=now, put_id=put_id, renewed=now)
         return placed
+
+    def take_put_id(self) -> int:
+        """The next put id. Ids name the bytes a put writes (segments refuse a read naming an older one, a writer
+        acts on its own put only), so no master may hand one out twice: past the end of the journalled block, the
+        next block's end is journalled first (JournalError: no id is handed out)."""
+        if self.next_put_id >= self.put_ids_below:
+            below = self.next_put_id + PUT_ID_BLOCK
+            self._record({"op": "put_ids", "below": below})
+            self.put_ids_below = below
+        put_id = self.next_put_id
+        self.next_put_id += 1
+        return put_id
 
     def ticket(self, segment: Segment, put_id: int, offset: int, size: int) -> bytes:
         return make_ticket(segment.write_key, segment.segment_id, put_id, offset, size)

@@ -30,7 +30,7 @@ TARGETS = [
     Target("master/_fencing.py", ("Fencing._end_registration", "Fencing._report_held", "Fencing._reserved_by_fence",
                                   "Fencing._fence", "Fencing._fence_acknowledged", "Fencing._forget_settled_fences",
                                   "Fencing.fencing_bytes"), MASTER_TESTS),
-    Target("master/_state.py", ("MasterState.heartbeat",), MASTER_TESTS),
+    Target("master/_state.py", ("MasterState.heartbeat", "MasterState.take_put_id"), MASTER_TESTS),
     # the segment's fence
     Target("engram_store/segment/_fence.py",
            ("WriteFence.new_registration", "WriteFence._admit", "WriteFence.check", "WriteFence.ticket_of",

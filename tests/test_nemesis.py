@@ -37,6 +37,10 @@ FOUND = {
     424236: "a put of a key lost with its segment failed (another segment paused past the heartbeat timeout: "
             "WriteFenced) and erased the loss, so the lost object's segment came back with it intact and it was not "
             "restored (put_start forgot the loss; publication does now)",
+    810014: "a populate started before the master was killed (its journal's disk full) was revoked by its writer "
+            "after the master restarted from its journal, by put id; the new master had handed those ids to "
+            "another client's populate of the same layer, whose heads the revoke removed: acknowledged rows "
+            "silently gone (the journal named only published puts' ids; it now bounds every id handed out)",
 }
 #: Seeds found before undo_populate was in the schedule: they replay the schedule they were found with
 #: (``--no-undo``).

@@ -246,7 +246,66 @@ def test_put_ids_after_a_replay_never_repeat_a_journalled_one(start, compacted, 
     restored.put_start("next", 100, 1)
     put_id = restored.objects["next"].put_id
     assert put_id not in named
-    assert put_id == max(start, max(named) + 1)
+    assert put_id >= max(start, max(named) + 1)
+
+
+def test_put_ids_handed_out_but_never_journalled_never_repeat_after_a_replay():
+    """Explorer seed 810014: a put started before the master died is in no journal record (objects are journalled
+    when published), yet its writer holds its id, and revokes its put by that id once told it was fenced. A new
+    master that handed the same id to another put of the key would have that put's object removed by the revoke:
+    every id handed out lies below a journalled bound, and a replayed master starts past it."""
+    journal = []
+    state = MasterState(clock=Clock(), journal=journal.append, next_put_id=1 << 40)
+    _registered(state, "s1")
+    state.put_start("done", 100, 1)
+    state.put_end("done", "cc")
+    state.put_start("pending", 100, 1)  # its writer is still writing when the master dies
+    old_id = state.objects["pending"].put_id
+    for records in (journal, _replayed(journal).snapshot()):
+        restored = MasterState(clock=Clock(), next_put_id=1)  # a random start below the old master's ids
+        restored.replay(records)
+        _registered(restored, "s1")
+        restored.put_start("pending", 100, 1)
+        restored.put_end("pending", "dd")
+        assert restored.objects["pending"].replicas[0].generation > old_id
+        restored.put_revoke("pending", generation=old_id)  # the old writer gives its put up
+        assert restored.exists("pending"), "a revoke of the old master's put removed the new master's object"
+
+
+def test_every_put_id_handed_out_lies_below_the_journalled_bound(monkeypatch):
+    from master import _state
+
+    monkeypatch.setattr(_state, "PUT_ID_BLOCK", 3)
+    journal = []
+    state = MasterState(clock=Clock(), journal=journal.append, next_put_id=1 << 40)
+    _registered(state, "s1", size=1 << 20)
+    handed = []
+    for i in range(7):  # across two block boundaries, nothing published: no object names an id
+        state.put_start(f"k{i}", 100, 1)
+        handed.append(state.objects[f"k{i}"].put_id)
+        bound = max(r["below"] for r in journal if r.get("op") == "put_ids")
+        assert handed[-1] < bound, f"put id {handed[-1]} handed out at or past the journalled bound {bound}"
+    assert [r["below"] for r in journal if r.get("op") == "put_ids"] == [(1 << 40) + 3, (1 << 40) + 6,
+                                                                          (1 << 40) + 9]
+    restored = _replayed(journal)
+    assert restored.next_put_id > max(handed)
+
+
+def test_a_put_id_block_that_cannot_be_journalled_hands_out_no_id_and_places_nothing():
+    from engram_store import JournalError
+
+    state = MasterState(clock=Clock(), next_put_id=1 << 40)
+    _registered(state, "s1")
+    free = state.segments["s1"].allocator.free_bytes
+
+    def full(record):
+        raise JournalError("journal: no space left on device")
+
+    state.journal = full
+    with pytest.raises(JournalError):
+        state.put_start("k", 100, 1)
+    assert "k" not in state.objects and state.segments["s1"].allocator.free_bytes == free
+    assert state.next_put_id == 1 << 40
 
 
 # ---- the property: replay equals the running state, after any history -------------------------------------
