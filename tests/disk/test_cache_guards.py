@@ -106,3 +106,33 @@ def test_a_host_cache_fill_repairs_what_a_dead_writer_left_before_anything_else(
         hit, rows = _probe(cache, [7, 4, 0])
         assert hit.tolist() == [True, False, False], "the dead writer's set was not emptied before the fill"
         np.testing.assert_array_equal(rows[0], _rows([7])[0])
+
+
+@pytest.mark.timeout(60)
+def test_a_host_cache_hands_out_tags_and_fills_only_under_its_lock(tmp_path):
+    """Tags keep layers' rows apart: one per published layer, the same in every process, a new one otherwise, and
+    only while holding the cache's lock (two processes making tags at once could give two layers one). A fill
+    that cannot take the lock in time is skipped, and counted; every fill and row inserted is counted."""
+    from engram_store import InvalidArgument, LockTimeout
+    from engram_store.disk._host_cache import REGISTRY_ENTRIES
+
+    with HostRowCache(1 << 14, ROW, scope="tags", directory=str(tmp_path)) as cache, \
+            HostRowCache(1 << 14, ROW, scope="tags", directory=str(tmp_path)) as other:
+        with pytest.raises(InvalidArgument, match="row_bytes"):
+            cache.new_tag(ROW + 1, identity=5)
+        a, b = cache.new_tag(ROW, identity=5), other.new_tag(ROW, identity=6)
+        assert a != b and other.new_tag(ROW, identity=5) == a and cache.new_tag(ROW, identity=0) not in (a, b)
+        tags = {cache.new_tag(ROW, identity=100 + i) for i in range(REGISTRY_ENTRIES + 3)}  # past a full registry
+        assert len(tags) == REGISTRY_ENTRIES + 3 and not tags & {a, b}
+        keys = np.arange(10, dtype=np.int64)
+        assert cache.fill(keys, keys, _rows(keys).reshape(-1)) == 10
+        stats = cache.stats()
+        assert (stats["fills"], stats["inserted"], stats["fills_skipped"]) == (1, 10, 0)
+        cache.lock_timeout_s, cache.fill_wait_s = 0.2, 0.01
+        with other.locked(1.0) as held:
+            assert held
+            with pytest.raises(LockTimeout, match="a layer's tag"):
+                cache.new_tag(ROW, identity=7)
+            assert cache.fill(keys + 10, keys, _rows(keys + 10).reshape(-1)) == 0
+        stats = cache.stats()
+        assert (stats["fills"], stats["inserted"], stats["fills_skipped"]) == (1, 10, 1)
