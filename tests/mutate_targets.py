@@ -221,4 +221,12 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     ("engram_store/disk/_cache_kernels.py", "_replace", "fence_release()", "pass"):
         "a store-store barrier for machines that reorder stores (ARM); x86 keeps stores in order, so no test on "
         "this machine can see it gone (kept: the seqlock needs it there)",
+    # the read planner's sort
+    ("engram_store/kernels/_sort.py", "_sort_positions", "M < 64", "False"): "the insertion sort for short columns is a speed choice: the radix sort orders them the same (stable)",
+    ("engram_store/kernels/_sort.py", "_sort_positions", "M < 64", "M <= 64"): "the insertion sort for short columns is a speed choice: the radix sort orders them the same (stable)",
+    ("engram_store/kernels/_sort.py", "_sort_positions", "M < 2048", "M <= 2048"): "the radix's width is a speed choice: every caller's counts hold 2**11 + 1 entries from 2048 rows",
+    ("engram_store/kernels/_sort.py", "_sort_positions", "shift < 64 and (span >> shift) > 0", "shift < 64"):
+        "more passes of the radix sort over bits that are all zero leave the order as it is (a speed loss)",
+    ("engram_store/kernels/_sort.py", "_sort_positions", "(span >> shift) > 0", "span >> shift >= 0"):
+        "more passes of the radix sort over bits that are all zero leave the order as it is (a speed loss)",
 }
