@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from engram_store._errors import JournalError
 
 from ._fencing import Fence
-from ._records import COMPLETE, LostObject, ObjectMeta, Replica, some_keys
+from ._records import COMPLETE, PENDING, LostObject, ObjectMeta, Replica, some_keys
 
 log = logging.getLogger("master._state")
 
