@@ -40,9 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from engram_store import _cli
-from engram_store._errors import EngramError, InvalidArgument
-from engram_store._units import format_size
+from engram_store import cli
+from engram_store.errors import EngramError, InvalidArgument
+from engram_store.units import format_size
 from engram_store.disk import LayerProfile, load_profile, save_profile
 
 from ._config import BackboneConfig, EngramConfig
@@ -243,7 +243,7 @@ and n-gram order, and with --hit-rate the smallest cache that reaches it."""
 
 def _parser():
     defaults = EngramConfig()
-    p = _cli.parser(PROG, DESCRIPTION, epilog="Fields come from EngramConfig's defaults, then --config, then the flags.")
+    p = cli.parser(PROG, DESCRIPTION, epilog="Fields come from EngramConfig's defaults, then --config, then the flags.")
     p.add_argument("tokens", metavar="TOKENS", nargs="?", help=".npy array of token ids (1-D: one sequence; 2-D: one "
                    "per row) or a text file of whitespace-separated ids, one sequence per line")
     p.add_argument("--config", metavar="JSON", help="a JSON object of EngramConfig fields; with --v41, a V4.1 "
@@ -275,17 +275,17 @@ def _parser():
     p.add_argument("--hit-rate", type=float, metavar="R",
                    help="with --v41: also the smallest row_cache_bytes reaching this hit rate, 0 < R <= 1 "
                         "(default: none)")
-    _cli.add_log_level(p, "WARNING")
+    cli.add_log_level(p, "WARNING")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    return _cli.run(_main, argv)
+    return cli.run(_main, argv)
 
 
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
-    _cli.setup_logging(args.log_level)
+    cli.setup_logging(args.log_level)
     if args.v41:
         return _main_v41(args)
     if args.tokens is None:

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from engram_store import _cli
+from engram_store import cli
 
 
 def warm_model(verbose: bool = True) -> float:
@@ -137,16 +137,16 @@ def _groups() -> list[tuple[str, object]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return _cli.run(_main, argv)
+    return cli.run(_main, argv)
 
 
 def _main(argv: list[str] | None) -> int:
-    p = _cli.parser(PROG, "Compile every Numba kernel of engram ahead of time (the store's, the model's hashing, and\n"
+    p = cli.parser(PROG, "Compile every Numba kernel of engram ahead of time (the store's, the model's hashing, and\n"
                           "DeepSeek-V4.1's), for deployment images: kernels otherwise compile on first use. Compiled\n"
                           "kernels are cached on disk, next to the installed sources or in Numba's user cache where\n"
                           "those are read-only; set NUMBA_CACHE_DIR to choose. With a warm cache this takes seconds.")
-    _cli.add_log_level(p, "WARNING")
-    _cli.setup_logging(p.parse_args(argv).log_level)
+    cli.add_log_level(p, "WARNING")
+    cli.setup_logging(p.parse_args(argv).log_level)
     if os.environ.get("NUMBA_DISABLE_JIT") == "1":
         print(f"{PROG}: NUMBA_DISABLE_JIT=1: nothing to compile", flush=True)
         return 0

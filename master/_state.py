@@ -27,7 +27,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engram_store._errors import (
+from engram_store.errors import (
     EngramError,
     InvalidArgument,
     JournalError,

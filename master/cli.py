@@ -15,11 +15,11 @@ import sys
 import time
 from typing import Any, Sequence
 
-from engram_store import _cli
+from engram_store import cli
 from engram_store.wire import (AUTH_DIR_ENV, Connection, exposure_warning, keygen, load_keys, resolve_auth_dir,
                                serve_until_signalled, stop_on_signal_while_starting)
-from engram_store._errors import EngramError, MasterUnavailable
-from engram_store._units import format_size, parse_address
+from engram_store.errors import EngramError, MasterUnavailable
+from engram_store.units import format_size, parse_address
 
 from ._config import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
@@ -49,7 +49,7 @@ def _positive_float(text: str) -> float:
     return value
 
 
-_count = _cli.non_negative("a number of segments")
+_count = cli.non_negative("a number of segments")
 
 
 def _auth_default_help(what: str) -> str:
@@ -57,7 +57,7 @@ def _auth_default_help(what: str) -> str:
 
 
 def _serve_parser() -> argparse.ArgumentParser:
-    p = _cli.parser(PROG, "Run the engram metadata master: the segment registry, object placement, leases,\n"
+    p = cli.parser(PROG, "Run the engram metadata master: the segment registry, object placement, leases,\n"
                           "write fencing and (with --journal) durable metadata.",
                     usage=USAGE,
                     epilog=f"Commands:\n  status   print a running master's segments and objects ({PROG} status -h)\n"
@@ -85,12 +85,12 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--auth", metavar="DIR", default=resolve_auth_dir(None),
                    help=_auth_default_help(f"require CURVE authentication with the keys in DIR (from '{PROG} "
                                            "keygen DIR')"))
-    _cli.add_log_level(p)
+    cli.add_log_level(p)
     return p
 
 
 def _status_parser() -> argparse.ArgumentParser:
-    p = _cli.parser(f"{PROG} status", "Print a running master's segments, objects, and lost or under-replicated "
+    p = cli.parser(f"{PROG} status", "Print a running master's segments, objects, and lost or under-replicated "
                                       "objects.")
     p.add_argument("--master", default=f"127.0.0.1:{DEFAULT_PORT}", metavar="HOST:PORT", help="the master's address")
     p.add_argument("--wait-segments", type=_count, default=0, metavar="N",
@@ -105,7 +105,7 @@ def _status_parser() -> argparse.ArgumentParser:
 
 
 def _keygen_parser() -> argparse.ArgumentParser:
-    p = _cli.parser(f"{PROG} keygen", "Create a cluster's CURVE keys for --auth (a server and a client key pair) "
+    p = cli.parser(f"{PROG} keygen", "Create a cluster's CURVE keys for --auth (a server and a client key pair) "
                                       "in a new directory readable only by you.")
     p.add_argument("dir", metavar="DIR", help="directory to create (mode 0700)")
     p.add_argument("--force", action="store_true", help="replace keys already in DIR")
@@ -258,7 +258,7 @@ def status(argv: Sequence[str] | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return _cli.run(_main, argv)
+    return cli.run(_main, argv)
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -268,7 +268,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if argv and argv[0] == "keygen":
         return keygen_command(argv[1:])
     args = _serve_parser().parse_args(argv)
-    _cli.setup_logging(args.log_level)
+    cli.setup_logging(args.log_level)
     warning = exposure_warning(args.host, args.auth)
     if warning:
         print(f"engram-master: {warning}", file=sys.stderr, flush=True)

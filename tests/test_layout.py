@@ -101,6 +101,41 @@ def test_rooms_meet_at_their_doors():
     assert not private, "imports through another room's private modules or names:\n" + "\n".join(private)
 
 
+#: The top packages: each reaches another only through its public modules.
+TOP_PACKAGES = {"engram_store", "master", "engram_model"}
+
+
+def _private_reaches(name: str, path: Path):
+    """(line, dotted path) of each import in ``name`` of another top package's private module: a dotted path with a
+    part that starts with ``_`` (``from engram_store import _cli`` reaches ``engram_store._cli``)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    others = TOP_PACKAGES - {name.split(".")[0]}
+
+    def private(dotted: str) -> bool:
+        parts = dotted.split(".")
+        return parts[0] in others and any(part.startswith("_") and part != "__future__" for part in parts)
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            target = _absolute(package, node)
+            paths = [target] if private(target) else [f"{target}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            paths = [alias.name for alias in node.names]
+        else:
+            continue
+        yield from ((node.lineno, dotted) for dotted in paths if private(dotted))
+
+
+def test_packages_meet_at_public_modules():
+    """``engram_model`` and ``master`` use what ``engram_store`` gives them through public modules
+    (``engram_store.errors``, ``.cli``, ``.units``, ...): the underscore marks what may change inside a package
+    without the others knowing."""
+    reaches = [f"{path.relative_to(ROOT)}:{line}: imports {dotted}"
+               for name, path in _modules() if name.split(".")[0] in ("engram_model", "master")
+               for line, dotted in _private_reaches(name, path)]
+    assert not reaches, "imports of another package's private modules:\n" + "\n".join(reaches)
+
+
 def test_modules_stay_small():
     large = [f"{path.relative_to(ROOT)}: {n} lines" for _, path in _modules()
              if (n := len(path.read_text().splitlines())) > MAX_LINES]
