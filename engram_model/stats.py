@@ -33,6 +33,7 @@ bound, the hit rate at caches of 0.1% to 100% of the rows, and with ``--hit-rate
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
@@ -279,6 +280,32 @@ def _parser():
     return p
 
 
+def _config(args: argparse.Namespace) -> EngramConfig:
+    """The EngramConfig the command line names: its defaults, then --config's fields, then the flags."""
+    fields: dict[str, Any] = {}
+    if args.config:
+        try:
+            with open(args.config, encoding="utf-8") as f:
+                fields = json.load(f)
+        except OSError as exc:
+            raise InvalidArgument(f"--config: cannot read {args.config}: {exc.strerror}") from None
+        except ValueError as exc:
+            raise InvalidArgument(f"--config: {args.config} is not JSON ({exc})") from None
+        if not isinstance(fields, dict):
+            raise InvalidArgument(f"--config: expected a JSON object of EngramConfig fields in {args.config}, "
+                                  f"got {type(fields).__name__}")
+        known = {f.name for f in dataclasses.fields(EngramConfig)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise InvalidArgument(f"--config: unknown EngramConfig field(s) {unknown}; known: {sorted(known)}")
+    for name in ("engram_vocab_size", "max_ngram_size", "n_head_per_ngram", "layer_ids", "pad_id", "seed"):
+        value = getattr(args, name)
+        if value is not None:
+            fields[name] = value
+    fields.setdefault("n_embed_per_ngram", fields.get("n_head_per_ngram", EngramConfig().n_head_per_ngram))
+    return EngramConfig(**fields).validate()
+
+
 def main(argv: list[str] | None = None) -> int:
     return cli.run(_main, argv)
 
@@ -292,28 +319,7 @@ def _main(argv: list[str] | None) -> int:
         print(f"{PROG}: TOKENS: expected a token file (or --v41 --from-profile PATH)", file=sys.stderr)
         return 2
     try:
-        fields: dict[str, Any] = {}
-        if args.config:
-            try:
-                with open(args.config, encoding="utf-8") as f:
-                    fields = json.load(f)
-            except OSError as exc:
-                raise InvalidArgument(f"--config: cannot read {args.config}: {exc.strerror}") from None
-            except ValueError as exc:
-                raise InvalidArgument(f"--config: {args.config} is not JSON ({exc})") from None
-            if not isinstance(fields, dict):
-                raise InvalidArgument(f"--config: expected a JSON object of EngramConfig fields in {args.config}, "
-                                      f"got {type(fields).__name__}")
-            known = {f.name for f in dataclasses.fields(EngramConfig)}
-            unknown = sorted(set(fields) - known)
-            if unknown:
-                raise InvalidArgument(f"--config: unknown EngramConfig field(s) {unknown}; known: {sorted(known)}")
-        for name in ("engram_vocab_size", "max_ngram_size", "n_head_per_ngram", "layer_ids", "pad_id", "seed"):
-            value = getattr(args, name)
-            if value is not None:
-                fields[name] = value
-        fields.setdefault("n_embed_per_ngram", fields.get("n_head_per_ngram", EngramConfig().n_head_per_ngram))
-        config = EngramConfig(**fields).validate()
+        config = _config(args)
         ids = load_tokens(args.tokens)
         try:
             tokenizer = compressed_tokenizer_from_path(args.tokenizer) if args.tokenizer else None

@@ -23,6 +23,8 @@ LEVELS = {"model": 7, "compat": 6, "tables": 5, "client": 4, "segment": 3, "mast
 #: Modules that tie rooms together on purpose: the package surface, the test and warm-up helpers.
 JOINERS = {"engram_store", "engram_store.testing", "engram_store.warmup", "engram_model.warmup"}
 MAX_LINES = 550
+#: A function longer than this (a Numba kernel aside) is split into named steps.
+MAX_FUNCTION_LINES = 60
 
 
 def _room(module: str) -> str | None:
@@ -140,6 +142,34 @@ def test_modules_stay_small():
     large = [f"{path.relative_to(ROOT)}: {n} lines" for _, path in _modules()
              if (n := len(path.read_text().splitlines())) > MAX_LINES]
     assert not large, "modules over the house limit of ~500 lines:\n" + "\n".join(large)
+
+
+def _is_kernel(function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Decorated with ``njit`` (bare, called, or as an attribute): a Numba kernel, whose loops read as one."""
+    for decorator in function.decorator_list:
+        target = decorator.func if isinstance(decorator, ast.Call) else decorator
+        if (target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")) == "njit":
+            return True
+    return False
+
+
+def _long_functions(node: ast.AST, path: Path, prefix: str = ""):
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = child.end_lineno - child.lineno + 1
+            if lines > MAX_FUNCTION_LINES and not _is_kernel(child):
+                yield f"{path.relative_to(ROOT)}:{child.lineno}: {prefix}{child.name} is {lines} lines"
+            yield from _long_functions(child, path, f"{prefix}{child.name}.")
+        elif isinstance(child, ast.ClassDef):
+            yield from _long_functions(child, path, f"{prefix}{child.name}.")
+        else:
+            yield from _long_functions(child, path, prefix)
+
+
+def test_functions_stay_short():
+    """A function that is not a kernel fits a screen: a longer one is split into steps with names."""
+    long = [line for _, path in _modules() for line in _long_functions(ast.parse(path.read_text()), path)]
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (not kernels):\n" + "\n".join(long)
 
 
 @pytest.mark.parametrize("package", ["engram_store", "engram_store.wire", "engram_store.segment",

@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return cli.run(_main, argv)
 
 
-def _main(argv: Sequence[str] | None) -> int:
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = cli.parser(PROG, DESCRIPTION)
     parser.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
                         help="directory of the safetensors shards (or one .safetensors file with --config)")
@@ -70,20 +70,32 @@ def _main(argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)
     if args.replica_num < 1:
         parser.error(f"--replica-num: expected an integer >= 1, got {args.replica_num}")
-    cli.setup_logging(args.log_level)
-    place = f"--master {args.master}" if args.master else f"--disk-dir {args.disk_dir}"
-    config_path = args.config or args.checkpoint
+    return args
+
+
+def _paths_exist(args: argparse.Namespace, config_path: str) -> bool:
+    """Whether the checkpoint and its config.json are there (else said, in the command line's words)."""
     if not os.path.exists(config_path):
         flag = "--config" if args.config else "CHECKPOINT_DIR"
         print(f"{PROG}: {flag}: no such file or directory: {config_path}", file=sys.stderr)
-        return 2
+        return False
     if args.config and not os.path.exists(args.checkpoint):
         print(f"{PROG}: CHECKPOINT_DIR: no such file or directory: {args.checkpoint}", file=sys.stderr)
-        return 2
+        return False
     if not args.config and os.path.isdir(config_path) and not os.path.isfile(os.path.join(config_path,
                                                                                          "config.json")):
         print(f"{PROG}: CHECKPOINT_DIR: no config.json in {config_path} (pass --config PATH to read another)",
               file=sys.stderr)
+        return False
+    return True
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args = _parse(argv)
+    cli.setup_logging(args.log_level)
+    place = f"--master {args.master}" if args.master else f"--disk-dir {args.disk_dir}"
+    config_path = args.config or args.checkpoint
+    if not _paths_exist(args, config_path):
         return 2
     try:
         config = V41Config.from_hf_config(config_path)
