@@ -61,7 +61,7 @@ class EngramStore:
         self._only = layers[0] if len(layers) == 1 else None  # the layer methods act on without layer=
         self._store = store
         self._source = source_for(store, local_dir, disk_dir, bool(require_manifest), int(row_cache_bytes),
-                                   int(threads), layers, cache_scope)
+                                  int(threads), layers, cache_scope)
         for layer in layers:
             self._source.attach(layer)
         self._pool = Background("this EngramStore",
