@@ -1,5 +1,6 @@
-"""The house rules of the code's layout: imports run one way between rooms, modules stay small, and every package
-says its public names in ``__all__``.
+"""The house rules of the code's layout: imports run one way between rooms, packages meet at public modules,
+modules stay small, functions that are not kernels stay short, and every package says its public names in
+``__all__``.
 
 Rooms, from the top: ``engram_model`` -> ``engram_store.compat`` -> ``engram_store.tables`` ->
 ``engram_store.client`` -> ``engram_store.segment`` and ``master`` -> ``engram_store.wire`` and
@@ -25,6 +26,8 @@ JOINERS = {"engram_store", "engram_store.testing", "engram_store.warmup", "engra
 MAX_LINES = 550
 #: A function longer than this (a Numba kernel aside) is split into named steps.
 MAX_FUNCTION_LINES = 60
+#: ``EngramStore`` checks arguments and hands the rest on: its work lives in the rooms behind it.
+MAX_FACADE_LINES = 300
 
 
 def _room(module: str) -> str | None:
@@ -170,6 +173,15 @@ def test_functions_stay_short():
     """A function that is not a kernel fits a screen: a longer one is split into steps with names."""
     long = [line for _, path in _modules() for line in _long_functions(ast.parse(path.read_text()), path)]
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines (not kernels):\n" + "\n".join(long)
+
+
+def test_the_engram_store_facade_stays_a_facade():
+    path = ROOT / "engram_store" / "tables" / "_store.py"
+    (cls,) = [node for node in ast.parse(path.read_text()).body
+              if isinstance(node, ast.ClassDef) and node.name == "EngramStore"]
+    lines = cls.end_lineno - cls.lineno + 1
+    assert lines < MAX_FACADE_LINES, (f"EngramStore is {lines} lines (under {MAX_FACADE_LINES}): move its work into "
+                                      "the tables room's modules behind it")
 
 
 @pytest.mark.parametrize("package", ["engram_store", "engram_store.wire", "engram_store.segment",
