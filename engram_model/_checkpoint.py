@@ -15,7 +15,7 @@ from typing import Mapping
 
 import numpy as np
 
-from engram_store._errors import InvalidArgument, InvalidType, describe
+from engram_store.errors import InvalidArgument, InvalidType, describe
 
 #: safetensors dtype names and the NumPy dtypes they are read as. BF16 has no NumPy dtype and is widened
 #: to float32 on reading (exactly: bfloat16 is the top half of a float32).

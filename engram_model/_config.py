@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from engram_store._errors import ConfigError, describe, is_int
+from engram_store.errors import ConfigError, describe, is_int
 
 log = logging.getLogger(__name__)
 

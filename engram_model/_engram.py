@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from engram_store import EngramStore, EngramStoreConfig, LookupHandle, prefetch_many
-from engram_store._errors import InvalidArgument, InvalidType, describe, is_int
+from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
 
 from ._checkpoint import load_checkpoint, save_checkpoint
 from ._config import BackboneConfig, EngramConfig, check_layer

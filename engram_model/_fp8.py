@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engram_store._errors import InvalidArgument, InvalidType, is_int
+from engram_store.errors import InvalidArgument, InvalidType, is_int
 
 E4M3_MAX = 448.0
 

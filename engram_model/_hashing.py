@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from engram_store._errors import InvalidArgument, InvalidType, describe, is_int
+from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
 
 from . import _kernels
 from ._config import BackboneConfig, EngramConfig

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from engram_store._errors import InvalidArgument, InvalidType, describe, is_int
+from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
 
 from . import _kernels
 from ._hashing import NgramHashMapping

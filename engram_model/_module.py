@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from engram_store._errors import ConfigError, InvalidArgument, InvalidType, describe, is_int
+from engram_store.errors import ConfigError, InvalidArgument, InvalidType, describe, is_int
 
 from ._config import BackboneConfig, EngramConfig
 from ._engram import Engram, EngramPrefetch

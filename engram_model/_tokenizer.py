@@ -26,7 +26,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from engram_store._errors import InvalidArgument, InvalidType, describe
+from engram_store.errors import InvalidArgument, InvalidType, describe
 
 #: Stands in for an all-whitespace token while Strip runs, so such a token keeps a single space as its key.
 _SENTINEL = "\ue000"

@@ -6,6 +6,7 @@ Run ``engram-demo`` or ``python -m engram_model.demo``; by default the store run
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from contextlib import contextmanager
@@ -14,7 +15,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from engram_store import DistributedStore, MasterUnavailable, ObjectExists
-from engram_store import _cli
+from engram_store import cli
 
 from ._config import BackboneConfig, EngramConfig
 from ._engram import Engram
@@ -54,11 +55,11 @@ PROG = "engram-demo"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return _cli.run(_main, argv)
+    return cli.run(_main, argv)
 
 
-def _main(argv: Sequence[str] | None) -> int:
-    parser = _cli.parser(PROG, "The Engram quick start: build a layer, upload its tables to the store, run a forward "
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = cli.parser(PROG, "The Engram quick start: build a layer, upload its tables to the store, run a forward "
                                "pass, clean up.\nThe store runs inside this process unless --master names a running "
                                "engram-master.")
     parser.add_argument("--master", metavar="HOST:PORT",
@@ -68,29 +69,40 @@ def _main(argv: Sequence[str] | None) -> int:
     parser.add_argument("--batch", type=int, default=2, metavar="B", help="batch size B")
     parser.add_argument("--seq-len", type=int, default=8, metavar="L", help="sequence length L")
     parser.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the random tables, ids and hidden states")
-    _cli.add_log_level(parser, "WARNING")
+    cli.add_log_level(parser, "WARNING")
     args = parser.parse_args(argv)
     for flag, value in (("--batch", args.batch), ("--seq-len", args.seq_len)):
         if value < 1:
             parser.error(f"{flag}: expected an integer >= 1, got {value}")
-    _cli.setup_logging(args.log_level)
+    return args
+
+
+def _open_store(args: argparse.Namespace) -> DistributedStore | None:
+    """The running master's store (None, said why, when none answers), else one inside this process."""
+    if not args.master:
+        return DistributedStore.embedded(segment_size=args.segment_size)
+    try:
+        with cli.announce_after(f"connecting to the master at {args.master} (up to 3 s)", PROG):
+            return DistributedStore.connect(args.master, segment_size=args.segment_size)
+    except MasterUnavailable:
+        print(f"{PROG}: no engram master answered at --master {args.master} within 3 s; is engram-master "
+              "running there? (a master started with --auth needs ENGRAM_AUTH_DIR set to its key "
+              "directory)", file=sys.stderr)
+        return None
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args = _parse(argv)
+    cli.setup_logging(args.log_level)
 
     cfg, bb = quick_start_configs()
 
     rng = np.random.default_rng(args.seed)
     print("Engram quick start")
     with _step("store setup"):
-        if args.master:
-            try:
-                with _cli.announce_after(f"connecting to the master at {args.master} (up to 3 s)", PROG):
-                    store = DistributedStore.connect(args.master, segment_size=args.segment_size)
-            except MasterUnavailable:
-                print(f"{PROG}: no engram master answered at --master {args.master} within 3 s; is engram-master "
-                      "running there? (a master started with --auth needs ENGRAM_AUTH_DIR set to its key "
-                      "directory)", file=sys.stderr)
-                return 1
-        else:
-            store = DistributedStore.embedded(segment_size=args.segment_size)
+        store = _open_store(args)
+    if store is None:
+        return 1
     try:
         with _step("Engram(layer_id=1)"):
             engram = Engram(layer_id=1, config=cfg, backbone_cfg=bb, store=store)

@@ -33,6 +33,7 @@ bound, the hit rate at caches of 0.1% to 100% of the rows, and with ``--hit-rate
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
@@ -40,9 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from engram_store import _cli
-from engram_store._errors import EngramError, InvalidArgument
-from engram_store._units import format_size
+from engram_store import cli
+from engram_store.errors import EngramError, InvalidArgument
+from engram_store.units import format_size
 from engram_store.disk import LayerProfile, load_profile, save_profile
 
 from ._config import BackboneConfig, EngramConfig
@@ -243,7 +244,7 @@ and n-gram order, and with --hit-rate the smallest cache that reaches it."""
 
 def _parser():
     defaults = EngramConfig()
-    p = _cli.parser(PROG, DESCRIPTION, epilog="Fields come from EngramConfig's defaults, then --config, then the flags.")
+    p = cli.parser(PROG, DESCRIPTION, epilog="Fields come from EngramConfig's defaults, then --config, then the flags.")
     p.add_argument("tokens", metavar="TOKENS", nargs="?", help=".npy array of token ids (1-D: one sequence; 2-D: one "
                    "per row) or a text file of whitespace-separated ids, one sequence per line")
     p.add_argument("--config", metavar="JSON", help="a JSON object of EngramConfig fields; with --v41, a V4.1 "
@@ -275,45 +276,50 @@ def _parser():
     p.add_argument("--hit-rate", type=float, metavar="R",
                    help="with --v41: also the smallest row_cache_bytes reaching this hit rate, 0 < R <= 1 "
                         "(default: none)")
-    _cli.add_log_level(p, "WARNING")
+    cli.add_log_level(p, "WARNING")
     return p
 
 
+def _config(args: argparse.Namespace) -> EngramConfig:
+    """The EngramConfig the command line names: its defaults, then --config's fields, then the flags."""
+    fields: dict[str, Any] = {}
+    if args.config:
+        try:
+            with open(args.config, encoding="utf-8") as f:
+                fields = json.load(f)
+        except OSError as exc:
+            raise InvalidArgument(f"--config: cannot read {args.config}: {exc.strerror}") from None
+        except ValueError as exc:
+            raise InvalidArgument(f"--config: {args.config} is not JSON ({exc})") from None
+        if not isinstance(fields, dict):
+            raise InvalidArgument(f"--config: expected a JSON object of EngramConfig fields in {args.config}, "
+                                  f"got {type(fields).__name__}")
+        known = {f.name for f in dataclasses.fields(EngramConfig)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise InvalidArgument(f"--config: unknown EngramConfig field(s) {unknown}; known: {sorted(known)}")
+    for name in ("engram_vocab_size", "max_ngram_size", "n_head_per_ngram", "layer_ids", "pad_id", "seed"):
+        value = getattr(args, name)
+        if value is not None:
+            fields[name] = value
+    fields.setdefault("n_embed_per_ngram", fields.get("n_head_per_ngram", EngramConfig().n_head_per_ngram))
+    return EngramConfig(**fields).validate()
+
+
 def main(argv: list[str] | None = None) -> int:
-    return _cli.run(_main, argv)
+    return cli.run(_main, argv)
 
 
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
-    _cli.setup_logging(args.log_level)
+    cli.setup_logging(args.log_level)
     if args.v41:
         return _main_v41(args)
     if args.tokens is None:
         print(f"{PROG}: TOKENS: expected a token file (or --v41 --from-profile PATH)", file=sys.stderr)
         return 2
     try:
-        fields: dict[str, Any] = {}
-        if args.config:
-            try:
-                with open(args.config, encoding="utf-8") as f:
-                    fields = json.load(f)
-            except OSError as exc:
-                raise InvalidArgument(f"--config: cannot read {args.config}: {exc.strerror}") from None
-            except ValueError as exc:
-                raise InvalidArgument(f"--config: {args.config} is not JSON ({exc})") from None
-            if not isinstance(fields, dict):
-                raise InvalidArgument(f"--config: expected a JSON object of EngramConfig fields in {args.config}, "
-                                      f"got {type(fields).__name__}")
-            known = {f.name for f in dataclasses.fields(EngramConfig)}
-            unknown = sorted(set(fields) - known)
-            if unknown:
-                raise InvalidArgument(f"--config: unknown EngramConfig field(s) {unknown}; known: {sorted(known)}")
-        for name in ("engram_vocab_size", "max_ngram_size", "n_head_per_ngram", "layer_ids", "pad_id", "seed"):
-            value = getattr(args, name)
-            if value is not None:
-                fields[name] = value
-        fields.setdefault("n_embed_per_ngram", fields.get("n_head_per_ngram", EngramConfig().n_head_per_ngram))
-        config = EngramConfig(**fields).validate()
+        config = _config(args)
         ids = load_tokens(args.tokens)
         try:
             tokenizer = compressed_tokenizer_from_path(args.tokenizer) if args.tokenizer else None

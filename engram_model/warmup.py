@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from engram_store import _cli
+from engram_store import cli
 
 
 def warm_model(verbose: bool = True) -> float:
@@ -44,14 +44,9 @@ def warm_v41(verbose: bool = True) -> float:
 
     The fused gather is compiled per column count: 24 (the release) and 12 (``engram_model.v41.demo``).
     """
-    import os
-    import tempfile
-
     from engram_store import EngramStore
 
     from .v41 import V41Config, V41Engram, V41Hasher, decode_fp8_rows, encode_fp8_rows, v41_store_config
-    from .v41 import _kernels as v41_kernels
-    from .v41._checkpoint import SafetensorsCheckpoint, load_v41_weights
 
     start = time.perf_counter()
     for n_heads in (8, 4):
@@ -82,7 +77,22 @@ def warm_v41(verbose: bool = True) -> float:
     from .v41._rows import warm_kernels
 
     warm_kernels()  # the engines' row gathers (V41Rows)
-    # Checkpoint reading: a one-layer file with the dtypes of the release, read as load_v41_table reads it.
+    _warm_v41_checkpoint()
+    elapsed = time.perf_counter() - start
+    if verbose:
+        print(f"engram_model.v41 kernels ready in {elapsed:.1f} s", flush=True)
+    return elapsed
+
+
+def _warm_v41_checkpoint() -> None:
+    """Checkpoint reading: a one-layer file with the dtypes of the release, read as load_v41_table reads it."""
+    import os
+    import tempfile
+
+    from .v41 import V41Config
+    from .v41 import _kernels as v41_kernels
+    from .v41._checkpoint import SafetensorsCheckpoint, load_v41_weights
+
     config = V41Config(layer_ids=[1], max_ngram_size=2, n_heads=1, head_dim=32, engram_vocab_size=2,
                        compressed_vocab_size=8, hidden_size=32, hc_mult=1)
     rows = config.num_embeddings(1)
@@ -100,10 +110,6 @@ def warm_v41(verbose: bool = True) -> float:
         weight, scale = (np.asarray(ckpt.raw(n)) for n in list(tensors)[:2])
         v41_kernels.pack_rows(weight, scale, np.empty((rows, config.row_bytes), np.uint8))
         del ckpt, weight, scale
-    elapsed = time.perf_counter() - start
-    if verbose:
-        print(f"engram_model.v41 kernels ready in {elapsed:.1f} s", flush=True)
-    return elapsed
 
 
 def _write_safetensors(path: str, tensors: dict) -> None:
@@ -137,16 +143,16 @@ def _groups() -> list[tuple[str, object]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return _cli.run(_main, argv)
+    return cli.run(_main, argv)
 
 
 def _main(argv: list[str] | None) -> int:
-    p = _cli.parser(PROG, "Compile every Numba kernel of engram ahead of time (the store's, the model's hashing, and\n"
+    p = cli.parser(PROG, "Compile every Numba kernel of engram ahead of time (the store's, the model's hashing, and\n"
                           "DeepSeek-V4.1's), for deployment images: kernels otherwise compile on first use. Compiled\n"
                           "kernels are cached on disk, next to the installed sources or in Numba's user cache where\n"
                           "those are read-only; set NUMBA_CACHE_DIR to choose. With a warm cache this takes seconds.")
-    _cli.add_log_level(p, "WARNING")
-    _cli.setup_logging(p.parse_args(argv).log_level)
+    cli.add_log_level(p, "WARNING")
+    cli.setup_logging(p.parse_args(argv).log_level)
     if os.environ.get("NUMBA_DISABLE_JIT") == "1":
         print(f"{PROG}: NUMBA_DISABLE_JIT=1: nothing to compile", flush=True)
         return 0

@@ -9,7 +9,7 @@ Public surface::
     lookup_many, prefetch_many   rows of several EngramStores at once (one request per segment server)
     metrics_text, serve_metrics  a serving process's Prometheus text: lookups, rows, cache hits, SSD reads
     StoreConfig           store configuration from a JSON file, the environment, or keywords
-    EngramError, ...      the exception tree (see ``engram_store._errors``)
+    EngramError, ...      the exception tree (see ``engram_store.errors``)
 """
 
 from .client import DistributedStore, KeyInfo, ObjectInfo, Replica

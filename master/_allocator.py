@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-from engram_store._errors import InvalidArgument
+from engram_store.errors import InvalidArgument
 
 #: Every allocation starts on this boundary, so float32/int64 views of a table are aligned.
 ALIGNMENT = 64

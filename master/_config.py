@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engram_store._errors import InvalidArgument, is_int
+from engram_store.errors import InvalidArgument, is_int
 
 DEFAULT_PORT = 50051
 DEFAULT_LEASE_TTL_S = 5.0

@@ -24,8 +24,8 @@ import logging
 import os
 from typing import Iterable
 
-from engram_store._errors import ConfigError, JournalError
-from engram_store._owner import OwnerLock
+from engram_store.errors import ConfigError, JournalError
+from engram_store.owner import OwnerLock
 
 from ._journal_format import Reader, encode, header
 

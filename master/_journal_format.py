@@ -18,7 +18,7 @@ import json
 
 import xxhash
 
-from engram_store._errors import JournalError
+from engram_store.errors import JournalError
 
 #: The journal format this master writes.
 FORMAT = 2

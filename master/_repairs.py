@@ -6,7 +6,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from engram_store._errors import JournalError
+from engram_store.errors import JournalError
 
 from ._fencing import Fence
 from ._records import COMPLETE, PENDING, LostObject, ObjectMeta, Replica, some_keys

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from engram_store._errors import EngramError, JournalError
+from engram_store.errors import EngramError, JournalError
 
 from ._records import COMPLETE, LostObject, ObjectMeta, Replica
 

@@ -9,11 +9,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from engram_store._errors import EngramError, InvalidArgument, JournalError, SegmentUnavailable, Unavailable
-from engram_store._metrics import MetricsEndpoint, gauge
+from engram_store.errors import EngramError, InvalidArgument, JournalError, SegmentUnavailable, Unavailable
+from engram_store.metrics import MetricsEndpoint, gauge
 from engram_store.wire import PROTOCOL_VERSION, AuthKeys, Connection, Request, RpcServer
-from engram_store._units import parse_address
-from engram_store._pages import trim_heap
+from engram_store.units import parse_address
+from engram_store.pages import trim_heap
 
 from ._config import DEFAULT_PORT, MasterConfig
 from ._journal import Journal

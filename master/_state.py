@@ -27,7 +27,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engram_store._errors import (
+from engram_store.errors import (
     EngramError,
     InvalidArgument,
     JournalError,
@@ -133,15 +133,8 @@ class MasterState(Fencing, Repairs, Replay, Adoptions):
             log.info("segment %s registered at %s (%d bytes, %d reader sockets)", segment_id, address, size,
                      len(read_addresses))
         else:
-            for name, value in fields.items():
-                setattr(known, name, value)
-            known.last_heartbeat = self.clock()
-            if confirmed and (registration != known.registration or not known.confirmed):
-                for offset, length, _ in known.verifying.values():  # asked of the old registration: ask again
-                    known.allocator.free(offset, length)
-                known.verifying.clear()
-                known.doubtful = {}
-                self._end_registration(known)
+            self._refresh_segment(known, fields, confirmed and (registration != known.registration
+                                                                 or not known.confirmed))
         segment = self.segments[segment_id]
         segment.confirmed = confirmed
         if confirmed:
@@ -152,6 +145,19 @@ class MasterState(Fencing, Repairs, Replay, Adoptions):
             else:
                 self._report_held(segment, held or [])
         return known is not None
+
+    def _refresh_segment(self, known: Segment, fields: dict, new_registration: bool) -> None:
+        """A known segment registering again: its fields as it gives them now, alive as of now; a new registration
+        ends what the old one had going (its puts, and the questions asked of it about lost objects)."""
+        for name, value in fields.items():
+            setattr(known, name, value)
+        known.last_heartbeat = self.clock()
+        if new_registration:
+            for offset, length, _ in known.verifying.values():  # asked of the old registration: ask again
+                known.allocator.free(offset, length)
+            known.verifying.clear()
+            known.doubtful = {}
+            self._end_registration(known)
 
     def segment_objects(self, segment_id: str) -> tuple[int, list[list]]:
         """``(catalog_version, [[key, offset, size, replica_num, checksum, generation], ...])`` of the complete

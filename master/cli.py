@@ -15,11 +15,11 @@ import sys
 import time
 from typing import Any, Sequence
 
-from engram_store import _cli
+from engram_store import cli
 from engram_store.wire import (AUTH_DIR_ENV, Connection, exposure_warning, keygen, load_keys, resolve_auth_dir,
                                serve_until_signalled, stop_on_signal_while_starting)
-from engram_store._errors import EngramError, MasterUnavailable
-from engram_store._units import format_size, parse_address
+from engram_store.errors import EngramError, MasterUnavailable
+from engram_store.units import format_size, parse_address
 
 from ._config import (
     DEFAULT_HEARTBEAT_TIMEOUT_S,
@@ -49,7 +49,7 @@ def _positive_float(text: str) -> float:
     return value
 
 
-_count = _cli.non_negative("a number of segments")
+_count = cli.non_negative("a number of segments")
 
 
 def _auth_default_help(what: str) -> str:
@@ -57,7 +57,7 @@ def _auth_default_help(what: str) -> str:
 
 
 def _serve_parser() -> argparse.ArgumentParser:
-    p = _cli.parser(PROG, "Run the engram metadata master: the segment registry, object placement, leases,\n"
+    p = cli.parser(PROG, "Run the engram metadata master: the segment registry, object placement, leases,\n"
                           "write fencing and (with --journal) durable metadata.",
                     usage=USAGE,
                     epilog=f"Commands:\n  status   print a running master's segments and objects ({PROG} status -h)\n"
@@ -85,12 +85,12 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--auth", metavar="DIR", default=resolve_auth_dir(None),
                    help=_auth_default_help(f"require CURVE authentication with the keys in DIR (from '{PROG} "
                                            "keygen DIR')"))
-    _cli.add_log_level(p)
+    cli.add_log_level(p)
     return p
 
 
 def _status_parser() -> argparse.ArgumentParser:
-    p = _cli.parser(f"{PROG} status", "Print a running master's segments, objects, and lost or under-replicated "
+    p = cli.parser(f"{PROG} status", "Print a running master's segments, objects, and lost or under-replicated "
                                       "objects.")
     p.add_argument("--master", default=f"127.0.0.1:{DEFAULT_PORT}", metavar="HOST:PORT", help="the master's address")
     p.add_argument("--wait-segments", type=_count, default=0, metavar="N",
@@ -105,7 +105,7 @@ def _status_parser() -> argparse.ArgumentParser:
 
 
 def _keygen_parser() -> argparse.ArgumentParser:
-    p = _cli.parser(f"{PROG} keygen", "Create a cluster's CURVE keys for --auth (a server and a client key pair) "
+    p = cli.parser(f"{PROG} keygen", "Create a cluster's CURVE keys for --auth (a server and a client key pair) "
                                       "in a new directory readable only by you.")
     p.add_argument("dir", metavar="DIR", help="directory to create (mode 0700)")
     p.add_argument("--force", action="store_true", help="replace keys already in DIR")
@@ -176,59 +176,30 @@ def _registered(header: dict) -> int:
     return sum(1 for s in header["segments"] if s.get("confirmed", True))
 
 
-def status(argv: Sequence[str] | None) -> int:
-    args = _status_parser().parse_args(argv)
-    prog = f"{PROG} status"
-    try:
-        host, port = parse_address(args.master, "--master")
-        curve = load_keys(args.auth, server=False).client_curve if args.auth else None
-    except EngramError as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
-        return 2
-    address = f"{host}:{port}"
-    deadline = time.monotonic() + args.timeout
-    auth_hint = ("a master started with --auth answers only clients that have its keys: pass --auth DIR" if not
-                 args.auth else f"check that {args.auth} holds the keys the master was started with")
-    conn = Connection(address, unavailable=MasterUnavailable, curve=curve)
-    try:
-        header = _first_status(conn, args, prog, address, deadline, auth_hint)
-        if header is None:
-            return 1
-        if args.wait_segments:
-            announced = False
-            while _registered(header) < args.wait_segments:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    print(f"{prog}: {_registered(header)} of {args.wait_segments} segment(s) registered with "
-                          f"{address} within {args.timeout:g} s; are they running, and started with --master "
-                          f"{address}? (raise --timeout to wait longer)", file=sys.stderr)
-                    return 1
-                if not announced and time.monotonic() + args.timeout - deadline > FIRST_ANSWER_S:
-                    print(f"{prog}: waiting up to {args.timeout:g} s for {args.wait_segments} segment(s) to register "
-                          f"with {address} ({_registered(header)} so far)", file=sys.stderr, flush=True)
-                    announced = True
-                time.sleep(min(0.1, left))
-                # at least a second for the answer itself, so a loaded master is not mistaken for a silent one
-                header, _ = conn.call("status", timeout_ms=int(max(1.0, deadline - time.monotonic()) * 1000))
-    except MasterUnavailable as exc:
-        if "no reply" in str(exc) and _nothing_listens(host, port) is not None:
-            print(f"{prog}: no reply from {address} within {args.timeout:g} s: nothing listens there; is "
-                  f"engram-master running on that port?", file=sys.stderr)
-        elif "no reply" in str(exc):
-            print(f"{prog}: no reply from {address} within {args.timeout:g} s: something listens there but it did "
-                  f"not answer as an engram master ({auth_hint})", file=sys.stderr)
-        else:
-            print(f"{prog}: {address}: {exc}", file=sys.stderr)
-        return 1
-    except EngramError as exc:
-        print(f"{prog}: {address}: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        conn.close()
-    header = {k: v for k, v in header.items() if k not in ("v", "id", "ok")}
-    if args.json:
-        print(json.dumps(header, indent=2))
-        return 0
+def _wait_for_segments(conn: Connection, header: dict, args: argparse.Namespace, prog: str, address: str,
+                       deadline: float) -> dict | None:
+    """Ask again until ``--wait-segments`` segments have registered: the last answer, or None (said why) when the
+    deadline passed first."""
+    announced = False
+    while _registered(header) < args.wait_segments:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            print(f"{prog}: {_registered(header)} of {args.wait_segments} segment(s) registered with "
+                  f"{address} within {args.timeout:g} s; are they running, and started with --master "
+                  f"{address}? (raise --timeout to wait longer)", file=sys.stderr)
+            return None
+        if not announced and time.monotonic() + args.timeout - deadline > FIRST_ANSWER_S:
+            print(f"{prog}: waiting up to {args.timeout:g} s for {args.wait_segments} segment(s) to register "
+                  f"with {address} ({_registered(header)} so far)", file=sys.stderr, flush=True)
+            announced = True
+        time.sleep(min(0.1, left))
+        # at least a second for the answer itself, so a loaded master is not mistaken for a silent one
+        header, _ = conn.call("status", timeout_ms=int(max(1.0, deadline - time.monotonic()) * 1000))
+    return header
+
+
+def _print_status(header: dict, host: str, port: int) -> None:
+    """The status answer for a reader: totals, the objects in trouble, then one line per segment."""
     segments = header["segments"]
     print(f"master {host}:{port}: {len(segments)} segment(s), {header['objects']} object(s), "
           f"{format_size(header['object_bytes'])} stored" + (f", {header['pending']} write(s) in progress"
@@ -254,11 +225,55 @@ def status(argv: Sequence[str] | None) -> int:
             readers = len(s.get("read_addresses") or ())
             print(f"  {s['address']:<{width}}  {format_size(s['size']):>12}  {format_size(s['used']):>12}  "
                   f"{pct:5.1f}%  {readers:>7}  {s['segment_id']}")
+
+
+def status(argv: Sequence[str] | None) -> int:
+    args = _status_parser().parse_args(argv)
+    prog = f"{PROG} status"
+    try:
+        host, port = parse_address(args.master, "--master")
+        curve = load_keys(args.auth, server=False).client_curve if args.auth else None
+    except EngramError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    address = f"{host}:{port}"
+    deadline = time.monotonic() + args.timeout
+    auth_hint = ("a master started with --auth answers only clients that have its keys: pass --auth DIR" if not
+                 args.auth else f"check that {args.auth} holds the keys the master was started with")
+    conn = Connection(address, unavailable=MasterUnavailable, curve=curve)
+    try:
+        header = _first_status(conn, args, prog, address, deadline, auth_hint)
+        if header is None:
+            return 1
+        if args.wait_segments:
+            header = _wait_for_segments(conn, header, args, prog, address, deadline)
+            if header is None:
+                return 1
+    except MasterUnavailable as exc:
+        if "no reply" in str(exc) and _nothing_listens(host, port) is not None:
+            print(f"{prog}: no reply from {address} within {args.timeout:g} s: nothing listens there; is "
+                  f"engram-master running on that port?", file=sys.stderr)
+        elif "no reply" in str(exc):
+            print(f"{prog}: no reply from {address} within {args.timeout:g} s: something listens there but it did "
+                  f"not answer as an engram master ({auth_hint})", file=sys.stderr)
+        else:
+            print(f"{prog}: {address}: {exc}", file=sys.stderr)
+        return 1
+    except EngramError as exc:
+        print(f"{prog}: {address}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        conn.close()
+    header = {k: v for k, v in header.items() if k not in ("v", "id", "ok")}
+    if args.json:
+        print(json.dumps(header, indent=2))
+        return 0
+    _print_status(header, host, port)
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return _cli.run(_main, argv)
+    return cli.run(_main, argv)
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -268,7 +283,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if argv and argv[0] == "keygen":
         return keygen_command(argv[1:])
     args = _serve_parser().parse_args(argv)
-    _cli.setup_logging(args.log_level)
+    cli.setup_logging(args.log_level)
     warning = exposure_warning(args.host, args.auth)
     if warning:
         print(f"engram-master: {warning}", file=sys.stderr, flush=True)

@@ -1,5 +1,6 @@
-"""The house rules of the code's layout: imports run one way between rooms, modules stay small, and every package
-says its public names in ``__all__``.
+"""The house rules of the code's layout: imports run one way between rooms, packages meet at public modules,
+modules stay small, functions that are not kernels stay short, and every package says its public names in
+``__all__``.
 
 Rooms, from the top: ``engram_model`` -> ``engram_store.compat`` -> ``engram_store.tables`` ->
 ``engram_store.client`` -> ``engram_store.segment`` and ``master`` -> ``engram_store.wire`` and
@@ -23,6 +24,10 @@ LEVELS = {"model": 7, "compat": 6, "tables": 5, "client": 4, "segment": 3, "mast
 #: Modules that tie rooms together on purpose: the package surface, the test and warm-up helpers.
 JOINERS = {"engram_store", "engram_store.testing", "engram_store.warmup", "engram_model.warmup"}
 MAX_LINES = 550
+#: A function longer than this (a Numba kernel aside) is split into named steps.
+MAX_FUNCTION_LINES = 60
+#: ``EngramStore`` checks arguments and hands the rest on: its work lives in the rooms behind it.
+MAX_FACADE_LINES = 300
 
 
 def _room(module: str) -> str | None:
@@ -101,10 +106,82 @@ def test_rooms_meet_at_their_doors():
     assert not private, "imports through another room's private modules or names:\n" + "\n".join(private)
 
 
+#: The top packages: each reaches another only through its public modules.
+TOP_PACKAGES = {"engram_store", "master", "engram_model"}
+
+
+def _private_reaches(name: str, path: Path):
+    """(line, dotted path) of each import in ``name`` of another top package's private module: a dotted path with a
+    part that starts with ``_`` (``from engram_store import _cli`` reaches ``engram_store._cli``)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    others = TOP_PACKAGES - {name.split(".")[0]}
+
+    def private(dotted: str) -> bool:
+        parts = dotted.split(".")
+        return parts[0] in others and any(part.startswith("_") and part != "__future__" for part in parts)
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            target = _absolute(package, node)
+            paths = [target] if private(target) else [f"{target}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            paths = [alias.name for alias in node.names]
+        else:
+            continue
+        yield from ((node.lineno, dotted) for dotted in paths if private(dotted))
+
+
+def test_packages_meet_at_public_modules():
+    """``engram_model`` and ``master`` use what ``engram_store`` gives them through public modules
+    (``engram_store.errors``, ``.cli``, ``.units``, ...): the underscore marks what may change inside a package
+    without the others knowing."""
+    reaches = [f"{path.relative_to(ROOT)}:{line}: imports {dotted}"
+               for name, path in _modules() if name.split(".")[0] in ("engram_model", "master")
+               for line, dotted in _private_reaches(name, path)]
+    assert not reaches, "imports of another package's private modules:\n" + "\n".join(reaches)
+
+
 def test_modules_stay_small():
     large = [f"{path.relative_to(ROOT)}: {n} lines" for _, path in _modules()
              if (n := len(path.read_text().splitlines())) > MAX_LINES]
     assert not large, "modules over the house limit of ~500 lines:\n" + "\n".join(large)
+
+
+def _is_kernel(function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Decorated with ``njit`` (bare, called, or as an attribute): a Numba kernel, whose loops read as one."""
+    for decorator in function.decorator_list:
+        target = decorator.func if isinstance(decorator, ast.Call) else decorator
+        if (target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")) == "njit":
+            return True
+    return False
+
+
+def _long_functions(node: ast.AST, path: Path, prefix: str = ""):
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = child.end_lineno - child.lineno + 1
+            if lines > MAX_FUNCTION_LINES and not _is_kernel(child):
+                yield f"{path.relative_to(ROOT)}:{child.lineno}: {prefix}{child.name} is {lines} lines"
+            yield from _long_functions(child, path, f"{prefix}{child.name}.")
+        elif isinstance(child, ast.ClassDef):
+            yield from _long_functions(child, path, f"{prefix}{child.name}.")
+        else:
+            yield from _long_functions(child, path, prefix)
+
+
+def test_functions_stay_short():
+    """A function that is not a kernel fits a screen: a longer one is split into steps with names."""
+    long = [line for _, path in _modules() for line in _long_functions(ast.parse(path.read_text()), path)]
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (not kernels):\n" + "\n".join(long)
+
+
+def test_the_engram_store_facade_stays_a_facade():
+    path = ROOT / "engram_store" / "tables" / "_store.py"
+    (cls,) = [node for node in ast.parse(path.read_text()).body
+              if isinstance(node, ast.ClassDef) and node.name == "EngramStore"]
+    lines = cls.end_lineno - cls.lineno + 1
+    assert lines < MAX_FACADE_LINES, (f"EngramStore is {lines} lines (under {MAX_FACADE_LINES}): move its work into "
+                                      "the tables room's modules behind it")
 
 
 @pytest.mark.parametrize("package", ["engram_store", "engram_store.wire", "engram_store.segment",

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from engram_store import EngramStore
-from engram_store._errors import EngramError, InvalidArgument, InvalidType, ObjectExists, ObjectNotFound, describe
-from engram_store._progress import Progress
+from engram_store.errors import EngramError, InvalidArgument, InvalidType, ObjectExists, ObjectNotFound, describe
+from engram_store.progress import Progress
 
 from .._fp8 import E4M3_TABLE
 from . import _kernels

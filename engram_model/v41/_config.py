@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from engram_store import EngramStoreConfig
-from engram_store._errors import ConfigError, InvalidArgument, InvalidType, describe, is_int
+from engram_store.errors import ConfigError, InvalidArgument, InvalidType, describe, is_int
 
 from .._hashing import find_next_prime
 

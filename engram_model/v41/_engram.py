@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from engram_store import EngramStore, LookupHandle
-from engram_store._errors import InvalidArgument, InvalidType, describe
+from engram_store.errors import InvalidArgument, InvalidType, describe
 from engram_store.buffers import host_array
 
 from . import _kernels

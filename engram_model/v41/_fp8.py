@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from engram_store._errors import InvalidArgument, InvalidType
+from engram_store.errors import InvalidArgument, InvalidType
 
 from .._fp8 import E4M3_MAX, E4M3_TABLE, _nearest_e4m3
 from . import _kernels

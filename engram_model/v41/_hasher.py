@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from engram_store._errors import InvalidArgument, InvalidType, describe, is_int
+from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
 
 from .._tokenizer import as_int_ids
 from . import _kernels

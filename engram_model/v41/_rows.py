@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from engram_store import EngramStore, LookupHandle
-from engram_store._errors import InvalidArgument, InvalidType, describe, is_int
+from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
 from engram_store.buffers import host_array
 
 from . import _rows_kernels as _k

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from engram_store._errors import InvalidArgument, describe
+from engram_store.errors import InvalidArgument, describe
 
 INDEX_FILE = "model.safetensors.index.json"
 #: Largest header accepted (as the safetensors reference implementation bounds it).

@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 from numba import njit
 
-from engram_store._errors import InvalidArgument, describe, is_int
+from engram_store.errors import InvalidArgument, describe, is_int
 from engram_store.disk import SIZE_LADDER, LayerProfile, MissRatioCurve, bytes_for_rows
 
 from ._config import V41Config

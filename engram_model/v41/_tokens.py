@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from engram_store._errors import InvalidArgument, InvalidType, describe
+from engram_store.errors import InvalidArgument, InvalidType, describe
 
 from .._tokenizer import _load_tokenizers_file
 

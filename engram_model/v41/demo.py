@@ -70,7 +70,7 @@ def _step(name: str) -> Iterator[None]:
     print(f"  {name:<44s} {1e3 * (time.perf_counter() - start):9.2f} ms")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m engram_model.v41.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--master", metavar="HOST:PORT", help="use this running master instead of an embedded store")
     parser.add_argument("--segment-size", default="256MiB", help="segment mounted by this process (default 256MiB)")
@@ -81,6 +81,53 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.batch < 1 or args.prompt_len < 1 or args.decode_steps < 0:
         parser.error("--batch and --prompt-len must be >= 1, --decode-steps >= 0")
+    return args
+
+
+def _prefill(config: V41Config, hasher: V41Hasher, engrams: list[V41Engram], rng: np.random.Generator, B: int,
+             L: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A prompt through both layers, one position masked: the prompt, its mask and its row ids."""
+    prompt = rng.integers(0, DEMO_VOCAB, size=(B, L))
+    mask = np.ones((B, L), dtype=bool)
+    mask[0, L // 2] = False  # say, an image position: no n-gram reaches across it, its gate is shut
+    hidden = rng.standard_normal((B, L, config.hc_mult, config.hidden_size), dtype=np.float32)
+    with _step(f"prefill {B}x{L}: hash both layers once"):
+        row_ids = hasher(prompt, token_mask=mask)
+    with _step("prefill: start both layers' reads"):
+        pending = [e.prefetch(row_ids=row_ids) for e in engrams]
+    with _step("prefill: forward both layers"):
+        h_in = hidden
+        for engram, handle in zip(engrams, pending):  # (the decoder layers in between run here)
+            hidden = engram.forward(hidden, token_mask=mask, prefetched=handle)
+    passed = np.array_equal(hidden[0, L // 2], round_bf16(h_in[0, L // 2]))
+    print(f"  output {hidden.shape} {hidden.dtype} holding bf16 values; the masked position passed through "
+          f"unchanged: {passed}")
+    return prompt, mask, row_ids
+
+
+def _decode(config: V41Config, hasher: V41Hasher, engrams: list[V41Engram], rng: np.random.Generator,
+            prompt: np.ndarray, mask: np.ndarray, row_ids: np.ndarray, decode_steps: int) -> None:
+    """Decode steps after the prompt, then speculative tokens rolled back by a snapshot of the decode state."""
+    B = prompt.shape[0]
+    state = hasher.begin(B)
+    steps = hasher.step(state, prompt, token_mask=mask)  # the prompt as one chunk: the rows of the call above
+    assert np.array_equal(steps, row_ids)
+    tokens = rng.integers(0, DEMO_VOCAB, size=(B, 1))
+    for k in range(decode_steps):
+        h = rng.standard_normal((B, 1, config.hc_mult, config.hidden_size), dtype=np.float32)
+        with _step(f"decode step {k}: hash + 2 layers ({B} requests)"):
+            ids = hasher.step(state, tokens)
+            for engram in engrams:
+                h = engram.forward(h, row_ids=ids)
+        tokens = rng.integers(0, DEMO_VOCAB, size=(B, 1))
+    snapshot = state.copy()
+    hasher.step(state, rng.integers(0, DEMO_VOCAB, size=(B, 3)))  # 3 speculative tokens, all rejected
+    state = snapshot
+    print("  speculative tokens rolled back by restoring a state snapshot")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
 
     config = demo_config()
     rng = np.random.default_rng(args.seed)
@@ -107,37 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for engram in engrams:
                 engram.forward(np.zeros((1, 1, config.hc_mult, config.hidden_size), np.float32), warm)
 
-        prompt = rng.integers(0, DEMO_VOCAB, size=(B, L))
-        mask = np.ones((B, L), dtype=bool)
-        mask[0, L // 2] = False  # say, an image position: no n-gram reaches across it, its gate is shut
-        hidden = rng.standard_normal((B, L, config.hc_mult, config.hidden_size), dtype=np.float32)
-        with _step(f"prefill {B}x{L}: hash both layers once"):
-            row_ids = hasher(prompt, token_mask=mask)
-        with _step("prefill: start both layers' reads"):
-            pending = [e.prefetch(row_ids=row_ids) for e in engrams]
-        with _step("prefill: forward both layers"):
-            h_in = hidden
-            for engram, handle in zip(engrams, pending):  # (the decoder layers in between run here)
-                hidden = engram.forward(hidden, token_mask=mask, prefetched=handle)
-        passed = np.array_equal(hidden[0, L // 2], round_bf16(h_in[0, L // 2]))
-        print(f"  output {hidden.shape} {hidden.dtype} holding bf16 values; the masked position passed through "
-              f"unchanged: {passed}")
-
-        state = hasher.begin(B)
-        steps = hasher.step(state, prompt, token_mask=mask)  # the prompt as one chunk: the rows of the call above
-        assert np.array_equal(steps, row_ids)
-        tokens = rng.integers(0, DEMO_VOCAB, size=(B, 1))
-        for k in range(args.decode_steps):
-            h = rng.standard_normal((B, 1, config.hc_mult, config.hidden_size), dtype=np.float32)
-            with _step(f"decode step {k}: hash + 2 layers ({B} requests)"):
-                ids = hasher.step(state, tokens)
-                for engram in engrams:
-                    h = engram.forward(h, row_ids=ids)
-            tokens = rng.integers(0, DEMO_VOCAB, size=(B, 1))
-        snapshot = state.copy()
-        hasher.step(state, rng.integers(0, DEMO_VOCAB, size=(B, 3)))  # 3 speculative tokens, all rejected
-        state = snapshot
-        print("  speculative tokens rolled back by restoring a state snapshot")
+        prompt, mask, row_ids = _prefill(config, hasher, engrams, rng, B, L)
+        _decode(config, hasher, engrams, rng, prompt, mask, row_ids, args.decode_steps)
         paths = [f"layer {e.layer_id}: {e.fused_reads} fused, {e.staged_reads} staged" for e in engrams]
         print(f"  row reads ({'; '.join(paths)})")
     finally:

@@ -21,9 +21,9 @@ import time
 from typing import Sequence
 
 from engram_store import DistributedStore, MasterUnavailable, ObjectExists
-from engram_store import _cli
-from engram_store._errors import EngramError
-from engram_store._units import format_size
+from engram_store import cli
+from engram_store.errors import EngramError
+from engram_store.units import format_size
 
 from ._checkpoint import SafetensorsCheckpoint, load_v41_table
 from ._config import V41Config
@@ -43,11 +43,11 @@ of the layer behind."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return _cli.run(_main, argv)
+    return cli.run(_main, argv)
 
 
-def _main(argv: Sequence[str] | None) -> int:
-    parser = _cli.parser(PROG, DESCRIPTION)
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = cli.parser(PROG, DESCRIPTION)
     parser.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
                         help="directory of the safetensors shards (or one .safetensors file with --config)")
     where = parser.add_mutually_exclusive_group(required=True)
@@ -66,24 +66,36 @@ def _main(argv: Sequence[str] | None) -> int:
                         help="read every column back and check it against the checksum its writer gave the store")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="progress bars on stderr (default: when stderr is a terminal)")
-    _cli.add_log_level(parser)
+    cli.add_log_level(parser)
     args = parser.parse_args(argv)
     if args.replica_num < 1:
         parser.error(f"--replica-num: expected an integer >= 1, got {args.replica_num}")
-    _cli.setup_logging(args.log_level)
-    place = f"--master {args.master}" if args.master else f"--disk-dir {args.disk_dir}"
-    config_path = args.config or args.checkpoint
+    return args
+
+
+def _paths_exist(args: argparse.Namespace, config_path: str) -> bool:
+    """Whether the checkpoint and its config.json are there (else said, in the command line's words)."""
     if not os.path.exists(config_path):
         flag = "--config" if args.config else "CHECKPOINT_DIR"
         print(f"{PROG}: {flag}: no such file or directory: {config_path}", file=sys.stderr)
-        return 2
+        return False
     if args.config and not os.path.exists(args.checkpoint):
         print(f"{PROG}: CHECKPOINT_DIR: no such file or directory: {args.checkpoint}", file=sys.stderr)
-        return 2
+        return False
     if not args.config and os.path.isdir(config_path) and not os.path.isfile(os.path.join(config_path,
                                                                                          "config.json")):
         print(f"{PROG}: CHECKPOINT_DIR: no config.json in {config_path} (pass --config PATH to read another)",
               file=sys.stderr)
+        return False
+    return True
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args = _parse(argv)
+    cli.setup_logging(args.log_level)
+    place = f"--master {args.master}" if args.master else f"--disk-dir {args.disk_dir}"
+    config_path = args.config or args.checkpoint
+    if not _paths_exist(args, config_path):
         return 2
     try:
         config = V41Config.from_hf_config(config_path)
@@ -127,7 +139,7 @@ class _NoMaster(Exception):
 
 def _connect(args: argparse.Namespace) -> DistributedStore:
     try:
-        with _cli.announce_after(f"connecting to the master at {args.master} (up to 3 s)", PROG):
+        with cli.announce_after(f"connecting to the master at {args.master} (up to 3 s)", PROG):
             return DistributedStore.connect(args.master, auth_dir=args.auth)
     except MasterUnavailable:
         hint = (f"check that the master runs with --auth and that --auth {args.auth} holds its keys" if args.auth

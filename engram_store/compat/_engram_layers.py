@@ -224,22 +224,7 @@ class _MultiLayerEngramStore(EngramStore):
         ``row_ids``: C-contiguous int64 ``[len(table_ids), tokens]``; ``output``: writable C-contiguous uint8
         ``[len(table_ids), tokens, row_bytes]``. Every id is checked before anything is written.
         """
-        if not isinstance(table_ids, (list, tuple)):
-            raise InvalidType(f"table_ids: expected a list of layer ids, got {type(table_ids).__name__}")
-        layers = [self._layer(layer_id) for layer_id in table_ids]
-        if not layers:
-            raise InvalidArgument("table_ids: expected at least one layer id, got an empty list")
-        for layer_id in layers:
-            if self._es.get_num_heads(layer=layer_id) != 1:
-                raise InvalidArgument(f"table_ids: layer {layer_id} has {self._es.get_num_heads(layer=layer_id)} "
-                                      "heads; lookup(table_ids, ...) reads layers of one head (lookup_into reads "
-                                      "[B, L, H] ids of any layer)")
-        row_bytes = self._es.get_row_bytes(layer=layers[0])
-        for layer_id in layers[1:]:
-            if self._es.get_row_bytes(layer=layer_id) != row_bytes:
-                raise InvalidArgument(f"table_ids: layer {layer_id} has rows of "
-                                      f"{self._es.get_row_bytes(layer=layer_id)} bytes, layer {layers[0]} of "
-                                      f"{row_bytes}; one output holds rows of one width")
+        layers, row_bytes = self._packed_layers(table_ids)
         n = len(layers)
         if not (isinstance(row_ids, np.ndarray) and row_ids.dtype == np.int64 and row_ids.flags.c_contiguous
                 and row_ids.ndim == 2 and row_ids.shape[0] == n):
@@ -260,6 +245,32 @@ class _MultiLayerEngramStore(EngramStore):
                 raise _RuntimeInvalidArgument(f"row_ids[{i}, {t}] = {int(row_ids[i, t])} is out of range: layer "
                                               f"{layer_id} has {rows} rows (expected -1 to skip, or 0 <= id < "
                                               f"{rows})")
+        self._read_packed(layers, row_ids, output, row_bytes)
+
+    def _packed_layers(self, table_ids: Any) -> tuple[list[int], int]:
+        """The layers a packed lookup names, checked: one head each, rows of one width (returned)."""
+        if not isinstance(table_ids, (list, tuple)):
+            raise InvalidType(f"table_ids: expected a list of layer ids, got {type(table_ids).__name__}")
+        layers = [self._layer(layer_id) for layer_id in table_ids]
+        if not layers:
+            raise InvalidArgument("table_ids: expected at least one layer id, got an empty list")
+        for layer_id in layers:
+            if self._es.get_num_heads(layer=layer_id) != 1:
+                raise InvalidArgument(f"table_ids: layer {layer_id} has {self._es.get_num_heads(layer=layer_id)} "
+                                      "heads; lookup(table_ids, ...) reads layers of one head (lookup_into reads "
+                                      "[B, L, H] ids of any layer)")
+        row_bytes = self._es.get_row_bytes(layer=layers[0])
+        for layer_id in layers[1:]:
+            if self._es.get_row_bytes(layer=layer_id) != row_bytes:
+                raise InvalidArgument(f"table_ids: layer {layer_id} has rows of "
+                                      f"{self._es.get_row_bytes(layer=layer_id)} bytes, layer {layers[0]} of "
+                                      f"{row_bytes}; one output holds rows of one width")
+        return layers, row_bytes
+
+    def _read_packed(self, layers: list[int], row_ids: np.ndarray, output: np.ndarray, row_bytes: int) -> None:
+        """Read checked packed ids into ``output``: a layer without -1 straight into its rows, others around their
+        holes; every layer in one ``lookup_many``."""
+        T = row_ids.shape[1]
         requests, request_layers, targets, holes = [], [], [], []
         for i, layer_id in enumerate(layers):
             keep = row_ids[i] != -1

@@ -95,6 +95,21 @@ from ._raw_state import GONE, LISTENER, READY, WAKE, Conn, open_files_cap
 log = logging.getLogger(__name__)
 
 
+def _listen(host: str, port: int, name: str) -> socket.socket:
+    """The raw read channel's listening socket on ``host:port`` (0: any free port), non-blocking."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+        listener.listen(1024)
+        listener.setblocking(False)
+    except OSError as exc:
+        listener.close()
+        raise SegmentUnavailable(f"{name}: cannot bind the raw read channel on {host}:{port}: {exc}") from exc
+    return listener
+
+
 class RawReadServer(Receiving, Serving):
     """Serves range reads of ``segment`` (a flat uint8 array) on a TCP port of ``host``; see the module docstring.
 
@@ -129,32 +144,14 @@ class RawReadServer(Receiving, Serving):
         self._native_params = serve_params(READ_KIND, OK_KIND, max_ranges, max_bytes, limits.STREAM_MIN_BYTES,
                                            limits.STREAM_PIECE_BYTES, self.send_timeout_s,
                                            limits.SEND_MIN_BYTES_PER_S)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._listener.bind((host, port))
-            self._listener.listen(1024)
-            self._listener.setblocking(False)
-        except OSError as exc:
-            self._listener.close()
-            raise SegmentUnavailable(f"{name}: cannot bind the raw read channel on {host}:{port}: {exc}") from exc
+        self._listener = _listen(host, port, name)
         self.host = host
         self.port = self._listener.getsockname()[1]
         self._where = f"{name} raw read channel {self.address}"
         self._tokens: dict[bytes, float] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._sel = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        # A byte here asks one lingering serving thread to give up its connection: a request waits for a thread.
-        self._need_r, self._need_w = os.pipe()
-        os.set_blocking(self._need_r, False)
-        os.set_blocking(self._need_w, False)
-        self._sel.register(self._listener, selectors.EVENT_READ, LISTENER)
-        self._sel.register(self._wake_r, selectors.EVENT_READ, WAKE)
+        self._open_wakeups()
         self._accept_paused_until = 0.0
         # Held by the loop thread only: every open connection, and those with no complete message yet (oldest first).
         self._conns: set[Conn] = set()
@@ -172,6 +169,19 @@ class RawReadServer(Receiving, Serving):
         self._counts = collections.Counter()
         self._pool: ThreadPoolExecutor | None = None  # gathers the pieces of streamed replies
         self._thread = threading.Thread(target=self._loop, name=f"engram-raw-{name}", daemon=True)
+
+    def _open_wakeups(self) -> None:
+        """The loop's selector over the listener and its wake-up socket, and the pipe of lingering threads."""
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        # A byte here asks one lingering serving thread to give up its connection: a request waits for a thread.
+        self._need_r, self._need_w = os.pipe()
+        os.set_blocking(self._need_r, False)
+        os.set_blocking(self._need_w, False)
+        self._sel.register(self._listener, selectors.EVENT_READ, LISTENER)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, WAKE)
 
     @property
     def address(self) -> str:

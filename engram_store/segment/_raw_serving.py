@@ -126,6 +126,11 @@ class Serving:
                 log.debug("%s: connection from %s ended: %s", self._where, c.peer, exc)
         except Exception:  # a bug: log it, drop this connection, keep serving the others
             log.exception("%s: serving a read from %s failed", self._where, c.peer)
+        self._hand_back(c, bufs, alive, sticky)
+
+    def _hand_back(self, c: Conn, bufs: "Buffers", alive: bool, sticky: bool) -> None:
+        """After serving ``c``: empty the thread's buffers, close ``c`` unless it is ``alive`` (and the server
+        open), and give it back to the event loop (``sticky``: this thread lingered on it)."""
         bufs.start = bufs.end = 0
         if not alive or self._closed:
             self._drop(c)

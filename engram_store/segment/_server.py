@@ -122,20 +122,7 @@ class SegmentServer:
         self.memory = SegmentMemory(size, path=os.path.abspath(file), keep_file=True) if file is not None \
             else SegmentMemory(size)
         try:
-            # Which put wrote which range: checked by every read that names its objects, and published in a shared
-            # table for readers on this host; a durable segment's objects as its manifest lists them. A durable
-            # segment keeps its table in a file beside its own for its next run, which takes it over in place.
-            self.generations = Generations(f"engram-generations-{os.getpid()}", size,
-                                           table_path=self.memory.path + ".gen" if self.catalog.durable else None)
-            self.generations.seed(self.catalog.objects)
-            self.handover = start_handover(self.segment_id, self.size, self.memory.fd, self.generations.table_fd,
-                                           writable=not self.catalog.durable)
-            # Reads gather from one read-only view of the mapping, built once; the mapping is faulted in the
-            # background, so the first reads do not page-fault and start-up does not wait.
-            self._src = _kernels.readonly(self.memory.array)
-            self._prefault_thread = threading.Thread(target=self.memory.prefault, args=(self._stop,), daemon=True,
-                                                     name=f"engram-prefault-{self.segment_id[:8]}")
-            self._prefault_thread.start()
+            self._open_memory()
             self._bind(host, port, auth, readers, raw_reads, raw_max_connections)
             if master is not None:
                 self._register(deadline=time.monotonic() + register_timeout_s)
@@ -143,6 +130,24 @@ class SegmentServer:
             self._close_servers()
             self._release_memory()
             raise
+
+    def _open_memory(self) -> None:
+        """The segment's generation table, the hand-over of its memory to this host's processes, the read-only view
+        reads gather from, and the thread that faults the mapping in."""
+        # Which put wrote which range: checked by every read that names its objects, and published in a shared
+        # table for readers on this host; a durable segment's objects as its manifest lists them. A durable
+        # segment keeps its table in a file beside its own for its next run, which takes it over in place.
+        self.generations = Generations(f"engram-generations-{os.getpid()}", self.size,
+                                       table_path=self.memory.path + ".gen" if self.catalog.durable else None)
+        self.generations.seed(self.catalog.objects)
+        self.handover = start_handover(self.segment_id, self.size, self.memory.fd, self.generations.table_fd,
+                                       writable=not self.catalog.durable)
+        # Reads gather from one read-only view of the mapping, built once; the mapping is faulted in the
+        # background, so the first reads do not page-fault and start-up does not wait.
+        self._src = _kernels.readonly(self.memory.array)
+        self._prefault_thread = threading.Thread(target=self.memory.prefault, args=(self._stop,), daemon=True,
+                                                 name=f"engram-prefault-{self.segment_id[:8]}")
+        self._prefault_thread.start()
 
     def _bind(self, host: str, port: int, auth: AuthKeys | None, readers: int, raw_reads: bool,
               raw_max_connections: int | None) -> None:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
@@ -42,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _cli.run(_main, argv)
 
 
-def _main(argv: Sequence[str] | None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = _cli.parser(PROG, "Serve one engram memory segment: register it with a master, keep its objects in shared\n"
                           "memory (or in --file), and serve reads and writes of them.")
     p.add_argument("--master", default="127.0.0.1:50051", metavar="HOST:PORT", help="the master's address")
@@ -70,6 +71,11 @@ def _main(argv: Sequence[str] | None) -> int:
                         f"its client reads over ZeroMQ (default: {RAW_MAX_CONNECTIONS}, or what the open-files limit "
                         f"allows; engram-segment raises its soft limit toward the hard one)")
     _cli.add_log_level(p)
+    return p
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     _cli.setup_logging(args.log_level)
     if args.raw_max_connections is not None and args.raw_max_connections < 1:

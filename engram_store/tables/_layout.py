@@ -1,10 +1,11 @@
-"""A layer's geometry: its configuration, its heads and keys, and the checks of row ids and output buffers."""
+"""A layer's geometry: its configuration, its heads and keys, and the checks of row ids, output buffers and the
+tables written into it; the layers an EngramStore's arguments name, and which of them a call names."""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -274,3 +275,56 @@ def check_heads(heads: Sequence[int] | None, num_heads: int) -> list[int]:
     if not out or len(set(out)) != len(out) or out != sorted(out):
         raise InvalidArgument(f"heads: expected a non-empty increasing list of distinct head indices, got {out}")
     return out
+
+
+def layers_of(layer_id: Any, config: Any, heads: Sequence[int] | None) -> list[Layer]:
+    """The layers an EngramStore's first arguments name, in layer order: one (``layer_id, config``, maybe a head
+    shard) or a ``{layer_id: EngramStoreConfig}`` mapping of several."""
+    if not isinstance(layer_id, Mapping):
+        return [Layer(layer_id, EngramStoreConfig() if config is None else config, heads)]
+    if config is not None:
+        raise InvalidArgument("config: a multi-layer EngramStore takes its configs in the layers mapping; "
+                              "pass the store as store=")
+    if heads is not None:
+        raise InvalidArgument("heads: head shards are for a single-layer EngramStore")
+    if not layer_id:
+        raise InvalidArgument("layers: expected at least one {layer_id: EngramStoreConfig} entry, got none")
+    return [Layer(lid, cfg, None) for lid, cfg in sorted(layer_id.items(), key=lambda kv: sort_key(kv[0]))]
+
+
+def find_layer(layers: Mapping[Any, Layer], layer: Any) -> Layer:
+    """The layer a call names with ``layer=`` among several (None names none of them)."""
+    if layer is None:
+        raise InvalidArgument(f"layer: this EngramStore holds layers {sorted(layers)}; name one with layer=")
+    found = layers.get(layer) if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool) else None
+    if found is None:
+        raise InvalidArgument(f"layer: unknown Engram layer {describe(layer)}; this EngramStore holds "
+                              f"{sorted(layers)}")
+    return found
+
+
+def check_tables(lay: Layer, buffers: Sequence[Any], streams: bool) -> list[Any]:
+    """A layer's tables as given to ``populate`` or ``bind_local``, checked head by head (with ``streams``, a head
+    may be a ``fill(start_row, out)`` function), each viewed as the layer's dtype."""
+    n_heads = lay.num_heads
+    if isinstance(buffers, np.ndarray) or not isinstance(buffers, (list, tuple)):
+        raise InvalidType(f"embedding_buffers: expected a list of {n_heads} arrays (one per head), "
+                          f"got {type(buffers).__name__}")
+    if len(buffers) != n_heads:
+        raise InvalidArgument(f"embedding_buffers: expected {n_heads} tables (one per head), got {len(buffers)}")
+    for h, (t, n) in enumerate(zip(buffers, lay.sizes)):
+        if streams and callable(t) and not isinstance(t, np.ndarray):
+            continue  # a fill(start_row, out) function, called as the files are written
+        if not isinstance(t, np.ndarray):
+            raise InvalidType(f"embedding_buffers[{h}]: expected a {lay.row_format} NumPy array, "
+                              f"got {type(t).__name__}")
+        if t.dtype != lay.dtype and not (lay.row_format == "bfloat16" and t.dtype.name == "bfloat16"):
+            raise InvalidType(f"embedding_buffers[{h}]: expected dtype {lay.dtype} (row_format="
+                              f"{lay.row_format!r}), got {t.dtype}")
+        if t.shape != (n, lay.dim):
+            raise InvalidArgument(f"embedding_buffers[{h}]: expected shape ({n}, {lay.dim}) "
+                                  f"(table_vocab_sizes[{h}] rows x embedding_dim), got {t.shape}")
+        if not t.flags.c_contiguous:
+            raise InvalidArgument(f"embedding_buffers[{h}]: expected a C-contiguous array "
+                                  "(use np.ascontiguousarray)")
+    return [t if callable(t) and not isinstance(t, np.ndarray) else t.view(lay.dtype) for t in buffers]

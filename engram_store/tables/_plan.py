@@ -15,13 +15,15 @@ request outgrows a segment's limits; heads on a server that fails are re-resolve
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 
+from .. import _fork
 from .. import kernels as _kernels
-from .._errors import SegmentUnavailable, StalePlacement, StoreError
+from .._errors import InvalidType, NotConnected, SegmentUnavailable, StalePlacement, StoreError, describe
 from ._placement import Placement
 from ._source import Job
 
@@ -199,11 +201,9 @@ class _Request(NamedTuple):
     checks: list
 
 
-def _read_remote(native: Any, jobs: list, counts: dict) -> set[str]:
-    """One read per segment server for every job's remote heads; scatter the replies; the addresses that failed.
-
-    A job whose heads all live on one server reads its rows as they are, in output order (the reply is its
-    output); others read each distinct row once and scatter it (see DIRECT_MAX_ROWS)."""
+def _requests(native: Any, jobs: list) -> dict[str, _Request]:
+    """Every job's remote heads as parts of one request per segment server (by address), each led by the checks
+    of the tables it reads."""
     requests: dict[str, _Request] = {}  # by segment address
     for owner, lay, placement, ids2, flat in jobs:
         if reads_direct(placement, ids2):
@@ -221,6 +221,15 @@ def _read_remote(native: Any, jobs: list, counts: dict) -> set[str]:
             request.parts.append(_Part(owner, lay, (plan, placement.order[j0:j1], int(plan.head_rows[j0])), pairs,
                                        rows, flat))
             request.checks.append(placement.checks[g])
+    return requests
+
+
+def _read_remote(native: Any, jobs: list, counts: dict) -> set[str]:
+    """One read per segment server for every job's remote heads; scatter the replies; the addresses that failed.
+
+    A job whose heads all live on one server reads its rows as they are, in output order (the reply is its
+    output); others read each distinct row once and scatter it (see DIRECT_MAX_ROWS)."""
+    requests = _requests(native, jobs)
     batch, outs = [], []
     for request in requests.values():
         # The checks of every table read lead the request (the segment serves it only while they all hold).
@@ -260,6 +269,55 @@ def _read_remote(native: Any, jobs: list, counts: dict) -> set[str]:
             tally(counts, flat, remote_requests=1, remote_rows=rows, remote_bytes=n)
             pos += n
     return failed
+
+
+class Background:
+    """The pool that reads in the background for one owner (an EngramStore): two threads, made on first use,
+    refused once closed."""
+
+    def __init__(self, owner: str, thread_name: str) -> None:
+        self._owner, self._thread_name = owner, thread_name
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    def executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise NotConnected(f"{self._owner} is closed")
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix=self._thread_name)
+            return self._executor
+
+    def forked(self) -> None:
+        """In a forked child: the parent's pool has no thread here and its lock may be held; made again on use."""
+        _fork.keep(self._executor)
+        self._lock, self._executor = threading.Lock(), None
+
+    def close(self) -> None:
+        """Refuse new reads and wait for those running; safe to call twice."""
+        with self._lock:
+            self._closed = True
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+
+
+def layer_jobs(row_ids: Mapping[Any, Any], out: Mapping[Any, Any] | None, job: Callable[..., tuple[Job, Any]],
+               layer_id: Callable[[Any], Any]) -> tuple[list[Job], dict[Any, Any]]:
+    """The checked jobs of a call over several layers (``{layer_id: [B, L, H] ids}``, ``out`` a buffer per layer or
+    None), and what it returns (``{layer_id: rows}``): ``job(ids, out, layer)`` makes one, ``layer_id(layer)`` is
+    the id the result is keyed by."""
+    if not isinstance(row_ids, Mapping) or not row_ids:
+        raise InvalidType(f"row_ids: expected a non-empty {{layer_id: [B, L, H] ids}} mapping, "
+                          f"got {describe(row_ids)}")
+    if out is not None and not isinstance(out, Mapping):
+        raise InvalidType(f"out: expected a {{layer_id: buffer}} mapping or None, got {type(out).__name__}")
+    jobs, results = [], {}
+    for lid, ids in row_ids.items():
+        one, results[layer_id(lid)] = job(ids, out.get(lid) if out is not None else None, lid)
+        jobs.append(one)
+    return jobs, results
 
 
 def start_reads(jobs: list, result: Any, row_ids: Any, background: ThreadPoolExecutor | None) -> LookupHandle:

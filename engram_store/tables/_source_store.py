@@ -196,48 +196,53 @@ class StoreSource(KeyedSource):
                 read_native(self.native, [Job(self, lay, ids2, flat)])
                 return
         if placement.remote:
-            address, endpoints, _, _ = placement.remote[0]
-            native = self.native
-            direct = reads_direct(placement, ids2)
-            try:  # the common case in one native call: the request built, sent, and the rows received into flat
-                if direct and native.read_direct(native.pick_endpoint(endpoints), self._lean_of(lay, placement).plan,
-                                                 ids2, lay.row_bytes, flat):
-                    lay.counters.add(lookups=1, rows=ids2.size, remote_requests=1, remote_rows=ids2.size,
-                                     remote_bytes=flat.size)
-                    return
-            except SegmentUnavailable:
-                self._read_without(address, lay, ids2, flat)
-                return
-            if direct:
-                # Every head on this server: one range per (m, h) in output order, so the reply lands in
-                # ``flat`` as it is; no sort, no scatter (a repeated row is read again).
-                pairs = _kernels.direct_pairs_unchecked(ids2, placement.order, placement.bases, lay.row_bytes)
-                rows = ids2.size
-            else:
-                pairs, r, head_rows, _, inverse = _kernels.plan_reads_unchecked(ids2, placement.order, placement.bases,
-                                                                        lay.row_bytes)
-                pairs = pairs[:r]
-                rows = int(head_rows[-1])
-            checks = placement.checks[0]
-            try:
-                data = native.read_pairs(native.pick_endpoint(endpoints),
-                                         np.concatenate((checks, pairs)) if checks.size else pairs,
-                                         rows * lay.row_bytes, out=flat if direct else None)
-            except SegmentUnavailable:
-                self._read_without(address, lay, ids2, flat)
-                return
-            except StalePlacement as exc:  # removed and its space reused: ask the master where it is now
-                self.placements.stale(lay, exc)
-                read_native(native, [Job(self, lay, ids2, flat)])
-                return
-            if not direct and _kernels.scatter_rows_unchecked(_kernels.readonly(np.frombuffer(data, dtype=np.uint8)),
-                                                     _kernels.readonly(inverse), placement.order, 0, lay.row_bytes,
-                                                     flat) >= 0:
-                raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")
-            lay.counters.add(lookups=1, rows=ids2.size, local_rows=placement.memory.heads * ids2.shape[0],
-                             remote_requests=1, remote_rows=rows, remote_bytes=rows * lay.row_bytes)
+            self._read_one_server(lay, placement, ids2, flat)
         else:
             lay.counters.add(lookups=1, rows=ids2.size, local_rows=ids2.size)
+
+    def _read_one_server(self, lay: Layer, placement: Placement, ids2: np.ndarray, flat: np.ndarray) -> None:
+        """The remote heads of a fresh placement on one server (the mapped ones are gathered already): planned,
+        read in one request and scattered; a failed or stale read goes the general way, which fails over."""
+        address, endpoints, _, _ = placement.remote[0]
+        native = self.native
+        direct = reads_direct(placement, ids2)
+        try:  # the common case in one native call: the request built, sent, and the rows received into flat
+            if direct and native.read_direct(native.pick_endpoint(endpoints), self._lean_of(lay, placement).plan,
+                                             ids2, lay.row_bytes, flat):
+                lay.counters.add(lookups=1, rows=ids2.size, remote_requests=1, remote_rows=ids2.size,
+                                 remote_bytes=flat.size)
+                return
+        except SegmentUnavailable:
+            self._read_without(address, lay, ids2, flat)
+            return
+        if direct:
+            # Every head on this server: one range per (m, h) in output order, so the reply lands in
+            # ``flat`` as it is; no sort, no scatter (a repeated row is read again).
+            pairs = _kernels.direct_pairs_unchecked(ids2, placement.order, placement.bases, lay.row_bytes)
+            rows = ids2.size
+        else:
+            pairs, r, head_rows, _, inverse = _kernels.plan_reads_unchecked(ids2, placement.order,
+                                                                            placement.bases, lay.row_bytes)
+            pairs = pairs[:r]
+            rows = int(head_rows[-1])
+        checks = placement.checks[0]
+        try:
+            data = native.read_pairs(native.pick_endpoint(endpoints),
+                                     np.concatenate((checks, pairs)) if checks.size else pairs,
+                                     rows * lay.row_bytes, out=flat if direct else None)
+        except SegmentUnavailable:
+            self._read_without(address, lay, ids2, flat)
+            return
+        except StalePlacement as exc:  # removed and its space reused: ask the master where it is now
+            self.placements.stale(lay, exc)
+            read_native(native, [Job(self, lay, ids2, flat)])
+            return
+        if not direct and _kernels.scatter_rows_unchecked(_kernels.readonly(np.frombuffer(data, dtype=np.uint8)),
+                                                          _kernels.readonly(inverse), placement.order, 0,
+                                                          lay.row_bytes, flat) >= 0:
+            raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")
+        lay.counters.add(lookups=1, rows=ids2.size, local_rows=placement.memory.heads * ids2.shape[0],
+                         remote_requests=1, remote_rows=rows, remote_bytes=rows * lay.row_bytes)
 
     def _read_lean(self, lay: Layer, lean: "_Lean", ids2: np.ndarray, flat: np.ndarray,
                    unchecked: np.ndarray | None) -> bool:

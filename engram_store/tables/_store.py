@@ -9,17 +9,17 @@ zeros. This class checks arguments and hands the rest to its row source (see :mo
 from __future__ import annotations
 
 import os
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from .. import _fork
-from .._errors import InvalidArgument, InvalidType, NotConnected, describe, is_int
-from ._layout import EngramStoreConfig, Layer, LookupCounters, sort_key
-from ._plan import LookupHandle, read_jobs, start_reads
-from ._source import Job, Source
+from .._errors import InvalidArgument, InvalidType, describe
+from ._layout import EngramStoreConfig, Layer, check_tables, find_layer, layers_of
+from ._plan import Background, LookupHandle, layer_jobs, read_jobs, start_reads
+from ._source import Job
+from ._sources import check_options, source_for, sum_stats, warm_cache
 
 
 class EngramStore:
@@ -54,63 +54,33 @@ class EngramStore:
                  store: Any = None, *, heads: Sequence[int] | None = None, require_manifest: bool = True,
                  row_cache_bytes: int = 0, local_dir: str | os.PathLike | None = None,
                  disk_dir: str | os.PathLike | None = None, threads: int = 1, cache_scope: str = "process"):
-        if cache_scope not in ("process", "host"):
-            raise InvalidArgument(f"cache_scope: expected 'process' or 'host', got {describe(cache_scope)}")
-        if cache_scope == "host" and (disk_dir is None or os.fspath(disk_dir) == ""):
-            raise InvalidArgument("cache_scope: 'host' shares the row cache of disk_dir layers between the host's "
-                                  "processes; pass disk_dir= (or cache_scope='process')")
-        if not is_int(row_cache_bytes) \
-                or row_cache_bytes < 0:
-            raise InvalidArgument(f"row_cache_bytes: expected a byte count >= 0, got {describe(row_cache_bytes)}")
-        if not is_int(threads) or not 1 <= threads <= 256:
-            raise InvalidArgument(f"threads: expected an integer in [1, 256], got {describe(threads)}")
-        if isinstance(layer_id, Mapping):
-            if config is not None:
-                raise InvalidArgument("config: a multi-layer EngramStore takes its configs in the layers mapping; "
-                                      "pass the store as store=")
-            if heads is not None:
-                raise InvalidArgument("heads: head shards are for a single-layer EngramStore")
-            if not layer_id:
-                raise InvalidArgument("layers: expected at least one {layer_id: EngramStoreConfig} entry, got none")
-            layers = [Layer(lid, cfg, None) for lid, cfg in sorted(layer_id.items(), key=lambda kv: sort_key(kv[0]))]
-            self.layer_id: int | None = None
-        else:
-            layers = [Layer(layer_id, EngramStoreConfig() if config is None else config, heads)]
-            self.layer_id = layers[0].layer_id
+        check_options(cache_scope, disk_dir, row_cache_bytes, threads)
+        layers = layers_of(layer_id, config, heads)
+        self.layer_id: int | None = None if isinstance(layer_id, Mapping) else layers[0].layer_id
         self._layers = {layer.layer_id: layer for layer in layers}
         self._only = layers[0] if len(layers) == 1 else None  # the layer methods act on without layer=
         self._store = store
-        self._source = _source_for(store, local_dir, disk_dir, bool(require_manifest), int(row_cache_bytes),
-                                   int(threads), layers, cache_scope)
+        self._source = source_for(store, local_dir, disk_dir, bool(require_manifest), int(row_cache_bytes),
+                                  int(threads), layers, cache_scope)
         for layer in layers:
             self._source.attach(layer)
-        self._lock = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
-        self._closed = False
+        self._pool = Background("this EngramStore",
+                                f"engram-l{self.layer_id}" if self.layer_id is not None else "engram-layers")
         _fork.in_child(self._forked)
 
     def _forked(self) -> None:
         """In a forked child: the parent's background pool has no thread here, and its locks may be held by threads
         the child does not have; the child makes its own on first use (see ``engram_store._fork``)."""
-        _fork.keep(self._executor)
-        self._lock, self._executor = threading.Lock(), None
+        self._pool.forked()
         for layer in self._layers.values():
             layer.forked()
 
     # ---- layers and getters (work without a store) ------------------------------------------------
 
     def _layer(self, layer: int | None) -> Layer:
-        if layer is None:
-            if self._only is not None:
-                return self._only
-            raise InvalidArgument(f"layer: this EngramStore holds layers {self.get_layer_ids()}; name one with "
-                                  "layer=")
-        found = self._layers.get(layer) if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool) \
-            else None
-        if found is None:
-            raise InvalidArgument(f"layer: unknown Engram layer {describe(layer)}; this EngramStore holds "
-                                  f"{self.get_layer_ids()}")
-        return found
+        if layer is None and self._only is not None:
+            return self._only
+        return find_layer(self._layers, layer)
 
     def get_layer_ids(self) -> list[int]:
         return sorted(self._layers)
@@ -165,7 +135,7 @@ class EngramStore:
         buffers may be reused or freed once this returns.
         """
         lay = self._layer(layer)
-        tables = _check_tables(lay, embedding_buffers, streams=self._source.streams)
+        tables = check_tables(lay, embedding_buffers, streams=self._source.streams)
         if not isinstance(replica_num, int) or isinstance(replica_num, bool) or replica_num < 1:
             raise InvalidArgument(f"replica_num: expected an integer >= 1, got {describe(replica_num)}")
         self._source.populate(lay, tables, replica_num)
@@ -177,7 +147,7 @@ class EngramStore:
         Only for an EngramStore without a store, ``local_dir`` or ``disk_dir``, and once per layer.
         """
         lay = self._layer(layer)
-        tables = _check_tables(lay, embedding_buffers, streams=False)
+        tables = check_tables(lay, embedding_buffers, streams=False)
         self._source.bind(lay, tables, keep=list(embedding_buffers))
 
     def verify(self, *, layer: int | None = None) -> list[int]:
@@ -221,37 +191,14 @@ class EngramStore:
         reset) and the same curves for the whole host (``host_cache_hit_rate_by_size``, ...).
         """
         layers = [self._layer(layer)] if layer is not None or len(self._layers) == 1 else list(self._layers.values())
-        total: dict[str, Any] = dict.fromkeys(LookupCounters.FIELDS, 0)
-        for lay in layers:
-            for counts in (lay.counters.snapshot(), self._source.stats(lay, reset)):
-                for name, value in counts.items():
-                    if isinstance(value, list):  # per head: summed head by head
-                        have = total.setdefault(name, [])
-                        have.extend([0] * (len(value) - len(have)))
-                        total[name] = [a + b for a, b in zip(have, value)] + have[len(value):]
-                    else:
-                        total[name] = total.get(name, 0) + value
-            if reset:
-                lay.counters.reset()
-        return self._source.finish_stats(total, layers, reset)
+        return sum_stats(self._source, layers, reset)
 
     def warm_cache(self, profile: Any, *, layer: int | None = None, max_rows: int | None = None) -> int:
         """Pin the most frequent rows of ``profile`` in the row cache of a ``disk_dir`` layer (warm start); returns
         how many were pinned. ``profile``: a path written by ``engram-stats --profile`` (or
         :func:`engram_store.disk.save_profile`), or a loaded ``{layer_id: LayerProfile}``; ``max_rows``: by
         default 2 of each set's 7 ways (the others keep serving recent rows)."""
-        lay = self._layer(layer)
-        warm = getattr(self._source, "warm", None)
-        if warm is None:
-            raise InvalidArgument(f"warm_cache: only layers under disk_dir have a row cache to warm; this store's "
-                                  f"tables are in {self._source.where}")
-        from ..disk import load_profile
-
-        profiles = load_profile(profile) if isinstance(profile, (str, os.PathLike)) else profile
-        if not isinstance(profiles, Mapping) or lay.layer_id not in profiles:
-            raise InvalidArgument(f"profile: expected a profile of layer {lay.layer_id}, got "
-                                  f"{describe(sorted(profiles) if isinstance(profiles, Mapping) else profiles)}")
-        return warm(lay, profiles[lay.layer_id], max_rows)
+        return warm_cache(self._source, self._layer(layer), profile, max_rows)
 
     def local_tables(self, *, layer: int | None = None) -> list[np.ndarray] | None:
         """Each head's table as a read-only ``[N_h, row_bytes]`` uint8 view of this host's memory, in head order, or
@@ -339,39 +286,19 @@ class EngramStore:
         return self._start(jobs, results, background, row_ids)
 
     def _jobs(self, row_ids: Mapping[int, Any], out: Mapping[int, Any] | None) -> tuple[list[Job], dict[int, Any]]:
-        if not isinstance(row_ids, Mapping) or not row_ids:
-            raise InvalidType(f"row_ids: expected a non-empty {{layer_id: [B, L, H] ids}} mapping, "
-                              f"got {describe(row_ids)}")
-        if out is not None and not isinstance(out, Mapping):
-            raise InvalidType(f"out: expected a {{layer_id: buffer}} mapping or None, got {type(out).__name__}")
-        jobs, results = [], {}
-        for layer_id, ids in row_ids.items():
-            job, results[self._layer(layer_id).layer_id] = self._job(
-                ids, out.get(layer_id) if out is not None else None, layer_id)
-            jobs.append(job)
-        return jobs, results
+        return layer_jobs(row_ids, out, self._job, lambda layer_id: self._layer(layer_id).layer_id)
 
     def _start(self, jobs: list[Job], result: Any, background: bool, row_ids: Any) -> LookupHandle:
         return start_reads(jobs, result, row_ids, self._background() if background else None)
 
     def _background(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._closed:
-                raise NotConnected("this EngramStore is closed")
-            if self._executor is None:
-                name = f"engram-l{self.layer_id}" if self.layer_id is not None else "engram-layers"
-                self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix=name)
-            return self._executor
+        return self._pool.executor()
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Wait for background reads, release mapped tables, open files and bound arrays; safe to call twice."""
-        with self._lock:
-            self._closed = True
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True)
+        self._pool.close()
         for lay in self._layers.values():
             self._source.detach(lay)
         self._source.close()
@@ -388,79 +315,6 @@ class EngramStore:
             return (f"EngramStore(layer_id={self.layer_id}, heads={lay.num_heads}, "
                     f"embedding_dim={lay.dim}, store={self._source.where})")
         return f"EngramStore(layers={self.get_layer_ids()}, store={self._source.where})"
-
-
-def _check_tables(lay: Layer, buffers: Sequence[Any], streams: bool) -> list[Any]:
-    n_heads = lay.num_heads
-    if isinstance(buffers, np.ndarray) or not isinstance(buffers, (list, tuple)):
-        raise InvalidType(f"embedding_buffers: expected a list of {n_heads} arrays (one per head), "
-                          f"got {type(buffers).__name__}")
-    if len(buffers) != n_heads:
-        raise InvalidArgument(f"embedding_buffers: expected {n_heads} tables (one per head), got {len(buffers)}")
-    for h, (t, n) in enumerate(zip(buffers, lay.sizes)):
-        if streams and callable(t) and not isinstance(t, np.ndarray):
-            continue  # a fill(start_row, out) function, called as the files are written
-        if not isinstance(t, np.ndarray):
-            raise InvalidType(f"embedding_buffers[{h}]: expected a {lay.row_format} NumPy array, "
-                              f"got {type(t).__name__}")
-        if t.dtype != lay.dtype and not (lay.row_format == "bfloat16" and t.dtype.name == "bfloat16"):
-            raise InvalidType(f"embedding_buffers[{h}]: expected dtype {lay.dtype} (row_format="
-                              f"{lay.row_format!r}), got {t.dtype}")
-        if t.shape != (n, lay.dim):
-            raise InvalidArgument(f"embedding_buffers[{h}]: expected shape ({n}, {lay.dim}) "
-                                  f"(table_vocab_sizes[{h}] rows x embedding_dim), got {t.shape}")
-        if not t.flags.c_contiguous:
-            raise InvalidArgument(f"embedding_buffers[{h}]: expected a C-contiguous array "
-                                  "(use np.ascontiguousarray)")
-    return [t if callable(t) and not isinstance(t, np.ndarray) else t.view(lay.dtype) for t in buffers]
-
-
-def _source_for(store: Any, local_dir: Any, disk_dir: Any, require_manifest: bool, row_cache_bytes: int,
-                threads: int, layers: list[Layer], cache_scope: str = "process") -> Source:
-    """The row source an EngramStore's arguments name (each kind of place for tables is one module)."""
-    local_dir = local_dir if local_dir is not None and os.fspath(local_dir) != "" else None
-    disk_dir = disk_dir if disk_dir is not None and os.fspath(disk_dir) != "" else None
-    if store is not None and (local_dir is not None or disk_dir is not None):
-        name = "local_dir" if local_dir is not None else "disk_dir"
-        raise InvalidArgument(f"{name}: tables are either in a store or under {name}, not both; pass store=None to "
-                              f"use {name}")
-    if local_dir is not None and disk_dir is not None:
-        raise InvalidArgument("disk_dir: tables are either under local_dir (in memory) or under disk_dir (on disk), "
-                              "not both")
-    if disk_dir is not None:
-        from ._source_disk import DiskSource
-
-        return DiskSource(disk_dir, row_cache_bytes, [lay.row_bytes for lay in layers], threads, cache_scope)
-    if local_dir is not None:
-        from ._source_memory import DirSource
-
-        return DirSource(local_dir, threads)
-    if store is None:
-        from ._source_memory import ArraySource
-
-        return ArraySource(threads)
-    native = _native_store(store)
-    if native is not None:
-        from ._source_store import StoreSource
-
-        return StoreSource(native, store, require_manifest, row_cache_bytes, threads)
-    if all(callable(getattr(store, name, None)) for name in
-           ("batch_put_from", "get_into_ranges", "batch_is_exist", "remove", "register_buffer")):
-        from ._source_mooncake import MooncakeSource
-
-        return MooncakeSource(store, require_manifest, threads)
-    raise InvalidType(f"store: expected a DistributedStore, a MooncakeDistributedStore or None, "
-                      f"got {type(store).__name__}")
-
-
-def _native_store(store: Any):
-    """The DistributedStore behind ``store`` (itself, or the one a compat wrapper holds), else None."""
-    from ..client import DistributedStore
-
-    if isinstance(store, DistributedStore):
-        return store
-    inner = getattr(store, "native_store", None)
-    return inner if isinstance(inner, DistributedStore) else None
 
 
 def lookup_many(requests: Sequence[tuple[Any, Any]], *, layers: Sequence[int | None] | None = None,

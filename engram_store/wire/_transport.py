@@ -103,18 +103,7 @@ class RpcServer:
         self._monitor: zmq.Socket | None = None
         self._watch: HandshakeWatch | None = None
         if auth is not None:
-            try:
-                # The authenticator must run before the socket accepts anyone: without a ZAP handler,
-                # libzmq would admit every client that knows the server's public key.
-                self.socket.zap_domain = ensure_authenticator(context, auth).encode()
-                self.socket.curve_server = True
-                self.socket.curve_secretkey = auth.server_secret
-                self._monitor = self.socket.get_monitor_socket(HandshakeWatch.EVENTS)
-                self._monitor.setsockopt(zmq.RCVTIMEO, MONITOR_WAKE_MS)
-            except BaseException:
-                self.socket.close(0)
-                raise
-            self._watch = HandshakeWatch(name)
+            self._serve_curve(context, auth, name)
         bind_host = f"[{host}]" if ":" in host else host
         try:
             if port == 0:
@@ -132,6 +121,21 @@ class RpcServer:
             self._monitor_thread = threading.Thread(target=self._watch_handshakes, daemon=True,
                                                     name=f"engram-{name}-monitor")
             self._monitor_thread.start()
+
+    def _serve_curve(self, context: zmq.Context, auth: AuthKeys, name: str) -> None:
+        """Make the socket a CURVE server behind the authenticator, with a monitor that hears refused handshakes."""
+        try:
+            # The authenticator must run before the socket accepts anyone: without a ZAP handler,
+            # libzmq would admit every client that knows the server's public key.
+            self.socket.zap_domain = ensure_authenticator(context, auth).encode()
+            self.socket.curve_server = True
+            self.socket.curve_secretkey = auth.server_secret
+            self._monitor = self.socket.get_monitor_socket(HandshakeWatch.EVENTS)
+            self._monitor.setsockopt(zmq.RCVTIMEO, MONITOR_WAKE_MS)
+        except BaseException:
+            self.socket.close(0)
+            raise
+        self._watch = HandshakeWatch(name)
 
     @property
     def address(self) -> str:
