@@ -46,7 +46,7 @@ from _common import Stats, default_json_path, fmt, print_table, write_json
 
 from engram_store import EngramStore, EngramStoreConfig
 from engram_store import kernels as ground
-from engram_store._units import parse_size
+from engram_store.units import parse_size
 from engram_store.disk import DiskDir, DiskLayer, IOEngine, RowCache, read_many
 from engram_store.disk import _kernels as dk
 from engram_store.disk._files import aligned_empty, open_direct

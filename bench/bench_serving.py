@@ -47,7 +47,7 @@ from _common import default_json_path, print_table, write_json
 
 import corpus as corpus_mod
 from engram_store import EngramStore, EngramStoreConfig
-from engram_store._units import parse_size
+from engram_store.units import parse_size
 from engram_store.disk import DiskDir
 
 LAYER_IDS = (1, 14)
