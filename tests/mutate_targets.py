@@ -206,6 +206,21 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "a first pair at offset 0 is a range, and every range's offset is >= 0: both branches sum the same lengths",
     ("engram_store/client/_reads.py", "with_checks", "not named", "False"):
         "every request names the objects of its items, at least one: the guard only spares an empty zip",
+    ("engram_store/client/_reads.py", "ReadPath._read_remote", "0", "1", "batch, offs, lens, total, named = [], [], [], 0, set()"):
+        "a request split a little sooner or later, still within the reply limit: the same bytes land (speed only)",
+    ("engram_store/client/_reads.py", "ReadPath._read_remote", "batch and total + nbytes > CHUNK_BYTES", "batch or total + nbytes > CHUNK_BYTES"):
+        "one request per item: more requests, the same bytes (speed only)",
+    ("engram_store/client/_reads.py", "ReadPath._read_remote", "batch and total + nbytes > CHUNK_BYTES", "batch"):
+        "one request per item: more requests, the same bytes (speed only)",
+    ("engram_store/client/_reads.py", "ReadPath._read_remote", "total + nbytes > CHUNK_BYTES", "total + nbytes >= CHUNK_BYTES"):
+        "a request split a little sooner or later, still within the reply limit: the same bytes land (speed only)",
+    ("engram_store/client/_reads.py", "ReadPath._read_remote", "len(items) == 1 and lens.size == 1", "lens.size == 1"):
+        "each item has at least one range: a request of one range is a request of one item",
+    ("engram_store/client/_reads.py", "ReadPath._read_remote", "len(items) == 1", "len(items) != 1"):
+        "each item has at least one range: a request of one range has one item, so the fast path is never taken "
+        "and the reply is scattered into the same place (speed only)",
+    ("engram_store/client/_reads.py", "ReadPath._read_remote", "out is not None", "False"):
+        "a reply read in place is scattered onto itself: the same bytes (speed only)",
     # read planning
     ("engram_store/kernels/_planning.py", "_plan_unique_rows", "8", "9",
      "counts = np.empty((1 << (8 if M < 2048 else 11)) + 1, dtype=np.int64)"):

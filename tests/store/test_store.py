@@ -108,7 +108,7 @@ def test_remote_reads_split_at_the_reply_limit_land_where_numpy_slicing_puts_the
     from engram_store.client import _reads
 
     monkeypatch.setattr(_reads, "CHUNK_BYTES", 10_000)
-    sizes = [1, 5_000, 4_999, 10_000, 10_001, 23_456, 3, 7_000]
+    sizes = [23_456, 10_001, 1, 5_000, 4_999, 10_000, 3, 7_000]  # each segment's first past the limit
     keys = [fresh_key("split") for _ in sizes]
     objects = [np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8) for i, n in enumerate(sizes)]
     with DistributedStore.connect(shared_cluster.address, timeout_ms=10_000, local_direct=False,
