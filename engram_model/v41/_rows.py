@@ -40,7 +40,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -48,6 +48,7 @@ import numpy as np
 from engram_store import EngramStore, LookupHandle
 from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
 from engram_store.buffers import host_array
+from engram_store.pools import SharedPool, split
 
 from . import _rows_kernels as _k
 from ._config import V41Config
@@ -102,7 +103,7 @@ class V41Rows:
         self._staging = np.empty(0, dtype=np.uint8)
         self._staging_lock = threading.Lock()
         self._lock = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
+        self._background = SharedPool(f"v41-rows-l{self.layer_id}")  # one thread, made on first use
         self._span_of: list | None = None  # the local_tables() list the span was built over (kept referenced)
         self._span: tuple[np.ndarray, np.ndarray] | None = None
         self._covered: set[tuple[int, int]] = set()  # (head_start, part) windows whose columns the table holds
@@ -124,10 +125,7 @@ class V41Rows:
         if not background:
             self._run(call)
             return call.result
-        with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"v41-rows-l{self.layer_id}")
-            future: Future = self._executor.submit(self._run, call)
+        future: Future = self._background.get(1).submit(self._run, call)
         return RowsHandle(future, ids)
 
     def _check(self, ids: Any, out: Any, scales_out: Any, head_start: Any, copy_ids: bool) -> _Call:
@@ -229,16 +227,10 @@ class V41Rows:
 
     def _split_range(self, n: int, work, rows_per_item: int = 1) -> None:
         """Run ``work(lo, hi)`` over ``range(n)``, split over the threads when the gather is large."""
-        threads = self.threads if n * rows_per_item >= THREADED_MIN_ROWS else 1
-        if threads == 1:
+        if self.threads == 1 or n * rows_per_item < THREADED_MIN_ROWS:  # a decode step: no part for a pool
             work(0, n)
-            return
-        step = -(-n // threads)
-        pool = _pool(threads - 1)
-        parts = [pool.submit(work, lo, min(n, lo + step)) for lo in range(step, n, step)]
-        work(0, min(n, step))
-        for part in parts:
-            part.result()
+        else:
+            split(work, n, self.threads, _POOL)
 
     def _staged(self, call: _Call) -> None:
         """Read the rows with the table's lookup_into (remote segments, disk), then lay them out."""
@@ -277,10 +269,7 @@ class V41Rows:
 
     def close(self) -> None:
         """Wait for background gathers and stop their thread (the table stays open: it is the caller's)."""
-        with self._lock:
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True)
+        self._background.close()
 
     def __enter__(self) -> "V41Rows":
         return self
@@ -342,22 +331,8 @@ def _span(tables: list[np.ndarray], heads: list[int], cols: int) -> tuple[np.nda
     return span, base
 
 
-_POOL_LOCK = threading.Lock()
-_POOL: ThreadPoolExecutor | None = None
-_POOL_SIZE = 0
-
-
-def _pool(workers: int) -> ThreadPoolExecutor:
-    """A process-wide pool for split gathers, grown to the largest ``threads`` asked for."""
-    global _POOL, _POOL_SIZE
-    with _POOL_LOCK:
-        if _POOL is None or _POOL_SIZE < workers:
-            old = _POOL
-            _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="v41-rows")
-            _POOL_SIZE = workers
-            if old is not None:
-                old.shutdown(wait=False)
-        return _POOL
+#: The split gathers' threads, one pool per process.
+_POOL = SharedPool("v41-rows")
 
 
 def warm_kernels() -> None:

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import xxhash
 import zmq
 
-from .. import _fork
 from .._errors import (
     EngramError,
     InvalidArgument,
@@ -33,6 +31,7 @@ from .._errors import (
     error_from_reply,
     is_int,
 )
+from ..pools import SharedPool
 from ..segment import pwrite_all
 from ..wire import wait_all
 from ._objects import as_bytes_view, check_key
@@ -110,7 +109,7 @@ class WritePath:
                 if not result.get("ok"):
                     raise error_from_reply(result.get("code"), result.get("message"))
             if sum(v.nbytes for v in views) >= CHECKSUM_THREAD_BYTES:  # computed while the bytes go out
-                checksums = _checksum_pool().submit(_checksums, views)
+                checksums = _CHECKSUM_POOL.get(1).submit(_checksums, views)
             remote, direct = self._plan_writes(views, results, writes)
             done = self._write_direct(direct, writes, progress)
             self._run_writes(remote, progress, done, writes)
@@ -402,26 +401,8 @@ class _Writes:
                               "published")
 
 
-_CHECKSUM_POOL: ThreadPoolExecutor | None = None
-_CHECKSUM_POOL_LOCK = threading.Lock()
-
-
-def _forget_checksum_pool() -> None:
-    """In a forked child: the parent's pool has no thread here; the child makes its own on first use."""
-    global _CHECKSUM_POOL, _CHECKSUM_POOL_LOCK
-    _fork.keep(_CHECKSUM_POOL)
-    _CHECKSUM_POOL, _CHECKSUM_POOL_LOCK = None, threading.Lock()
-
-
-_fork.in_child(_forget_checksum_pool)
-
-
-def _checksum_pool() -> ThreadPoolExecutor:
-    global _CHECKSUM_POOL
-    with _CHECKSUM_POOL_LOCK:
-        if _CHECKSUM_POOL is None:
-            _CHECKSUM_POOL = ThreadPoolExecutor(1, thread_name_prefix="engram-checksum")
-        return _CHECKSUM_POOL
+#: Checksums computed while a put's bytes go out: one thread per process.
+_CHECKSUM_POOL = SharedPool("engram-checksum")
 
 
 def _checksums(views: Sequence[np.ndarray]) -> list[str]:

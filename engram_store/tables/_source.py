@@ -14,17 +14,15 @@ A new place for tables is a new subclass in a module of its own.
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from .. import _fork
 from .. import kernels as _kernels
 from .._errors import InvalidArgument, NotConnected, StoreError
 from .._progress import Progress
+from ..pools import SharedPool, split
 from ._layout import Layer
 
 #: A local gather of at least this many rows is split over the store's ``threads``.
@@ -178,16 +176,11 @@ def gather(lay: Layer, memory: InMemory, ids2: np.ndarray, flat: np.ndarray, thr
     for source in memory.sources:
         if flat.ctypes.data % (1 << source.shift):  # a caller's buffer aligned to fewer bytes
             source = _kernels.narrower(source, _kernels.word_shift(flat.ctypes.data))
-        if threads == 1:
+        if threads == 1:  # a decode step: no part for a pool
             bad = _kernels.gather_rows(source, ids2, flat)
         else:
-            step = -(-M // threads)
-            pool = _gather_pool(threads - 1)
-            parts = [pool.submit(_kernels.gather_rows, source, ids2, flat, lo, min(M, lo + step))
-                     for lo in range(step, M, step)]
-            bad = _kernels.gather_rows(source, ids2, flat, 0, min(M, step))
-            for part in parts:
-                bad = max(bad, part.result())
+            bad = max(split(lambda lo, hi: _kernels.gather_rows(source, ids2, flat, lo, hi), M, threads,
+                            _GATHER_POOL))
         if bad >= 0:
             raise StoreError(f"layer {lay.layer_id}: a row lies outside its mapped tables; the stored layer "
                              "does not match this configuration")
@@ -199,29 +192,4 @@ def progress(lay: Layer, tables: Sequence[Any]) -> Progress:
     return Progress(total, f"populate layer {lay.layer_id}", enabled=None if total > PROGRESS_MIN_BYTES else False)
 
 
-_POOL_LOCK = threading.Lock()
-_POOL: ThreadPoolExecutor | None = None
-_POOL_SIZE = 0
-
-
-def _forget_gather_pool() -> None:
-    """In a forked child: the parent's pool has no thread here; the child makes its own on first use."""
-    global _POOL, _POOL_SIZE, _POOL_LOCK
-    _fork.keep(_POOL)
-    _POOL, _POOL_SIZE, _POOL_LOCK = None, 0, threading.Lock()
-
-
-_fork.in_child(_forget_gather_pool)
-
-
-def _gather_pool(workers: int) -> ThreadPoolExecutor:
-    """A process-wide pool for split local gathers, grown to the largest ``threads`` asked for."""
-    global _POOL, _POOL_SIZE
-    with _POOL_LOCK:
-        if _POOL is None or _POOL_SIZE < workers:
-            old = _POOL
-            _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="engram-gather")
-            _POOL_SIZE = workers
-            if old is not None:
-                old.shutdown(wait=False)
-        return _POOL
+_GATHER_POOL = SharedPool("engram-gather")

@@ -13,8 +13,11 @@ The oracles are NumPy transcriptions of the engines' released code, written here
 """
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import ml_dtypes
 import numpy as np
@@ -181,6 +184,38 @@ def test_large_gathers_split_over_threads_give_the_same_rows():
         many.gather_into(ids, b)
     np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(a, vllm_lookup(ROWS, ids, 0, COLS, False))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_after_a_threaded_gather_gathers_with_threads_of_its_own():
+    """A data loader's worker forked from a process whose V41Rows gathered on threads and in the background: the
+    child's copies of those pools have no threads, so a gather handed to one would never end; the child makes
+    pools of its own."""
+    ids = hasher_ids(np.random.default_rng(5), 3000)
+    with EngramStore(LAYER, v41_store_config(CFG, LAYER), None) as es:
+        es.bind_local(COLUMNS)
+        rows = V41Rows(es, CFG, LAYER, threads=3)
+        out = np.empty((3000, COLS, CFG.head_dim), np.uint16)
+        rows.gather_into(ids, out)  # the pools' threads start here, in the parent
+        rows.gather_into(ids, np.empty_like(out), background=True).wait()
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if its gathers end with the same rows
+            try:
+                again, later = np.zeros_like(out), np.zeros_like(out)
+                rows.gather_into(ids, again)
+                rows.gather_into(ids, later, background=True).wait()
+                os._exit(0 if np.array_equal(again, out) and np.array_equal(later, out) else 1)
+            finally:
+                os._exit(2)
+        deadline = time.monotonic() + 30
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's threaded gather never ended")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
 # ---- every table kind ------------------------------------------------------------------------------------
