@@ -110,24 +110,6 @@ def test_lost_objects_are_journalled_and_restored_by_a_segment_that_still_holds_
     assert not restored.lost
 
 
-def test_a_lost_object_verified_while_a_put_of_its_key_is_written_is_restored_and_the_put_fenced():
-    """The lost object's segment comes back with its bytes while another put of the key is still being written:
-    the acknowledged object is restored, the put in progress fenced (it never replaces it)."""
-    state = MasterState(clock=Clock())
-    _registered(state, "s1", "s2")
-    state.put_start("k", 100, 1)
-    state.put_end("k", "cc")
-    sid = state.objects["k"].replicas[0].segment_id
-    state.drop_segment(sid, "missed heartbeats")
-    state.put_start("k", 100, 1)  # a new write of the key, on the other segment, still in progress
-    writing = state.objects["k"].put_id
-    state.register_segment(sid, "127.0.0.1:9", 4096, "", "h", write_key=b"z" * 32, registration="again")
-    assert [c[0] for c in state.verification_candidates(sid)] == ["k"]
-    assert state.offer_verified(sid, "again", ["k"]) == 1
-    assert state.get("k").replicas[0].segment_id == sid and state.get("k").checksum == "cc"
-    assert not state.lost and writing in state.fencing
-
-
 def test_a_lost_object_whose_bytes_do_not_verify_stays_lost_and_its_space_is_freed():
     state = MasterState(clock=Clock())
     _registered(state, "s1")
