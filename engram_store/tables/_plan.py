@@ -162,13 +162,28 @@ def _read_round(native: Any, jobs: list[Job], failed: set[str]) -> None:
                                  **counts.get(id(flat), {}))
         if not retry:
             return
+        stale = STALE in bad or any(job.layer.state.stale is not None for job in retry)
         bad.discard(STALE)
         failed |= bad
-        log.warning("layers %s: segment(s) %s failed; retrying on other replicas",
-                    sorted({job.layer.layer_id for job in retry}), sorted(bad))
+        log.warning("layers %s: %s; retrying", sorted({job.layer.layer_id for job in retry}),
+                    "; ".join(([f"segment(s) {sorted(bad)} failed"] if bad else [])
+                              + (["a segment refused the placement as stale"] if stale else [])))
         pending = retry
-    raise SegmentUnavailable(f"layers {sorted({job.layer.layer_id for job in pending})}: no live replica answered "
-                             f"for some heads (failed: {', '.join(sorted(failed))})")
+    raise _exhausted(pending, failed)
+
+
+def _exhausted(pending: list[Job], failed: set[str]) -> StoreError:
+    """The error of a round whose jobs still failed after every failover: StalePlacement where each replica tried
+    last refused its layer's placement as stale (the master kept naming objects its segments had removed or written
+    over), SegmentUnavailable otherwise."""
+    layers = sorted({job.layer.layer_id for job in pending})
+    stale = [job.layer.state.stale for job in pending if job.layer.state.stale is not None]
+    if len(stale) == len(pending):
+        return StalePlacement(f"layers {layers}: every replica refused the master's placement as stale "
+                              f"{FAILOVER_ROUNDS + 1} times, the last: {stale[0]}")
+    also = f"; and some were refused as stale: {stale[0]}" if stale else ""
+    return SegmentUnavailable(f"layers {layers}: no live replica answered for some heads "
+                              f"(failed: {', '.join(sorted(failed)) or 'none'}){also}")
 
 
 def reads_direct(placement: Placement, ids2: np.ndarray) -> bool:

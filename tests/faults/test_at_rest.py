@@ -161,3 +161,29 @@ def test_the_master_drops_damaged_replicas_and_a_restart_from_its_journal_keeps_
     restored.replay(journal)
     assert set(restored.objects) == {"pair"} and list(restored.lost) == ["solo"]
     assert restored.objects["pair"].replicas == state.objects["pair"].replicas
+
+
+def test_a_layer_every_segment_disowns_while_the_master_still_places_it_is_a_stale_placement():
+    """The segments heard of a remove the master does not know (as after a journal that lost its last records, with
+    the master still up): every remote read of the master's placement is refused, each failover asks the master
+    again and gets the same answer. The lookup names the stale placement, not a segment that did not answer.
+    (A local-direct reader trusts a fresh answer of the master: the bytes are the layer's until the master reuses
+    them.)"""
+    from engram_store.wire import Connection
+
+    tables = _tables(4)
+    ids = _ids(4)
+    with Cluster(segments=2, segment_size="8MiB", heartbeat_timeout_s=30.0) as c:
+        with DistributedStore.connect(c.address, timeout_ms=3000, local_direct=False) as store:
+            layer = EngramStore(5, CONFIG, store)
+            layer.populate(tables, replica_num=2)
+            np.testing.assert_array_equal(layer.lookup(ids), expected_rows(tables, ids))
+            for info in store.locate(layer.get_store_keys(), lease=False):
+                for replica in info.replicas:
+                    Connection(replica.address).call("catalog_drop", {"objects": [
+                        [info.key, replica.offset, replica.generation]]})
+            with pytest.raises(StalePlacement, match=r"layers \[5\]: every replica refused the master's placement "
+                                                     r"as stale 3 times, the last: .*no longer there: it was removed"):
+                EngramStore(5, CONFIG, store).lookup(ids)
+            with pytest.raises(StalePlacement):
+                layer.lookup(ids)
