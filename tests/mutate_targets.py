@@ -89,6 +89,12 @@ HAND = [
 #: Mutants that change nothing a caller can observe: ``(path, function, old, new) -> why``, or with the code of the
 #: line the change is on (no indentation, no comment) as a fifth item where the same change occurs twice in a
 #: function. Not run.
+#: Why a plan's first row of a head never continues a range: rows are never negative (lookups refuse other ids
+#: before they plan: first_bad_row), so the sentinel before a head's first row (-2) is no row's predecessor.
+NON_NEGATIVE_ROWS = ("a head's first row starts a range whatever the guard: the sentinel before it (-2, or -3) is no "
+                     "non-negative row's predecessor, and lookups refuse negative ids before they plan")
+CONTINUES = "r >= 0 and range_head[r] == j and row == prev + 1"  # _rows_to_ranges: the row continues the range
+
 EQUIVALENT: dict[tuple[str, ...], str] = {
     # the master's replay
     ("master/_replay.py", "Replay._quarantine_replayed", "self.reuse_delay_s <= 0", "False"):
@@ -171,6 +177,17 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     **{("engram_store/kernels/_planning.py", function, "o < 0 or n < 0 or o > limit or n > limit - o",
         "o < 0 or n < 0 or n > limit - o"): "redundant (see the comment beside it): n >= 0 > limit - o then"
        for function in ("_check_ranges", "_pairs_total")},
+    **{("engram_store/kernels/_planning.py", function, old, new):
+       "scratch room: the sort indexes counts by its own digit width (8 or 11 bits); a larger array's extra counts "
+       "stay 0" for function in ("_plan_unique_rows", "_plan_reads") for old, new in (("8", "9"), ("11", "12"))},
+    **{("engram_store/kernels/_planning.py", function, old, new): NON_NEGATIVE_ROWS for function, old, new in (
+        ("_rows_to_ranges", "2", "3"),
+        ("_rows_to_ranges", CONTINUES, "range_head[r] == j and row == prev + 1"),
+        ("_rows_to_ranges", CONTINUES, "r >= 0 and row == prev + 1"),
+        ("_plan_reads", "2", "3"),
+        ("_plan_reads", "i == 0 or v != last", "v != last"),
+        ("_plan_reads", "r > first and v == last + 1", "v == last + 1"),
+        ("_plan_reads", "r > first", "r >= first"))},
     ("engram_store/kernels/_planning.py", "_pairs_total", "0", "1", "return i, 0"):
         "the total of a refused read is never read",
     ("engram_store/kernels/_planning.py", "plan_pieces", "1", "2", "sizes = np.empty(max(most, 1), dtype=np.int64)"):

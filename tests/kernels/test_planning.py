@@ -12,6 +12,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from engram_store import InvalidArgument, InvalidType
 from engram_store import kernels as k
 from engram_store.kernels._sort import _sort_positions
 
@@ -90,6 +91,37 @@ def test_a_plan_never_merges_two_heads_whose_rows_meet():
     offsets, lengths, heads = k.rows_to_ranges(np.array([3, 4, 5, 6], np.int64), np.array([0, 2, 4], np.int64),
                                                np.array([0, 0], np.int64), 8)
     assert offsets.tolist() == [24, 40] and lengths.tolist() == [16, 16] and heads.tolist() == [0, 1]
+
+
+def test_plan_reads_names_each_argument_it_refuses():
+    ids = np.zeros((2, 3), np.int64)
+    order, base = np.array([0, 2], np.int64), np.array([0, 64], np.int64)
+    with pytest.raises(InvalidType, match=r"ids: expected a 2-D int64 array \[M, H\], got int32"):
+        k.plan_reads(ids.astype(np.int32), order, base, 8)
+    for bad in ([0, 3], [2, 2], [-1]):
+        with pytest.raises(InvalidArgument, match=r"order: expected distinct head indices in \[0, 3\)"):
+            k.plan_reads(ids, np.array(bad, np.int64), base[:len(bad)], 8)
+    with pytest.raises(InvalidArgument, match="base_offsets: expected 2 entries .one per listed head., got 1"):
+        k.plan_reads(ids, order, base[:1], 8)
+    for row_bytes in (0, -8):
+        with pytest.raises(InvalidArgument, match=f"row_bytes: expected a positive byte count, got {row_bytes}"):
+            k.plan_reads(ids, order, base, row_bytes)
+    # checked=True is the caller's word that all of this holds: the same plan, with no check made.
+    np.testing.assert_array_equal(k.plan_reads(ids, order, base, 8, checked=True).pairs, [[0, 8], [64, 8]])
+
+
+@pytest.mark.parametrize("H", [1, 3])
+def test_an_empty_batch_plans_no_reads(H):
+    """No positions (a batch of no tokens): every plan is empty, and the sort reads nothing of its empty column."""
+    ids = np.zeros((0, H), np.int64)
+    order, base = np.arange(H, dtype=np.int64)[::-1].copy(), np.zeros(H, np.int64)
+    plan = k.plan_reads(ids, order, base, 8)
+    assert plan.pairs.shape == (0, 2) and plan.inverse.shape == (0, H)
+    assert plan.head_rows.tolist() == plan.head_ranges.tolist() == [0] * (H + 1)
+    uniq, starts, inverse = k.plan_unique_rows(ids, order)
+    assert uniq.size == 0 and starts.tolist() == [0] * (H + 1) and inverse.shape == (0, H)
+    empty = np.empty(0, np.int64)
+    assert _sort_positions(empty, empty.copy(), empty.copy(), np.empty(257, np.int64)).size == 0
 
 
 @pytest.mark.parametrize("M", [1, 2, 63, 64, 65, 2047, 2048, 2049])
