@@ -86,15 +86,15 @@ HAND = [
      "a write runs past its ticket's range"),
 ]
 
-#: Mutants that change nothing a caller can observe: ``(path, function, old, new) -> why``, or with the code of the
-#: line the change is on (no indentation, no comment) as a fifth item where the same change occurs twice in a
-#: function. Not run.
 #: Why a plan's first row of a head never continues a range: rows are never negative (lookups refuse other ids
 #: before they plan: first_bad_row), so the sentinel before a head's first row (-2) is no row's predecessor.
 NON_NEGATIVE_ROWS = ("a head's first row starts a range whatever the guard: the sentinel before it (-2, or -3) is no "
                      "non-negative row's predecessor, and lookups refuse negative ids before they plan")
 CONTINUES = "r >= 0 and range_head[r] == j and row == prev + 1"  # _rows_to_ranges: the row continues the range
 
+#: Mutants that change nothing a caller can observe: ``(path, function, old, new) -> why``, or with the code of the
+#: line the change is on (no indentation, no comment) as a fifth item where the same change occurs twice in a
+#: function. Not run.
 EQUIVALENT: dict[tuple[str, ...], str] = {
     # the master's replay
     ("master/_replay.py", "Replay._quarantine_replayed", "self.reuse_delay_s <= 0", "False"):
@@ -188,6 +188,28 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         ("_plan_reads", "i == 0 or v != last", "v != last"),
         ("_plan_reads", "r > first and v == last + 1", "v == last + 1"),
         ("_plan_reads", "r > first", "r >= first"))},
+    ("engram_store/kernels/raw_io.py", "_direct_request", "2", "3", "return -2"):
+        "read_direct_unchecked answers NO_ROOM for -1 and BAD_ID for any other negative count",
+    ("engram_store/kernels/raw_io.py", "direct_read_plan", "1", "2",
+     "checks = np.ascontiguousarray(checks, dtype=np.int64).reshape(-1, 2)"):
+        "NumPy's reshape takes any negative size as the one size it works out",
+    ("engram_store/kernels/raw_io.py", "direct_read_plan", "1", "2",
+     "return np.concatenate(([order.size, checks.shape[0]], order, bases, limits, "
+     "checks.reshape(-1))).astype(np.int64)"):
+        "NumPy's reshape takes any negative size as the one size it works out",
+    # the disk tier's read planning
+    **{("engram_store/disk/_kernels.py", "_probe_all", f"_prefetch({a})", "pass"):
+       "a prefetch is a hint: it changes when bytes reach the CPU's cache, never which bytes are read"
+       for a in ("meta, base", "rows, at")},
+    ("engram_store/disk/_kernels.py", "_first_bad", "False", "True"):
+        "every position of the row is then compared one by one, and only one outside its head is returned",
+    ("engram_store/disk/_kernels.py", "_first_bad", "1", "2"): "_plan_read and its callers take any negative as none",
+    ("engram_store/disk/_kernels.py", "_plan_read", "size < 2 * K", "size <= 2 * K"):
+        "a larger block table: still a power of two with a free slot for every block",
+    ("engram_store/disk/_kernels.py", "_plan_read", "20", "21"):
+        "where the probe for a block starts: from any slot it finds the block or a free slot",
+    ("engram_store/disk/_kernels.py", "_plan_read", "np.uint64(s) + np.uint64(1)", "np.uint64(s) - np.uint64(1)"):
+        "probing down the table visits every slot as probing up does",
     ("engram_store/kernels/_planning.py", "_pairs_total", "0", "1", "return i, 0"):
         "the total of a refused read is never read",
     ("engram_store/kernels/_planning.py", "plan_pieces", "1", "2", "sizes = np.empty(max(most, 1), dtype=np.int64)"):

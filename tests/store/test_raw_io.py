@@ -168,6 +168,23 @@ def test_a_lookup_read_times_out_on_a_silent_peer_and_refuses_a_request_too_larg
     assert status == rio.NO_ROOM and request == b""
 
 
+@pytest.mark.parametrize("checks", [0, 2])
+def test_a_buffer_with_room_for_exactly_the_request_reads_and_one_word_less_sends_nothing(checks):
+    """client_buffer(direct_request_bytes(...)) is what a channel allocates for its largest read: that read must go
+    out, and a buffer a word short of it must answer NO_ROOM before a byte does."""
+    ids = np.arange(6, dtype=np.int64).reshape(3, 2)
+    named = check_pairs_for(np.arange(checks) * 64, np.full(checks, 64), np.arange(1, checks + 1))
+    plan = direct_read_plan(np.array([1, 0]), np.array([0, 4096]), named)
+    exact = rio.direct_request_bytes(ids, plan)
+    assert exact == rio.HEADER_BYTES + 16 * (len(named) + ids.size)
+    rows = bytes(range(ids.size * 8))
+    status, out, request = _client(ids, plan, 8, lambda r: WORDS.pack(OK, 9, len(rows)) + rows, True,
+                                   request_bytes=exact)
+    assert status == rio.OK and len(request) == exact and out.tobytes() == rows
+    status, _, request = _client(ids, plan, 8, lambda r: b"", True, request_bytes=exact - 8)
+    assert status == rio.NO_ROOM and request == b""
+
+
 def test_a_signal_ends_a_lookup_read_so_its_handler_runs_at_once():
     """A read stuck on a silent segment returns INTERRUPTED when the thread gets a signal (Ctrl-C ends a lookup at
     once instead of after the timeout); the channel then closes the connection and reads the general way."""
