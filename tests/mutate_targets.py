@@ -197,6 +197,24 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
      "return np.concatenate(([order.size, checks.shape[0]], order, bases, limits, "
      "checks.reshape(-1))).astype(np.int64)"):
         "NumPy's reshape takes any negative size as the one size it works out",
+    # the hot-row cache's kernels
+    ("engram_store/disk/_cache_kernels.py", "_find", "1", "2", "empty = -1"):
+        "callers take any negative as no empty way",
+    ("engram_store/disk/_cache_kernels.py", "_find", "1", "2", "return -1, empty"):
+        "callers take any negative as not found",
+    ("engram_store/disk/_cache_kernels.py", "_clock_victim", "1", "2", "return -1"):
+        "callers take any negative as no victim",
+    ("engram_store/disk/_cache_kernels.py", "_clock_victim", "pins == REF_MASK", "False"):
+        "redundant (see the comment beside it): pin() leaves a way of every set unpinned",
+    ("engram_store/disk/_cache_kernels.py", "_clock_victim", "2 * WAYS + 1", "2 * WAYS"):
+        "the longest sweep (one unpinned way, marked used, just behind the hand) stops on its 2 * WAYS-th step",
+    ("engram_store/disk/_cache_kernels.py", "_cache_pin", "way < 0", "False", "if way < 0:"):
+        "redundant (see the comment beside it): fewer than max_pinned <= WAYS - 1 ways are pinned here, so CLOCK "
+        "finds a victim",
+    ("engram_store/disk/_cache_kernels.py", "_replace",
+     "memcpy(rows, (s * WAYS + way) * slot_bytes, src, src_at, row_bytes // 2)", "pass"):
+        "a test hook's half row: the set is left busy either way, so no reader serves the way and the repair "
+        "empties it",
     # the disk tier's read planning
     **{("engram_store/disk/_kernels.py", "_probe_all", f"_prefetch({a})", "pass"):
        "a prefetch is a hint: it changes when bytes reach the CPU's cache, never which bytes are read"

@@ -77,7 +77,7 @@ def _find(meta, base, key):
 def _clock_victim(meta, hands, s, base):
     """The way CLOCK evicts in set ``s`` (clearing the reference bits it passes), or -1 if every way is pinned."""
     pins = (meta[base] >> PIN_SHIFT) & REF_MASK
-    if pins == REF_MASK:
+    if pins == REF_MASK:  # redundant while pins come from RowCache.pin, which leaves a way of each set unpinned
         return -1
     hand = np.int64(hands[s])
     for _ in range(2 * WAYS + 1):
@@ -167,7 +167,7 @@ def _cache_pin(meta, hands, rows, slot_bytes, keys, src, row_bytes, max_pinned, 
             continue
         if way < 0:
             way = empty if empty >= 0 else _clock_victim(meta, hands, s, base)
-            if way < 0:
+            if way < 0:  # redundant: fewer than max_pinned <= WAYS - 1 ways are pinned, so CLOCK finds a victim
                 continue
             _replace(meta, rows, slot_bytes, s, way, key, src, i * row_bytes, row_bytes, journal, False)
         atomic_or(meta, base, np.int64(1) << (PIN_SHIFT + way))

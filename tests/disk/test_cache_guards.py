@@ -136,3 +136,21 @@ def test_a_host_cache_hands_out_tags_and_fills_only_under_its_lock(tmp_path):
             assert cache.fill(keys + 10, keys, _rows(keys + 10).reshape(-1)) == 0
         stats = cache.stats()
         assert (stats["fills"], stats["inserted"], stats["fills_skipped"]) == (1, 10, 1)
+
+
+def test_pin_pins_up_to_its_limit_a_set_and_pins_a_row_already_cached_in_place():
+    """``pin(max_ways=n)`` leaves exactly n pinned ways in a set (not fewer), pins a row the set already holds
+    where it is (in way 0 too: one copy of a key a set), and skips a row pinned already."""
+    cache = RowCache(ONE_SET, ROW, "always")
+    assert _fill(cache, [40]) == 1 and int(cache.meta[1]) == 40  # cached, unpinned, in way 0
+    assert cache.pin(np.array([40, 41, 40], np.int64), _rows([40, 41, 40]).reshape(-1), max_ways=3) == 2
+    keys = cache.meta[1:8].tolist()
+    assert keys.count(40) == 1 and keys.count(41) == 1 and keys.index(40) == 0, keys
+    assert cache.pinned() == 2
+    assert cache.pin(np.array([42, 43], np.int64), _rows([42, 43]).reshape(-1), max_ways=3) == 1
+    assert cache.pinned() == 3 and 43 not in cache.meta[1:8]
+    pins = (int(cache.meta[0]) >> dk.PIN_SHIFT) & dk.REF_MASK
+    assert sorted(key for way, key in enumerate(cache.meta[1:8].tolist()) if pins >> way & 1) == [40, 41, 42]
+    hit, rows = _probe(cache, [40, 41, 42])
+    assert hit.all()
+    np.testing.assert_array_equal(rows, _rows([40, 41, 42]))
