@@ -154,3 +154,15 @@ def test_pin_pins_up_to_its_limit_a_set_and_pins_a_row_already_cached_in_place()
     hit, rows = _probe(cache, [40, 41, 42])
     assert hit.all()
     np.testing.assert_array_equal(rows, _rows([40, 41, 42]))
+
+
+def test_pin_of_a_row_cached_in_way_0_pins_it_there_whatever_the_clock_hand_points_at():
+    """A row CLOCK placed in way 0 (the hand has moved on since) is pinned where it is: no second copy of it takes
+    the way the hand points at, and the row held there stays."""
+    cache = RowCache(ONE_SET, ROW, "always")
+    assert _fill(cache, range(7)) == 7 and _fill(cache, [7]) == 1  # the eighth evicts way 0; the hand moves on
+    assert int(cache.meta[1]) == 7 and int(cache.hands[0]) == 1
+    held = cache.meta[1:8].tolist()
+    assert cache.pin(np.array([7], np.int64), _rows([7]).reshape(-1), max_ways=1) == 1
+    assert cache.meta[1:8].tolist() == held and cache.pinned() == 1
+    assert (int(cache.meta[0]) >> dk.PIN_SHIFT) & dk.REF_MASK == 1
