@@ -197,6 +197,14 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
      "return np.concatenate(([order.size, checks.shape[0]], order, bases, limits, "
      "checks.reshape(-1))).astype(np.int64)"):
         "NumPy's reshape takes any negative size as the one size it works out",
+    # the host's hot-row cache
+    ("engram_store/disk/_host_cache.py", "HostRowCache.new_tag", "1", "2",
+     "reg = self._header[H_REGISTRY:H_REGISTRY + 2 * REGISTRY_ENTRIES].reshape(-1, 2)"):
+        "NumPy's reshape takes any negative size as the one size it works out",
+    ("engram_store/disk/_host_cache.py", "HostRowCache.new_tag", "identity and free.size", "free.size"):
+        "an entry of identity 0 reads as free: no lookup asks for identity 0, and the next identity takes the slot",
+    ("engram_store/disk/_host_cache.py", "HostRowCache._repair", "1", "2", "self.journal[0] = -1"):
+        "the journal reads any negative as no set being written",
     # the hot-row cache's kernels
     ("engram_store/disk/_cache_kernels.py", "_find", "1", "2", "empty = -1"):
         "callers take any negative as no empty way",

@@ -122,8 +122,12 @@ def test_a_host_cache_hands_out_tags_and_fills_only_under_its_lock(tmp_path):
             cache.new_tag(ROW + 1, identity=5)
         a, b = cache.new_tag(ROW, identity=5), other.new_tag(ROW, identity=6)
         assert a != b and other.new_tag(ROW, identity=5) == a and cache.new_tag(ROW, identity=0) not in (a, b)
-        tags = {cache.new_tag(ROW, identity=100 + i) for i in range(REGISTRY_ENTRIES + 3)}  # past a full registry
-        assert len(tags) == REGISTRY_ENTRIES + 3 and not tags & {a, b}
+        given = [cache.new_tag(ROW, identity=100 + i) for i in range(REGISTRY_ENTRIES + 3)]  # past a full registry
+        assert len(set(given)) == REGISTRY_ENTRIES + 3 and not set(given) & {a, b}
+        # Every entry of the registry is shared, its last one included (5 and 6 took two); past it, a new tag.
+        shared = REGISTRY_ENTRIES - 2
+        assert [other.new_tag(ROW, identity=100 + i) for i in range(shared)] == given[:shared]
+        assert other.new_tag(ROW, identity=100 + shared) not in given
         keys = np.arange(10, dtype=np.int64)
         assert cache.fill(keys, keys, _rows(keys).reshape(-1)) == 10
         stats = cache.stats()
