@@ -41,6 +41,10 @@ FOUND = {
             "after the master restarted from its journal, by put id; the new master had handed those ids to "
             "another client's populate of the same layer, whose heads the revoke removed: acknowledged rows "
             "silently gone (the journal named only published puts' ids; it now bounds every id handed out)",
+    870113: "a durable segment found a byte flipped in a head's only replica; the master journalled the replica "
+            "dropped and, in a second record, the loss, then died with its journal torn in that last record: "
+            "replayed, the head was gone with no loss to name (ObjectNotFound); the drop and the loss are one "
+            "record now",
 }
 #: Seeds found before undo_populate was in the schedule: they replay the schedule they were found with
 #: (``--no-undo``).

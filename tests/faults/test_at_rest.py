@@ -187,3 +187,39 @@ def test_a_layer_every_segment_disowns_while_the_master_still_places_it_is_a_sta
                 EngramStore(5, CONFIG, store).lookup(ids)
             with pytest.raises(StalePlacement):
                 layer.lookup(ids)
+
+
+def test_a_journal_torn_in_the_record_of_a_damaged_objects_loss_never_replays_it_gone_without_a_word():
+    """Explorer seed 870113: the master dropped a damaged object's last replica and recorded its loss, then died
+    with the journal torn in its last record. Dropping the replica and the loss are one record: replayed without
+    it, the object is where the journal put it, and the segment, whose catalogue no longer lists it, is asked
+    about it and does not hold it intact: it is lost, by name. Never gone without a word."""
+    from master import MasterState
+
+    def register(state, objects):
+        state.register_segment("s1", "127.0.0.1:1", 1 << 20, "", "h", objects=objects, write_key=b"k" * 32,
+                               registration="r-2")
+
+    journal: list[dict] = []
+    state = MasterState(journal=journal.append)
+    state.register_segment("s1", "127.0.0.1:1", 1 << 20, "", "h", write_key=b"k" * 32, registration="r-1")
+    for key in ("solo", "kept"):
+        state.put_start(key, 4096, 1)
+        state.put_end(key, "aa")
+    solo, kept = state.objects["solo"].replicas[0], state.objects["kept"].replicas[0]
+    assert state.drop_damaged("s1", [("solo", solo.offset, solo.generation)]) == ["solo"]
+    for torn in (True, False):
+        restored = MasterState()
+        restored.replay(journal[:-1] if torn else journal)  # (a torn last record is dropped at replay)
+        if not torn:
+            assert "solo" not in restored.objects and "solo" in restored.lost
+            continue
+        assert restored.objects["solo"].replicas == [solo]  # the journal as it was before the drop
+        register(restored, [["kept", kept.offset, 4096, 1, "aa", kept.generation]])  # it dropped "solo" itself
+        asked = restored.verification_candidates("s1")
+        assert [c[0] for c in asked] == ["solo"]
+        restored.offer_verified("s1", "r-2", [])  # its bytes no longer match: not held
+        assert "solo" not in restored.objects
+        with pytest.raises(ObjectLost, match="'solo' was lost"):
+            restored.get("solo")
+        assert restored.objects["kept"].replicas == [kept]
