@@ -45,6 +45,9 @@ FOUND = {
             "dropped and, in a second record, the loss, then died with its journal torn in that last record: "
             "replayed, the head was gone with no loss to name (ObjectNotFound); the drop and the loss are one "
             "record now",
+    860097: "not the store's: a durable segment's manifest kept its old file while the disk was full, the file "
+            "was then cut short before the objects written meanwhile, and the explorer, which took what rotted from "
+            "the manifest alone, called their loss a violation; it reads the segment's generation table too now",
 }
 #: Seeds found before undo_populate was in the schedule: they replay the schedule they were found with
 #: (``--no-undo``).
@@ -70,3 +73,40 @@ def test_history_holds_to_the_contract(seed):
     assert not history.violations, (f"seed {seed} broke the contract (replay it with `python tests/nemesis.py "
                                     f"{replay}`):\n" + "\n".join(history.violations) + "\n\nhistory:\n"
                                     + "\n".join(op.describe() for op in history.ops[-60:]))
+
+
+@pytest.mark.timeout(120)
+def test_the_explorer_counts_rot_of_objects_a_lagging_manifest_does_not_name(tmp_path):
+    """Seed 860097: a durable segment's manifest kept its old file while the disk was full, so it did not name the
+    layer written meanwhile; the file was cut short before that layer's objects, which were then lost, as they
+    must be. The explorer took the rotted objects from the manifest alone and called the loss a violation. It now
+    reads the segment's generation table too: rot that reaches an object the manifest does not name is seen."""
+    import json
+
+    import numpy as np
+
+    from engram_store import DistributedStore
+    from engram_store.testing import Cluster
+    from nemesis_rest import _unnamed_hit
+    from suite_helpers import manifest_objects, wait_for
+
+    path = str(tmp_path / "segment.bin")
+    with Cluster(segments=0) as c:
+        segment = c.add_segment("1MiB", ["--file", path])
+        with DistributedStore.connect(c.address, timeout_ms=5000, local_direct=False) as store:
+            for key in ("a", "b"):
+                store.put(key, np.full(5000, ord(key), np.uint8))
+            places = {info.key: info.replicas[0].offset for info in store.locate(["a", "b"])}
+        wait_for(lambda: manifest_objects(path) == 2, 20, "the manifest to name both objects")
+        assert segment.terminate() == 0
+    with open(path + ".manifest", encoding="utf-8") as f:
+        objects = json.load(f)["objects"]
+    assert places["a"] < places["b"]
+    for cut in (True, False):
+        assert not _unnamed_hit(path, objects, places["b"] + 10, cut)
+        assert not _unnamed_hit(path, objects, places["a"] + 10, cut)
+    lagging = [e for e in objects if e[0] == "a"]  # as if "b" was written while the disk was full
+    assert _unnamed_hit(path, lagging, places["a"] + 10, cut=True)  # the cut reaches "b" too
+    assert not _unnamed_hit(path, lagging, places["a"] + 10, cut=False)  # a flip in "a" does not
+    assert _unnamed_hit(path, lagging, places["b"] + 10, cut=False)
+    assert _unnamed_hit(str(tmp_path / "missing.bin"), objects, 0, cut=False)  # no table: it cannot tell
