@@ -167,6 +167,8 @@ def start_master(*, port: int | None = None, heartbeat_timeout_s: float = 10.0, 
     except BaseException as exc:
         out = proc.output()
         proc.close()
+        if not isinstance(exc, Exception):
+            raise  # Ctrl-C or a stop signal (KeyboardInterrupt): the caller is stopping, not a master that failed
         raise RuntimeError(f"master did not start ({exc}):\n{out}") from None
     return proc
 
@@ -220,6 +222,8 @@ def start_segment(master: str, size: str = "64MiB", extra: list[str] | None = No
     except BaseException as exc:
         out = proc.output()
         proc.close()
+        if not isinstance(exc, Exception):
+            raise  # Ctrl-C or a stop signal: the caller is stopping
         raise RuntimeError(f"segment did not start ({exc}):\n{proc.ready_line.decode(errors='replace')}{out}") \
             from None
     return proc

@@ -110,3 +110,28 @@ def test_the_explorer_counts_rot_of_objects_a_lagging_manifest_does_not_name(tmp
     assert not _unnamed_hit(path, lagging, places["a"] + 10, cut=False)  # a flip in "a" does not
     assert _unnamed_hit(path, lagging, places["b"] + 10, cut=False)
     assert _unnamed_hit(str(tmp_path / "missing.bin"), objects, 0, cut=False)  # no table: it cannot tell
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("what", ["master", "segment"])
+def test_a_stop_signal_while_a_server_starts_stops_the_explorer_and_is_not_a_failed_start(what, monkeypatch):
+    """The explorer stops on SIGTERM by raising KeyboardInterrupt wherever it is; one that came while a master or
+    segment started was turned into "did not start" (a RuntimeError), counted as the explorer's own failure, and
+    the explorer went on with the next seed, ignoring every later signal. The server is killed and reaped, and the
+    interrupt goes on."""
+    from engram_store import testing
+
+    started = []
+
+    def interrupted(*args, proc=None, **kwargs):
+        started.append(args[0])
+        raise KeyboardInterrupt
+
+    with testing.Cluster(segments=0) as c:
+        monkeypatch.setattr(testing, "wait_ping", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            if what == "master":
+                testing.start_master()
+            else:
+                testing.start_segment(c.address, "1MiB")
+        assert started  # it got as far as waiting for the server's ping
