@@ -219,6 +219,8 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     ("engram_store/disk/_cache_kernels.py", "_cache_pin", "way < 0", "False", "if way < 0:"):
         "redundant (see the comment beside it): fewer than max_pinned <= WAYS - 1 ways are pinned here, so CLOCK "
         "finds a victim",
+    ("engram_store/disk/_cache_kernels.py", "_cache_fill", "way < 0", "False", "if way < 0:"):
+        "redundant (see the comment beside it): pin() leaves a way of every set unpinned, so CLOCK finds a victim",
     ("engram_store/disk/_cache_kernels.py", "_replace",
      "memcpy(rows, (s * WAYS + way) * slot_bytes, src, src_at, row_bytes // 2)", "pass"):
         "a test hook's half row: the set is left busy either way, so no reader serves the way and the repair "

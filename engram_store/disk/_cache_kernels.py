@@ -136,7 +136,7 @@ def _cache_fill(meta, hands, rows, slot_bytes, miss_key, miss_pos, out, row_byte
             if admission == ADMIT_DOORKEEPER and not _door_check_add(door, door_state, key):
                 continue
             way = _clock_victim(meta, hands, s, base)
-            if way < 0:
+            if way < 0:  # redundant while pins come from RowCache.pin, which leaves a way of each set unpinned
                 continue
         die = inserted == stop_at
         _replace(meta, rows, slot_bytes, s, way, key, out, miss_pos[k] * row_bytes, row_bytes, journal, die)

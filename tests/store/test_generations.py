@@ -116,6 +116,22 @@ def test_an_overflowing_table_says_it_cannot_tell():
     assert check_table(table, named)[0] == TABLE_UNKNOWN
 
 
+def test_a_retired_table_says_it_cannot_tell():
+    """A table its segment no longer keeps (the next run made a new file in its place) is frozen: its entries hold
+    as they were, so a reader that still maps it must be told it cannot tell, not that the objects are there."""
+    from engram_store.kernels import TABLE_UNKNOWN, check_table
+    from engram_store.kernels import generation_table as gt
+
+    table = np.zeros(gt.table_words(2), dtype=np.int64)
+    first = gt.HEADER_WORDS
+    table[gt.CAPACITY], table[gt.COUNT] = 2, 1
+    table[first], table[first + 2], table[first + 4] = 0, 64, 1  # the entry's base, size and put
+    named = check_pairs_for(np.array([0]), np.array([64]), np.array([1]))
+    assert check_table(table, named)[0] == -1
+    table[gt.RETIRED] = 1
+    assert check_table(table, named)[0] == TABLE_UNKNOWN
+
+
 def test_a_removed_object_is_refused_until_another_put_claims_its_range():
     generations = Generations()
     generations.claim(0, 640, 7)
