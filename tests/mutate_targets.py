@@ -221,6 +221,9 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "finds a victim",
     ("engram_store/disk/_cache_kernels.py", "_cache_fill", "way < 0", "False", "if way < 0:"):
         "redundant (see the comment beside it): pin() leaves a way of every set unpinned, so CLOCK finds a victim",
+    ("engram_store/disk/_cache_kernels.py", "_cache_pin", "empty >= 0", "empty > 0"):
+        "only where way 0 is empty, and then the whole set is (ways fill in order and empty all at once): the row "
+        "lands in the way CLOCK's hand points at, unreferenced and unpinned, instead of way 0",
     ("engram_store/disk/_cache_kernels.py", "_replace",
      "memcpy(rows, (s * WAYS + way) * slot_bytes, src, src_at, row_bytes // 2)", "pass"):
         "a test hook's half row: the set is left busy either way, so no reader serves the way and the repair "
@@ -229,6 +232,16 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     **{("engram_store/disk/_kernels.py", "_probe_all", f"_prefetch({a})", "pass"):
        "a prefetch is a hint: it changes when bytes reach the CPU's cache, never which bytes are read"
        for a in ("meta, base", "rows, at")},
+    ("engram_store/disk/_kernels.py", "_probe_all", "1", "2", "at = -1"):
+        "the row's place is read only when it is not negative",
+    **{("engram_store/disk/_kernels.py", "_plan_read", old, new, line): "with an id out of range the caller raises "
+       "before it reads anything else _plan_read returns" for old, new, line in (
+           ("0", "1", "return (bad, 0, np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64),"),
+           ("0", "1", "np.zeros(1, np.int64), np.empty(0, np.int64), np.empty(0, np.int64))"),
+           ("1", "2", "np.zeros(1, np.int64), np.empty(0, np.int64), np.empty(0, np.int64))"))},
+    ("engram_store/disk/_kernels.py", "_plan_read", "1", "2", "s = np.int64((np.uint64(s) + np.uint64(1)) & mask)"):
+        "probing by twos in a table of at least 2K slots (a power of two) still finds a free slot: each parity "
+        "class has K or more, and at most K - 1 blocks are placed before the last",
     ("engram_store/disk/_kernels.py", "_first_bad", "False", "True"):
         "every position of the row is then compared one by one, and only one outside its head is returned",
     ("engram_store/disk/_kernels.py", "_first_bad", "1", "2"): "_plan_read and its callers take any negative as none",

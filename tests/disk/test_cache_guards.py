@@ -79,6 +79,10 @@ def test_a_hit_marks_its_own_way_used_and_a_miss_marks_nothing():
     assert cache.meta[0] & dk.REF_MASK == 1 << ways[12]
     _probe(cache, [10])
     assert cache.meta[0] & dk.REF_MASK == (1 << ways[12]) | (1 << ways[10])
+    # A way's mark is its own bit: the neighbour's mark above it does not stand in for it.
+    below = next(k for k in (11, 13) if ways[k] + 1 in (ways[10], ways[12]))
+    _probe(cache, [below])
+    assert cache.meta[0] & (1 << ways[below])
     assert cache.meta[0] >> dk.VERSION_SHIFT == version, "marking a way used is no change of the set's rows"
 
 

@@ -378,6 +378,24 @@ def test_repair_empties_the_set_and_moves_its_version_on():
     assert (cache.meta[s * 8 + 1:s * 8 + 8] == -1).all() and after & (dk.REF_MASK | dk.PIN_MASK) == 0
 
 
+def test_repair_of_a_set_its_writer_had_finished_leaves_it_usable_and_drops_its_marks():
+    """A writer that died after it finished its set but before it cleared the journal: the journal names a set that
+    is not busy. The repair empties it all the same, drops its used and pinned marks, and leaves it not busy (a set
+    left busy would never be read again), its version moved on."""
+    cache = RowCache(2 * (7 * 8 + 79), 8, "always")
+    keys = np.arange(10, dtype=np.int64)
+    assert cache.fill(keys, keys, np.zeros(80, np.uint8)) == 10
+    s = int(dk._set_of(np.int64(3), 2))
+    cache.meta[s * 8] |= (1 << 2) | (1 << (dk.PIN_SHIFT + 1))  # a way marked used, another pinned
+    before = int(cache.meta[s * 8])
+    assert not before & dk.BUSY
+    ck._cache_repair(cache.meta, s)
+    after = int(cache.meta[s * 8])
+    assert not after & dk.BUSY and after >> dk.VERSION_SHIFT > before >> dk.VERSION_SHIFT
+    assert (cache.meta[s * 8 + 1:s * 8 + 8] == -1).all() and after & (dk.REF_MASK | dk.PIN_MASK) == 0
+    assert cache.fill(keys[3:4], np.zeros(1, np.int64), np.zeros(8, np.uint8)) == 1
+
+
 # ---- profiles ------------------------------------------------------------------------------------------------
 
 @settings(max_examples=40, deadline=None)
