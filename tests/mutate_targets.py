@@ -91,6 +91,9 @@ HAND = [
 NON_NEGATIVE_ROWS = ("a head's first row starts a range whatever the guard: the sentinel before it (-2, or -3) is no "
                      "non-negative row's predecessor, and lookups refuse negative ids before they plan")
 CONTINUES = "r >= 0 and range_head[r] == j and row == prev + 1"  # _rows_to_ranges: the row continues the range
+RESHAPE = "NumPy's reshape takes any negative size as the one size it works out"
+#: Why CLOCK always finds a victim where the cache kernels guard against none.
+ONE_UNPINNED = "redundant (see the comment beside it): pin() leaves a way of every set unpinned, so CLOCK finds a victim"
 
 #: Mutants that change nothing a caller can observe: ``(path, function, old, new) -> why``, or with the code of the
 #: line the change is on (no indentation, no comment) as a fifth item where the same change occurs twice in a
@@ -192,15 +195,15 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "read_direct_unchecked answers NO_ROOM for -1 and BAD_ID for any other negative count",
     ("engram_store/kernels/raw_io.py", "direct_read_plan", "1", "2",
      "checks = np.ascontiguousarray(checks, dtype=np.int64).reshape(-1, 2)"):
-        "NumPy's reshape takes any negative size as the one size it works out",
+        RESHAPE,
     ("engram_store/kernels/raw_io.py", "direct_read_plan", "1", "2",
      "return np.concatenate(([order.size, checks.shape[0]], order, bases, limits, "
      "checks.reshape(-1))).astype(np.int64)"):
-        "NumPy's reshape takes any negative size as the one size it works out",
+        RESHAPE,
     # the host's hot-row cache
     ("engram_store/disk/_host_cache.py", "HostRowCache.new_tag", "1", "2",
      "reg = self._header[H_REGISTRY:H_REGISTRY + 2 * REGISTRY_ENTRIES].reshape(-1, 2)"):
-        "NumPy's reshape takes any negative size as the one size it works out",
+        RESHAPE,
     ("engram_store/disk/_host_cache.py", "HostRowCache.new_tag", "identity and free.size", "free.size"):
         "an entry of identity 0 reads as free: no lookup asks for identity 0, and the next identity takes the slot",
     ("engram_store/disk/_host_cache.py", "HostRowCache._repair", "1", "2", "self.journal[0] = -1"):
@@ -213,14 +216,14 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     ("engram_store/disk/_cache_kernels.py", "_clock_victim", "1", "2", "return -1"):
         "callers take any negative as no victim",
     ("engram_store/disk/_cache_kernels.py", "_clock_victim", "pins == REF_MASK", "False"):
-        "redundant (see the comment beside it): pin() leaves a way of every set unpinned",
+        ONE_UNPINNED,
     ("engram_store/disk/_cache_kernels.py", "_clock_victim", "2 * WAYS + 1", "2 * WAYS"):
         "the longest sweep (one unpinned way, marked used, just behind the hand) stops on its 2 * WAYS-th step",
     ("engram_store/disk/_cache_kernels.py", "_cache_pin", "way < 0", "False", "if way < 0:"):
         "redundant (see the comment beside it): fewer than max_pinned <= WAYS - 1 ways are pinned here, so CLOCK "
         "finds a victim",
     ("engram_store/disk/_cache_kernels.py", "_cache_fill", "way < 0", "False", "if way < 0:"):
-        "redundant (see the comment beside it): pin() leaves a way of every set unpinned, so CLOCK finds a victim",
+        ONE_UNPINNED,
     ("engram_store/disk/_cache_kernels.py", "_cache_pin", "empty >= 0", "empty > 0"):
         "only where way 0 is empty, and then the whole set is (ways fill in order and empty all at once): the row "
         "lands in the way CLOCK's hand points at, unreferenced and unpinned, instead of way 0",

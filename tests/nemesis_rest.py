@@ -28,6 +28,7 @@ import random
 
 import numpy as np
 
+from nemesis_check import _target
 from suite_helpers import TcpProxy, flip_byte
 from engram_store.kernels import generation_table
 
@@ -178,7 +179,8 @@ class RestFaults:
             return
         key, offset, size = (lambda e: (e[0], int(e[1]), int(e[2])))(self.rest_rng.choice(objects))
         at = offset + self.rest_rng.randrange(max(1, size))
-        if self.rest_rng.random() < 0.7:
+        cut = self.rest_rng.random() >= 0.7
+        if not cut:
             flip_byte(slot["file"], at)
             hit = [key]
             what = f"a byte of {key!r} at offset {at} flipped"
@@ -188,10 +190,10 @@ class RestFaults:
             hit = [e[0] for e in objects if int(e[1]) + int(e[2]) > at]
             what = f"cut short at offset {at} ({len(hit)} object(s) past it)"
         targets = {_target_of(k) for k in hit} - {None}
-        if _unnamed_hit(slot["file"], objects, at, cut="cut short" in what):
+        if _unnamed_hit(slot["file"], objects, at, cut):
             # The manifest lags what the segment holds (it keeps its old file when the disk is full: seed 860097),
             # and the rot hit an object it does not name: any object written to the store may be that one.
-            targets |= {("key", op.cmd["key"]) if "key" in op.cmd else ("store", op.cmd["layer"]) for op in self.ops
+            targets |= {_target(op.cmd) for op in self.ops
                         if op.cmd["op"] in ("populate", "put") and op.cmd.get("kind", "store") == "store"}
             what += "; it hit an object the manifest does not name yet, so every object written counts as hit"
         for target in targets:

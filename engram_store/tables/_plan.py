@@ -162,7 +162,7 @@ def _read_round(native: Any, jobs: list[Job], failed: set[str]) -> None:
                                  **counts.get(id(flat), {}))
         if not retry:
             return
-        stale = STALE in bad or any(job.layer.state.stale is not None for job in retry)
+        stale = any(job.layer.state.stale is not None for job in retry)  # (a STALE in bad marked its layer)
         bad.discard(STALE)
         failed |= bad
         log.warning("layers %s: %s; retrying", sorted({job.layer.layer_id for job in retry}),

@@ -148,7 +148,11 @@ def test_a_failed_put_of_a_lost_key_keeps_the_loss_so_its_segment_restores_it():
     assert state.get("k").replicas[0].segment_id == holder and not state.lost
 
 
-def test_a_lost_object_brought_back_fences_a_write_of_its_key_in_progress():
+@pytest.mark.parametrize("listed", [True, False], ids=["its catalogue names it", "asked to check it"])
+def test_a_lost_object_brought_back_fences_a_write_of_its_key_in_progress(listed):
+    """The lost object's segment comes back with it while another write of the key is in progress: the acknowledged
+    object is restored and the write fenced, whether the segment's catalogue names the object or the segment never
+    listed it and is asked to check it (offer_verified)."""
     state, _, _ = _state()
     _put(state, "k")
     holder = state.objects["k"].replicas[0]
@@ -156,27 +160,15 @@ def test_a_lost_object_brought_back_fences_a_write_of_its_key_in_progress():
     state.put_start("k", 1000, 1)
     put_id = state.objects["k"].put_id
     _register(state, holder.segment_id, registration="back",
-              objects=[["k", holder.offset, 1000, 1, "c-k", holder.generation]])  # its catalogue names it
+              objects=[["k", holder.offset, 1000, 1, "c-k", holder.generation]] if listed else None)
+    if not listed:
+        assert [c[0] for c in state.verification_candidates(holder.segment_id)] == ["k"]
+        assert state.offer_verified(holder.segment_id, "back", ["k"]) == 1
     assert state.get("k").replicas[0] == holder and not state.lost
     assert not state.put_renew("k", put_id) and put_id in state.fencing
     with pytest.raises(Exception, match="no write in progress"):
         state.put_end("k", "new", put_id)
     assert state.get("k").checksum == "c-k"
-
-
-def test_a_lost_object_verified_while_a_write_of_its_key_is_in_progress_fences_the_write():
-    """The same, where the segment never listed the object and is asked to check it (offer_verified)."""
-    state, _, _ = _state()
-    _put(state, "k")
-    holder = state.objects["k"].replicas[0]
-    state.drop_segment(holder.segment_id, "missed heartbeats")
-    state.put_start("k", 1000, 1)
-    put_id = state.objects["k"].put_id
-    _register(state, holder.segment_id, registration="back")
-    assert [c[0] for c in state.verification_candidates(holder.segment_id)] == ["k"]
-    assert state.offer_verified(holder.segment_id, "back", ["k"]) == 1
-    assert state.get("k").replicas[0] == holder and not state.lost
-    assert not state.put_renew("k", put_id) and put_id in state.fencing
 
 
 def test_publishing_a_lost_key_forgets_the_loss_for_good():
