@@ -31,6 +31,8 @@ TARGETS = [
                                   "Fencing._fence", "Fencing._fence_acknowledged", "Fencing._forget_settled_fences",
                                   "Fencing.fencing_bytes"), MASTER_TESTS),
     Target("master/_state.py", ("MasterState.heartbeat", "MasterState.take_put_id"), MASTER_TESTS),
+    # objects a segment found damaged: dropped, and lost where it was the last replica, in one journal record
+    Target("master/_repairs.py", ("Repairs.drop_damaged",), MASTER_TESTS + ("tests/faults/test_at_rest.py",)),
     # the segment's fence
     Target("engram_store/segment/_fence.py",
            ("WriteFence.new_registration", "WriteFence._admit", "WriteFence.check", "WriteFence.ticket_of",

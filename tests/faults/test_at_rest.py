@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from suite_helpers import TcpProxy, flip_byte, manifest_objects, wait_for
-from engram_store import DistributedStore, EngramStore, ObjectLost, StalePlacement
+from engram_store import DistributedStore, EngramStore, ObjectLost, OutOfSpace, StalePlacement
 from engram_store.testing import Cluster
 from faults_helpers import CONFIG, expected_rows, layer_ids, layer_tables
 
@@ -218,3 +218,29 @@ def test_a_journal_torn_in_the_record_of_a_damaged_objects_loss_never_replays_it
     with pytest.raises(ObjectLost, match="'solo' was lost"):
         torn.get("solo")
     assert torn.objects["kept"].replicas == [kept]
+
+
+def test_a_damaged_replicas_space_waits_out_the_reuse_delay_and_only_complete_objects_are_dropped():
+    """What drop_damaged leaves alone: a key it does not know, a key whose write is still in progress (its replica
+    is the writer's, not the damaged one); and the damaged replica's space is taken again only after the reuse
+    delay, as a removed object's is (a reader may still hold its placement)."""
+    from master import MasterState
+
+    now = [1000.0]
+    journal: list[dict] = []
+    state = MasterState(journal=journal.append, clock=lambda: now[0], reuse_delay_s=5.0)
+    state.register_segment("s1", "127.0.0.1:1", 8192, "", "h", write_key=b"k" * 32, registration="r-1")
+    state.put_start("solo", 4096, 1)
+    state.put_end("solo", "aa")
+    state.put_start("writing", 4096, 1)  # in progress
+    solo, writing = state.objects["solo"].replicas[0], state.objects["writing"].replicas[0]
+    records = len(journal)
+    assert state.drop_damaged("s1", [("nobody", 0, 1), ("writing", writing.offset, writing.generation)]) == []
+    assert len(journal) == records and state.objects["writing"].replicas == [writing]
+    assert state.drop_damaged("s1", [("solo", solo.offset, solo.generation)]) == ["solo"]
+    state.put_end("writing", "bb")
+    with pytest.raises(OutOfSpace):  # the only free space is the damaged replica's, held for the reuse delay
+        state.put_start("next", 4096, 1)
+    now[0] += 6.0
+    state.put_start("next", 4096, 1)
+    assert state.objects["next"].replicas[0].offset == solo.offset
