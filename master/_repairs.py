@@ -101,7 +101,7 @@ class Repairs:
         as a removed one's: readers may hold its placement); an object left without a replica is lost, with a
         message that says why. Returns the keys of the objects lost."""
         segment = self.segments.get(segment_id)
-        if segment is None or not damaged:
+        if segment is None or not damaged:  # redundant: no object has a replica on a segment this master dropped
             return []
         lost, dropped = [], []
         reusable_at = self.clock() + self.reuse_delay_s

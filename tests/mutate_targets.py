@@ -108,6 +108,10 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "with no reuse delay what it quarantines is due at once, and put_start frees what is due before it allocates",
     ("master/_replay.py", "Replay._quarantine_replayed", "lo < hi", "lo <= hi"):
         "an empty overlap reserves, quarantines and later frees 0 bytes: the allocator takes each as a no-op",
+    **{("master/_repairs.py", "Repairs.drop_damaged", "segment is None or not damaged", new):
+       "redundant (see the comment beside it): with nothing damaged the loop does nothing, and dropping a segment "
+       "takes its replicas out of every object, so no entry finds one there"
+       for new in ("False", "segment is None and (not damaged)", "not damaged", "segment is None")},
     # the master's fencing
     ("master/_fencing.py", "Fencing._end_registration", "segment.fences.clear()", "pass"):
         "the ids left go out with the next heartbeat reply; the segment applies and acknowledges them, and "
