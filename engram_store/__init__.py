@@ -40,6 +40,7 @@ from ._errors import (
     DiskReadError,
     JournalError,
     LockTimeout,
+    TableClosed,
     UnsafeFile,
 )
 from .segment import SegmentServer
@@ -78,6 +79,7 @@ __all__ = [
     "DiskReadError",
     "JournalError",
     "LockTimeout",
+    "TableClosed",
     "UnsafeFile",
     "format_size",
     "lookup_many",
