@@ -17,23 +17,12 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from engram_store import ConfigError, EngramStore, EngramStoreConfig
+from engram_store import ConfigError, EngramStore, EngramStoreConfig, TableClosed
 from engram_store.disk import HostRowCache
 
 pytestmark = pytest.mark.timeout(120)
 
 CONFIG = EngramStoreConfig([50, 60], 24, row_format="bytes")
-
-
-@pytest.fixture
-def shm(tmp_path, monkeypatch):
-    """The directory this user's host caches live in (``engram-<uid>`` under ENGRAM_SHM_DIR)."""
-    path = tmp_path / "shm"
-    path.mkdir()
-    monkeypatch.setenv("ENGRAM_SHM_DIR", str(path))
-    own = path / f"engram-{os.geteuid()}"
-    own.mkdir(mode=0o700)
-    return own
 
 
 @contextmanager
@@ -94,3 +83,20 @@ def test_an_engram_store_whose_constructor_fails_leaves_no_cache_attached(tmp_pa
         with pytest.raises(ConfigError, match="layer at .*layer-2 was published with"):
             EngramStore({1: CONFIG, 2: CONFIG}, disk_dir=disk, row_cache_bytes=1 << 16, cache_scope="host")
         assert os.listdir(shm) == [], "the cache it attached is left to the collector"
+
+
+def test_a_closed_host_cache_caches_nothing_more_and_gives_no_tags(shm):
+    """A read that ran into the close keeps its rows uncached; a layer opening on the closed cache is refused by
+    name (the cache's files and its directory's descriptor are no longer its own to lock)."""
+    cache = HostRowCache(1 << 16, 24, scope="closed")
+    tag = cache.new_tag(24, identity=7)
+    cache.close()
+    keys = np.array([tag << 40 | 3], dtype=np.int64)
+    assert cache.fill(keys, np.zeros(1, np.int64), np.ones(24, np.uint8)) == 0
+    with pytest.raises(TableClosed, match="a layer's tag: the cache is closed"):
+        cache.new_tag(24, identity=8)
+    with pytest.raises(TableClosed, match="pinning rows: the cache is closed"):
+        cache.pin(keys, np.ones(24, np.uint8))
+    with cache.locked(1.0) as held:
+        assert not held
+    assert os.listdir(shm) == []

@@ -203,10 +203,11 @@ def rogue_segment(master: str, file: str) -> str:
     return "gone"
 
 
-ACTIONS = {"plant": plant, "symlink": symlink, "relink": relink, "swap": swap, "mkdir": mkdir, "fill": fill,
-           "hold-lock": hold_lock, "truncate": truncate, "swap-layer": swap_layer, "read": read, "connect": connect, "write": write,
+ACTIONS = {"plant": plant, "symlink": symlink, "mkdir": mkdir, "fill": fill, "hold-lock": hold_lock,
+           "truncate": truncate, "swap-layer": swap_layer, "read": read, "connect": connect, "write": write,
            "chmod": chmod, "open-own": open_own,
            "rogue-segment": rogue_segment}
+ACTIONS.update({"relink": relink, "swap": swap})  # on directories of layers (test_layer_dirs.py)
 
 
 def main(argv: list[str]) -> int:
