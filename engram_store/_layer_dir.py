@@ -31,7 +31,6 @@ import logging
 import os
 import shutil
 import stat
-import threading
 import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, TypeVar
@@ -63,30 +62,34 @@ def _mode(st: os.stat_result) -> str:
 class HeldFd:
     """A descriptor that reads use (:meth:`use`) and its owner closes (:meth:`close`): it is closed when both are
     done, so a read that began before the close finishes on it, and one that begins after raises TableClosed
-    (``what`` names the table in the message)."""
+    (``what`` names the table in the message).
 
-    __slots__ = ("fd", "what", "_lock", "_users", "_closing")
+    No lock: a lookup enters and leaves once per layer, and at a model step's cadence two lock round trips cost
+    several times the list operations below, which the interpreter makes atomic. A read adds itself to ``_users``
+    before it looks at ``_closing``, and the close sets ``_closing`` before it looks at ``_users``, so one of them
+    always sees the other; whichever finds the descriptor free last closes it, and ``_fds.pop()`` hands it to
+    exactly one of them."""
+
+    __slots__ = ("fd", "what", "_users", "_closing", "_fds")
 
     def __init__(self, fd: int, what: str):
         self.fd = fd
         self.what = what
-        self._lock = threading.Lock()
-        self._users = 0
+        self._users: list = []
         self._closing = False
+        self._fds = [fd]  # emptied by the one release that closes it
 
     def enter(self) -> int:
         """The descriptor, held open until :meth:`leave`; TableClosed once closed."""
-        with self._lock:
-            if self._closing:
-                raise TableClosed(f"{self.what} is closed")
-            self._users += 1
-            return self.fd
+        self._users.append(None)
+        if self._closing:
+            self.leave()
+            raise TableClosed(f"{self.what} is closed")
+        return self.fd
 
     def leave(self) -> None:
-        with self._lock:
-            self._users -= 1
-            last = self._closing and not self._users
-        if last:
+        self._users.pop()
+        if self._closing and not self._users:
             self._release()
 
     @contextmanager
@@ -103,18 +106,16 @@ class HeldFd:
 
     def close(self) -> None:
         """Close now, or when the last read using it ends; idempotent."""
-        with self._lock:
-            if self._closing:
-                return
-            self._closing = True
-            last = not self._users
-        if last:
+        self._closing = True
+        if not self._users:
             self._release()
 
     def _release(self) -> None:
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
-            os.close(fd)
+        try:
+            fd = self._fds.pop()
+        except IndexError:
+            return  # closed already
+        os.close(fd)
 
     def __del__(self) -> None:  # no read can use it any more: nothing else owns the descriptor
         try:

@@ -133,6 +133,10 @@ class DiskDir:
         file once, with O_DIRECT where allowed."""
         verify_layer(self.dir, layer_id)
 
+    @property
+    def closed(self) -> bool:
+        return self.dir.held.closed
+
     def close(self) -> None:
         self.dir.close()
 

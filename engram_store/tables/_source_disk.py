@@ -88,7 +88,7 @@ class DiskSource(Source):
         self.closed = True
 
     def close(self) -> None:
-        if self.dir.dir.held.closed:
+        if self.dir.closed:
             return  # closed already
         self.closed = True
         self.sizing.close()  # the rows the host's curve has not had yet

@@ -204,8 +204,9 @@ def test_a_truncated_file_is_refused_at_open_and_fails_reads_after(small_layer):
 def test_an_io_error_names_the_file_and_offset(small_layer, mode, tmp_path):
     d, sizes, _ = small_layer
     with IOEngine(4, mode) as engine, d.open(7, engine=engine) as layer:
-        os.close(layer._held.fd)
-        layer._held.fd = os.open(tmp_path, os.O_RDONLY)  # reads of a directory fail (EISDIR / EINVAL)
+        directory = os.open(tmp_path, os.O_RDONLY)
+        os.dup2(directory, layer._held.fd)  # the layer's descriptor now reads a directory: EISDIR / EINVAL
+        os.close(directory)
         ids = np.array([[3, 0, 0], [40, 0, 0]], dtype=np.int64)
         with pytest.raises(DiskReadError, match=rf"reading 4096 bytes of {layer.file} at offset (0|8192) failed: "
                                                 r".*\(errno (21|22)\)"):

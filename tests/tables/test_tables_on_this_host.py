@@ -186,3 +186,46 @@ def _outcome(store: EngramStore):
         return store.lookup(IDS)
     except BaseException as exc:  # noqa: BLE001 (the test reports what the lookup raised)
         return exc
+
+
+@pytest.mark.parametrize("readers", [1, 4])
+def test_a_held_descriptor_is_closed_once_after_its_last_read_and_never_handed_out_after_its_close(tmp_path,
+                                                                                                readers):
+    """Reads enter and leave without a lock while the owner closes: every read that got the descriptor saw its own
+    file until it left, none got it after the close, and it was closed exactly once, by whoever let it go last."""
+    from engram_store._layer_dir import HeldFd
+
+    path = tmp_path / "file"
+    path.write_bytes(b"x")
+    for round_ in range(20):
+        fd = os.open(path, os.O_RDONLY)
+        inode = os.fstat(fd).st_ino
+        held = HeldFd(fd, "the file")
+        closed, wrong, late = threading.Event(), [], []
+
+        def read():
+            while True:
+                after_close = closed.is_set()
+                try:
+                    got = held.enter()
+                except TableClosed:
+                    return
+                try:
+                    if after_close:
+                        late.append(got)  # handed out though close() had returned before the read began
+                    if os.fstat(got).st_ino != inode:
+                        wrong.append(got)
+                finally:
+                    held.leave()
+
+        threads = [threading.Thread(target=read) for _ in range(readers)]
+        for t in threads:
+            t.start()
+        threading.Event().wait(0.001 * (round_ % 5))
+        held.close()
+        closed.set()
+        for t in threads:
+            t.join(30)
+        assert not wrong and not late and held._fds == []
+        with pytest.raises(OSError):
+            os.fstat(fd)  # closed (no other open in this test takes the number meanwhile)
