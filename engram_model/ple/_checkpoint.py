@@ -53,6 +53,9 @@ TABLE = "ple_embedding.ngram_embedding."
 #: safetensors dtype of the table's shards, by row code.
 TABLE_DTYPES = {"bf16": "BF16", "e4m3": "F8_E4M3"}
 _INTS = ("I64", "I32")
+#: Rows and columns of a weight that one ``weight_scale_inv`` scale covers in FP8 exports (fine-grained FP8, the
+#: ``weight_block_size`` of their quantization_config).
+FP8_WEIGHT_BLOCK = 128
 
 
 def tensor_prefix(ckpt: SafetensorsCheckpoint, layer_id: int) -> str:
@@ -81,10 +84,13 @@ class ShardedTable:
                 names.append(f"{prefix}shard_{len(names)}.weight")
         if not names:
             raise InvalidArgument(f"{ckpt.path}: PLE layer {layer_id} has no table ({prefix}shard_0.weight)")
-        stray = [n for n in ckpt.names() if n.startswith(prefix + "shard_") and n not in names]
+        stray = sorted((n for n in ckpt.names() if n.startswith(prefix + "shard_") and n not in names),
+                       key=lambda n: (len(n), n))  # shard_4 before shard_10
         if stray:
-            raise InvalidArgument(f"{ckpt.path}: {stray[0]} does not follow {names[-1]} (the table is {prefix}weight, "
-                                  f"or shards numbered 0, 1, ... without gaps)")
+            gap = f"{prefix}shard_{len(names)}.weight is missing" if names[0] != f"{prefix}weight" else \
+                f"{prefix}weight is there too"
+            raise InvalidArgument(f"{ckpt.path}: {gap}, but {stray[0]} is there (the table is {prefix}weight, or "
+                                  "shards numbered 0, 1, ... without gaps)")
         want = TABLE_DTYPES[self.fmt.codes]
         sizes = []
         for name in names:
@@ -209,15 +215,13 @@ def _linear(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, int]) -> n
     values = E4M3_TABLE[codes]
     if base + "weight_scale_inv" in ckpt:
         scales = ckpt.float32(base + "weight_scale_inv")
-        if scales.ndim != 2 or not 0 < scales.shape[0] <= shape[0] or not 0 < scales.shape[1] <= shape[1]:
-            raise InvalidArgument(f"{base}weight_scale_inv: expected block scales [rows / block, cols / block] "
-                                  f"of the weight {list(shape)}, got {list(scales.shape)}")
-        block = (-(-shape[0] // scales.shape[0]), -(-shape[1] // scales.shape[1]))
-        expanded = np.repeat(np.repeat(scales, block[0], axis=0), block[1], axis=1)[:shape[0], :shape[1]]
-        if expanded.shape != shape:
-            raise InvalidArgument(f"{base}weight_scale_inv: blocks of {list(block)} from {list(scales.shape)} "
-                                  f"scales do not cover the weight {list(shape)}")
-        return (values * expanded).astype(np.float32)
+        blocks = (-(-shape[0] // FP8_WEIGHT_BLOCK), -(-shape[1] // FP8_WEIGHT_BLOCK))
+        if scales.shape != blocks:
+            raise InvalidArgument(f"{base}weight_scale_inv: expected {list(blocks)} scales (one per "
+                                  f"{FP8_WEIGHT_BLOCK} x {FP8_WEIGHT_BLOCK} block of the weight {list(shape)}), "
+                                  f"got {list(scales.shape)}")
+        expanded = np.repeat(np.repeat(scales, FP8_WEIGHT_BLOCK, axis=0), FP8_WEIGHT_BLOCK, axis=1)
+        return (values * expanded[:shape[0], :shape[1]]).astype(np.float32)
     if base + "weight_scale" in ckpt and int(np.prod(ckpt.info(base + "weight_scale")[1])) == 1:
         return (values * ckpt.float32(base + "weight_scale").reshape(-1)[0]).astype(np.float32)
     raise InvalidArgument(f"{name}: an F8_E4M3 weight needs {base}weight_scale_inv (blocks) or {base}weight_scale "
