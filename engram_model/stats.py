@@ -266,8 +266,8 @@ def _print_sizing(report: dict[str, Any], config: Any, family: str = "V4.1") -> 
     lids = list(report["layers"])
     how = "a cache holding the profile's most frequent rows; an LRU on traffic with locality hits more" \
         if report["source"] == "profile" else "an LRU, the corpus replayed"
-    print(f"{family} layers {lids}: {report['rows']:,} rows of {report['row_bytes']} bytes; {report['lookups']:,} lookups "
-          f"of {report['working_set_rows']:,} distinct rows (working set: row_cache_bytes "
+    print(f"{family} layers {lids}: {report['rows']:,} rows of {report['row_bytes']} bytes; {report['lookups']:,} "
+          f"lookups of {report['working_set_rows']:,} distinct rows (working set: row_cache_bytes "
           f"{format_size(report['working_set_bytes'])})")
     print(f"first-touch bound (a cache of unbounded size still misses every first touch): "
           f"{report['first_touch_bound']:.1%}")
@@ -339,8 +339,8 @@ def _parser():
                         "or --layer-ids, --engram-vocab-size, --max-ngram-size, --n-head-per-ngram, --seed say "
                         "otherwise), or read --from-profile; the same report as --v41")
     p.add_argument("--from-profile", metavar="PATH",
-                   help="with --v41 or --ple, in place of TOKENS: a profile written by --profile (counts, no order: the hit "
-                        "rate of a cache holding the most frequent rows) (default: none)")
+                   help="with --v41 or --ple, in place of TOKENS: a profile written by --profile (counts, no order: "
+                        "the hit rate of a cache holding the most frequent rows) (default: none)")
     p.add_argument("--hit-rate", type=float, metavar="R",
                    help="with --v41 or --ple: also the smallest row_cache_bytes reaching this hit rate, 0 < R <= 1 "
                         "(default: none)")

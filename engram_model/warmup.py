@@ -112,6 +112,7 @@ def _warm_v41_checkpoint() -> None:
     from .v41 import V41Config
     from .v41 import _kernels as v41_kernels
     from .v41._checkpoint import SafetensorsCheckpoint, load_v41_weights
+    from .v41._toy import write_safetensors
 
     config = V41Config(layer_ids=[1], max_ngram_size=2, n_heads=1, head_dim=32, engram_vocab_size=2,
                        compressed_vocab_size=8, hidden_size=32, hc_mult=1)
@@ -124,28 +125,12 @@ def _warm_v41_checkpoint() -> None:
                "layers.1.engram.k_weight": ("BF16", np.zeros((1, 32), np.uint16))}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "model.safetensors")
-        _write_safetensors(path, tensors)
+        write_safetensors(path, tensors)
         ckpt = SafetensorsCheckpoint(path)
         load_v41_weights(ckpt, config, 1)
         weight, scale = (np.asarray(ckpt.raw(n)) for n in list(tensors)[:2])
         v41_kernels.pack_rows(weight, scale, np.empty((rows, config.row_bytes), np.uint8))
         del ckpt, weight, scale
-
-
-def _write_safetensors(path: str, tensors: dict) -> None:
-    """A safetensors file from ``{name: (dtype name, array of raw values)}`` (the float8 dtypes included)."""
-    import json
-    import struct
-
-    header, offset = {}, 0
-    for name, (dtype, arr) in tensors.items():
-        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
-        offset += arr.nbytes
-    blob = json.dumps(header).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)) + blob + b"".join(np.ascontiguousarray(a).tobytes()
-                                                              for _, a in tensors.values()))
 
 
 PROG = "engram-warmup"
@@ -170,9 +155,9 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     p = cli.parser(PROG, "Compile every Numba kernel of engram ahead of time (the store's, the model's hashing,\n"
                           "DeepSeek-V4.1's and Qwen4-Exp's PLE hash), for deployment images: kernels otherwise\n"
-                          "compile on first use. Compiled kernels are cached on disk, next to the installed sources or\n"
-                          "in Numba's user cache where those are read-only; set NUMBA_CACHE_DIR to choose. With a warm\n"
-                          "cache this takes seconds.")
+                          "compile on first use. Compiled kernels are cached on disk, next to the installed\n"
+                          "sources or in Numba's user cache where those are read-only; set NUMBA_CACHE_DIR to\n"
+                          "choose. With a warm cache this takes seconds.")
     cli.add_log_level(p, "WARNING")
     cli.setup_logging(p.parse_args(argv).log_level)
     if os.environ.get("NUMBA_DISABLE_JIT") == "1":

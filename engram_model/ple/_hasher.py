@@ -35,7 +35,7 @@ import numpy as np
 from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
 
 from .._tokenizer import as_int_ids
-from ..v41._hasher import _rows_numpy, _vector
+from ..v41._hasher import _rows_numpy, _vector, ragged_arguments, ragged_refused
 from . import _kernels
 from ._config import PLEConfig, PLEHashBuffers
 
@@ -202,40 +202,16 @@ class PLEHasher:
     def _ragged(self, state: PLEHashState, tokens: Any, slots: Any, query_start_loc: Any, emit: bool,
                 commit: bool) -> np.ndarray | None:
         self._check_state(state)
-        ids = _vector(tokens, "tokens", "[T]")
-        starts = _vector(query_start_loc, "query_start_loc", "[R + 1]")
-        where = _vector(slots, "slots", "[R]")
-        T, R = ids.shape[0], where.shape[0]
-        if starts.shape[0] != R + 1:
-            raise InvalidArgument(f"query_start_loc: expected R + 1 = {R + 1} offsets (slots has R = {R}), "
-                                  f"got {starts.shape[0]}")
-        if starts[0] != 0 or starts[R] != T:
-            raise InvalidArgument(f"query_start_loc: expected offsets from 0 to T = {T} (the number of tokens), "
-                                  f"got {int(starts[0])} to {int(starts[R])}")
+        ids, starts, where = ragged_arguments(tokens, slots, query_start_loc)
+        T = ids.shape[0]
         out = np.empty((T if emit else 0, len(self.config.ple_layer_ids), self.config.heads), dtype=np.int64)
         kind, at = _kernels.hash_ragged(ids, starts, where, self.config.vocab_size, self.eos, state.history,
                                         self.multipliers, self.sizes, self._inv_sizes, self.offsets,
                                         self.config.heads_per_ngram, emit, commit, out)
         if kind:
-            self._ragged_refused(int(kind), int(at), ids, starts, where, state.batch_size)
+            ragged_refused(int(kind), int(at), ids, starts, where, state.batch_size,
+                           f"the vocabulary [0, {self.config.vocab_size})")
         return out if emit else None
-
-    def _ragged_refused(self, kind: int, at: int, ids: np.ndarray, starts: np.ndarray, slots: np.ndarray,
-                        n_slots: int) -> None:
-        """Raise for the problem :func:`~engram_model.ple._kernels.hash_ragged` found (its codes)."""
-        if kind == 1:
-            r = int(np.searchsorted(starts, at, side="right")) - 1
-            raise InvalidArgument(f"tokens: token id {int(ids[at])} at [{at}] (request {r}) is outside the vocabulary "
-                                  f"[0, {self.config.vocab_size})")
-        if kind == 4:
-            raise InvalidArgument(f"query_start_loc: expected non-decreasing offsets, got {int(starts[at])} then "
-                                  f"{int(starts[at + 1])} at [{at}, {at + 1}]")
-        slot = int(slots[at])
-        if kind == 2:
-            raise InvalidArgument(f"slots: expected slots of the state in [0, {n_slots}), got {slot} for request {at}")
-        first = int(np.flatnonzero(slots == slot)[0])
-        raise InvalidArgument(f"slots: expected a distinct slot per request, got slot {slot} for requests {first} "
-                              f"and {at}")
 
     # ---- NumPy twins ----------------------------------------------------------------------------
 

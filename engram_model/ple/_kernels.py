@@ -15,36 +15,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ..v41._kernels import HASH_BLOCK, MARK_SLOTS
+from ..v41._kernels import HASH_BLOCK, ragged_refusal
 from ..v41._kernels import _rows_of_block as rows_of_block
-
-
-@njit(cache=True, nogil=True)
-def _refusal(tokens, query_start_loc, slots, vocab, S):
-    # The first problem of a call, (0, -1) if none (see hash_ragged).
-    R = slots.shape[0]
-    for r in range(R):
-        if query_start_loc[r + 1] < query_start_loc[r]:
-            return 4, r
-    for r in range(R):
-        if slots[r] < 0 or slots[r] >= S:
-            return 2, r
-    if S <= MARK_SLOTS:
-        seen = np.zeros(S, dtype=np.uint8)
-        for r in range(R):
-            if seen[slots[r]]:
-                return 3, r
-            seen[slots[r]] = 1
-    elif R > 1:
-        order = np.argsort(slots, kind="mergesort")  # stable: the later of two equal slots comes second
-        for i in range(1, R):
-            if slots[order[i]] == slots[order[i - 1]]:
-                return 3, order[i]
-    for t in range(tokens.shape[0]):
-        v = tokens[t]
-        if v < 0 or v >= vocab:
-            return 1, t
-    return 0, -1
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -63,7 +35,7 @@ def hash_ragged(tokens, query_start_loc, slots, vocab, eos, history, multipliers
     query_start_loc[r + 1] < query_start_loc[r].
     """
     S, C = history.shape
-    kind, at = _refusal(tokens, query_start_loc, slots, vocab, S)
+    kind, at = ragged_refusal(tokens, query_start_loc, slots, vocab, S)
     if kind:
         return kind, at
     n_layers, max_n = multipliers.shape

@@ -205,8 +205,9 @@ class PLELayer:
         e = np.asarray(embeddings)
         lead = h.shape[:-1]
         if e.dtype.kind != "f" or e.shape not in (lead + (E,), lead + (c.heads, c.head_dim)):
-            raise InvalidArgument(f"embeddings: expected float {list(lead) + [E]} or {list(lead) + [c.heads, c.head_dim]}"
-                                  f" (the rows of hidden_states' tokens), got {e.dtype} {e.shape}")
+            shapes = f"{list(lead) + [E]} or {list(lead) + [c.heads, c.head_dim]}"
+            raise InvalidArgument(f"embeddings: expected float {shapes} (the rows of hidden_states' tokens), got "
+                                  f"{e.dtype} {e.shape}")
         return self._r(h.astype(np.float32)), self._r(e.astype(np.float32))
 
     def _norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:

@@ -44,7 +44,8 @@ def toy_tensors(config: PLEConfig, seed: int = 0) -> dict[str, tuple[str, np.nda
             table = ("F8_E4M3", rng.integers(0, 256, size=(rows, fmt.values), dtype=np.uint8) & 0xF7)
         per = -(-rows // parts)
         for k in range(-(-rows // per)):
-            tensors[f"{base}ple_embedding.ngram_embedding.shard_{k}.weight"] = (table[0], table[1][k * per:(k + 1) * per])
+            shard = table[1][k * per:(k + 1) * per]
+            tensors[f"{base}ple_embedding.ngram_embedding.shard_{k}.weight"] = (table[0], shard)
         if fmt.scale == "table":
             tensors[f"{base}ple_embedding.ngram_embedding.weight_scale"] = (
                 "F32", np.array([rng.uniform(0.01, 0.1)], dtype=np.float32))
