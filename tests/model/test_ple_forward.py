@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from engram_model._rows_format import round_bf16 as ref_round
 from engram_model.ple import PLEConfig, PLEHasher, PLELayer
 from engram_store import EngramStore, InvalidArgument, InvalidType
 
@@ -24,13 +25,6 @@ def random_weights(config: PLEConfig, rng: np.random.Generator) -> dict:
             "value_proj": bf16(rng.standard_normal((H, E)) / np.sqrt(E)),
             "norm_key": bf16(0.1 * rng.standard_normal(C)), "norm_query": bf16(0.1 * rng.standard_normal(C)),
             "norm_conv": bf16(0.1 * rng.standard_normal(C)), "conv1d": bf16(0.5 * rng.standard_normal((C, K)))}
-
-
-def ref_round(x: np.ndarray) -> np.ndarray:
-    from engram_model import RowFormat  # noqa: F401 (the package's rounding is the one under test elsewhere)
-    from engram_model._rows_format import round_bf16
-
-    return round_bf16(x)
 
 
 def inputs(config: PLEConfig, rng: np.random.Generator, B: int, T: int):
