@@ -54,7 +54,6 @@ def save_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray],
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
     blob += b" " * (-len(blob) % 8)  # pad so the data starts 8-byte aligned, as the reference writer does
 
-
     def write(f) -> None:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)

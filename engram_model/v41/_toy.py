@@ -11,6 +11,8 @@ import struct
 
 import numpy as np
 
+from engram_store.durable import write_replacing
+
 from ._config import FP8_BLOCK, V41Config
 
 
@@ -46,7 +48,6 @@ def write_toy_checkpoint(directory: str | os.PathLike, config: V41Config, seed: 
         offset += array.nbytes
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)
-
 
     def write(f) -> None:
         f.write(struct.pack("<Q", len(blob)) + blob)
