@@ -46,6 +46,7 @@ def test_the_journal_never_writes_through_a_name_another_user_took_beside_it(tmp
     with Cluster(segments=1, journal=journal) as c:
         with DistributedStore.connect(c.address, timeout_ms=5000) as store:
             store.put("k", b"k" * 4096)
+        assert os.stat(journal, follow_symlinks=False).st_uid == 0, "the journal is the intruder's file"
         c.restart_master(journal=journal)  # a rewrite at start
         with DistributedStore.connect(c.address, timeout_ms=5000) as store:
             assert store.get("k") == b"k" * 4096
