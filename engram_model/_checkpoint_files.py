@@ -5,7 +5,7 @@ Why a loader, root's included, reads only what the checkpoint's owner could have
 
 - **A link out of the checkpoint** (``shard -> /etc/shadow``, or a hard link): a file is read only when it belongs
   to the owner of the checkpoint's directory, or, where that directory is the loader's own user's or root's, to
-  the loader's user (:meth:`CheckpointDir.open`; UnsafeFile otherwise, naming both owners). A Hugging Face cache's
+  the loader's user (:meth:`CheckpointDir.open_file`; UnsafeFile otherwise, naming both owners). A Hugging Face cache's
   snapshot links into its ``blobs`` lead to files of the cache's owner, and keep working; another user's
   checkpoint cannot make a root loader read root's files.
 - **A file that blocks**: a named pipe as a shard (or index, or config) would block its open, or its first read,
@@ -22,6 +22,7 @@ import fcntl
 import os
 import stat
 
+from engram_store.durable import HeldDir
 from engram_store.errors import InvalidArgument, UnsafeFile
 
 __all__ = ["CheckpointDir", "open_checkpoint_file"]
@@ -30,19 +31,19 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe"), (stat.
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
 
 
-class CheckpointDir:
+class CheckpointDir(HeldDir):
     """A checkpoint's directory ``path``, opened and held (NotADirectoryError where ``path`` is not one,
-    FileNotFoundError where it is not there); :meth:`open` opens a file in it as the module says."""
+    FileNotFoundError where it is not there); :meth:`open_file` opens a file in it as the module says."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = os.fspath(path)
+        self.path, self.what, self.hint = os.fspath(path), "checkpoint", "copy the checkpoint"
         self.fd = os.open(self.path or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.owner = os.fstat(self.fd).st_uid
         euid = os.geteuid()
         #: Whose files may be read through it: its owner's, and the loader's where the directory is theirs or root's.
         self.allowed = {self.owner, euid} if self.owner in (euid, 0) else {self.owner}
 
-    def open(self, name: str, shown: str | None = None) -> int:
+    def open_file(self, name: str, shown: str | None = None) -> int:
         """A regular file ``name`` of this directory (or below it), opened read-only, never blocking on the way,
         and read only when its owner is allowed (see the module); FileNotFoundError where it is not there.
         ``shown`` names it in errors (default: its path)."""
@@ -67,23 +68,9 @@ class CheckpointDir:
             raise
         return fd
 
-    def names(self) -> list[str]:
-        return os.listdir(self.fd)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def __enter__(self) -> "CheckpointDir":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 def open_checkpoint_file(path: str | os.PathLike) -> int:
-    """The checkpoint file ``path``, opened as :meth:`CheckpointDir.open` opens it in its directory."""
+    """The checkpoint file ``path``, opened as :meth:`CheckpointDir.open_file` opens it in its directory."""
     where = os.fspath(path)
     with CheckpointDir(os.path.dirname(where)) as directory:
-        return directory.open(os.path.basename(where), where)
+        return directory.open_file(os.path.basename(where), where)

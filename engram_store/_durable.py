@@ -25,16 +25,14 @@ would adopt. So:
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import secrets
 import stat
-import time
 from typing import Callable
 
 from ._errors import ConfigError, UnsafeFile
-from ._owner import FileInUse, OwnerLock, _read_holder
+from ._owner import OwnerLock
 from ._shared_dirs import UserDir, directory_error, open_own
 
 log = logging.getLogger(__name__)
@@ -160,41 +158,17 @@ class HeldLock(OwnerLock):
     to its descriptor."""
 
     def __init__(self, directory: HeldDir, name: str, what: str):
-        self.directory = directory
-        self.name = name + ".lock"
-        self.path = directory.join(self.name)
-        self.what = what
-        self._since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
-        self._fd: int | None = None
-        shown = directory.join(name)
-        for _ in range(100):
-            fd, _ = open_own(self.name, os.O_RDWR, f"{what} lock", dir_fd=directory.fd)  # no link, ours alone
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                holder = _read_holder(fd)
-                os.close(fd)
-                if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                    raise ConfigError(f"{what} {shown!r}: cannot lock {self.path!r}: {exc.strerror}") from None
-                raise FileInUse(f"{what} {shown!r} is in use by another process ({holder or 'holder unknown'}); "
-                                f"stop it first, or choose another path") from None
-            if directory.same_file(fd, self.name):
-                self._fd = fd
-                try:
-                    self.describe()
-                except OSError as exc:  # a full disk: the lock holds all the same, its holder unnamed
-                    log.debug("%s: cannot name the holder in %s: %s", what, self.path, exc.strerror or exc)
-                return
-            os.close(fd)  # the holder released it and unlinked the file between our open and flock: again
-        raise ConfigError(f"{what} {shown!r}: could not take {self.path!r} (it kept being replaced)")
+        self.directory, self.name = directory, name + ".lock"
+        super().__init__(directory.join(name), what)
 
-    def release(self) -> None:
-        """Unlink the lock file (relative to the held directory) and let go (idempotent)."""
-        if self._fd is None:
-            return
+    def _open_lock(self) -> int:
+        return open_own(self.name, os.O_RDWR, f"{self.what} lock", dir_fd=self.directory.fd)[0]
+
+    def _is_current(self, fd: int) -> bool:
+        return self.directory.same_file(fd, self.name)
+
+    def _unlink(self) -> None:
         self.directory.unlink(self.name)
-        os.close(self._fd)
-        self._fd = None
 
 
 def write_replacing(path: str | os.PathLike, write: Callable[[object], None], what: str, mode: int = 0o666) -> None:

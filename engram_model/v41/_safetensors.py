@@ -75,7 +75,7 @@ class SafetensorsCheckpoint:
             self._where = {name: where for name in self._header(where)}
             return
         try:
-            fd = self._held[0].open(INDEX_FILE)
+            fd = self._held[0].open_file(INDEX_FILE)
         except FileNotFoundError:
             shards = sorted(f for f in self._held[0].names() if f.endswith(".safetensors"))
             if not shards:
@@ -119,7 +119,7 @@ class SafetensorsCheckpoint:
             if not self._held:
                 self._held.append(CheckpointDir(self._dir_path))
             try:
-                fd = self._fds[file] = self._held[0].open(self._names[file], file)
+                fd = self._fds[file] = self._held[0].open_file(self._names[file], file)
             except FileNotFoundError:
                 raise InvalidArgument(f"{file}: shard listed in the index does not exist") from None
         return fd

@@ -11,6 +11,7 @@ import pytest
 from engram_model.v41 import SafetensorsCheckpoint, V41Config
 from engram_model.v41.load import main as load_main
 from engram_store import InvalidArgument
+from suite_helpers import outcome_within
 
 CFG = V41Config(layer_ids=[1], max_ngram_size=2, n_heads=1, head_dim=32, engram_vocab_size=2,
                 compressed_vocab_size=8, hidden_size=32, hc_mult=1)
@@ -115,29 +116,6 @@ def test_a_deeply_nested_config_json_is_a_clear_error(tmp_path):
         V41Config.from_hf_config(tmp_path)
 
 
-def _within(seconds: float, call):
-    """``call()``'s result, or its exception raised here; fails the test if it has not returned after ``seconds``
-    (a reader blocked on a named pipe never would)."""
-    import threading
-
-    done: list = []
-
-    def run():
-        try:
-            done.append((True, call()))
-        except BaseException as exc:  # noqa: BLE001 (handed to the test)
-            done.append((False, exc))
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert done, f"still blocked after {seconds} s"
-    ok, value = done[0]
-    if not ok:
-        raise value
-    return value
-
-
 @pytest.mark.parametrize("where", ["shard", "index", "config", "file"])
 def test_a_named_pipe_in_a_checkpoint_is_refused_without_blocking(tmp_path, where):
     """A FIFO as a shard (or index, or config.json) hung the loader for ever in its open; each is refused by name."""
@@ -154,8 +132,9 @@ def test_a_named_pipe_in_a_checkpoint_is_refused_without_blocking(tmp_path, wher
     pipe = tmp_path / names[where]
     os.mkfifo(pipe)
     opened = {"config": lambda: V41Config.from_hf_config(tmp_path), "file": lambda: SafetensorsCheckpoint(pipe)}
-    with pytest.raises(InvalidArgument, match=rf"{pipe}: is a named pipe, not a checkpoint file"):
-        _within(20, opened.get(where, lambda: SafetensorsCheckpoint(tmp_path)))
+    raised = outcome_within(opened.get(where, lambda: SafetensorsCheckpoint(tmp_path)), 20, f"opening the {where}")
+    assert isinstance(raised, InvalidArgument) and f"{pipe}: is a named pipe, not a checkpoint file" in str(raised), \
+        raised
 
 
 def test_a_directory_as_a_shard_is_refused_by_name(tmp_path):

@@ -12,7 +12,6 @@ import logging
 import os
 import stat
 import struct
-import threading
 
 import numpy as np
 import pytest
@@ -22,7 +21,7 @@ from engram_model.v41 import SafetensorsCheckpoint
 from engram_store import DistributedStore, InvalidArgument, SegmentServer, UnsafeFile
 from engram_store.testing import Cluster
 from security_helpers import Intruder, intruder
-from suite_helpers import wait_for
+from suite_helpers import outcome_within, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -157,20 +156,9 @@ def test_a_shard_that_is_no_file_is_refused_without_blocking(shared, shard):
     intruder("mkfifo" if shard == "named pipe" else "mkdir", os.path.join(checkpoint, "model.safetensors"))
     intruder("write", os.path.join(checkpoint, "model.safetensors.index.json"),
              json.dumps({"weight_map": {"w": "model.safetensors"}}))
-    raised: list = []
-
-    def load() -> None:
-        try:
-            SafetensorsCheckpoint(checkpoint).info("w")
-            raised.append(None)
-        except Exception as exc:  # noqa: BLE001 (checked below)
-            raised.append(exc)
-    loader = threading.Thread(target=load, daemon=True)
-    loader.start()
-    loader.join(20)
-    assert raised, "the loader was still blocked after 20 s"
-    assert isinstance(raised[0], InvalidArgument), raised
-    assert f"model.safetensors: is a {shard}, not a checkpoint file" in str(raised[0])
+    raised = outcome_within(lambda: SafetensorsCheckpoint(checkpoint).info("w"), 20, "the loader")
+    assert isinstance(raised, InvalidArgument), raised
+    assert f"model.safetensors: is a {shard}, not a checkpoint file" in str(raised)
 
 
 def test_a_generation_table_whose_header_says_more_than_it_holds_is_refused(shared, monkeypatch, caplog):
