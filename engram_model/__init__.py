@@ -14,9 +14,11 @@ Public surface::
     prefetch_layers                hash once for several layers and start all their reads
     EngramModule(Config)           the same layer for a single residual stream ``[B, L, hidden_dim]``
     save_checkpoint, load_checkpoint, save_safetensors, load_safetensors, split_embedding_table
+    RowFormat, decode_rows         how a model family's table rows are stored (codes, block / table / no scales),
+                                   shared by DeepSeek-V4.1's and Qwen4-Exp's tables; rows without block scales decoded
 
 DeepSeek-V4.1's Engram (its hash, FP8 rows with e8m0 scales, gate and checkpoint loading) is the subpackage
-:mod:`engram_model.v41`.
+:mod:`engram_model.v41`; Qwen4-Exp's PLE tables (Qwen/Qwen3.8-Flash-Next) are :mod:`engram_model.ple`.
 
 Quick start: ``engram-demo`` (or ``python -m engram_model.demo``); V4.1: ``python -m engram_model.v41.demo``.
 """
@@ -29,6 +31,7 @@ from ._fp8 import (FP8_ROWS_F32_SCALES, FP8RowFormatF32Scales, dequantize_fp8_ro
 from ._hashing import NgramHashMapping, get_hash_mapping
 from ._incremental import IncrementalHasher
 from ._module import EngramModule, EngramModuleConfig
+from ._rows_format import RowFormat, decode_rows
 from ._tokenizer import CompressedTokenizer
 
 __all__ = [
@@ -43,6 +46,8 @@ __all__ = [
     "FP8RowFormatF32Scales",
     "IncrementalHasher",
     "NgramHashMapping",
+    "RowFormat",
+    "decode_rows",
     "dequantize_fp8_rows_f32_scales",
     "get_hash_mapping",
     "load_checkpoint",

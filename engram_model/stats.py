@@ -29,6 +29,13 @@ bound, the hit rate at caches of 0.1% to 100% of the rows, and with ``--hit-rate
 
     engram-stats corpus.npy --v41 --tokenizer tokenizer.json --hit-rate 0.6 --profile v41-profile.npz
     engram-stats --v41 --from-profile v41-profile.npz --layer-ids 1 14 --hit-rate 0.6
+
+``--ple`` asks the same of Qwen4-Exp's PLE tables (:mod:`engram_model.ple._sizing`): TOKENS are raw ids of the
+model's own tokenizer (no token map), hashed as its PLE layers hash them; the config is the release's (layer 2,
+bf16 rows) or ``--config config.json``, then ``--layer-ids``, ``--engram-vocab-size`` (``ngram_vocab_size_base``),
+``--max-ngram-size`` (``ngram_size``), ``--n-head-per-ngram`` (``heads_per_ngram``) and ``--seed``::
+
+    engram-stats corpus.npy --ple --hit-rate 0.6 --profile ple-profile.npz
 """
 
 from __future__ import annotations
@@ -129,11 +136,20 @@ def _v41_profiles(ids: np.ndarray, hasher: Any) -> dict[int, LayerProfile]:
     config = hasher.config
     valid = ids >= 0
     rows = hasher(np.where(valid, ids, config.pad_id))                      # [B, L, n_layers, cols]
-    out = {}
-    for j, lid in enumerate(config.layer_ids):
-        local = rows[:, :, j, :] - config.offsets(lid)                       # rows of each column's table
-        out[lid] = profile_rows(local.reshape(-1, config.cols), valid.reshape(-1))
-    return out
+    return _profiles(rows, valid, config.layer_ids, [config.offsets(lid) for lid in config.layer_ids])
+
+
+def _ple_profiles(ids: np.ndarray, hasher: Any) -> dict[int, LayerProfile]:
+    valid = ids >= 0
+    rows = hasher(np.where(valid, ids, hasher.eos))    # [B, L, n_layers, heads]; what follows a row's end is dropped
+    return _profiles(rows, valid, hasher.config.ple_layer_ids, list(hasher.offsets))
+
+
+def _profiles(rows: np.ndarray, valid: np.ndarray, layer_ids: Any, offsets: list) -> dict[int, LayerProfile]:
+    """Each layer's profile from a hasher's rows ``[B, L, n_layers, cols]`` (global rows; ``offsets`` per layer)."""
+    cols = rows.shape[-1]
+    return {lid: profile_rows((rows[:, :, j, :] - offsets[j]).reshape(-1, cols), valid.reshape(-1))
+            for j, lid in enumerate(layer_ids)}
 
 
 def _v41_config(args: Any, token_map: np.ndarray | None) -> Any:
@@ -154,6 +170,23 @@ def _v41_config(args: Any, token_map: np.ndarray | None) -> Any:
     return V41Config(**fields)
 
 
+def _ple_config(args: Any) -> Any:
+    """Qwen3.8-Flash-Next's PLE config (layer 2), or ``--config``'s, then the flags."""
+    from .ple import PLEConfig
+
+    base = PLEConfig.from_hf(args.config) if args.config else PLEConfig(ple_layer_ids=(2,))
+    fields = dataclasses.asdict(base)
+    if len(args.engram_vocab_size or [0]) != 1:
+        raise InvalidArgument(f"--engram-vocab-size: PLE takes one base for every head "
+                              f"(ngram_vocab_size_base), got {args.engram_vocab_size}")
+    for flag, name in (("layer_ids", "ple_layer_ids"), ("engram_vocab_size", "ngram_vocab_size_base"),
+                       ("max_ngram_size", "ngram_size"), ("n_head_per_ngram", "heads_per_ngram"), ("seed", "seed")):
+        value = getattr(args, flag)
+        if value is not None:
+            fields[name] = value[0] if flag == "engram_vocab_size" else tuple(value) if flag == "layer_ids" else value
+    return PLEConfig(**fields)
+
+
 def _token_map(path: str) -> np.ndarray:
     from .v41 import build_token_map, load_token_map
 
@@ -163,29 +196,58 @@ def _token_map(path: str) -> np.ndarray:
         raise InvalidArgument(f"--tokenizer {path}: {exc}") from None
 
 
-def _main_v41(args: Any) -> int:
+def _sizing_source(args: Any, family: str) -> tuple[Any, Any, Any]:
+    """``(config, geometry, curve source)`` of a --v41 or --ple sizing; writes --profile."""
     from .v41 import V41Hasher
-    from .v41._sizing import ProfileCurve, replay_tokens, sizing_report
+    from .v41._sizing import ProfileCurve, replay_tokens
+
+    if args.from_profile is not None:
+        if args.profile:
+            raise InvalidArgument("--profile: a profile is written from TOKENS, not from --from-profile")
+        config = _v41_config(args, None) if family == "v41" else _ple_config(args)
+        geometry = config if family == "v41" else _ple_geometry(config)
+        return config, geometry, ProfileCurve(geometry, load_profile(args.from_profile))
+    ids = None
+    if family == "v41":
+        if not args.tokenizer:
+            raise InvalidArgument("--v41: TOKENS need --tokenizer (tokenizer.json, or a saved token map .npy)")
+        token_map = _token_map(args.tokenizer)
+        config = _v41_config(args, token_map)
+        ids = load_tokens(args.tokens)
+        source = replay_tokens(config, token_map, ids)
+        if args.profile:
+            save_profile(args.profile, _v41_profiles(ids, V41Hasher(config, token_map)))
+        return config, config, source
+    from .ple import PLEHasher
+    from .ple._sizing import replay_tokens as replay_ple
+
+    if args.tokenizer:
+        raise InvalidArgument("--tokenizer: --ple hashes raw token ids (TOKENS from the model's own tokenizer); "
+                              "there is no token map")
+    config, ids = _ple_config(args), load_tokens(args.tokens)
+    source = replay_ple(config, ids)
+    if args.profile:
+        save_profile(args.profile, _ple_profiles(ids, PLEHasher(config)))
+    return config, _ple_geometry(config), source
+
+
+def _ple_geometry(config: Any) -> Any:
+    from .ple._sizing import sizing_geometry
+
+    return sizing_geometry(config)
+
+
+def _main_sizing(args: Any, family: str) -> int:
+    """engram-stats --v41 / --ple: the sizing report of TOKENS or --from-profile."""
+    from .v41._sizing import sizing_report
 
     try:
         if (args.tokens is None) == (args.from_profile is None):
-            raise InvalidArgument("--v41: expected TOKENS (with --tokenizer) or --from-profile PATH, one of them")
+            with_map = " (with --tokenizer)" if family == "v41" else ""
+            raise InvalidArgument(f"--{family}: expected TOKENS{with_map} or --from-profile PATH, one of them")
         if args.hit_rate is not None and not 0 < args.hit_rate <= 1:
             raise InvalidArgument(f"--hit-rate: expected a hit rate in (0, 1], got {args.hit_rate}")
-        if args.from_profile is not None:
-            if args.profile:
-                raise InvalidArgument("--profile: a profile is written from TOKENS, not from --from-profile")
-            config = _v41_config(args, None)
-            source = ProfileCurve(config, load_profile(args.from_profile))
-        else:
-            if not args.tokenizer:
-                raise InvalidArgument("--v41: TOKENS need --tokenizer (tokenizer.json, or a saved token map .npy)")
-            token_map = _token_map(args.tokenizer)
-            config = _v41_config(args, token_map)
-            ids = load_tokens(args.tokens)
-            source = replay_tokens(config, token_map, ids)
-            if args.profile:
-                save_profile(args.profile, _v41_profiles(ids, V41Hasher(config, token_map)))
+        config, geometry, source = _sizing_source(args, family)
         report = sizing_report(source, args.hit_rate)
     except (EngramError, OSError, ValueError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
@@ -194,18 +256,18 @@ def _main_v41(args: Any) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    _print_sizing(report, config)
+    _print_sizing(report, geometry, "V4.1" if family == "v41" else "PLE")
     if args.profile:
         print(f"profile of every looked-up row -> {args.profile}")
     return 0
 
 
-def _print_sizing(report: dict[str, Any], config: Any) -> None:
+def _print_sizing(report: dict[str, Any], config: Any, family: str = "V4.1") -> None:
     lids = list(report["layers"])
     how = "a cache holding the profile's most frequent rows; an LRU on traffic with locality hits more" \
         if report["source"] == "profile" else "an LRU, the corpus replayed"
-    print(f"V4.1 layers {lids}: {report['rows']:,} rows of {report['row_bytes']} bytes; {report['lookups']:,} lookups "
-          f"of {report['working_set_rows']:,} distinct rows (working set: row_cache_bytes "
+    print(f"{family} layers {lids}: {report['rows']:,} rows of {report['row_bytes']} bytes; {report['lookups']:,} "
+          f"lookups of {report['working_set_rows']:,} distinct rows (working set: row_cache_bytes "
           f"{format_size(report['working_set_bytes'])})")
     print(f"first-touch bound (a cache of unbounded size still misses every first touch): "
           f"{report['first_touch_bound']:.1%}")
@@ -239,7 +301,8 @@ the compressed tokenizer (original vocabulary / compressed vocabulary).
 
 With --v41: how large a DeepSeek-V4.1 hot-row cache (row_cache_bytes) must be, from TOKENS or a
 saved profile: the working set, the first-touch bound, the hit rate at every cache size per layer
-and n-gram order, and with --hit-rate the smallest cache that reaches it."""
+and n-gram order, and with --hit-rate the smallest cache that reaches it. With --ple, the same for
+the PLE tables of Qwen4-Exp (Qwen/Qwen3.8-Flash-Next), from raw ids of the model's own tokenizer."""
 
 
 def _parser():
@@ -248,7 +311,7 @@ def _parser():
     p.add_argument("tokens", metavar="TOKENS", nargs="?", help=".npy array of token ids (1-D: one sequence; 2-D: one "
                    "per row) or a text file of whitespace-separated ids, one sequence per line")
     p.add_argument("--config", metavar="JSON", help="a JSON object of EngramConfig fields; with --v41, a V4.1 "
-                   "config.json (default: none)")
+                   "config.json; with --ple, a Qwen4-Exp config.json (default: none)")
     p.add_argument("--engram-vocab-size", type=int, nargs="+", metavar="N",
                    help=f"table size per n-gram order before rounding to primes (default: {defaults.engram_vocab_size})")
     p.add_argument("--max-ngram-size", type=int, metavar="N",
@@ -270,11 +333,16 @@ def _parser():
                    help="size a V4.1 hot-row cache: hash TOKENS with --tokenizer as DeepSeek-V4.1 does (its released "
                         "config, layers 1 14, unless --config or the flags say otherwise), or read --from-profile; "
                         "report the working set, the first-touch bound and the hit rate at every cache size")
+    p.add_argument("--ple", action="store_true",
+                   help="size a PLE hot-row cache (Qwen4-Exp, Qwen/Qwen3.8-Flash-Next): hash TOKENS, raw ids of the "
+                        "model's own tokenizer, as its PLE layers do (the release's config, layer 2, unless --config "
+                        "or --layer-ids, --engram-vocab-size, --max-ngram-size, --n-head-per-ngram, --seed say "
+                        "otherwise), or read --from-profile; the same report as --v41")
     p.add_argument("--from-profile", metavar="PATH",
-                   help="with --v41, in place of TOKENS: a profile written by --profile (counts, no order: the hit "
-                        "rate of a cache holding the most frequent rows) (default: none)")
+                   help="with --v41 or --ple, in place of TOKENS: a profile written by --profile (counts, no order: "
+                        "the hit rate of a cache holding the most frequent rows) (default: none)")
     p.add_argument("--hit-rate", type=float, metavar="R",
-                   help="with --v41: also the smallest row_cache_bytes reaching this hit rate, 0 < R <= 1 "
+                   help="with --v41 or --ple: also the smallest row_cache_bytes reaching this hit rate, 0 < R <= 1 "
                         "(default: none)")
     cli.add_log_level(p, "WARNING")
     return p
@@ -313,10 +381,13 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     cli.setup_logging(args.log_level)
-    if args.v41:
-        return _main_v41(args)
+    if args.v41 and args.ple:
+        print(f"{PROG}: --v41, --ple: expected one model family, got both", file=sys.stderr)
+        return 2
+    if args.v41 or args.ple:
+        return _main_sizing(args, "v41" if args.v41 else "ple")
     if args.tokens is None:
-        print(f"{PROG}: TOKENS: expected a token file (or --v41 --from-profile PATH)", file=sys.stderr)
+        print(f"{PROG}: TOKENS: expected a token file (or --v41 / --ple --from-profile PATH)", file=sys.stderr)
         return 2
     try:
         config = _config(args)

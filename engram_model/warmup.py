@@ -2,7 +2,7 @@
 
 The store's kernels (row gathers, range reads, planning), the model's hashing kernels (prefill and decode), and
 DeepSeek-V4.1's (hash, its continuous-batching step, FP8 row decoding fused with the gather for 12 and 24 columns,
-gate, checkpoint packing, the engines' row gathers).
+gate, checkpoint packing, the engines' row gathers), and Qwen4-Exp's PLE hash.
 Nothing needs this: kernels compile on first use and are cached on disk (see :mod:`engram_store.warmup` for
 where, and ``NUMBA_CACHE_DIR``). Run it when building a deployment image, so no request pays for compilation.
 """
@@ -84,6 +84,26 @@ def warm_v41(verbose: bool = True) -> float:
     return elapsed
 
 
+def warm_ple(verbose: bool = True) -> float:
+    """Run Qwen4-Exp's PLE hash kernel once through the paths serving uses (whole sequences, a ragged step, a draft
+    and its commit); returns seconds."""
+    from .ple import PLEConfig, PLEHasher
+
+    start = time.perf_counter()
+    for base in (2, 20_000_000):  # toy head sizes (the general modulo loop) and the release's
+        hasher = PLEHasher(PLEConfig(ple_layer_ids=[2], ngram_vocab_size_base=base, hidden_size=16, vocab_size=64,
+                                     eos_token_id=1))
+        ids = np.arange(6, dtype=np.int64).reshape(2, 3)
+        hasher(ids)
+        state = hasher.begin(4)
+        hasher.step_ragged(state, ids.ravel(), [3, 0], [0, 2, 6], commit=False)
+        hasher.commit(state, ids.ravel()[:3], [3, 0], [0, 1, 3])
+    elapsed = time.perf_counter() - start
+    if verbose:
+        print(f"engram_model.ple kernels ready in {elapsed:.1f} s", flush=True)
+    return elapsed
+
+
 def _warm_v41_checkpoint() -> None:
     """Checkpoint reading: a one-layer file with the dtypes of the release, read as load_v41_table reads it."""
     import os
@@ -92,6 +112,7 @@ def _warm_v41_checkpoint() -> None:
     from .v41 import V41Config
     from .v41 import _kernels as v41_kernels
     from .v41._checkpoint import SafetensorsCheckpoint, load_v41_weights
+    from .v41._toy import write_safetensors
 
     config = V41Config(layer_ids=[1], max_ngram_size=2, n_heads=1, head_dim=32, engram_vocab_size=2,
                        compressed_vocab_size=8, hidden_size=32, hc_mult=1)
@@ -104,28 +125,12 @@ def _warm_v41_checkpoint() -> None:
                "layers.1.engram.k_weight": ("BF16", np.zeros((1, 32), np.uint16))}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "model.safetensors")
-        _write_safetensors(path, tensors)
+        write_safetensors(path, tensors)
         ckpt = SafetensorsCheckpoint(path)
         load_v41_weights(ckpt, config, 1)
         weight, scale = (np.asarray(ckpt.raw(n)) for n in list(tensors)[:2])
         v41_kernels.pack_rows(weight, scale, np.empty((rows, config.row_bytes), np.uint8))
         del ckpt, weight, scale
-
-
-def _write_safetensors(path: str, tensors: dict) -> None:
-    """A safetensors file from ``{name: (dtype name, array of raw values)}`` (the float8 dtypes included)."""
-    import json
-    import struct
-
-    header, offset = {}, 0
-    for name, (dtype, arr) in tensors.items():
-        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
-        offset += arr.nbytes
-    blob = json.dumps(header).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)) + blob + b"".join(np.ascontiguousarray(a).tobytes()
-                                                              for _, a in tensors.values()))
 
 
 PROG = "engram-warmup"
@@ -139,7 +144,8 @@ def _groups() -> list[tuple[str, object]]:
             ("store: SSD tier (page packing, reads, row cache)", disk.warmup),
             ("model: N-gram hashing, prefill and decode", lambda: warm_model(verbose=False)),
             ("DeepSeek-V4.1: hash, ragged steps, FP8 gather + decode, gate, checkpoint packing",
-             lambda: warm_v41(verbose=False))]
+             lambda: warm_v41(verbose=False)),
+            ("Qwen4-Exp PLE: hash, ragged steps", lambda: warm_ple(verbose=False))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,10 +153,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    p = cli.parser(PROG, "Compile every Numba kernel of engram ahead of time (the store's, the model's hashing, and\n"
-                          "DeepSeek-V4.1's), for deployment images: kernels otherwise compile on first use. Compiled\n"
-                          "kernels are cached on disk, next to the installed sources or in Numba's user cache where\n"
-                          "those are read-only; set NUMBA_CACHE_DIR to choose. With a warm cache this takes seconds.")
+    p = cli.parser(PROG, "Compile every Numba kernel of engram ahead of time (the store's, the model's hashing,\n"
+                          "DeepSeek-V4.1's and Qwen4-Exp's PLE hash), for deployment images: kernels otherwise\n"
+                          "compile on first use. Compiled kernels are cached on disk, next to the installed\n"
+                          "sources or in Numba's user cache where those are read-only; set NUMBA_CACHE_DIR to\n"
+                          "choose. With a warm cache this takes seconds.")
     cli.add_log_level(p, "WARNING")
     cli.setup_logging(p.parse_args(argv).log_level)
     if os.environ.get("NUMBA_DISABLE_JIT") == "1":

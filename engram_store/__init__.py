@@ -18,6 +18,7 @@ from .tables import (EngramStore, EngramStoreConfig, LookupHandle, lookup_many, 
                      serve_metrics)
 from ._errors import (
     AuthError,
+    CatalogUnwritable,
     ConfigError,
     EngramError,
     InvalidArgument,
@@ -48,6 +49,7 @@ from ._units import format_size, parse_size
 
 __all__ = [
     "AuthError",
+    "CatalogUnwritable",
     "ConfigError",
     "DistributedStore",
     "EngramError",

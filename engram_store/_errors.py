@@ -12,6 +12,7 @@ Every error engram raises derives from :class:`EngramError`::
         ├── ObjectExists                  a create-only write found the key already present
         ├── LeaseActive                   remove refused: a reader holds a lease on the object
         ├── OutOfSpace                    no segment (or not enough distinct segments) has room
+        │   └── CatalogUnwritable         a durable segment refuses new puts: it cannot write its catalogue now
         ├── Unavailable                   a server did not answer in time, or is gone
         │   ├── MasterUnavailable
         │   └── SegmentUnavailable
@@ -104,6 +105,15 @@ class OutOfSpace(StoreError):
     """No segment, or not enough distinct segments for the replica count, has room for the object."""
 
     code = "OUT_OF_SPACE"
+
+
+class CatalogUnwritable(OutOfSpace):
+    """A durable segment refuses new puts because it cannot write its catalogue (``<file>.manifest``) now: a full
+    disk, an I/O error, a directory it may no longer write. A put it took then would be missing from the catalogue
+    its next start offers back, so it takes none until a write of the catalogue succeeds again (it tries at every
+    heartbeat); the master places puts on other segments meanwhile. Nothing of the refused put landed."""
+
+    code = "CATALOG_UNWRITABLE"
 
 
 class Unavailable(StoreError):
@@ -245,7 +255,7 @@ _BY_CODE = {
     cls.code: cls
     for cls in (
         EngramError, InvalidArgument, ConfigError, InvalidType, NotConnected, StoreError,
-        ObjectNotFound, ObjectExists, LeaseActive, OutOfSpace, Unavailable, MasterUnavailable,
+        ObjectNotFound, ObjectExists, LeaseActive, OutOfSpace, CatalogUnwritable, Unavailable, MasterUnavailable,
         SegmentUnavailable, ObjectLost, WriteFenced, StalePlacement, DiskReadError, JournalError, UnsafeFile,
         LockTimeout, TableClosed, ResourceExhausted, ProtocolError, RemoteError, AuthError,
     )

@@ -266,7 +266,8 @@ class MasterServer:
 
     def _heartbeat(self, req: Request) -> dict:
         segment = self.state.heartbeat(req.str("segment_id", 128), req.str("registration", 64),
-                                       req.int_list("fenced", default=[]), req.ranges("held", default=[]))
+                                       req.int_list("fenced", default=[]), req.ranges("held", default=[]),
+                                       req.str("refusing_puts", 1024, default="", allow_empty=True))
         if segment is None:
             return {"known": False, "catalog": -1, "fence": []}
         return {"known": True, "catalog": segment.catalog_version, "fence": sorted(segment.fences)}

@@ -217,6 +217,9 @@ def _print_status(header: dict, host: str, port: int) -> None:
     unconfirmed = sum(1 for s in segments if not s.get("confirmed", True))
     if unconfirmed:
         print(f"  {unconfirmed} segment(s) restored from the journal have not registered again yet")
+    for s in segments:
+        if s.get("refusing_puts"):
+            print(f"  segment {s['segment_id']} at {s['address']} takes no new puts: {s['refusing_puts']}")
     if segments:
         width = max(len(s["address"]) for s in segments)
         print(f"  {'address':<{width}}  {'size':>12}  {'used':>12}  {'used%':>6}  {'readers':>7}  segment")

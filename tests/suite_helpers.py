@@ -68,6 +68,25 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None
         time.sleep(0.05)
 
 
+def outcome_within(call: Callable[[], object], timeout_s: float, what: str) -> BaseException | None:
+    """Run ``call()`` in a thread of its own and return the exception it raised (None if it returned); fail the test
+    naming ``what`` if it has not ended after ``timeout_s`` (a reader blocked on a named pipe never would: the
+    thread is a daemon, left behind)."""
+    ended: list = []
+
+    def run() -> None:
+        try:
+            call()
+            ended.append(None)
+        except Exception as exc:  # noqa: BLE001 (handed to the test)
+            ended.append(exc)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert ended, f"{what} was still blocked after {timeout_s:g} s"
+    return ended[0]
+
+
 def flip_byte(path: str, offset: int, mask: int = 0x40) -> None:
     """Flip bits ``mask`` of the byte at ``offset`` of the file ``path`` (bytes that rot at rest); past the end of
     the file, nothing."""

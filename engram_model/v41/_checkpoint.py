@@ -147,33 +147,44 @@ def load_v41_table(path: Any, config: V41Config, layer_id: int, store: Any = Non
     ckpt = _as_checkpoint(path)
     layout = v41_store_config(config, layer_id)
     table = _table_tensors(ckpt, config, layer_id)  # the tensors are checked before anything else
-    options = _table_options(layer_id, store, disk_dir, local_dir, row_cache_bytes, cache_scope)
+    options = table_options(layer_id, store, disk_dir, local_dir, row_cache_bytes, cache_scope)
     if disk_dir is not None:
-        return _load_to_disk(ckpt, config, layer_id, disk_dir, progress, options)
+        return write_to_disk(layout, layer_id, disk_dir, _column_fills(table, config, layer_id), progress, options)
     if local_dir is not None:
-        return _load_to_local_dir(ckpt, config, layer_id, options)
-    layer = _store_layer(store, layout, layer_id, options)
+        return write_to_local_dir(layout, layer_id, _column_fills(table, config, layer_id), options)
+    offsets, primes = config.offsets(layer_id).tolist(), layout.table_vocab_sizes
+    buffer = np.empty((max(primes), config.row_bytes), dtype=np.uint8)
+    return populate_heads(store, layout, layer_id, options, replica_num, lambda c: _pack_column(
+        table, offsets[c], buffer[:primes[c]], layer_id, c, config.cols, progress), "column")
+
+
+def populate_heads(store: Any, layout: Any, layer_id: int, options: dict[str, Any], replica_num: int,
+                   head_table: Any, what: str = "head") -> EngramStore:
+    """Populate the layer's heads into ``store`` one head shard at a time, ``head_table(h)`` making head h's table
+    (into a buffer it may reuse); the last shard publishes the layer's manifest. Refuses a layer already (or partly)
+    there; on any failure each shard written is taken back with :meth:`EngramStore.undo_populate` (a layer that
+    another process removed with force and loaded meanwhile stays whole). Returns the layer's EngramStore."""
+    layer = store_layer(store, layout, layer_id, options)
+    heads = len(layout.table_vocab_sizes)
     present = [k for k, e in zip(layer.get_store_keys(), store.batch_is_exist(layer.get_store_keys())) if e]
     if present:
         layer.close()
-        raise ObjectExists(f"layer {layer_id}: {len(present)} of {config.cols} columns are already in the store "
+        raise ObjectExists(f"layer {layer_id}: {len(present)} of {heads} {what}s are already in the store "
                            f"(first {present[0]!r}); remove the layer first")
-    offsets, primes = config.offsets(layer_id), layout.table_vocab_sizes
-    buffer = np.empty((max(primes), config.row_bytes), dtype=np.uint8)
     written: list[EngramStore] = []
     try:
-        for c, (offset, prime) in enumerate(zip(offsets.tolist(), primes)):
-            column = _pack_column(table, offset, buffer[:prime], layer_id, c, config.cols, progress)
-            shard = EngramStore(layer_id, layout, store, heads=[c])
-            shard.populate([column], replica_num=replica_num)
+        for h, rows in enumerate(layout.table_vocab_sizes):
+            table = head_table(h)
+            shard = EngramStore(layer_id, layout, store, heads=[h])
+            shard.populate([table], replica_num=replica_num)
             written.append(shard)
-            log.info("layer %d: column %d/%d written (%d rows)", layer_id, c + 1, config.cols, prime)
+            log.info("layer %d: %s %d/%d written (%d rows)", layer_id, what, h + 1, heads, rows)
     except BaseException:
         for shard in written:
-            try:  # this load's columns only: another process may have removed the layer and loaded it since
+            try:  # this load's heads only: another process may have removed the layer and loaded it since
                 shard.undo_populate()
             except EngramError as exc:  # keep the original error; say what could not be cleaned up
-                log.error("layer %d: removing a column this load wrote failed: %s", layer_id, exc)
+                log.error("layer %d: removing a %s this load wrote failed: %s", layer_id, what, exc)
         layer.close()
         raise
     finally:
@@ -189,37 +200,46 @@ def open_v41_table(path: Any, config: V41Config, layer_id: int, store: Any = Non
     there already, else streamed in from the checkpoint first (:func:`load_v41_table`, which takes the same
     arguments). A layer partly in a store (an interrupted load) is refused: remove it and load it again."""
     layout = v41_store_config(config, layer_id)
-    options = _table_options(layer_id, store, disk_dir, local_dir, row_cache_bytes, cache_scope)
+    options = table_options(layer_id, store, disk_dir, local_dir, row_cache_bytes, cache_scope)
     load = dict(disk_dir=disk_dir, local_dir=local_dir, replica_num=replica_num, progress=progress,
                 row_cache_bytes=row_cache_bytes, cache_scope=cache_scope)
+    return open_or_load(layout, layer_id, store, options, lambda: load_v41_table(path, config, layer_id, store,
+                                                                                 **load), "column")
+
+
+def open_or_load(layout: Any, layer_id: int, store: Any, options: dict[str, Any], load: Any,
+                 what: str = "head") -> EngramStore:
+    """The layer's EngramStore in the place ``options`` name (:func:`table_options`), opened where the layer is
+    there already, else made by ``load()`` (which streams it in). A layer partly in a store is refused."""
+    disk_dir, local_dir = options.get("disk_dir"), options.get("local_dir")
     if disk_dir is not None:
         from engram_store.disk import DiskDir
 
         if layer_id in DiskDir(disk_dir).layers():
             return EngramStore(layer_id, layout, None, **options)
-        return load_v41_table(path, config, layer_id, **load)
+        return load()
     if local_dir is not None:
         layer = EngramStore(layer_id, layout, None, **options)
         try:
             layer.local_tables()  # raises ObjectNotFound where the layer is not published there
         except ObjectNotFound:
             layer.close()
-            return load_v41_table(path, config, layer_id, **load)
+            return load()
         return layer
-    layer = _store_layer(store, layout, layer_id, options)
+    layer = store_layer(store, layout, layer_id, options)
     present = store.batch_is_exist(layer.get_store_keys())
     if all(present):
         return layer
     layer.close()
     if any(present):
-        raise InvalidArgument(f"store: {sum(present)} of {config.cols} columns of layer {layer_id} are in the store "
+        raise InvalidArgument(f"store: {sum(present)} of {len(present)} {what}s of layer {layer_id} are in the store "
                               f"(an interrupted load?); engram-layers remove --master {store.master_address} "
                               f"{layer_id}, then load it again")
     _say_why_loading(store, layer_id)
-    return load_v41_table(path, config, layer_id, store, **load)
+    return load()
 
 
-def _table_options(layer_id: int, store: Any, disk_dir: Any, local_dir: Any, row_cache_bytes: int,
+def table_options(layer_id: int, store: Any, disk_dir: Any, local_dir: Any, row_cache_bytes: int,
                    cache_scope: str) -> dict[str, Any]:
     """The EngramStore keywords of the one place a layer's table is (refusing none or several)."""
     places = {name: value for name, value in (("store", store), ("disk_dir", disk_dir), ("local_dir", local_dir))
@@ -234,7 +254,7 @@ def _table_options(layer_id: int, store: Any, disk_dir: Any, local_dir: Any, row
     return options
 
 
-def _store_layer(store: Any, layout: Any, layer_id: int, options: dict[str, Any]) -> EngramStore:
+def store_layer(store: Any, layout: Any, layer_id: int, options: dict[str, Any]) -> EngramStore:
     if isinstance(store, EngramStore) or not hasattr(store, "batch_is_exist"):
         raise InvalidType(f"store: expected a DistributedStore (the table goes in as head shards of layer "
                           f"{layer_id}), got {type(store).__name__}")
@@ -275,22 +295,20 @@ def _pack_column(table: _TableRows, offset: int, column: np.ndarray, layer_id: i
     return column
 
 
-def _load_to_disk(ckpt: "SafetensorsCheckpoint", config: V41Config, layer_id: int, disk_dir: Any,
-                  progress: bool | None, options: dict[str, Any]) -> EngramStore:
-    """:func:`load_v41_table` into a ``disk_dir``: each column's rows are packed chunk by chunk as the writer asks."""
+def write_to_disk(layout: Any, layer_id: int, disk_dir: Any, fills: list, progress: bool | None,
+                  options: dict[str, Any]) -> EngramStore:
+    """Write the layer under ``disk_dir`` from one ``fill(start_row, out)`` per head, chunk by chunk as the writer
+    asks, and publish it; refuses a layer already there. Returns the layer's EngramStore."""
     from engram_store.disk import DiskDir
 
-    layout = v41_store_config(config, layer_id)
-    table = _table_tensors(ckpt, config, layer_id)
     directory = DiskDir(disk_dir)
     if layer_id in directory.layers():
         raise ObjectExists(f"layer {layer_id} is already published under disk_dir {directory.path}; remove it first")
-    nbytes = config.num_embeddings(layer_id) * config.row_bytes
+    nbytes = sum(layout.table_vocab_sizes) * layout.row_bytes
     bar = Progress(nbytes, f"layer {layer_id} to {directory.path}",
                    enabled=progress if progress is not None else (None if nbytes >= PROGRESS_MIN_BYTES else False))
     try:
-        directory.write(layer_id, config.row_bytes, layout.table_vocab_sizes,
-                        _column_fills(table, config, layer_id), progress=bar)
+        directory.write(layer_id, layout.row_bytes, layout.table_vocab_sizes, fills, progress=bar)
     finally:
         bar.close()
     return EngramStore(layer_id, layout, **{**options, "disk_dir": directory.path})
@@ -309,13 +327,12 @@ def _column_fills(table: _TableRows, config: V41Config, layer_id: int) -> list:
     return [column(c, offset) for c, offset in enumerate(config.offsets(layer_id).tolist())]
 
 
-def _load_to_local_dir(ckpt: "SafetensorsCheckpoint", config: V41Config, layer_id: int,
-                       options: dict[str, Any]) -> EngramStore:
-    """:func:`load_v41_table` under a ``local_dir``: each column's file is written from its rows chunk by chunk."""
-    table = _table_tensors(ckpt, config, layer_id)
-    layer = EngramStore(layer_id, v41_store_config(config, layer_id), None, **options)
+def write_to_local_dir(layout: Any, layer_id: int, fills: list, options: dict[str, Any]) -> EngramStore:
+    """Write the layer under ``local_dir`` from one ``fill(start_row, out)`` per head, each head's file chunk by
+    chunk, and publish it. Returns the layer's EngramStore."""
+    layer = EngramStore(layer_id, layout, None, **options)
     try:
-        layer.populate(_column_fills(table, config, layer_id))
+        layer.populate(fills)
     except BaseException:
         layer.close()
         raise

@@ -21,7 +21,9 @@ import numpy as np
 from engram_store import EngramStoreConfig
 from engram_store.errors import ConfigError, InvalidArgument, InvalidType, describe, is_int
 
+from .._checkpoint_files import open_checkpoint_file
 from .._hashing import find_next_prime
+from .._rows_format import RowFormat
 
 #: Spreads the multiplier seeds of different layers apart (the reference seeds ``10007 * layer_id``, no base seed).
 LAYER_SEED_STRIDE = 10007
@@ -98,9 +100,14 @@ class V41Config:
         return (self.max_ngram_size - 1) * self.n_heads
 
     @property
+    def row_format(self) -> RowFormat:
+        """A table row: ``head_dim`` e4m3 codes, then one e8m0 scale byte per 32 values."""
+        return RowFormat(self.head_dim, "e4m3", "block", FP8_BLOCK)
+
+    @property
     def row_bytes(self) -> int:
         """Bytes of one packed FP8 row: ``head_dim`` e4m3 codes, then ``head_dim // 32`` e8m0 scale bytes."""
-        return self.head_dim + self.head_dim // FP8_BLOCK
+        return self.row_format.row_bytes
 
     def layer_index(self, layer_id: Any) -> int:
         """Position of ``layer_id`` in ``layer_ids`` (the third axis of the hasher's output)."""
@@ -188,7 +195,7 @@ def _primes(config: V41Config) -> tuple[tuple[tuple[int, ...], ...], ...]:
     return tuple(layers)
 
 
-def _read_json(path_or_dict: Any) -> Mapping[str, Any]:
+def _read_json(path_or_dict: Any, caller: str = "from_hf_config") -> Mapping[str, Any]:
     if isinstance(path_or_dict, Mapping):
         return path_or_dict
     if not isinstance(path_or_dict, (str, os.PathLike)):
@@ -198,15 +205,15 @@ def _read_json(path_or_dict: Any) -> Mapping[str, Any]:
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(open_checkpoint_file(path), encoding="utf-8") as f:  # a regular file: never a pipe
             raw = json.load(f)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         where = (f"no config.json in the directory {os.fspath(path_or_dict)!r}" if path != os.fspath(path_or_dict)
                  else f"no such file {path!r}")
-        raise ConfigError(f"from_hf_config: {where} (expected a config.json path, a checkpoint directory holding "
+        raise ConfigError(f"{caller}: {where} (expected a config.json path, a checkpoint directory holding "
                           "one, or a dict)") from None
     except OSError as exc:
-        raise ConfigError(f"from_hf_config: cannot read {path!r}: {exc.strerror}") from None
+        raise ConfigError(f"{caller}: cannot read {path!r}: {exc.strerror}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not JSON ({exc})") from None
     except RecursionError:
@@ -220,5 +227,4 @@ def v41_store_config(config: V41Config, layer_id: int) -> EngramStoreConfig:
     """The EngramStore layout of one layer's table: a head per column, sized by its prime, rows of row_bytes."""
     if not isinstance(config, V41Config):
         raise InvalidType(f"config: expected a V41Config, got {type(config).__name__}")
-    return EngramStoreConfig([p for heads in config.primes(layer_id) for p in heads], config.row_bytes,
-                             row_format="bytes")
+    return config.row_format.store_config([p for heads in config.primes(layer_id) for p in heads])

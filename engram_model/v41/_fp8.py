@@ -23,19 +23,12 @@ import numpy as np
 from engram_store.errors import InvalidArgument, InvalidType
 
 from .._fp8 import E4M3_MAX, E4M3_TABLE, _nearest_e4m3
+from .._rows_format import RowFormat, round_bf16  # noqa: F401 (round_bf16: the V4.1 modules import it from here)
 from . import _kernels
 from ._config import FP8_BLOCK
 
 #: e8m0 bias: scale byte s stands for 2^(s - 127); 255 is NaN.
 E8M0_BIAS = 127
-
-
-def round_bf16(x: np.ndarray) -> np.ndarray:
-    """float32 values rounded to the nearest bfloat16 (ties to even), as float32; NaN stays NaN."""
-    x = np.asarray(x, dtype=np.float32)
-    bits = x.view(np.uint32).astype(np.uint64)
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
-    return np.where(np.isnan(x), x, rounded)
 
 
 def _decode_table() -> np.ndarray:
@@ -77,10 +70,7 @@ ENGINE_BF16_TABLE = _engine_bf16_table()
 
 def head_dim_of(row_bytes: int, name: str = "rows") -> int:
     """``head_dim`` of a packed row of ``row_bytes`` bytes (``row_bytes = head_dim * 33 / 32``)."""
-    if row_bytes <= 0 or row_bytes % (FP8_BLOCK + 1):
-        raise InvalidArgument(f"{name}: expected a last axis of head_dim + head_dim // 32 bytes (a multiple of 33, "
-                              f"e.g. 264 for head_dim 256), got {row_bytes}")
-    return row_bytes // (FP8_BLOCK + 1) * FP8_BLOCK
+    return RowFormat.blocks_of(row_bytes, FP8_BLOCK, name).values
 
 
 def bad_row_message(name: str, rows: np.ndarray, flat_index: int, lead_shape: tuple[int, ...]) -> str:

@@ -177,16 +177,8 @@ class V41Hasher:
             raise InvalidType(f"state: expected the V41HashState of begin(), got {type(state).__name__}")
         if state.history.shape[1] != self.context:
             raise InvalidArgument(f"state: has context {state.history.shape[1]}, this hasher's is {self.context}")
-        ids = _vector(tokens, "tokens", "[T]")
-        starts = _vector(query_start_loc, "query_start_loc", "[R + 1]")
-        where = _vector(slots, "slots", "[R]")
-        T, R = ids.shape[0], where.shape[0]
-        if starts.shape[0] != R + 1:
-            raise InvalidArgument(f"query_start_loc: expected R + 1 = {R + 1} offsets (slots has R = {R}), "
-                                  f"got {starts.shape[0]}")
-        if starts[0] != 0 or starts[R] != T:
-            raise InvalidArgument(f"query_start_loc: expected offsets from 0 to T = {T} (the number of tokens), "
-                                  f"got {int(starts[0])} to {int(starts[R])}")
+        ids, starts, where = ragged_arguments(tokens, slots, query_start_loc)
+        T = ids.shape[0]
         mask = self._flags(token_mask, "token_mask", (T,), "mask")
         docs = self._flags(doc_start, "doc_start", (T,), "doc_start")
         nl, cols = len(self.config.layer_ids), self.config.cols
@@ -202,19 +194,7 @@ class V41Hasher:
     def _ragged_refused(self, kind: int, at: int, ids: np.ndarray, starts: np.ndarray, slots: np.ndarray,
                         n_slots: int) -> None:
         """Raise for the problem :func:`~engram_model.v41._kernels.hash_ragged` found (its codes)."""
-        if kind == 1:
-            r = int(np.searchsorted(starts, at, side="right")) - 1
-            raise InvalidArgument(f"tokens: token id {int(ids[at])} at [{at}] (request {r}) is outside the token map "
-                                  f"[0, {self.token_map.size})")
-        if kind == 4:
-            raise InvalidArgument(f"query_start_loc: expected non-decreasing offsets, got {int(starts[at])} then "
-                                  f"{int(starts[at + 1])} at [{at}, {at + 1}]")
-        slot = int(slots[at])
-        if kind == 2:
-            raise InvalidArgument(f"slots: expected slots of the state in [0, {n_slots}), got {slot} for request {at}")
-        first = int(np.flatnonzero(slots == slot)[0])
-        raise InvalidArgument(f"slots: expected a distinct slot per request, got slot {slot} for requests {first} "
-                              f"and {at}")
+        ragged_refused(kind, at, ids, starts, slots, n_slots, f"the token map [0, {self.token_map.size})")
 
     def _ids(self, value: Any, name: str) -> np.ndarray:
         if isinstance(value, np.ndarray) and value.dtype == np.int64 and value.ndim == 2 \
@@ -285,6 +265,40 @@ class V41Hasher:
         c = self.config
         return (f"V41Hasher(layers={list(c.layer_ids)}, max_ngram_size={c.max_ngram_size}, cols={c.cols}, "
                 f"vocab={self.token_map.size} -> {c.compressed_vocab_size})")
+
+
+def ragged_arguments(tokens: Any, slots: Any, query_start_loc: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A ragged step's ``(tokens [T], query_start_loc [R + 1], slots [R])`` as int64 vectors, their lengths and the
+    offsets' ends checked (what the kernels check, :func:`~engram_model.v41._kernels.ragged_refusal`, aside)."""
+    ids = _vector(tokens, "tokens", "[T]")
+    starts = _vector(query_start_loc, "query_start_loc", "[R + 1]")
+    where = _vector(slots, "slots", "[R]")
+    T, R = ids.shape[0], where.shape[0]
+    if starts.shape[0] != R + 1:
+        raise InvalidArgument(f"query_start_loc: expected R + 1 = {R + 1} offsets (slots has R = {R}), "
+                              f"got {starts.shape[0]}")
+    if starts[0] != 0 or starts[R] != T:
+        raise InvalidArgument(f"query_start_loc: expected offsets from 0 to T = {T} (the number of tokens), "
+                              f"got {int(starts[0])} to {int(starts[R])}")
+    return ids, starts, where
+
+
+def ragged_refused(kind: int, at: int, ids: np.ndarray, starts: np.ndarray, slots: np.ndarray, n_slots: int,
+                   tokens_in: str) -> None:
+    """Raise for the problem :func:`~engram_model.v41._kernels.ragged_refusal` found (its codes); ``tokens_in``
+    says where token ids must lie."""
+    if kind == 1:
+        r = int(np.searchsorted(starts, at, side="right")) - 1
+        raise InvalidArgument(f"tokens: token id {int(ids[at])} at [{at}] (request {r}) is outside {tokens_in}")
+    if kind == 4:
+        raise InvalidArgument(f"query_start_loc: expected non-decreasing offsets, got {int(starts[at])} then "
+                              f"{int(starts[at + 1])} at [{at}, {at + 1}]")
+    slot = int(slots[at])
+    if kind == 2:
+        raise InvalidArgument(f"slots: expected slots of the state in [0, {n_slots}), got {slot} for request {at}")
+    first = int(np.flatnonzero(slots == slot)[0])
+    raise InvalidArgument(f"slots: expected a distinct slot per request, got slot {slot} for requests {first} "
+                          f"and {at}")
 
 
 def _vector(value: Any, name: str, shape: str) -> np.ndarray:

@@ -174,27 +174,11 @@ def _rows_of_block(toks, nb, multipliers, n_heads, primes, inv_primes, offsets, 
             out[t0 + j, w] = tmp[w, j]
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
-def hash_ragged(tokens, query_start_loc, slots, token_map, mask, has_mask, doc_start, has_doc, history, pad,
-                multipliers, primes, inv_primes, offsets, n_heads, emit, commit, out):
-    """Rows of one engine step of R requests flattened as engines pass them; returns (0, -1) or the first problem.
-
-    tokens int64 [T] raw token ids, request r's are tokens[query_start_loc[r] : query_start_loc[r + 1]] and its
-    history is history[slots[r]]; query_start_loc int64 [R + 1] (0 first and T last, checked by the caller);
-    slots int64 [R]; mask bool [T] (False: DEAD; read only if has_mask); doc_start bool [T] (True: the token starts a
-    document, so nothing before it is looked back at; read only if has_doc); history int64 [S, max_n - 1] as for
-    :func:`hash_step`; primes, offsets int64 and inv_primes float64 [n_layers, cols]; out int64 [T, n_layers, cols]
-    (written only if emit). Where commit, each request's slot moves on by its tokens; a request without tokens
-    leaves its slot as it was. With emit False only the last max_n - 1 tokens of each request are read for the
-    state (a commit). Problems, found before anything is written: (1, t) tokens[t] is outside the token map;
-    (2, r) slots[r] is outside [0, S); (3, r) slots[r] was named by an earlier request; (4, r)
-    query_start_loc[r + 1] < query_start_loc[r].
-    """
+@njit(cache=True, nogil=True)
+def ragged_refusal(tokens, query_start_loc, slots, V, S):
+    """The first problem of a ragged step's arguments, (0, -1) if none (the codes of :func:`hash_ragged`; tokens
+    must lie in [0, V), slots in [0, S), each named once)."""
     R = slots.shape[0]
-    S, C = history.shape
-    V = token_map.shape[0]
-    n_layers, max_n = multipliers.shape
-    W = primes.shape[0] * primes.shape[1]
     for r in range(R):
         if query_start_loc[r + 1] < query_start_loc[r]:
             return 4, r
@@ -216,6 +200,32 @@ def hash_ragged(tokens, query_start_loc, slots, token_map, mask, has_mask, doc_s
         v = tokens[t]
         if v < 0 or v >= V:
             return 1, t
+    return 0, -1
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def hash_ragged(tokens, query_start_loc, slots, token_map, mask, has_mask, doc_start, has_doc, history, pad,
+                multipliers, primes, inv_primes, offsets, n_heads, emit, commit, out):
+    """Rows of one engine step of R requests flattened as engines pass them; returns (0, -1) or the first problem.
+
+    tokens int64 [T] raw token ids, request r's are tokens[query_start_loc[r] : query_start_loc[r + 1]] and its
+    history is history[slots[r]]; query_start_loc int64 [R + 1] (0 first and T last, checked by the caller);
+    slots int64 [R]; mask bool [T] (False: DEAD; read only if has_mask); doc_start bool [T] (True: the token starts a
+    document, so nothing before it is looked back at; read only if has_doc); history int64 [S, max_n - 1] as for
+    :func:`hash_step`; primes, offsets int64 and inv_primes float64 [n_layers, cols]; out int64 [T, n_layers, cols]
+    (written only if emit). Where commit, each request's slot moves on by its tokens; a request without tokens
+    leaves its slot as it was. With emit False only the last max_n - 1 tokens of each request are read for the
+    state (a commit). Problems, found before anything is written: (1, t) tokens[t] is outside the token map;
+    (2, r) slots[r] is outside [0, S); (3, r) slots[r] was named by an earlier request; (4, r)
+    query_start_loc[r + 1] < query_start_loc[r].
+    """
+    R = slots.shape[0]
+    S, C = history.shape
+    n_layers, max_n = multipliers.shape
+    W = primes.shape[0] * primes.shape[1]
+    kind, at = ragged_refusal(tokens, query_start_loc, slots, token_map.shape[0], S)
+    if kind:
+        return kind, at
     small = False
     for layer in range(n_layers):
         for col in range(primes.shape[1]):

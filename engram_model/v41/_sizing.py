@@ -51,9 +51,11 @@ def _first_touches(rows, seen, firsts):
 
 
 class Replay:
-    """The rows of a corpus, replayed: a curve, and exact lookups and first touches per layer and column."""
+    """The rows of a corpus, replayed: a curve, and exact lookups and first touches per layer and column.
+    ``config``: a V41Config, or another family's geometry with the same names (``layer_ids``, ``cols``,
+    ``num_embeddings(layer_id)``, ``n_heads`` per order, ``max_ngram_size``, ``row_bytes``)."""
 
-    def __init__(self, config: V41Config, max_keys: int = REPLAY_MAX_KEYS):
+    def __init__(self, config: Any, max_keys: int = REPLAY_MAX_KEYS):
         self.config = config
         self.curve = MissRatioCurve(max_keys)
         self.col0 = {lid: self.curve.add_columns(config.cols) for lid in config.layer_ids}
@@ -79,9 +81,16 @@ class Replay:
 def replay_tokens(config: V41Config, token_map: np.ndarray, ids: np.ndarray, batch: int = 256,
                   max_keys: int = REPLAY_MAX_KEYS) -> Replay:
     """Hash ``ids`` (int ``[B, L]``, one sequence per row, -1 after a row's end) and replay its rows."""
+    return replay_hasher(V41Hasher(config, token_map), config, ids, batch, max_keys)
+
+
+def replay_hasher(hasher: Any, config: Any, ids: np.ndarray, batch: int = 256,
+                  max_keys: int = REPLAY_MAX_KEYS) -> Replay:
+    """Hash ``ids`` (one sequence per row, -1 after a row's end) with any family's ``hasher`` (``begin(1)``, then
+    ``step(state, [1, T])`` -> ``[1, T, n_layers, cols]``), each sequence in steps of ``batch`` tokens, and replay
+    its rows into a :class:`Replay` of ``config``'s geometry (``layer_ids``, ``cols``, ``num_embeddings``)."""
     if batch < 1:
         raise InvalidArgument(f"batch: expected an int >= 1, got {describe(batch)}")
-    hasher = V41Hasher(config, token_map)
     replay = Replay(config, max_keys)
     for seq in np.atleast_2d(ids):
         seq = seq[seq >= 0]
@@ -95,7 +104,7 @@ class ProfileCurve:
     """A profile's counts as a curve: at each size S, the hits of a cache holding the S most frequent rows, each
     missed once (see the module docstring); in the shape of :class:`Replay`."""
 
-    def __init__(self, config: V41Config, profiles: Mapping[int, LayerProfile]):
+    def __init__(self, config: Any, profiles: Mapping[int, LayerProfile]):
         missing = [lid for lid in config.layer_ids if lid not in profiles]
         if missing:
             raise InvalidArgument(f"profile: expected layers {list(config.layer_ids)}, it has no layer {missing} "

@@ -11,6 +11,8 @@ import struct
 
 import numpy as np
 
+from engram_store.durable import write_replacing
+
 from ._config import FP8_BLOCK, V41Config
 
 
@@ -40,22 +42,29 @@ def write_toy_checkpoint(directory: str | os.PathLike, config: V41Config, seed: 
                                                                dtype=np.uint8))
         tensors[base + "q_weight"] = ("BF16", bf16((hc, D)))
         tensors[base + "k_weight"] = ("BF16", bf16((hc, D)))
-    header, offset = {}, 0
-    for name, (dtype, array) in tensors.items():
-        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
-        offset += array.nbytes
-    blob = json.dumps(header).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(os.path.join(directory, "model.safetensors"), "wb") as f:
-        f.write(struct.pack("<Q", len(blob)) + blob)
-        for _, array in tensors.values():
-            f.write(np.ascontiguousarray(array).tobytes())
+    write_safetensors(os.path.join(directory, "model.safetensors"), tensors)
     text = {"engram_layer_ids": list(config.layer_ids), "engram_max_ngram_size": config.max_ngram_size,
             "engram_n_heads": config.n_heads, "engram_head_dim": config.head_dim,
             "engram_vocab_size": config.engram_vocab_size, "engram_compressed_vocab_size": config.compressed_vocab_size,
             "engram_pad_token_id": config.pad_id, "hidden_size": config.hidden_size, "hc_mult": config.hc_mult,
             "rms_norm_eps": config.rms_norm_eps,
             "engram_num_embeddings": [config.num_embeddings(layer_id) for layer_id in config.layer_ids]}
-    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
-        json.dump({"text_config": text}, f, indent=1)
+    write_replacing(os.path.join(directory, "config.json"),
+                    lambda f: f.write(json.dumps({"text_config": text}, indent=1).encode()), "write_toy_checkpoint")
     return directory
+
+
+def write_safetensors(path: str | os.PathLike, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
+    """One safetensors file from ``{name: (dtype name, raw values)}`` (float8 and bf16 as their bytes)."""
+    header, offset = {}, 0
+    for name, (dtype, array) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+
+    def write(f) -> None:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for _, array in tensors.values():
+            f.write(np.ascontiguousarray(array).tobytes())
+    write_replacing(path, write, "write_safetensors")

@@ -18,7 +18,7 @@ import contextlib
 import os
 import sys
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from engram_store import DistributedStore, MasterUnavailable, ObjectExists
 from engram_store import cli
@@ -42,93 +42,126 @@ already there is refused (remove it with engram-layers remove); a load that fail
 of the layer behind."""
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    return cli.run(_main, argv)
+def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
+    return cli.run(lambda args: _main(args, prog), argv)
 
 
-def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = cli.parser(PROG, DESCRIPTION)
+def parse(argv: Sequence[str] | None, prog: str, description: str, family: str = "Engram",
+          layer_ids: str = "engram_layer_ids", unit: str = "column", local_dir: bool = False) -> argparse.Namespace:
+    """The command line of a checkpoint loader (this one's, and ``engram-load``'s for every family, which adds
+    ``--local-dir``)."""
+    parser = cli.parser(prog, description)
     parser.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
                         help="directory of the safetensors shards (or one .safetensors file with --config)")
     where = parser.add_mutually_exclusive_group(required=True)
+    others = "--disk-dir or --local-dir" if local_dir else "--disk-dir"
     where.add_argument("--master", metavar="HOST:PORT",
-                       help="address of the running engram-master (required, or --disk-dir)")
+                       help=f"address of the running engram-master (required, or {others})")
     where.add_argument("--disk-dir", metavar="PATH", help="directory on local SSD to write the layers under, read "
                        "with EngramStore(..., disk_dir=PATH) (required, or --master)")
+    if local_dir:
+        where.add_argument("--local-dir", metavar="PATH", help="directory in memory (e.g. under /dev/shm) to write "
+                           "the layers under, read with EngramStore(..., local_dir=PATH) (required, or --master)")
     parser.add_argument("--config", metavar="PATH", help="config.json to read (default: CHECKPOINT_DIR/config.json)")
     parser.add_argument("--layers", type=int, nargs="+", metavar="L",
-                        help="Engram layers to load (default: every layer of engram_layer_ids)")
-    parser.add_argument("--replica-num", type=int, default=1, metavar="N", help="replicas of every column")
+                        help=f"{family} layers to load (default: every layer of {layer_ids})")
+    parser.add_argument("--replica-num", type=int, default=1, metavar="N", help=f"replicas of every {unit}")
     parser.add_argument("--auth", metavar="DIR", default=os.environ.get("ENGRAM_AUTH_DIR") or None,
                         help="key directory of a cluster started with --auth (default: $ENGRAM_AUTH_DIR if set, "
                              "else none)")
     parser.add_argument("--verify", action="store_true",
-                        help="read every column back and check it against the checksum its writer gave the store")
+                        help=f"read every {unit} back and check it against the checksum its writer gave the store")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="progress bars on stderr (default: when stderr is a terminal)")
     cli.add_log_level(parser)
     args = parser.parse_args(argv)
     if args.replica_num < 1:
         parser.error(f"--replica-num: expected an integer >= 1, got {args.replica_num}")
+    if not local_dir:
+        args.local_dir = None
     return args
 
 
-def _paths_exist(args: argparse.Namespace, config_path: str) -> bool:
+def paths_exist(args: argparse.Namespace, config_path: str, prog: str = PROG) -> bool:
     """Whether the checkpoint and its config.json are there (else said, in the command line's words)."""
     if not os.path.exists(config_path):
         flag = "--config" if args.config else "CHECKPOINT_DIR"
-        print(f"{PROG}: {flag}: no such file or directory: {config_path}", file=sys.stderr)
+        print(f"{prog}: {flag}: no such file or directory: {config_path}", file=sys.stderr)
         return False
     if args.config and not os.path.exists(args.checkpoint):
-        print(f"{PROG}: CHECKPOINT_DIR: no such file or directory: {args.checkpoint}", file=sys.stderr)
+        print(f"{prog}: CHECKPOINT_DIR: no such file or directory: {args.checkpoint}", file=sys.stderr)
         return False
     if not args.config and os.path.isdir(config_path) and not os.path.isfile(os.path.join(config_path,
                                                                                          "config.json")):
-        print(f"{PROG}: CHECKPOINT_DIR: no config.json in {config_path} (pass --config PATH to read another)",
+        print(f"{prog}: CHECKPOINT_DIR: no config.json in {config_path} (pass --config PATH to read another)",
               file=sys.stderr)
         return False
     return True
 
 
-def _main(argv: Sequence[str] | None) -> int:
-    args = _parse(argv)
+def _main(argv: Sequence[str] | None, prog: str = PROG) -> int:
+    args = parse(argv, prog, DESCRIPTION)
     cli.setup_logging(args.log_level)
-    place = f"--master {args.master}" if args.master else f"--disk-dir {args.disk_dir}"
+    return run(args, prog)
+
+
+def run(args: argparse.Namespace, prog: str = PROG) -> int:
+    """Load the V4.1 tables the parsed command line names (:func:`parse`); the exit status."""
     config_path = args.config or args.checkpoint
-    if not _paths_exist(args, config_path):
+    if not paths_exist(args, config_path, prog):
         return 2
     try:
         config = V41Config.from_hf_config(config_path)
         layers = args.layers or list(config.layer_ids)
         for layer_id in layers:
             config.layer_index(layer_id)
-        try:
-            checkpoint = SafetensorsCheckpoint(args.checkpoint)
-        except EngramError as exc:  # the library names its parameter; the user gave CHECKPOINT_DIR
-            print(f"{PROG}: CHECKPOINT_DIR: {str(exc).removeprefix('path: ')}", file=sys.stderr)
-            return 2
+        checkpoint = open_checkpoint(args, prog)
+    except EngramError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    if checkpoint is None:
+        return 2
+    return load_layers(args, prog, layers, lambda layer_id, store: load_v41_table(
+        checkpoint, config, layer_id, store, disk_dir=args.disk_dir, local_dir=args.local_dir,
+        replica_num=args.replica_num, progress=args.progress),
+        lambda layer_id: f"{config.cols} columns, {config.num_embeddings(layer_id)} rows", "columns")
+
+
+def open_checkpoint(args: argparse.Namespace, prog: str) -> SafetensorsCheckpoint | None:
+    """The checkpoint at CHECKPOINT_DIR, or None once a bad one is said in the command line's words."""
+    try:
+        return SafetensorsCheckpoint(args.checkpoint)
+    except EngramError as exc:  # the library names its parameter; the user gave CHECKPOINT_DIR
+        print(f"{prog}: CHECKPOINT_DIR: {str(exc).removeprefix('path: ')}", file=sys.stderr)
+        return None
+
+
+def load_layers(args: argparse.Namespace, prog: str, layers: Sequence[int], load: Any, what: Any,
+                units: str) -> int:
+    """Load each layer with ``load(layer_id, store)`` (None: the place is --disk-dir or --local-dir), print what
+    each took (``what(layer_id)`` describes it) and, with --verify, check it; the exit status."""
+    place = (f"--master {args.master}" if args.master else f"--disk-dir {args.disk_dir}" if args.disk_dir
+             else f"--local-dir {args.local_dir}")
+    try:
         with _connect(args) if args.master else contextlib.nullcontext() as store:
             for layer_id in layers:
                 start = time.perf_counter()
                 try:
-                    table = load_v41_table(checkpoint, config, layer_id, store, disk_dir=args.disk_dir,
-                                           replica_num=args.replica_num, progress=args.progress)
+                    table = load(layer_id, store)
                 except ObjectExists as exc:
-                    print(f"{PROG}: {exc}: engram-layers remove {place} {layer_id}", file=sys.stderr)
+                    remove = f"engram-layers remove {place} {layer_id}" if not args.local_dir else \
+                        f"delete {os.path.join(args.local_dir, f'layer-{layer_id}')}"
+                    print(f"{prog}: {exc}: {remove}", file=sys.stderr)
                     return 1
-                nbytes = config.num_embeddings(layer_id) * config.row_bytes
+                nbytes = sum(table.get_table_vocab_sizes()) * table.get_row_bytes()
                 elapsed = time.perf_counter() - start
-                print(f"layer {layer_id}: {config.cols} columns, {config.num_embeddings(layer_id)} rows, "
-                      f"{format_size(nbytes)} in {elapsed:.1f} s ({format_size(int(nbytes / max(elapsed, 1e-9)))}/s)",
-                      flush=True)
+                print(f"layer {layer_id}: {what(layer_id)}, {format_size(nbytes)} in {elapsed:.1f} s "
+                      f"({format_size(int(nbytes / max(elapsed, 1e-9)))}/s)", flush=True)
                 if args.verify:
-                    print(f"layer {layer_id}: checksums of columns {table.verify()} verified", flush=True)
+                    print(f"layer {layer_id}: checksums of {units} {table.verify()} verified", flush=True)
                 table.close()
-    except _NoMaster as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 1
-    except EngramError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
+    except (_NoMaster, EngramError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 1
     return 0
 

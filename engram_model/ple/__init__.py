@@ -1,0 +1,43 @@
+"""engram_model.ple: Qwen4-Exp's PLE tables (Qwen/Qwen3.8-Flash-Next: hash, rows, forward), in the store.
+
+Public surface::
+
+    PLEConfig                        geometry: prime head sizes, offsets, padded rows, SplitMix64 multipliers, row
+                                     format (bf16, or e4m3 with one scale per table); from_hf()
+    PLEHashBuffers                   one layer's multipliers, head sizes and offsets (the config's, or a checkpoint's)
+    ple_store_config                 a layer's EngramStore layout: a head per hash head, 160-value rows
+    PLEHasher, PLEHashState          token ids -> rows of every PLE layer's table in one pass (EOS resets, an EOS
+                                     start, a context of ngram_size - 1 tokens); begin/step/copy for decode,
+                                     step_ragged/commit/reset for continuous batching (requests in slots, drafts)
+    PLELayer, PLEConvState           one layer's forward in NumPy (grouped (1 + w) norms, the per-stream gate, the
+                                     dilated short convolution with per-request state); rows() reads its table
+    load_ple_table, open_ple_table   a layer's table streamed from the checkpoint's row-range shards into a store,
+                                     a disk_dir or a local_dir (re-sliced into heads)
+    load_ple_weights                 a layer's projections, norms, convolution and table scale (float32)
+    load_ple_hash_buffers            the checkpoint's hash buffers, which take precedence over the config's
+    write_toy_checkpoint             a small checkpoint in the released layout (bf16 or FP8)
+
+Loading a checkpoint: ``engram-load`` (the family from config.json). Sizing a hot-row cache: ``engram-stats --ple``.
+The engines' row conventions and plugins are not served yet (docs/ple.md says what is).
+"""
+
+from ._checkpoint import load_ple_hash_buffers, load_ple_table, load_ple_weights, open_ple_table
+from ._config import PLEConfig, PLEHashBuffers, ple_store_config
+from ._hasher import PLEHasher, PLEHashState
+from ._layer import PLEConvState, PLELayer
+from ._toy import write_toy_checkpoint
+
+__all__ = [
+    "PLEConfig",
+    "PLEConvState",
+    "PLEHashBuffers",
+    "PLEHashState",
+    "PLEHasher",
+    "PLELayer",
+    "load_ple_hash_buffers",
+    "load_ple_table",
+    "load_ple_weights",
+    "open_ple_table",
+    "ple_store_config",
+    "write_toy_checkpoint",
+]
