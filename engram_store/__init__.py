@@ -41,6 +41,7 @@ from ._errors import (
     DiskReadError,
     JournalError,
     LockTimeout,
+    TableClosed,
     UnsafeFile,
 )
 from .segment import SegmentServer
@@ -80,6 +81,7 @@ __all__ = [
     "DiskReadError",
     "JournalError",
     "LockTimeout",
+    "TableClosed",
     "UnsafeFile",
     "format_size",
     "lookup_many",

@@ -25,6 +25,8 @@ Every error engram raises derives from :class:`EngramError`::
         ├── UnsafeFile                    a file or directory in a shared place is not this user's own (owner, link,
         │                                 mode), so engram will not use it
         ├── LockTimeout                   another process held a lock engram waits for longer than the wait allows
+        ├── TableClosed                   a table (an EngramStore's layer, a disk layer, a directory of layers) was
+        │                                 read or opened after its close()
         ├── ResourceExhausted             this process ran out of open files (ulimit -n)
         ├── ProtocolError                 a peer sent a message that does not follow the wire protocol
         ├── RemoteError                   a server failed while handling a valid request
@@ -186,6 +188,15 @@ class LockTimeout(StoreError):
     code = "LOCK_TIMEOUT"
 
 
+class TableClosed(StoreError):
+    """A table was read, or a layer opened, after its ``close()``: an EngramStore's layer under ``local_dir`` or
+    ``disk_dir`` or bound with ``bind_local``, a ``DiskLayer``, a ``DiskDir``. A read already running when the close
+    came finishes first, on the files it began with (a closed table never reads through a descriptor another open
+    has taken since); only reads that begin after it are refused. Open the table again to read it."""
+
+    code = "TABLE_CLOSED"
+
+
 class ResourceExhausted(StoreError):
     """This process cannot open another file, socket or connection: it holds as many as ``ulimit -n`` allows (or
     the host's limit is reached). The message says so and names what it was opening; the peer is not at fault."""
@@ -246,7 +257,7 @@ _BY_CODE = {
         EngramError, InvalidArgument, ConfigError, InvalidType, NotConnected, StoreError,
         ObjectNotFound, ObjectExists, LeaseActive, OutOfSpace, CatalogUnwritable, Unavailable, MasterUnavailable,
         SegmentUnavailable, ObjectLost, WriteFenced, StalePlacement, DiskReadError, JournalError, UnsafeFile,
-        LockTimeout, ResourceExhausted, ProtocolError, RemoteError, AuthError,
+        LockTimeout, TableClosed, ResourceExhausted, ProtocolError, RemoteError, AuthError,
     )
 }
 

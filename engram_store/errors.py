@@ -10,11 +10,11 @@ from __future__ import annotations
 from ._errors import (AuthError, CatalogUnwritable, ConfigError, DiskReadError, EngramError, InvalidArgument, InvalidType,
                       JournalError, LeaseActive, LockTimeout, MasterUnavailable, NotConnected, ObjectExists,
                       ObjectLost, ObjectNotFound, OutOfSpace, ProtocolError, RemoteError, ResourceExhausted,
-                      SegmentUnavailable, StalePlacement, StoreError, Unavailable, UnsafeFile, WriteFenced, describe,
-                      is_int)
+                      SegmentUnavailable, StalePlacement, StoreError, TableClosed, Unavailable, UnsafeFile, WriteFenced,
+                      describe, is_int)
 
 __all__ = ["AuthError", "CatalogUnwritable", "ConfigError", "DiskReadError", "EngramError", "InvalidArgument", "InvalidType",
            "JournalError", "LeaseActive", "LockTimeout", "MasterUnavailable", "NotConnected", "ObjectExists",
            "ObjectLost", "ObjectNotFound", "OutOfSpace", "ProtocolError", "RemoteError", "ResourceExhausted",
-           "SegmentUnavailable", "StalePlacement", "StoreError", "Unavailable", "UnsafeFile", "WriteFenced",
-           "describe", "is_int"]
+           "SegmentUnavailable", "StalePlacement", "StoreError", "TableClosed", "Unavailable", "UnsafeFile",
+           "WriteFenced", "describe", "is_int"]

@@ -8,6 +8,8 @@ imported before it drops (the interpreter's own files may be closed to that user
 
     plant PATH...                 empty files, mode 0666 (umask 0), as a user taking names first would
     symlink TARGET LINK           a symbolic link
+    relink TARGET LINK            point the link LINK at TARGET instead, in one rename (a new link over the old)
+    swap PATH PATH                exchange two names in a directory of this user's (through a third name)
     mkdir PATH                    a directory, mode 0777
     fill PATH BYTE                overwrite the whole file with BYTE (an int), if this user may
     hold-lock PATH                open (or create) PATH and hold an exclusive flock on it, printing "held", until
@@ -53,6 +55,24 @@ def plant(*paths: str) -> str:
 def symlink(target: str, link: str) -> str:
     os.symlink(target, link)
     return "linked"
+
+
+def relink(target: str, link: str) -> str:
+    fresh = f"{link}.{uuid.uuid4().hex}"
+    os.symlink(target, fresh)
+    os.rename(fresh, link)
+    return "relinked"
+
+
+def swap(first: str, second: str) -> str:
+    aside = f"{first}.{uuid.uuid4().hex}"
+    try:
+        os.rename(first, aside)
+        os.rename(second, first)
+        os.rename(aside, second)
+    except OSError as exc:
+        return f"refused {exc.strerror}"
+    return "swapped"
 
 
 def mkdir(path: str) -> str:
@@ -238,6 +258,7 @@ ACTIONS = {"plant": plant, "symlink": symlink, "mkdir": mkdir, "fill": fill, "ho
            "truncate": truncate, "swap-layer": swap_layer, "read": read, "connect": connect, "write": write,
            "chmod": chmod, "open-own": open_own,
            "rogue-segment": rogue_segment, "mkfifo": mkfifo, "hostile-table": hostile_table}
+ACTIONS.update({"relink": relink, "swap": swap})  # on directories of layers (test_layer_dirs.py)
 
 
 def main(argv: list[str]) -> int:
