@@ -98,10 +98,13 @@ def _open_files(needed: int):
 
 class _Strangers:
     """``count`` connections to a raw port, half silent, half dripping a header one byte every ``drip_s``; a
-    connection the segment closes is opened again, so the pressure lasts until :meth:`stop`."""
+    connection the segment closes is opened again, so the pressure lasts until :meth:`stop`. They come from
+    ``sources`` loopback addresses (127.0.0.2, ...), each a peer of its own, so that no peer holds more than the
+    channel's share of one (``_raw_limits.PENDING_PER_PEER``; one peer's flood is tests/security's)."""
 
-    def __init__(self, port: int, count: int, header: bytes, drip_s: float = 0.2):
+    def __init__(self, port: int, count: int, header: bytes, drip_s: float = 0.2, sources: int = 32):
         self.port = port
+        self.sources = sources
         self.header = header
         self.drip_s = drip_s
         self.socks: list[socket.socket | None] = [None] * count
@@ -109,13 +112,14 @@ class _Strangers:
         self.reopened = 0
         self._stop = threading.Event()
         for i in range(count):
-            self.socks[i] = self._open()
+            self.socks[i] = self._open(i)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def _open(self) -> socket.socket | None:
+    def _open(self, i: int) -> socket.socket | None:
         try:
-            return socket.create_connection(("127.0.0.1", self.port), timeout=5)
+            return socket.create_connection(("127.0.0.1", self.port), timeout=5,
+                                            source_address=(f"127.0.0.{2 + i % self.sources}", 0))
         except OSError:
             return None
 
@@ -136,7 +140,7 @@ class _Strangers:
                     pass  # open, and quiet
                 except OSError:
                     sock.close()
-                    self.socks[i], self.sent[i] = self._open(), 0
+                    self.socks[i], self.sent[i] = self._open(i), 0
                     self.reopened += 1
 
     def stop(self) -> None:
