@@ -18,23 +18,22 @@ A connection the server closes at once is tried again with the next; the first o
 """
 from __future__ import annotations
 
+import os
 import resource
 import socket
 import struct
 import sys
 
-from intruder_worker import INTRUDER_UID, _drop
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the suite's helpers
 
-#: A ZMTP 3.0 greeting: signature, version 3.0, mechanism NULL, as-server 0, filler.
-GREETING = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\x00" + bytes(31)
-#: The NULL mechanism's READY command (a short command frame): Socket-Type DEALER.
-_READY_BODY = b"\x05READY" + b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
-READY = b"\x04" + bytes([len(_READY_BODY)]) + _READY_BODY
+from intruder_worker import INTRUDER_UID, _drop  # noqa: E402
+from suite_helpers import ZMTP_GREETING, ZMTP_READY  # noqa: E402
+
 #: The raw read channel's read of no ranges (magic, version 3, op 1, request id 1, count 0) and its reply's size.
 RAW_READ = struct.pack("<4sHHQQ", b"ENGR", 3, 1, 1, 0)
 RAW_REPLY_BYTES = 24
 #: What each action sends once connected, and how many bytes of answer it waits for.
-SAY = {"idle": (b"", 0), "zmtp": (GREETING + READY, 64), "raw": (RAW_READ, RAW_REPLY_BYTES)}
+SAY = {"idle": (b"", 0), "zmtp": (ZMTP_GREETING + ZMTP_READY, 64), "raw": (RAW_READ, RAW_REPLY_BYTES)}
 
 
 def _open(port: int, say: bytes, answer_bytes: int) -> socket.socket:
