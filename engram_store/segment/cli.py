@@ -54,8 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                         "authenticated with --auth but not encrypted)")
     p.add_argument("--raw-max-connections", type=int, default=None, metavar="N",
                    help=f"connections the raw read channel holds at once; past them a new one is answered busy and "
-                        f"its client reads over ZeroMQ (default: {RAW_MAX_CONNECTIONS}, or what the open-files limit "
-                        f"allows; engram-segment raises its soft limit toward the hard one)")
+                        f"its client reads over ZeroMQ (default: {RAW_MAX_CONNECTIONS}, or half of what the open-files "
+                        f"limit leaves for connections; engram-segment raises its soft limit toward the hard one)")
     _cli.add_log_level(p)
     return p
 
