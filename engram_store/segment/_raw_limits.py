@@ -34,9 +34,8 @@ SETTLE_S = 0.05
 #: engram_store._peers.LEDGER); past this a new one displaces the oldest that has not completed a message yet of the
 #: peer holding the most such, else it is answered busy and the client reads over ZeroMQ.
 MAX_CONNECTIONS = 4096
-#: Connections one peer (an address, and the user for a connection from this host) may hold: in all (at most half
-#: the channel; past them its new one is answered busy), and without a complete message (past them its oldest goes).
-CONNECTIONS_PER_PEER = 1024
+#: Connections one peer (an address, and the user for a connection from this host) may hold without a complete
+#: message (past them its oldest goes); in all it may hold half the channel (past that its new one is answered busy).
 PENDING_PER_PEER = 64
 #: Threads that gather and send replies: the gather releases the GIL, so a few serve many clients.
 SERVING_THREADS = 16

@@ -58,8 +58,8 @@ reads being idempotent); a reply must be taken within ``SEND_TIMEOUT_S`` plus it
 ``SEND_MIN_BYTES_PER_S``.
 
 Caps (``engram_store._peers``): a peer (an address, and the user for a connection from this host) holds at most
-``PENDING_PER_PEER`` connections that have not completed a message (past them its oldest such is closed) and
-``CONNECTIONS_PER_PEER`` in all (at most half the channel; past them its new one is answered busy). At
+``PENDING_PER_PEER`` connections that have not completed a message (past them its oldest such is closed) and half
+the channel in all (past that its new one is answered busy). At
 ``MAX_CONNECTIONS`` (at most half of what the open-files limit leaves the process's connections, so the segment's
 ZeroMQ sockets keep the other half) a new connection first displaces the oldest connection without a complete
 message of the peer holding the most such, else it is answered busy. Refusals and deadlines are counted
@@ -140,7 +140,7 @@ class RawReadServer(Receiving, Serving):
         self.require_token = require_token
         self.name = name
         self.max_connections = open_files_cap(limits.MAX_CONNECTIONS if max_connections is None else max_connections)
-        self.per_peer = min(limits.CONNECTIONS_PER_PEER, max(limits.PENDING_PER_PEER, self.max_connections // 2))
+        self.per_peer = max(limits.PENDING_PER_PEER, self.max_connections // 2)
         self.hello_timeout_s = limits.HELLO_TIMEOUT_S
         self.message_timeout_s = limits.MESSAGE_TIMEOUT_S
         self.idle_timeout_s = limits.IDLE_TIMEOUT_S

@@ -102,6 +102,7 @@ class ConnectionGuard:
                                 unproven_per_peer=UNPROVEN_PER_PEER)
         self._entries: dict[int, _Entry] = {}
         self._young: collections.deque[_Entry] = collections.deque()  # accept order, for aging
+        self._closing = 0  # connections shut down whose disconnect has not come yet
         self._names = PeerNames()
         self._failed: str | None = None
         self._counts: collections.Counter = collections.Counter()
@@ -203,20 +204,19 @@ class ConnectionGuard:
 
     def _forget(self, entry: _Entry) -> None:
         self._holders.remove(entry)
+        self._closing -= entry.closing
         LEDGER.add(-1)
 
     def _accept_failed(self, err: int) -> None:
         self._counts["accept_failed"] += 1
         if err not in _OUT_OF_FILES:
             return
-        freed = sum(1 for e in self._entries.values() if e.closing)
-        for entry in self._holders.unproven():
-            if freed >= FREE_ON_FAILED_ACCEPT:
-                break
-            if not entry.closing:
-                self._close(entry, "closed_for_budget", f"cannot accept connections ({os.strerror(err)}); closed "
-                            "connections without a handshake")
-                freed += 1
+        while self._closing < FREE_ON_FAILED_ACCEPT:  # libzmq retries at once: free a few, and wait for them
+            entry = self._holders.busiest_unproven()
+            if entry is None:
+                return
+            self._close(entry, "closed_for_budget", f"cannot accept connections ({os.strerror(err)}); closed "
+                        "connections without a handshake")
 
     def _handshake_failed(self, err: int) -> None:
         if self._log_handshakes:
@@ -239,6 +239,7 @@ class ConnectionGuard:
         if entry.closing:
             return
         entry.closing = True
+        self._closing += 1
         self._holders.proven(entry)  # no longer a candidate: it is going
         self._counts[count] += 1
         REFUSALS.refused(self.name, entry.peer, reason)

@@ -2,8 +2,9 @@
 modules' constants, read when a server is built): a ZeroMQ server cuts handshakes at their deadline, drops a peer
 that falls silent, and holds each peer to its share of unproven and of all connections; a metrics page serves every
 connection from one thread, within a peer's share and a request deadline, answering what it does not serve with its
-status; peers are told apart by address and, on this host, by user. One user's floods as another user are
-tests/security's (test_floods.py); the raw read channel's bounds are test_raw_limits.py's.
+status; the raw read channel holds each peer to its share; peers are told apart by address and, on this host, by
+user. One user's floods as another user are tests/security's (test_floods.py); the raw read channel's deadlines
+and other bounds are test_raw_limits.py's.
 """
 from __future__ import annotations
 
@@ -15,12 +16,16 @@ import time
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engram_store import _http, _peers
 from engram_store.metrics import MetricsEndpoint
+from engram_store.segment import RawReadServer
+from engram_store.segment import _raw_limits as _raw
+from engram_store.wire.raw import HEADER, MAGIC, OP_READ, STATUS_BUSY, VERSION
 from engram_store.wire import Connection, RpcServer
 from engram_store.wire import _guard
 from suite_helpers import ZMTP_GREETING, ZMTP_READY
@@ -302,3 +307,38 @@ def test_holders_count_each_peer_and_name_the_oldest_unproven(ops):
         if busiest is not None:
             assert busiest in [v[0] for v in unproven.values() if len(v) == most]
         assert sorted(holders.unproven()) == sorted(c for v in unproven.values() for c in v)
+
+
+# ---- the raw read channel's shares ------------------------------------------------------------------------------
+
+
+def _raw_read(sock: socket.socket) -> int:
+    """Read no ranges once; the reply's status."""
+    sock.sendall(HEADER.pack(MAGIC, VERSION, OP_READ, 1, 0))
+    return HEADER.unpack(sock.recv(HEADER.size, socket.MSG_WAITALL))[2]
+
+
+def test_a_raw_channel_holds_each_peer_to_its_share(monkeypatch):
+    monkeypatch.setattr(_raw, "PENDING_PER_PEER", 2)
+    segment = np.zeros(1 << 16, dtype=np.uint8)
+    srv = RawReadServer("127.0.0.1", segment, max_ranges=16, max_bytes=1 << 16, max_connections=8).start()
+    socks = []
+
+    def connect(source: str) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", srv.port), timeout=5, source_address=(source, 0))
+        socks.append(sock)
+        return sock
+
+    try:
+        assert srv.per_peer == 4
+        silent = [connect("127.0.0.2") for _ in range(3)]  # one more than its share without a message
+        assert _closed_by_peer(silent[0], 5.0) and not _closed_by_peer(silent[2], 0.3)
+        assert [_raw_read(connect("127.0.0.3")) for _ in range(4)] == [0] * 4  # its share, each read once
+        assert _raw_read(connect("127.0.0.3")) == STATUS_BUSY  # past it: busy, and its client reads over ZeroMQ
+        assert _raw_read(connect("127.0.0.4")) == 0  # another peer is served
+        stats = srv.stats()
+        assert stats["displaced_peer"] == 1 and stats["refused_peer"] == 1 and stats["refused_full"] == 0, stats
+    finally:
+        for sock in socks:
+            sock.close()
+        srv.close()
