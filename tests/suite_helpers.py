@@ -45,6 +45,15 @@ _READY_BODY = b"\x05READY" + b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEA
 ZMTP_READY = b"\x04" + bytes([len(_READY_BODY)]) + _READY_BODY
 
 
+def proc_status(pid: int, field: str) -> int:
+    """A number from /proc/<pid>/status (kB for the memory fields, a count for Threads)."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
 def manifest_objects(path: str) -> int:
     """How many objects the catalogue next to the segment file ``path`` lists; -1 where there is none to read."""
     try:

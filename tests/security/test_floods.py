@@ -20,6 +20,7 @@ from engram_store import DistributedStore, EngramStore, EngramStoreConfig, Segme
 from engram_store.testing import free_port, start_master, start_segment, wait_ping
 from engram_store.wire import Connection, keygen, load_keys
 from security_helpers import needs_root
+from suite_helpers import proc_status
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -62,14 +63,6 @@ class Flood:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _proc_status(pid: int, field: str) -> int:
-    with open(f"/proc/{pid}/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
 
 
 def _cpu_s(pid: int) -> float:
@@ -207,7 +200,7 @@ def test_idle_connections_to_the_master_metrics_page_hold_no_thread_each():
         with Flood("idle", port):
             assert "engram_master_objects" in _scrape(port)
             _status_answers(master.address, None)
-            assert _proc_status(master.pid, "Threads") < 32
+            assert proc_status(master.pid, "Threads") < 32
             assert _fds(master.pid) < 128
             _assert_quiet(master.pid, "the master")
     finally:
