@@ -1,0 +1,51 @@
+"""SGLang's general plugin (entry point group ``sglang.srt.plugins``, name ``engram``).
+
+SGLang calls :func:`register` in its processes (the launching process, each scheduler; ``SGLANG_PLUGINS`` may leave
+it out), then applies the hooks registered with its ``HookRegistry``. Without ``ENGRAM_TABLES`` it does nothing.
+With it, the model families' hooks are registered (DeepSeek-V4.1: :mod:`engram_engines.v41._sglang`; they check the
+tables and refuse a bad configuration where SGLang builds the Engram modules, since SGLang logs and swallows what a
+plugin function raises), the server's metrics directory is made (first process), and the ``/metrics`` SGLang serves
+(``--enable-metrics``: prometheus_client's multiprocess collector) gets engram's collector beside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+from ._settings import TABLES, enabled
+from ._stats import ensure_metrics_dir
+
+log = logging.getLogger(__name__)
+
+#: Where SGLang defines the function that mounts its /metrics (its hooks reach the modules that imported it).
+METRICS_MOUNT = "sglang.srt.utils.common.add_prometheus_middleware"
+
+
+def register() -> None:
+    if not enabled():
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from .v41._sglang import install
+
+    install()
+    ensure_metrics_dir()
+    HookRegistry.register(METRICS_MOUNT, add_prometheus_middleware, HookType.REPLACE)
+    log.info("engram: serving Engram tables from %s=%s", TABLES, os.environ[TABLES])
+
+
+def add_prometheus_middleware(app) -> None:
+    """SGLang's ``/metrics`` route (a multiprocess registry, as SGLang mounts it) with engram's collector in it."""
+    from prometheus_client import CollectorRegistry, make_asgi_app, multiprocess
+    from starlette.routing import Mount
+
+    from ._prometheus import register as register_collector
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    register_collector(registry)
+    route = Mount("/metrics", make_asgi_app(registry=registry))
+    route.path_regex = re.compile("^/metrics(?P<path>.*)$")  # as SGLang's: no redirect from /metrics
+    app.routes.append(route)
