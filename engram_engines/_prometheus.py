@@ -107,3 +107,19 @@ def register(registry=None) -> EngramCollector | None:
     registry.register(collector)
     _REGISTERED.add(id(registry))
     return collector
+
+
+def mount_sglang(app) -> None:
+    """SGLang's ``/metrics`` as SGLang mounts it (``add_prometheus_middleware``: prometheus_client's multiprocess
+    collector over ``PROMETHEUS_MULTIPROC_DIR``), with engram's collector registered beside it."""
+    import re
+
+    from prometheus_client import CollectorRegistry, make_asgi_app, multiprocess
+    from starlette.routing import Mount
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    register(registry)
+    route = Mount("/metrics", make_asgi_app(registry=registry))
+    route.path_regex = re.compile("^/metrics(?P<path>.*)$")  # as SGLang's: no redirect from /metrics
+    app.routes.append(route)

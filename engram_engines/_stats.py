@@ -114,9 +114,11 @@ def ensure_metrics_dir() -> str:
     return found
 
 
-def local_snapshot() -> dict:
-    """This process's snapshot: its gathers and its tables' text."""
-    return {"pid": os.getpid(), "gathers": STATS.snapshot(), "tables": _tables_text() if _tables_text else ""}
+def local_snapshot(tables_text: Callable[[], str] | None = None) -> dict:
+    """This process's snapshot: its gathers and its tables' text (rendered by ``tables_text``, by default what
+    :func:`publish_tables` was given)."""
+    render = tables_text or _tables_text
+    return {"pid": os.getpid(), "gathers": STATS.snapshot(), "tables": render() if render else ""}
 
 
 def publish_tables(tables_text: Callable[[], str]) -> None:
@@ -143,7 +145,7 @@ class Publisher:
         self._thread.start()
 
     def publish(self) -> None:
-        record = local_snapshot()
+        record = local_snapshot(self.tables_text)
         tmp = f"{self.path}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(record, f)

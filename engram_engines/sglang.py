@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 
 from ._settings import TABLES, enabled
 from ._stats import ensure_metrics_dir
@@ -37,15 +36,7 @@ def register() -> None:
 
 
 def add_prometheus_middleware(app) -> None:
-    """SGLang's ``/metrics`` route (a multiprocess registry, as SGLang mounts it) with engram's collector in it."""
-    from prometheus_client import CollectorRegistry, make_asgi_app, multiprocess
-    from starlette.routing import Mount
+    """SGLang's ``/metrics`` route with engram's collector in it (:func:`engram_engines._prometheus.mount_sglang`)."""
+    from ._prometheus import mount_sglang
 
-    from ._prometheus import register as register_collector
-
-    registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry)
-    register_collector(registry)
-    route = Mount("/metrics", make_asgi_app(registry=registry))
-    route.path_regex = re.compile("^/metrics(?P<path>.*)$")  # as SGLang's: no redirect from /metrics
-    app.routes.append(route)
+    mount_sglang(app)

@@ -40,9 +40,9 @@ def register() -> None:
 
 def _patch_registry(module) -> None:
     """vLLM's ``get_prometheus_registry()`` returns the registry its ``/metrics`` serves: add engram's collector."""
-    if getattr(getattr(module, "get_prometheus_registry", None), "_engram", True):
+    original = getattr(module, "get_prometheus_registry", None)
+    if original is None or getattr(original, "_engram", False):
         return
-    original = module.get_prometheus_registry
 
     def get_prometheus_registry():
         registry = original()

@@ -14,6 +14,7 @@ Two ways to an engine's rows, chosen per table kind (docs/engines.md says why):
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import threading
 from typing import Any
@@ -39,8 +40,9 @@ def form_of(out: Any, scales_out: Any) -> str:
 
 
 def interpreted() -> bool:
-    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``): on the CPU, over host memory."""
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``, Triton installed): on the CPU, over
+    host memory."""
+    return os.environ.get("TRITON_INTERPRET", "") == "1" and importlib.util.find_spec("triton") is not None
 
 
 class LayerReader:

@@ -248,3 +248,18 @@ else:
 """
     assert "UNCHANGED" in run_script(script, {"ENGRAM_TABLES": ""})
     assert "HOOKED True" in run_script(script, {"ENGRAM_TABLES": str(toy.local)})
+
+
+def test_sglangs_metrics_route_serves_engrams_collector_beside_its_own(plugin, toy, tmp_path, monkeypatch):
+    from starlette.applications import Starlette
+    from starlette.testclient import TestClient
+
+    import sglang.srt.utils.common as common
+    from engram_engines import STATS
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))  # as SGLang sets it with --enable-metrics
+    STATS.record(1, "split", "local_dir", 72, 0.0004)
+    app = Starlette()
+    common.add_prometheus_middleware(app)  # SGLang's function, as the plugin's hook left it
+    text = TestClient(app).get("/metrics").text
+    assert 'engram_gathers_total{form="split",layer="1",tier="local_dir"}' in text

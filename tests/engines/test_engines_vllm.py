@@ -224,3 +224,16 @@ else:
 """
     assert "UNCHANGED" in run_script(script, {"ENGRAM_TABLES": ""})
     assert "PATCHED True" in run_script(script, {"ENGRAM_TABLES": str(toy.local)})
+
+
+def test_the_registry_vllm_serves_metrics_from_has_engrams_collector(plugin):
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+    from engram_engines import STATS
+    from engram_engines._prometheus import EngramCollector
+
+    registry = get_prometheus_registry()
+    assert any(isinstance(c, EngramCollector) for c in registry._collector_to_names)
+    STATS.record(14, "device", "local_dir", 24, 0.00002)
+    from prometheus_client import generate_latest
+    assert 'engram_gathers_total{form="device",layer="14",tier="local_dir"}' in generate_latest(registry).decode()
