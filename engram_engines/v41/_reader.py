@@ -67,6 +67,16 @@ class LayerReader:
         return STATS.timed(self.layer_id, form_of(out, scales_out), self.tier, rows,
                            lambda: self.rows.gather_into(ids, out, scales_out=scales_out, head_start=head_start))
 
+    def bind(self, out: Any, *, head_start: int = 0):
+        """A decode step's gather into ``out`` (checked once: :meth:`V41Rows.bind`): ``gather(ids)`` fills
+        ``out[:T]``, recorded as :meth:`gather` records."""
+        bound = self.rows.bind(out, head_start=head_start)
+        form, part = form_of(out, None), bound.part
+
+        def gather(ids: Any) -> Any:
+            return STATS.timed(self.layer_id, form, self.tier, ids.shape[0] * part, lambda: bound(ids))
+        return gather
+
     # ---- in place -----------------------------------------------------------------------------------------------
 
     def column_addresses(self) -> np.ndarray:

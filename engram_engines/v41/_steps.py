@@ -35,6 +35,7 @@ class ModelLayer:
         self.rows = rows            # the engine's persistent bf16 buffer [max_tokens, part, dim] (static address)
         self.staged = None          # pinned packed rows [max_tokens, part, row_bytes]
         self.device_packed = None   # the same on the device
+        self.gather = None          # the reader's gather bound to the layer's host buffer
 
 
 class HostSteps:
@@ -73,6 +74,7 @@ class HostSteps:
             if self._decode:
                 layer.staged = self._copies.pinned((max_tokens, layer.part, config.row_bytes), torch.uint8)
                 layer.device_packed = torch.empty_like(layer.staged, device=device)
+            layer.gather = layer.reader.bind(layer.staged if self._decode else layer.rows, head_start=layer.head_start)
 
     def prepare(self, index: int, hash_ids: Any) -> None:
         """Layer ``index``'s ``prepare_embeddings(hash_ids)``: the model's first Engram layer starts the step for
@@ -100,8 +102,7 @@ class HostSteps:
 
     def _gather_fn(self, layer: ModelLayer, ids: np.ndarray, T: int):
         def gather() -> None:
-            out = layer.staged[:T] if self._decode else layer.rows[:T]
-            layer.reader.gather(ids[:T, layer.index], out, head_start=layer.head_start)
+            layer.gather(np.ascontiguousarray(ids[:T, layer.index]))
         return gather
 
     def _staged(self, layer: ModelLayer, T: int) -> None:
