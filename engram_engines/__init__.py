@@ -13,8 +13,8 @@ family (DeepSeek-V4.1 now, in :mod:`engram_engines.v41`)::
     StepGathers                         a step's per-layer gathers on one worker thread, the first layer first
 
 What is family-specific (which engine classes to patch, the checks of a table's layout against the model's
-config.json) lives in the family's subpackage; ``engram_engines._prometheus`` is the collector the engines'
-``/metrics`` include (the one module that imports ``prometheus_client``).
+config.json) lives in the family's subpackage, listed in ``engram_engines._families``; ``engram_engines._prometheus``
+is the collector the engines' ``/metrics`` include (the one module that imports ``prometheus_client``).
 """
 
 from ._pipeline import StepGathers

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from engram_store.errors import ConfigError, EngramError
-from engram_store.units import format_size, parse_size
+from engram_store.units import parse_size
 
 TABLES = "ENGRAM_TABLES"
 ROW_CACHE = "ENGRAM_ROW_CACHE"
@@ -56,10 +56,6 @@ class EngineSettings:
     cache_scope: str          # "host" or "process"
     threads: int              # threads of a large gather from memory
     device_read: str          # "auto" or "host"
-
-    def describe(self) -> str:
-        return (f"{TABLES}={self.tables} {ROW_CACHE}={format_size(self.row_cache_bytes)} "
-                f"{CACHE_SCOPE}={self.cache_scope} {THREADS}={self.threads} {DEVICE_READ}={self.device_read}")
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:

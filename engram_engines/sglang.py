@@ -27,9 +27,9 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from .v41._sglang import install
+    from ._families import install
 
-    install()
+    install("sglang")
     ensure_metrics_dir()
     HookRegistry.register(METRICS_MOUNT, add_prometheus_middleware, HookType.REPLACE)
     log.info("engram: serving Engram tables from %s=%s", TABLES, os.environ[TABLES])

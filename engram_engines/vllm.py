@@ -29,9 +29,9 @@ METRICS_MODULES = ("vllm.v1.metrics.prometheus", "vllm.entrypoints.serve.instrum
 def register() -> None:
     if not enabled():
         return
-    from .v41._vllm import install
+    from ._families import install
 
-    install()
+    install("vllm")
     ensure_metrics_dir()
     for name in METRICS_MODULES:
         when_imported(name, _patch_registry)

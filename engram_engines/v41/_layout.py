@@ -9,6 +9,7 @@ start, naming the variable, the value and what was found.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Sequence
 
 from engram_model.v41 import V41Config, v41_store_config
@@ -22,6 +23,16 @@ from .._tables import table_dir
 FIELDS = ("engram_layer_ids", "engram_max_ngram_size", "engram_n_heads", "engram_head_dim", "engram_vocab_size",
           "engram_compressed_vocab_size", "engram_pad_token_id", "engram_pad_id", "engram_num_embeddings",
           "hidden_size", "hc_mult", "rms_norm_eps")
+
+
+#: The checkpoint's Engram tables, by their names in it (with or without ``model.``; scales by either name).
+TABLE_WEIGHT = re.compile(r"(^|\.)layers\.(\d+)\.engram\.embed\.(weight|scale|weight_scale_inv)$")
+
+
+def is_table_weight(name: str, layers: set[int]) -> bool:
+    """Whether checkpoint tensor ``name`` is the Engram table of one of ``layers`` (what the loaders skip)."""
+    m = TABLE_WEIGHT.search(name)
+    return bool(m) and int(m.group(2)) in layers
 
 
 def config_of(engine_config: Any, source: str) -> V41Config:

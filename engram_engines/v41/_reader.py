@@ -109,6 +109,16 @@ class LayerReader:
             found = self._bases[key] = torch.from_numpy(addresses).to(device)
         return found
 
+    def prepare_device(self) -> None:
+        """On a CUDA device, register the mappings and make the kernel's address and offset tables now, at start:
+        the engine's first lookups may run inside a CUDA graph's capture, where neither may happen."""
+        import torch
+
+        if self.in_place and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+            self.bases(device)
+            self._offsets_on(device)
+
     def lookup_in_place(self, indices: Any, out: Any, *, head_start: int, vocab_start: int, vocab_end: int) -> None:
         """vLLM's lookup into ``out`` (bf16 or packed) read by the kernel over the mapped columns."""
         from ._triton import lookup_in_place
@@ -130,3 +140,16 @@ class LayerReader:
 
     def __repr__(self) -> str:
         return f"LayerReader(layer {self.layer_id}, {self.tier}, in_place={self.in_place})"
+
+
+_READERS: dict[tuple[str, int], LayerReader] = {}
+
+
+def reader_for(settings: EngineSettings, table: EngramStore, config: V41Config, layer_id: int) -> LayerReader:
+    """The process's one reader of layer ``layer_id`` of ``settings.tables`` (the modules of every rank of this
+    process share it, and with it the mapping's registration)."""
+    key = (settings.tables, int(layer_id))
+    found = _READERS.get(key)
+    if found is None or found.table is not table or found.settings != settings:
+        found = _READERS[key] = LayerReader(settings, table, config, layer_id)
+    return found

@@ -23,14 +23,13 @@ Registered with SGLang's own ``HookRegistry`` (the plugin loader applies them in
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import types
 from typing import Any
 
 from .._settings import DEVICE_READ, TABLES, ServingRefused, enabled, refused, settings_from_env
-from ._layout import config_of, open_layer
-from ._reader import LayerReader, interpreted
+from ._layout import config_of, is_table_weight, open_layer
+from ._reader import LayerReader, interpreted, reader_for
 from ._steps import HostSteps, ModelLayer
 
 log = logging.getLogger(__name__)
@@ -38,7 +37,6 @@ log = logging.getLogger(__name__)
 ENGRAM = "sglang.srt.layers.engram"
 STAGING = "sglang.srt.layers.engram_staging"
 WEIGHTS = "sglang.srt.model_loader.weight_utils"
-TABLE_WEIGHT = re.compile(r"(^|\.)layers\.(\d+)\.engram\.embed\.(weight|scale|weight_scale_inv)$")
 
 
 def install() -> None:
@@ -104,9 +102,10 @@ def _init(original, self, num_embeddings: int, dim: int, layer_id: int, column_b
     self.weight = nn.Parameter(torch.empty(0, dim, dtype=torch.float8_e4m3fn), requires_grad=False)
     self.scale = nn.Parameter(torch.empty(0, dim // 32, dtype=torch.float8_e8m0fnu), requires_grad=False)
     self.weight.weight_loader = self.scale.weight_loader = _skip_rows
-    self.engram_reader = _reader(settings, table, config, layer_id)
+    self.engram_reader = reader_for(settings, table, config, layer_id)
     self.engram_index = config.layer_index(layer_id)
     self.engram_steps = None
+    self.engram_reader.prepare_device()
     if not self.engram_reader.in_place:
         _refuse_full_decode_graphs(settings, table)
         self.engram_steps = _steps(settings, config, self.engram_reader)
@@ -187,15 +186,6 @@ class SglangSteps(HostSteps):
 
 
 _STEPS: dict[str, SglangSteps] = {}
-_READERS: dict[tuple[str, int], LayerReader] = {}
-
-
-def _reader(settings, table, config, layer_id) -> LayerReader:
-    key = (settings.tables, layer_id)
-    found = _READERS.get(key)
-    if found is None or found.table is not table or found.settings != settings:
-        found = _READERS[key] = LayerReader(settings, table, config, layer_id)
-    return found
 
 
 def _steps(settings, config, reader: LayerReader) -> SglangSteps:
@@ -264,15 +254,10 @@ class _Shard:
         return self.handle.__exit__(*exc)
 
     def keys(self):
-        return [k for k in self.handle.keys() if not _table_weight(k, self.layers)]
+        return [k for k in self.handle.keys() if not is_table_weight(k, self.layers)]
 
     def __getattr__(self, name):
         return getattr(self.handle, name)
-
-
-def _table_weight(name: str, layers: set[int]) -> bool:
-    m = TABLE_WEIGHT.search(name)
-    return bool(m) and int(m.group(2)) in layers
 
 
 # ---- extend batches: SGLang's staging, the rows from engram -----------------------------------------------------

@@ -20,21 +20,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import threading
 from typing import Any
 
 from .._imports import when_imported
 from .._settings import DEVICE_READ, TABLES, ServingRefused, enabled, refused, settings_from_env
-from ._layout import check_engine_layout, check_split, config_of, open_layer
-from ._reader import LayerReader, interpreted
+from ._layout import check_engine_layout, check_split, config_of, is_table_weight, open_layer
+from ._reader import LayerReader, interpreted, reader_for
 from ._steps import HostSteps, ModelLayer
 
 log = logging.getLogger(__name__)
 
 MODULE = "vllm.models.deepseek_v41.common.engram"
-#: The checkpoint's Engram tables, by their names in the checkpoint (with or without ``model.``).
-TABLE_WEIGHT = re.compile(r"(^|\.)layers\.(\d+)\.engram\.embed\.(weight|scale|weight_scale_inv)$")
 
 _building = threading.local()  # the text config of the Engram layer being built
 
@@ -172,9 +169,10 @@ def _table_embedding(E: Any, Embedding: type, layout: Any, index: int) -> Any:
     table = open_layer(settings, config, layer_id, source)
     head_sizes = tuple(size for order in layout.primes[index] for size in order)
     check_engine_layout(config, layer_id, head_sizes, layout.num_embeddings[index], f"vLLM's EngramLayout ({source})")
-    reader = _reader(settings, table, config, layer_id)
+    reader = reader_for(settings, table, config, layer_id)
     embed = Embedding(layout.num_embeddings[index], layout.head_dim, head_sizes, reader)
     check_split(config, layer_id, embed.head_start, embed.part_n_hash_cols, embed.tp_size, settings)
+    reader.prepare_device()
     if not reader.in_place:
         _refuse_full_graphs(vllm_config, settings, table)
         embed.steps = _model_steps(layout)
@@ -185,15 +183,6 @@ def _table_embedding(E: Any, Embedding: type, layout: Any, index: int) -> Any:
     return embed
 
 
-_READERS: dict[tuple[str, int], LayerReader] = {}
-
-
-def _reader(settings, table, config, layer_id) -> LayerReader:
-    key = (settings.tables, layer_id)
-    found = _READERS.get(key)
-    if found is None or found.table is not table or found.settings != settings:
-        found = _READERS[key] = LayerReader(settings, table, config, layer_id)
-    return found
 
 
 def _model_steps(layout: Any) -> HostSteps:
@@ -232,10 +221,7 @@ def _skip_table_weights(layer_ids: Any) -> None:
         layers = {int(lid) for lid in layer_ids}
 
         def should_skip_weight(name, *args, **kwargs):
-            m = TABLE_WEIGHT.search(name)
-            if m and int(m.group(2)) in layers:
-                return True
-            return original(name, *args, **kwargs)
+            return is_table_weight(name, layers) or original(name, *args, **kwargs)
 
         should_skip_weight._engram_tables = True
         W.should_skip_weight = should_skip_weight

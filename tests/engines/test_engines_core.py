@@ -15,13 +15,6 @@ from engram_engines.v41 import LayerReader, check_engine_layout, config_of, open
 from engram_model.v41 import V41Config
 
 
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    root = tmp_path_factory.mktemp("core-toy")
-    checkpoint = write_checkpoint(root / "checkpoint")
-    load_tables(checkpoint, CONFIG, local_dir=root / "local")
-    load_tables(checkpoint, CONFIG, disk_dir=root / "disk")
-    return root
 
 
 def test_nothing_is_asked_without_engram_tables():
@@ -29,7 +22,7 @@ def test_nothing_is_asked_without_engram_tables():
 
 
 def test_the_defaults(toy):
-    s = settings_from_env({"ENGRAM_TABLES": str(toy / "local")})
+    s = settings_from_env({"ENGRAM_TABLES": str(toy.local)})
     assert (s.row_cache_bytes, s.cache_scope, s.device_read) == (4 << 30, "host", "auto") and s.threads >= 1
 
 
@@ -42,7 +35,7 @@ def test_the_defaults(toy):
 ])
 def test_a_value_that_does_not_parse_is_refused_naming_the_variable_and_value(toy, name, value, expected):
     with pytest.raises(ServingRefused, match=f"^{name}={value}: expected {expected}"):
-        settings_from_env({"ENGRAM_TABLES": str(toy / "local"), name: value})
+        settings_from_env({"ENGRAM_TABLES": str(toy.local), name: value})
 
 
 def test_a_table_directory_that_is_not_one_is_refused(tmp_path):
@@ -53,18 +46,18 @@ def test_a_table_directory_that_is_not_one_is_refused(tmp_path):
 
 
 def test_the_kind_of_a_table_directory_is_told_from_its_layers(toy, tmp_path):
-    assert TableDir(settings_from_env({"ENGRAM_TABLES": str(toy / "local")})).kind == "local_dir"
-    disk = TableDir(settings_from_env({"ENGRAM_TABLES": str(toy / "disk")}))
+    assert TableDir(settings_from_env({"ENGRAM_TABLES": str(toy.local)})).kind == "local_dir"
+    disk = TableDir(settings_from_env({"ENGRAM_TABLES": str(toy.disk)}))
     assert disk.kind == "disk_dir" and disk.layers() == [1, 14]
     import shutil
-    shutil.copytree(toy / "local" / "layer-1", tmp_path / "layer-1")
-    shutil.copytree(toy / "disk" / "layer-14", tmp_path / "layer-14")
+    shutil.copytree(toy.local / "layer-1", tmp_path / "layer-1")
+    shutil.copytree(toy.disk / "layer-14", tmp_path / "layer-14")
     with pytest.raises(ServingRefused, match="holds layers of both kinds"):
         TableDir(settings_from_env({"ENGRAM_TABLES": str(tmp_path)}))
 
 
 def test_missing_layers_and_another_layout_are_refused_naming_both_sides(toy, tmp_path):
-    settings = settings_from_env({"ENGRAM_TABLES": str(toy / "local")})
+    settings = settings_from_env({"ENGRAM_TABLES": str(toy.local)})
     more = V41Config(layer_ids=[1, 14, 20], n_heads=3, head_dim=64, engram_vocab_size=300, compressed_vocab_size=100,
                      hidden_size=64)
     with pytest.raises(ServingRefused, match=r"config.json of m names Engram layers \[1, 14, 20\], but this local_dir"
@@ -92,7 +85,7 @@ def test_a_config_that_is_not_v41s_and_an_engine_layout_that_is_not_engrams_are_
 
 
 def test_gathers_are_counted_per_layer_form_and_tier(toy):
-    settings = settings_from_env({"ENGRAM_TABLES": str(toy / "disk"), "ENGRAM_ROW_CACHE": "1MiB",
+    settings = settings_from_env({"ENGRAM_TABLES": str(toy.disk), "ENGRAM_ROW_CACHE": "1MiB",
                                   "ENGRAM_CACHE_SCOPE": "process"})
     reader = LayerReader(settings, open_layer(settings, CONFIG, 14, "m"), CONFIG, 14)
     STATS.reset()
@@ -153,7 +146,7 @@ def test_the_host_path_gathers_a_steps_layers_behind_one_ids_copy(toy):
     from engram_engines.v41 import HostSteps, ModelLayer
     from engram_model.v41 import V41Rows
 
-    settings = settings_from_env({"ENGRAM_TABLES": str(toy / "local"), "ENGRAM_DEVICE_READ": "host"})
+    settings = settings_from_env({"ENGRAM_TABLES": str(toy.local), "ENGRAM_DEVICE_READ": "host"})
     steps = HostSteps(2)
     readers = [LayerReader(settings, open_layer(settings, CONFIG, lid, "m"), CONFIG, lid) for lid in (1, 14)]
     for i, reader in enumerate(readers):

@@ -30,13 +30,6 @@ from sglang.srt.runtime_context import get_parallel  # noqa: E402
 pytestmark = pytest.mark.timeout(900)
 
 
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sglang-toy")
-    checkpoint = write_checkpoint(root / "checkpoint")
-    load_tables(checkpoint, CONFIG, local_dir=root / "local")
-    load_tables(checkpoint, CONFIG, disk_dir=root / "disk")
-    return types.SimpleNamespace(checkpoint=checkpoint, local=root / "local", disk=root / "disk")
 
 
 @pytest.fixture(scope="module")

@@ -45,14 +45,6 @@ def distributed():
     yield
 
 
-@pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    """A toy checkpoint and its tables: a local_dir and a disk_dir, as engram-load-v41 writes them."""
-    root = tmp_path_factory.mktemp("vllm-toy")
-    checkpoint = write_checkpoint(root / "checkpoint")
-    load_tables(checkpoint, CONFIG, local_dir=root / "local")
-    load_tables(checkpoint, CONFIG, disk_dir=root / "disk")
-    return types.SimpleNamespace(checkpoint=checkpoint, local=root / "local", disk=root / "disk")
 
 
 @pytest.fixture(scope="module")
