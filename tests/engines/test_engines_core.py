@@ -161,3 +161,13 @@ def test_the_host_path_gathers_a_steps_layers_behind_one_ids_copy(toy):
                                                                     head_start=3)
         assert np.array_equal(steps.layers[i].rows[:7].view(torch.int16).numpy().view(np.uint16), expected)
     steps.close()
+
+
+def test_a_split_that_leaves_a_rank_no_column_is_refused(toy):
+    from engram_engines.v41._layout import check_split
+
+    settings = settings_from_env({"ENGRAM_TABLES": str(toy.local)})
+    check_split(CONFIG, 1, 6, 3, 3, settings)  # the last rank's columns 6..8
+    with pytest.raises(ServingRefused, match=r"ENGRAM_TABLES=.*: layer 1 has 9 columns .* a split over 4 ranks leaves "
+                                             r"this rank columns 9..11, none of them: use at most 9 ranks"):
+        check_split(CONFIG, 1, 9, 3, 4, settings)

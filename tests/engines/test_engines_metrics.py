@@ -34,6 +34,7 @@ def reader(tmp_path):
     checkpoint = write_checkpoint(tmp_path / "checkpoint")
     load_tables(checkpoint, CONFIG, local_dir=tmp_path / "local")
     settings = settings_from_env({"ENGRAM_TABLES": str(tmp_path / "local")})
+    forget_table_dirs()  # this process's tables are this test's alone
     STATS.reset()
     yield LayerReader(settings, open_layer(settings, CONFIG, 1, "m"), CONFIG, 1)
     forget_table_dirs()

@@ -151,6 +151,15 @@ def test_the_host_path_copies_a_steps_ids_once_for_every_layer(plugin, toy):
     assert copies == [(6, 2, CONFIG.cols)]
 
 
+def test_vllms_raw_pointer_paths_are_refused_by_name_not_read_out_of_bounds(plugin, toy):
+    from engram_engines import ServingRefused
+
+    embed = _build(toy.checkpoint, 0, (1, 0), toy.local).embed_tokens
+    assert embed.dp_size == 1 and E.EngramBatch.create([_build(toy.checkpoint, 0, (1, 0), toy.local)], 16) is None
+    with pytest.raises(ServingRefused, match="EngramBatch, EngramPeerExchange"):
+        embed._storage()
+
+
 def test_without_engram_tables_vllm_builds_its_own_tables(plugin, toy):
     engram = _build(toy.checkpoint, 0, (1, 0), None)
     assert type(engram.embed_tokens) is E.ParallelEngramEmbedding
