@@ -19,7 +19,7 @@ from typing import Sequence
 from engram_store import cli
 from engram_store.errors import EngramError
 
-from ..v41.load import load_layers, open_checkpoint, parse, paths_exist
+from ..v41.load import load_layers, open_checkpoint, parse, paths_exist, room_in_memory
 from ._checkpoint import load_ple_hash_buffers, load_ple_table
 from ._config import PLEConfig
 
@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
 
 
 def _main(argv: Sequence[str] | None, prog: str) -> int:
-    args = parse(argv, prog, DESCRIPTION, family="PLE", layer_ids="ple_layer_ids", unit="head", local_dir=True)
+    args = parse(argv, prog, DESCRIPTION, family="PLE", layer_ids="ple_layer_ids", unit="head")
     cli.setup_logging(args.log_level)
     return run(args, prog)
 
@@ -57,6 +57,9 @@ def run(args: argparse.Namespace, prog: str = PROG) -> int:
         layers = args.layers or list(config.ple_layer_ids)
         for layer_id in layers:
             config.ple_index(layer_id)
+        if args.local_dir and not room_in_memory(args.local_dir, sum(config.num_embeddings(layer_id) * config.row_bytes
+                                                                     for layer_id in layers), prog):
+            return 1
         checkpoint = open_checkpoint(args, prog)
         if checkpoint is None:
             return 2
