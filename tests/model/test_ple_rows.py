@@ -44,9 +44,16 @@ def hasher_ids(rng, T: int) -> np.ndarray:
     return np.stack([rng.integers(BOUNDS[h], BOUNDS[h + 1], T) for h in range(16)], axis=1)
 
 
-def any_ids(rng, shape) -> np.ndarray:
-    """Ids anywhere in the heads (other heads', other ranks'), and -1."""
-    return rng.integers(-1, HEADED, shape)
+def any_ids(rng, shape, windows=()) -> np.ndarray:
+    """Ids anywhere in the heads (other heads', other ranks'), -1, and the rows on both sides of each window's
+    ends."""
+    ids = rng.integers(-1, HEADED, shape)
+    edges = np.array([e + d for w in windows for e in w for d in (-1, 0)] + [-1, 0, HEADED - 1], np.int64)
+    edges = edges[(edges >= -1) & (edges < HEADED)]
+    flat = ids.reshape(-1)
+    at = rng.choice(flat.size, min(flat.size, edges.size), replace=False)
+    flat[at] = rng.permutation(edges)[:at.size]
+    return ids
 
 
 def expected(dtype: str, ids: np.ndarray, start: int, end: int, raw: bool, table=None) -> np.ndarray:
@@ -63,7 +70,7 @@ def check_forms(rows: PLERows, dtype: str, rng, windows, calls: int = 3, table=N
     """Raw (uint8 bytes) and bf16 forms over each window, ids of both kinds and both dtypes."""
     for i in range(calls):
         T = int(rng.integers(1, 9))
-        ids = hasher_ids(rng, T) if i % 2 == 0 else any_ids(rng, (T, 16))
+        ids = hasher_ids(rng, T) if i % 2 == 0 else any_ids(rng, (T, 16), windows)
         ids = ids.astype(np.int32 if i == 1 else np.int64)
         for start, end in windows:
             raw = np.full((T, 16, CONFIGS[dtype].row_bytes), 7, np.uint8)
@@ -97,10 +104,10 @@ def in_memory(request):
 def test_gathers_match_vllm_and_sglang(in_memory, seed, T, own, flat, dtype, a, b, whole):
     table_dtype, rows = in_memory
     rng = np.random.default_rng(seed)
-    ids = (hasher_ids(rng, T) if own else any_ids(rng, (T, 16))).astype(dtype)
+    start, end = (0, None) if whole else (min(a, b), max(a, b))
+    ids = (hasher_ids(rng, T) if own else any_ids(rng, (T, 16), [(start, end or ROWS)])).astype(dtype)
     if flat:
         ids = ids.reshape(-1)
-    start, end = (0, None) if whole else (min(a, b), max(a, b))
     raw = np.empty(ids.shape + (CONFIGS[table_dtype].row_bytes,), np.uint8)
     rows.gather_into(ids, raw, row_start=start, row_end=end)
     want = expected(table_dtype, ids, start, ROWS if end is None else end, True)
