@@ -51,6 +51,8 @@ from ._config import PLEConfig, PLEHashBuffers
 #: bf16 bits of every e4m3 code (exact: an e4m3 value is a bf16 value; NaN codes give a quiet NaN of their sign).
 E4M3_BF16 = (E4M3_TABLE.view(np.uint32) >> 16).astype(np.uint16)
 E4M3_BF16.flags.writeable = False
+#: A NumPy buffer's dtype, as host_array names it (its bits are the array itself).
+_NUMPY_KINDS = {np.dtype(np.uint8): "uint8", np.dtype(np.uint16): "uint16"}
 #: SGLang's VocabParallelEmbedding pads a vocabulary to this many rows (DEFAULT_VOCAB_PADDING_SIZE) before cutting
 #: it over ranks; vLLM's PLE table pads to the config's make_ngram_vocab_size_divisible_by.
 SGLANG_PADDING = 64
@@ -129,6 +131,8 @@ class PLERows:
         self._gather = RowGather(table, self.layer_id, self.heads, offsets, self.fmt.row_bytes,
                                  check_threads(threads), f"ple-rows-l{self.layer_id}", self.fmt.dtype)
         self._covered: set[tuple[int, int]] = set()  # row windows whose heads the table holds
+        self._whole: tuple[int, int] | None = None
+        self._whole = self._window(0, None) if self.heads == list(range(config.heads)) else None
 
     @property
     def memory_gathers(self) -> int:
@@ -159,8 +163,13 @@ class PLERows:
         return self._gather.submit(lambda: self._run(call), ids)
 
     def _check(self, ids: Any, out: Any, row_start: Any, row_end: Any, copy_ids: bool) -> _Call:
-        view = host_array(out, "out")
-        arr, raw = view.array, self._form(view.dtype, view.array)
+        kind = _NUMPY_KINDS.get(out.dtype) if type(out) is np.ndarray and out.flags.writeable else None
+        if kind is None:  # a tensor, an ml_dtypes array, a read-only or odd buffer: the general view
+            view = host_array(out, "out")
+            arr, kind = view.array, view.dtype
+        else:  # a decode step's NumPy buffer: no more to look at (the general path costs a few microseconds)
+            arr = out
+        raw = self._form(kind, arr)
         ids_arr = as_ids(ids, None, copy_ids)
         if arr.shape != ids_arr.shape + (arr.shape[-1],):
             raise InvalidArgument(f"out: expected [*ids.shape, {arr.shape[-1]}] = "
@@ -197,6 +206,8 @@ class PLERows:
         return kind in ("uint8", "float8_e4m3fn") or fmt.codes == "bf16"
 
     def _window(self, row_start: Any, row_end: Any) -> tuple[int, int]:
+        if type(row_start) is int and row_start == 0 and row_end is None and self._whole is not None:
+            return self._whole
         rows = self.buffers.rows
         end = rows if row_end is None else row_end
         if not is_int(row_start) or not is_int(end) or not 0 <= row_start <= end <= rows:
