@@ -68,7 +68,7 @@ def run(args: argparse.Namespace, sections: list[str]) -> dict:
 
 def _run(args: argparse.Namespace, sections: list[str]) -> dict:
     per_head = args.ple_rows_per_head or (60_000 if args.quick else 250_000)
-    rounds = {"decode": 15 if args.quick else 60, "prefill": 3 if args.quick else 9}
+    rounds = {"decode": 15 if args.quick else 60, "prefill": 3 if args.quick else 25}
     results: dict = {"rows_per_head": per_head, "threads": args.threads,
                      "engine_threads": args.ple_engine_threads or args.threads, "tables": {}}
     for dtype in args.ple_dtypes.split(","):

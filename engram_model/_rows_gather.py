@@ -25,7 +25,7 @@ import ctypes
 import os
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -109,17 +109,42 @@ def read_in_place(table: EngramStore, layer_id: int, read: Callable[[list[np.nda
     return False if tables is None else bool(read(tables))
 
 
-def span_of(tables: list[np.ndarray], heads: list[int], cols: int) -> tuple[np.ndarray, np.ndarray]:
-    """One read-only uint8 view spanning every table (the kernels index them as one array), and each column's
-    first byte in it. Memory between the tables is never touched: every id is checked against the table first."""
+class Span(NamedTuple):
+    """One read-only view spanning every column's table (the kernels index them as one array): ``bytes`` uint8, row
+    g of column c at byte ``delta[c] + g * row_bytes``; ``words`` the same memory as uint64 and ``word_delta`` in
+    words, where every table starts and ends on an 8-byte boundary and rows are whole words (None otherwise): rows
+    copied a word at a time. Memory between the tables is never touched: every id is checked against the table
+    first."""
+    bytes: np.ndarray
+    delta: np.ndarray
+    words: np.ndarray | None
+    word_delta: np.ndarray | None
+
+
+def span_of(tables: list[np.ndarray], heads: list[int], offsets: np.ndarray, row_bytes: int) -> Span:
+    """The :class:`Span` over ``tables`` (column ``heads[j]``'s, its rows starting at ``offsets[heads[j]]`` of the
+    layer's one table)."""
     lo = min(t.ctypes.data for t in tables)
     hi = max(t.ctypes.data + t.nbytes for t in tables)
     span = np.frombuffer((ctypes.c_uint8 * (hi - lo)).from_address(lo), dtype=np.uint8)
     span.flags.writeable = False
-    base = np.zeros(cols, dtype=np.int64)
+    base = np.zeros(offsets.shape[0] - 1, dtype=np.int64)
     for h, t in zip(heads, tables):
         base[h] = t.ctypes.data - lo
-    return span, base
+    delta = base - offsets[:-1] * row_bytes  # a column's first byte, less its first row's place
+    aligned = row_bytes % 8 == 0 and lo % 8 == 0 and (hi - lo) % 8 == 0 and all(
+        t.ctypes.data % 8 == 0 and t.nbytes % 8 == 0 for t in tables)
+    words = span.view(np.uint64) if aligned else None
+    return Span(span, delta, words, (base // 8 - offsets[:-1] * (row_bytes // 8)) if aligned else None)
+
+
+def word_view(out: np.ndarray) -> np.ndarray | None:
+    """``out`` (uint8 ``[N, row_bytes]``, the last axis contiguous) as uint64 words, where its rows are whole words
+    on 8-byte boundaries; else None."""
+    if out.shape[1] % 8 or out.strides[1] != 1:
+        return None
+    words = out.view(np.uint64)
+    return words if words.flags.aligned else None  # NumPy's flag: the address and the row stride are whole words
 
 
 class RowGather:
@@ -143,29 +168,29 @@ class RowGather:
         self._lock = threading.Lock()
         self._background = SharedPool(name)  # one thread, made on first use
         self._span_of: list | None = None  # the tables the span was built over (kept referenced)
-        self._span: tuple[np.ndarray, np.ndarray] | None = None
+        self._span: Span | None = None
         self.memory_gathers = 0  # calls gathered from this host's memory in one kernel
         self.staged_gathers = 0  # calls read with lookup_into, then laid out
 
-    def gather(self, from_span: Callable[[np.ndarray, np.ndarray], None], staged: Callable[[], None]) -> None:
-        """``from_span(span, base)`` where the rows are in this host's memory (read in place, checked), else
-        ``staged()``."""
+    def gather(self, from_span: Callable[[Span, Any], None], staged: Callable[[Any], None], call: Any) -> None:
+        """``from_span(span, call)`` where the rows are in this host's memory (read in place, checked), else
+        ``staged(call)``."""
         def in_place(tables: list[np.ndarray]) -> bool:
             if tables is not self._span_of and not all(t.flags.c_contiguous for t in tables):
                 return False
-            from_span(*self._span_over(tables))
+            from_span(self._span_over(tables), call)
             return True
 
         if read_in_place(self.table, self.layer_id, in_place):
             self.memory_gathers += 1
         else:
-            staged()
+            staged(call)
             self.staged_gathers += 1
 
-    def _span_over(self, tables: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    def _span_over(self, tables: list[np.ndarray]) -> Span:
         with self._lock:
             if self._span_of is not tables:  # the tables moved (or first call): one span over them
-                self._span = span_of(tables, self.heads, self.cols)
+                self._span = span_of(tables, self.heads, self.offsets, self.row_bytes)
                 self._span_of = tables
             return self._span
 
@@ -213,18 +238,23 @@ def warm_kernels() -> None:
     memory and the staged paths), on tiny inputs."""
     offsets = np.array([0, 3, 7], dtype=np.int64)
     for row_bytes, coded in ((4, True), (8, False)):
-        span = np.zeros(7 * row_bytes, dtype=np.uint8)
-        span.flags.writeable = False
-        base = np.array([0, 3 * row_bytes], dtype=np.int64)
+        table = np.zeros((7, row_bytes), dtype=np.uint8)
+        span = span_of([table[:3], table[3:]], [0, 1], offsets, row_bytes)
         lut = np.zeros(256, dtype=np.uint16)
         for dtype in (np.int32, np.int64):
             ids = np.array([0, 4, -1, 6], dtype=dtype)
             _k.first_bad(ids, 7)
-            outs = [np.empty((4, row_bytes), np.uint8)] + ([np.empty((4, row_bytes), np.uint16)] if coded else [])
+            raw = np.empty((4, row_bytes), np.uint8)
             store_ids, src = _k.plan_window(ids, offsets, 0, 7, np.arange(2, dtype=np.int64), 2)
             staged = np.zeros((store_ids.size, row_bytes), np.uint8)
-            for out in outs:
-                _k.rows_from_span(span, base, offsets, ids, 0, 7, 0, 4, row_bytes, lut, out)
-                _k.rows_from_staging(staged, src, lut, out)
-            _k.zero_slots(src, outs[0])
-            _k.zero_slots(src, outs[0].view(np.uint16))
+            _k.rows_from_span(span.bytes, span.delta, offsets, ids, 0, 7, 0, 4, row_bytes, raw)
+            _k.rows_from_staging(staged, src, lut, raw)
+            if coded:
+                coded_out = np.empty((4, row_bytes), np.uint16)
+                _k.coded_from_span(span.bytes, span.delta, offsets, ids, 0, 7, 0, 4, row_bytes, lut, coded_out)
+                _k.rows_from_staging(staged, src, lut, coded_out)
+            if span.words is not None:  # rows copied a word at a time
+                _k.rows_from_span(span.words, span.word_delta, offsets, ids, 0, 7, 0, 4, row_bytes // 8,
+                                  raw.view(np.uint64))
+            _k.zero_slots(src, raw)
+            _k.zero_slots(src, raw.view(np.uint16))

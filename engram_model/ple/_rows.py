@@ -45,7 +45,7 @@ from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
 
 from .. import _rows_gather_kernels as _k
 from .._fp8 import E4M3_TABLE
-from .._rows_gather import RowGather, RowsHandle, as_ids, check_table, check_threads
+from .._rows_gather import RowGather, RowsHandle, Span, as_ids, check_table, check_threads, word_view
 from ._config import PLEConfig, PLEHashBuffers
 
 #: bf16 bits of every e4m3 code (exact: an e4m3 value is a bf16 value; NaN codes give a quiet NaN of their sign).
@@ -131,6 +131,11 @@ class PLERows:
         self._gather = RowGather(table, self.layer_id, self.heads, offsets, self.fmt.row_bytes,
                                  check_threads(threads), f"ple-rows-l{self.layer_id}", self.fmt.dtype)
         self._covered: set[tuple[int, int]] = set()  # row windows whose heads the table holds
+        fmt, bf16 = self.fmt, self.fmt.codes == "bf16"
+        # out's dtype -> (its last axis, whether the form is raw): bytes, the table's own dtype, or bf16 values
+        self._forms = {"uint8": (fmt.row_bytes, True), "bfloat16": (fmt.values, bf16), "uint16": (fmt.values, bf16),
+                       **({} if bf16 else {"float8_e4m3fn": (fmt.values, True)})}
+        self._store_dtype = fmt.dtype
         self._whole: tuple[int, int] | None = None
         self._whole = self._window(0, None) if self.heads == list(range(config.heads)) else None
 
@@ -188,22 +193,20 @@ class PLERows:
         if bad >= 0:
             raise InvalidArgument(self._bad_id(ids_arr, int(bad)))
         out2 = flat.view(np.uint8) if raw else flat
-        straight = out2.view(self.fmt.dtype) if raw and out2.flags.c_contiguous else None
+        straight = out2.view(self._store_dtype) if raw and out2.flags.c_contiguous else None
         return _Call(ids_flat, out2, v0, v1, straight, out)
 
     def _form(self, kind: str, arr: np.ndarray) -> bool:
         """Whether ``out`` asks for the raw form (else bf16), once its dtype and last axis fit this table."""
-        fmt = self.fmt
-        width = {"uint8": fmt.row_bytes, "bfloat16": fmt.values, "uint16": fmt.values}.get(kind)
-        if kind == "float8_e4m3fn" and fmt.codes == "e4m3":
-            width = fmt.values
+        width, raw = self._forms.get(kind, (None, False))
         if width is None or arr.ndim < 1 or arr.shape[-1] != width or (arr.size and arr.strides[-1] != arr.itemsize):
+            fmt = self.fmt
             own = "float8_e4m3fn" if fmt.codes == "e4m3" else "bfloat16"
             raise InvalidArgument(f"out: expected [..., {fmt.row_bytes}] uint8 or [..., {fmt.values}] {own} (the "
                                   f"table's raw rows: {fmt}), or [..., {fmt.values}] bfloat16 (torch, ml_dtypes or "
                                   f"uint16 bits: the rows' values), with the last axis contiguous; got {kind} "
                                   f"{list(arr.shape)}")
-        return kind in ("uint8", "float8_e4m3fn") or fmt.codes == "bf16"
+        return raw
 
     def _window(self, row_start: Any, row_end: Any) -> tuple[int, int]:
         if type(row_start) is int and row_start == 0 and row_end is None and self._whole is not None:
@@ -238,13 +241,28 @@ class PLERows:
     # ---- the gather -------------------------------------------------------------------------------
 
     def _run(self, call: _Call) -> Any:
-        g, N = self._gather, call.ids.shape[0]
-        if N:
-            g.gather(lambda span, base: g.split_range(N, lambda a, b: _k.rows_from_span(
-                         span, base, g.offsets, call.ids, call.v0, call.v1, a, b, g.row_bytes, E4M3_BF16, call.out)),
-                     lambda: g.staged(call.ids, call.v0, call.v1, lambda staged, src: _k.rows_from_staging(
-                         staged, src, E4M3_BF16, call.out), call.straight))
+        if call.ids.shape[0]:
+            self._gather.gather(self._from_span, self._staged, call)
         return call.result
+
+    def _staged(self, call: _Call) -> None:
+        """The call's rows read with the table's lookup_into (remote segments, disk), then laid out."""
+        self._gather.staged(call.ids, call.v0, call.v1, lambda staged, src: _k.rows_from_staging(
+            staged, src, E4M3_BF16, call.out), call.straight)
+
+    def _from_span(self, span: Span, call: _Call) -> None:
+        """The call's rows from this host's memory: raw rows a word at a time where the span and ``out`` allow."""
+        g, out, ids, v0, v1 = self._gather, call.out, call.ids, call.v0, call.v1
+        if out.itemsize == 2:  # e4m3 codes as bf16
+            g.split_range(ids.shape[0], lambda a, b: _k.coded_from_span(
+                span.bytes, span.delta, g.offsets, ids, v0, v1, a, b, g.row_bytes, E4M3_BF16, out))
+            return
+        words = word_view(out) if span.words is not None else None
+        source, delta, items = (span.words, span.word_delta, g.row_bytes // 8) if words is not None else \
+            (span.bytes, span.delta, g.row_bytes)
+        target = out if words is None else words
+        g.split_range(ids.shape[0], lambda a, b: _k.rows_from_span(
+            source, delta, g.offsets, ids, v0, v1, a, b, items, target))
 
     # ---- lifetime ---------------------------------------------------------------------------------
 

@@ -147,6 +147,24 @@ def test_large_gathers_split_over_threads_give_the_same_rows():
     np.testing.assert_array_equal(a, expected(dtype, ids, 1000, 4000, False))
 
 
+def test_rows_off_8_byte_boundaries_are_copied_byte_by_byte_alike():
+    """Tables and buffers that do not start on an 8-byte boundary take the byte-wise copy (rows are otherwise copied
+    a word at a time): the same rows."""
+    dtype = "float8_e4m3fn"
+    rng = np.random.default_rng(8)
+    ids = any_ids(rng, (9, 16), rank_windows())
+    odd = np.empty(TABLES[dtype].nbytes + 1, np.uint8)[1:].reshape(TABLES[dtype].shape)   # an odd address
+    odd[:] = TABLES[dtype]
+    for table in (TABLES[dtype], odd):
+        with EngramStore(LAYER, ple_store_config(CONFIGS[dtype], LAYER), None) as es:
+            es.bind_local(heads_of(table))
+            rows = PLERows(es, CONFIGS[dtype], LAYER)
+            for shift in (0, 3):
+                out = np.empty(ids.size * 160 + shift, np.uint8)[shift:].reshape(9, 16, 160)
+                rows.gather_into(ids, out, row_start=700, row_end=4000)
+                np.testing.assert_array_equal(out, expected(dtype, ids, 700, 4000, True))
+
+
 # ---- every table kind -------------------------------------------------------------------------------------
 
 
