@@ -247,14 +247,14 @@ def warm_kernels() -> None:
             raw = np.empty((4, row_bytes), np.uint8)
             store_ids, src = _k.plan_window(ids, offsets, 0, 7, np.arange(2, dtype=np.int64), 2)
             staged = np.zeros((store_ids.size, row_bytes), np.uint8)
-            _k.rows_from_span(span.bytes, span.delta, offsets, ids, 0, 7, 0, 4, row_bytes, raw)
+            _k.rows_from_span(span.bytes, span.delta, offsets, ids, 0, 7, 0, 4, row_bytes, lut, raw)
             _k.rows_from_staging(staged, src, lut, raw)
             if coded:
                 coded_out = np.empty((4, row_bytes), np.uint16)
-                _k.coded_from_span(span.bytes, span.delta, offsets, ids, 0, 7, 0, 4, row_bytes, lut, coded_out)
+                _k.rows_from_span(span.bytes, span.delta, offsets, ids, 0, 7, 0, 4, row_bytes, lut, coded_out)
                 _k.rows_from_staging(staged, src, lut, coded_out)
             if span.words is not None:  # rows copied a word at a time
-                _k.rows_from_span(span.words, span.word_delta, offsets, ids, 0, 7, 0, 4, row_bytes // 8,
+                _k.rows_from_span(span.words, span.word_delta, offsets, ids, 0, 7, 0, 4, row_bytes // 8, lut,
                                   raw.view(np.uint64))
             _k.zero_slots(src, raw)
             _k.zero_slots(src, raw.view(np.uint16))

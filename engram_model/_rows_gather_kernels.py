@@ -97,12 +97,14 @@ def places(delta, offsets, ids, v0, v1, i0, i1, row_items):
 
 
 @njit(cache=True, nogil=True)
-def rows_from_span(span, delta, offsets, ids, v0, v1, i0, i1, row_items, out):
-    """Raw rows of slots i0..i1 of flat ids: ``out[i]`` (``[N, row_items]`` of the span's items: uint8 bytes, or
-    uint64 words over a uint64 span) = the row of ``ids[i]``, zeros outside [v0, v1). Row g of column c is at
-    ``delta[c] + g * row_items`` in the span. Ids checked first (first_bad)."""
+def rows_from_span(span, delta, offsets, ids, v0, v1, i0, i1, row_items, lut, out):
+    """Slots i0..i1 of flat ids from the span, zeros outside [v0, v1); row g of column c is at ``delta[c] + g *
+    row_items`` in the span. Raw where ``out`` has the span's items (``[N, row_items]``: uint8 bytes, or uint64
+    words over a uint64 span; lut unused), else coded: out uint16 ``[N, values]``, each code of the row through lut
+    (uint16 [256]; a uint8 span). Ids checked first (first_bad)."""
+    raw = out.itemsize == span.itemsize  # known when the kernel compiles: one loop or the other is left
     where = places(delta, offsets, ids, v0, v1, i0, i1, row_items)
-    n = where.shape[0]
+    n, width = where.shape[0], out.shape[1]
     for j in range(min(n, PREFETCH_ROWS)):
         if where[j] != OUTSIDE:
             prefetch_row(span, where[j], row_items)
@@ -113,34 +115,14 @@ def rows_from_span(span, delta, offsets, ids, v0, v1, i0, i1, row_items, out):
         at = where[j]
         dst = out[i0 + j]
         if at == OUTSIDE:
+            for k in range(width):
+                dst[k] = 0
+        elif raw:
             for k in range(row_items):
-                dst[k] = 0
-            continue
-        for k in range(row_items):
-            dst[k] = span[at + np.uint64(k)]
-
-
-@njit(cache=True, nogil=True)
-def coded_from_span(span, delta, offsets, ids, v0, v1, i0, i1, row_bytes, lut, out):
-    """Coded rows of slots i0..i1: ``out[i]`` uint16 ``[N, values]`` = ``lut`` (uint16 [256]) of each code of the row
-    of ``ids[i]`` in the uint8 span, zeros outside [v0, v1); arguments as :func:`rows_from_span`'s."""
-    where = places(delta, offsets, ids, v0, v1, i0, i1, row_bytes)
-    n, values = where.shape[0], out.shape[1]
-    for j in range(min(n, PREFETCH_ROWS)):
-        if where[j] != OUTSIDE:
-            prefetch_row(span, where[j], row_bytes)
-    for j in range(n):
-        p = j + PREFETCH_ROWS
-        if p < n and where[p] != OUTSIDE:
-            prefetch_row(span, where[p], row_bytes)
-        at = where[j]
-        dst = out[i0 + j]
-        if at == OUTSIDE:
-            for k in range(values):
-                dst[k] = 0
-            continue
-        for k in range(values):
-            dst[k] = lut[span[at + np.uint64(k)]]
+                dst[k] = span[at + np.uint64(k)]
+        else:
+            for k in range(width):
+                dst[k] = lut[span[at + np.uint64(k)]]
 
 
 # ---- through a staging read -------------------------------------------------------------------------------

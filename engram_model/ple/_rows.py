@@ -252,17 +252,13 @@ class PLERows:
 
     def _from_span(self, span: Span, call: _Call) -> None:
         """The call's rows from this host's memory: raw rows a word at a time where the span and ``out`` allow."""
-        g, out, ids, v0, v1 = self._gather, call.out, call.ids, call.v0, call.v1
-        if out.itemsize == 2:  # e4m3 codes as bf16
-            g.split_range(ids.shape[0], lambda a, b: _k.coded_from_span(
-                span.bytes, span.delta, g.offsets, ids, v0, v1, a, b, g.row_bytes, E4M3_BF16, out))
-            return
-        words = word_view(out) if span.words is not None else None
-        source, delta, items = (span.words, span.word_delta, g.row_bytes // 8) if words is not None else \
-            (span.bytes, span.delta, g.row_bytes)
-        target = out if words is None else words
-        g.split_range(ids.shape[0], lambda a, b: _k.rows_from_span(
-            source, delta, g.offsets, ids, v0, v1, a, b, items, target))
+        g, out = self._gather, call.out
+        source, delta, items = span.bytes, span.delta, g.row_bytes
+        words = word_view(out) if span.words is not None and out.itemsize == 1 else None
+        if words is not None:
+            source, delta, items, out = span.words, span.word_delta, g.row_bytes // 8, words
+        g.split_range(call.ids.shape[0], lambda a, b: _k.rows_from_span(
+            source, delta, g.offsets, call.ids, call.v0, call.v1, a, b, items, E4M3_BF16, out))
 
     # ---- lifetime ---------------------------------------------------------------------------------
 

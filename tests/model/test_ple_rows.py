@@ -228,6 +228,27 @@ def test_from_the_released_layout_to_vllms_rows(tmp_path):
         np.testing.assert_array_equal(reduced, whole[ids])
 
 
+class WrittenOver(EngramStore):
+    """A store whose in-place read ran but must not be used, as ``EngramStore.read_local`` answers where a store's
+    table was removed or written over while it was read."""
+
+    def read_local(self, read, *, layer=None):
+        read(self.local_tables(layer=layer))
+        return False
+
+
+def test_rows_read_in_place_that_the_store_disowns_are_read_again_the_staged_way():
+    dtype = "float8_e4m3fn"
+    with WrittenOver(LAYER, ple_store_config(CONFIGS[dtype], LAYER), None) as es:
+        es.bind_local(heads_of(TABLES[dtype]))
+        rows = PLERows(es, CONFIGS[dtype], LAYER)
+        ids = any_ids(np.random.default_rng(9), (6, 16), rank_windows())
+        out = np.empty((6, 16, 160), np.uint16)
+        rows.gather_into(ids, out, row_start=100, row_end=4000)
+        np.testing.assert_array_equal(out, expected(dtype, ids, 100, 4000, False))
+        assert (rows.memory_gathers, rows.staged_gathers) == (0, 1)
+
+
 # ---- ranks --------------------------------------------------------------------------------------------------
 
 
