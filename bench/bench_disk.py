@@ -612,7 +612,7 @@ def section_hit_api(directory: str, quick: bool, seed: int) -> list[dict]:
                     t_disk.append(time.perf_counter_ns() - t0)
                     check_rows(ids.reshape(M, HEADS), out.reshape(-1))
                     bare = batches[(i + reps // 3) % reps]  # the same kind of lookup without the curve
-                    sizing.observe = lambda jobs: None
+                    sizing.observe = lambda jobs, states: None
                     t0 = time.perf_counter_ns()
                     disk.lookup_into(bare, out)
                     t_bare.append(time.perf_counter_ns() - t0)

@@ -1,9 +1,10 @@
 """V4.1 rows for the serving engines: ``V41Rows.gather_into`` beside the engines' own CPU gather; and Qwen4-Exp's PLE
 rows (``PLERows``), in ``_engines_ple.py``.
 
-    python bench/bench_engines.py [--quick] [--families v41,ple] [--rows-per-column N] [--ple-rows-per-head N]
-                                  [--ple-dtypes float8_e4m3fn,bfloat16] [--sections memory,local_dir,disk,remote]
-                                  [--threads N] [--json PATH]
+    python bench/bench_engines.py [--quick] [--families v41,ple] [--rows-per-column N] [--threads N] [--json PATH]
+                                  [--sections memory,local_dir,disk,remote,critical,startup] [--startup-gb G]
+                                  [--ple-rows-per-head N] [--ple-dtypes float8_e4m3fn,bfloat16]
+                                  [--ple-engine-threads N]
 
 One layer in the released row format (24 columns of 264-byte rows: 256 e4m3 codes, 8 e8m0 scale bytes), with
 ``--rows-per-column`` rows per column (default 250,000: 6M rows, 1.6 GB; the release has 16M per column), random
@@ -20,6 +21,12 @@ bytes. Per layer and step, on the same ids (uniform over each column, as hashes 
   every call reads ids of its own, so the hit rate, printed, is about the cache's share of the table: the SSD's
   random-read rate sets the time), a remote segment (``engram-segment`` process, reads over TCP).
 
+Two sections measure the engine plugins (``engram_engines``; ``_engines_paths.py`` says how): ``critical``, a decode
+step's host work from ids on the host to layer 1's rows staged, per tier, beside the floor (NumPy's take from the
+engine's own table) in the same run, as wall and CPU time; ``startup``, the time until the tables are ready for a
+table of ``--startup-gb`` GB (vLLM's loader filling its /dev/shm storage from the checkpoint, against the plugin
+opening an existing local_dir and disk_dir).
+
 Times are medians of calls interleaved round by round (each candidate once per round), in one process, on a
 shared machine: compare rows within one run. Every call reads an id set of its own (the sets in turn), so none
 finds rows in the CPU's caches that the call before brought in: the engine's gather and engram's read cold rows
@@ -35,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from _common import default_json_path, fmt, interleaved_times, print_table, start_cluster, write_json
+from _engines_paths import critical_path, startup
 
 import _engines_ple
 from engram_model.v41 import V41Config, V41Rows, v41_store_config
@@ -52,7 +60,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds and a smaller table")
     parser.add_argument("--rows-per-column", type=int, default=None, help="rows of each of the 24 columns")
-    parser.add_argument("--sections", default="memory,local_dir,disk,remote")
+    parser.add_argument("--sections", default="memory,local_dir,disk,remote,critical,startup")
+    parser.add_argument("--startup-gb", type=float, default=None, help="table size of the start-up section "
+                        "(default 4, --quick 1)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="V41Rows threads for large gathers")
     parser.add_argument("--json", default=default_json_path("bench_engines"))
     parser.add_argument("--families", default="v41,ple", help="the model families' rows to run: v41, ple or both")
@@ -89,7 +99,12 @@ def main() -> int:
     for section in ("local_dir", "disk", "remote"):
         if section in sections:
             _other_table(section, config, layer, tables, ids, rounds, args.threads, results)
-    if "ple" in args.families.split(","):
+    if "critical" in sections:
+        results["critical"] = critical_path(config, tables, 300 if args.quick else 2000, HOST_CACHE_BYTES)
+    del packed, tables, engine
+    if "startup" in sections:
+        results["startup"] = startup(args.startup_gb or (1.0 if args.quick else 4.0), HOST_CACHE_BYTES)
+    if "ple" in args.families.split(","):  # memory, local_dir, disk and remote of the PLE tables
         results["ple"] = _engines_ple.run(args, sections)
     write_json(args.json, results)
     return 0

@@ -15,7 +15,10 @@ from typing import Mapping
 
 import numpy as np
 
+from engram_store.durable import write_replacing
 from engram_store.errors import InvalidArgument, InvalidType, describe
+
+from ._checkpoint_files import open_checkpoint_file
 
 #: safetensors dtype names and the NumPy dtypes they are read as. BF16 has no NumPy dtype and is widened
 #: to float32 on reading (exactly: bfloat16 is the top half of a float32).
@@ -50,13 +53,13 @@ def save_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray],
         offset += len(data)
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
     blob += b" " * (-len(blob) % 8)  # pad so the data starts 8-byte aligned, as the reference writer does
-    tmp = f"{os.fspath(path)}.tmp"
-    with open(tmp, "wb") as f:
+
+    def write(f) -> None:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for data in arrays:
             f.write(data)
-    os.replace(tmp, path)
+    write_replacing(path, write, "save_safetensors")  # a private temporary, renamed into place
 
 
 def load_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -66,7 +69,10 @@ def load_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     and a file that shrinks while it is read is an InvalidArgument naming it, not SIGBUS.
     """
     where = os.fspath(path)
-    fd = os.open(where, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fd = open_checkpoint_file(where)  # a regular file its directory's owner may give: never a pipe
+    except FileNotFoundError:
+        raise InvalidArgument(f"path: no such safetensors file {where!r}") from None
     try:
         size = os.fstat(fd).st_size
         if size < 8:
@@ -136,9 +142,8 @@ def save_checkpoint(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]) 
     """Write a ``.npz`` or ``.safetensors`` file, chosen by the file name's extension."""
     kind = _kind(path)
     if kind == "npz":
-        tmp = f"{os.fspath(path)}.tmp.npz"
-        np.savez(tmp, **{k: np.asarray(v) for k, v in tensors.items()})
-        os.replace(tmp, path)
+        write_replacing(path, lambda f: np.savez(f, **{k: np.asarray(v) for k, v in tensors.items()}),
+                        "save_checkpoint")
     else:
         save_safetensors(path, tensors)
 

@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     args = v41_load.parse(argv, PROG, DESCRIPTION, family="n-gram",
-                          layer_ids="ple_layer_ids or engram_layer_ids", unit="head", local_dir=True)
+                          layer_ids="ple_layer_ids or engram_layer_ids", unit="head")
     cli.setup_logging(args.log_level)
     config_path = args.config or args.checkpoint
     if not v41_load.paths_exist(args, config_path, PROG):

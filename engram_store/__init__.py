@@ -18,6 +18,7 @@ from .tables import (EngramStore, EngramStoreConfig, LookupHandle, lookup_many, 
                      serve_metrics)
 from ._errors import (
     AuthError,
+    CatalogUnwritable,
     ConfigError,
     EngramError,
     InvalidArgument,
@@ -40,6 +41,7 @@ from ._errors import (
     DiskReadError,
     JournalError,
     LockTimeout,
+    TableClosed,
     UnsafeFile,
 )
 from .segment import SegmentServer
@@ -47,6 +49,7 @@ from ._units import format_size, parse_size
 
 __all__ = [
     "AuthError",
+    "CatalogUnwritable",
     "ConfigError",
     "DistributedStore",
     "EngramError",
@@ -78,6 +81,7 @@ __all__ = [
     "DiskReadError",
     "JournalError",
     "LockTimeout",
+    "TableClosed",
     "UnsafeFile",
     "format_size",
     "lookup_many",

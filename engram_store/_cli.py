@@ -3,7 +3,8 @@
 * :class:`HelpFormatter`: descriptions printed as written, each option's default after its help;
 * :func:`add_log_level`: ``--log-level`` with the same choices in every script;
 * :func:`run`: runs a script's body; ``engram-master status | head -1`` ends quietly, without a traceback;
-* :func:`announce_after`: a line on stderr when a wait outlasts a second, saying what is awaited.
+* :func:`announce_after`: a line on stderr when a wait outlasts a second, saying what is awaited;
+* :func:`raise_open_files_limit`: servers raise their soft open-files limit toward the hard one at start.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import sys
 import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence
+
+from ._peers import raise_open_files_limit  # noqa: F401 (exported by engram_store.cli)
 
 #: The ``--log-level`` choices of every script (given in any case).
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")

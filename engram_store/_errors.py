@@ -12,6 +12,7 @@ Every error engram raises derives from :class:`EngramError`::
         ├── ObjectExists                  a create-only write found the key already present
         ├── LeaseActive                   remove refused: a reader holds a lease on the object
         ├── OutOfSpace                    no segment (or not enough distinct segments) has room
+        │   └── CatalogUnwritable         a durable segment refuses new puts: it cannot write its catalogue now
         ├── Unavailable                   a server did not answer in time, or is gone
         │   ├── MasterUnavailable
         │   └── SegmentUnavailable
@@ -24,6 +25,8 @@ Every error engram raises derives from :class:`EngramError`::
         ├── UnsafeFile                    a file or directory in a shared place is not this user's own (owner, link,
         │                                 mode), so engram will not use it
         ├── LockTimeout                   another process held a lock engram waits for longer than the wait allows
+        ├── TableClosed                   a table (an EngramStore's layer, a disk layer, a directory of layers) was
+        │                                 read or opened after its close()
         ├── ResourceExhausted             this process ran out of open files (ulimit -n)
         ├── ProtocolError                 a peer sent a message that does not follow the wire protocol
         ├── RemoteError                   a server failed while handling a valid request
@@ -104,6 +107,15 @@ class OutOfSpace(StoreError):
     code = "OUT_OF_SPACE"
 
 
+class CatalogUnwritable(OutOfSpace):
+    """A durable segment refuses new puts because it cannot write its catalogue (``<file>.manifest``) now: a full
+    disk, an I/O error, a directory it may no longer write. A put it took then would be missing from the catalogue
+    its next start offers back, so it takes none until a write of the catalogue succeeds again (it tries at every
+    heartbeat); the master places puts on other segments meanwhile. Nothing of the refused put landed."""
+
+    code = "CATALOG_UNWRITABLE"
+
+
 class Unavailable(StoreError):
     """A server did not answer within the timeout, or is known to be gone."""
 
@@ -176,6 +188,15 @@ class LockTimeout(StoreError):
     code = "LOCK_TIMEOUT"
 
 
+class TableClosed(StoreError):
+    """A table was read, or a layer opened, after its ``close()``: an EngramStore's layer under ``local_dir`` or
+    ``disk_dir`` or bound with ``bind_local``, a ``DiskLayer``, a ``DiskDir``. A read already running when the close
+    came finishes first, on the files it began with (a closed table never reads through a descriptor another open
+    has taken since); only reads that begin after it are refused. Open the table again to read it."""
+
+    code = "TABLE_CLOSED"
+
+
 class ResourceExhausted(StoreError):
     """This process cannot open another file, socket or connection: it holds as many as ``ulimit -n`` allows (or
     the host's limit is reached). The message says so and names what it was opening; the peer is not at fault."""
@@ -234,9 +255,9 @@ _BY_CODE = {
     cls.code: cls
     for cls in (
         EngramError, InvalidArgument, ConfigError, InvalidType, NotConnected, StoreError,
-        ObjectNotFound, ObjectExists, LeaseActive, OutOfSpace, Unavailable, MasterUnavailable,
+        ObjectNotFound, ObjectExists, LeaseActive, OutOfSpace, CatalogUnwritable, Unavailable, MasterUnavailable,
         SegmentUnavailable, ObjectLost, WriteFenced, StalePlacement, DiskReadError, JournalError, UnsafeFile,
-        LockTimeout, ResourceExhausted, ProtocolError, RemoteError, AuthError,
+        LockTimeout, TableClosed, ResourceExhausted, ProtocolError, RemoteError, AuthError,
     )
 }
 

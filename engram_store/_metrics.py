@@ -1,20 +1,20 @@
 """Request counters and latency histograms per operation, in the Prometheus text format.
 
 A server's serving thread records into :class:`RequestMetrics`; :class:`MetricsEndpoint` exposes text over HTTP
-on ``/metrics`` from a daemon thread: a snapshot the serving thread rebuilds (``publish``: the master's, so the
-HTTP thread never reads state that is being changed), or text rendered at each request by a ``render`` callable
-(a serving process's EngramStores, whose counters are read under their own locks).
+on ``/metrics`` from one daemon thread for every connection (with caps and deadlines: ``_http``): a snapshot the
+serving thread rebuilds (``publish``: the master's, so the HTTP thread never reads state that is being changed), or
+text rendered at each request by a ``render`` callable (a serving process's EngramStores, whose counters are read
+under their own locks).
 """
 
 from __future__ import annotations
 
 import bisect
-import logging
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
-log = logging.getLogger(__name__)
+from ._http import PageServer
+
 
 #: Upper bounds (seconds) of the latency histogram buckets.
 BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -95,38 +95,16 @@ def labels(**values: object) -> str:
 
 class MetricsEndpoint:
     """``GET /metrics`` on ``host:port`` from a daemon thread, answering the last published text, or what
-    ``render()`` returns at each request. A context manager; ``close()`` stops it."""
+    ``render()`` returns at each request. A context manager; ``close()`` stops it.
+
+    One thread serves every connection, with caps per peer and in all and deadlines on each (``_http.PageServer``):
+    connections that send nothing cost neither threads nor, past a few dozen, descriptors."""
 
     def __init__(self, host: str, port: int, render: Callable[[], list[str]] | None = None):
         self._text = b"# no metrics published yet\n"
         self._render = render
-        endpoint = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (the http.server naming)
-                if self.path.split("?", 1)[0] != "/metrics":
-                    self.send_error(404, "only /metrics is served here")
-                    return
-                try:
-                    body = endpoint._body()
-                except Exception as exc:  # noqa: BLE001 (a scrape must get an answer, and the server go on)
-                    log.warning("metrics: rendering failed: %s", exc)
-                    self.send_error(500, f"rendering the metrics failed: {exc}")
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, fmt: str, *args) -> None:
-                log.debug("metrics %s: " + fmt, self.client_address[0], *args)
-
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
-        self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="engram-metrics", daemon=True)
-        self._thread.start()
+        self._server = PageServer(host, port, "/metrics", self._body)
+        self.port = self._server.port
 
     def _body(self) -> bytes:
         return ("\n".join(self._render()) + "\n").encode() if self._render is not None else self._text
@@ -135,10 +113,7 @@ class MetricsEndpoint:
         self._text = ("\n".join(lines) + "\n").encode()
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            self._server.shutdown()
-            self._server.server_close()
-            self._thread.join(timeout=5)
+        self._server.close()
 
     def __enter__(self) -> "MetricsEndpoint":
         return self

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import socket
 import time
@@ -20,6 +21,8 @@ from ._errors import ConfigError
 from ._shared_dirs import open_own
 
 __all__ = ["OwnerLock", "FileInUse"]
+
+log = logging.getLogger(__name__)
 
 
 class FileInUse(ConfigError):
@@ -35,7 +38,7 @@ class OwnerLock:
         self._since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
         self._fd: int | None = None
         for _ in range(100):
-            fd, _ = open_own(self.path, os.O_RDWR, f"{what} lock")  # never through a link, ours alone
+            fd = self._open_lock()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
@@ -45,16 +48,33 @@ class OwnerLock:
                     raise ConfigError(f"{what} {path!r}: cannot lock {self.path!r}: {exc.strerror}") from None
                 raise FileInUse(f"{what} {path!r} is in use by another process ({holder or 'holder unknown'}); "
                                 f"stop it first, or choose another path") from None
-            try:
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
+            if self._is_current(fd):
                 self._fd = fd
-                self.describe()
+                try:
+                    self.describe()
+                except OSError as exc:  # a full disk: the lock holds all the same, its holder unnamed
+                    log.debug("%s: cannot name the holder in %s: %s", what, self.path, exc.strerror or exc)
                 return
             os.close(fd)  # the holder released it and unlinked the file between our open and flock: again
         raise ConfigError(f"{what} {path!r}: could not take {self.path!r} (it kept being replaced)")
+
+    def _open_lock(self) -> int:
+        """The lock file, opened read-write: made exclusively, or opened never through a link and kept only when
+        it is this user's own."""
+        return open_own(self.path, os.O_RDWR, f"{self.what} lock")[0]
+
+    def _is_current(self, fd: int) -> bool:
+        """Whether the open lock file ``fd`` is the one now at its path (not one a holder unlinked meanwhile)."""
+        try:
+            return os.fstat(fd).st_ino == os.stat(self.path).st_ino
+        except FileNotFoundError:
+            return False
+
+    def _unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
 
     def describe(self, serving: str = "") -> None:
         """Write the holder's line: pid, host, start time and (once known) what it serves."""
@@ -69,10 +89,7 @@ class OwnerLock:
         """Unlink the lock file and let go (idempotent)."""
         if self._fd is None:
             return
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass
+        self._unlink()
         os.close(self._fd)
         self._fd = None
 

@@ -15,8 +15,9 @@ with them, as a symbolic link that makes us write through it, or as a lock they 
   (:func:`check_own_file`). Nothing ever opens an existing file with ``O_CREAT``, so ``fs.protected_regular`` never
   refuses engram's own opens; a refusal of another kind still comes as an :class:`UnsafeFile` naming the file.
 * **Directories of layers** (``local_dir``, ``disk_dir``) are used only when this user or root owns them, no one
-  else may write to them, and each directory above them is no one else's to rename (:func:`check_layer_dir`):
-  whoever may write in a directory of layers can move a published layer away and put their own in its place.
+  else may write to them, and each directory above them is no one else's to rename; they are resolved once and
+  held open (``engram_store._layer_dir``): whoever may write in a directory of layers can move a published layer
+  away and put their own in its place.
 * **Modes follow the umask**: published files are read-only with the read bits the umask leaves
   (:func:`file_mode`), directories get what the umask leaves (:func:`dir_mode`); nothing is made readable by others
   that the umask keeps private.
@@ -235,30 +236,3 @@ class UserDir:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
-
-def check_layer_dir(path: str, flag: str) -> None:
-    """Refuse (UnsafeFile) a directory of layers another user could change: it must belong to this user or root and
-    be writable by its owner alone, and no directory above it may let another user rename it (see the module
-    docstring). ``flag`` names the argument in the message."""
-    euid = os.geteuid()
-    st = os.stat(path)
-    if st.st_uid not in (euid, 0):
-        raise UnsafeFile(f"{flag}: {path} belongs to uid {st.st_uid}; engram reads and publishes layers only in a "
-                         f"directory of this user (uid {euid}) or root, since its owner can put their own files in "
-                         "place of published layers: use a directory you own")
-    if st.st_mode & 0o022:
-        raise UnsafeFile(f"{flag}: {path} may be written by other users (mode {_mode(st)}), who could move a published "
-                         f"layer away and put their own in its place: `chmod go-w {path}`, or use a directory only "
-                         "you may write")
-    here = os.path.realpath(path)
-    while True:
-        parent = os.path.dirname(here)
-        if parent == here:
-            return
-        up = os.stat(parent)
-        if up.st_uid not in (euid, 0) or (up.st_mode & 0o022 and not up.st_mode & stat.S_ISVTX):
-            raise UnsafeFile(f"{flag}: {path} lies in {parent} (uid {up.st_uid}, mode {_mode(up)}), where another "
-                             f"user may rename it and put a directory of their own in its place; use a directory "
-                             "whose parents only you or root may change")
-        here = parent

@@ -7,14 +7,14 @@ word the errors' "expected ... got ..." the same way in every package.
 
 from __future__ import annotations
 
-from ._errors import (AuthError, ConfigError, DiskReadError, EngramError, InvalidArgument, InvalidType,
+from ._errors import (AuthError, CatalogUnwritable, ConfigError, DiskReadError, EngramError, InvalidArgument, InvalidType,
                       JournalError, LeaseActive, LockTimeout, MasterUnavailable, NotConnected, ObjectExists,
                       ObjectLost, ObjectNotFound, OutOfSpace, ProtocolError, RemoteError, ResourceExhausted,
-                      SegmentUnavailable, StalePlacement, StoreError, Unavailable, UnsafeFile, WriteFenced, describe,
-                      is_int)
+                      SegmentUnavailable, StalePlacement, StoreError, TableClosed, Unavailable, UnsafeFile, WriteFenced,
+                      describe, is_int)
 
-__all__ = ["AuthError", "ConfigError", "DiskReadError", "EngramError", "InvalidArgument", "InvalidType",
+__all__ = ["AuthError", "CatalogUnwritable", "ConfigError", "DiskReadError", "EngramError", "InvalidArgument", "InvalidType",
            "JournalError", "LeaseActive", "LockTimeout", "MasterUnavailable", "NotConnected", "ObjectExists",
            "ObjectLost", "ObjectNotFound", "OutOfSpace", "ProtocolError", "RemoteError", "ResourceExhausted",
-           "SegmentUnavailable", "StalePlacement", "StoreError", "Unavailable", "UnsafeFile", "WriteFenced",
-           "describe", "is_int"]
+           "SegmentUnavailable", "StalePlacement", "StoreError", "TableClosed", "Unavailable", "UnsafeFile",
+           "WriteFenced", "describe", "is_int"]

@@ -5,6 +5,6 @@ packages use.
 
 from __future__ import annotations
 
-from ._metrics import MetricsEndpoint, gauge
+from ._metrics import MetricsEndpoint, gauge, labels
 
-__all__ = ["MetricsEndpoint", "gauge"]
+__all__ = ["MetricsEndpoint", "gauge", "labels"]

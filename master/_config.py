@@ -26,6 +26,8 @@ class MasterConfig:
     journal_path: str | None = None                 # append every durable change here; replayed at start
     journal_fsync: bool = True                      # fsync each record (off: faster, loses the last on a crash)
     metrics_port: int | None = None                 # serve Prometheus metrics on this port
+    metrics_host: str = "127.0.0.1"                 # ... bound here: plain HTTP, readable by whoever reaches it
+    metrics_addresses: bool = False                 # label segments' series with their addresses (else ids only)
     reuse_delay_s: float = DEFAULT_REUSE_DELAY_S
     re_replicate: bool = False                      # copy objects that lost a replica onto another segment
     put_timeout_s: float = DEFAULT_PUT_TIMEOUT_S
@@ -35,6 +37,8 @@ class MasterConfig:
             raise InvalidArgument(f"host: expected an address to bind, got {self.host!r}")
         if not is_int(self.port) or not 0 <= self.port < 65536:
             raise InvalidArgument(f"port: expected an integer in [0, 65535], got {self.port!r}")
+        if not isinstance(self.metrics_host, str) or not self.metrics_host:
+            raise InvalidArgument(f"metrics_host: expected an address to bind, got {self.metrics_host!r}")
         if self.metrics_port is not None and (not is_int(self.metrics_port) or not 0 <= self.metrics_port < 65536):
             raise InvalidArgument(f"metrics_port: expected an integer in [0, 65535] or None, got {self.metrics_port!r}")
         for name in ("lease_ttl_s", "heartbeat_timeout_s", "put_timeout_s"):

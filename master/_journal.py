@@ -16,6 +16,11 @@ Why it can be trusted, hazard by hazard:
   offer back objects the journal does not know, and takes them back (:mod:`._adoption`).
 - **One owner**: opening a journal takes ``<path>.lock`` first, and a second master refuses (naming the first)
   before it reads or writes it.
+- **Another local user** (``engram_store.durable``): the journal's directory is checked once and held open, and
+  the journal, its lock and its temporaries are reached relative to it. A rewrite writes a private temporary made
+  exclusively (never a name another user made first, never through a link) and renames it into place; the journal
+  read at start must be this user's own file that no one else may write. Temporaries a crash left are removed,
+  under the lock, only when they are this user's.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import os
 from typing import Iterable
 
 from engram_store.errors import ConfigError, JournalError
-from engram_store.owner import OwnerLock
+from engram_store.durable import DurableDir
 
 from ._journal_format import Reader, encode, header
 
@@ -40,6 +45,7 @@ class Journal:
 
     def __init__(self, path: str, fsync: bool = True):
         self.path = os.path.abspath(path)
+        self.name = os.path.basename(self.path)
         self.fsync = fsync
         self._fd: int | None = None
         self._size = 0  # bytes of whole records in the file
@@ -53,17 +59,26 @@ class Journal:
             except OSError as exc:
                 raise ConfigError(f"journal: cannot create directory {directory!r} for {self.path!r}: "
                                   f"{exc.strerror or exc}; choose a path you may write (--journal PATH)") from None
+        # Checked once and held: the journal, its lock and its temporaries are reached relative to it.
+        self.dir = DurableDir(directory, "journal", "choose another --journal PATH")
         try:
-            self.owner = OwnerLock(self.path, "journal")
+            self.owner = self.dir.lock(self.name, "journal")
+            self.dir.remove_stale(self.name)  # temporaries of a master of ours that crashed mid-rewrite
         except OSError as exc:
+            self.dir.close()
             raise JournalError(f"journal {self.path}: cannot take its lock file {self.path}.lock: "
                                f"{exc.strerror or exc}; {_ADVICE}") from None
+        except BaseException:
+            self.dir.close()
+            raise
 
     def read(self) -> list[dict]:
         """The records written so far, each checked (JournalError naming the first line that is not as written);
-        a torn last line (a crash while it was appended) is dropped with a WARNING."""
+        a torn last line (a crash while it was appended) is dropped with a WARNING. A journal that is not this
+        user's own file (a link, another user's, writable by others) is refused (UnsafeFile)."""
         try:
-            with open(self.path, "rb") as f:
+            fd, _ = self.dir.open(self.name, os.O_RDONLY, create=False)
+            with open(fd, "rb") as f:
                 data = f.read()
         except FileNotFoundError:
             return []
@@ -72,25 +87,19 @@ class Journal:
         return parse(data, self.path)
 
     def rewrite(self, records: Iterable[dict]) -> None:
-        """Atomically replace the journal with ``records`` (after a header) and open it for appending."""
+        """Atomically replace the journal with ``records`` (after a header) and open it for appending: written
+        under a private temporary name in the held directory (made exclusively, never through a link), renamed
+        over the journal, and kept open for appending (never opened again by its name)."""
         self.close()
-        tmp = self.path + ".tmp"
-        size, seq = 0, 0
+        lines = []
+        for seq, record in enumerate([header(), *records]):
+            lines.append(encode(record, seq))
+        data = b"".join(lines)
         try:
-            with open(tmp, "wb") as f:
-                for record in [header(), *records]:
-                    line = encode(record, seq)
-                    f.write(line)
-                    size, seq = size + len(line), seq + 1
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-            _sync_directory(self.path)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            self._fd = self.dir.replace_bytes(self.name, data, 0o644, os.O_APPEND)
         except OSError as exc:
-            _unlink_quietly(tmp)
             raise JournalError(f"journal {self.path}: cannot rewrite it: {exc.strerror or exc}; {_ADVICE}") from None
-        self._size, self._seq, self._broken = size, seq, ""
+        self._size, self._seq, self._broken = len(data), len(lines), ""
 
     def append(self, record: dict) -> None:
         """Write one record (one line, in one call) and flush it; JournalError, the file as it was, when that
@@ -140,6 +149,7 @@ class Journal:
         """Close and let another process own the journal."""
         self.close()
         self.owner.release()
+        self.dir.close()
 
 
 def parse(data: bytes, path: str) -> list[dict]:
@@ -156,18 +166,3 @@ def parse(data: bytes, path: str) -> list[dict]:
             continue  # blank lines of older journals
         records.append(reader.decode(line, number))
     return records[1:] if reader.versioned else records
-
-
-def _sync_directory(path: str) -> None:
-    fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

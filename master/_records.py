@@ -54,6 +54,14 @@ class Segment:
     #: since, by key -> (offset, size, generation): it is asked whether it still holds them (its catalogue may lag a
     #: publication; or the journal lost the records of their remove), and those it does not are dropped here.
     doubtful: dict = field(default_factory=dict)
+    #: Why the segment takes no new puts now, as its heartbeats say (a durable segment that cannot write its
+    #: catalogue); "" while it takes them. Nothing is placed on it meanwhile.
+    refusing: str = ""
+
+    @property
+    def takes_puts(self) -> bool:
+        """Whether new puts (and copies) may be placed here: registered with this master and not refusing them."""
+        return self.confirmed and not self.refusing
 
     def describe(self) -> dict:
         return {
@@ -68,6 +76,7 @@ class Segment:
             "catalog": self.catalog_version,
             "fencing": len(self.fences),
             "held_bytes": sum(size for _, size in self.held),
+            "refusing_puts": self.refusing,
         }
 
 

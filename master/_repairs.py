@@ -47,7 +47,7 @@ class Repairs:
             if meta.state != COMPLETE or len(meta.replicas) >= meta.replica_num or key in busy or not meta.replicas:
                 continue
             holders = {r.segment_id for r in meta.replicas}
-            candidates = sorted((s for s in self.segments.values() if s.segment_id not in holders and s.confirmed),
+            candidates = sorted((s for s in self.segments.values() if s.segment_id not in holders and s.takes_puts),
                                 key=lambda s: (-s.allocator.free_bytes, s.segment_id))
             for target in candidates:
                 offset = target.allocator.allocate(meta.size)

@@ -10,7 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from engram_store.errors import EngramError, InvalidArgument, JournalError, SegmentUnavailable, Unavailable
-from engram_store.metrics import MetricsEndpoint, gauge
+from engram_store.metrics import MetricsEndpoint, gauge, labels
 from engram_store.wire import PROTOCOL_VERSION, AuthKeys, Connection, Request, RpcServer
 from engram_store.units import parse_address
 from engram_store.pages import trim_heap
@@ -115,10 +115,10 @@ class MasterServer:
                                max_message_bytes=16 << 20, auth=auth, metrics_prefix="engram_master")
             if config.metrics_port is not None:
                 try:
-                    metrics = MetricsEndpoint(config.host, config.metrics_port)
+                    metrics = MetricsEndpoint(config.metrics_host, config.metrics_port)
                 except OSError as exc:
-                    raise Unavailable(f"metrics: cannot serve on {config.host}:{config.metrics_port}: {exc}") \
-                        from exc
+                    raise Unavailable(f"metrics: cannot serve on {config.metrics_host}:{config.metrics_port}: "
+                                      f"{exc}") from exc
         except BaseException:
             if server is not None:
                 server.close()
@@ -204,11 +204,13 @@ class MasterServer:
         lines += gauge("engram_master_under_replicated", "Objects with fewer replicas than asked for.",
                        [("", len(state.under_replicated()))])
         lines += gauge("engram_master_segments_alive", "Registered segments.", [("", len(state.segments))])
+        # Segments by id; their addresses only when asked for (--metrics-addresses): the page is plain HTTP.
+        named = [(labels(segment=s.segment_id, **({"address": s.address} if self.config.metrics_addresses else {})),
+                  s) for s in state.segments.values()]
         lines += gauge("engram_master_segment_capacity_bytes", "Size of each segment.",
-                       [(f'segment="{s.segment_id}",address="{s.address}"', s.size) for s in state.segments.values()])
+                       [(name, s.size) for name, s in named])
         lines += gauge("engram_master_segment_used_bytes", "Allocated bytes of each segment.",
-                       [(f'segment="{s.segment_id}",address="{s.address}"', s.allocator.used)
-                        for s in state.segments.values()])
+                       [(name, s.allocator.used) for name, s in named])
         return lines + self.server.metrics.render()
 
     def _tend_repairs(self, now: float) -> None:
@@ -266,7 +268,8 @@ class MasterServer:
 
     def _heartbeat(self, req: Request) -> dict:
         segment = self.state.heartbeat(req.str("segment_id", 128), req.str("registration", 64),
-                                       req.int_list("fenced", default=[]), req.ranges("held", default=[]))
+                                       req.int_list("fenced", default=[]), req.ranges("held", default=[]),
+                                       req.str("refusing_puts", 1024, default="", allow_empty=True))
         if segment is None:
             return {"known": False, "catalog": -1, "fence": []}
         return {"known": True, "catalog": segment.catalog_version, "fence": sorted(segment.fences)}

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from engram_store.errors import (
+    CatalogUnwritable,
     EngramError,
     InvalidArgument,
     JournalError,
@@ -189,17 +190,24 @@ class MasterState(Removals, Fencing, Repairs, Replay, Adoptions):
             self.journal({"op": "batch", "records": list(records)})
 
     def heartbeat(self, segment_id: str, registration: str | None = None, fenced: list[int] = (),
-                  held: list[tuple[int, int]] | None = None) -> Segment | None:
+                  held: list[tuple[int, int]] | None = None, refusing: str = "") -> Segment | None:
         """Record a heartbeat; returns the segment, or None when this master does not know it under that
         registration (it must register again).
 
         ``fenced`` are put ids whose fence the segment has applied (no write of theirs lands any more), ``held``
         the ranges it reports as still written by live writers of fenced puts (None: a segment that predates
-        fencing)."""
+        fencing), ``refusing`` why it takes no new puts now ("": it takes them), so none is placed there."""
         segment = self.segments.get(segment_id)
         if segment is None or (registration is not None and registration != segment.registration):
             return None
         segment.last_heartbeat = self.clock()
+        if refusing != segment.refusing:
+            if refusing:
+                log.warning("segment %s at %s takes no new puts (%s); placing them on other segments", segment_id,
+                            segment.address, refusing)
+            else:
+                log.info("segment %s at %s takes puts again", segment_id, segment.address)
+            segment.refusing = refusing
         for put_id in fenced:
             if put_id in segment.fences:
                 segment.fences.discard(put_id)
@@ -290,17 +298,7 @@ class MasterState(Removals, Fencing, Repairs, Replay, Adoptions):
         if replica_num < 1:
             raise InvalidArgument(f"replica_num: expected >= 1, got {replica_num}")
         self.release_quarantine()
-        confirmed = [s for s in self.segments.values() if s.confirmed]
-        if replica_num > len(confirmed):
-            waiting = len(self.segments) - len(confirmed)
-            if replica_num <= len(self.segments):
-                raise SegmentUnavailable(
-                    f"put {key!r}: {waiting} of {len(self.segments)} segments have not registered with this master "
-                    "since it restarted (they do within a heartbeat); retry")
-            raise OutOfSpace(
-                f"put {key!r}: replica_num={replica_num} needs {replica_num} distinct segments, "
-                f"but {len(self.segments)} are registered"
-            )
+        confirmed = self._placeable(key, replica_num)
         # Most free space first spreads objects over segments; ties broken by id for determinism.
         candidates = sorted(confirmed, key=lambda s: (-s.allocator.free_bytes, s.segment_id))
         placed: list[tuple[Segment, int]] = []
@@ -335,6 +333,27 @@ class MasterState(Removals, Fencing, Repairs, Replay, Adoptions):
         self.objects[key] = ObjectMeta(size, replica_num, [Replica(s.segment_id, o, put_id) for s, o in placed],
                                        PENDING, started=now, put_id=put_id, renewed=now)
         return placed
+
+    def _placeable(self, key: str, replica_num: int) -> list[Segment]:
+        """The segments a put of ``key`` may be placed on (registered with this master, taking puts), at least
+        ``replica_num`` of them: else SegmentUnavailable (some have yet to register since a restart: retry),
+        CatalogUnwritable (some refuse puts now) or OutOfSpace (too few segments)."""
+        taking = [s for s in self.segments.values() if s.takes_puts]
+        if replica_num <= len(taking):
+            return taking
+        if replica_num > len(self.segments):
+            raise OutOfSpace(f"put {key!r}: replica_num={replica_num} needs {replica_num} distinct segments, but "
+                             f"{len(self.segments)} are registered")
+        waiting = [s for s in self.segments.values() if not s.confirmed]
+        refusing = [s for s in self.segments.values() if s.confirmed and s.refusing]
+        if refusing and replica_num > len(taking) + len(waiting):
+            raise CatalogUnwritable(
+                f"put {key!r}: replica_num={replica_num} needs {replica_num} distinct segments taking puts, but "
+                f"{len(refusing)} of the {len(self.segments)} registered take none now (segment "
+                f"{refusing[0].segment_id} at {refusing[0].address}: {refusing[0].refusing})")
+        raise SegmentUnavailable(
+            f"put {key!r}: {len(waiting)} of {len(self.segments)} segments have not registered with this master "
+            "since it restarted (they do within a heartbeat); retry")
 
     def take_put_id(self) -> int:
         """The next put id. Ids name the bytes a put writes (segments refuse a read naming an older one, a writer

@@ -78,7 +78,12 @@ def _serve_parser() -> argparse.ArgumentParser:
                    help="reuse a removed object's space only after this long, so readers holding its old placement "
                         "never see another object's bytes")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                   help="serve Prometheus metrics on http://HOST:PORT/metrics (default: off)")
+                   help="serve Prometheus metrics on http://METRICS-HOST:PORT/metrics, plain HTTP that anyone who "
+                        "reaches the port may read (default: off)")
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="address the metrics page binds (another than loopback shows it to the network)")
+    p.add_argument("--metrics-addresses", action="store_true",
+                   help="label each segment's series on the metrics page with its address too, not only its id")
     p.add_argument("--re-replicate", action="store_true",
                    help="copy objects that lost a replica (their segment died) onto another live segment")
     p.add_argument("--no-fsync", action="store_true", help="do not fsync the journal after each record")
@@ -217,6 +222,9 @@ def _print_status(header: dict, host: str, port: int) -> None:
     unconfirmed = sum(1 for s in segments if not s.get("confirmed", True))
     if unconfirmed:
         print(f"  {unconfirmed} segment(s) restored from the journal have not registered again yet")
+    for s in segments:
+        if s.get("refusing_puts"):
+            print(f"  segment {s['segment_id']} at {s['address']} takes no new puts: {s['refusing_puts']}")
     if segments:
         width = max(len(s["address"]) for s in segments)
         print(f"  {'address':<{width}}  {'size':>12}  {'used':>12}  {'used%':>6}  {'readers':>7}  segment")
@@ -287,11 +295,13 @@ def _main(argv: Sequence[str] | None) -> int:
     warning = exposure_warning(args.host, args.auth)
     if warning:
         print(f"engram-master: {warning}", file=sys.stderr, flush=True)
+    cli.raise_open_files_limit()  # each client connection holds a descriptor
     try:
         auth = load_keys(args.auth, server=True) if args.auth else None
         config = MasterConfig(args.host, args.port, lease_ttl_s=args.lease_ttl,
                               heartbeat_timeout_s=args.heartbeat_timeout, journal_path=args.journal,
                               journal_fsync=not args.no_fsync, metrics_port=args.metrics_port,
+                              metrics_host=args.metrics_host, metrics_addresses=args.metrics_addresses,
                               reuse_delay_s=args.reuse_delay, re_replicate=args.re_replicate,
                               put_timeout_s=args.put_timeout)
         with stop_on_signal_while_starting():  # a journal replay that is stopped releases the journal

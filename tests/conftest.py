@@ -2,7 +2,8 @@
 
 Folders by room: ``master/``, ``store/`` (client, segments, raw channel), ``tables/`` (EngramStore, engram-layers),
 ``kernels/``, ``disk/``, ``compat/``, ``model/``, ``mooncake/`` (the Mooncake bridge), ``faults/`` (processes killed,
-paused, cut off, disks filled), ``security/`` (another local user, run as a second uid; needs root); at the top, what
+paused, cut off, disks filled), ``security/`` (another local user, run as a second uid; needs root), ``engines/`` (the
+plugins inside vLLM and SGLang, skipped where an engine is missing); at the top, what
 spans the house: the CLI, the docs, the layout rules, the fault explorer (``nemesis*.py``,
 ``python tests/nemesis.py --help``), and, run on demand, the mutation pass over the contract's guards (``mutate.py``,
 see ``README.md`` here).

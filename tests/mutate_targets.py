@@ -66,7 +66,8 @@ TARGETS = [
     # row never served, a dead writer's set repaired, a layer's keys never meet another's (last: each mutant
     # recompiles the disk tier's kernels, and the host cache's tests start processes)
     Target("engram_store/disk/_host_cache.py", ("HostRowCache.new_tag", "HostRowCache.fill", "HostRowCache._repair"),
-           ("tests/disk/test_cache_guards.py", "tests/disk/test_host_cache.py")),
+           ("tests/disk/test_cache_guards.py", "tests/disk/test_host_cache.py",
+            "tests/disk/test_host_cache_leaving.py")),
     Target("engram_store/disk/_cache_kernels.py",
            ("_find", "_clock_victim", "_replace", "_cache_fill", "_cache_pin", "_cache_repair"), DISK_TESTS),
     Target("engram_store/disk/_kernels.py", ("_find_way", "_probe_all", "_first_bad", "_plan_read", "_mark_used"),

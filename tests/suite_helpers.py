@@ -38,6 +38,22 @@ def zmq_request(address: str, frames: list, timeout_ms: int = 5000) -> list[byte
         sock.close(0)
 
 
+#: A ZMTP 3.0 greeting (signature, version 3.0, mechanism NULL, as-server 0, filler) and the NULL mechanism's READY
+#: command (a short command frame naming the socket type DEALER): what a ZeroMQ peer without keys says first.
+ZMTP_GREETING = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\x00" + bytes(31)
+_READY_BODY = b"\x05READY" + b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
+ZMTP_READY = b"\x04" + bytes([len(_READY_BODY)]) + _READY_BODY
+
+
+def proc_status(pid: int, field: str) -> int:
+    """A number from /proc/<pid>/status (kB for the memory fields, a count for Threads)."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
 def manifest_objects(path: str) -> int:
     """How many objects the catalogue next to the segment file ``path`` lists; -1 where there is none to read."""
     try:
@@ -66,6 +82,25 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+def outcome_within(call: Callable[[], object], timeout_s: float, what: str) -> BaseException | None:
+    """Run ``call()`` in a thread of its own and return the exception it raised (None if it returned); fail the test
+    naming ``what`` if it has not ended after ``timeout_s`` (a reader blocked on a named pipe never would: the
+    thread is a daemon, left behind)."""
+    ended: list = []
+
+    def run() -> None:
+        try:
+            call()
+            ended.append(None)
+        except Exception as exc:  # noqa: BLE001 (handed to the test)
+            ended.append(exc)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert ended, f"{what} was still blocked after {timeout_s:g} s"
+    return ended[0]
 
 
 def flip_byte(path: str, offset: int, mask: int = 0x40) -> None:

@@ -288,10 +288,11 @@ def test_a_read_only_disk_dir_names_the_directory(tmp_path, monkeypatch):
 
         real_open = os.open
 
-        def refusing_open(path, flags, *args):
-            if str(path).startswith(str(directory)) and flags & os.O_CREAT:
+        def refusing_open(path, flags, *args, dir_fd=None):
+            where = str(path) if dir_fd is None else os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
+            if where.startswith(str(directory)) and flags & os.O_CREAT:
                 raise PermissionError(errno.EACCES, "Permission denied", path)
-            return real_open(path, flags, *args)
+            return real_open(path, flags, *args, dir_fd=dir_fd)
 
         monkeypatch.setattr(_files.os, "open", refusing_open)
     try:

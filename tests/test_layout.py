@@ -2,7 +2,7 @@
 modules stay small, functions that are not kernels stay short, and every package says its public names in
 ``__all__``.
 
-Rooms, from the top: ``engram_model`` -> ``engram_store.compat`` -> ``engram_store.tables`` ->
+Rooms, from the top: ``engram_engines`` (the serving engines' plugins) -> ``engram_model`` -> ``engram_store.compat`` -> ``engram_store.tables`` ->
 ``engram_store.client`` -> ``engram_store.segment`` and ``master`` -> ``engram_store.wire`` and
 ``engram_store.disk`` -> ``engram_store.kernels`` -> the ground modules (errors, units, config, metrics, pages,
 progress: kernels raise the project's errors). A module may import its own room and rooms below it, never one
@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Each room's level: imports go to rooms of a lower level (or the same room).
-LEVELS = {"model": 7, "compat": 6, "tables": 5, "client": 4, "segment": 3, "master": 3, "wire": 2, "disk": 2,
+LEVELS = {"engines": 8, "model": 7, "compat": 6, "tables": 5, "client": 4, "segment": 3, "master": 3, "wire": 2, "disk": 2,
           "kernels": 1, "ground": 0}
 #: Modules that tie rooms together on purpose: the package surface, the test and warm-up helpers.
 JOINERS = {"engram_store", "engram_store.testing", "engram_store.warmup", "engram_model.warmup"}
@@ -36,6 +36,8 @@ def _room(module: str) -> str | None:
         return "master"
     if parts[0] == "engram_model":
         return "model"
+    if parts[0] == "engram_engines":
+        return "engines"
     if parts[0] != "engram_store":
         return None
     if len(parts) > 1 and parts[1] in LEVELS:
@@ -44,7 +46,7 @@ def _room(module: str) -> str | None:
 
 
 def _modules():
-    for package in ("engram_store", "master", "engram_model"):
+    for package in ("engram_store", "master", "engram_model", "engram_engines"):
         for path in sorted((ROOT / package).rglob("*.py")):
             name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
             yield name.removesuffix(".__init__"), path
@@ -107,7 +109,7 @@ def test_rooms_meet_at_their_doors():
 
 
 #: The top packages: each reaches another only through its public modules.
-TOP_PACKAGES = {"engram_store", "master", "engram_model"}
+TOP_PACKAGES = {"engram_store", "master", "engram_model", "engram_engines"}
 
 
 def _private_reaches(name: str, path: Path):
@@ -132,11 +134,11 @@ def _private_reaches(name: str, path: Path):
 
 
 def test_packages_meet_at_public_modules():
-    """``engram_model`` and ``master`` use what ``engram_store`` gives them through public modules
-    (``engram_store.errors``, ``.cli``, ``.units``, ...): the underscore marks what may change inside a package
-    without the others knowing."""
+    """``engram_model``, ``master`` and ``engram_engines`` use what ``engram_store`` (and ``engram_model``) give them
+    through public modules (``engram_store.errors``, ``.cli``, ``.units``, ...): the underscore marks what may change
+    inside a package without the others knowing."""
     reaches = [f"{path.relative_to(ROOT)}:{line}: imports {dotted}"
-               for name, path in _modules() if name.split(".")[0] in ("engram_model", "master")
+               for name, path in _modules() if name.split(".")[0] in ("engram_model", "master", "engram_engines")
                for line, dotted in _private_reaches(name, path)]
     assert not reaches, "imports of another package's private modules:\n" + "\n".join(reaches)
 
@@ -187,12 +189,24 @@ def test_the_engram_store_facade_stays_a_facade():
 @pytest.mark.parametrize("package", ["engram_store", "engram_store.wire", "engram_store.segment",
                                      "engram_store.client", "engram_store.tables", "engram_store.compat",
                                      "engram_store.disk", "engram_store.kernels", "master", "engram_model",
-                                     "engram_model.v41"])
+                                     "engram_model.v41", "engram_engines", "engram_engines.v41"])
 def test_every_package_names_its_public_surface(package):
     module = importlib.import_module(package)
     assert isinstance(getattr(module, "__all__", None), list) and module.__all__, f"{package} has no __all__"
     missing = [name for name in module.__all__ if not hasattr(module, name)]
     assert not missing, f"{package}.__all__ names what it does not define: {missing}"
+
+
+#: The one module that imports ``prometheus_client`` (an engine's dependency, not engram's).
+PROMETHEUS_MODULES = {"engram_engines._prometheus"}
+
+
+def test_only_the_engines_collector_imports_prometheus_client():
+    """engram renders its own exposition where no engine runs; only the collector the engines' ``/metrics`` include
+    imports ``prometheus_client``, so installing engram needs no Prometheus library."""
+    found = [f"{path.relative_to(ROOT)} imports {target}" for name, path in _modules() if name not in PROMETHEUS_MODULES
+             for target in _imports(name, path) if target.split(".")[0] == "prometheus_client"]
+    assert not found, "prometheus_client imported outside engram_engines._prometheus:\n" + "\n".join(found)
 
 
 def _graph() -> dict[str, set[str]]:

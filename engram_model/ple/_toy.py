@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from engram_store.durable import write_replacing
 from ..v41._toy import write_safetensors
 from ._config import PLEConfig
 
@@ -88,8 +89,9 @@ def write_toy_checkpoint(directory: str | os.PathLike, config: PLEConfig, seed: 
     for file, part in zip(names, parts):
         write_safetensors(os.path.join(directory, file), part)
     weight_map = {name: file for file, part in zip(names, parts) for name in part}
-    with open(os.path.join(directory, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
-    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(hf_config(config), f, indent=1)
+    index = json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1).encode()
+    write_replacing(os.path.join(directory, "model.safetensors.index.json"), lambda f: f.write(index),
+                    "write_toy_checkpoint")
+    text = json.dumps(hf_config(config), indent=1).encode()
+    write_replacing(os.path.join(directory, "config.json"), lambda f: f.write(text), "write_toy_checkpoint")
     return directory

@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
 
 
 def _main(argv: Sequence[str] | None, prog: str) -> int:
-    args = parse(argv, prog, DESCRIPTION, family="PLE", layer_ids="ple_layer_ids", unit="head", local_dir=True)
+    args = parse(argv, prog, DESCRIPTION, family="PLE", layer_ids="ple_layer_ids", unit="head")
     cli.setup_logging(args.log_level)
     return run(args, prog)
 

@@ -23,12 +23,13 @@ from ._config import V41Config, v41_store_config
 from ._engram import V41Engram, V41Prefetch
 from ._fp8 import decode_fp8_rows, encode_fp8_rows
 from ._hasher import V41Hasher, V41HashState
-from ._rows import RowsHandle, V41Rows
+from ._rows import BoundRows, RowsHandle, V41Rows
 from ._sizing import hit_rate_by_order, order_labels
 from ._tokens import build_token_map, check_token_map, load_token_map, save_token_map
 from ._toy import write_toy_checkpoint
 
 __all__ = [
+    "BoundRows",
     "SafetensorsCheckpoint",
     "V41Config",
     "V41Engram",

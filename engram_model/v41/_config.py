@@ -21,6 +21,7 @@ import numpy as np
 from engram_store import EngramStoreConfig
 from engram_store.errors import ConfigError, InvalidArgument, InvalidType, describe, is_int
 
+from .._checkpoint_files import open_checkpoint_file
 from .._hashing import find_next_prime
 from .._rows_format import RowFormat
 
@@ -204,9 +205,9 @@ def _read_json(path_or_dict: Any, caller: str = "from_hf_config") -> Mapping[str
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(open_checkpoint_file(path), encoding="utf-8") as f:  # a regular file: never a pipe
             raw = json.load(f)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         where = (f"no config.json in the directory {os.fspath(path_or_dict)!r}" if path != os.fspath(path_or_dict)
                  else f"no such file {path!r}")
         raise ConfigError(f"{caller}: {where} (expected a config.json path, a checkpoint directory holding "

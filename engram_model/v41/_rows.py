@@ -265,6 +265,21 @@ class V41Rows:
         in_order = self.col_head[call.head_start:call.head_start + part] == np.arange(part)
         return bool(in_order.all()) and call.out.flags.c_contiguous
 
+    # ---- a decode step's entry point -------------------------------------------------------------
+
+    def bind(self, out: Any, *, head_start: int = 0) -> "BoundRows":
+        """``out`` (a bf16 or packed ``[max_T, part, width]`` buffer: an engine's pinned staging) checked once, for
+        gathers of up to ``max_T`` tokens at a decode step's cadence: ``bound(ids)`` fills ``out[:T]`` with the
+        rows of ``ids [T, cols]`` as ``gather_into`` would, checking only the ids (a few microseconds less per
+        call: the buffer's checks and views are not redone)."""
+        cfg = self.config
+        probe = np.full((1, cfg.cols), -1, dtype=np.int64)
+        view = host_array(out, "out")
+        if view.array.ndim != 3 or view.array.shape[0] < 1:
+            raise InvalidArgument(f"out: expected a [max_T, part, width] buffer, got {list(view.array.shape)}")
+        call = self._check(probe, view.array[:1], None, head_start, copy_ids=False)
+        return BoundRows(self, call.form, view.array, int(head_start), out)
+
     # ---- lifetime ---------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -280,6 +295,30 @@ class V41Rows:
     def __repr__(self) -> str:
         return (f"V41Rows(layer_id={self.layer_id}, columns={self.heads[0]}..{self.heads[-1]}, "
                 f"row_bytes={self.config.row_bytes}, table={self.table!r})")
+
+
+class BoundRows:
+    """:meth:`V41Rows.bind`'s gathers into one checked buffer (``array``: its host view; ``out``: the caller's)."""
+
+    def __init__(self, rows: V41Rows, form: str, array: np.ndarray, head_start: int, out: Any):
+        self.rows, self.form, self.array, self.head_start, self.out = rows, form, array, head_start, out
+        self.part = array.shape[1]
+
+    def __call__(self, ids: Any) -> Any:
+        """Fill ``out[:T]`` with the rows of ``ids [T, cols]`` (refused as ``gather_into`` refuses them, writing
+        nothing); returns ``out``."""
+        rows, cols = self.rows, self.rows.config.cols
+        arr = ids if (isinstance(ids, np.ndarray) and ids.ndim == 2 and ids.dtype in (np.int32, np.int64)
+                      and ids.flags.c_contiguous) else _as_ids(ids, 2, False)
+        T = arr.shape[0]
+        if arr.shape[1] != cols or not 0 < T <= self.array.shape[0]:
+            raise InvalidArgument(f"ids: expected [T, cols] with 1 <= T <= {self.array.shape[0]} (the bound buffer's "
+                                  f"tokens) and cols = {cols}, got {list(arr.shape)}")
+        bad = _k.first_bad_window(arr, rows.offsets, self.head_start, self.part)
+        if bad >= 0:
+            t, c = divmod(int(bad), cols)
+            raise InvalidArgument(rows._bad_id(f"ids[{t}, {c}]", int(arr[t, c])))
+        return rows._run(_Call(self.form, arr, self.array[:T], None, self.head_start, self.out))
 
 
 def _check_table(table: Any, config: V41Config, layer_id: int) -> list[int]:

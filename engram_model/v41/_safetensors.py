@@ -9,7 +9,10 @@ killed the process with SIGBUS.
 Headers are held to the format: each tensor's bytes match its dtype and shape, and the tensors cover the data
 section exactly, in order of offsets, without overlaps or holes. An index names shards in its own directory: an
 entry with an absolute path or one that climbs out of it (``..``) is refused, naming the entry, before any file is
-opened; no error quotes the bytes of a file that is not a safetensors shard.
+opened; no error quotes the bytes of a file that is not a safetensors shard. Every file is opened relative to
+the checkpoint's directory, held open, without blocking, and read only when it is a regular file whose owner may
+be trusted with what this loader reads (``engram_model._checkpoint_files``): a link to another user's file, a pipe
+or a directory as a shard is a named error.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from typing import Any
 import numpy as np
 
 from engram_store.errors import InvalidArgument, describe
+
+from .._checkpoint_files import CheckpointDir
 
 INDEX_FILE = "model.safetensors.index.json"
 #: Largest header accepted (as the safetensors reference implementation bounds it).
@@ -46,7 +51,9 @@ class SafetensorsCheckpoint:
     ``path`` is a ``.safetensors`` file or a directory: with ``model.safetensors.index.json`` its ``weight_map``
     says which shard holds each tensor (only the shards asked for are opened), without one every
     ``*.safetensors`` file in it is read. Each shard stays open from its header on (:meth:`close`, or when the
-    object goes, lets go).
+    object goes, lets go). The checkpoint's directory is held open and its files opened relative to it, each only
+    when it is a regular file of the directory's owner (or the loader's, in a directory of the loader's own or
+    root's), never blocking on the way (``engram_model._checkpoint_files``).
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -54,25 +61,33 @@ class SafetensorsCheckpoint:
         self.path = where
         self._headers: dict[str, dict[str, Any]] = {}
         self._fds: dict[str, int] = {}
-        self._finalizer = weakref.finalize(self, _close_fds, self._fds)
-        if os.path.isfile(where):
-            self._where = {name: where for name in self._header(where)}
-        elif os.path.isdir(where):
-            index = os.path.join(where, INDEX_FILE)
-            if os.path.isfile(index):
-                self._where = self._read_index(index)
-            else:
-                shards = sorted(f for f in os.listdir(where) if f.endswith(".safetensors"))
-                if not shards:
-                    raise InvalidArgument(f"path: {where!r} holds no {INDEX_FILE} and no .safetensors file")
-                self._where = {name: os.path.join(where, f) for f in shards for name in self._header(
-                    os.path.join(where, f))}
-        else:
-            raise InvalidArgument(f"path: no such checkpoint file or directory {where!r}")
-
-    def _read_index(self, index: str) -> dict[str, str]:
+        self._names: dict[str, str] = {}  # a shard's path -> its name relative to the checkpoint's directory
+        self._held: list[CheckpointDir] = []  # the checkpoint's directory, while open
+        self._finalizer = weakref.finalize(self, _close_all, self._fds, self._held)
         try:
-            with open(index, encoding="utf-8") as f:
+            self._held.append(CheckpointDir(where))
+            self._dir_path = where
+        except FileNotFoundError:
+            raise InvalidArgument(f"path: no such checkpoint file or directory {where!r}") from None
+        except NotADirectoryError:  # one .safetensors file
+            self._dir_path = os.path.dirname(where)
+            self._names[where] = os.path.basename(where)
+            self._where = {name: where for name in self._header(where)}
+            return
+        try:
+            fd = self._held[0].open_file(INDEX_FILE)
+        except FileNotFoundError:
+            shards = sorted(f for f in self._held[0].names() if f.endswith(".safetensors"))
+            if not shards:
+                raise InvalidArgument(f"path: {where!r} holds no {INDEX_FILE} and no .safetensors file") from None
+            self._names.update((os.path.join(where, f), f) for f in shards)
+            self._where = {name: file for file in self._names for name in self._header(file)}
+            return
+        self._where = self._read_index(fd, os.path.join(where, INDEX_FILE))
+
+    def _read_index(self, fd: int, index: str) -> dict[str, str]:
+        try:
+            with open(fd, encoding="utf-8") as f:
                 weight_map = json.load(f).get("weight_map")
         except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
             raise InvalidArgument(f"{index}: not a safetensors index ({exc})") from None
@@ -82,11 +97,14 @@ class SafetensorsCheckpoint:
         if not isinstance(weight_map, dict):
             raise InvalidArgument(f"{index}: expected a \"weight_map\" object, got {describe(weight_map)}")
         base = os.path.dirname(index)
-        return {str(name): _shard_in(index, base, str(name), file) for name, file in weight_map.items()}
+        where = {str(name): _shard_in(index, base, str(name), file) for name, file in weight_map.items()}
+        self._names.update((file, os.path.relpath(file, base)) for file in where.values())
+        return where
 
     def close(self) -> None:
-        """Close the shards opened so far (idempotent); reading again opens them again."""
-        _close_fds(self._fds)
+        """Close the shards opened so far and the checkpoint's directory (idempotent); reading again opens them
+        again."""
+        _close_all(self._fds, self._held)
         self._headers.clear()
 
     def __enter__(self) -> "SafetensorsCheckpoint":
@@ -98,8 +116,10 @@ class SafetensorsCheckpoint:
     def _fd(self, file: str) -> int:
         fd = self._fds.get(file)
         if fd is None:
+            if not self._held:
+                self._held.append(CheckpointDir(self._dir_path))
             try:
-                fd = self._fds[file] = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+                fd = self._fds[file] = self._held[0].open_file(self._names[file], file)
             except FileNotFoundError:
                 raise InvalidArgument(f"{file}: shard listed in the index does not exist") from None
         return fd
@@ -252,8 +272,10 @@ def _shard_in(index: str, base: str, name: str, file: Any) -> str:
     return os.path.join(base, os.path.normpath(file))
 
 
-def _close_fds(fds: dict[str, int]) -> None:
+def _close_all(fds: dict[str, int], held: list[CheckpointDir]) -> None:
     while fds:
         os.close(fds.popitem()[1])
+    while held:
+        held.pop().close()
 
 

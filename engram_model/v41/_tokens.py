@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from engram_store.durable import write_replacing
 from engram_store.errors import InvalidArgument, InvalidType, describe
 
 from .._tokenizer import _load_tokenizers_file
@@ -114,9 +115,7 @@ def save_token_map(path: str | os.PathLike, token_map: np.ndarray) -> None:
     where = os.fspath(path)
     if not where.endswith(".npy"):
         raise InvalidArgument(f"path: expected a file name ending in .npy, got {where!r}")
-    tmp = f"{where[:-4]}.tmp.npy"
-    np.save(tmp, tm.astype(np.int32), allow_pickle=False)
-    os.replace(tmp, where)
+    write_replacing(where, lambda f: np.save(f, tm.astype(np.int32), allow_pickle=False), "save_token_map")
 
 
 def load_token_map(path: str | os.PathLike) -> np.ndarray:

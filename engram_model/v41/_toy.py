@@ -11,6 +11,8 @@ import struct
 
 import numpy as np
 
+from engram_store.durable import write_replacing
+
 from ._config import FP8_BLOCK, V41Config
 
 
@@ -47,8 +49,8 @@ def write_toy_checkpoint(directory: str | os.PathLike, config: V41Config, seed: 
             "engram_pad_token_id": config.pad_id, "hidden_size": config.hidden_size, "hc_mult": config.hc_mult,
             "rms_norm_eps": config.rms_norm_eps,
             "engram_num_embeddings": [config.num_embeddings(layer_id) for layer_id in config.layer_ids]}
-    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
-        json.dump({"text_config": text}, f, indent=1)
+    write_replacing(os.path.join(directory, "config.json"),
+                    lambda f: f.write(json.dumps({"text_config": text}, indent=1).encode()), "write_toy_checkpoint")
     return directory
 
 
@@ -60,7 +62,9 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, tuple[str, np.
         offset += array.nbytes
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
+
+    def write(f) -> None:
         f.write(struct.pack("<Q", len(blob)) + blob)
         for _, array in tensors.values():
             f.write(np.ascontiguousarray(array).tobytes())
+    write_replacing(path, write, "write_safetensors")

@@ -1,13 +1,15 @@
 """``engram-load-v41``: stream the Engram tables of a DeepSeek-V4.1 checkpoint into a running store, or onto SSD.
 
-    engram-load-v41 CHECKPOINT_DIR (--master HOST:PORT | --disk-dir PATH) [--layers 1 14] [--config PATH]
+    engram-load-v41 CHECKPOINT_DIR (--master HOST:PORT | --disk-dir PATH | --local-dir PATH) [--layers 1 14]
+                    [--config PATH]
                     [--replica-num N] [--auth DIR] [--verify] [--progress | --no-progress] [--log-level INFO]
 
 Reads ``config.json`` (or ``--config``) for the layout, then each layer's ``layers.{L}.engram.embed.weight`` and
 ``embed.scale`` from the safetensors shards (read, not mapped), packs them column by column into 264-byte rows and
 populates them as head shards of the layer, so memory stays bounded by one column (about 4.2 GB for the
 release). With ``--disk-dir`` the layer is written as page-aligned files on local SSD instead (tables larger than
-memory), chunk by chunk, and published when whole. A layer already there is refused; a load that fails leaves
+memory), chunk by chunk, and published when whole; with ``--local-dir`` as files in memory (``/dev/shm`` or a
+hugetlbfs mount) that every process of the host maps, and that outlive the servers reading them. A layer already there is refused; a load that fails leaves
 nothing of the layer behind.
 """
 
@@ -37,9 +39,11 @@ Reads config.json (or --config) for the layout, then each layer's layers.{L}.eng
 and embed.scale from the safetensors shards (read, not mapped), packs them column by column into
 264-byte rows and populates them as head shards of the layer, so memory stays bounded by one
 column (about 4.2 GB for the release). With --disk-dir the layer is written as page-aligned files
-on local SSD instead (tables larger than memory), chunk by chunk, and published when whole. A layer
-already there is refused (remove it with engram-layers remove); a load that fails leaves nothing
-of the layer behind."""
+on local SSD instead (tables larger than memory), chunk by chunk, and published when whole; with
+--local-dir as files in memory (/dev/shm or a hugetlbfs mount) that every process of the host maps
+and that outlive the servers reading them (ENGRAM_TABLES=PATH serves them to vLLM and SGLang). A
+layer already there is refused (remove it with engram-layers remove); a load that fails leaves
+nothing of the layer behind."""
 
 
 def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
@@ -47,21 +51,19 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
 
 
 def parse(argv: Sequence[str] | None, prog: str, description: str, family: str = "Engram",
-          layer_ids: str = "engram_layer_ids", unit: str = "column", local_dir: bool = False) -> argparse.Namespace:
-    """The command line of a checkpoint loader (this one's, and ``engram-load``'s for every family, which adds
-    ``--local-dir``)."""
+          layer_ids: str = "engram_layer_ids", unit: str = "column") -> argparse.Namespace:
+    """The command line of a checkpoint loader (this one's, and ``engram-load``'s for every family)."""
     parser = cli.parser(prog, description)
     parser.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
                         help="directory of the safetensors shards (or one .safetensors file with --config)")
     where = parser.add_mutually_exclusive_group(required=True)
-    others = "--disk-dir or --local-dir" if local_dir else "--disk-dir"
     where.add_argument("--master", metavar="HOST:PORT",
-                       help=f"address of the running engram-master (required, or {others})")
+                       help="address of the running engram-master (required: this, --disk-dir or --local-dir)")
     where.add_argument("--disk-dir", metavar="PATH", help="directory on local SSD to write the layers under, read "
-                       "with EngramStore(..., disk_dir=PATH) (required, or --master)")
-    if local_dir:
-        where.add_argument("--local-dir", metavar="PATH", help="directory in memory (e.g. under /dev/shm) to write "
-                           "the layers under, read with EngramStore(..., local_dir=PATH) (required, or --master)")
+                       "with EngramStore(..., disk_dir=PATH) (required: this, --master or --local-dir)")
+    where.add_argument("--local-dir", metavar="PATH", help="directory in memory (/dev/shm/..., a hugetlbfs mount) "
+                       "to write the layers under as files every process of the host maps, read with "
+                       "EngramStore(..., local_dir=PATH) (required: this, --master or --disk-dir)")
     parser.add_argument("--config", metavar="PATH", help="config.json to read (default: CHECKPOINT_DIR/config.json)")
     parser.add_argument("--layers", type=int, nargs="+", metavar="L",
                         help=f"{family} layers to load (default: every layer of {layer_ids})")
@@ -77,8 +79,9 @@ def parse(argv: Sequence[str] | None, prog: str, description: str, family: str =
     args = parser.parse_args(argv)
     if args.replica_num < 1:
         parser.error(f"--replica-num: expected an integer >= 1, got {args.replica_num}")
-    if not local_dir:
-        args.local_dir = None
+    if args.verify and args.local_dir:
+        parser.error("--verify: a --local-dir layer keeps no checksums to read back against (Mooncake's layout); "
+                     "load with --disk-dir or --master to verify")
     return args
 
 
@@ -121,7 +124,8 @@ def run_family(args: argparse.Namespace, prog: str, read_config: Any, layer_ids:
                prepare: Any, units: str) -> int:
     """A loader's run over the parsed command line (:func:`parse`), for any model family: the config read by
     ``read_config(path)``, the layers asked for (``--layers``, each checked by ``check_layer(config, layer_id)``) or
-    all of ``layer_ids(config)``, the checkpoint opened, then ``prepare(checkpoint, config, layers)`` gives the
+    all of ``layer_ids(config)``, ``--local-dir``'s room checked (the config's ``num_embeddings(layer_id)`` rows of
+    ``row_bytes``), the checkpoint opened, then ``prepare(checkpoint, config, layers)`` gives the
     ``(load(layer_id, store), what(layer_id))`` of :func:`load_layers`; the exit status."""
     config_path = args.config or args.checkpoint
     if not paths_exist(args, config_path, prog):
@@ -131,6 +135,9 @@ def run_family(args: argparse.Namespace, prog: str, read_config: Any, layer_ids:
         layers = args.layers or list(layer_ids(config))
         for layer_id in layers:
             check_layer(config, layer_id)
+        if args.local_dir and not room_in_memory(args.local_dir, sum(config.num_embeddings(layer_id) * config.row_bytes
+                                                                     for layer_id in layers), prog):
+            return 1
         checkpoint = open_checkpoint(args, prog)
         if checkpoint is None:
             return 2
@@ -178,6 +185,46 @@ def load_layers(args: argparse.Namespace, prog: str, layers: Sequence[int], load
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+#: File systems whose files are memory: a local_dir elsewhere is read from the page cache, evicted at will.
+MEMORY_FILE_SYSTEMS = ("tmpfs", "hugetlbfs", "ramfs")
+
+
+def room_in_memory(path: str, need: int, prog: str = PROG) -> bool:
+    """Whether ``--local-dir`` can hold ``need`` bytes of layers (else say so, before anything is written); warn
+    where it is not a file system in memory."""
+    where = os.path.abspath(path)
+    existing = where
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    fs = _file_system(existing)
+    if fs not in MEMORY_FILE_SYSTEMS:
+        print(f"{prog}: --local-dir {path} is on {fs or 'an unknown file system'}, not in memory (tmpfs such as "
+              f"/dev/shm, or hugetlbfs): its rows are read from the page cache", file=sys.stderr)
+    stat = os.statvfs(existing)
+    free = stat.f_bavail * stat.f_frsize
+    if need > free:
+        print(f"{prog}: --local-dir {path}: the layers need {format_size(need)}, {existing} ({fs}) has "
+              f"{format_size(free)} free; grow it (a container's /dev/shm is 64 MiB unless run with --shm-size) or "
+              "load them with --disk-dir", file=sys.stderr)
+        return False
+    return True
+
+
+def _file_system(path: str) -> str:
+    """The type of the file system ``path`` is on (the longest mount point of /proc/mounts above it), or ""."""
+    best, kind = "", ""
+    try:
+        with open("/proc/mounts", encoding="utf-8") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 2 and (path == parts[1] or path.startswith(parts[1].rstrip("/") + "/")) \
+                        and len(parts[1]) >= len(best):
+                    best, kind = parts[1], parts[2]
+    except OSError:
+        pass
+    return kind
 
 
 class _NoMaster(Exception):

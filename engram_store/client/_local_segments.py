@@ -121,6 +121,13 @@ class LocalSegments:
                     table = self._map(handed.fds["table"], None, np.int64, handed.uid, segment_id)
                 except (OSError, EngramError) as exc:
                     log.debug("segment %s: generation table not mapped (%s)", segment_id, exc)
+            problem = _kernels.generation_table.header_problem(table) if table is not None else ""
+            if problem:  # a capacity past the mapping would lead every check past it: not used at all
+                log.warning("%s", ProtocolError(f"segment {segment_id} handed over a generation table of "
+                                                f"{table.nbytes} bytes that is refused: {problem}; tables mapped "
+                                                "from it are read through the segment when the master's answer "
+                                                "is too old to prove them"))
+                table = None
             return view, table
         finally:
             handed.close()

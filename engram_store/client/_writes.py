@@ -20,6 +20,7 @@ import xxhash
 import zmq
 
 from .._errors import (
+    CatalogUnwritable,
     EngramError,
     InvalidArgument,
     MasterUnavailable,
@@ -54,6 +55,9 @@ CHECKSUM_THREAD_BYTES = 4 << 20
 RENEWALS_PER_TIMEOUT = 3
 #: How long a put, once published, waits for its segments to add the objects to their catalogues.
 CATALOG_TELL_S = 1.0
+#: After a segment refused a put's write (it cannot keep its catalogue), the put is placed again this late, until
+#: the master has heard (a heartbeat) and places it elsewhere, for as long as a put waits for segments at most.
+REFUSED_RETRY_S = 0.1
 
 
 class WritePath:
@@ -100,6 +104,19 @@ class WritePath:
         views = [as_bytes_view(b, f"buffers[{i}]") for i, b in enumerate(buffers)]
         if not keys:
             return [], []
+        deadline = time.monotonic() + max(self.timeout_ms / 1000.0, PUT_START_WAIT_S)
+        while True:
+            try:
+                return self._put(keys, views, replica_num, progress)
+            except _Refused as refused:  # (revoked): the master places the put elsewhere once it has heard
+                if time.monotonic() > deadline:
+                    raise refused.error from None
+                log.info("put of %d key(s) refused by a segment (%s); placing it again", len(keys), refused.error)
+                time.sleep(REFUSED_RETRY_S)
+
+    def _put(self, keys: list[str], views: list[np.ndarray], replica_num: int,
+             progress: Callable[[int], None] | None) -> tuple[list[str], list[int]]:
+        """One try of :meth:`put_generations`: placed, written, published, or revoked and raised."""
         results, put_timeout_ms = self._put_start(keys, [v.nbytes for v in views], replica_num)
         started = {k: r["generation"] for k, r in zip(keys, results) if r.get("ok")}  # key -> its put's id
         writes = _Writes(self, started, put_timeout_ms)
@@ -112,7 +129,10 @@ class WritePath:
                 checksums = _CHECKSUM_POOL.get(1).submit(_checksums, views)
             remote, direct = self._plan_writes(views, results, writes)
             done = self._write_direct(direct, writes, progress)
-            self._run_writes(remote, progress, done, writes)
+            try:
+                self._run_writes(remote, progress, done, writes)
+            except CatalogUnwritable as exc:  # placed before the master heard that the segment takes no puts
+                raise _Refused(exc) from None
             self._seal_direct(direct, writes)
             sums = checksums.result() if checksums is not None else _checksums(views)
             generations = [started[k] for k in keys]  # (every key started, or the loop above raised)
@@ -123,7 +143,10 @@ class WritePath:
             if checksums is not None:
                 checksums.cancel()
             raise
-        self._tell_catalogs(keys, views, results, sums, replica_num)
+        refused = self._tell_catalogs(keys, views, results, sums, replica_num)
+        if refused is not None:  # its next start would not offer them back: taken back, and placed again
+            self.remove_many(keys, force=True, generations=generations)
+            raise _Refused(refused)
         return sums, generations
 
     def _plan_writes(self, views: list[np.ndarray], results: list[dict],
@@ -175,10 +198,11 @@ class WritePath:
                 raise error_from_reply(result.get("code"), result.get("message"))
 
     def _tell_catalogs(self, keys: list[str], views: list, results: list[dict], sums: list[str],
-                       replica_num: int) -> None:
+                       replica_num: int) -> CatalogUnwritable | None:
         """Tell each segment written to which published objects it now holds, before the put returns: its catalogue
         would learn them on its next heartbeat, and a master restarted without a journal in between would know
-        them only from the catalogues. Best effort: a segment that does not answer learns on its heartbeat."""
+        them only from the catalogues. Best effort: a segment that does not answer learns on its heartbeat. Returns
+        the refusal of a durable segment that could not write them into its catalogue, if one did."""
         entries: dict[str, list] = {}
         for key, view, result, checksum in zip(keys, views, results, sums):
             for r in result["replicas"]:
@@ -192,10 +216,14 @@ class WritePath:
             except EngramError as exc:
                 log.debug("catalog_add to %s: %s", address, exc)
         deadline = time.monotonic() + min(self.timeout_ms / 1000.0, CATALOG_TELL_S)
+        refused = None
         for result in wait_all(pending, deadline, "catalog_add"):
-            if isinstance(result, BaseException):
+            if isinstance(result, CatalogUnwritable):
+                refused = refused or result
+            elif isinstance(result, BaseException):
                 log.debug("a segment did not take the new objects into its catalogue now (%s); it learns them on "
                           "its next heartbeat", result)
+        return refused
 
     def _put_start(self, keys: list[str], sizes: list[int], replica_num: int) -> tuple[list[dict], int]:
         """``put_start`` of every key; while segments are registering with a master that just restarted, the master
@@ -275,6 +303,15 @@ class WritePath:
         invisible until ``put_end``. The descriptor is asked for once per segment and kept open.
         """
         return self.local_segments.write_fd(replica, nbytes) if self.local_direct else None
+
+
+class _Refused(Exception):
+    """A durable segment refused a put (:class:`CatalogUnwritable`): its write, or the put's entry in its catalogue.
+    The put was revoked (or taken back): try it again."""
+
+    def __init__(self, error: CatalogUnwritable):
+        super().__init__(str(error))
+        self.error = error
 
 
 class _RemoteWrite(NamedTuple):

@@ -44,13 +44,18 @@ Why it is correct, in the simplest design that is:
   process that died without closing leaves them to the next one: a cache file nobody holds is initialised
   afresh when it is attached again, and any ``engram-rowcache-*`` file nobody holds is deleted when a cache is
   attached in the same directory.
+* **Leaving never waits on its own thread** (``_host_files``): a cache dropped without ``close()`` leaves from its
+  finalizer, which the garbage collector may run at any point of any thread, also where that thread holds the lock
+  of another cache of this process on the same file (a flock is per open file: its own second open would wait for
+  it in vain). A finalizer that finds its thread holding a host cache's lock puts the leaving off until the thread
+  lets its last one go. Nothing engram makes refers to a cache through a cycle, so a dropped cache leaves where it
+  is dropped; a constructor that fails leaves what it attached before it raises.
 
 The header's counters (hits, misses, fills, inserted, skipped fills, repairs, attaches) are updated with atomic
 adds by every process and reported by :meth:`stats`.
 """
 from __future__ import annotations
 
-import errno
 import fcntl
 import logging
 import mmap
@@ -66,12 +71,13 @@ import numpy as np
 import xxhash
 
 from .. import _fork
-from .._errors import EngramError, InvalidArgument, LockTimeout, OutOfSpace, StoreError, describe
+from .._errors import EngramError, InvalidArgument, OutOfSpace, StoreError, TableClosed, describe
 from .._pages import MADV_HUGEPAGE, madvise
 from .._shared_dirs import UserDir, directory_error, shared_base
 from . import _cache_kernels as ck
 from . import _kernels as k
 from ._cache import ADMISSIONS, LINE_BYTES, RowCache, door_words
+from ._host_files import CacheFiles, detach, nobody_holds, sweep
 from ._host_mrc import REGION_BYTES as CURVE_BYTES
 from ._layout import PAGE_BYTES
 
@@ -108,66 +114,6 @@ def _align(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-class _Files:
-    """The lock file and the data file of one host cache in this user's directory, and the flocks on them."""
-
-    def __init__(self, directory: UserDir, name: str):
-        self.dir = directory
-        self.name = name
-        self.lock_name = name + ".lock"
-        self.lock_path = directory.join(self.lock_name)
-        self.data_path = directory.join(name)
-        self.lock_fd = -1
-        self.data_fd = -1
-
-    def lock(self, timeout_s: float) -> bool:
-        """Take the lock file (opening the file at the name anew if its holder deleted it meanwhile); False if
-        ``timeout_s`` passed first."""
-        deadline = time.monotonic() + timeout_s
-        pause = 20e-6
-        while True:
-            if self.lock_fd < 0:
-                self.lock_fd, _ = self.dir.open(self.lock_name, os.O_RDWR)
-            try:
-                fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    return False
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
-                continue
-            if self.dir.same_file(self.lock_fd, self.lock_name):
-                return True
-            os.close(self.lock_fd)  # deleted by the last process leaving: lock the file now at the name
-            self.lock_fd = -1
-
-    def lock_or_raise(self, timeout_s: float, what: str) -> None:
-        """Take the lock within ``timeout_s``, or raise LockTimeout naming the lock file."""
-        if not self.lock(timeout_s):
-            raise LockTimeout(f"host row cache: {what}: another process held {self.lock_path} for more than "
-                              f"{timeout_s:g} s (a stopped or stuck process of this user; `fuser {self.lock_path}` "
-                              "names it); stop it, or use cache_scope='process'")
-
-    def unlock(self) -> None:
-        fcntl.flock(self.lock_fd, fcntl.LOCK_UN)
-
-    def close(self) -> None:
-        for name in ("data_fd", "lock_fd"):
-            fd = getattr(self, name)
-            setattr(self, name, -1)
-            if fd >= 0:
-                os.close(fd)
-
-
-def _nobody_holds(fd: int) -> bool:
-    """Whether no other open file holds a flock on ``fd``'s file (tried by taking it exclusively)."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-
-
 class HostRowCache(RowCache):
     """A :class:`RowCache` in shared memory that every process of the host attaching with the same ``scope`` and
     ``row_bytes`` shares (see the module docstring: one asking for another ``capacity_bytes`` or ``admission``
@@ -195,7 +141,7 @@ class HostRowCache(RowCache):
         self.lock_timeout_s = float(lock_timeout_ms) / 1e3
         self._capacity_bytes = int(capacity_bytes) if isinstance(capacity_bytes, (int, np.integer)) else 0
         self._mm: mmap.mmap | None = None
-        self._files: _Files | None = None
+        self._files: CacheFiles | None = None
         self._closed = False
         source = "directory=" if directory else "ENGRAM_SHM_DIR" if os.environ.get("ENGRAM_SHM_DIR") else "the default"
         self._where = f"host row cache: {self.directory} ({source}: where it keeps its shared-memory files)"
@@ -203,10 +149,11 @@ class HostRowCache(RowCache):
             super().__init__(capacity_bytes, row_bytes, admission)
         except OSError as exc:
             raise directory_error(exc, self._where, _HINT) from exc
+        # From here it is attached: leaving is the finalizer's (at close, when dropped, at exit), which refers to
+        # the files and the mapping, never to the cache (or the cache would never be dropped).
+        self._finalizer = weakref.finalize(self, detach, self._files, self._mm, self.lock_timeout_s)
         die_at = os.environ.get(DIE_MID_FILL_ENV)
         self.stop_at = int(die_at) if die_at else -1
-        self._finalizer = weakref.finalize(self, _detach, self._files, self._mm,  # also runs at exit
-                                          self.lock_timeout_s)
         _fork.in_child(self._forked)
 
     def _forked(self) -> None:
@@ -265,13 +212,13 @@ class HostRowCache(RowCache):
         own = UserDir(self.directory, self._where, _HINT)
         regions = self._layout()
         size = regions["file"][1]
-        files = self._files = _Files(own, self.name)
+        files = self._files = CacheFiles(own, self.name)
         try:
-            _sweep(own, keep=self.name)
+            sweep(own, PREFIX, keep=self.name)
             files.lock_or_raise(self.lock_timeout_s, "attaching")
             try:
                 files.data_fd, _ = own.open(self.name, os.O_RDWR)
-                fresh = _nobody_holds(files.data_fd)  # no live process has it: (re)initialise it
+                fresh = nobody_holds(files.data_fd)  # no live process has it: (re)initialise it
                 if not fresh and self._adopt(files.data_fd):  # another size or admission asked: the one there
                     regions = self._layout()
                     size = regions["file"][1]
@@ -366,6 +313,7 @@ class HostRowCache(RowCache):
         self._check_row_bytes(row_bytes)
         identity = int(identity) & 0x7FFF_FFFF_FFFF_FFFF
         with self.lock:
+            self._check_open("a layer's tag")
             self._files.lock_or_raise(self.lock_timeout_s, "a layer's tag")
             try:
                 reg = self._header[H_REGISTRY:H_REGISTRY + 2 * REGISTRY_ENTRIES].reshape(-1, 2)
@@ -385,8 +333,15 @@ class HostRowCache(RowCache):
             finally:
                 self._files.unlock()
 
+    def _check_open(self, what: str) -> None:
+        """Under ``self.lock``: TableClosed once closed (its files are no longer this cache's to lock)."""
+        if self._closed:
+            raise TableClosed(f"host row cache {self.path}: {what}: the cache is closed")
+
     def fill(self, miss_key: np.ndarray, miss_pos: np.ndarray, out: np.ndarray) -> int:
         with self.lock:
+            if self._closed:
+                return 0  # a read that ran into the close: its rows are served, only not cached
             if not self._files.lock(self.fill_wait_s):
                 ck._counter_add(self.counters, COUNTERS.index("fills_skipped"), 1)
                 return 0
@@ -407,7 +362,7 @@ class HostRowCache(RowCache):
         """Hold the cache's locks (this process's and the host's) to change shared state other than rows (the
         curve of ``_host_mrc``); yields whether they were taken within ``timeout_s``."""
         with self.lock:
-            if not self._files.lock(timeout_s):
+            if self._closed or not self._files.lock(timeout_s):
                 yield False
                 return
             try:
@@ -416,6 +371,7 @@ class HostRowCache(RowCache):
                 self._files.unlock()
 
     def _pin_locked(self, keys: np.ndarray, rows: np.ndarray, max_ways: int) -> int:
+        self._check_open("pinning rows")
         self._files.lock_or_raise(self.lock_timeout_s, "pinning rows")
         try:
             self._repair()
@@ -444,6 +400,7 @@ class HostRowCache(RowCache):
 
     def clear(self) -> None:
         with self.lock:
+            self._check_open("clearing")
             self._files.lock_or_raise(self.lock_timeout_s, "clearing")
             try:
                 meta = self.meta.reshape(-1, k.META_WORDS)
@@ -457,9 +414,11 @@ class HostRowCache(RowCache):
 
     def close(self) -> None:
         """Detach; the last process attached deletes the files. Idempotent."""
-        if not self._closed:
+        with self.lock:  # no fill, tag or pin is using the files now, and none will
+            if self._closed:
+                return
             self._closed = True
-            self._finalizer()
+        self._finalizer()
 
     def __enter__(self) -> "HostRowCache":
         return self
@@ -470,51 +429,3 @@ class HostRowCache(RowCache):
     def __repr__(self) -> str:
         return (f"HostRowCache({self.capacity_rows} rows of {self.row_bytes} B, {self.nbytes / 2**20:.1f} MiB, "
                 f"admission={self.admission!r}, {self.path})")
-
-
-def _detach(files: _Files | None, mm: mmap.mmap | None, timeout_s: float = DEFAULT_LOCK_TIMEOUT_MS / 1e3) -> None:
-    """Leave the cache: the last process attached deletes its files (one that cannot take the lock in time leaves
-    them to the next process to attach)."""
-    if files is None or files.data_fd < 0:
-        if files is not None:
-            files.close()
-        return
-    try:
-        if files.lock(timeout_s):
-            fcntl.flock(files.data_fd, fcntl.LOCK_UN)
-            if _nobody_holds(files.data_fd):
-                files.dir.unlink(files.name)
-                files.dir.unlink(files.lock_name)
-        else:
-            log.warning("host row cache %s: another process held %s for more than %g s; detached without "
-                        "cleaning up", files.data_path, files.lock_path, timeout_s)
-    except (OSError, EngramError) as exc:
-        log.warning("host row cache %s: detaching failed: %s", files.data_path, exc)
-    finally:
-        files.close()
-        files.dir.close()
-    if mm is not None:
-        try:
-            mm.close()
-        except BufferError:  # arrays still view it: the mapping goes when they do
-            pass
-
-
-def _sweep(directory: UserDir, keep: str) -> None:
-    """Delete the host caches in this user's ``directory`` that no process holds (left by processes that died)."""
-    for name in directory.names():
-        if not name.startswith(PREFIX) or name.endswith(".lock") or name == keep:
-            continue
-        files = _Files(directory, name)
-        try:
-            if not files.lock(0):
-                continue
-            files.data_fd, _ = directory.open(name, os.O_RDWR, create=False)
-            if _nobody_holds(files.data_fd):
-                log.info("removing the host row cache %s: no process uses it", files.data_path)
-                directory.unlink(name)
-                directory.unlink(files.lock_name)
-        except (OSError, EngramError):
-            pass
-        finally:
-            files.close()

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .._errors import ConfigError, InvalidArgument, InvalidType, StoreError, describe
+from .._layer_dir import read_at
 from ._checksum import CHECKSUM_BYTES
 
 PAGE_BYTES = 4096
@@ -43,6 +44,8 @@ FORMAT_V1 = "engram-disk-v1"
 #: What a v2 manifest records of its page checksums.
 PAGE_CHECKSUM = {"algorithm": "xxh64", "seed": "block offset", "at": "last 8 bytes of each block"}
 MANIFEST = "manifest.json"
+#: A manifest larger than this is refused unread (one of a 10^5-head layer takes a few MB).
+MAX_MANIFEST_BYTES = 16 << 20
 DATA_FILE = "rows.bin"
 #: A key's row part in the hot-row cache has 40 bits: no layer may hold more rows than that.
 MAX_LAYER_ROWS = 1 << 40
@@ -149,14 +152,26 @@ def page_checks(record: dict, layout: DiskLayout) -> str:
     return "unchecked (its rows fill the pages: no room for a checksum)"
 
 
-def read_manifest(path: str) -> tuple[dict, DiskLayout]:
-    """The manifest of the layer directory ``path`` and the layout it describes (checked against its fields)."""
+def read_manifest_at(dir_fd: int, path: str) -> tuple[dict, DiskLayout]:
+    """The manifest of the layer directory held open as ``dir_fd`` (``path`` names it in messages), checked as a file
+    read under a ``disk_dir`` is (``_layer_dir.open_at``), and the layout it describes (checked against its fields).
+    FileNotFoundError when it is not there."""
     file = os.path.join(path, MANIFEST)
     try:
-        with open(file, "rb") as f:
-            record = json.loads(f.read())
+        data = read_at(dir_fd, MANIFEST, file, "disk layer", MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        raise
     except OSError as exc:
         raise StoreError(f"disk layer: cannot read {file}: {exc.strerror}") from None
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise StoreError(f"disk layer: {file} holds more than {MAX_MANIFEST_BYTES} bytes; it is not a manifest")
+    return parse_manifest(data, file)
+
+
+def parse_manifest(data: bytes, file: str) -> tuple[dict, DiskLayout]:
+    """A manifest's record and the layout it describes, checked against its fields (``file`` names it)."""
+    try:
+        record = json.loads(data)
     except ValueError as exc:
         raise StoreError(f"disk layer: {file} is not valid JSON: {exc}") from None
     if not isinstance(record, dict) or record.get("format") not in (FORMAT, FORMAT_V1):

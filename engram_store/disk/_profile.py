@@ -136,6 +136,10 @@ def read_pairs(layer: DiskLayer, heads: np.ndarray, rows: np.ndarray, out: np.nd
     job = _PairJob(layer, heads, rows, out)
     if not job.blocks:
         return
-    batch = _Batch([job], [layer._fileno()])
-    (layer.engine or default_engine()).read(batch, layer.direct)
-    batch.check()
+    fd = layer.enter()
+    try:
+        batch = _Batch([job], [fd])
+        (layer.engine or default_engine()).read(batch, layer.direct)
+        batch.check()
+    finally:
+        layer.leave()

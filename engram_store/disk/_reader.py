@@ -18,7 +18,6 @@ error, not a SIGBUS.
 from __future__ import annotations
 
 import ctypes
-import errno as _errno
 import json
 import logging
 import os
@@ -32,12 +31,13 @@ import numpy as np
 import xxhash
 
 from .. import _fork
-from .._errors import DiskReadError, InvalidArgument, InvalidType, ObjectNotFound, StoreError, describe, is_int
+from .._errors import (DiskReadError, InvalidArgument, InvalidType, ObjectNotFound, StoreError, TableClosed, describe,
+                       is_int)
+from .._layer_dir import HeldFd, LayerDir
 from . import _kernels as k
 from ._cache import RowCache
-from ._files import aligned_empty, open_direct
-from ._layout import (DATA_FILE, PAGE_BYTES, DiskLayout, check_expected, check_layer_id, layer_dir_name, page_checks,
-                      read_manifest)
+from ._files import LayerFiles, aligned_empty
+from ._layout import DATA_FILE, PAGE_BYTES, DiskLayout, check_layer_id, layer_dir_name, page_checks
 
 log = logging.getLogger(__name__)
 
@@ -223,61 +223,62 @@ def default_engine() -> IOEngine:
 
 
 class DiskLayer:
-    """A published layer, opened read-only. Thread-safe; a context manager; ``close()`` is idempotent.
+    """A published layer, opened read-only. Thread-safe; a context manager; ``close()`` is idempotent, and a read
+    running when it comes finishes on the layer's file first (reads after it raise TableClosed).
+
+    ``directory``: a path, or a held ``LayerDir`` (``DiskDir`` passes its own). The layer is opened as one snapshot:
+    its directory once, then its manifest and data file relative to it, each checked (this user's or root's, not
+    writable by others), so a layer removed or published again meanwhile is never read half from each.
 
     Raises ObjectNotFound if the layer is not published under ``directory``, ConfigError if it was published with
     another ``row_bytes`` or ``sizes`` than the caller's (None accepts what was published), StoreError if its
-    files are damaged (a manifest that does not parse, a data file of the wrong size).
+    files are damaged (a manifest that does not parse, a data file of the wrong size), UnsafeFile if another user
+    could change them.
 
     ``cache``: a :class:`RowCache` (possibly shared with other layers) or None. ``engine``: an :class:`IOEngine`,
     by default the process's. ``direct=False`` reads through the page cache; where the file system refuses
     O_DIRECT the layer falls back to that and says so in a warning and in ``direct``.
     """
 
-    def __init__(self, directory: str | os.PathLike, layer_id: int, row_bytes: int | None = None,
+    def __init__(self, directory: str | os.PathLike | LayerDir, layer_id: int, row_bytes: int | None = None,
                  sizes: Sequence[int] | None = None, *, cache: RowCache | None = None,
                  engine: IOEngine | None = None, direct: bool = True):
-        if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+        if not isinstance(directory, LayerDir) and (not isinstance(directory, (str, os.PathLike))
+                                                    or not os.fspath(directory)):
             raise InvalidArgument(f"directory: expected a directory path, got {describe(directory)}")
         if cache is not None and not isinstance(cache, RowCache):
             raise InvalidType(f"cache: expected a RowCache or None, got {type(cache).__name__}")
         if engine is not None and not isinstance(engine, IOEngine):
             raise InvalidType(f"engine: expected an IOEngine or None, got {type(engine).__name__}")
         self.layer_id = check_layer_id(layer_id)
-        self.path = os.path.join(os.path.abspath(os.fspath(directory)), layer_dir_name(self.layer_id))
+        self._held: HeldFd | None = None
+        held = directory if isinstance(directory, LayerDir) else LayerDir(directory, "directory", create=False)
+        name = layer_dir_name(self.layer_id)
+        self.path = held.join(name)
         self.file = os.path.join(self.path, DATA_FILE)
-        self._fd = -1
-        if not os.path.isdir(self.path):
-            raise ObjectNotFound(f"disk layer {self.layer_id} is not published under {os.fspath(directory)} "
-                                 f"(no {self.path})")
-        record, layout = read_manifest(self.path)
-        if record.get("layer_id") != self.layer_id:
-            raise StoreError(f"disk layer: {self.path} holds layer {describe(record.get('layer_id'))}, "
-                             f"expected {self.layer_id}")
-        check_expected(self.path, layout, row_bytes, sizes)
-        self.layout = layout
-        self.checksums: tuple[str, ...] = tuple(record["checksum"]["heads"])
-        #: How each block read is checked: "xxh64", or "unchecked (why)".
-        self.page_checks = page_checks(record, layout)
         try:
-            self._fd, self.direct = open_direct(self.file, os.O_RDONLY, direct=direct)
-            size = os.fstat(self._fd).st_size
-        except OSError as exc:
-            self.close()
-            raise StoreError(f"disk layer {self.layer_id}: cannot open {self.file}: {exc.strerror}") from None
-        if size != layout.file_bytes:
-            self.close()
-            raise DiskReadError(f"disk layer {self.layer_id}: {self.file} holds {size} bytes, the manifest "
-                                f"promises {layout.file_bytes} (truncated or replaced)")
-        if self.direct and not self._direct_read_works():
-            os.close(self._fd)
-            self._fd, self.direct = open_direct(self.file, os.O_RDONLY, direct=False)
+            files = held.open_published(name, lambda fd, shown: LayerFiles.open(fd, shown, self.layer_id, row_bytes,
+                                                                            sizes, direct))
+        finally:
+            if held is not directory:
+                held.close()
+        if files is None:
+            raise ObjectNotFound(f"disk layer {self.layer_id} is not published under {held.path} (no {self.path})")
+        self.layout, self.direct = files.layout, files.direct
+        self.checksums: tuple[str, ...] = tuple(files.record["checksum"]["heads"])
+        #: How each block read is checked: "xxh64", or "unchecked (why)".
+        self.page_checks = page_checks(files.record, files.layout)
+        self._held = HeldFd(files.fd, f"disk layer {self.layer_id} ({self.path}): this DiskLayer")
         self.engine = engine
         self.cache = cache
-        self.tag = cache.new_tag(layout.row_bytes, self._identity(record)) if cache is not None else 0
-        H = layout.num_heads
-        self.n_rows = np.asarray(layout.sizes, dtype=np.int64)
-        self.head_offsets = np.asarray(layout.head_offsets, dtype=np.int64)
+        try:
+            self.tag = cache.new_tag(files.layout.row_bytes, self._identity(files.record)) if cache is not None else 0
+        except BaseException:
+            self._held.close()
+            raise
+        H = files.layout.num_heads
+        self.n_rows = np.asarray(files.layout.sizes, dtype=np.int64)
+        self.head_offsets = np.asarray(files.layout.head_offsets, dtype=np.int64)
         self.row_base = np.concatenate(([0], np.cumsum(self.n_rows)[:-1])).astype(np.int64)
         assert self.row_base.size == H, "one row base per head"
         self._lock = threading.Lock()
@@ -289,23 +290,10 @@ class DiskLayer:
         """A hash of the published data: the manifest (geometry and every head's checksum) and the data file's
         device, inode, size and modification time. A host cache keys rows by it, so a layer published again under
         the same id never meets the old data's cached rows."""
-        st = os.fstat(self._fd)
+        st = os.fstat(self._held.fd)
         h = xxhash.xxh3_64(json.dumps(record, sort_keys=True).encode())
         h.update(f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}".encode())
         return h.intdigest() or 1
-
-    def _direct_read_works(self) -> bool:
-        """Some file systems accept O_DIRECT at open and refuse the reads (EINVAL): try one block."""
-        buf = aligned_empty(self.layout.block_bytes)
-        try:
-            os.preadv(self._fd, [memoryview(buf)], 0)
-            return True
-        except OSError as exc:
-            if exc.errno != _errno.EINVAL:
-                raise DiskReadError(f"disk layer {self.layer_id}: reading {self.file} at offset 0 failed: "
-                                    f"{exc.strerror}") from None
-            log.warning("%s: O_DIRECT reads refused (EINVAL); reading through the page cache", self.file)
-            return False
 
     @property
     def num_heads(self) -> int:
@@ -354,15 +342,19 @@ class DiskLayer:
             c["pages_read"] += blocks * (self.layout.block_bytes // PAGE_BYTES)
             c["bytes_read"] += blocks * self.layout.block_bytes
 
-    def _fileno(self) -> int:
-        if self._fd < 0:
-            raise StoreError(f"disk layer {self.layer_id}: this DiskLayer is closed")
-        return self._fd
+    def enter(self) -> int:
+        """The data file's descriptor, held open for a read until :meth:`leave` (TableClosed once closed)."""
+        if self._held is None:
+            raise TableClosed(f"disk layer {self.layer_id}: this DiskLayer did not open")
+        return self._held.enter()
+
+    def leave(self) -> None:
+        self._held.leave()
 
     def close(self) -> None:
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)
+        """Close the layer: now, or as the last read running on it ends."""
+        if self._held is not None:
+            self._held.close()
 
     def __enter__(self) -> "DiskLayer":
         return self
@@ -370,18 +362,13 @@ class DiskLayer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
-
     def __repr__(self) -> str:
         return (f"DiskLayer({self.layer_id}, {self.num_heads} heads, row_bytes={self.row_bytes}, "
                 f"{self.layout.file_bytes} bytes, direct={self.direct})")
 
 
 STAT_FIELDS = ("reads", "rows", "pages_read", "bytes_read", "cache_hits", "cache_misses")
+
 
 _EMPTY_META = np.empty(0, dtype=np.int64)
 _EMPTY_ROWS = np.empty(0, dtype=np.uint8)
@@ -503,7 +490,21 @@ def read_many(requests: Sequence[tuple[DiskLayer, np.ndarray, np.ndarray]], engi
     if engine is not None and not isinstance(engine, IOEngine):
         raise InvalidType(f"engine: expected an IOEngine or None, got {type(engine).__name__}")
     checked = [_check_request(i, r) for i, r in enumerate(requests)]
-    fds = [layer._fileno() for layer, _, _ in checked]
+    entered: list[DiskLayer] = []
+    try:
+        fds = []
+        for layer, _, _ in checked:  # each layer's file stays open until its read is done, whoever closes it
+            fds.append(layer.enter())
+            entered.append(layer)
+        _read_entered(checked, fds, engine)
+    finally:
+        for layer in entered:
+            layer.leave()
+
+
+def _read_entered(checked: list[tuple[DiskLayer, np.ndarray, np.ndarray]], fds: list[int],
+                  engine: IOEngine | None) -> None:
+    """:func:`read_many` of checked requests, each layer's file held open (``fds``)."""
     jobs = [_Job(layer, ids, out) for layer, ids, out in checked]
     groups: dict[tuple[int, bool], tuple[IOEngine, list, list]] = {}
     for job, fd in zip(jobs, fds):

@@ -10,14 +10,15 @@ allows it (the page cache is not filled with a table nobody reads yet).
 Publication is create-only: the writer takes the layer's lock, removes a staging directory a dead writer left
 (and a directory a dead remover of the layer left), writes into a fresh one, and on :meth:`LayerWriter.commit`
 fsyncs the data and the manifest, renames the staging directory into place and fsyncs the parent. Until then
-readers see nothing; on any failure (or :meth:`LayerWriter.abort`) the staging directory is removed.
+readers see nothing; on any failure (or :meth:`LayerWriter.abort`) the staging directory is removed. Every name is
+opened, made or renamed relative to the ``disk_dir`` held open (``engram_store._layer_dir.LayerDir``), and every
+file made exclusively, never through a link.
 """
 from __future__ import annotations
 
 import errno
 import logging
 import os
-import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Sequence, Union
 
@@ -27,9 +28,9 @@ import xxhash
 from .._errors import InvalidArgument, InvalidType, ObjectExists, OutOfSpace, StoreError, describe, is_int
 from .._pages import reserve
 from .._progress import Progress
-from .._shared_dirs import check_layer_dir, dir_mode, file_mode
+from .._shared_dirs import file_mode
 from . import _kernels
-from .._layer_dir import LayerLock, publish_staged, remove_leftover
+from .._layer_dir import LayerDir, LayerLock
 from ._files import aligned_empty, open_direct
 from ._layout import DATA_FILE, MANIFEST, DiskLayout, check_layer_id, dumps, layer_dir_name, manifest
 
@@ -56,17 +57,19 @@ class LayerWriter:
     bar on a terminal for layers over 256 MiB.
     """
 
-    def __init__(self, directory: str | os.PathLike, layer_id: int, row_bytes: int, sizes: Sequence[int], *,
-                 progress: Callable[[int], None] | bool | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    def __init__(self, directory: str | os.PathLike | LayerDir, layer_id: int, row_bytes: int, sizes: Sequence[int],
+                 *, progress: Callable[[int], None] | bool | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  direct: bool = True, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S):
-        if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
+        if not isinstance(directory, LayerDir) and (not isinstance(directory, (str, os.PathLike))
+                                                    or not os.fspath(directory)):
             raise InvalidArgument(f"directory: expected a directory path, got {describe(directory)}")
         self.layer_id = check_layer_id(layer_id)
         self.layout = DiskLayout.of(row_bytes, sizes, checked=True)  # where the rows leave room in a page
         if not is_int(chunk_bytes) or chunk_bytes <= 0:
             raise InvalidArgument(f"chunk_bytes: expected a byte count > 0, got {describe(chunk_bytes)}")
-        self.directory = os.path.abspath(os.fspath(directory))
-        self.path = os.path.join(self.directory, layer_dir_name(self.layer_id))
+        self._name = layer_dir_name(self.layer_id)
+        self.directory = directory.path if isinstance(directory, LayerDir) else os.path.abspath(os.fspath(directory))
+        self.path = os.path.join(self.directory, self._name)
         self.staging = self.path + ".tmp"
         lay = self.layout
         blocks_per_chunk = max(1, int(chunk_bytes) // lay.block_bytes)
@@ -78,23 +81,13 @@ class LayerWriter:
         self._progress = progress or None
         self._done_bytes = 0
         self._checksums: list[str | None] = [None] * lay.num_heads
-        self._fd = -1
+        self._fd = self._staging_fd = -1
         self._lock: LayerLock | None = None
         self._closed = False
+        self._dir: LayerDir | None = directory if isinstance(directory, LayerDir) else None
+        self._own_dir = self._dir is None
         try:
-            os.makedirs(self.directory, exist_ok=True)
-            check_layer_dir(self.directory, "disk_dir")
-            self._lock = LayerLock(self.path + ".lock", lock_timeout_s)
-            if os.path.exists(self.path):
-                raise ObjectExists(f"disk layer {self.layer_id} is already published at {self.path}; remove that "
-                                   "directory to write it again")
-            remove_leftover(self.staging, "writer")
-            remove_leftover(self.path + ".removing", "remover")
-            os.mkdir(self.staging, 0o700)  # published with the mode the umask leaves (dir_mode)
-            file = os.path.join(self.staging, DATA_FILE)
-            self._fd, self.direct = open_direct(file, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600,
-                                                direct)
-            _reserve(self._fd, file, lay.file_bytes)
+            self._start(lock_timeout_s, direct)
         except OSError as exc:
             self._cleanup()
             if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
@@ -110,6 +103,24 @@ class LayerWriter:
         self._blocks = [aligned_empty(blocks_per_chunk * lay.block_bytes) for _ in range(2)]
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="engram-disk-write")
         self._pending: Future | None = None
+
+    def _start(self, lock_timeout_s: float, direct: bool) -> None:
+        """Take the layer's lock, clear what a dead writer or remover left, and open the staging directory and its
+        data file (every name relative to the directory held open)."""
+        if self._dir is None:
+            self._dir = LayerDir(self.directory, "disk_dir")
+        held, name = self._dir, self._name
+        self._lock = held.lock(name + ".lock", lock_timeout_s)
+        if held.exists(name):
+            raise ObjectExists(f"disk layer {self.layer_id} is already published at {self.path}; remove that "
+                               "directory to write it again")
+        held.remove_leftover(name + ".tmp", "writer")
+        held.remove_leftover(name + ".removing", "remover")
+        self._staging_fd = held.stage(name + ".tmp")  # published with the mode the umask leaves (dir_mode)
+        file = os.path.join(self.staging, DATA_FILE)
+        self._fd, self.direct = open_direct(DATA_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600,
+                                            direct, dir_fd=self._staging_fd, shown=file)
+        _reserve(self._fd, file, self.layout.file_bytes)
 
     # ---- writing heads ----
 
@@ -182,10 +193,11 @@ class LayerWriter:
             os.fchmod(self._fd, file_mode())
             os.close(self._fd)
             self._fd = -1
-            _write_file(os.path.join(self.staging, MANIFEST), dumps(manifest(self.layer_id, self.layout,
-                                                                             self._checksums)), self.layer_id)
-            os.chmod(self.staging, dir_mode())
-            publish_staged(self.staging, self.path)
+            _write_file(self._staging_fd, MANIFEST, os.path.join(self.staging, MANIFEST),
+                        dumps(manifest(self.layer_id, self.layout, self._checksums)), self.layer_id)
+            self._dir.publish(self._name + ".tmp", self._staging_fd, self._name)
+            os.close(self._staging_fd)
+            self._staging_fd = -1
         except OSError as exc:
             self.abort()
             raise StoreError(f"disk layer {self.layer_id}: cannot publish {self.path}: {exc}") from exc
@@ -214,7 +226,10 @@ class LayerWriter:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        shutil.rmtree(self.staging, ignore_errors=True)
+        if self._staging_fd >= 0:  # only a staging directory this writer made (another's is its own business)
+            os.close(self._staging_fd)
+            self._staging_fd = -1
+            self._dir.discard(self._name + ".tmp")
         self._finish()
 
     def _finish(self) -> None:
@@ -225,6 +240,8 @@ class LayerWriter:
         if self._lock is not None:
             self._lock.close()
             self._lock = None
+        if self._own_dir and self._dir is not None:
+            self._dir.close()
         if callable(getattr(self._progress, "close", None)):
             self._progress.close()
 
@@ -243,7 +260,7 @@ class LayerWriter:
             self.abort()
 
 
-def write_layer(directory: str | os.PathLike, layer_id: int, row_bytes: int, sizes: Sequence[int],
+def write_layer(directory: str | os.PathLike | LayerDir, layer_id: int, row_bytes: int, sizes: Sequence[int],
                 heads: Sequence[HeadSource], *, progress: Callable[[int], None] | bool | None = None,
                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, direct: bool = True) -> str:
     """Write and publish a layer whose head ``h`` comes from ``heads[h]`` (array or fill callback); returns its
@@ -273,9 +290,10 @@ def _reserve(fd: int, file: str, nbytes: int) -> None:
     reserve(fd, nbytes, file, "disk layer")
 
 
-def _write_file(path: str, data: bytes, layer_id: int) -> None:
-    """Write a small file whole, synced and read-only; a full disk raises OutOfSpace naming it."""
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+def _write_file(dir_fd: int, name: str, path: str, data: bytes, layer_id: int) -> None:
+    """Write a small new file ``name`` (``path``) in the staging directory ``dir_fd`` whole (exclusively, never
+    through a link), synced and read-only; a full disk raises OutOfSpace naming it."""
+    fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     try:
         view = memoryview(data)
         written = 0

@@ -28,6 +28,20 @@ def table_words(capacity: int) -> int:
     return HEADER_WORDS + 3 * capacity
 
 
+def header_problem(table: np.ndarray) -> str:
+    """What is wrong with the header of a mapped generation ``table`` (int64 words), or "" when its capacity
+    agrees with its size: a reader must never take a capacity or count from it that reaches past the mapping."""
+    if table.size < HEADER_WORDS:
+        return f"{table.size * 8} bytes, less than its {HEADER_WORDS * 8}-byte header"
+    capacity, count = int(table[CAPACITY]), int(table[COUNT])
+    if capacity < 0 or table_words(capacity) != table.size:
+        return (f"its header says capacity {capacity} ({table_words(capacity) * 8} bytes with the header), but it "
+                f"is {table.size * 8} bytes")
+    if not 0 <= count <= capacity:
+        return f"its header says {count} entries, outside its capacity {capacity}"
+    return ""
+
+
 @njit(cache=True, nogil=True)
 def _check_table(table, checks):
     # (bad, seq): bad is HOLDS, the index of a failing check, or UNKNOWN (being written, or overflowed).
@@ -39,8 +53,8 @@ def _check_table(table, checks):
             return UNKNOWN, seq
         n = table[COUNT]
         cap = table[CAPACITY]
-        if n < 0 or n > cap:
-            return UNKNOWN, seq
+        if n < 0 or n > cap or cap > (table.size - HEADER_WORDS) // 3:
+            return UNKNOWN, seq  # a header that disagrees with the mapped size is never read past
         base = HEADER_WORDS
         _, bad = _check_generations(checks, table[base:base + n], table[base + cap:base + cap + n],
                                     table[base + 2 * cap:base + 2 * cap + n])

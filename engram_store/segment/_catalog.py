@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -12,8 +11,9 @@ import uuid
 import numpy as np
 import xxhash
 
-from .._errors import ConfigError, OutOfSpace, StoreError
+from .._errors import CatalogUnwritable, ConfigError, StoreError
 from .._shared_dirs import open_own
+from ._files import SegmentFiles
 
 log = logging.getLogger(__name__)
 
@@ -25,41 +25,76 @@ class Catalog:
     Every segment keeps it, so a segment that the master dropped (it missed heartbeats) or forgot (it restarted
     without a journal) offers its objects back when it registers again, each one only after its bytes are
     verified against its checksum (:meth:`verified`). A file-backed segment also keeps it next to its data file
-    (``<file>.manifest``, JSON ``{"segment_id", "size", "catalog", "objects"}``), written atomically (temporary
-    file, fsync, rename) and only after the data file was flushed, so it never names bytes that are not on disk. It
-    is made as the data file is (exclusively, never through a link, mode 0644 less the umask) and read only when it
-    is this user's own (``engram_store._shared_dirs``).
+    (``<file>.manifest``, JSON ``{"segment_id", "size", "catalog", "objects"}``, in the directory its ``files``
+    hold open), written atomically (a private temporary made exclusively, fsync, rename) and only after the data
+    file was flushed, so it never names bytes that are not on disk. It is made as the data file is (never through
+    a link, mode 0644 less the umask) and read only when it is this user's own (``engram_store._shared_dirs``).
+
+    A catalogue that cannot be written (a full disk, an I/O error) says why in :attr:`unwritable` until a write
+    succeeds again: the segment takes no put meanwhile (:meth:`check_writable`), since its next start would not
+    offer that put back.
     """
 
-    def __init__(self, data_path: str | None, size: int):
-        self.path = data_path + ".manifest" if data_path is not None else None
+    def __init__(self, files: SegmentFiles | None, size: int):
+        self.files = files
+        self.name, self.path = files.join(".manifest") if files is not None else (None, None)
         self.size = size
         self.segment_id = uuid.uuid4().hex
         self.version = -1
         self.objects: list[list] = []
+        #: Why the catalogue cannot be written now ("" while it can).
+        self.unwritable = ""
         self._lock = threading.Lock()  # the heartbeat thread records the master's list, writers add to it
-        if self.path is None:
+        if files is None:
             return
-        if os.path.lexists(self.path):
-            try:
-                fd, _ = open_own(self.path, os.O_RDONLY, "segment manifest", create=False)
-                with open(fd, encoding="utf-8") as f:
-                    record = json.load(f)
-                self.segment_id = str(record["segment_id"])
-                recorded_size = int(record["size"])
-                self.objects = [list(o) for o in record.get("objects", [])]
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise ConfigError(f"segment manifest {self.path!r} is unreadable ({exc}); move it away to start "
-                                  "the segment empty") from None
-            if recorded_size != size:
-                raise ConfigError(f"segment manifest {self.path!r} was written for a {recorded_size}-byte segment, "
-                                  f"not {size}")
-        else:
+        try:
+            fd, _ = open_own(self.name, os.O_RDONLY, "segment manifest", dir_fd=files.dir.fd, create=False)
+        except FileNotFoundError:
             self.record(self.version, [])
+            return
+        try:
+            with open(fd, encoding="utf-8") as f:
+                record = json.load(f)
+            self.segment_id = str(record["segment_id"])
+            recorded_size = int(record["size"])
+            self.objects = [list(o) for o in record.get("objects", [])]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"segment manifest {self.path!r} is unreadable ({exc}); move it away to start "
+                              "the segment empty") from None
+        if recorded_size != size:
+            raise ConfigError(f"segment manifest {self.path!r} was written for a {recorded_size}-byte segment, "
+                              f"not {size}")
+
+    @classmethod
+    def open(cls, file: str | None, size: int, segment_id: str | None = None) -> "Catalog":
+        """The catalogue of a segment of ``size`` bytes: of the durable segment file ``file`` (its owner lock taken
+        first, :class:`SegmentFiles`, held in ``files`` until the segment closes them), or in memory only. Its
+        ``segment_id``: a durable segment's is the one its manifest records (ConfigError if ``segment_id`` names
+        another), else ``segment_id`` or a new one."""
+        files = SegmentFiles(file) if file is not None else None
+        try:
+            catalog = cls(files, size)
+            if files is not None and segment_id is not None and segment_id != catalog.segment_id:
+                raise ConfigError(f"segment_id: the manifest of {files.path!r} names {catalog.segment_id}, not "
+                                  f"{segment_id}")
+        except BaseException:
+            if files is not None:
+                files.close()
+            raise
+        if files is None and segment_id is not None:
+            catalog.segment_id = segment_id
+        return catalog
 
     @property
     def durable(self) -> bool:
         return self.path is not None
+
+    def check_writable(self, segment_id: str) -> None:
+        """Raise CatalogUnwritable while the catalogue cannot be written (a put taken now could be lost)."""
+        reason = self.unwritable
+        if reason:
+            raise CatalogUnwritable(f"segment {segment_id} takes no new puts: {reason}; the master places them on "
+                                    "other segments, and this one takes puts again once its catalogue is written")
 
     def record(self, version: int, objects: list[list]) -> None:
         """Keep the master's latest list (and write it to the manifest file of a file-backed segment)."""
@@ -87,37 +122,22 @@ class Catalog:
 
     def _record(self, version: int, objects: list[list]) -> None:
         """Keep ``objects``; a durable segment writes them to its manifest first. A manifest that cannot be written
-        (a full disk) keeps the old file and the old version, so the next heartbeat fetches the list and tries
-        again; the list in memory is the new one either way."""
-        if self.path is not None:
-            tmp = self.path + ".tmp"
+        keeps the old file and the old version, so the next heartbeat fetches the list and tries again, and says
+        why in ``unwritable`` until then; the list in memory is the new one either way."""
+        if self.files is not None:
+            data = json.dumps({"segment_id": self.segment_id, "size": self.size, "catalog": version,
+                               "objects": objects}, separators=(",", ":")).encode()
             try:
-                try:
-                    os.unlink(tmp)  # a writer that died left it (unlink never follows a link)
-                except FileNotFoundError:
-                    pass
-                fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-                with open(fd, "w", encoding="utf-8") as f:
-                    json.dump({"segment_id": self.segment_id, "size": self.size, "catalog": version,
-                               "objects": objects}, f, separators=(",", ":"))
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.path)
-                dir_fd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
-                try:
-                    os.fsync(dir_fd)
-                finally:
-                    os.close(dir_fd)
+                os.close(self.files.dir.replace_bytes(self.name, data))
             except OSError as exc:
                 self.objects = objects
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-                raise (OutOfSpace if full else StoreError)(
-                    f"segment {self.segment_id}: cannot write its catalogue to {self.path}: {exc.strerror} (the "
-                    "previous one stays; writing it again at the next heartbeat)") from exc
+                self.unwritable = f"cannot write its catalogue to {self.path}: {exc.strerror or exc}"
+                raise CatalogUnwritable(f"segment {self.segment_id}: {self.unwritable} (the previous one stays; "
+                                        "writing it again at the next heartbeat)") from exc
+            if self.unwritable:
+                log.warning("segment %s: its catalogue is written again (%s); taking puts again", self.segment_id,
+                            self.path)
+            self.unwritable = ""
         self.version, self.objects = version, objects
 
     def matching(self, memory: np.ndarray, candidates: list) -> list[str]:

@@ -31,6 +31,7 @@ import numpy as np
 from .. import kernels as _kernels
 from .._errors import InvalidArgument, StalePlacement, StoreError
 from ..kernels import generation_table
+from .._durable import DurableDir, HeldDir
 from .._pages import reserve
 from .._shared_dirs import open_own
 from ._memory import anonymous_memory
@@ -52,7 +53,8 @@ class Generations:
     the file ``table_path`` beside its data file, kept for its next run, which takes it over in place (a reader that
     still maps it, cut off from the master, then sees what the new run writes over its objects)."""
 
-    def __init__(self, table_name: str | None = None, segment_bytes: int = 0, table_path: str | None = None) -> None:
+    def __init__(self, table_name: str | None = None, segment_bytes: int = 0, table_path: str | None = None,
+                 directory: HeldDir | None = None) -> None:
         self._lock = threading.Lock()
         self._entries: dict[int, tuple[int, int]] = {}  # base -> (size, put id), not overlapping
         self.version = 0
@@ -67,7 +69,7 @@ class Generations:
         nbytes = table_words(capacity) * 8
         try:
             # every page reserved now: none left to fault in (SIGBUS)
-            fd = _open_table(table_path, nbytes, table_name or "") if table_path is not None \
+            fd = _open_table(table_path, nbytes, table_name or "", directory) if table_path is not None \
                 else anonymous_memory(nbytes, table_name or "", "generation table")[0]
             try:
                 self._map = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -219,14 +221,18 @@ class Generations:
                               "ask the master where it is now")
 
 
-def _open_table(path: str, nbytes: int, name: str) -> int:
-    """The table file at ``path`` (this user's own, never through a link: UnsafeFile otherwise), ``nbytes`` long and
-    its pages reserved, opened read-write: the one already there when it has that size (its inode kept, so readers
-    that map it follow this run), else a new one (one of another size is retired and unlinked first: truncating it
-    under its readers would kill them with SIGBUS). Where no file can be made (a full disk), shared memory named
-    ``name`` serves this run, and nothing is left at ``path``."""
+def _open_table(path: str, nbytes: int, name: str, directory: HeldDir | None) -> int:
+    """The table file at ``path`` (in ``directory``, held open; opened for the call where None): this user's own,
+    never through a link (UnsafeFile otherwise), ``nbytes`` long and its pages reserved, opened read-write: the one
+    already there when it has that size (its inode kept, so readers that map it follow this run), else a new one
+    (one of another size is retired and unlinked first: truncating it under its readers would kill them with
+    SIGBUS). Where no file can be made (a full disk), shared memory named ``name`` serves this run, and nothing is
+    left at ``path``."""
     try:
-        return _table_file(path, nbytes)
+        if directory is not None:
+            return _table_file(directory, os.path.basename(path), nbytes)
+        with DurableDir(os.path.dirname(os.path.abspath(path)), "generation table") as held:
+            return _table_file(held, os.path.basename(path), nbytes)
     except (OSError, StoreError) as exc:
         fd = anonymous_memory(nbytes, name, "generation table")[0]
         log.warning("generation table %s not made (%s): this run's table is shared memory, not kept for the next "
@@ -234,8 +240,11 @@ def _open_table(path: str, nbytes: int, name: str) -> int:
         return fd
 
 
-def _table_file(path: str, nbytes: int) -> int:
-    fd, _ = open_own(path, os.O_RDWR, "generation table", 0o644, create=True)  # nothing removed if refused
+def _table_file(directory: HeldDir, name: str, nbytes: int) -> int:
+    def open_table() -> int:  # nothing removed if refused
+        return open_own(name, os.O_RDWR, "generation table", 0o644, dir_fd=directory.fd, create=True)[0]
+
+    fd = open_table()
     try:
         size = os.fstat(fd).st_size
         if size not in (0, nbytes):
@@ -243,19 +252,16 @@ def _table_file(path: str, nbytes: int) -> int:
                 old = mmap.mmap(fd, HEADER_WORDS * 8, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                 _retire(np.frombuffer(old, dtype=np.int64))
                 old.close()
-            os.unlink(path)
+            directory.unlink(name)
             os.close(fd)
             fd = -1
-            fd, _ = open_own(path, os.O_RDWR, "generation table", 0o644, create=True)
-        reserve(fd, nbytes, path, "generation table")
+            fd = open_table()
+        reserve(fd, nbytes, directory.join(name), "generation table")
         return fd
     except BaseException:
-        if fd >= 0:
+        if fd >= 0:  # ours (a name another user took after the retired one went is never removed here)
             os.close(fd)
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+            directory.unlink(name)
         raise
 
 

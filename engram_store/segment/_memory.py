@@ -10,8 +10,8 @@ with SIGBUS). Where the kernel makes no memfd, an anonymous file in this user's 
 unlinked at once) stands in, without seals.
 
 A durable segment (``--file``) keeps its bytes in a regular file, which cannot be sealed. It is created exclusively,
-never through a link, or used only when ``fstat`` shows a regular file of this user that no one else may write (see
-``engram_store._shared_dirs``); its user (changing the mode first) and root can still truncate it, which kills the
+never through a link, relative to its directory held open (``engram_store._durable``), or used only when ``fstat``
+shows a regular file of this user that no one else may write (see ``engram_store._shared_dirs``); its user (changing the mode first) and root can still truncate it, which kills the
 segment and the clients mapping it (docs/operating.md says so).
 """
 
@@ -29,6 +29,7 @@ import uuid
 import numpy as np
 
 from .._errors import ConfigError, InvalidArgument, StoreError
+from .._durable import DurableDir, HeldDir
 from .._pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise, prefault, reserve, reserve_memory
 from .._shared_dirs import UserDir, open_own, shared_base
 from ..wire import handover
@@ -168,21 +169,31 @@ class SegmentMemory:
     shrink it (a memfd's seals).
     """
 
-    def __init__(self, size: int, path: str | None = None, keep_file: bool = False):
+    def __init__(self, size: int, path: str | None = None, keep_file: bool = False,
+                 directory: HeldDir | None = None):
         if size <= 0:
             raise InvalidArgument(f"segment size: expected > 0 bytes, got {size}")
-        self.path = path
+        self.path = os.path.abspath(path) if path is not None else None
         self.size = size
         self._keep_file = keep_file
-        if path is None:
+        self._dir, self._own_dir = directory, False  # a file's directory, held open (see engram_store._durable)
+        if self.path is None:
             fd, self.sealed = anonymous_memory(size, f"engram-segment-{os.getpid()}", "segment size")
             self.name = f"memfd {os.getpid()}/{fd}"
         else:
-            fd, self.sealed, self.name = _open_file(path, size, keep_file), False, path
+            if directory is None:
+                self._dir, self._own_dir = DurableDir(os.path.dirname(self.path), "segment file"), True
+            try:
+                fd = _open_file(self._dir, os.path.basename(self.path), self.path, size, keep_file)
+            except BaseException:
+                self._close_dir()
+                raise
+            self.sealed, self.name = False, self.path
         try:
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError:
             os.close(fd)
+            self._close_dir()
             raise
         self.fd = fd
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
@@ -223,17 +234,20 @@ class SegmentMemory:
             log.debug("segment %s: memory still referenced at close; leaving the mapping to the GC", self.name)
         os.close(self.fd)
         if self.path is not None and not self._keep_file:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            self._dir.unlink(os.path.basename(self.path))
+        self._close_dir()
+
+    def _close_dir(self) -> None:
+        if self._own_dir:
+            self._dir.close()
+            self._own_dir = False
 
 
-def _open_file(path: str, size: int, keep_file: bool) -> int:
-    """The file of a durable segment, opened read-write and its pages reserved: created exclusively (never through
-    a link; its mode what the umask leaves of 0644), or used again only if it is this user's own (UnsafeFile) and of
-    the segment's size (ConfigError)."""
-    fd, created = open_own(path, os.O_RDWR, "segment file", 0o644, create=True)
+def _open_file(directory: HeldDir, name: str, path: str, size: int, keep_file: bool) -> int:
+    """The file of a durable segment (``name`` in ``directory``, at ``path``), opened read-write and its pages
+    reserved: created exclusively (never through a link; its mode what the umask leaves of 0644), or used again
+    only if it is this user's own (UnsafeFile) and of the segment's size (ConfigError)."""
+    fd, created = open_own(name, os.O_RDWR, "segment file", 0o644, dir_fd=directory.fd, create=True)
     if not keep_file and not created:
         os.close(fd)
         raise ConfigError(f"segment file {path!r} exists already; pass another path")
@@ -249,6 +263,6 @@ def _open_file(path: str, size: int, keep_file: bool) -> int:
     except BaseException:
         os.close(fd)
         if created:
-            os.unlink(path)
+            directory.unlink(name)
         raise
     return fd

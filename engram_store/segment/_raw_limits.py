@@ -30,10 +30,13 @@ STICKY_S = 5.0
 #: earliest timer, and arming and cancelling that on every request reprograms the timer twice (two exits in a
 #: virtual machine: 12 us more a read with the cores busy, measured with bench/bench_cadence.py).
 SETTLE_S = 0.05
-#: Connections held at once (at most the open-files limit less FD_RESERVE); past this a new one displaces the
-#: oldest that has not completed a message yet, else it is answered busy and the client reads over ZeroMQ.
+#: Connections held at once (at most half of what the open-files limit leaves the process's connections: see
+#: engram_store._peers.LEDGER); past this a new one displaces the oldest that has not completed a message yet of the
+#: peer holding the most such, else it is answered busy and the client reads over ZeroMQ.
 MAX_CONNECTIONS = 4096
-FD_RESERVE = 128
+#: Connections one peer (an address, and the user for a connection from this host) may hold without a complete
+#: message (past them its oldest goes); in all it may hold half the channel (past that its new one is answered busy).
+PENDING_PER_PEER = 64
 #: Threads that gather and send replies: the gather releases the GIL, so a few serve many clients.
 SERVING_THREADS = 16
 #: The scheduling slice a serving thread asks for (Linux 6.12+, see engram_store._sched; 0: the kernel's default):

@@ -55,10 +55,16 @@ Deadlines: a new connection must complete its first message (its hello, with ``-
 ``HELLO_TIMEOUT_S``; any message must arrive whole within ``MESSAGE_TIMEOUT_S`` of its first byte (a drip
 cannot outlive it); a connection idle for ``IDLE_TIMEOUT_S`` is closed (clients reconnect and ask again,
 reads being idempotent); a reply must be taken within ``SEND_TIMEOUT_S`` plus its size at
-``SEND_MIN_BYTES_PER_S``. At ``MAX_CONNECTIONS`` (or what the open-files limit allows) a new connection first
-displaces the oldest one that has not completed a message, else it is answered busy. Refusals and deadlines
-are counted (:meth:`RawReadServer.stats`, in the segment's ping as ``raw_stats``) and logged at WARNING at most
-once per peer and reason every ``_auth.REFUSAL_LOG_INTERVAL_S``.
+``SEND_MIN_BYTES_PER_S``.
+
+Caps (``engram_store._peers``): a peer (an address, and the user for a connection from this host) holds at most
+``PENDING_PER_PEER`` connections that have not completed a message (past them its oldest such is closed) and half
+the channel in all (past that its new one is answered busy). At
+``MAX_CONNECTIONS`` (at most half of what the open-files limit leaves the process's connections, so the segment's
+ZeroMQ sockets keep the other half) a new connection first displaces the oldest connection without a complete
+message of the peer holding the most such, else it is answered busy. Refusals and deadlines are counted
+(:meth:`RawReadServer.stats`, in the segment's ping as ``raw_stats``) and logged at WARNING at most once per peer and
+reason every ``_peers.REFUSAL_LOG_INTERVAL_S``.
 
 A bad request gets an error reply and the connection keeps serving; a message whose framing cannot be
 trusted (wrong magic or version, an absurd count, a read before the token) gets the reply and then the
@@ -84,6 +90,7 @@ import numpy as np
 
 from .. import kernels as _kernels
 from .._errors import InvalidArgument, SegmentUnavailable
+from .._peers import LEDGER, Holders, PeerNames
 from ..wire import REFUSALS
 from ..kernels.raw_io import serve_params
 from ..wire.raw import HEADER, MAGIC, OK_KIND, READ_KIND, STATUS_BUSY, TOKEN_BYTES, VERSION, timeval
@@ -133,6 +140,7 @@ class RawReadServer(Receiving, Serving):
         self.require_token = require_token
         self.name = name
         self.max_connections = open_files_cap(limits.MAX_CONNECTIONS if max_connections is None else max_connections)
+        self.per_peer = max(limits.PENDING_PER_PEER, self.max_connections // 2)
         self.hello_timeout_s = limits.HELLO_TIMEOUT_S
         self.message_timeout_s = limits.MESSAGE_TIMEOUT_S
         self.idle_timeout_s = limits.IDLE_TIMEOUT_S
@@ -153,9 +161,11 @@ class RawReadServer(Receiving, Serving):
         self._closed = False
         self._open_wakeups()
         self._accept_paused_until = 0.0
-        # Held by the loop thread only: every open connection, and those with no complete message yet (oldest first).
+        # Held by the loop thread only: every open connection, and the same by peer, with those that have no complete
+        # message yet (unproven) oldest first.
         self._conns: set[Conn] = set()
-        self._pending: dict[Conn, None] = {}
+        self._holders = Holders(per_peer=self.per_peer, unproven_per_peer=min(self.per_peer, limits.PENDING_PER_PEER))
+        self._names = PeerNames()
         # Shared under _lock: connections a serving thread holds, the hand-backs, the threads and the budget.
         self._busy: set[Conn] = set()
         self._returns: collections.deque = collections.deque()
@@ -211,15 +221,17 @@ class RawReadServer(Receiving, Serving):
         """Connections, threads and bytes in flight now, and counts of refusals and deadlines since the start:
         ``refused_full`` (answered busy: the channel was full), ``displaced`` (closed to make room before a
         first message), ``busy`` (reads answered busy: too many request bytes in flight), ``refused_auth``
-        (a read before the token, or a bad token), ``timeout_hello``, ``timeout_message``, ``timeout_idle``,
+        (a read before the token, or a bad token), ``refused_peer`` (answered busy: the peer held its share),
+        ``displaced_peer`` (a peer's oldest connection without a message, closed past its share), ``timeout_hello``, ``timeout_message``, ``timeout_idle``,
         ``timeout_send``, ``accept_errors``."""
         with self._lock:
             counts = dict(self._counts)
-            out = {"connections": len(self._conns), "pending": sum(c.pending for c in list(self._pending)),
+            out = {"connections": len(self._conns), "pending": sum(c.pending for c in list(self._conns)),
                    "serving": len(self._busy),
                    "serving_threads": self._threads, "body_bytes_in_flight": self._in_flight,
                    "max_connections": self.max_connections}
-        for name in ("refused_full", "displaced", "busy", "refused_auth", "timeout_hello", "timeout_message",
+        for name in ("refused_full", "displaced", "refused_peer", "displaced_peer", "busy", "refused_auth",
+                     "timeout_hello", "timeout_message",
                      "timeout_idle", "timeout_send", "accept_errors"):
             out[name] = counts.get(name, 0)
         return out
@@ -278,52 +290,72 @@ class RawReadServer(Receiving, Serving):
                     return
                 log.warning("%s: accept failed: %s", self._where, exc)
                 return
-            peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
-            if len(self._conns) >= self.max_connections and not self._displace_pending():
-                self._count("refused_full")
-                REFUSALS.refused(self._where, peer, f"the channel is full ({self.max_connections} connections); "
-                                                    "answered busy, the client reads over ZeroMQ")
-                message = (f"raw read channel {self.address}: busy ({self.max_connections} connections open); "
-                           "read over ZeroMQ").encode()
-                try:
-                    sock.send(HEADER.pack(MAGIC, VERSION, STATUS_BUSY, 0, len(message)) + message,
-                              socket.MSG_DONTWAIT)
-                except OSError:
-                    pass
-                sock.close()
-                continue
-            try:
-                sock.setblocking(True)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                # Kernel-side timeouts for the serving threads' blocking calls (the loop never blocks: it
-                # passes MSG_DONTWAIT): a lingering receive waits limits.LINGER_S, a send that moves nothing fails.
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval(limits.LINGER_S))
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(self.send_timeout_s))
-            except OSError:
-                sock.close()
-                continue
-            c = Conn(sock, peer, time.monotonic(), authenticated=not self.require_token)
-            self._conns.add(c)
-            self._pending[c] = None
-            self._sel.register(sock, selectors.EVENT_READ, c)
+            self._admit(sock)
 
-    def _displace_pending(self) -> bool:
-        """Close the oldest connection that has not completed a message (a stranger holding a slot); False if none."""
-        for c in list(self._pending):
-            if not c.pending:  # completed a message in a serving thread since
-                del self._pending[c]
-            elif c.in_loop:
-                self._count("displaced")
+    def _admit(self, sock: socket.socket) -> None:
+        """Keep a new connection within the caps (its peer's share, the channel's size), or answer it busy."""
+        named = self._names.name(sock)
+        if named is None:  # gone already
+            sock.close()
+            return
+        peer, who = named
+        holders = self._holders
+        if holders.held_by(who) >= self.per_peer:
+            self._count("refused_peer")
+            self._busy_reply(sock, peer, f"{who} holds {self.per_peer} connections, as many as one peer may")
+            return
+        if len(self._conns) >= self.max_connections and not self._displace_pending():
+            self._count("refused_full")
+            self._busy_reply(sock, peer, f"the channel is full ({self.max_connections} connections)")
+            return
+        try:
+            sock.setblocking(True)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # Kernel-side timeouts for the serving threads' blocking calls (the loop never blocks: it
+            # passes MSG_DONTWAIT): a lingering receive waits limits.LINGER_S, a send that moves nothing fails.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval(limits.LINGER_S))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(self.send_timeout_s))
+        except OSError:
+            sock.close()
+            return
+        c = Conn(sock, peer, time.monotonic(), authenticated=not self.require_token)
+        self._conns.add(c)
+        holders.add(c, who)
+        LEDGER.add(1)
+        self._sel.register(sock, selectors.EVENT_READ, c)
+        self._displace_pending(who, "displaced_peer")  # past its share, the peer's oldest without a message goes
+
+    def _busy_reply(self, sock: socket.socket, peer: str, why: str) -> None:
+        """Answer a connection the channel does not keep busy, and close it: its client reads over ZeroMQ."""
+        REFUSALS.refused(self._where, peer, f"{why}; answered busy, the client reads over ZeroMQ")
+        message = f"raw read channel {self.address}: busy ({why}); read over ZeroMQ".encode()
+        try:
+            sock.send(HEADER.pack(MAGIC, VERSION, STATUS_BUSY, 0, len(message)) + message, socket.MSG_DONTWAIT)
+        except OSError:
+            pass
+        sock.close()
+
+    def _displace_pending(self, who: str | None = None, count: str = "displaced") -> bool:
+        """Close the oldest connection that has not completed a message (a stranger holding a slot) of the peer
+        holding the most such, or with ``who`` of that peer once it holds more than its share of them; False if
+        none was closed."""
+        holders = self._holders
+        while True:
+            c = holders.busiest_unproven() if who is None else holders.crowding(who)
+            if c is None:
+                return False
+            holders.proven(c)  # settled either way: closed below, or no longer waiting for its first message
+            if c.pending and c.in_loop:
+                self._count(count)
                 REFUSALS.refused(self._where, c.peer, "closed a connection that had not completed a message, "
                                                       "to make room for a new one")
                 self._forget(c)
                 return True
-        return False
 
     def _on_readable(self, c: Conn) -> None:
         result = self._advance(c, socket.MSG_DONTWAIT, loop=True)
         if not c.pending:
-            self._pending.pop(c, None)
+            self._holders.proven(c)
         if result == GONE:
             self._forget(c)
         elif result == READY:  # a whole read, or its header with the ranges still to come
@@ -360,13 +392,19 @@ class RawReadServer(Receiving, Serving):
     def _forget(self, c: Conn) -> None:
         """Close a connection the loop holds."""
         c.in_loop = False  # an event for it later in the same batch is ignored
-        self._conns.discard(c)
-        self._pending.pop(c, None)
+        self._release_slot(c)
         try:
             self._sel.unregister(c.sock)
         except (KeyError, ValueError):
             pass
         self._drop(c)
+
+    def _release_slot(self, c: Conn) -> None:
+        """``c`` no longer counts against the channel, its peer or the process."""
+        if c in self._conns:
+            self._conns.discard(c)
+            self._holders.remove(c)
+            LEDGER.add(-1)
 
     def _drop(self, c: Conn) -> None:
         self._release(c)
@@ -385,10 +423,10 @@ class RawReadServer(Receiving, Serving):
         while self._returns:
             c, alive = self._returns.popleft()
             if not alive:
-                self._conns.discard(c)
+                self._release_slot(c)
                 continue
             if not c.pending:
-                self._pending.pop(c, None)
+                self._holders.proven(c)
             c.in_loop = True
             self._sel.register(c.sock, selectors.EVENT_READ, c)
 
@@ -413,6 +451,7 @@ class RawReadServer(Receiving, Serving):
                 pass
         self._listener.close()
         self._sel.close()
+        self._names.close()
 
     # ---- receiving a message (the loop: MSG_DONTWAIT; a serving thread: MSG_WAITALL, limits.LINGER_S at most) ----
 

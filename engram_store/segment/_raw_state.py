@@ -8,6 +8,7 @@ import socket
 
 import numpy as np
 
+from .._peers import LEDGER
 from ..kernels.raw_io import SERVER_STATE_WORDS
 from ..wire.raw import HEADER, HELLO_BYTES
 from . import _raw_limits as limits
@@ -27,15 +28,9 @@ def request_buffer(n: int) -> np.ndarray:
 
 
 def open_files_cap(requested: int) -> int:
-    """``requested`` connections, or fewer where the process's open-files limit would run out first."""
-    try:
-        import resource
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    except (ImportError, OSError, ValueError):
-        return requested
-    if soft == resource.RLIM_INFINITY:
-        return requested
-    return min(requested, max(16, soft - limits.FD_RESERVE))
+    """``requested`` connections, or fewer: at most half of what the open-files limit leaves the process's connections
+    (``_peers.LEDGER``), so the segment's ZeroMQ sockets keep the other half."""
+    return min(requested, max(16, LEDGER.budget // 2))
 
 
 class Buffers:

@@ -18,7 +18,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 
 import numpy as np
 
@@ -94,14 +93,9 @@ class SegmentServer:
         readers = default_readers() if readers is None else readers
         if not is_int(readers) or not 0 <= readers <= MAX_READERS:
             raise InvalidArgument(f"readers: expected an integer in [0, {MAX_READERS}], got {readers!r}")
-        self.catalog = Catalog(os.path.abspath(file) if file is not None else None, size)
-        if file is not None:  # a durable segment keeps the identity its manifest records
-            if segment_id is not None and segment_id != self.catalog.segment_id:
-                raise ConfigError(f"segment_id: the manifest of {file!r} names {self.catalog.segment_id}, "
-                                  f"not {segment_id}")
-            segment_id = self.catalog.segment_id
-        self.segment_id = segment_id or uuid.uuid4().hex
-        self.catalog.segment_id = self.segment_id
+        # A durable segment owns its file (SegmentFiles) and keeps the identity its manifest records.
+        self.catalog = Catalog.open(file, size, segment_id)
+        self.files, self.segment_id = self.catalog.files, self.catalog.segment_id
         self.fence = WriteFence(self.segment_id)
         self.master_address = master
         # With auth: serve as a CURVE server, and reach the master as a client of the cluster.
@@ -119,11 +113,14 @@ class SegmentServer:
         self.server: RpcServer | None = None
         self._readers: list[RpcServer] = []
         self.raw: RawReadServer | None = None
-        self.memory = SegmentMemory(size, path=os.path.abspath(file), keep_file=True) if file is not None \
-            else SegmentMemory(size)
+        self.memory: SegmentMemory | None = None
         try:
+            self.memory = SegmentMemory(size) if self.files is None else \
+                SegmentMemory(size, self.files.path, keep_file=True, directory=self.files.dir)
             self._open_memory()
             self._bind(host, port, auth, readers, raw_reads, raw_max_connections)
+            if self.files is not None:
+                self.files.serving(self.segment_id, self.address)
             if master is not None:
                 self._register(deadline=time.monotonic() + register_timeout_s)
         except BaseException:
@@ -137,8 +134,8 @@ class SegmentServer:
         # Which put wrote which range: checked by every read that names its objects, and published in a shared
         # table for readers on this host; a durable segment's objects as its manifest lists them. A durable
         # segment keeps its table in a file beside its own for its next run, which takes it over in place.
-        self.generations = Generations(f"engram-generations-{os.getpid()}", self.size,
-                                       table_path=self.memory.path + ".gen" if self.catalog.durable else None)
+        table = {"table_path": self.memory.path + ".gen", "directory": self.files.dir} if self.files else {}
+        self.generations = Generations(f"engram-generations-{os.getpid()}", self.size, **table)
         self.generations.seed(self.catalog.objects)
         self.handover = start_handover(self.segment_id, self.size, self.memory.fd, self.generations.table_fd,
                                        writable=not self.catalog.durable)
@@ -278,7 +275,7 @@ class SegmentServer:
             while not self._stop.wait(wait_s):
                 wait_s = self.heartbeat_interval_s
                 try:
-                    fields = self.fence.heartbeat_fields()
+                    fields = {**self.fence.heartbeat_fields(), "refusing_puts": self.catalog.unwritable[:1024]}
                     header, _ = conn.call("heartbeat", {"segment_id": self.segment_id, **fields},
                                           timeout_ms=max(200, int(self.heartbeat_interval_s * 1000)))
                     if not header.get("known", False):
@@ -293,7 +290,7 @@ class SegmentServer:
                     if fence:
                         self.fence.fence(fence)
                         wait_s = 0.0  # acknowledge at once: the master frees the space only then
-                    if header.get("catalog") != self.catalog.version:
+                    if header.get("catalog") != self.catalog.version or self.catalog.unwritable:
                         self._sync_catalog(conn)
                 except EngramError as exc:
                     log.warning("segment %s: heartbeat to %s failed: %s", self.segment_id, self.master_address, exc)
@@ -343,6 +340,7 @@ class SegmentServer:
             raise InvalidArgument(
                 f"write: {data.nbytes} bytes at offset {offset} end past the segment's {self.size} bytes")
         put_id, start, size = self.fence.check(ticket, offset, data.nbytes)
+        self.catalog.check_writable(self.segment_id)  # a put its next start would not offer back: none taken
         self.generations.claim(start, size, put_id)  # before any byte lands: readers of what was here are refused
         try:
             self.memory.write(offset, data)
@@ -508,9 +506,12 @@ class SegmentServer:
         self._src = None
         if self.handover is not None:
             self.handover.close()
-        self.memory.close()
+        if self.memory is not None:
+            self.memory.close()
         if self.generations is not None:
             self.generations.close()
+        if self.files is not None:
+            self.files.close()  # the owner lock last: nothing of the files is open now
 
     def close(self, unregister: bool = True) -> None:
         if self._closed:

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from typing import Sequence
@@ -21,19 +20,6 @@ from ..wire import (AUTH_DIR_ENV, exposure_warning, load_keys, resolve_auth_dir,
                     stop_on_signal_while_starting)
 from ._raw_limits import MAX_CONNECTIONS as RAW_MAX_CONNECTIONS
 from ._server import DEFAULT_READERS, MAX_READERS, READERS_MIN_CPUS, SegmentServer, default_readers
-
-
-def _raise_open_files_limit() -> None:
-    """Raise the soft open-files limit toward the hard one (65536 at most): each raw read connection holds a
-    descriptor."""
-    try:
-        import resource
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        target = 1 << 16 if hard == resource.RLIM_INFINITY else min(hard, 1 << 16)
-        if soft != resource.RLIM_INFINITY and soft < target:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    except (ImportError, OSError, ValueError) as exc:  # keep the limit there is; the channel holds fewer
-        logging.getLogger(__name__).debug("cannot raise the open-files limit: %s", exc)
 
 
 PROG = "engram-segment"
@@ -68,8 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                         "authenticated with --auth but not encrypted)")
     p.add_argument("--raw-max-connections", type=int, default=None, metavar="N",
                    help=f"connections the raw read channel holds at once; past them a new one is answered busy and "
-                        f"its client reads over ZeroMQ (default: {RAW_MAX_CONNECTIONS}, or what the open-files limit "
-                        f"allows; engram-segment raises its soft limit toward the hard one)")
+                        f"its client reads over ZeroMQ (default: {RAW_MAX_CONNECTIONS}, or half of what the open-files "
+                        f"limit leaves for connections; engram-segment raises its soft limit toward the hard one)")
     _cli.add_log_level(p)
     return p
 
@@ -80,7 +66,7 @@ def _main(argv: Sequence[str] | None) -> int:
     _cli.setup_logging(args.log_level)
     if args.raw_max_connections is not None and args.raw_max_connections < 1:
         p.error(f"--raw-max-connections: expected an integer >= 1, got {args.raw_max_connections}")
-    _raise_open_files_limit()
+    _cli.raise_open_files_limit()  # each connection holds a descriptor
     warning = exposure_warning(args.host, args.auth)
     if warning:
         print(f"{PROG}: {warning}", file=sys.stderr, flush=True)

@@ -15,22 +15,19 @@ that died). This is what ``engram-layers`` prints.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
-import shutil
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .._errors import EngramError, InvalidArgument, LeaseActive, ObjectNotFound, StoreError
-from .._shared_dirs import open_own
+from .._errors import EngramError, LeaseActive, LockTimeout, ObjectNotFound, StoreError
+from .._layer_dir import LayerDir, read_at
 from ..disk import DiskDir
 from ._layout import ROW_FORMATS, EngramStoreConfig
-from ._local_dir import LAYOUT_MAGIC, LocalDir, MappedLayer
+from ._local_dir import LAYOUT_MAGIC, LocalDir, layer_name
 
 PUBLISHED, PARTIAL, UNDER_REPLICATED, LOST = "published", "partial", "under-replicated", "lost"
 _KEY = re.compile(r"^engram:l(\d+):(?:h(\d+)|(manifest))$")
@@ -181,21 +178,20 @@ class StoreLayers:
 # ---- files on this host -----------------------------------------------------------------------------------------
 
 
-def _existing_dir(path: str, flag: str) -> str:
-    if not os.path.isdir(path):
-        raise InvalidArgument(f"{flag}: expected a directory, got {path!r} ("
-                              f"{'not a directory' if os.path.exists(path) else 'no such directory'})")
-    return os.path.abspath(path)
-
-
-def _staged(path: str) -> dict[int, list[str]]:
-    """Layer ids of the ``layer-<L>.tmp`` and ``layer-<L>.removing`` entries under ``path``."""
+def _staged(held: LayerDir) -> dict[int, list[str]]:
+    """Layer ids of the ``layer-<L>.tmp`` and ``layer-<L>.removing`` entries of a directory of layers."""
     out: dict[int, list[str]] = {}
-    for name in os.listdir(path):
+    for name in held.names():
         m = _LAYER_DIR.match(name)
         if m and m.group(2):
             out.setdefault(int(m.group(1)), []).append(name)
     return out
+
+
+def _published(held: LayerDir) -> list[int]:
+    """Layer ids of the published ``layer-<L>`` directories (a link named so is not one)."""
+    return sorted(int(m.group(1)) for name in held.names()
+                  if (m := _LAYER_DIR.match(name)) and not m.group(2) and held.is_dir(name))
 
 
 def _partial(layer_id: int, names: list[str]) -> LayerInfo:
@@ -205,30 +201,33 @@ def _partial(layer_id: int, names: list[str]) -> LayerInfo:
 
 
 class LocalDirLayers:
-    """Layers published under a ``local_dir`` (Mooncake's layout: no checksums, a layout file per layer)."""
+    """Layers published under a ``local_dir`` (Mooncake's layout: no checksums, a layout file per layer), the
+    directory held open (every file under it opened relative to it, checked as a reader checks it)."""
 
     def __init__(self, path: str):
-        self.path = _existing_dir(path, "--local-dir")
+        self.dir = LocalDir(path, create=False, flag="--local-dir")
+        self.path = self.dir.path
         self.where = f"local_dir {self.path}"
         self.notes: list[str] = []
 
+    def close(self) -> None:
+        self.dir.close()
+
     def _layout(self, layer_id: int) -> tuple[int, list[int]]:
-        file = os.path.join(self.path, f"layer-{layer_id}", "layout")
+        file = os.path.join(self.dir.layer_path(layer_id), "layout")
         try:
-            with open(file, encoding="ascii") as f:
-                lines = f.read().split()
-        except (OSError, ValueError) as exc:
+            text = self.dir.dir.open_published(layer_name(layer_id),
+                                               lambda fd, shown: read_at(fd, "layout", file, "local_dir", 1 << 20))
+            lines = text.decode("ascii").split() if text is not None else []
+        except (OSError, ValueError, EngramError) as exc:
             raise StoreError(f"layer {layer_id}: cannot read {file}: {exc}") from None
         if len(lines) < 3 or lines[0] != LAYOUT_MAGIC or not all(x.isdigit() for x in lines[1:]):
             raise StoreError(f"layer {layer_id}: {file} is not a {LAYOUT_MAGIC} layout")
         return int(lines[1]), [int(x) for x in lines[2:]]
 
     def list(self) -> list[LayerInfo]:
-        staged = _staged(self.path)
         out = []
-        published = sorted(int(m.group(1)) for name in os.listdir(self.path)
-                           if (m := _LAYER_DIR.match(name)) and not m.group(2)
-                           and os.path.isdir(os.path.join(self.path, name)))
+        published = _published(self.dir.dir)
         for layer_id in published:
             try:
                 row_bytes, sizes = self._layout(layer_id)
@@ -237,14 +236,17 @@ class LocalDirLayers:
                 continue
             out.append(LayerInfo(layer_id, PUBLISHED, len(sizes), sum(sizes), "bytes", row_bytes,
                                  sum(sizes) * row_bytes, 1, sizes))
-        out += [_partial(lid, names) for lid, names in staged.items() if lid not in published]
+        out += [_partial(lid, names) for lid, names in _staged(self.dir.dir).items() if lid not in published]
         return sorted(out, key=lambda info: info.layer_id)
 
     def verify(self, layer_id: int) -> str:
-        if not os.path.isdir(os.path.join(self.path, f"layer-{layer_id}")):
+        if not self.dir.dir.is_dir(layer_name(layer_id)):
             raise ObjectNotFound(f"layer {layer_id} is not published under {self.where}")
         row_bytes, sizes = self._layout(layer_id)
-        MappedLayer(os.path.join(self.path, f"layer-{layer_id}"), row_bytes, sizes, prefault_pages=False).close()
+        mapped = self.dir.open(layer_id, row_bytes, sizes, prefault_pages=False)
+        if mapped is None:
+            raise ObjectNotFound(f"layer {layer_id} is not published under {self.where}")
+        mapped.close()
         return (f"{len(sizes)} head file(s) hold the sizes their layout says (local_dir layers carry no "
                 "checksums)")
 
@@ -252,65 +254,60 @@ class LocalDirLayers:
         """Under the layer's lock (writers hold it while they publish), move the layer to its staging name, which
         the next writer removes if this process dies, and delete it. The lock file stays: Mooncake's writers
         lock it by name and do not expect it to go."""
-        final = LocalDir(self.path).layer_path(layer_id)
-        fd, _ = open_own(final + ".lock", os.O_RDWR, "local_dir lock")
+        held, name = self.dir.dir, layer_name(layer_id)
+        final = self.dir.layer_path(layer_id)
         try:
-            deadline = time.monotonic() + LOCK_TIMEOUT_S
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise StoreError(f"layer {layer_id}: a writer holds {final}.lock (waited "
-                                         f"{LOCK_TIMEOUT_S:g} s); try again when its populate has ended") from None
-                    time.sleep(0.05)
-            if not os.path.isdir(final):
+            lock = held.lock(name + ".lock", LOCK_TIMEOUT_S, "local_dir")
+        except LockTimeout:
+            raise StoreError(f"layer {layer_id}: a writer holds {final}.lock (waited {LOCK_TIMEOUT_S:g} s); try "
+                             "again when its populate has ended") from None
+        try:
+            if not held.is_dir(name):
                 raise ObjectNotFound(f"layer {layer_id} is not published under {self.where}")
-            doomed = final + ".tmp"
-            shutil.rmtree(doomed, ignore_errors=True)
+            held.discard(name + ".tmp")
             try:
-                os.rename(final, doomed)
-                shutil.rmtree(doomed)
+                held.retire(name, name + ".tmp")
             except OSError as exc:
                 raise StoreError(f"layer {layer_id}: cannot remove {final}: {exc}") from None
         finally:
-            os.close(fd)
+            lock.close()
         return f"removed {final}"
 
 
 class DiskDirLayers:
-    """Layers published under a ``disk_dir`` (page-aligned files with checksums, :mod:`engram_store.disk`)."""
+    """Layers published under a ``disk_dir`` (page-aligned files with checksums, :mod:`engram_store.disk`), the
+    directory held open as every ``DiskDir`` holds it."""
 
     def __init__(self, path: str):
-        self.path = _existing_dir(path, "--disk-dir")
-        self.dir = DiskDir(self.path)
+        self.dir = DiskDir(path, create=False, flag="--disk-dir")
+        self.path = self.dir.path
         self.where = f"disk_dir {self.path}"
         self.notes: list[str] = []
+
+    def close(self) -> None:
+        self.dir.close()
 
     def list(self) -> list[LayerInfo]:
         out = []
         published = self.dir.layers()
         for layer_id in published:
-            file = os.path.join(self.dir.layer_path(layer_id), "manifest.json")
             try:
-                with open(file, "rb") as f:
-                    record = json.loads(f.read())
-                row_bytes, sizes = int(record["row_bytes"]), [int(n) for n in record["sizes"]]
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                out.append(LayerInfo(layer_id, PARTIAL, 0, 0, "bytes", 0, 0, 1, [],
-                                     f"cannot read {file}: {exc}"))
+                _, layout = self.dir.manifest(layer_id)
+            except EngramError as exc:
+                out.append(LayerInfo(layer_id, PARTIAL, 0, 0, "bytes", 0, 0, 1, [], f"cannot read its manifest: "
+                                                                                      f"{exc}"))
                 continue
-            out.append(LayerInfo(layer_id, PUBLISHED, len(sizes), sum(sizes), "bytes", row_bytes,
-                                 sum(sizes) * row_bytes, 1, sizes, self._page_checks(layer_id)))
-        out += [_partial(lid, names) for lid, names in _staged(self.path).items() if lid not in published]
+            sizes = list(layout.sizes)
+            out.append(LayerInfo(layer_id, PUBLISHED, len(sizes), sum(sizes), "bytes", layout.row_bytes,
+                                 sum(sizes) * layout.row_bytes, 1, sizes, self._page_checks(layer_id)))
+        out += [_partial(lid, names) for lid, names in _staged(self.dir.dir).items() if lid not in published]
         return sorted(out, key=lambda info: info.layer_id)
 
     def _page_checks(self, layer_id: int) -> str:
         """What ``list`` says of a layer's pages: nothing where each page read is checked, else that it is not."""
         try:
             checks = self.dir.page_checks(layer_id)
-        except StoreError as exc:
+        except EngramError as exc:
             return f"its manifest does not open: {exc}"
         return "" if checks == "xxh64" else f"pages read {checks}"
 
@@ -322,3 +319,5 @@ class DiskDirLayers:
         path = self.dir.layer_path(layer_id)
         self.dir.remove(layer_id)
         return f"removed {path}"
+
+

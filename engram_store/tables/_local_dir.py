@@ -15,13 +15,16 @@ The directory layout is Mooncake's, so a directory written by either is read by 
     <dir>/layer-<L>.tmp/          where a writer stages the files before one rename publishes them
 
 A reader never sees a half-written layer: the layer directory appears by ``rename`` only once every file in it
-is complete. A staging directory left by a writer that died is removed by the next writer.
+is complete. A staging directory left by a writer that died is removed by the next writer. A reader opens the
+directory once (held open, ``engram_store._layer_dir.LayerDir``) and a layer as one snapshot: ``layer-<L>`` once,
+then its layout and every head relative to it, so a layer removed and populated again while it is opened is never
+mapped half from each.
 
 Readers map the head files, so a file that shrank under them would kill them (SIGBUS). Published files are
-therefore read-only (the read bits the umask leaves; directories get what it leaves), the directory must be this
-user's or root's and no one else's to write (``_layer_dir.open_layer_dir``), and a head file is mapped only when it
-is a regular file of this user or root that no one else may write. Only this user, by changing the mode first, or
-root can still truncate one.
+therefore read-only (the read bits the umask leaves; directories get what it leaves, never writable by others), the
+directory must be this user's or root's and no one else's to write, and a layer's directory and every file in it
+are used only when they are this user's or root's and no one else may write them (``_layer_dir``). Only this
+user, by changing the mode first, or root can still truncate one.
 """
 
 from __future__ import annotations
@@ -31,8 +34,6 @@ import errno
 import logging
 import mmap
 import os
-import shutil
-import stat
 import threading
 from typing import Any, Callable, Sequence
 
@@ -40,10 +41,10 @@ import numpy as np
 
 from .. import _pages
 from .. import kernels as _kernels
-from .._errors import ConfigError, ObjectExists, OutOfSpace, StoreError, UnsafeFile
-from .._layer_dir import LayerLock, open_layer_dir, publish_staged, remove_leftover
+from .._errors import ConfigError, ObjectExists, OutOfSpace, StoreError
+from .._layer_dir import LayerDir, open_at, read_at
 from .._pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise, reserve
-from .._shared_dirs import dir_mode, file_mode, open_refused
+from .._shared_dirs import file_mode
 
 log = logging.getLogger(__name__)
 
@@ -118,36 +119,27 @@ def layout_text(row_bytes: int, sizes: Sequence[int]) -> bytes:
 
 
 class MappedLayer:
-    """A published layer's head files mapped read-only (shared with every process mapping them)."""
+    """A published layer's head files mapped read-only (shared with every process mapping them), opened relative to
+    the layer's directory held open (``dir_fd``, named ``path`` in messages): one publication's files, never a mix.
+    A file that is not there raises FileNotFoundError (see ``LayerDir.open_published``)."""
 
-    def __init__(self, path: str, row_bytes: int, sizes: Sequence[int], prefault_pages: bool = True):
+    def __init__(self, dir_fd: int, path: str, row_bytes: int, sizes: Sequence[int], prefault_pages: bool = True):
         self.path = path
         self.tables: list[np.ndarray] = []
         self._mmaps: list[mmap.mmap] = []
         expected = layout_text(row_bytes, sizes)
         try:
-            with open(os.path.join(path, "layout"), "rb") as f:
-                found = f.read(len(expected) + 1)
-        except OSError as exc:
-            raise StoreError(f"local_dir: cannot read the layout of {path}: {exc.strerror}") from None
-        if found != expected:
-            raise ConfigError(f"local_dir: layer at {path} was published with layout "
-                              f"{_describe_layout(found)}, but this EngramStore is configured with "
-                              f"{_describe_layout(expected)}; use the configuration it was populated with")
-        try:
+            found = read_at(dir_fd, "layout", os.path.join(path, "layout"), "local_dir", len(expected) + 1)
+            if found != expected:
+                raise ConfigError(f"local_dir: layer at {path} was published with layout "
+                                  f"{_describe_layout(found)}, but this EngramStore is configured with "
+                                  f"{_describe_layout(expected)}; use the configuration it was populated with")
             for h, n in enumerate(sizes):
-                file = os.path.join(path, f"head-{h}.bin")
-                fd = _open_head(file)
-                try:
-                    size = os.fstat(fd).st_size
-                    if size != n * row_bytes:
-                        raise StoreError(f"local_dir: {file} holds {size} bytes, expected {n * row_bytes} "
-                                         f"(table_vocab_sizes[{h}] = {n} rows x {row_bytes} bytes)")
-                    mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-                finally:
-                    os.close(fd)
-                self._mmaps.append(mm)
-                self.tables.append(np.frombuffer(mm, dtype=np.uint8))
+                self._map(dir_fd, f"head-{h}.bin", n * row_bytes, f"table_vocab_sizes[{h}] = {n} rows x {row_bytes} "
+                                                                  "bytes")
+        except FileNotFoundError:
+            self.close()
+            raise
         except OSError as exc:
             self.close()
             raise StoreError(f"local_dir: cannot open the tables of {path}: {exc}") from None
@@ -157,6 +149,20 @@ class MappedLayer:
         if prefault_pages:
             for table in self.tables:
                 prefault(table)
+
+    def _map(self, dir_fd: int, name: str, nbytes: int, why: str) -> None:
+        """Map head file ``name``, of ``nbytes`` bytes (``why`` says where the size comes from)."""
+        file = os.path.join(self.path, name)
+        fd = open_at(dir_fd, name, file, "local_dir")  # a file another user could truncate would kill its readers
+        try:
+            size = os.fstat(fd).st_size
+            if size != nbytes:
+                raise StoreError(f"local_dir: {file} holds {size} bytes, expected {nbytes} ({why})")
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self._mmaps.append(mm)
+        self.tables.append(np.frombuffer(mm, dtype=np.uint8))
 
     def close(self) -> None:
         self.tables = []
@@ -177,20 +183,21 @@ def _describe_layout(text: bytes) -> str:
 
 
 class LocalDir:
-    """A directory of published layers (see the module docstring)."""
+    """A directory of published layers (see the module docstring), held open: ``LayerDir``."""
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = open_layer_dir(path, "local_dir")
+    def __init__(self, path: str | os.PathLike, create: bool = True, flag: str = "local_dir"):
+        self.dir = LayerDir(path, flag, create=create)
+        self.path = self.dir.path
 
     def layer_path(self, layer_id: int) -> str:
-        return os.path.join(self.path, f"layer-{layer_id}")
+        return self.dir.join(layer_name(layer_id))
 
-    def open(self, layer_id: int, row_bytes: int, sizes: Sequence[int]) -> MappedLayer | None:
-        """The published layer, mapped; None if it is not published (yet). Raises if its layout differs."""
-        path = self.layer_path(layer_id)
-        if not os.path.isdir(path):
-            return None
-        return MappedLayer(path, row_bytes, sizes)
+    def open(self, layer_id: int, row_bytes: int, sizes: Sequence[int],
+             prefault_pages: bool = True) -> MappedLayer | None:
+        """The published layer, mapped (one publication, whole); None if it is not published (yet). Raises if its
+        layout differs."""
+        return self.dir.open_published(layer_name(layer_id),
+                                       lambda fd, shown: MappedLayer(fd, shown, row_bytes, sizes, prefault_pages))
 
     def publish(self, layer_id: int, row_bytes: int, sizes: Sequence[int], tables: Sequence[np.ndarray],
                 progress: Callable[[int], None] | None = None) -> None:
@@ -201,45 +208,54 @@ class LocalDir:
         """
         final = self.layer_path(layer_id)
         try:
-            self._publish(layer_id, final, row_bytes, sizes, tables, progress)
+            self._publish(layer_id, row_bytes, sizes, tables, progress)
         except OSError as exc:  # a directory we cannot write, a full or failing device: say which file
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise OutOfSpace(f"local_dir: cannot publish layer {layer_id} at {final}: the file system is full "
                                  f"({exc.strerror}: {exc.filename or final}); nothing was published") from exc
             raise StoreError(f"local_dir: cannot publish layer {layer_id} at {final}: {exc}") from exc
 
-    def _publish(self, layer_id: int, final: str, row_bytes: int, sizes: Sequence[int],
-                 tables: Sequence[np.ndarray], progress: Callable[[int], None] | None) -> None:
-        staging = final + ".tmp"
-        lock = LayerLock(final + ".lock", LOCK_TIMEOUT_S, "local_dir")
+    def _publish(self, layer_id: int, row_bytes: int, sizes: Sequence[int], tables: Sequence[np.ndarray],
+                 progress: Callable[[int], None] | None) -> None:
+        name = layer_name(layer_id)
+        staging = name + ".tmp"
+        lock = self.dir.lock(name + ".lock", LOCK_TIMEOUT_S, "local_dir")
         try:
-            if os.path.exists(final):
-                raise ObjectExists(f"local_dir: layer {layer_id} is already published at {final}; remove that "
-                                   "directory to publish it again")
-            remove_leftover(staging, "writer")
-            os.mkdir(staging, 0o700)
+            if self.dir.exists(name):
+                raise ObjectExists(f"local_dir: layer {layer_id} is already published at {self.layer_path(layer_id)}; "
+                                   "remove that directory to publish it again")
+            self.dir.remove_leftover(staging, "writer")
+            fd = self.dir.stage(staging)
             try:
-                done = 0
-                for h, table in enumerate(tables):
-                    self._write_head(os.path.join(staging, f"head-{h}.bin"), table, sizes[h] * row_bytes, row_bytes)
-                    done += sizes[h] * row_bytes
-                    if progress is not None:
-                        progress(done)
-                _write_layout(os.path.join(staging, "layout"), layout_text(row_bytes, sizes))
-                MappedLayer(staging, row_bytes, sizes, prefault_pages=False).close()  # check it as a reader will
-                os.chmod(staging, dir_mode())
-                publish_staged(staging, final)
+                self._write(fd, self.dir.join(staging), row_bytes, sizes, tables, progress)
+                self.dir.publish(staging, fd, name)
             except BaseException:
-                shutil.rmtree(staging, ignore_errors=True)
+                self.dir.discard(staging)
                 raise
+            finally:
+                os.close(fd)
         finally:
-            lock.close(unlink=True)  # nothing left behind: a waiter locks the file at the path, not this one
+            lock.close(unlink=True)  # nothing left behind: a waiter locks the file at the name, not this one
+
+    @classmethod
+    def _write(cls, fd: int, shown: str, row_bytes: int, sizes: Sequence[int], tables: Sequence[Any],
+               progress: Callable[[int], None] | None) -> None:
+        """Every file of a layer, into the staging directory ``fd``, checked as a reader will check them."""
+        done = 0
+        for h, table in enumerate(tables):
+            cls._write_head(fd, f"head-{h}.bin", shown, table, sizes[h] * row_bytes, row_bytes)
+            done += sizes[h] * row_bytes
+            if progress is not None:
+                progress(done)
+        _write_layout(fd, layout_text(row_bytes, sizes))
+        MappedLayer(fd, shown, row_bytes, sizes, prefault_pages=False).close()
 
     @staticmethod
-    def _write_head(file: str, table: Any, nbytes: int, row_bytes: int) -> None:
+    def _write_head(dir_fd: int, name: str, shown: str, table: Any, nbytes: int, row_bytes: int) -> None:
         """Write one head's file from its table, or from ``fill(start_row, out)`` called chunk by chunk; synced and
         read-only."""
-        fd = os.open(file, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        file = os.path.join(shown, name)
+        fd = _create(dir_fd, name)
         try:
             reserve(fd, nbytes, file, "local_dir")  # a full tmpfs fails here, not with SIGBUS later
             step = 64 << 20
@@ -258,31 +274,24 @@ class LocalDir:
         finally:
             os.close(fd)
 
+    def close(self) -> None:
+        self.dir.close()
 
-def _write_layout(file: str, text: bytes) -> None:
-    fd = os.open(file, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+def layer_name(layer_id: int) -> str:
+    return f"layer-{layer_id}"
+
+
+def _create(dir_fd: int, name: str) -> int:
+    """A new file in a staging directory: exclusively, never through a link."""
+    return os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+
+
+def _write_layout(dir_fd: int, text: bytes) -> None:
+    fd = _create(dir_fd, "layout")
     try:
         _pwrite_all(fd, memoryview(text), 0)
         os.fsync(fd)
         os.fchmod(fd, file_mode())
     finally:
         os.close(fd)
-
-
-def _open_head(file: str) -> int:
-    """A head file opened to be mapped: a regular file (not a link) of this user or root that no one else may write,
-    or UnsafeFile; a file another user could truncate would kill its readers."""
-    try:
-        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.ENOENT:
-            raise
-        raise open_refused(exc, file, "local_dir") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o022:
-        os.close(fd)
-        raise UnsafeFile(f"local_dir: {file} (uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}) is not a file "
-                         f"of this user (uid {os.geteuid()}) or root that only its owner may write; another user could "
-                         "change or truncate it under its readers: remove the layer and populate it again")
-    return fd
-

@@ -57,25 +57,26 @@ class Sizing:
         self.rows[lay.row_bytes] = self.rows.get(lay.row_bytes, 0) + int(sum(lay.sizes))
         self._columns[lay.layer_id] = _Column(curve, curve.add_columns(len(lay.heads)), len(self._columns) + 1)
 
-    def observe(self, jobs: list[Job]) -> None:
-        """Replay the rows of a read's jobs into their layers' curves."""
-        for job in jobs:
+    def observe(self, jobs: list[Job], states: list[Any]) -> None:
+        """Replay the rows of a read's jobs into their layers' curves (``states``: the DiskLayer each job read, as
+        the read took it: a layer closed since is not looked up again)."""
+        for job, state in zip(jobs, states):
             lay = job.layer
             column = self._columns[lay.layer_id]
             host = self.hosts.get(lay.row_bytes)
-            if column.state is not lay.state:  # a layer opened (again): its heads' first rows, its tag
-                self._opened(lay, column, host)
+            if column.state is not state:  # a layer opened (again): its heads' first rows, its tag
+                self._opened(lay, state, column, host)
             if host is None:
-                column.curve.observe(job.ids, column.row_base, lay.state.tag or column.fallback_tag, column.col0)
+                column.curve.observe(job.ids, column.row_base, state.tag or column.fallback_tag, column.col0)
             else:
-                column.curve.observe(job.ids, column.row_base, lay.state.tag, column.col0, host.buf)
+                column.curve.observe(job.ids, column.row_base, state.tag, column.col0, host.buf)
                 host.after(column.curve)
 
-    def _opened(self, lay: Layer, column: _Column, host: HostCurve | None) -> None:
-        column.state = lay.state
-        column.row_base = np.ascontiguousarray(lay.state.row_base[list(lay.heads)])
+    def _opened(self, lay: Layer, state: Any, column: _Column, host: HostCurve | None) -> None:
+        column.state = state
+        column.row_base = np.ascontiguousarray(state.row_base[list(lay.heads)])
         if host is not None:
-            host.layer(lay.state.tag, column.col0, len(lay.heads))
+            host.layer(state.tag, column.col0, len(lay.heads))
 
     def close(self) -> None:
         """Hand the host caches' curves the rows collected since the last replay."""

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from .. import kernels as _kernels
-from .._errors import InvalidArgument, NotConnected, StoreError
+from .._errors import InvalidArgument, NotConnected, StoreError, TableClosed
 from .._progress import Progress
 from ..pools import SharedPool, split
 from ._layout import Layer
@@ -128,6 +128,10 @@ class Source:
         counters, hit rates) is added here."""
         return total
 
+    def closing(self) -> None:
+        """The EngramStore is closing (its background reads are done; :meth:`detach` of every layer follows): from
+        now on, sources of tables on this host refuse reads and opens with TableClosed."""
+
     def detach(self, lay: Layer) -> None:
         """Let go of what the source holds for a layer (the EngramStore is closing)."""
         with lay.lock:
@@ -135,6 +139,22 @@ class Source:
 
     def close(self) -> None:
         """Release what the source holds beyond its layers (after every layer was detached)."""
+
+
+def closed_error(lay: Layer, what: str) -> TableClosed:
+    """What a read (``what``) of a layer of a closed EngramStore raises."""
+    return TableClosed(f"{what}: layer {lay.layer_id}: this EngramStore is closed; open a new one to read it")
+
+
+def state_of(lay: Layer, what: str) -> Any:
+    """The layer's state, taken once for a whole read (a read holds what it reads until it ends, however the
+    EngramStore is closed meanwhile); TableClosed where it is gone (closed, or removed, since the read was
+    planned)."""
+    state = lay.state
+    if state is None:
+        raise TableClosed(f"{what}: layer {lay.layer_id} was closed (the EngramStore closed, or the layer removed) "
+                          "while this read was planned")
+    return state
 
 
 @dataclass

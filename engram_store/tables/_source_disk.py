@@ -23,7 +23,7 @@ from .._metrics import RequestMetrics
 from ..disk import DiskDir, HostRowCache, LayerProfile, RowCache, read_many, warm_layer
 from ._layout import Layer
 from ._sizing import Sizing
-from ._source import Job, Source, progress
+from ._source import Job, Source, closed_error, progress, state_of
 
 #: Counters a disk layer keeps that EngramStore.stats() reports.
 DISK_STATS = ("pages_read", "bytes_read", "cache_hits", "cache_misses", "cache_hits_per_head",
@@ -42,13 +42,24 @@ class DiskSource(Source):
         self.dir = DiskDir(path)
         self.disk_dir = self.dir.path
         self.where = f"disk_dir={self.dir.path!r}"
-        self.batch_key = self
+        # This source's jobs are read together (every layer's pages in flight at once). A token, not the source
+        # itself: a source that named itself would live in a reference cycle, freed (its host cache detached, its
+        # files closed) only when the garbage collector runs, at any point of any thread.
+        self.batch_key = object()
+        self.closed = False
         # One cache per row size, the bytes shared out by how many layers use each size. Every missed row is
         # admitted: on real n-gram traffic the doorkeeper cost 5-10 points of hit rate (bench_cache_policy.py).
         self.caches: dict[int, RowCache] = {}
         self.sizing = Sizing(self.caches)  # the hit rate of every cache size, from the lookups
         self.read_metrics: RequestMetrics | None = None  # reads timed once metrics are asked for (_prometheus)
-        scope = os.path.realpath(self.dir.path)  # one cache for every path to the directory
+        try:
+            self._make_caches(row_cache_bytes, row_sizes, cache_scope)
+        except BaseException:  # nothing made is left to the garbage collector
+            self.close()
+            raise
+
+    def _make_caches(self, row_cache_bytes: int, row_sizes: Sequence[int], cache_scope: str) -> None:
+        scope = self.dir.dir.resolved  # one cache for every path to the directory (as it was opened)
         for size in sorted(set(row_sizes)):
             share = int(row_cache_bytes) * row_sizes.count(size) // len(row_sizes)
             if share:
@@ -57,10 +68,11 @@ class DiskSource(Source):
 
     def warm(self, lay: Layer, profile: LayerProfile, max_rows: int | None) -> int:
         self.ready(lay, "warm_cache")
-        if lay.state.cache is None:
+        state = state_of(lay, "warm_cache")
+        if state.cache is None:
             raise InvalidArgument(f"row_cache_bytes: warm_cache needs a row cache; layer {lay.layer_id} has none "
                                   "(pass row_cache_bytes > 0)")
-        return warm_layer(lay.state, profile, max_rows)
+        return warm_layer(state, profile, max_rows)
 
     def finish_stats(self, total: dict[str, Any], layers: list[Layer], reset: bool) -> dict[str, Any]:
         """The host caches' own counters, summed over row sizes, as ``host_cache_<name>``, and the layers' hit
@@ -72,28 +84,38 @@ class DiskSource(Source):
         total.update(self.sizing.report(layers, reset))
         return total
 
+    def closing(self) -> None:
+        self.closed = True
+
     def close(self) -> None:
-        super().close()
+        if self.dir.closed:
+            return  # closed already
+        self.closed = True
         self.sizing.close()  # the rows the host's curve has not had yet
         for cache in self.caches.values():
             cache.close()
+        self.dir.close()
 
     def attach(self, lay: Layer) -> None:
         self.sizing.add(lay)
         self._open(lay)  # a published layer is opened (and its layout checked) now
 
-    def _open(self, lay: Layer) -> bool:
+    def _open(self, lay: Layer, what: str = "open") -> bool:
         """Open the layer's published files if they are there (and not open yet); whether the layer is readable."""
+        if self.closed:
+            raise closed_error(lay, what)
         if lay.state is not None:
             return True
         with lay.lock:
+            if self.closed:  # closing() came while this waited: detach() follows, and must find nothing opened
+                raise closed_error(lay, what)
             if lay.state is None:
                 lay.state = self.dir.open(lay.layer_id, lay.row_bytes, lay.layer_sizes,
                                           cache=self.caches.get(lay.row_bytes))
         return lay.state is not None
 
     def ready(self, lay: Layer, what: str) -> None:
-        if not self._open(lay):
+        if not self._open(lay, what):
             new = (" disk_dir did not exist: this EngramStore created it, empty; if you meant an existing "
                    "directory, check the path.") if self.dir.created else ""
             raise ObjectNotFound(f"{what}: layer {lay.layer_id} is not published under disk_dir {self.dir.path} "
@@ -106,7 +128,7 @@ class DiskSource(Source):
         if replica_num != 1:
             raise InvalidArgument(f"replica_num: a disk layer is one set of files on this host; expected 1, got "
                                   f"{replica_num}")
-        if self._open(lay):
+        if self._open(lay, "populate"):
             raise ObjectExists(f"populate layer {lay.layer_id}: it is already published under disk_dir "
                                f"{self.dir.path}; call remove_from_store() first")
         bar = progress(lay, tables)
@@ -116,20 +138,21 @@ class DiskSource(Source):
                             for t, n in zip(tables, lay.sizes)], progress=bar)
         finally:
             bar.close()
-        self._open(lay)
+        self._open(lay, "populate")
 
     def read(self, jobs: list[Job]) -> None:
         requests, shards = [], []
-        for job in jobs:
+        states = [state_of(job.layer, "lookup") for job in jobs]  # each read holds its layer's file to its end
+        for job, state in zip(jobs, states):
             if job.layer.sharded:  # the files hold every head: read the shard's as a whole layer's, then keep them
                 lay, M = job.layer, job.ids.shape[0]
                 ids = np.zeros((M, len(lay.layer_sizes)), dtype=np.int64)  # row 0 of other heads: one page each
                 ids[:, lay.heads] = job.ids
                 whole = np.empty((M, len(lay.layer_sizes), lay.row_bytes), dtype=np.uint8)
                 shards.append((job, whole))
-                requests.append((lay.state, ids, whole.reshape(-1)))
+                requests.append((state, ids, whole.reshape(-1)))
             else:
-                requests.append((job.layer.state, job.ids, job.out))
+                requests.append((state, job.ids, job.out))
         timed = self.read_metrics
         start = time.perf_counter() if timed is not None else 0.0
         try:
@@ -144,18 +167,18 @@ class DiskSource(Source):
             job.out.reshape(whole.shape[0], job.layer.num_heads, -1)[:] = whole[:, job.layer.heads]
         for job in jobs:
             job.layer.counters.add(lookups=1, rows=job.ids.size)
-        self.sizing.observe(jobs)
+        self.sizing.observe(jobs, states)
 
     def stats(self, lay: Layer, reset: bool) -> dict[str, int]:
-        if lay.state is None:
+        state = lay.state
+        if state is None:
             return {}
-        counts = lay.state.stats(reset)
+        counts = state.stats(reset)
         return {name: counts[name] for name in DISK_STATS}
-
 
     def remove(self, lay: Layer, force: bool) -> int:
         """Delete the layer's files (processes that have them open read on until they close them)."""
-        if not self._open(lay):
+        if not self._open(lay, "remove_from_store"):
             return 0
         self.detach(lay)
         try:

@@ -15,7 +15,7 @@ import numpy as np
 from .._errors import InvalidArgument, ObjectNotFound
 from ._layout import Layer
 from ._local_dir import LocalDir, MappedLayer
-from ._source import InMemory, Job, Source, gather, progress
+from ._source import InMemory, Job, Source, closed_error, gather, progress, state_of
 
 #: A prefetch of at most this many rows from tables all in memory here runs at once in the caller's thread (a few
 #: microseconds, cheaper than a thread hand-off).
@@ -23,14 +23,27 @@ PREFETCH_INLINE_ROWS = 4096
 
 
 class ArraySource(Source):
-    """Layers bound to the caller's own arrays (``bind_local``); an unbound layer has nothing to read."""
+    """Layers bound to the caller's own arrays (``bind_local``); an unbound layer has nothing to read. Once the
+    EngramStore is closing, every read and bind raises TableClosed (a read already running finishes: it holds the
+    arrays it reads)."""
+
+    def __init__(self, threads: int = 1):
+        super().__init__(threads)
+        self.closed = False
+
+    def closing(self) -> None:
+        self.closed = True
 
     def ready(self, lay: Layer, what: str) -> None:
+        if self.closed:
+            raise closed_error(lay, what)
         if lay.state is None:
             super().ready(lay, what)
 
     def bind(self, lay: Layer, tables: list[np.ndarray], keep: list) -> None:
         with lay.lock:
+            if self.closed:
+                raise closed_error(lay, "bind_local")
             if lay.state is not None:
                 raise InvalidArgument(f"bind_local: layer {lay.layer_id} is already bound; build a new EngramStore "
                                       "to read other tables")
@@ -38,14 +51,14 @@ class ArraySource(Source):
 
     def read(self, jobs: list[Job]) -> None:
         for job in jobs:
-            gather(job.layer, job.layer.state, job.ids, job.out, self.threads)
+            gather(job.layer, state_of(job.layer, "lookup"), job.ids, job.out, self.threads)
             job.layer.counters.add(lookups=1, rows=job.ids.size, local_rows=job.ids.size)
 
     def inline(self, lay: Layer, rows: int) -> bool:
         return rows <= PREFETCH_INLINE_ROWS
 
     def local_tables(self, lay: Layer) -> list[np.ndarray] | None:
-        return lay.state.views(lay)
+        return state_of(lay, "local_tables").views(lay)
 
 
 class _Mapped:
@@ -70,11 +83,15 @@ class DirSource(ArraySource):
     def attach(self, lay: Layer) -> None:
         self._open(lay)  # published layers are opened (and their layout checked) now
 
-    def _open(self, lay: Layer) -> bool:
+    def _open(self, lay: Layer, what: str = "open") -> bool:
         """Map the layer's published files if they are there (and not mapped yet); whether the layer is readable."""
+        if self.closed:
+            raise closed_error(lay, what)
         if lay.state is not None:
             return True
         with lay.lock:
+            if self.closed:  # closing() came while this waited: detach() follows, and must find nothing opened
+                raise closed_error(lay, what)
             if lay.state is None:
                 mapped = self.dir.open(lay.layer_id, lay.row_bytes, lay.layer_sizes)
                 if mapped is None:
@@ -83,7 +100,7 @@ class DirSource(ArraySource):
         return True
 
     def ready(self, lay: Layer, what: str) -> None:
-        if not self._open(lay):
+        if not self._open(lay, what):
             raise ObjectNotFound(f"{what}: layer {lay.layer_id} is not published under local_dir {self.dir.path} "
                                  f"(no {self.dir.layer_path(lay.layer_id)}); populate it first")
 
@@ -91,23 +108,28 @@ class DirSource(ArraySource):
         Source.bind(self, lay, tables, keep)
 
     def populate(self, lay: Layer, tables: list[np.ndarray], replica_num: int) -> None:
+        if self.closed:
+            raise closed_error(lay, "populate")
         bar = progress(lay, tables)
         try:
             self.dir.publish(lay.layer_id, lay.row_bytes, lay.layer_sizes, tables, progress=bar)
         finally:
             bar.close()
-        self._open(lay)
+        self._open(lay, "populate")
 
     def read(self, jobs: list[Job]) -> None:
-        for job in jobs:
-            gather(job.layer, job.layer.state.memory, job.ids, job.out, self.threads)
+        for job in jobs:  # the state taken once holds the mapped tables until the gather ends, whatever closes
+            gather(job.layer, state_of(job.layer, "lookup").memory, job.ids, job.out, self.threads)
             job.layer.counters.add(lookups=1, rows=job.ids.size, local_rows=job.ids.size)
 
     def local_tables(self, lay: Layer) -> list[np.ndarray] | None:
-        return lay.state.memory.views(lay)
+        return state_of(lay, "local_tables").memory.views(lay)
 
     def detach(self, lay: Layer) -> None:
         with lay.lock:
             state, lay.state = lay.state, None
         if state is not None:
             state.mapped.close()
+
+    def close(self) -> None:
+        self.dir.close()

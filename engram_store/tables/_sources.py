@@ -2,9 +2,9 @@
 
 :func:`source_for` checks the place arguments (a store, ``local_dir``, ``disk_dir`` or none of them; the row cache,
 its scope and the gather threads) and builds the :class:`~._source.Source` for them, importing only the module of
-the kind asked for. :func:`sum_stats` adds the layers' counters up, head by head where they are per head, and
-:func:`warm_cache` pins a profile's rows in a ``disk_dir`` layer's cache. The facade (``_store``) keeps to checking
-what its callers pass and handing the rest on.
+the kind asked for. :func:`sum_stats` adds the layers' counters up, head by head where they are per head,
+:func:`warm_cache` pins a profile's rows in a ``disk_dir`` layer's cache, and :func:`release` closes the source. The
+facade (``_store``) keeps to checking what its callers pass and handing the rest on.
 """
 
 from __future__ import annotations
@@ -67,6 +67,16 @@ def source_for(store: Any, local_dir: Any, disk_dir: Any, require_manifest: bool
         return MooncakeSource(store, require_manifest, threads)
     raise InvalidType(f"store: expected a DistributedStore, a MooncakeDistributedStore or None, "
                       f"got {type(store).__name__}")
+
+
+def release(source: Source, layers: list[Layer]) -> None:
+    """Close an EngramStore's source: reads and opens refused from now on (TableClosed, for tables on this host),
+    every layer let go (a read still running keeps what it reads until it ends), then what the source holds beyond
+    its layers (its directory, its caches)."""
+    source.closing()
+    for lay in layers:
+        source.detach(lay)
+    source.close()
 
 
 def _native_store(store: Any):

@@ -19,7 +19,7 @@ from .._errors import InvalidArgument, InvalidType, describe
 from ._layout import EngramStoreConfig, Layer, check_tables, find_layer, layers_of
 from ._plan import Background, LookupHandle, layer_jobs, read_jobs, start_reads
 from ._source import Job
-from ._sources import check_options, source_for, sum_stats, warm_cache
+from ._sources import check_options, release, source_for, sum_stats, warm_cache
 
 
 class EngramStore:
@@ -62,8 +62,12 @@ class EngramStore:
         self._store = store
         self._source = source_for(store, local_dir, disk_dir, bool(require_manifest), int(row_cache_bytes),
                                   int(threads), layers, cache_scope)
-        for layer in layers:
-            self._source.attach(layer)
+        try:
+            for layer in layers:
+                self._source.attach(layer)
+        except BaseException:  # a layer that does not open: what the source made (files, caches) goes now
+            release(self._source, layers)
+            raise
         self._pool = Background("this EngramStore",
                                 f"engram-l{self.layer_id}" if self.layer_id is not None else "engram-layers")
         _fork.in_child(self._forked)
@@ -297,11 +301,11 @@ class EngramStore:
     # ---- lifecycle --------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait for background reads, release mapped tables, open files and bound arrays; safe to call twice."""
+        """Wait for background reads, release mapped tables, open files and bound arrays; safe to call twice. Tables
+        on this host (``local_dir``, ``disk_dir``, ``bind_local``) raise :class:`TableClosed` from then on; a read
+        already running finishes first, on the files it began with."""
         self._pool.close()
-        for lay in self._layers.values():
-            self._source.detach(lay)
-        self._source.close()
+        release(self._source, list(self._layers.values()))
 
     def __enter__(self) -> "EngramStore":
         return self

@@ -112,10 +112,9 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 def _open(args: argparse.Namespace) -> tuple[Any, list]:
-    if args.local_dir is not None:
-        return LocalDirLayers(args.local_dir), []
-    if args.disk_dir is not None:
-        return DiskDirLayers(args.disk_dir), []
+    if args.local_dir is not None or args.disk_dir is not None:
+        place = LocalDirLayers(args.local_dir) if args.local_dir is not None else DiskDirLayers(args.disk_dir)
+        return place, [place]
     from ..client import DistributedStore
 
     try:

@@ -22,9 +22,7 @@ import hashlib
 import ipaddress
 import logging
 import os
-import socket
 import threading
-import time
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -34,6 +32,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from .._errors import ConfigError
+from .._peers import REFUSAL_LOG_INTERVAL_S, REFUSALS  # noqa: F401 (REFUSAL_LOG_INTERVAL_S: named in docs)
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +40,6 @@ AUTH_DIR_ENV = "ENGRAM_AUTH_DIR"
 SERVER_NAME = "server"
 CLIENT_NAME = "client"
 AUTHORIZED_DIR = "authorized_clients"
-#: Refusals of the same peer host for the same reason are logged at most this often.
-REFUSAL_LOG_INTERVAL_S = 10.0
-_MAX_TRACKED_PEERS = 1024
 
 
 @dataclass(frozen=True)
@@ -165,36 +161,6 @@ def exposure_warning(host: str, auth: object) -> str | None:
             "object (create keys with 'engram-master keygen DIR' and start every server with --auth DIR)")
 
 
-# ---- refusal logging ------------------------------------------------------------------------------
-
-
-class _RefusalLog:
-    """Log refused connections at WARNING, at most once per (peer host, reason) per interval."""
-
-    def __init__(self, interval_s: float = REFUSAL_LOG_INTERVAL_S):
-        self.interval_s = interval_s
-        self._seen: dict[tuple[str, str], list] = {}  # key -> [last logged, suppressed since]
-        self._lock = threading.Lock()
-
-    def refused(self, where: str, peer: str | None, reason: str) -> None:
-        host = peer.rsplit(":", 1)[0] if peer else "?"
-        now = time.monotonic()
-        with self._lock:
-            entry = self._seen.get((host, reason))
-            if entry is not None and now - entry[0] < self.interval_s:
-                entry[1] += 1
-                return
-            suppressed = entry[1] if entry is not None else 0
-            if len(self._seen) >= _MAX_TRACKED_PEERS:
-                self._seen.clear()
-            self._seen[(host, reason)] = [now, 0]
-        more = f" ({suppressed} more from {host} since the last message)" if suppressed else ""
-        log.warning("%s: refused a connection from %s: %s%s", where, peer or "an unknown peer", reason, more)
-
-
-REFUSALS = _RefusalLog()
-
-
 class _EngramAuthenticator(ThreadAuthenticator):
     """pyzmq's ThreadAuthenticator, plus a WARNING (with address and key) for each refused client."""
 
@@ -264,63 +230,3 @@ def ensure_authenticator(context: zmq.Context, keys: AuthKeys) -> str:
         # Reloads the certificates, so keys added to authorized_clients count for servers started later.
         auth.configure_curve(domain=domain, location=keys.authorized_dir)
     return domain
-
-
-class HandshakeWatch:
-    """Reads a server socket's monitor events and logs handshakes that failed before ZAP saw them.
-
-    A client with no keys (mechanism mismatch) or the wrong server key (cryptographic error) never reaches
-    the authenticator. libzmq names no peer in those events, so the peer is taken from the accepted file
-    descriptor (``getpeername``); libzmq emits the failure and then the disconnect of the same descriptor.
-    The address is best effort: a connection closed before its accept event is read shows as unknown.
-    """
-
-    EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-              | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
-    _REASONS = {
-        zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-            "the client offered no CURVE keys (is it configured with this cluster's auth_dir?)",
-        zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
-            "CURVE handshake failed (the client uses another cluster's server key)",
-    }
-
-    def __init__(self, name: str):
-        self.name = name
-        self._peers: dict[int, str | None] = {}
-        self._failed: str | None = None
-
-    def handle(self, event: int, value: int) -> None:
-        if event == zmq.EVENT_ACCEPTED:
-            self._peers[value] = _peer_of(value)
-            if len(self._peers) > _MAX_TRACKED_PEERS:
-                self._peers.pop(next(iter(self._peers)))
-        elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-            self._failed = self._REASONS.get(value, f"handshake failed (ZMTP protocol error {value:#x})")
-        elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-            detail = os.strerror(value) if value else "connection closed"
-            self._failed = (f"the handshake did not complete ({detail}): a client without this cluster's keys, "
-                            "or not a ZeroMQ peer")
-        elif event == zmq.EVENT_DISCONNECTED:
-            peer = self._peers.pop(value, None)
-            if self._failed is not None:
-                REFUSALS.refused(self.name, peer, self._failed)
-                self._failed = None
-
-
-def _peer_of(fd: int) -> str | None:
-    """``host:port`` of the peer of a connected socket descriptor libzmq owns (None if already closed)."""
-    try:
-        dup = os.dup(fd)
-    except OSError:
-        return None
-    try:
-        sock = socket.socket(fileno=dup)  # family and type are read from the descriptor
-    except OSError:
-        os.close(dup)
-        return None
-    with sock:  # closes our duplicate only; libzmq's connection is untouched
-        try:
-            host, port = sock.getpeername()[:2]
-        except (OSError, ValueError, TypeError):
-            return None
-    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"

@@ -17,9 +17,9 @@ import time
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
-from ._auth import AuthKeys, HandshakeWatch, ensure_authenticator
+from ._auth import AuthKeys, ensure_authenticator
+from ._guard import ConnectionGuard, bound_socket
 from ._sockets import _context, failed, new_socket
 from .._errors import EngramError, InvalidArgument, ProtocolError, Unavailable, describe, error_from_reply
 from .._metrics import RequestMetrics
@@ -39,8 +39,6 @@ DEFAULT_HWM = 1000
 #: costs more than copying a few hundred KiB: 1-2 client processes read 128 KiB replies 5-12% faster with
 #: them copied (64 KiB threshold against 1 MiB, bench harness on a 2-core VM).
 ZERO_COPY_MIN_BYTES = 256 << 10
-#: How often the thread reading a server's handshake events checks whether the server is closing.
-MONITOR_WAKE_MS = 200
 _MORE = zmq.SNDMORE | zmq.NOBLOCK
 #: Requests whose frames total at least this many bytes are sent without a copy.
 ZERO_COPY_SEND_BYTES = 64 << 10
@@ -62,7 +60,9 @@ class RpcServer:
 
     With ``auth`` (keys loaded with ``load_keys(dir, server=True)``) the socket is a CURVE server that admits
     only the clients authorised in that key directory (see :mod:`engram_store.wire._auth`); refused connections
-    are logged at WARNING by a small thread that reads the socket's monitor events.
+    are logged at WARNING. Every server bounds what its peers hold (:mod:`engram_store.wire._guard`): handshake
+    deadlines and heartbeats, and caps on connections per peer and in all, kept by a small thread that reads the
+    socket's monitor events.
     """
 
     def __init__(
@@ -88,7 +88,6 @@ class RpcServer:
         self._tick_ms = tick_ms
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._monitor_thread: threading.Thread | None = None
         self._closed = False
         context = _context()
         self.socket = new_socket(zmq.ROUTER, f"serving {name}")
@@ -100,10 +99,14 @@ class RpcServer:
         self.socket.setsockopt(zmq.SNDHWM, DEFAULT_HWM)
         self.socket.setsockopt(zmq.RCVTIMEO, tick_ms)
         self.socket.copy_threshold = ZERO_COPY_MIN_BYTES
-        self._monitor: zmq.Socket | None = None
-        self._watch: HandshakeWatch | None = None
+        bound_socket(self.socket)
         if auth is not None:
-            self._serve_curve(context, auth, name)
+            self._serve_curve(context, auth)
+        try:  # before the bind: the guard sees every connection
+            self._guard = ConnectionGuard(self.socket, name, log_handshakes=auth is not None)
+        except BaseException:
+            self.socket.close(0)
+            raise
         bind_host = f"[{host}]" if ":" in host else host
         try:
             if port == 0:
@@ -112,30 +115,23 @@ class RpcServer:
                 self.socket.bind(f"tcp://{bind_host}:{port}")
                 self.port = port
         except zmq.ZMQError as exc:
-            self._close_monitor()
+            self._guard.close(self.socket)
             self.socket.close(0)
             raise Unavailable(f"{name}: cannot bind tcp://{bind_host}:{port}: {exc}") from exc
         self.host = host
-        if self._monitor is not None:
-            # The serving loop blocks in recv, so refused handshakes are read by a thread of their own.
-            self._monitor_thread = threading.Thread(target=self._watch_handshakes, daemon=True,
-                                                    name=f"engram-{name}-monitor")
-            self._monitor_thread.start()
+        self._guard.start()  # the serving loop blocks in recv: connections are watched by a thread of their own
 
-    def _serve_curve(self, context: zmq.Context, auth: AuthKeys, name: str) -> None:
-        """Make the socket a CURVE server behind the authenticator, with a monitor that hears refused handshakes."""
+    def _serve_curve(self, context: zmq.Context, auth: AuthKeys) -> None:
+        """Make the socket a CURVE server behind the authenticator."""
         try:
             # The authenticator must run before the socket accepts anyone: without a ZAP handler,
             # libzmq would admit every client that knows the server's public key.
             self.socket.zap_domain = ensure_authenticator(context, auth).encode()
             self.socket.curve_server = True
             self.socket.curve_secretkey = auth.server_secret
-            self._monitor = self.socket.get_monitor_socket(HandshakeWatch.EVENTS)
-            self._monitor.setsockopt(zmq.RCVTIMEO, MONITOR_WAKE_MS)
         except BaseException:
             self.socket.close(0)
             raise
-        self._watch = HandshakeWatch(name)
 
     @property
     def address(self) -> str:
@@ -170,30 +166,9 @@ class RpcServer:
                     except Exception:  # a tick failure must not stop the server
                         log.exception("%s: periodic task failed", self.name)
 
-    def _watch_handshakes(self) -> None:
-        monitor, watch, stop = self._monitor, self._watch, self._stop
-        while not stop.is_set():
-            try:
-                event = recv_monitor_message(monitor)
-            except zmq.Again:
-                continue
-            except zmq.ZMQError:
-                return  # the socket was closed: the server is going away
-            except (ValueError, IndexError) as exc:
-                log.debug("%s: unreadable monitor event: %s", self.name, exc)
-                continue
-            watch.handle(event["event"], event["value"])
-
-    def _close_monitor(self) -> None:
-        if self._monitor_thread is not None and self._monitor_thread is not threading.current_thread():
-            self._monitor_thread.join(timeout=5)
-        if self._monitor is not None:
-            try:
-                self.socket.disable_monitor()
-            except zmq.ZMQError:
-                pass
-            self._monitor.close(0)
-            self._monitor = None
+    def connection_stats(self) -> dict[str, int]:
+        """The socket's connections now and the guard's closes since the start (``ConnectionGuard.stats``)."""
+        return self._guard.stats()
 
     def _handle(self, msg: list) -> None:
         if len(msg) < 2:
@@ -264,7 +239,7 @@ class RpcServer:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        self._close_monitor()
+        self._guard.close(self.socket)
         self.socket.close(0)
 
 

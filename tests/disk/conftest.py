@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 import pytest
 
@@ -15,3 +17,14 @@ def small_layer(tmp_path):
     d = DiskDir(tmp_path / "disk")
     d.write(7, 264, sizes, tables, progress=False)
     return d, sizes, tables
+
+
+@pytest.fixture
+def shm(tmp_path, monkeypatch):
+    """The directory this user's host caches live in (``engram-<uid>`` under ENGRAM_SHM_DIR)."""
+    path = tmp_path / "shm"
+    path.mkdir()
+    monkeypatch.setenv("ENGRAM_SHM_DIR", str(path))
+    own = path / f"engram-{os.geteuid()}"
+    own.mkdir(mode=0o700)
+    return own

@@ -79,13 +79,15 @@ def test_a_dead_removers_leftover_does_not_block_the_next_remove(tmp_path):
 @pytest.mark.timeout(60)
 def test_a_live_removers_dir_is_left_to_it(tmp_path):
     doomed = _leave_a_dead_removers_dir(tmp_path, 4)
-    held = _files.LayerLock(os.path.join(tmp_path, "layer-4.lock"), 0)  # a remover at work holds the layer's lock
+    remover = _layer_dir.LayerDir(tmp_path, "disk_dir")
+    held = remover.lock("layer-4.lock", 0)  # a remover at work holds the layer's lock
     try:
-        DiskDir(tmp_path)
+        DiskDir(tmp_path).close()
         assert os.path.isdir(doomed)
     finally:
         held.close()
-    DiskDir(tmp_path)
+        remover.close()
+    DiskDir(tmp_path).close()
     assert os.listdir(tmp_path) == []
 
 
@@ -99,11 +101,11 @@ def test_a_remover_killed_after_its_rename_blocks_nothing(tmp_path):
         from engram_store import EngramStore, EngramStoreConfig
         real_rmtree = shutil.rmtree
 
-        def rmtree(path, *args, **kwargs):
+        def rmtree(path, *args, dir_fd=None, **kwargs):
             if str(path).endswith(".removing"):  # the layer is renamed away: delete one file, then die
-                os.unlink(os.path.join(path, "rows.bin"))
+                os.unlink(os.path.join(path, "rows.bin"), dir_fd=dir_fd)
                 os.kill(os.getpid(), signal.SIGKILL)
-            return real_rmtree(path, *args, **kwargs)
+            return real_rmtree(path, *args, dir_fd=dir_fd, **kwargs)
 
         shutil.rmtree = rmtree
         config = EngramStoreConfig(table_vocab_sizes={SIZES}, embedding_dim=66, row_format="bytes")
@@ -170,7 +172,8 @@ def test_a_populate_remove_loop_killed_anywhere_leaves_a_usable_directory(tmp_pa
 @pytest.mark.timeout(60)
 def test_a_lock_file_removed_by_its_holder_is_not_shared_by_two_waiters(tmp_path, monkeypatch):
     path = os.path.join(tmp_path, "layer-1.lock")
-    first = _files.LayerLock(path, 0)
+    held = _layer_dir.LayerDir(tmp_path, "disk_dir")
+    first = held.lock("layer-1.lock", 0)
     waiting = threading.Event()
     real_sleep = _layer_dir.time.sleep
 
@@ -180,20 +183,21 @@ def test_a_lock_file_removed_by_its_holder_is_not_shared_by_two_waiters(tmp_path
 
     monkeypatch.setattr(_layer_dir.time, "sleep", sleep)
     got: list[object] = []
-    second = threading.Thread(target=lambda: got.append(_files.LayerLock(path, 30)))
+    second = threading.Thread(target=lambda: got.append(held.lock("layer-1.lock", 30)))
     second.start()
     try:
         assert waiting.wait(30)
         os.unlink(path)  # the holder removes the lock file, then lets go
         first.close()
         second.join(30)
-        assert len(got) == 1 and isinstance(got[0], _files.LayerLock)
+        assert len(got) == 1 and isinstance(got[0], _layer_dir.LayerLock)
         with pytest.raises(StoreError, match="another writer holds"):
-            _files.LayerLock(path, 0.2)  # the second holds the file now at the path; nobody else gets it
+            held.lock("layer-1.lock", 0.2)  # the second holds the file now at the path; nobody else gets it
     finally:
         second.join(30)
         for lock in got:
             lock.close()
+        held.close()
 
 
 # ---- a layer file gone ----

@@ -204,8 +204,9 @@ def test_a_truncated_file_is_refused_at_open_and_fails_reads_after(small_layer):
 def test_an_io_error_names_the_file_and_offset(small_layer, mode, tmp_path):
     d, sizes, _ = small_layer
     with IOEngine(4, mode) as engine, d.open(7, engine=engine) as layer:
-        os.close(layer._fd)
-        layer._fd = os.open(tmp_path, os.O_RDONLY)  # reads of a directory fail (EISDIR / EINVAL)
+        directory = os.open(tmp_path, os.O_RDONLY)
+        os.dup2(directory, layer._held.fd)  # the layer's descriptor now reads a directory: EISDIR / EINVAL
+        os.close(directory)
         ids = np.array([[3, 0, 0], [40, 0, 0]], dtype=np.int64)
         with pytest.raises(DiskReadError, match=rf"reading 4096 bytes of {layer.file} at offset (0|8192) failed: "
                                                 r".*\(errno (21|22)\)"):
@@ -217,10 +218,10 @@ def test_o_direct_refused_falls_back_to_the_page_cache_and_says_so(small_layer, 
     d, sizes, tables = small_layer
     real_open = os.open
 
-    def no_direct(path, flags, mode=0o777):
+    def no_direct(path, flags, mode=0o777, *, dir_fd=None):
         if flags & _files.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, mode)
+        return real_open(path, flags, mode, dir_fd=dir_fd)
 
     monkeypatch.setattr(_files.os, "open", no_direct)
     with caplog.at_level(logging.WARNING, logger="engram_store.disk._files"), d.open(7) as layer:

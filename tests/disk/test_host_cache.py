@@ -30,17 +30,6 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_cache_wo
 PROCESS_TIMEOUT_S = 120
 
 
-@pytest.fixture
-def shm(tmp_path, monkeypatch):
-    """The directory this user's host caches live in (``engram-<uid>`` under ENGRAM_SHM_DIR)."""
-    path = tmp_path / "shm"
-    path.mkdir()
-    monkeypatch.setenv("ENGRAM_SHM_DIR", str(path))
-    own = path / f"engram-{os.geteuid()}"
-    own.mkdir(mode=0o700)
-    return own
-
-
 def publish(disk_dir, seed: int) -> list[np.ndarray]:
     tables = worker.tables(seed)
     with EngramStore(worker.LAYER, worker.config(), disk_dir=disk_dir) as store:

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from suite_helpers import fill_up
-from engram_store import DistributedStore
+from engram_store import CatalogUnwritable, DistributedStore
 from engram_store.testing import Cluster
 
 pytestmark = pytest.mark.timeout(120)
@@ -20,7 +20,11 @@ def _catalogue(path: str) -> list[str]:
         return sorted(o[0] for o in json.load(f)["objects"])
 
 
-def test_a_durable_segment_on_a_full_disk_keeps_heartbeating_and_catches_up(tmpfs):
+def test_a_durable_segment_on_a_full_disk_takes_no_put_it_cannot_list_and_catches_up(tmpfs):
+    """A put whose entry the catalogue cannot take (the disk is full) is refused with CatalogUnwritable, and nothing
+    of it stays: its segment's next start would not offer it back (it had acknowledged such puts, which a master
+    restarted without a journal then lost). The segment keeps serving and heartbeating, the master lists why it
+    takes no puts, and once there is room it takes them again and its catalogue catches up."""
     tmpfs = tmpfs("16m")
     data = str(tmpfs / "segment.bin")
     filler = str(tmpfs / "filler")
@@ -33,17 +37,27 @@ def test_a_durable_segment_on_a_full_disk_keeps_heartbeating_and_catches_up(tmpf
                 assert time.monotonic() < deadline, "the catalogue never named the first object"
                 time.sleep(0.05)
             fill_up(filler)
-            store.put("during", b"d" * 1000)  # its catalogue cannot be written now
+            with pytest.raises(CatalogUnwritable, match="take none now .*cannot write its catalogue to .*No space"):
+                store.put("during", b"d" * 1000)
+            assert not store.is_exist("during")
             time.sleep(3 * 2.0)  # past the heartbeat timeout: a segment whose heartbeats stopped is dropped
             status = store.status()
             assert len(status["segments"]) == 1 and status["lost"] == 0, status
+            assert "No space left" in status["segments"][0]["refusing_puts"], status
             assert _catalogue(data) == ["before"]  # the old file stays whole
             os.unlink(filler)
             deadline = time.monotonic() + 20
-            while _catalogue(data) != ["before", "during"]:
+            while True:
+                try:
+                    store.put("after", b"a" * 1000)
+                    break
+                except CatalogUnwritable:
+                    assert time.monotonic() < deadline, "the segment did not take puts again once there was room"
+                    time.sleep(0.05)
+            while _catalogue(data) != ["after", "before"]:
                 assert time.monotonic() < deadline, "the catalogue did not catch up once there was room"
                 time.sleep(0.05)
-            assert store.get("during") == b"d" * 1000
+            assert store.get("after") == b"a" * 1000 and store.status()["segments"][0]["refusing_puts"] == ""
         assert "Traceback" not in c.segments[0].output()
 
 
@@ -60,6 +74,7 @@ def test_a_durable_segment_restarted_on_a_full_disk_serves_with_a_generation_tab
         os.unlink(data + ".gen")  # the next run would take it over in place, needing no page
         fill_up(str(tmpfs / "filler"))
         segment = c.add_segment("8MiB", ["--file", data])
+        os.unlink(str(tmpfs / "filler"))  # room for the catalogue again (its table is made already)
         with DistributedStore.connect(c.address, timeout_ms=5000, local_direct=False) as store:
             store.put("k", b"k" * 4096)
             assert store.get("k") == b"k" * 4096

@@ -31,18 +31,10 @@ from engram_store.segment import RawReadServer
 from engram_store.segment import _raw_limits as _raw
 from engram_store.wire.raw import HEADER, MAGIC, OP_HELLO, OP_READ, STATUS_BUSY, TOKEN_BYTES, VERSION
 from engram_store.testing import Cluster, wait_ping
+from suite_helpers import proc_status
 
 HAS_CURVE = __import__("zmq").has("curve")
 SIZES, DIM = [4001, 3001, 2003], 32
-
-
-def _status(pid: int, field: str) -> int:
-    """A number from /proc/<pid>/status (kB for the memory fields)."""
-    with open(f"/proc/{pid}/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
 
 
 def _raw_stats(address: str, auth_dir: str | None = None) -> dict:
@@ -98,10 +90,13 @@ def _open_files(needed: int):
 
 class _Strangers:
     """``count`` connections to a raw port, half silent, half dripping a header one byte every ``drip_s``; a
-    connection the segment closes is opened again, so the pressure lasts until :meth:`stop`."""
+    connection the segment closes is opened again, so the pressure lasts until :meth:`stop`. They come from
+    ``sources`` loopback addresses (127.0.0.2, ...), each a peer of its own, so that no peer holds more than the
+    channel's share of one (``_raw_limits.PENDING_PER_PEER``; one peer's flood is tests/security's)."""
 
-    def __init__(self, port: int, count: int, header: bytes, drip_s: float = 0.2):
+    def __init__(self, port: int, count: int, header: bytes, drip_s: float = 0.2, sources: int = 32):
         self.port = port
+        self.sources = sources
         self.header = header
         self.drip_s = drip_s
         self.socks: list[socket.socket | None] = [None] * count
@@ -109,13 +104,14 @@ class _Strangers:
         self.reopened = 0
         self._stop = threading.Event()
         for i in range(count):
-            self.socks[i] = self._open()
+            self.socks[i] = self._open(i)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def _open(self) -> socket.socket | None:
+    def _open(self, i: int) -> socket.socket | None:
         try:
-            return socket.create_connection(("127.0.0.1", self.port), timeout=5)
+            return socket.create_connection(("127.0.0.1", self.port), timeout=5,
+                                            source_address=(f"127.0.0.{2 + i % self.sources}", 0))
         except OSError:
             return None
 
@@ -136,7 +132,7 @@ class _Strangers:
                     pass  # open, and quiet
                 except OSError:
                     sock.close()
-                    self.socks[i], self.sent[i] = self._open(), 0
+                    self.socks[i], self.sent[i] = self._open(i), 0
                     self.reopened += 1
 
     def stop(self) -> None:
@@ -164,7 +160,7 @@ def test_a_thousand_idle_and_dripping_connections_leave_lookups_and_memory_alone
             EngramStore(3, EngramStoreConfig(SIZES, DIM), store).populate(tables)
             _check_lookups(store, tables, rounds=20, seed=1)  # warm: threads, buffers, kernels
             port = store.raw_routes.ports[segment.address].port
-            base_anon, base_rss = _status(segment.pid, "RssAnon"), _status(segment.pid, "VmRSS")
+            base_anon, base_rss = proc_status(segment.pid, "RssAnon"), proc_status(segment.pid, "VmRSS")
             # Before --auth a hello is all a stranger may send; without, a read header.
             header = HEADER.pack(MAGIC, VERSION, OP_HELLO if auth else OP_READ, 1, TOKEN_BYTES if auth else 4)
             strangers = _Strangers(port, strangers_count, header)
@@ -177,10 +173,10 @@ def test_a_thousand_idle_and_dripping_connections_leave_lookups_and_memory_alone
                     for seed in range(4):
                         _check_lookups(late, tables, rounds=10, seed=10 + seed)
                         _check_lookups(store, tables, rounds=10, seed=20 + seed)
-                        peak_anon = max(peak_anon, _status(segment.pid, "RssAnon"))
-                        peak_rss = max(peak_rss, _status(segment.pid, "VmRSS"))
+                        peak_anon = max(peak_anon, proc_status(segment.pid, "RssAnon"))
+                        peak_rss = max(peak_rss, proc_status(segment.pid, "VmRSS"))
                     stats = _raw_stats(segment.address, auth_dir)
-                    threads = _status(segment.pid, "Threads")
+                    threads = proc_status(segment.pid, "Threads")
                     assert late.raw_routes.channels, "the late client read over the raw channel"
             finally:
                 strangers.stop()
@@ -242,7 +238,7 @@ def test_a_read_before_the_token_is_refused_with_its_body_unread(tmp_path):
                  segment_extra=["--readers", "0"]) as c:
         segment = c.segments[0]
         port = wait_ping(segment.address, unavailable=SegmentUnavailable, auth_dir=keys)["raw_port"]
-        base_rss = _status(segment.pid, "RssAnon")
+        base_rss = proc_status(segment.pid, "RssAnon")
         socks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(16)]
         try:
             for sock in socks:
@@ -260,7 +256,7 @@ def test_a_read_before_the_token_is_refused_with_its_body_unread(tmp_path):
                 sock.sendall(HEADER.pack(MAGIC, VERSION, OP_HELLO, 1, 1 << 22))
                 head = sock.recv(HEADER.size, socket.MSG_WAITALL)
                 assert HEADER.unpack(head)[2] == 2
-            grown = _status(segment.pid, "RssAnon") - base_rss
+            grown = proc_status(segment.pid, "RssAnon") - base_rss
             assert grown < 16 << 10, f"RssAnon grew by {grown >> 10} MiB"
             assert _raw_stats(segment.address, keys)["refused_auth"] >= 16
         finally:
@@ -282,12 +278,12 @@ def test_large_reads_leave_no_buffer_behind():
         try:
             deadline = time.monotonic() + 120
             channels[0].recv_read(channels[0].send_read(many[:16], deadline), 16 * 4096, deadline)
-            base_rss = _status(segment.pid, "RssAnon")
+            base_rss = proc_status(segment.pid, "RssAnon")
             for channel in channels:
                 for pairs in (one, many):
                     total = int(pairs[:, 1].sum())
                     channel.recv_read(channel.send_read(pairs, deadline), total, deadline, out[:total])
-            grown = _status(segment.pid, "RssAnon") - base_rss
+            grown = proc_status(segment.pid, "RssAnon") - base_rss
             assert grown < 32 << 10, f"RssAnon grew by {grown >> 10} MiB after the reads"
         finally:
             for channel in channels:

@@ -133,3 +133,34 @@ def test_checkpoint_format_by_extension(tmp_path):
         save_safetensors(tmp_path / "c.safetensors", {"c": np.zeros(2, np.complex64)})
     save_checkpoint(tmp_path / "x.npz", {"a.b": np.ones(2, np.float32)})
     assert list(load_checkpoint(tmp_path / "x.npz")) == ["a.b"]
+
+
+def test_a_named_pipe_or_a_directory_is_refused_without_blocking(tmp_path):
+    """A FIFO named as the file hung the reader in its open; a directory raised a raw IsADirectoryError."""
+    import os
+
+    from suite_helpers import outcome_within
+
+    os.mkfifo(tmp_path / "pipe.safetensors")
+    (tmp_path / "dir.safetensors").mkdir()
+    for name, kind in (("pipe", "a named pipe"), ("dir", "a directory")):
+        path = tmp_path / f"{name}.safetensors"
+        raised = outcome_within(lambda: load_safetensors(path), 20, f"reading {kind}")
+        assert isinstance(raised, InvalidArgument), raised
+        assert f"{path}: is {kind}, not a checkpoint file" in str(raised)
+
+
+def test_saving_never_writes_through_a_name_planted_beside_the_file(tmp_path):
+    """The writer wrote ``<path>.tmp`` (and ``.tmp.npz``) with a plain open: a link there led its bytes into
+    another file. It writes a private temporary now, made exclusively, renamed into place."""
+    import os
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    tensors = {"w": np.arange(6, dtype=np.float32)}
+    for name, tmp in (("m.safetensors", "m.safetensors.tmp"), ("m.npz", "m.npz.tmp.npz")):
+        os.symlink(victim, tmp_path / tmp)
+        save_checkpoint(tmp_path / name, tensors)
+        np.testing.assert_array_equal(load_checkpoint(tmp_path / name)["w"], tensors["w"])
+        assert victim.read_bytes() == b"precious" and (tmp_path / tmp).is_symlink()
+    assert sorted(os.listdir(tmp_path)) == ["m.npz", "m.npz.tmp.npz", "m.safetensors", "m.safetensors.tmp", "victim"]

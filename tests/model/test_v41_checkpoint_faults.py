@@ -11,6 +11,7 @@ import pytest
 from engram_model.v41 import SafetensorsCheckpoint, V41Config
 from engram_model.v41.load import main as load_main
 from engram_store import InvalidArgument
+from suite_helpers import outcome_within
 
 CFG = V41Config(layer_ids=[1], max_ngram_size=2, n_heads=1, head_dim=32, engram_vocab_size=2,
                 compressed_vocab_size=8, hidden_size=32, hc_mult=1)
@@ -113,3 +114,34 @@ def test_a_deeply_nested_config_json_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(ConfigError, match="nested too deeply to be a config.json"):
         V41Config.from_hf_config(tmp_path)
+
+
+@pytest.mark.parametrize("where", ["shard", "index", "config", "file"])
+def test_a_named_pipe_in_a_checkpoint_is_refused_without_blocking(tmp_path, where):
+    """A FIFO as a shard (or index, or config.json) hung the loader for ever in its open; each is refused by name."""
+    import os
+
+    write_config(tmp_path)
+    names = {"shard": "model.safetensors", "index": "model.safetensors.index.json", "config": "config.json",
+             "file": "model.safetensors"}
+    if where == "index":
+        write_raw(tmp_path / "model-1.safetensors", table_header((0, ROWS * 32), (ROWS * 32, ROWS * 33)),
+                  bytes(ROWS * 33))
+    if where == "config":
+        (tmp_path / "config.json").unlink()
+    pipe = tmp_path / names[where]
+    os.mkfifo(pipe)
+    opened = {"config": lambda: V41Config.from_hf_config(tmp_path), "file": lambda: SafetensorsCheckpoint(pipe)}
+    raised = outcome_within(opened.get(where, lambda: SafetensorsCheckpoint(tmp_path)), 20, f"opening the {where}")
+    assert isinstance(raised, InvalidArgument) and f"{pipe}: is a named pipe, not a checkpoint file" in str(raised), \
+        raised
+
+
+def test_a_directory_as_a_shard_is_refused_by_name(tmp_path):
+    """It raised a raw IsADirectoryError."""
+    write_config(tmp_path)
+    (tmp_path / "model.safetensors").mkdir()
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {WEIGHT: "model.safetensors",
+                                                                                      SCALE: "model.safetensors"}}))
+    with pytest.raises(InvalidArgument, match=rf"{tmp_path}/model.safetensors: is a directory, not a checkpoint file"):
+        SafetensorsCheckpoint(tmp_path).info(WEIGHT)

@@ -8,6 +8,8 @@ imported before it drops (the interpreter's own files may be closed to that user
 
     plant PATH...                 empty files, mode 0666 (umask 0), as a user taking names first would
     symlink TARGET LINK           a symbolic link
+    relink TARGET LINK            point the link LINK at TARGET instead, in one rename (a new link over the old)
+    swap PATH PATH                exchange two names in a directory of this user's (through a third name)
     mkdir PATH                    a directory, mode 0777
     fill PATH BYTE                overwrite the whole file with BYTE (an int), if this user may
     hold-lock PATH                open (or create) PATH and hold an exclusive flock on it, printing "held", until
@@ -22,6 +24,9 @@ imported before it drops (the interpreter's own files may be closed to that user
                                   "opened", or the error's class and message
     rogue-segment MASTER FILE     register a segment with the master whose shm_path names FILE (of FILE's size) and
                                   answer its requests like a segment that takes direct writes, until stdin closes
+    mkfifo PATH                   a named pipe, mode 0666
+    hostile-table MASTER CAPACITY register a segment that hands its memory over (a sealed memfd of 1 MiB) with a
+                                  4 KiB generation table whose header says CAPACITY entries, until stdin closes
 """
 from __future__ import annotations
 
@@ -50,6 +55,24 @@ def plant(*paths: str) -> str:
 def symlink(target: str, link: str) -> str:
     os.symlink(target, link)
     return "linked"
+
+
+def relink(target: str, link: str) -> str:
+    fresh = f"{link}.{uuid.uuid4().hex}"
+    os.symlink(target, fresh)
+    os.rename(fresh, link)
+    return "relinked"
+
+
+def swap(first: str, second: str) -> str:
+    aside = f"{first}.{uuid.uuid4().hex}"
+    try:
+        os.rename(first, aside)
+        os.rename(second, first)
+        os.rename(aside, second)
+    except OSError as exc:
+        return f"refused {exc.strerror}"
+    return "swapped"
 
 
 def mkdir(path: str) -> str:
@@ -183,10 +206,59 @@ def rogue_segment(master: str, file: str) -> str:
     return "gone"
 
 
+def mkfifo(path: str) -> str:
+    os.mkfifo(path, 0o666)
+    return "made"
+
+
+def hostile_table(master: str, capacity: str) -> str:
+    """A segment whose generation table's header says ``capacity`` entries in 4 KiB: a client that trusted it read
+    past its mapping."""
+    import struct
+
+    from engram_store.segment import host_id
+    from engram_store.segment._handover import start_handover
+    from engram_store.segment._memory import SEALS
+    from engram_store.wire import Connection, RpcServer
+
+    def sealed(size: int, name: str) -> int:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        return fd
+
+    here = host_id()
+    _drop(int(os.environ.get("INTRUDER_UID", INTRUDER_UID)))
+    size, me = 1 << 20, uuid.uuid4().hex
+    memory, table = sealed(size, "hostile"), sealed(4096, "hostile-table")
+    os.pwrite(table, struct.pack("<8q", 0, 500, int(capacity), 0, 0, 0, 0, 0), 0)
+    handlers = {"ping": lambda req: {"role": "segment", "segment_id": me, "size": size},
+                "write": lambda req: {"written": len(req.frames[0])},
+                "catalog_add": lambda req: {"added": 0}, "catalog_drop": lambda req: {"dropped": 0}}
+    server = RpcServer("127.0.0.1", 0, "hostile", handlers).start()
+    handed = start_handover(me, size, memory, table, writable=False)
+    conn = Connection(master)
+    try:
+        conn.call("register_segment", {
+            "segment_id": me, "address": server.address, "size": size, "read_addresses": [],
+            "shm_path": handed.path, "host_id": here, "public_key": "", "objects": [],
+            "write_key": os.urandom(32), "registration": uuid.uuid4().hex, "held": [], "direct_writes": False},
+            timeout_ms=5000)
+        print("registered", flush=True)
+        sys.stdin.read()
+    finally:
+        conn.close()
+        handed.close()
+        server.stop()
+        server.close()
+    return "gone"
+
+
 ACTIONS = {"plant": plant, "symlink": symlink, "mkdir": mkdir, "fill": fill, "hold-lock": hold_lock,
            "truncate": truncate, "swap-layer": swap_layer, "read": read, "connect": connect, "write": write,
            "chmod": chmod, "open-own": open_own,
-           "rogue-segment": rogue_segment}
+           "rogue-segment": rogue_segment, "mkfifo": mkfifo, "hostile-table": hostile_table}
+ACTIONS.update({"relink": relink, "swap": swap})  # on directories of layers (test_layer_dirs.py)
 
 
 def main(argv: list[str]) -> int:
@@ -197,7 +269,7 @@ def main(argv: list[str]) -> int:
     os.environ["INTRUDER_UID"] = str(uid)
     if action is open_own:
         import engram_store._shared_dirs  # noqa: F401  (loaded before the drop: the interpreter's files may be closed)
-    if action is not rogue_segment:  # it loads its modules first, then drops
+    if action not in (rogue_segment, hostile_table):  # they load their modules first, then drop
         _drop(uid)
     print(action(*args), flush=True)
     return 0

@@ -291,6 +291,65 @@ def test_a_table_being_written_or_out_of_its_bounds_cannot_tell():
     assert check_table(table, named)[0] == TABLE_UNKNOWN
 
 
+_HEADER_PAST_THE_MAPPING = """
+import mmap, sys
+import numpy as np
+from engram_store.kernels import check_pairs_for, check_table
+mapped = mmap.mmap(-1, 4096)  # a 4 KiB table, as a segment hands one over
+table = np.frombuffer(mapped, dtype=np.int64)
+table[1], table[2] = 500, 1 << 40  # 500 entries of a capacity of 2**40
+named = check_pairs_for(np.array([0]), np.array([64]), np.array([1]))
+print(check_table(table, named)[0])
+"""
+
+
+def test_a_table_whose_header_disagrees_with_its_size_cannot_tell():
+    """A 4 KiB table whose header says capacity 2**40: the kernel took its sizes and generations from past the
+    mapping, and the client died of SIGSEGV. It cannot tell now (run in a process of its own, so a crash fails this
+    test instead of ending the suite)."""
+    import subprocess
+    import sys
+
+    from engram_store.kernels import TABLE_UNKNOWN, generation_table
+
+    done = subprocess.run([sys.executable, "-c", _HEADER_PAST_THE_MAPPING], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0 and done.stdout.strip() == str(TABLE_UNKNOWN), (done.returncode, done.stderr[-2000:])
+    table = np.zeros(512, np.int64)
+    table[2] = 1 << 40
+    assert generation_table.header_problem(table) == ("its header says capacity 1099511627776 (26388279066688 bytes "
+                                                      "with the header), but it is 4096 bytes")
+    table[1], table[2] = 3, 168
+    assert generation_table.header_problem(table) == ""
+    table[1] = 169
+    assert generation_table.header_problem(table) == "its header says 169 entries, outside its capacity 168"
+
+
+def test_a_client_refuses_a_generation_table_whose_header_disagrees_with_its_size(tmp_path, caplog):
+    """The client checked only that a table handed over held 64 bytes; it now refuses one whose header says more
+    than its size, by name, and reads the segment's memory all the same (proving a table old placements through
+    the segment, as it does for a segment that publishes none)."""
+    from engram_store.kernels import generation_table
+
+    with MasterServer("127.0.0.1", 0).start() as master, \
+            SegmentServer(8 << 20, master.address, file=str(tmp_path / "segment.bin"), readers=0).start() as segment:
+        with DistributedStore(master.address, local_direct=True) as store:
+            store.put("k", np.full(4096, 0x5A, np.uint8))
+        table = segment.generations.table
+        capacity = int(table[generation_table.CAPACITY])
+        table[generation_table.CAPACITY] = 1 << 40
+        try:
+            with DistributedStore(master.address, local_direct=True) as store:
+                assert store.get("k") == b"\x5a" * 4096
+                replica = store.locate(["k"], lease=False)[0].replicas[0]
+                assert store.local_segments.view(replica) is not None
+                assert store.local_segments.table(replica) is None
+        finally:
+            table[generation_table.CAPACITY] = capacity
+    assert any(f"segment {segment.segment_id} handed over a generation table of" in r.getMessage()
+               and "refused: its header says capacity 1099511627776" in r.getMessage() for r in caplog.records)
+
+
 def test_the_checks_wrapper_refuses_what_is_not_pairs_and_passes_a_read_that_names_nothing():
     from engram_store._errors import InvalidType
 
