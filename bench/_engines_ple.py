@@ -14,7 +14,8 @@ head, as hashes are) and the same bytes:
   installed, NumPy's ``take`` into reused arrays (and a table lookup of the codes' bf16 bits);
 * engram, from memory (the same bytes bound with ``bind_local``), into caller buffers: the raw form (vLLM's
   ``_lookup_ple_embedding_from_pinned_kernel``) and bf16 (SGLang's ``_gather_ple_embedding_from_pinned_kernel``),
-  each beside the engine gather of its form; the goal is at most 0.7x;
+  each beside the engine gather of its form, through ``gather_into`` and through a buffer bound once
+  (``PLERows.bind``, an engine's decode path); the goal is at most 0.7x;
 * engram from other tables: ``local_dir`` (files in /dev/shm), ``disk_dir`` behind a host-wide row cache (256
   MiB; every call reads ids of its own, so its hit rate, printed, is about the cache's share of the table), a
   remote segment (an ``engram-segment`` process, reads over TCP).
@@ -89,7 +90,7 @@ def _run(args: argparse.Namespace, sections: list[str]) -> dict:
                 es.bind_local(heads)
                 rows = PLERows(es, config, LAYER, threads=args.threads)
                 for step, T in STEPS.items():
-                    cands = {**engines.candidates(ids[step]), **_engram("memory", rows, ids[step], config, T)}
+                    cands = {**engines.candidates(ids[step]), **_engram("memory", rows, ids[step], config, T, True)}
                     out["steps"][step] = _report(f"{dtype}, {step}", T, cands, rounds[step], engines)
         for section in ("local_dir", "disk", "remote"):
             if section in sections:
@@ -143,11 +144,18 @@ class _Engines:
         return out
 
 
-def _engram(where: str, rows: PLERows, ids: list[np.ndarray], config: PLEConfig, T: int) -> dict:
+def _engram(where: str, rows: PLERows, ids: list[np.ndarray], config: PLEConfig, T: int, bound: bool = False) -> dict:
+    """Both forms through gather_into, and with ``bound`` through a buffer bound once (``PLERows.bind``, as an
+    engine's decode path would)."""
     raw = np.empty((T, HEADS, config.row_bytes), np.uint8)
     bf16 = np.empty((T, HEADS, config.head_dim), np.uint16)
-    return {f"engram {where}: raw": lambda r: rows.gather_into(ids[r], raw),
-            f"engram {where}: bf16": lambda r: rows.gather_into(ids[r], bf16)}
+    cands = {f"engram {where}: raw": lambda r: rows.gather_into(ids[r], raw),
+             f"engram {where}: bf16": lambda r: rows.gather_into(ids[r], bf16)}
+    if bound:
+        bound_raw, bound_bf16 = rows.bind(np.empty_like(raw)), rows.bind(np.empty_like(bf16))
+        cands.update({f"engram {where} (bound): raw": lambda r: bound_raw(ids[r]),
+                      f"engram {where} (bound): bf16": lambda r: bound_bf16(ids[r])})
+    return cands
 
 
 def _report(title: str, T: int, cands: dict, rounds: int, engines: _Engines | None, extra: str = "") -> dict:

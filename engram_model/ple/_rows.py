@@ -76,6 +76,46 @@ class RankRows(NamedTuple):
     heads: list[int]
 
 
+def _rows_of(arr: np.ndarray) -> np.ndarray:
+    """``arr [..., width]`` as ``[rows, width]``: a view, never a copy (refused where it would need one)."""
+    flat = arr.view()
+    try:
+        flat.shape = (int(np.prod(arr.shape[:-1])), arr.shape[-1])
+    except AttributeError:
+        raise InvalidArgument(f"out: expected a buffer whose leading axes {list(arr.shape[:-1])} can be viewed as one "
+                              f"axis of rows (as a slice of a larger batch can), got strides {list(arr.strides)}") \
+            from None
+    return flat
+
+
+class BoundRows:
+    """:meth:`PLERows.bind`'s gathers into one checked buffer (``target``: its rows as the kernels write them,
+    ``[max_T * heads, width]``; ``out``: the caller's)."""
+
+    def __init__(self, rows: "PLERows", target: np.ndarray, straight: np.ndarray | None, v0: int, v1: int, out: Any,
+                 max_tokens: int):
+        self.rows, self.target, self.straight, self.v0, self.v1, self.out = rows, target, straight, v0, v1, out
+        self.max_tokens = max_tokens
+
+    def __call__(self, ids: Any) -> Any:
+        """Fill ``out[:T]`` with the rows of ``ids [T, heads]`` (refused as ``gather_into`` refuses them, writing
+        nothing); returns ``out``."""
+        rows, heads = self.rows, self.rows.config.heads
+        arr = ids if (isinstance(ids, np.ndarray) and ids.ndim == 2 and ids.dtype in (np.int32, np.int64)
+                      and ids.flags.c_contiguous) else as_ids(ids, 2, False, "[T, heads]")
+        T = arr.shape[0]
+        if arr.shape[1] != heads or not 0 < T <= self.max_tokens:
+            raise InvalidArgument(f"ids: expected [T, heads] with 1 <= T <= {self.max_tokens} (the bound buffer's "
+                                  f"tokens) and heads = {heads}, got {list(arr.shape)}")
+        flat = arr.reshape(-1)
+        bad = _k.first_bad(flat, rows.total)
+        if bad >= 0:
+            raise InvalidArgument(rows._bad_id(arr, int(bad)))
+        n = T * heads
+        return rows._run(_Call(flat, self.target[:n], self.v0, self.v1,
+                               None if self.straight is None else self.straight[:n], self.out))
+
+
 def ple_rank_rows(config: PLEConfig, layer_id: int, rank: int, ranks: int, *, padding: int | None = None,
                   buffers: PLEHashBuffers | None = None) -> RankRows:
     """The rows rank ``rank`` of ``ranks`` holds of layer ``layer_id``'s table in vLLM's (and SGLang's) vocabulary-
@@ -167,6 +207,23 @@ class PLERows:
             return call.result
         return self._gather.submit(lambda: self._run(call), ids)
 
+    def bind(self, out: Any, *, row_start: int = 0, row_end: int | None = None) -> "BoundRows":
+        """``out`` (``[max_T, heads, width]`` of either form: an engine's staging buffer) and the rank's rows checked
+        once, for gathers of up to ``max_T`` tokens at a decode step's cadence: ``bound(ids)`` fills ``out[:T]`` with
+        the rows of ``ids [T, heads]`` as ``gather_into`` would, checking only the ids (the buffer's checks and views
+        are not redone each step)."""
+        heads = self.config.heads
+        probe = np.full((1, heads), -1, dtype=np.int64)
+        view = host_array(out, "out")
+        if view.array.ndim != 3 or view.array.shape[0] < 1 or view.array.shape[1] != heads:
+            raise InvalidArgument(f"out: expected a [max_T, {heads}, width] buffer, got {list(view.array.shape)}")
+        call = self._check(probe, view.array[:1], row_start, row_end, False)  # the form, the window, refusals
+        flat = _rows_of(view.array)
+        target = flat.view(np.uint8) if call.out.itemsize == 1 else flat
+        straight = target.view(self._store_dtype) if call.straight is not None and target.flags.c_contiguous \
+            else None
+        return BoundRows(self, target, straight, call.v0, call.v1, out, view.array.shape[0])
+
     def _check(self, ids: Any, out: Any, row_start: Any, row_end: Any, copy_ids: bool) -> _Call:
         kind = _NUMPY_KINDS.get(out.dtype) if type(out) is np.ndarray and out.flags.writeable else None
         if kind is None:  # a tensor, an ml_dtypes array, a read-only or odd buffer: the general view
@@ -180,13 +237,7 @@ class PLERows:
             raise InvalidArgument(f"out: expected [*ids.shape, {arr.shape[-1]}] = "
                                   f"{list(ids_arr.shape) + [arr.shape[-1]]} (ids {list(ids_arr.shape)}), got "
                                   f"{list(arr.shape)}")
-        flat = arr.view()
-        try:
-            flat.shape = (ids_arr.size, arr.shape[-1])  # a view, never a copy: refused where it would need one
-        except AttributeError:
-            raise InvalidArgument(f"out: expected a buffer whose leading axes {list(arr.shape[:-1])} can be viewed as "
-                                  f"one axis of {ids_arr.size} rows (as a slice of a larger batch can), got strides "
-                                  f"{list(arr.strides)}") from None
+        flat = _rows_of(arr)
         v0, v1 = self._window(row_start, row_end)
         ids_flat = ids_arr.reshape(-1)
         bad = _k.first_bad(ids_flat, self.total)

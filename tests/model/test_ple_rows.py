@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import model_helpers as ref
-from engram_model.ple import (PLEConfig, PLEHasher, PLERows, RowsHandle, load_ple_hash_buffers, load_ple_table,
+from engram_model.ple import (BoundRows, PLEConfig, PLEHasher, PLERows, RowsHandle, load_ple_hash_buffers, load_ple_table,
                               ple_rank_rows, ple_store_config, write_toy_checkpoint)
 from engram_model.ple._toy import toy_tensors
 from engram_store import DistributedStore, EngramStore, InvalidArgument, InvalidType
@@ -306,6 +306,45 @@ def test_torch_ids_and_buffers(in_memory):
     rows.gather_into(torch.from_numpy(ids.astype(np.int32)), bf16, row_start=2000)
     np.testing.assert_array_equal(bf16.view(torch.int16).numpy().view(np.uint16),
                                   expected(dtype, ids, 2000, ROWS, False))
+
+
+@pytest.mark.parametrize("kind", ["memory", "disk_dir"])
+def test_a_bound_buffer_gives_what_gather_into_gives(kind, tmp_path):
+    """bind(): a decode step's staging buffer and a rank's rows checked once; each step's ids fill out[:T], bit for
+    bit gather_into's, in both forms, from memory and through staged reads; bad ids and shapes are refused, writing
+    nothing; a buffer that cannot be seen as rows is refused at bind."""
+    dtype = "float8_e4m3fn"
+    config, layout = CONFIGS[dtype], ple_store_config(CONFIGS[dtype], LAYER)
+    where = {} if kind == "memory" else {"disk_dir": tmp_path}
+    if where:
+        with EngramStore(LAYER, layout, None, **where) as es:
+            es.populate(heads_of(TABLES[dtype]))
+    with EngramStore(LAYER, layout, None, **where) as es:
+        if not where:
+            es.bind_local(heads_of(TABLES[dtype]))
+        rows = PLERows(es, config, LAYER)
+        start, end, _ = ple_rank_rows(config, LAYER, 2, 4)
+        rng = np.random.default_rng(10)
+        for buffer, raw in ((np.zeros((8, 16, 160), np.uint8), True), (np.zeros((8, 16, 160), ml_dtypes.bfloat16),
+                                                                        False)):
+            bound = rows.bind(buffer, row_start=start, row_end=end)
+            assert isinstance(bound, BoundRows)
+            for T in (1, 5, 8):
+                ids = any_ids(rng, (T, 16), [(start, end)])
+                assert bound(ids.astype(np.int32 if T == 5 else np.int64)) is buffer
+                got = buffer[:T].view(np.uint8 if raw else np.uint16)
+                np.testing.assert_array_equal(got, expected(dtype, ids, start, end, raw))
+            before = buffer.copy()
+            for ids, words in ((np.zeros((9, 16), np.int64), r"1 <= T <= 8"), (np.zeros((2, 15), np.int64),
+                                                                                 "heads = 16"),
+                               (np.full((2, 16), HEADED, np.int64), "is no row of layer 2's heads")):
+                with pytest.raises(InvalidArgument, match=words):
+                    bound(ids)
+            np.testing.assert_array_equal(buffer.view(np.uint8), before.view(np.uint8))
+    with pytest.raises(InvalidArgument, match="leading axes"):
+        rows.bind(np.zeros((4, 2, 16, 160), np.uint8)[:, 1])
+    with pytest.raises(InvalidArgument, match=r"out: expected a \[max_T, 16, width\] buffer"):
+        rows.bind(np.zeros((4, 160), np.uint8))
 
 
 def test_background_gathers_copy_the_ids(in_memory):
