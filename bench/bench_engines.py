@@ -64,12 +64,13 @@ def main() -> int:
     parser.add_argument("--startup-gb", type=float, default=None, help="table size of the start-up section "
                         "(default 4, --quick 1)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="V41Rows threads for large gathers")
-    parser.add_argument("--json", default=default_json_path("bench_engines"))
+    parser.add_argument("--json", default=None, help="default: bench/results/bench_engines.json, or "
+                        "bench_engines_ple.json for the PLE part alone")
     parser.add_argument("--families", default="v41,ple", help="the model families' rows to run: v41, ple or both")
     _engines_ple.add_arguments(parser)
     args = parser.parse_args()
     if "v41" not in args.families.split(","):  # the PLE part alone
-        write_json(args.json, {"ple": _engines_ple.run(args, args.sections.split(","))})
+        write_json(args.json or default_json_path("bench_engines_ple"), {"ple": _engines_ple.run(args, args.sections.split(","))})
         return 0
     per_column = args.rows_per_column or (60_000 if args.quick else 250_000)
     rounds = {"decode": 15 if args.quick else 60, "prefill": 3 if args.quick else 9}
@@ -106,7 +107,7 @@ def main() -> int:
         results["startup"] = startup(args.startup_gb or (1.0 if args.quick else 4.0), HOST_CACHE_BYTES)
     if "ple" in args.families.split(","):  # memory, local_dir, disk and remote of the PLE tables
         results["ple"] = _engines_ple.run(args, sections)
-    write_json(args.json, results)
+    write_json(args.json or default_json_path("bench_engines"), results)
     return 0
 
 

@@ -36,6 +36,7 @@ this host's memory one kernel gathers them; elsewhere they are read with ``looku
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -53,6 +54,8 @@ E4M3_BF16 = (E4M3_TABLE.view(np.uint32) >> 16).astype(np.uint16)
 E4M3_BF16.flags.writeable = False
 #: A NumPy buffer's dtype, as host_array names it (its bits are the array itself).
 _NUMPY_KINDS = {np.dtype(np.uint8): "uint8", np.dtype(np.uint16): "uint16"}
+#: The ids' dtypes taken without a copy.
+_ID_DTYPES = frozenset((np.dtype(np.int32), np.dtype(np.int64)))
 #: SGLang's VocabParallelEmbedding pads a vocabulary to this many rows (DEFAULT_VOCAB_PADDING_SIZE) before cutting
 #: it over ranks; vLLM's PLE table pads to the config's make_ngram_vocab_size_divisible_by.
 SGLANG_PADDING = 64
@@ -80,7 +83,7 @@ def _rows_of(arr: np.ndarray) -> np.ndarray:
     """``arr [..., width]`` as ``[rows, width]``: a view, never a copy (refused where it would need one)."""
     flat = arr.view()
     try:
-        flat.shape = (int(np.prod(arr.shape[:-1])), arr.shape[-1])
+        flat.shape = (math.prod(arr.shape[:-1]), arr.shape[-1])  # math.prod: np.prod costs 5 us
     except AttributeError:
         raise InvalidArgument(f"out: expected a buffer whose leading axes {list(arr.shape[:-1])} can be viewed as one "
                               f"axis of rows (as a slice of a larger batch can), got strides {list(arr.strides)}") \
@@ -90,30 +93,50 @@ def _rows_of(arr: np.ndarray) -> np.ndarray:
 
 class BoundRows:
     """:meth:`PLERows.bind`'s gathers into one checked buffer (``target``: its rows as the kernels write them,
-    ``[max_T * heads, width]``; ``out``: the caller's)."""
+    ``[max_T * heads, width]``; ``out``: the caller's). A decode step's call is the ids' checks, the store's check
+    of its tables and one kernel: the views of ``out`` for each step's tokens are made once."""
 
     def __init__(self, rows: "PLERows", target: np.ndarray, straight: np.ndarray | None, v0: int, v1: int, out: Any,
                  max_tokens: int):
         self.rows, self.target, self.straight, self.v0, self.v1, self.out = rows, target, straight, v0, v1, out
-        self.max_tokens = max_tokens
+        self.max_tokens, self.heads = max_tokens, rows.config.heads
+        self.words = word_view(target) if target.itemsize == 1 else None  # raw rows a word at a time
+        self._views: dict[int, tuple] = {}  # T -> the views of its rows: (target, straight, words)
 
     def __call__(self, ids: Any) -> Any:
         """Fill ``out[:T]`` with the rows of ``ids [T, heads]`` (refused as ``gather_into`` refuses them, writing
         nothing); returns ``out``."""
-        rows, heads = self.rows, self.rows.config.heads
-        arr = ids if (isinstance(ids, np.ndarray) and ids.ndim == 2 and ids.dtype in (np.int32, np.int64)
+        rows = self.rows
+        arr = ids if (type(ids) is np.ndarray and ids.dtype in _ID_DTYPES and ids.ndim == 2
                       and ids.flags.c_contiguous) else as_ids(ids, 2, False, "[T, heads]")
         T = arr.shape[0]
-        if arr.shape[1] != heads or not 0 < T <= self.max_tokens:
+        if arr.shape[1] != self.heads or not 0 < T <= self.max_tokens:
             raise InvalidArgument(f"ids: expected [T, heads] with 1 <= T <= {self.max_tokens} (the bound buffer's "
-                                  f"tokens) and heads = {heads}, got {list(arr.shape)}")
+                                  f"tokens) and heads = {self.heads}, got {list(arr.shape)}")
         flat = arr.reshape(-1)
         bad = _k.first_bad(flat, rows.total)
         if bad >= 0:
             raise InvalidArgument(rows._bad_id(arr, int(bad)))
-        n = T * heads
-        return rows._run(_Call(flat, self.target[:n], self.v0, self.v1,
-                               None if self.straight is None else self.straight[:n], self.out))
+        views = self._views.get(T) or self._view(T)
+        rows._gather.gather(self._from_span, rows._staged, _Call(flat, views[0], self.v0, self.v1, views[1], views))
+        return self.out
+
+    def _view(self, T: int) -> tuple:
+        n = T * self.heads
+        views = self._views[T] = (self.target[:n], None if self.straight is None else self.straight[:n],
+                                  None if self.words is None else self.words[:n])
+        return views
+
+    def _from_span(self, span: Span, call: _Call) -> None:
+        """PLERows._from_span with the word view made at bind (``call.result``: the step's views)."""
+        words = call.result[2]
+        if words is None or span.words is None:
+            self.rows._from_span(span, call)
+            return
+        g = self.rows._gather
+        g.split_range(call.ids.shape[0], lambda a, b: _k.rows_from_span(
+            span.words, span.word_delta, g.offsets, call.ids, call.v0, call.v1, a, b, g.row_bytes // 8, E4M3_BF16,
+            words))
 
 
 def ple_rank_rows(config: PLEConfig, layer_id: int, rank: int, ranks: int, *, padding: int | None = None,

@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import model_helpers as ref
-from engram_model.ple import (BoundRows, PLEConfig, PLEHasher, PLERows, RowsHandle, load_ple_hash_buffers, load_ple_table,
-                              ple_rank_rows, ple_store_config, write_toy_checkpoint)
+from engram_model.ple import (BoundRows, PLEConfig, PLEHasher, PLERows, RowsHandle, load_ple_hash_buffers,
+                              load_ple_table, ple_rank_rows, ple_store_config, write_toy_checkpoint)
 from engram_model.ple._toy import toy_tensors
 from engram_store import DistributedStore, EngramStore, InvalidArgument, InvalidType
 
@@ -308,13 +308,14 @@ def test_torch_ids_and_buffers(in_memory):
                                   expected(dtype, ids, 2000, ROWS, False))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["memory", "disk_dir"])
-def test_a_bound_buffer_gives_what_gather_into_gives(kind, tmp_path):
+def test_a_bound_buffer_gives_what_gather_into_gives(kind, dtype, tmp_path):
     """bind(): a decode step's staging buffer and a rank's rows checked once; each step's ids fill out[:T], bit for
-    bit gather_into's, in both forms, from memory and through staged reads; bad ids and shapes are refused, writing
-    nothing; a buffer that cannot be seen as rows is refused at bind."""
-    dtype = "float8_e4m3fn"
+    bit the engines' rows, in both forms, from memory and through staged reads; bad ids and shapes are refused,
+    writing nothing; a buffer that cannot be seen as rows is refused at bind."""
     config, layout = CONFIGS[dtype], ple_store_config(CONFIGS[dtype], LAYER)
+    row_bytes = config.row_format.row_bytes
     where = {} if kind == "memory" else {"disk_dir": tmp_path}
     if where:
         with EngramStore(LAYER, layout, None, **where) as es:
@@ -325,26 +326,39 @@ def test_a_bound_buffer_gives_what_gather_into_gives(kind, tmp_path):
         rows = PLERows(es, config, LAYER)
         start, end, _ = ple_rank_rows(config, LAYER, 2, 4)
         rng = np.random.default_rng(10)
-        for buffer, raw in ((np.zeros((8, 16, 160), np.uint8), True), (np.zeros((8, 16, 160), ml_dtypes.bfloat16),
-                                                                        False)):
+        for buffer, raw in ((np.zeros((8, 16, row_bytes), np.uint8), True),
+                            (np.zeros((8, 16, 160), ml_dtypes.bfloat16), dtype == "bfloat16")):
             bound = rows.bind(buffer, row_start=start, row_end=end)
             assert isinstance(bound, BoundRows)
-            for T in (1, 5, 8):
+            for T in (1, 5, 8, 5):
                 ids = any_ids(rng, (T, 16), [(start, end)])
                 assert bound(ids.astype(np.int32 if T == 5 else np.int64)) is buffer
-                got = buffer[:T].view(np.uint8 if raw else np.uint16)
+                got = buffer[:T].view(np.uint8).view(TABLES[dtype].dtype) if raw else buffer[:T].view(np.uint16)
                 np.testing.assert_array_equal(got, expected(dtype, ids, start, end, raw))
             before = buffer.copy()
             for ids, words in ((np.zeros((9, 16), np.int64), r"1 <= T <= 8"), (np.zeros((2, 15), np.int64),
                                                                                  "heads = 16"),
-                               (np.full((2, 16), HEADED, np.int64), "is no row of layer 2's heads")):
-                with pytest.raises(InvalidArgument, match=words):
+                               (np.full((2, 16), HEADED, np.int64), "is no row of layer 2's heads"),
+                               (np.zeros((2, 16), np.float32), "int32 or int64")):
+                with pytest.raises((InvalidArgument, InvalidType), match=words):
                     bound(ids)
             np.testing.assert_array_equal(buffer.view(np.uint8), before.view(np.uint8))
     with pytest.raises(InvalidArgument, match="leading axes"):
-        rows.bind(np.zeros((4, 2, 16, 160), np.uint8)[:, 1])
+        rows.bind(np.zeros((4, 2, 16, row_bytes), np.uint8)[:, 1])
     with pytest.raises(InvalidArgument, match=r"out: expected a \[max_T, 16, width\] buffer"):
-        rows.bind(np.zeros((4, 160), np.uint8))
+        rows.bind(np.zeros((4, row_bytes), np.uint8))
+
+
+def test_a_bound_torch_buffer_takes_torch_ids(in_memory):
+    """An engine's pinned staging tensor (bf16) bound once, fed torch ids: the same rows as gather_into."""
+    torch = pytest.importorskip("torch", reason="torch is an optional extra (pip install -e '.[torch]')")
+    dtype, rows = in_memory
+    staging = torch.zeros((6, 16, 160), dtype=torch.bfloat16)
+    bound = rows.bind(staging, row_start=2000, row_end=ROWS)
+    ids = any_ids(np.random.default_rng(11), (4, 16), [(2000, ROWS)])
+    assert bound(torch.from_numpy(ids)) is staging
+    got = staging[:4].view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(got, expected(dtype, ids, 2000, ROWS, dtype == "bfloat16").view(np.uint16))
 
 
 def test_background_gathers_copy_the_ids(in_memory):
