@@ -59,8 +59,19 @@ class StoreSource(KeyedSource):
         except ObjectNotFound:
             return None
 
-    def put_manifest(self, lay: Layer, data: bytes, replica_num: int) -> int:
-        return self.native.put_generations([lay.manifest_key], [data], replica_num=replica_num)[1][0]
+    def put_manifest(self, lay: Layer, data: bytes, replica_num: int, heads: dict[str, int] | None = None) -> int:
+        """Published only while every head of the layer is the object ``heads`` names (this populate's) or, for
+        another shard's head, the object there as the manifest is put: the master checks them with the
+        publication (``put_generations(requires=)``), so a remove of the heads meanwhile fails this put
+        (WriteFenced) instead of leaving a manifest without its heads."""
+        heads = dict(heads or {})
+        others = [key for key in lay.layer_keys if key not in heads]
+        if others:
+            for info in self.native.locate(others, lease=False):
+                if info.replicas and info.replicas[0].generation:
+                    heads[info.key] = info.replicas[0].generation
+        return self.native.put_generations([lay.manifest_key], [data], replica_num=replica_num,
+                                           requires=list(heads.items()))[1][0]
 
     def put_tables(self, lay: Layer, tables: list[np.ndarray], replica_num: int, bar: Any) -> Upload:
         # The store computes each table's xxh3_64 while it uploads (and the master keeps them).
