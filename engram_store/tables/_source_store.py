@@ -15,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import kernels as _kernels
-from .._errors import ObjectNotFound, SegmentUnavailable, StalePlacement, StoreError
+from .._errors import ObjectNotFound, SegmentUnavailable, StalePlacement, StoreError, WriteFenced
 from ._keyed import KeyedSource, Upload, Written
 from ._layout import Layer
 from ._placement import Placement, Placements, PlacementState
@@ -66,10 +66,14 @@ class StoreSource(KeyedSource):
         (WriteFenced) instead of leaving a manifest without its heads."""
         heads = dict(heads or {})
         others = [key for key in lay.layer_keys if key not in heads]
-        if others:
-            for info in self.native.locate(others, lease=False):
-                if info.replicas and info.replicas[0].generation:
-                    heads[info.key] = info.replicas[0].generation
+        try:
+            infos = self.native.locate(others, lease=False) if others else []
+        except ObjectNotFound as exc:  # removed since publish() saw every shard's heads
+            raise WriteFenced(f"populate layer {lay.layer_id}: a head of another shard was removed before the "
+                              f"manifest was published ({exc}); nothing was published") from exc
+        for info in infos:
+            if info.replicas and info.replicas[0].generation:
+                heads[info.key] = info.replicas[0].generation
         return self.native.put_generations([lay.manifest_key], [data], replica_num=replica_num,
                                            requires=list(heads.items()))[1][0]
 

@@ -321,6 +321,27 @@ def test_engram_layers_remove_between_a_populates_heads_and_its_manifest_leaves_
         np.testing.assert_array_equal(layer.lookup(layer_ids(9, (2, 8))), expected_rows(tables, layer_ids(9, (2, 8))))
 
 
+def test_the_last_shard_publishes_the_manifest_only_while_every_shards_heads_are_there():
+    """A layer written as two head shards: the second publishes the manifest, naming the first shard's heads as
+    the master gave them; one removed before the publication makes it fail (WriteFenced), leaving no manifest."""
+    tables = layer_tables(14)
+    with Cluster(segments=1, segment_size="8MiB", heartbeat_timeout_s=30.0) as c, \
+            DistributedStore.connect(c.address, local_direct=False) as store, \
+            DistributedStore.connect(c.address, local_direct=False) as other:
+        EngramStore(9, CONFIG, store, heads=[0, 1]).populate(tables[:2])
+        put_generations = store.put_generations
+
+        def racing(keys, *args, **kwargs):
+            if keys == ["engram:l9:manifest"]:
+                other.remove("engram:l9:h0", force=True)
+            return put_generations(keys, *args, **kwargs)
+
+        store.put_generations = racing
+        with pytest.raises(WriteFenced, match="'engram:l9:h0' is no longer the object put"):
+            EngramStore(9, CONFIG, store, heads=[2, 3]).populate(tables[2:])
+        assert [k.key for k in store.list_keys()] == ["engram:l9:h1"], "a manifest or the shard's heads were left"
+
+
 def test_a_forced_remove_that_ends_a_populate_makes_it_raise_write_fenced():
     """docs/store.md: a write whose put was ended (here by ``remove_from_store(force=True)`` while the heads are
     written) is refused with WriteFenced, and nothing of it is published."""
