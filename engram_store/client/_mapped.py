@@ -35,11 +35,11 @@ Checks = Sequence[tuple[np.ndarray | None, np.ndarray]]
 
 def read_mapped(read: Callable[[], T], checks: Checks, fresh: bool, what: str) -> T:
     """``read()``, whose result may be used: at once when ``fresh`` (the master's answer is younger than half its
-    reuse delay) or nothing is named, else between a check of every table in ``checks`` and a recheck (see the
+    reuse delay), else between a check of every table in ``checks`` and a recheck (see the
     module docstring). Raises StalePlacement, naming ``what`` (the layer or object read), where a check fails; the
     caller must then drop what ``read`` wrote. An error ``read`` raised stands only where the recheck holds (an
     error about bytes another put wrote is no error of these tables)."""
-    if fresh or not checks:
+    if fresh:
         return read()
     seqs = [_check(table, pairs, what) for table, pairs in checks]
     try:

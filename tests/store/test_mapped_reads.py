@@ -3,6 +3,9 @@ in process and fast: a segment's real generation table, a real master and segmen
 The same rules under churn, over processes, are ``tests/faults/test_churn_reads.py``."""
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import numpy as np
 import pytest
 
@@ -110,6 +113,13 @@ def test_a_lookups_mapped_tables_are_checked_from_half_the_reuse_delay_on():
         out = np.zeros((2, 2, 16), np.float32)
         with pytest.raises(StalePlacement):
             placements.gather(lay, placement, ids.reshape(-1, 2), out.reshape(-1).view(np.uint8), 1, age=safe)
+        # Without an age, the placement's own: a fresh one is read as it is, though nothing here could prove it.
+        fresh = dataclasses.replace(placement, checked_at=time.monotonic(),
+                                    local_checks=tuple((None, pairs) for _, pairs in placement.local_checks))
+        assert placements.read_mapped(lay, fresh, lambda: "rows") == "rows"
+        with pytest.raises(StalePlacement, match="nothing here can"):
+            placements.read_mapped(lay, dataclasses.replace(fresh, checked_at=time.monotonic() - safe),
+                                   lambda: pytest.fail("read"))
 
 
 def test_the_row_cache_serves_and_keeps_only_rows_of_the_placement_it_holds():
