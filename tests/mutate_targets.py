@@ -27,6 +27,9 @@ MAPPED_TESTS = ("tests/store/test_mapped_reads.py",
                 f"{CHURN}lookups_and_local_copies_cut_off_from_the_master_never_read_what_took_the_space")
 PLACEMENT_TESTS = ("tests/store/test_read_matrix.py", "tests/faults/test_at_rest.py::test_a_reader_cut_off_from_the_"
                    "master_never_reads_a_layer_written_where_a_restarted_segment_held_its_own")
+V41_TESTS = ("tests/model/test_v41_rows.py::test_every_table_kind_gives_the_engines_rows",
+             f"{CHURN}v41_rows_cut_off_from_the_master_never_read_the_layer_written_in_its_space",
+             "tests/model/test_v41_rows.py")
 CACHE_TESTS = (f"{CHURN}a_row_cache_filled_while_the_layer_is_written_again_never_serves_the_earlier_rows",
                *(f"tests/tables/test_engram_store.py::test_row_cache_{name}" for name in (
                    "returns_the_same_rows_and_counts_hits", "serves_repeats_without_requests_and_forgets_a_repopulated_"
@@ -69,10 +72,8 @@ TARGETS = [
            MAPPED_TESTS + PLACEMENT_TESTS),
     Target("engram_store/tables/_source_store.py",
            ("StoreSource.read_local", "StoreSource._clear_cache", "_RowCache.probe", "_RowCache.fill",
-            "_RowCache.clear"), MAPPED_TESTS + CACHE_TESTS),
-    Target("engram_model/v41/_rows.py", ("V41Rows._run", "V41Rows._from_mapped"),
-           (f"{CHURN}v41_rows_cut_off_from_the_master_never_read_the_layer_written_in_its_space",
-            "tests/model/test_v41_rows.py")),
+            "_RowCache.clear"), MAPPED_TESTS + CACHE_TESTS + V41_TESTS),
+    Target("engram_model/v41/_rows.py", ("V41Rows._run", "V41Rows._from_mapped"), V41_TESTS),
     # V4.1's ragged decode state
     Target("engram_model/v41/_hasher.py",
            ("V41Hasher.step_ragged", "V41Hasher.commit", "V41Hasher._ragged", "V41Hasher._ragged_refused"),
@@ -119,6 +120,12 @@ CONTINUES = "r >= 0 and range_head[r] == j and row == prev + 1"  # _rows_to_rang
 RESHAPE = "NumPy's reshape takes any negative size as the one size it works out"
 #: Why CLOCK always finds a victim where the cache kernels guard against none.
 ONE_UNPINNED = "redundant (see the comment beside it): pin() leaves a way of every set unpinned, so CLOCK finds a victim"
+
+#: Why V41Rows' memory path never meets tables that are not C-contiguous: EngramStore.local_tables gives each head's
+#: table as a reshape of a flat read-only view (InMemory.views), for every source with tables here.
+CONTIGUOUS = ("redundant (see the comment beside it): every table local_tables gives is C-contiguous (a reshape of a "
+              "flat view, InMemory.views), so the memory path is taken whatever the guard says")
+SPAN_GUARD = "tables is not self._span_of and not all(t.flags.c_contiguous for t in tables)"
 
 #: Mutants that change nothing a caller can observe: ``(path, function, old, new) -> why``, or with the code of the
 #: line the change is on (no indentation, no comment) as a fifth item where the same change occurs twice in a
@@ -356,4 +363,10 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "more passes of the radix sort over bits that are all zero leave the order as it is (a speed loss)",
     ("engram_store/kernels/_sort.py", "_sort_positions", "(span >> shift) > 0", "span >> shift >= 0"):
         "more passes of the radix sort over bits that are all zero leave the order as it is (a speed loss)",
+    # reads of mapped memory
+    ("engram_store/tables/_source_store.py", "_RowCache.clear", "1", "2"):
+        "a cache key is never negative (head << 40 | row): a fill of -2 empties the cache as -1 does",
+    **{("engram_model/v41/_rows.py", "V41Rows._from_mapped", old, new): CONTIGUOUS for old, new in (
+        (SPAN_GUARD, "False"), (SPAN_GUARD, "not all((t.flags.c_contiguous for t in tables))"),
+        ("tables is not self._span_of", "tables is self._span_of"), ("False", "True"))},
 }

@@ -211,6 +211,7 @@ class V41Rows:
         return call.result
 
     def _from_mapped(self, call: _Call, tables: list[np.ndarray]) -> bool:
+        # (redundant today: local_tables gives C-contiguous views of flat tables; kept for a source that would not)
         if tables is not self._span_of and not all(t.flags.c_contiguous for t in tables):
             return False
         self._from_memory(call, tables)

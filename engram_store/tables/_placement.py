@@ -78,6 +78,17 @@ class Placement:
         return any(address in failed for address, *_ in self.remote)
 
 
+def _ttls(segments_only: bool, remote: dict) -> tuple[float, float]:
+    """A placement's (ttl_s, stale_s): how often it is checked with the master, not what may be read (mapped tables
+    pass read_mapped, remote reads name their puts). ``segments_only``: every table is read through its segment
+    and the mappings were looked for (not a placement built without them while the master did not answer); where
+    every read names its put too, a segment refuses what changed, and the master is asked far more rarely (see
+    REMOTE_PLACEMENT_TTL_S)."""
+    if segments_only and all(r.generation for entries in remote.values() for _, _, r in entries):
+        return REMOTE_PLACEMENT_TTL_S, REMOTE_PLACEMENT_STALE_S
+    return PLACEMENT_TTL_S, PLACEMENT_STALE_S
+
+
 class PlacementState:
     """What a store source knows of one layer: its placement, the master's last answer, the hot-row cache."""
 
@@ -257,7 +268,7 @@ class Placements:
                 if view is not None and 0 <= r.offset <= view.size - nbytes:
                     local_tables.append((h, view[r.offset:r.offset + nbytes]))
                     mapped.setdefault(r.segment_id, []).append((native.local_table(r), r.offset, nbytes,
-                                                                getattr(r, "generation", 0)))
+                                                                r.generation))
                     break
             else:
                 r = live[h % len(live)]
@@ -271,19 +282,14 @@ class Placements:
             checks.append(_kernels.readonly(_kernels.check_pairs_for(
                 np.array([offset for _, offset, _ in entries], dtype=np.int64),
                 np.array([lay.sizes[h] * lay.row_bytes for h, _, _ in entries], dtype=np.int64),
-                np.array([getattr(r, "generation", 0) for _, _, r in entries], dtype=np.int64))))
+                np.array([r.generation for _, _, r in entries], dtype=np.int64))))
         # A segment with a table whose put is unknown (generation 0) cannot prove it: no table to check against.
         local_checks = tuple((heads[0][0] if all(gen for *_, gen in heads) else None,
                               _kernels.readonly(_kernels.check_pairs_for(
                                   *(np.array(column, dtype=np.int64) for column in list(zip(*heads))[1:]))))
                              for heads in mapped.values())
         checked = all(table is not None for table, _ in local_checks)
-        # Read only through segments, each read naming every table's put: a segment refuses what changed (see
-        # REMOTE_PLACEMENT_TTL_S). Not so for a placement built without the mappings (the master did not answer).
-        through_segments = local and not local_tables and all(getattr(r, "generation", 0)
-                                                               for entries in remote.values() for _, _, r in entries)
-        ttl, stale = (REMOTE_PLACEMENT_TTL_S, REMOTE_PLACEMENT_STALE_S) if through_segments \
-            else (PLACEMENT_TTL_S, PLACEMENT_STALE_S)
+        ttl, stale = _ttls(local and not local_tables, remote)
         return Placement(InMemory.of(lay, local_tables), groups,
                          _kernels.readonly(np.asarray(order, dtype=np.int64)),
                          _kernels.readonly(np.asarray(bases, dtype=np.int64)), signature, checked_at, tuple(checks),

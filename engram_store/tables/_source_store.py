@@ -178,16 +178,15 @@ class StoreSource(KeyedSource):
 
     def read_local(self, lay: Layer, read: Callable[[list[np.ndarray]], bool]) -> bool:
         """``read(tables)`` over the tables mapped here, under :meth:`Placements.read_mapped` (the one rule of mapped
-        reads); a table written over meanwhile forgets the placement (the caller's lookup asks the master again)
-        and answers False."""
+        reads): False where a table was written over meanwhile (the caller's lookup of the rows meets the same
+        check, and asks the master again)."""
         placement = self.placements.get(lay, set())
         tables = placement.memory.views(lay)
         if tables is None:
             return False
         try:
             return self.placements.read_mapped(lay, placement, lambda: read(tables))
-        except StalePlacement as exc:
-            self.placements.stale(lay, exc)
+        except StalePlacement:
             return False
 
     def _read_one(self, lay: Layer, ids2: np.ndarray, flat: np.ndarray, unchecked: np.ndarray | None = None) -> None:

@@ -102,6 +102,7 @@ def test_a_lookups_mapped_tables_are_checked_from_half_the_reuse_delay_on():
         lay = layer._layer(None)
         placement, placements = lay.state.placement, layer._source.placements
         assert placement.memory.sources and placement.local_checked, "the layer is mapped here"
+        assert layer.stats()["placement_refreshes"] == 1  # built once
         safe = placements.local_safe_s()
         assert safe == store.reuse_delay_s / 2 == 1.0
         assert placements.read_mapped(lay, placement, lambda: "rows", age=safe * 2) == "rows"
@@ -143,3 +144,26 @@ def test_the_row_cache_serves_and_keeps_only_rows_of_the_placement_it_holds():
     cache.clear(("p2",))  # the layer moved: a fill of a read begun under p1 must not land
     cache.fill(("p1",), keys, np.arange(3), rows, np.zeros((3, 2), np.float32))
     assert cache.probe(("p2",), keys, got)[1] == 0 and cache.probe(("p1",), keys, got)[1] == 0
+
+
+def test_only_tables_that_lie_wholly_in_a_mapped_segment_are_read_in_place():
+    """A head whose table ends exactly at the segment's end is read in place; a master answer that names a place
+    running past the mapping (or before it) is read through the segment, never from beyond the mapped memory."""
+    one = EngramStoreConfig(table_vocab_sizes=[16384], embedding_dim=16)  # 1 MiB: the whole segment
+    rows = np.random.default_rng(1).standard_normal((16384, 16), dtype=np.float32)
+    with MasterServer("127.0.0.1", 0).start() as master, \
+            SegmentServer(1 << 20, master.address, host="127.0.0.1", port=0).start(), \
+            DistributedStore(master.address, local_direct=True) as store:
+        store.put("engram:l2:h0", rows)  # the table alone (no room for a manifest): read without one
+        layer = EngramStore(2, one, store, require_manifest=False)
+        ids = np.array([[[0], [16383]]])
+        np.testing.assert_array_equal(layer.lookup(ids)[0, :, 0], rows[[0, 16383]])
+        assert layer.stats()["local_rows"] == 2, "a table filling its segment is read in place"
+        lay, placements = layer._layer(None), layer._source.placements
+        (info,) = store.locate(lay.keys, lease=False)
+        for offset in (64, -64):  # past the end of the mapping, before its start
+            moved = dataclasses.replace(info, replicas=tuple(dataclasses.replace(r, offset=offset)
+                                                             for r in info.replicas))
+            placement = placements._build(lay, [moved], set(), ("moved", offset), time.monotonic())
+            assert not placement.memory.sources and [h for h in placement.order] == [0], \
+                f"a table at offset {offset} of a mapped segment of its own size was read in place"
