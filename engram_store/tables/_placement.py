@@ -78,13 +78,13 @@ class Placement:
         return any(address in failed for address, *_ in self.remote)
 
 
-def _ttls(segments_only: bool, remote: dict) -> tuple[float, float]:
+def _ttls(local: bool, local_tables: list, remote: dict) -> tuple[float, float]:
     """A placement's (ttl_s, stale_s): how often it is checked with the master, not what may be read (mapped tables
-    pass read_mapped, remote reads name their puts). ``segments_only``: every table is read through its segment
-    and the mappings were looked for (not a placement built without them while the master did not answer); where
-    every read names its put too, a segment refuses what changed, and the master is asked far more rarely (see
+    pass read_mapped, remote reads name their puts). Where every table is read through its segment (none mapped
+    here, the mappings looked for: ``local``, not a placement built without them while the master did not answer)
+    and every read names its put, a segment refuses what changed: the master is asked far more rarely (see
     REMOTE_PLACEMENT_TTL_S)."""
-    if segments_only and all(r.generation for entries in remote.values() for _, _, r in entries):
+    if local and not local_tables and all(r.generation for entries in remote.values() for _, _, r in entries):
         return REMOTE_PLACEMENT_TTL_S, REMOTE_PLACEMENT_STALE_S
     return PLACEMENT_TTL_S, PLACEMENT_STALE_S
 
@@ -289,7 +289,7 @@ class Placements:
                                   *(np.array(column, dtype=np.int64) for column in list(zip(*heads))[1:]))))
                              for heads in mapped.values())
         checked = all(table is not None for table, _ in local_checks)
-        ttl, stale = _ttls(local and not local_tables, remote)
+        ttl, stale = _ttls(local, local_tables, remote)
         return Placement(InMemory.of(lay, local_tables), groups,
                          _kernels.readonly(np.asarray(order, dtype=np.int64)),
                          _kernels.readonly(np.asarray(bases, dtype=np.int64)), signature, checked_at, tuple(checks),
