@@ -206,18 +206,15 @@ class EngramStore:
 
     def local_tables(self, *, layer: int | None = None) -> list[np.ndarray] | None:
         """Each head's table as a read-only ``[N_h, row_bytes]`` uint8 view of this host's memory, in head order, or
-        None when some head is not here (read over the network, or from disk): tables bound with :meth:`bind_local`
-        or under ``local_dir`` always are, a store's when their segment is mapped on this host. A view shows what
-        that memory holds when it is read: a kernel that reads rows in place reads them through :meth:`read_local`.
-        """
+        None when some head is not here (``bind_local`` and ``local_dir`` tables are; a store's when mapped here).
+        A view shows what that memory holds when read: kernels that read rows in place go through read_local."""
         lay = self._layer(layer)
         self._source.ready(lay, "local_tables")
         return self._source.local_tables(lay)
 
     def read_local(self, read: Callable[[list[np.ndarray]], bool], *, layer: int | None = None) -> bool:
-        """``read(tables)`` over :meth:`local_tables`, checked as a lookup's own read of them (docs/store.md, "What
-        a read checks"): what it returns, or False where it did not run or what it wrote must not be used (a head
-        not here, or a store's table removed or written over since the master placed it: read with lookup_into)."""
+        """``read(tables)`` over :meth:`local_tables`, checked as a lookup's read (docs/store.md, "What a read
+        checks"): its result, or False where it did not run or its output must not be used (read with lookup_into)."""
         lay = self._layer(layer)
         self._source.ready(lay, "read_local")
         return self._source.read_local(lay, read)
