@@ -58,21 +58,49 @@ BEFORE_JOURNAL = {2, 5, 345, 606, 60022, 70108, 100017, 424236}
 #: Seeds found before the faults at rest and forks (``tests/nemesis_rest.py``): they replay without them
 #: (``--no-rest``); the explored seeds run with them.
 BEFORE_REST = {2, 5, 345, 606, 60022, 70108, 100017, 424236}
+#: Seeds found before the churn stream (``tests/nemesis_churn.py``): they replay without it (``--no-churn``).
+BEFORE_CHURN = set(FOUND)
 #: Further seeds explored on every run (CI's share of the exploration; each takes 5-20 s, so three keep the suite
 #: inside CI's time; explore more with ``python tests/nemesis.py --seeds A-B``).
 EXPLORED = [101, 404, 505]
+#: The churn stream's tour (every churn operation and fault once, in a short history) runs on this seed: its plan
+#: has a durable segment, for the second segment started on its file.
+TOUR_SEED = 962
+
+
+def _assert_held(history, replay: str) -> None:
+    assert not history.violations, (f"seed {history.seed} broke the contract (replay it with `python "
+                                    f"tests/nemesis.py {replay}`):\n" + "\n".join(history.violations)
+                                    + "\n\nhistory:\n" + "\n".join(op.describe() for op in history.ops[-60:]))
 
 
 @pytest.mark.parametrize("seed", sorted(FOUND) + EXPLORED)
 def test_history_holds_to_the_contract(seed):
     history = run_seed(seed, undo=seed not in BEFORE_UNDO, journal=seed not in BEFORE_JOURNAL,
-                       rest=seed not in BEFORE_REST)
-    replay = (f"--seed {seed}" + (" --no-undo" if seed in BEFORE_UNDO else "")
-              + (" --no-journal-faults" if seed in BEFORE_JOURNAL else "")
-              + (" --no-rest" if seed in BEFORE_REST else ""))
-    assert not history.violations, (f"seed {seed} broke the contract (replay it with `python tests/nemesis.py "
-                                    f"{replay}`):\n" + "\n".join(history.violations) + "\n\nhistory:\n"
-                                    + "\n".join(op.describe() for op in history.ops[-60:]))
+                       rest=seed not in BEFORE_REST, churn=seed not in BEFORE_CHURN)
+    _assert_held(history, f"--seed {seed}" + (" --no-undo" if seed in BEFORE_UNDO else "")
+                 + (" --no-journal-faults" if seed in BEFORE_JOURNAL else "")
+                 + (" --no-rest" if seed in BEFORE_REST else "") + (" --no-churn" if seed in BEFORE_CHURN else ""))
+
+
+def test_the_churn_tour_holds_to_the_contract():
+    """Every operation and fault of the churn stream, once, in a short history: streamed lookups of wide layers
+    removed and populated again, V41Rows in each form over the store, local_dir and disk_dir, a row cache, a
+    populate racing engram-layers remove, a table closed under lookups, SIGINT mid-call, a client cut off, a
+    second segment on a durable segment's file. The history must hold, and must have done each of these."""
+    history = run_seed(TOUR_SEED, tour=True)
+    _assert_held(history, f"--seed {TOUR_SEED} --tour")
+    ran = [op.cmd for op in history.ops if op.worker.startswith("x")]
+    done = {(c["op"], c["kind"]) for c in ran if "kind" in c}
+    assert {("populate", k) for k in ("wide", "v41", "v41-local", "v41-disk")} <= done, done
+    assert {("cli_remove", "v41"), ("cli_remove", "v41-local"), ("close_table", "v41-disk")} <= done, done
+    reads = [c for c in ran if c["op"] == "lookup"]
+    assert {c.get("form") for c in reads} >= {"bf16", "packed", "split"}
+    assert any(c.get("many") for c in reads) and any(c.get("variant") == "cache" for c in reads)
+    assert any(c.get("variant", "").startswith("h") for c in reads) and any(c.get("background") for c in reads)
+    assert any(op.interrupted for op in history.ops), "no call was interrupted"
+    events = "\n".join(history.events)
+    assert "cut off from the master" in events and "a second segment" in events, events
 
 
 @pytest.mark.timeout(120)

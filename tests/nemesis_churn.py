@@ -1,0 +1,308 @@
+"""Ordinary churn for the fault explorer (``tests/nemesis.py``): layers removed and populated again while every read
+path is busy with them, and the faults that come with it.
+
+Two more clients (``x0``, ``x1``, one local-direct and one not, or as the seed draws) run these, drawn from a
+random stream of their own (``churn {seed}``), so a seed's schedule of operations and faults is what it was
+without them (``--no-churn`` replays a seed found before them exactly):
+
+* **layers of every shape** (``tests/nemesis_rows.py``): the small layers; ``wide`` store layers (one head of
+  256-byte rows, so a lookup of many ids is one reply of 2.3 MB, which a segment streams in pieces over the raw
+  channel); V4.1-shaped layers (264-byte rows) in the store, under ``local_dir`` and under ``disk_dir``;
+* **reads** in bursts of up to a dozen, of few or many rows, through every path: ``lookup``, ``prefetch``,
+  ``lookup_into`` (a buffer filled with a sentinel first), a store table with a row cache (``row_cache_bytes``),
+  ``V41Rows.gather_into`` in the bf16, packed and split forms, on head shards (``head_start``) and in the
+  background; a table opened anew before each read (``local_dir`` and ``disk_dir`` opens under churn);
+* **remove and populate again** of one layer by one client, back to back, through ``remove_from_store`` or
+  ``engram-layers remove`` (a process; ``local_dir`` layers are removed only so), with or without ``--force``;
+* **races**: a populate and an ``engram-layers remove`` of the same layer started together;
+* **tables closed** under lookups in flight from another thread, another layer's table opened at once;
+* faults: **SIGINT** to a client mid-call (its next call must answer right or fail cleanly); a **second segment**
+  started on a durable segment's ``--file`` (it must be refused; while it runs, every read is held to the same
+  contract); a churn client **cut off** from the master for a while.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+
+from engram_store.testing import segment_ready, spawn_segment
+
+import nemesis_rows as R
+
+#: The chance that a step of the schedule also gets a churn operation, and a churn fault.
+ACTION_P = 0.5
+FAULT_P = 0.12
+ACTIONS = {"repopulate": 3, "read": 4, "race": 2, "close": 1.5}
+FAULTS = {"sigint": 2, "second_segment": 1, "cut_off": 1.5}
+#: Kinds the churn acts on, and how often.
+KIND_WEIGHTS = {"wide": 2, "v41": 2, "v41-local": 1.5, "v41-disk": 1, "store": 1, "local": 1, "disk": 1}
+CHURN_WORKERS = 2
+#: A short history's churn (``tour=True``, for CI): every action and fault, on every kind of layer, through each
+#: read path, one a step, in this order.
+TOUR = [
+    ("populate", "wide", 21), ("populate", "v41", 11), ("populate", "v41-local", 12), ("populate", "v41-disk", 11),
+    ("read", {"kind": "wide", "layer": 21, "many": True, "api": "into", "repeat": 6}),
+    ("repopulate", "wide", 21),
+    ("read", {"kind": "v41", "layer": 11, "many": True, "form": "bf16", "variant": "h1", "background": True}),
+    ("race", "v41", 11),
+    ("read", {"kind": "v41-local", "layer": 12, "form": "split", "reopen": True, "repeat": 6}),
+    ("repopulate", "v41-local", 12),
+    ("read", {"kind": "v41-disk", "layer": 11, "form": "packed", "reopen": True, "repeat": 4}),
+    ("close", {"kind": "v41-disk", "layer": 11, "form": "packed"}),
+    ("read", {"kind": "wide", "layer": 21, "variant": "cache", "api": "prefetch", "repeat": 4}),
+    ("sigint",), ("cut_off",), ("second_segment",),
+]
+#: A tour's steps of the main schedule: the tour's, and a few more while the last of it runs.
+TOUR_STEPS = len(TOUR) + 4
+#: How long a second segment on a live segment's file has to be refused (it must be, at once).
+INTRUDER_VERDICT_S = 20.0
+
+
+class Churn:
+    """Mixed into ``History``: the churn stream's clients, operations and faults."""
+
+    def churn_init(self, enabled: bool, tour: bool = False) -> None:
+        self.churn_rng = random.Random(f"churn {self.seed}") if enabled else None
+        self.tour = enabled and tour  # every action and fault in turn (a short history for CI)
+        self._tour_step = 0
+        self.intruders: list[dict] = []
+        self._next_churn = 0
+        if self.churn_rng is not None:
+            self.focus = (self._kind(), None)
+            self.focus = (self.focus[0], self.churn_rng.choice(R.LAYERS[R.family(self.focus[0])]))
+
+    @property
+    def main_workers(self) -> dict:
+        """The workers of the main schedule (churn clients aside: the main stream's choices stay what they were)."""
+        return {name: w for name, w in self.workers.items() if not w.churn}
+
+    def churn_workers(self) -> list:
+        return [w for w in self.workers.values() if w.churn and w.proc.alive()]
+
+    def churn_worker_args(self) -> tuple[str, bool, str]:
+        """The name, local-direct flag and network node of the next churn client."""
+        n = self._next_churn
+        self._next_churn += 1
+        local_direct = n % 2 == 0 if self.churn_rng.random() < 0.7 else self.churn_rng.random() < 0.5
+        return f"x{n}", local_direct, self.churn_rng.choice(["client0", "client1", "client2"])
+
+    def churn_setup(self) -> list:
+        if self.churn_rng is None:
+            return []
+        return [self.start_worker(wait=False, churn=True) for _ in range(CHURN_WORKERS)]
+
+    # ---- the stream -------------------------------------------------------------------------------------------
+
+    def churn_step(self) -> None:
+        if self.churn_rng is None:
+            return
+        if self.tour:
+            if self._tour_step < len(TOUR):
+                name, *args = TOUR[self._tour_step]
+                self._tour_step += 1
+                (getattr(self, "_churn_" + name, None) or getattr(self, "_fault_" + name))(*args)
+            return
+        r = self.churn_rng.random()
+        if r < ACTION_P:
+            name = self.churn_rng.choices(list(ACTIONS), weights=list(ACTIONS.values()))[0]
+            getattr(self, "_churn_" + name)()
+        elif r < ACTION_P + FAULT_P:
+            name = self.churn_rng.choices(list(FAULTS), weights=list(FAULTS.values()))[0]
+            getattr(self, "_fault_" + name)()
+
+    def _kind(self) -> str:
+        return self.churn_rng.choices(list(KIND_WEIGHTS), weights=list(KIND_WEIGHTS.values()))[0]
+
+    def _target(self) -> tuple[str, int]:
+        if self.churn_rng.random() < 0.5:
+            return self.focus
+        kind = self._kind()
+        return kind, self.churn_rng.choice(R.LAYERS[R.family(kind)])
+
+    def _idle(self, n: int = 1) -> list:
+        """``n`` idle churn clients, or none (a tour waits for them)."""
+        deadline = self.now() + (60.0 if self.tour else 0.0)
+        while True:
+            idle = sorted((w for w in self.churn_workers() if w.op is None and not w.queue), key=lambda w: w.name)
+            if len(idle) >= n or self.now() >= deadline:
+                return self.churn_rng.sample(idle, n) if len(idle) >= n else []
+            self.pump(self.now() + 0.05)
+
+    def _populate(self, kind: str, layer: int) -> dict:
+        self.generation += 1
+        return {"op": "populate", "kind": kind, "layer": layer, "gen": self.generation,
+                "replicas": self.plan.replicas if R.place(kind) == "store" else 1}
+
+    def _remove(self, kind: str, layer: int) -> dict:
+        force = self.churn_rng.random() < 0.5
+        if R.place(kind) == "local" or self.churn_rng.random() < 0.4:
+            return {"op": "cli_remove", "kind": kind, "layer": layer, "force": force}
+        return {"op": "remove", "kind": kind, "layer": layer, "force": force}
+
+    def _read_cmd(self, kind: str, layer: int) -> dict:
+        rng = self.churn_rng
+        cmd = {"op": "lookup", "kind": kind, "layer": layer, "seed": rng.randrange(1 << 30),
+               "many": rng.random() < 0.5}
+        if R.family(kind) == "v41":
+            cmd["form"] = rng.choice(["bf16", "packed", "split"])
+            cmd["background"] = rng.random() < 0.3
+            if cmd["form"] != "split" and rng.random() < 0.3:
+                cmd["variant"] = rng.choice(["h0", "h1"])
+        else:
+            cmd["api"] = rng.choice(["lookup", "prefetch", "into"])
+        if R.place(kind) == "store" and "variant" not in cmd and rng.random() < 0.35:
+            cmd["variant"] = "cache"
+        return cmd
+
+    # ---- actions ----------------------------------------------------------------------------------------------
+
+    def _churn_populate(self, kind: str, layer: int) -> None:
+        idle = self._idle()
+        if idle:
+            self.issue(idle[0], self._populate(kind, layer))
+
+    def _churn_repopulate(self, kind: str | None = None, layer: int | None = None) -> None:
+        """One client removes the layer and populates it again, back to back."""
+        idle = self._idle()
+        if idle:
+            if kind is None:
+                kind, layer = self._target()
+            self.issue_queue(idle[0], [self._remove(kind, layer), self._populate(kind, layer)])
+
+    def _churn_read(self, given: dict | None = None) -> None:
+        idle = self._idle()
+        if idle:
+            cmd = self._read_cmd(*self._target()) if given is None else {"op": "lookup", "seed": 1, **given}
+            cmd.setdefault("repeat", self.churn_rng.randint(1, 12))
+            cmd.setdefault("reopen", self.churn_rng.random() < (0.6 if R.place(cmd["kind"]) != "store" else 0.2))
+            cmd.setdefault("fork", self.churn_rng.random() < 0.1)  # in a child forked after the client used the store
+            self.issue(idle[0], cmd)
+
+    def _churn_race(self, kind: str | None = None, layer: int | None = None) -> None:
+        """A populate and an ``engram-layers remove`` of the same layer, started together."""
+        pair = self._idle(2)
+        if pair:
+            if kind is None:
+                kind, layer = self._target()
+            self.issue(pair[0], self._populate(kind, layer))
+            self.issue(pair[1], {"op": "cli_remove", "kind": kind, "layer": layer,
+                                 "force": self.churn_rng.random() < 0.5, "delay_s": self.churn_rng.uniform(0, 0.15)})
+
+    def _churn_close(self, given: dict | None = None) -> None:
+        idle = self._idle()
+        if idle:
+            cmd = self._read_cmd(*self._target()) if given is None else {"seed": 1}
+            cmd.update(op="close_table", after_s=self.churn_rng.uniform(0, 0.05), variant="", **(given or {}))
+            self.issue(idle[0], cmd)
+
+    # ---- faults -----------------------------------------------------------------------------------------------
+
+    def _fault_sigint(self) -> None:
+        """SIGINT to a client in the middle of a call (a tour starts a long read for it)."""
+        if self.tour:
+            self._churn_read({"kind": "wide", "layer": 21, "many": True, "repeat": 12, "fork": False})
+            self.pump(self.now() + 0.1)
+        busy = sorted((w for w in self.workers.values() if w.op is not None and w.proc.alive()), key=lambda w: w.name)
+        if not busy:
+            return
+        worker = self.churn_rng.choice(busy)
+        worker.op.interrupted = True
+        worker.proc.popen.send_signal(signal.SIGINT)
+        self.log(f"FAULT client {worker.name} interrupted (SIGINT) while {worker.op.cmd['op']} #{worker.op.id}")
+
+    def _fault_cut_off(self) -> None:
+        """A churn client cut off from the master for a while (its reads go on from the placements it has)."""
+        workers = sorted(self.churn_workers(), key=lambda w: w.name)
+        if not workers or (self.network is None and not self.proxies):
+            return
+        worker = self.churn_rng.choice(workers)
+        until = self.now() + self.churn_rng.uniform(1.0, 4.0)
+        if self.network is not None:
+            rules = [(worker.node, "master"), ("master", worker.node)]
+            for src, dst in rules:
+                self.network.block(src, dst)
+            self.network.cuts.append((until, rules, f"{worker.node} x master"))
+        elif worker.name in self.proxies:
+            self.proxies[worker.name].freeze()
+            self.thaw_at[worker.name] = max(until, self.thaw_at.get(worker.name, 0.0))
+        else:
+            return
+        self.log(f"FAULT client {worker.name} cut off from the master until {until:.3f}")
+
+    def _fault_second_segment(self) -> None:
+        """Start a second segment on a live durable segment's file: it must be refused."""
+        taken = {it["i"] for it in self.intruders}
+        live = [i for i, s in enumerate(self.segments) if s["file"] and s["proc"] is not None and i not in taken
+                and not s["stopped_until"] and not s.get("starting")]
+        if not live:
+            return
+        i = self.churn_rng.choice(live)
+        slot = self.segments[i]
+        node = f"segment{i}"
+        proc = spawn_segment(self.master_address, self.segment_size, ["--file", slot["file"], "--register-timeout",
+                                                                       "600"],
+                             prefix=self._prefix(node), host=self._host(node))
+        self.intruders.append({"i": i, "proc": proc, "first": slot["proc"], "since": self.now(), "verdict": None,
+                               "until": self.now() + self.churn_rng.uniform(0.5, 3.0)})
+        self.log(f"FAULT a second segment (pid {proc.pid}) started on segment{i}'s file")
+
+    # ---- hooks the History calls ------------------------------------------------------------------------------
+
+    def churn_tend(self, now: float) -> None:
+        """Judge the second segments: refused (an error exit that says why), or running (a violation; it is killed
+        after a while, and at once when the segment whose file it took stops, so that segment can start again)."""
+        for it in list(self.intruders):
+            slot = self.segments[it["i"]]
+            if it["verdict"] is None:
+                self._judge_intruder(it, now)
+            if it["verdict"] is not None and (now >= it["until"] or slot["proc"] is not it["first"]
+                                              or it["verdict"] != "running"):
+                it["proc"].expected_exit = True
+                it["proc"].close()
+                self.intruders.remove(it)
+                if it["verdict"] == "running":
+                    self.log(f"the second segment on segment{it['i']}'s file killed (SIGKILL)")
+
+    def _judge_intruder(self, it: dict, now: float) -> None:
+        slot, proc = self.segments[it["i"]], it["proc"]
+        first_held = slot["proc"] is it["first"] and it["first"].alive()
+        try:
+            ready = segment_ready(proc, 0.0)
+        except RuntimeError:
+            out = proc.output()
+            if proc.popen.poll() not in (0, None) and "Traceback" not in out:
+                it["verdict"] = "refused"
+                self.log(f"the second segment on segment{it['i']}'s file was refused: "
+                         + (out.strip().splitlines() or ["?"])[-1][:300])
+            else:
+                it["verdict"] = "failed"
+                self.violation(f"a second segment on segment{it['i']}'s file exited with "
+                               f"{proc.popen.returncode} without saying why:\n{out[-2000:]}")
+            return
+        if ready and first_held:
+            it["verdict"] = "running"
+            self.violation(f"a second segment on segment{it['i']}'s file started and registered "
+                           f"(segment_id={proc.segment_id}) beside the segment that has it open (pid "
+                           f"{it['first'].pid}): it was not refused")
+        elif not first_held:
+            it["verdict"] = "moot"  # the file's segment stopped meanwhile: the second may own the file now
+            self.log(f"segment{it['i']} stopped while a second segment started on its file: that one is killed")
+        elif now - it["since"] > INTRUDER_VERDICT_S:
+            it["verdict"] = "running"
+            self.violation(f"a second segment on segment{it['i']}'s file was neither refused nor registered within "
+                           f"{INTRUDER_VERDICT_S:g} s")
+
+    def churn_heal(self) -> None:
+        deadline = self.now() + INTRUDER_VERDICT_S + 5
+        while any(it["verdict"] is None for it in self.intruders) and self.now() < deadline:
+            self.pump(self.now() + 0.1)
+        for it in self.intruders:
+            it["until"] = 0.0
+        self.churn_tend(self.now())
+
+    def churn_close(self) -> None:
+        for it in self.intruders:
+            it["proc"].expected_exit = True
+            it["proc"].close()
+        self.intruders = []
