@@ -10,7 +10,8 @@ of unknown outcome (the client was killed, or the master or a segment did not an
   half-way had read before. One table (an ``EngramStore`` a client opened) never goes back: once it has returned
   rows of a populate, it returns none of a populate that had ended before that one began.
 - A read of valid ids fails only with an error that says what happened (never InvalidArgument, ProtocolError and
-  the like, which blame the caller: after a SIGINT, a misleading one is how another request's reply shows);
+  the like, which blame the caller: after a SIGINT, a misleading one is how another request's reply shows), and a
+  write ended by a forced remove fails with WriteFenced;
   nothing stalls: a read answers within READ_BOUND_S, any other operation within OP_BOUND_S, and no wait ends in
   LockTimeout.
 - After the faults heal, an object whose latest acknowledged write is a populate, with no other write invoked
@@ -79,6 +80,9 @@ def _check_error(op) -> list[str]:
         problems.append(f"{what} failed with {error}, though every argument was valid"
                         + (" (its client was interrupted before)" if op.interrupted else "")
                         + f": {op.reply.get('message', '')[:300]}")
+    elif error == "ObjectNotFound" and cmd["op"] in ("populate", "put"):
+        problems.append(f"{what} failed with ObjectNotFound: a write whose put was fenced (a forced remove ended "
+                        f"it) gets WriteFenced (docs/operating.md): {op.reply.get('message', '')[:300]}")
     for name in op.reply.get("reader_errors", []):
         if name in MISLEADING or name in STALLED:
             problems.append(f"{what}: a lookup in flight ended with {name}")

@@ -8,17 +8,19 @@ without them (``--no-churn`` replays a seed found before them exactly):
 * **layers of every shape** (``tests/nemesis_rows.py``): the small layers; ``wide`` store layers (one head of
   256-byte rows, so a lookup of many ids is one reply of 2.3 MB, which a segment streams in pieces over the raw
   channel); V4.1-shaped layers (264-byte rows) in the store, under ``local_dir`` and under ``disk_dir``;
-* **reads** in bursts of up to a dozen, of few or many rows, through every path: ``lookup``, ``prefetch``,
-  ``lookup_into`` (a buffer filled with a sentinel first), a store table with a row cache (``row_cache_bytes``),
-  ``V41Rows.gather_into`` in the bf16, packed and split forms, on head shards (``head_start``) and in the
-  background; a table opened anew before each read (``local_dir`` and ``disk_dir`` opens under churn);
+* **reads** in bursts of up to a dozen (some paced over a few seconds), of few or many rows, through every path:
+  ``lookup``, ``prefetch``, ``lookup_into`` (a buffer filled with a sentinel first), a store table with a row
+  cache (``row_cache_bytes``), ``V41Rows.gather_into`` in the bf16, packed and split forms, on head shards
+  (``head_start``) and in the background; a table opened anew before each read (``local_dir`` and ``disk_dir``
+  opens under churn);
 * **remove and populate again** of one layer by one client, back to back, through ``remove_from_store`` or
   ``engram-layers remove`` (a process; ``local_dir`` layers are removed only so), with or without ``--force``;
 * **races**: a populate and an ``engram-layers remove`` of the same layer started together;
 * **tables closed** under lookups in flight from another thread, another layer's table opened at once;
 * faults: **SIGINT** to a client mid-call (its next call must answer right or fail cleanly); a **second segment**
   started on a durable segment's ``--file`` (it must be refused; while it runs, every read is held to the same
-  contract); a churn client **cut off** from the master for a while.
+  contract); a churn client **cut off** from the master for a while, reading a store layer slowly while the other
+  removes it and populates it again, then another layer that may take its space.
 """
 
 from __future__ import annotations
@@ -177,6 +179,7 @@ class Churn:
             cmd.setdefault("repeat", self.churn_rng.randint(1, 12))
             cmd.setdefault("reopen", self.churn_rng.random() < (0.6 if R.place(cmd["kind"]) != "store" else 0.2))
             cmd.setdefault("fork", self.churn_rng.random() < 0.1)  # in a child forked after the client used the store
+            cmd.setdefault("pace_s", self.churn_rng.choice([0.0, self.churn_rng.uniform(0.02, 0.25)]))
             self.issue(idle[0], cmd)
 
     def _churn_race(self, kind: str | None = None, layer: int | None = None) -> None:
@@ -212,10 +215,25 @@ class Churn:
         self.log(f"FAULT client {worker.name} interrupted (SIGINT) while {worker.op.cmd['op']} #{worker.op.id}")
 
     def _fault_cut_off(self) -> None:
-        """A churn client cut off from the master for a while (its reads go on from the placements it has)."""
+        """A churn client cut off from the master for a while (its reads go on from the placements it has). Where
+        both churn clients are idle, the one cut off is reading a store layer in a slow burst, and the other
+        removes that layer and populates it again, then another (which may take the first one's space)."""
         workers = sorted(self.churn_workers(), key=lambda w: w.name)
         if not workers or (self.network is None and not self.proxies):
             return
+        pair = self._idle(2)
+        if pair:
+            kind, layer = self._target()
+            if R.place(kind) != "store":
+                kind, layer = self.churn_rng.choice([("v41", 11), ("v41", 12), ("wide", 21), ("store", 1)])
+            read = self._read_cmd(kind, layer)
+            read.update(repeat=12, pace_s=0.25, reopen=False, fork=False)
+            self.issue(pair[0], read)
+            self.pump(self.now() + 0.3)
+            other = self.churn_rng.choice([k for k in R.LAYERS[R.family(kind)] if k != layer])
+            self.issue_queue(pair[1], [self._remove(kind, layer), self._populate(kind, layer),
+                                       self._remove(kind, other), self._populate(kind, other)])
+            workers = [pair[0]]
         worker = self.churn_rng.choice(workers)
         until = self.now() + self.churn_rng.uniform(1.0, 4.0)
         if self.network is not None:

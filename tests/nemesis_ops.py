@@ -63,15 +63,17 @@ class Reads:
 # ---- reads ----------------------------------------------------------------------------------------------------------
 
 def lookup(worker, cmd: dict) -> dict:
-    """``cmd["repeat"]`` reads (default 1) of the layer; ``reopen``: each from an ``EngramStore`` opened anew. A
-    burst (more than one) goes on past a read that fails with the store's error (``reader_errors`` names them): a
-    layer removed under it fails some reads, and the next populate's may follow."""
+    """``cmd["repeat"]`` reads (default 1) of the layer, ``pace_s`` apart; ``reopen``: each from an ``EngramStore``
+    opened anew. A burst (more than one) goes on past a read that fails with the store's error (``reader_errors``
+    names them): a layer removed under it fails some reads, and the next populate's may follow."""
     kind, layer, variant = cmd["kind"], cmd["layer"], cmd.get("variant", "")
     rng = np.random.default_rng(cmd["seed"])
     reads, errors = Reads(), []
     repeat = int(cmd.get("repeat", 1))
     try:
         for i in range(repeat):
+            if i:
+                time.sleep(cmd.get("pace_s", 0.0))  # (a burst spread out: removes and populates land inside it)
             if cmd.get("reopen") and i:
                 worker.drop_table(kind, layer, variant)
             try:
