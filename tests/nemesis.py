@@ -231,6 +231,8 @@ class History(Faults, JournalFaults, RestFaults, Churn):
         worker.node = node
         worker.churn = churn
         self.workers[name] = worker
+        if churn:
+            self.log(f"client {name} (churn) on {node}, " + ("local-direct" if local_direct else "reads remote"))
         return worker
 
     def all_procs(self) -> list[tuple[str, Proc]]:

@@ -148,7 +148,8 @@ def _went_back(history, op, reads: list) -> list[str]:
         key, g = (op.worker, instance, _target(op.cmd)), gens[0]
         last = seen.get(key)
         older, newer = populates.get(g), populates.get(last[0]) if last else None
-        if last and last[0] != g and older and newer and older.done is not None and older.done < newer.invoked:
+        # (a populate of unknown outcome may still land late, after its client was killed: only acknowledged ones)
+        if last and last[0] != g and older and newer and older.outcome == "ok" and older.done < newer.invoked:
             problems.append(f"{op.cmd['op']} #{op.id} of {_target(op.cmd)} read populate {g} from table {instance} "
                             f"of client {op.worker}, which had returned populate {last[0]} (in #{last[1]}), begun "
                             f"after populate {g} had ended: the table went back")

@@ -177,10 +177,14 @@ def close_table(worker, cmd: dict) -> dict:
     thread = threading.Thread(target=reader, name="nemesis-reader")
     thread.start()
     time.sleep(cmd.get("after_s", 0.0))
-    worker.drop_table(kind, layer, "")
+    worker.tables.pop((kind, layer, ""), None)
+    worker.populated.pop((kind, layer), None)
+    table.es.close()  # the table only: its V41Rows (which the reader uses too) closes once the reader is done
     other = _read_other(worker, cmd)
     stop.set()
     thread.join(timeout=60)
+    if table.rows is not None and not thread.is_alive():
+        table.rows.close()
     if thread.is_alive():
         raise RuntimeError("a lookup did not return within 60 s of its table closing")
     if crashes:
