@@ -33,7 +33,7 @@ from engram_store.testing import segment_ready, spawn_segment
 import nemesis_rows as R
 
 #: The chance that a step of the schedule also gets a churn operation, and a churn fault.
-ACTION_P = 0.5
+ACTION_P = 0.7
 FAULT_P = 0.12
 ACTIONS = {"repopulate": 3, "read": 4, "race": 2, "close": 1.5}
 FAULTS = {"sigint": 2, "second_segment": 1, "cut_off": 1.5}
@@ -70,6 +70,7 @@ class Churn:
         self._tour_step = 0
         self.intruders: list[dict] = []
         self._next_churn = 0
+        self._started = False
         if self.churn_rng is not None:
             self.focus = (self._kind(), None)
             self.focus = (self.focus[0], self.churn_rng.choice(R.LAYERS[R.family(self.focus[0])]))
@@ -99,6 +100,8 @@ class Churn:
     def churn_step(self) -> None:
         if self.churn_rng is None:
             return
+        if not self._started:
+            self._churn_start()
         if self.tour:
             if self._tour_step < len(TOUR):
                 name, *args = TOUR[self._tour_step]
@@ -112,6 +115,20 @@ class Churn:
         elif r < ACTION_P + FAULT_P:
             name = self.churn_rng.choices(list(FAULTS), weights=list(FAULTS.values()))[0]
             getattr(self, "_fault_" + name)()
+
+    def _churn_start(self) -> None:
+        """The churn clients' first operations: populate the focus layer and three more, so that reads find rows."""
+        self._started = True
+        if self.tour:
+            return
+        targets = [self.focus]
+        while len(targets) < 4:
+            kind = self._kind()
+            target = (kind, self.churn_rng.choice(R.LAYERS[R.family(kind)]))
+            if target not in targets:
+                targets.append(target)
+        for i, worker in enumerate(sorted(self.churn_workers(), key=lambda w: w.name)):
+            self.issue_queue(worker, [self._populate(*t) for t in targets[i::CHURN_WORKERS]])
 
     def _kind(self) -> str:
         return self.churn_rng.choices(list(KIND_WEIGHTS), weights=list(KIND_WEIGHTS.values()))[0]
@@ -183,14 +200,18 @@ class Churn:
             self.issue(idle[0], cmd)
 
     def _churn_race(self, kind: str | None = None, layer: int | None = None) -> None:
-        """A populate and an ``engram-layers remove`` of the same layer, started together."""
+        """A populate (after a remove, so that it writes) and an ``engram-layers remove`` of the same layer, started
+        together: the remove lands while the populate writes, or just before or after."""
         pair = self._idle(2)
         if pair:
             if kind is None:
                 kind, layer = self._target()
-            self.issue(pair[0], self._populate(kind, layer))
+            self.issue_queue(pair[0], [{"op": "remove", "kind": kind, "layer": layer, "force": True}
+                                       if R.place(kind) != "local" else
+                                       {"op": "cli_remove", "kind": kind, "layer": layer, "force": True},
+                                       self._populate(kind, layer)])
             self.issue(pair[1], {"op": "cli_remove", "kind": kind, "layer": layer,
-                                 "force": self.churn_rng.random() < 0.5, "delay_s": self.churn_rng.uniform(0, 0.15)})
+                                 "force": self.churn_rng.random() < 0.5, "delay_s": self.churn_rng.uniform(0, 0.3)})
 
     def _churn_close(self, given: dict | None = None) -> None:
         idle = self._idle()
