@@ -57,8 +57,9 @@ TOUR = [
 ]
 #: A tour's steps of the main schedule: the tour's, and a few more while the last of it runs.
 TOUR_STEPS = len(TOUR) + 4
-#: How long a second segment on a live segment's file has to be refused (it must be, at once).
-INTRUDER_VERDICT_S = 20.0
+#: How long a second segment on a live segment's file has to be refused or to register (it must be refused as soon
+#: as it starts, but starting takes a process's imports: tens of seconds on a loaded 2-core machine).
+INTRUDER_VERDICT_S = 60.0
 
 
 class Churn:
