@@ -64,21 +64,23 @@ def _writes(history, target) -> list:
 
 def check_op(history, op) -> list[str]:
     """Problems with one finished operation: its error, its time, and (a read, whole or half-way) its rows."""
-    problems = _check_error(op) + _check_time(op)
+    problems = _check_error(history, op) + _check_time(op)
     if any(k in op.reply for k in ("gens", "gen", "bad")):
         problems += check_read(history, op)
     return problems
 
 
-def _check_error(op) -> list[str]:
+def _check_error(history, op) -> list[str]:
     cmd, error = op.cmd, op.reply.get("error")
     what = f"{cmd['op']} #{op.id} of {_target(cmd)}"
     problems = []
     if error in STALLED:
         problems.append(f"{what} stalled: {error}: {op.reply.get('message', '')[:300]}")
     elif error in MISLEADING and cmd["op"] != "undo":  # (an undo with nothing to undo is refused as invalid)
+        before = [o.id for o in history.ops if o.worker == op.worker and o.interrupted and o.id < op.id]
         problems.append(f"{what} failed with {error}, though every argument was valid"
-                        + (" (its client was interrupted before)" if op.interrupted else "")
+                        + (" (interrupted itself)" if op.interrupted else "")
+                        + (f" (its client was interrupted in #{before[-1]} before)" if before else "")
                         + f": {op.reply.get('message', '')[:300]}")
     elif error == "ObjectNotFound" and cmd["op"] in ("populate", "put"):
         problems.append(f"{what} failed with ObjectNotFound: a write whose put was fenced (a forced remove ended "

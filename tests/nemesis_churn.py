@@ -72,9 +72,9 @@ class Churn:
         self.intruders: list[dict] = []
         self._next_churn = 0
         self._started = False
-        if self.churn_rng is not None:
-            self.focus = (self._kind(), None)
-            self.focus = (self.focus[0], self.churn_rng.choice(R.LAYERS[R.family(self.focus[0])]))
+        if self.churn_rng is not None:  # the layer most churn acts on (half of it), so that its races meet
+            kind = self._kind()
+            self.focus = (kind, self.churn_rng.choice(R.LAYERS[R.family(kind)]))
 
     @property
     def main_workers(self) -> dict:
