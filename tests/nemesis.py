@@ -74,7 +74,7 @@ CLIENT_TIMEOUT_MS = 2000
 OP_HANG_S = 90.0
 #: Errors that leave an operation's outcome unknown: it may or may not have taken effect.
 INDETERMINATE = {"MasterUnavailable", "SegmentUnavailable", "Unavailable", "killed", "RawChannelRefused",
-                 "Interrupted", "CliFailed"}
+                 "Interrupted", "CliFailed", "ReloadFailed"}
 KINDS = ("store", "local", "disk")
 LAYERS = (1, 2, 3)
 KEYS = ("k1", "k2")

@@ -38,6 +38,8 @@ ABSENT = {"ObjectNotFound", "NotPublished", "LayerNotFound"}
 FINAL_TRIES = 3
 #: Errors that say bytes rotted at rest: what a read of an object whose bytes rotted may end with (never wrong rows).
 ROTTED = {"ObjectLost", "DiskReadError"}
+#: Writes that leave rows (or bytes) of their own, named by their ``gen``: a reload removes the layer first.
+WRITES_ROWS = ("populate", "put", "reload")
 #: Errors that blame the caller (or say the protocol broke): a read of valid ids never ends with one.
 MISLEADING = {"InvalidArgument", "ConfigError", "InvalidType", "ProtocolError", "RemoteError"}
 #: Errors that say a wait ran out: a stall.
@@ -58,7 +60,7 @@ def _target(cmd: dict):
 
 def _writes(history, target) -> list:
     return [op for op in history.ops if op.cmd["op"] in ("populate", "put", "remove", "remove_key", "undo",
-                                                         "cli_remove")
+                                                         "cli_remove", "reload")
             and _target(op.cmd) == target]
 
 
@@ -122,7 +124,7 @@ def check_read(history, op) -> list[str]:
         problems.append(f"{cmd['op']} #{op.id} of {target} mixed rows of populates {mixed[0]}")
     problems += _went_back(history, op, reads or [])
     possible = {w.cmd["gen"] for w in _writes(history, target)
-                if w.cmd["op"] in ("populate", "put") and w.outcome != "fail" and w.invoked <= op.done}
+                if w.cmd["op"] in WRITES_ROWS and w.outcome != "fail" and w.invoked <= op.done}
     for g in gens:
         if g not in possible:
             refused = [w for w in _writes(history, target) if w.cmd.get("gen") == g]
@@ -142,7 +144,7 @@ def _went_back(history, op, reads: list) -> list[str]:
     if history.facts["journalless_restart"] or history.facts.get("journal_cut"):
         return []  # a restart that forgot a remove may bring an earlier populate back
     seen = history.__dict__.setdefault("table_seen", {})
-    populates = {w.cmd["gen"]: w for w in history.ops if w.cmd["op"] == "populate"}
+    populates = {w.cmd["gen"]: w for w in history.ops if w.cmd["op"] in ("populate", "reload")}
     problems = []
     for instance, gens in reads:
         if len(gens) != 1:
@@ -182,7 +184,7 @@ def expected_final(history, target) -> tuple[str, int | None]:
 def _final(writes: list) -> tuple[str, int | None]:
     acked = [w for w in writes if w.outcome == "ok"]
     if not acked:
-        if any(w.outcome == "unknown" and w.cmd["op"] in ("populate", "put") for w in writes):
+        if any(w.outcome == "unknown" and w.cmd["op"] in WRITES_ROWS for w in writes):
             return "any", None
         return "absent", None
     last = max(acked, key=lambda w: w.done)
@@ -193,7 +195,7 @@ def _final(writes: list) -> tuple[str, int | None]:
                   and (w.outcome != "ok" or w.done > last.invoked)]
     if later or concurrent:
         return "any", None
-    if last.cmd["op"] in ("populate", "put"):
+    if last.cmd["op"] in WRITES_ROWS:
         return "present", last.cmd["gen"]
     if last.cmd["op"] == "undo":
         # Every other write that may have taken effect ended before it began: it acted on what they left.
@@ -274,7 +276,18 @@ def _judge_present(history, target, op, gen: int) -> None:
             _judge(history, target, op, f"{target}: acknowledged populate {gen} is silently gone: {error}: "
                                         f"{op.reply.get('message')}")
     else:
-        history.violation(f"{target}: final read failed: {error}: {op.reply.get('message')}")
+        history.violation(f"{target}: final read failed: {error}: {op.reply.get('message')}"
+                          + _segment_tail(history, op.reply.get("message", "")))
+
+
+def _segment_tail(history, message: str) -> str:
+    """The end of the log of each segment a failed read's message names (by its address or a reader's)."""
+    out = ""
+    for i, slot in enumerate(history.segments):
+        proc = slot["proc"]
+        if proc is not None and any(a and a in message for a in [proc.address, *proc.read_addresses]):
+            out += f"\nsegment{i}'s log ends:\n" + proc.output()[-1500:]
+    return out
 
 
 def _judge_absent(history, target, op) -> None:
@@ -348,7 +361,7 @@ def _files_published(files: str) -> list[str]:
 def _written_gens(history, target) -> set:
     """The generations of every write of ``target`` that was acknowledged or may have taken effect."""
     return {w.cmd["gen"] for w in _writes(history, target)
-            if w.outcome != "fail" and w.cmd["op"] in ("populate", "put")}
+            if w.outcome != "fail" and w.cmd["op"] in WRITES_ROWS}
 
 
 def _journalless_restart(history) -> bool:

@@ -15,6 +15,8 @@ without them (``--no-churn`` replays a seed found before them exactly):
   opens under churn);
 * **remove and populate again** of one layer by one client, back to back, through ``remove_from_store`` or
   ``engram-layers remove`` (a process; ``local_dir`` layers are removed only so), with or without ``--force``;
+* **overlaps**: one client reads a layer in a burst while the other removes it and populates it again;
+* **reloads**: one client removes a layer and populates it again while a thread of its own reads it;
 * **races**: a populate and an ``engram-layers remove`` of the same layer started together;
 * **tables closed** under lookups in flight from another thread, another layer's table opened at once;
 * faults: **SIGINT** to a client mid-call (its next call must answer right or fail cleanly); a **second segment**
@@ -35,7 +37,7 @@ import nemesis_rows as R
 #: The chance that a step of the schedule also gets a churn operation, and a churn fault.
 ACTION_P = 0.7
 FAULT_P = 0.12
-ACTIONS = {"repopulate": 3, "read": 4, "race": 2, "close": 1.5}
+ACTIONS = {"repopulate": 2, "read": 3, "overlap": 2, "reload": 3, "race": 2, "close": 1.5}
 FAULTS = {"sigint": 2, "second_segment": 1, "cut_off": 1.5}
 #: Kinds the churn acts on, and how often.
 KIND_WEIGHTS = {"wide": 2, "v41": 2, "v41-local": 1.5, "v41-disk": 1, "store": 1, "local": 1, "disk": 1}
@@ -45,7 +47,7 @@ CHURN_WORKERS = 2
 TOUR = [
     ("populate", "wide", 21), ("populate", "v41", 11), ("populate", "v41-local", 12), ("populate", "v41-disk", 11),
     ("read", {"kind": "wide", "layer": 21, "many": True, "api": "into", "repeat": 6}),
-    ("repopulate", "wide", 21),
+    ("overlap", "wide", 21), ("reload", "wide", 21),
     ("read", {"kind": "v41", "layer": 11, "many": True, "form": "bf16", "variant": "h1", "background": True}),
     ("race", "v41", 11),
     ("read", {"kind": "v41-local", "layer": 12, "form": "split", "reopen": True, "repeat": 6}),
@@ -199,6 +201,32 @@ class Churn:
             cmd.setdefault("fork", self.churn_rng.random() < 0.1)  # in a child forked after the client used the store
             cmd.setdefault("pace_s", self.churn_rng.choice([0.0, self.churn_rng.uniform(0.02, 0.25)]))
             self.issue(idle[0], cmd)
+
+    def _churn_overlap(self, kind: str | None = None, layer: int | None = None) -> None:
+        """One client reads the layer in a burst (streamed replies, row caches, opens: whatever the draw gives) and
+        the other removes it and populates it again while it does."""
+        pair = self._idle(2)
+        if pair:
+            if kind is None:
+                kind, layer = self._target()
+            read = self._read_cmd(kind, layer)
+            read.update(repeat=12, pace_s=self.churn_rng.uniform(0.0, 0.1), fork=False,
+                        reopen=R.place(kind) != "store" and self.churn_rng.random() < 0.7)
+            self.issue(pair[0], read)
+            self.pump(self.now() + self.churn_rng.uniform(0.0, 0.3))
+            self.issue_queue(pair[1], [self._remove(kind, layer), self._populate(kind, layer)])
+
+    def _churn_reload(self, kind: str | None = None, layer: int | None = None) -> None:
+        """One client removes the layer and populates it again while a thread of its own reads it (a serving
+        process reloading a layer it serves: its reads meet the remove at any point, its row cache and opens too)."""
+        idle = self._idle()
+        if idle:
+            if kind is None:
+                kind, layer = self._target()
+            read = self._read_cmd(kind, layer)
+            read["reopen"] = R.place(kind) != "store" and self.churn_rng.random() < 0.7
+            self.issue(idle[0], {**self._populate(kind, layer), "op": "reload", "read": read,
+                                 "after_s": self.churn_rng.uniform(0.0, 0.2)})
 
     def _churn_race(self, kind: str | None = None, layer: int | None = None) -> None:
         """A populate (after a remove, so that it writes) and an ``engram-layers remove`` of the same layer, started

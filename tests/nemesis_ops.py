@@ -26,7 +26,7 @@ import nemesis_rows as R
 
 #: Ids of a lookup of "many" rows: over 2 MiB of reply from one server (streamed in pieces).
 MANY_SMALL = 40000      # x 3 heads x 20 bytes: 2.4 MB
-MANY_WIDE = 9000        # x 1 head x 256 bytes: 2.3 MB
+MANY_WIDE = 16000       # x 1 head x 256 bytes: 4 MB, four pieces
 MANY_V41 = 4500         # x 2 columns x 264 bytes: 2.4 MB
 #: A byte no gather writes into a buffer it fills: a buffer left partly unwritten shows.
 SENTINEL = 0xEE
@@ -34,6 +34,10 @@ SENTINEL = 0xEE
 
 class CliFailed(EngramError):
     """``engram-layers`` exited with an error that does not say whether it removed anything."""
+
+
+class ReloadFailed(EngramError):
+    """A reload failed part-way: the layer may be removed, populated again, or neither."""
 
 
 class Reads:
@@ -209,6 +213,72 @@ def _read_other(worker, cmd: dict) -> list[str]:
     except EngramError:
         pass  # not published, or gone: what matters is what the closed table's readers saw
     return bad[:5]
+
+
+# ---- a layer reloaded while this process reads it -------------------------------------------------------------------
+
+def reload(worker, cmd: dict) -> dict:
+    """Remove the layer and populate it again (populate ``gen``) while another thread of this process reads it in
+    a burst (``cmd["read"]``: a lookup's fields; each read from a table of its own with ``reopen``): a serving
+    process that reloads a layer it serves. The reads are checked as a lookup's; a write that fails part-way
+    raises ReloadFailed (its outcome is unknown)."""
+    kind, layer = cmd["kind"], cmd["layer"]
+    read = {**cmd["read"], "kind": kind, "layer": layer}
+    reads, errors, crashes = Reads(), [], []
+    stop = threading.Event()
+
+    def reader():
+        rng = np.random.default_rng(read["seed"])
+        table = None
+        try:
+            while not stop.is_set() and reads.count + len(errors) < 200:
+                if table is not None and read.get("reopen"):
+                    table.close()
+                    table = None
+                try:
+                    table = table or worker.open_table(kind, layer, read.get("variant", ""))
+                    start = time.monotonic()
+                    check = read_once(table, read, rng)
+                except EngramError as exc:
+                    errors.append(type(exc).__name__)
+                    time.sleep(0.01)
+                    continue
+                reads.add(table.instance, check, time.monotonic() - start)
+        except Exception:
+            crashes.append(traceback.format_exc()[-1500:])
+        finally:
+            if table is not None:
+                table.close()
+
+    thread = threading.Thread(target=reader, name="nemesis-reload-reader")
+    thread.start()
+    try:
+        time.sleep(cmd.get("after_s", 0.0))
+        _rewrite(worker, cmd)
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    if thread.is_alive() or crashes:
+        raise RuntimeError("the reader of a reloaded layer " + (f"raised:\n{crashes[0]}" if crashes else "hung"))
+    return {**reads.reply(), "reader_errors": errors}
+
+
+def _rewrite(worker, cmd: dict) -> None:
+    kind, layer = cmd["kind"], cmd["layer"]
+    try:
+        if R.place(kind) == "local":
+            try:
+                cli_remove(worker, {"kind": kind, "layer": layer, "force": True})
+            except EngramError as exc:
+                if type(exc).__name__ != "ObjectNotFound":
+                    raise
+        else:
+            worker.table(kind, layer).es.remove_from_store(force=True)
+        worker.populated.pop((kind, layer), None)
+        worker.table(kind, layer).es.populate(R.tables(kind, layer, cmd["gen"]), replica_num=cmd.get("replicas", 1))
+        worker.populated[(kind, layer)] = cmd["gen"]
+    except EngramError as exc:
+        raise ReloadFailed(f"{type(exc).__name__}: {exc}"[:500]) from None
 
 
 # ---- engram-layers remove, as a process ------------------------------------------------------------------------------

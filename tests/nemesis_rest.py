@@ -196,7 +196,8 @@ class RestFaults:
             # The manifest lags what the segment holds (it keeps its old file when the disk is full: seed 860097),
             # and the rot hit an object it does not name: any object written to the store may be that one.
             targets |= {_target(op.cmd) for op in self.ops
-                        if op.cmd["op"] in ("populate", "put") and place(op.cmd.get("kind", "store")) == "store"}
+                        if op.cmd["op"] in ("populate", "put", "reload")
+                        and place(op.cmd.get("kind", "store")) == "store"}
             what += "; it hit an object the manifest does not name yet, so every object written counts as hit"
         for target in targets:
             self.rotted[target] = self.now()

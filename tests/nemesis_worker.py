@@ -94,6 +94,7 @@ class Worker:
         self.store: DistributedStore | None = None
         self.tables: dict[tuple[str, int, str], Table] = {}  # (kind, layer, variant) -> its open table
         self.instances = 0
+        self._numbering = threading.Lock()
         self.populated: dict[tuple[str, int], int] = {}  # the populate each open layer's undo would take back:
         # its last one that succeeded (a refused populate wrote nothing), until a remove
         self.cli = None  # an engram-layers process waiting for its arguments (nemesis_ops.cli_remove)
@@ -109,11 +110,16 @@ class Worker:
         "h1" (a V4.1 layer's head shard of that column)."""
         table = self.tables.get((kind, layer, variant))
         if table is None:
-            shard = int(variant[1:]) if variant.startswith("h") else None
-            table = Table(self._open(kind, layer, variant, shard), self.instances + 1, kind, layer, shard)
-            self.instances += 1
-            self.tables[(kind, layer, variant)] = table
+            table = self.tables[(kind, layer, variant)] = self.open_table(kind, layer, variant)
         return table
+
+    def open_table(self, kind: str, layer: int, variant: str = "") -> Table:
+        """A table of the layer of its own, numbered, not kept: the caller closes it."""
+        shard = int(variant[1:]) if variant.startswith("h") else None
+        with self._numbering:  # (a reload's reader opens tables on a thread of its own)
+            self.instances += 1
+            instance = self.instances
+        return Table(self._open(kind, layer, variant, shard), instance, kind, layer, shard)
 
     def _open(self, kind: str, layer: int, variant: str, shard: int | None) -> EngramStore:
         config, place = R.config(kind, layer), R.place(kind)
@@ -244,7 +250,7 @@ class Worker:
 
 #: Operations by name, beyond those ``Worker.run`` spells out.
 OPS = {"status": Worker.status, "layers": Worker.store_layers, "close_midcall": Worker._close_midcall,
-       "close_table": ops.close_table, "cli_remove": ops.cli_remove}
+       "close_table": ops.close_table, "cli_remove": ops.cli_remove, "reload": ops.reload}
 
 
 def in_child(work) -> dict:
