@@ -85,11 +85,11 @@ def test_history_holds_to_the_contract(seed):
 
 def test_the_churn_tour_holds_to_the_contract():
     """Every operation and fault of the churn stream, once, in a short history: streamed lookups of wide layers
-    removed and populated again, V41Rows in each form over the store, local_dir and disk_dir, a row cache, a
+    removed and populated again by the other client and by a thread of the reader's own, V41Rows in each form over
+    the store, local_dir and disk_dir, a row cache, a
     populate racing engram-layers remove, a table closed under lookups, SIGINT mid-call, a client cut off, a
     second segment on a durable segment's file. The history must hold, and must have done each of these."""
     history = run_seed(TOUR_SEED, tour=True)
-    _assert_held(history, f"--seed {TOUR_SEED} --tour")
     ran = [op.cmd for op in history.ops if op.worker.startswith("x")]
     done = {(c["op"], c["kind"]) for c in ran if "kind" in c}
     assert {("populate", k) for k in ("wide", "v41", "v41-local", "v41-disk")} <= done, done
@@ -99,8 +99,14 @@ def test_the_churn_tour_holds_to_the_contract():
     assert any(c.get("many") for c in reads) and any(c.get("variant") == "cache" for c in reads)
     assert any(c.get("variant", "").startswith("h") for c in reads) and any(c.get("background") for c in reads)
     assert any(op.interrupted for op in history.ops), "no call was interrupted"
+    assert any(c["op"] == "reload" for c in ran)
+    wide = [op for op in history.ops if op.cmd.get("kind") == "wide" and op.worker.startswith("x")]
+    assert any(r.cmd["op"] in ("remove", "cli_remove") and r.worker != q.worker and q.cmd["op"] == "lookup"
+               and q.invoked < r.invoked < (q.done or float("inf")) for q in wide for r in wide), \
+        "no remove of a wide layer while the other client was reading it"
     events = "\n".join(history.events)
     assert "cut off from the master" in events and "a second segment" in events, events
+    _assert_held(history, f"--seed {TOUR_SEED} --tour")
 
 
 @pytest.mark.parametrize("kind", ["store", "wide", "v41"])
