@@ -48,7 +48,7 @@ TOUR = [
     ("populate", "wide", 21), ("populate", "v41", 11), ("populate", "v41-local", 12), ("populate", "v41-disk", 11),
     ("read", {"kind": "wide", "layer": 21, "many": True, "api": "into", "repeat": 6}),
     ("overlap", "wide", 21), ("reload", "wide", 21),
-    ("read", {"kind": "v41", "layer": 11, "many": True, "form": "bf16", "variant": "h1", "background": True}),
+    ("read", {"kind": "v41", "layer": 11, "many": True, "form": "bf16", "variant": "t1", "background": True}),
     ("race", "v41", 11),
     ("read", {"kind": "v41-local", "layer": 12, "form": "split", "reopen": True, "repeat": 6}),
     ("repopulate", "v41-local", 12),
@@ -170,7 +170,7 @@ class Churn:
             cmd["form"] = rng.choice(["bf16", "packed", "split"])
             cmd["background"] = rng.random() < 0.3
             if cmd["form"] != "split" and rng.random() < 0.3:
-                cmd["variant"] = rng.choice(["h0", "h1"])
+                cmd["variant"] = rng.choice([f"h{rng.randrange(R.v41().cols)}", "t0", "t1"])
         else:
             cmd["api"] = rng.choice(["lookup", "prefetch", "into"])
         if R.place(kind) == "store" and "variant" not in cmd and rng.random() < 0.35:

@@ -27,7 +27,7 @@ import nemesis_rows as R
 #: Ids of a lookup of "many" rows: over 2 MiB of reply from one server (streamed in pieces).
 MANY_SMALL = 40000      # x 3 heads x 20 bytes: 2.4 MB
 MANY_WIDE = 16000       # x 1 head x 256 bytes: 4 MB, four pieces
-MANY_V41 = 4500         # x 2 columns x 264 bytes: 2.4 MB
+MANY_V41 = 1200         # x 8 columns x 264 bytes: 2.5 MB
 #: A byte no gather writes into a buffer it fills: a buffer left partly unwritten shows.
 SENTINEL = 0xEE
 
@@ -129,7 +129,7 @@ def _gather(table, cmd: dict, rng: np.random.Generator) -> dict:
     ids = np.stack([offsets[c] + rng.integers(0, sizes[c], size=T) for c in range(cfg.cols)], axis=1)
     ids[rng.random(ids.shape) < 0.05] = -1  # padding (the engines' DEAD_ID)
     ids = ids.astype(np.int32 if rng.random() < 0.5 else np.int64)
-    head_start, part = (table.shard, 1) if table.shard is not None else (0, cfg.cols)
+    head_start, part = table.shard or (0, cfg.cols)
     background = bool(cmd.get("background"))
     if form == "split":
         flat = ids.reshape(-1)
@@ -231,7 +231,8 @@ def reload(worker, cmd: dict) -> dict:
         rng = np.random.default_rng(read["seed"])
         table = None
         try:
-            while not stop.is_set() and reads.count + len(errors) < 200:
+            while not stop.is_set() and reads.count + len(errors) < 2000:
+                time.sleep(0.005)  # (reads until the rewrite is done, however long it takes)
                 if table is not None and read.get("reopen"):
                     table.close()
                     table = None
@@ -266,9 +267,10 @@ def reload(worker, cmd: dict) -> dict:
 def _rewrite(worker, cmd: dict) -> None:
     kind, layer = cmd["kind"], cmd["layer"]
     try:
-        if R.place(kind) == "local":
+        if R.place(kind) == "local":  # (what engram-layers remove runs, in this process)
+            from engram_store.tables._inventory import LocalDirLayers
             try:
-                cli_remove(worker, {"kind": kind, "layer": layer, "force": True})
+                LocalDirLayers(worker.local_dir).remove(layer, True)
             except EngramError as exc:
                 if type(exc).__name__ != "ObjectNotFound":
                     raise

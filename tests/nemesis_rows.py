@@ -9,7 +9,7 @@ Three families of layers, each a *kind* (where it lives) and a layer id:
   (256 bytes), ``[L, G, h, r, G]`` and then a pattern of all five. One head lives on one server, so a lookup of
   many ids asks for every row as it is, and its reply is over the 2 MiB past which a segment streams it in pieces.
 * **V4.1** (kinds ``v41``: the store, ``v41-local``: ``local_dir``, ``v41-disk``: ``disk_dir``; layers 11, 12):
-  :func:`v41`'s layout (two columns of about 1,010 rows of 264-byte FP8 rows), read with ``V41Rows`` in every form.
+  :func:`v41`'s layout (eight columns of about 520 rows of 264-byte FP8 rows), read with ``V41Rows`` in every form.
   A row's first eight codes spell ``L, G, h, r`` in base 100 (each digit + 1: positive, finite E4M3 codes); the
   other codes and the scales are a pattern of all four, the first block's scale fixed so that a bf16 row spells
   its identity too.
@@ -39,10 +39,11 @@ LAYERS = {"small": (1, 2, 3), "wide": (21, 22), "v41": (11, 12)}
 
 @functools.cache
 def v41():
-    """The V4.1 geometry of the explorer's V4.1 layers: two columns (a head shard is one of them) of primes above
-    1000 (imported on first use: clients that read no V4.1 layer start faster)."""
+    """The V4.1 geometry of the explorer's V4.1 layers: eight columns (two n-gram orders of four heads) of primes
+    above 500, so a ``local_dir`` open maps eight files and a tensor-parallel shard holds four (imported on first
+    use: clients that read no V4.1 layer start faster)."""
     from engram_model.v41 import V41Config
-    return V41Config(layer_ids=(11, 12), max_ngram_size=2, n_heads=2, head_dim=256, engram_vocab_size=1000)
+    return V41Config(layer_ids=(11, 12), max_ngram_size=3, n_heads=4, head_dim=256, engram_vocab_size=500)
 
 
 def kind_of(place_name: str, layer: int) -> str:

@@ -64,11 +64,21 @@ def check_rows(rows: np.ndarray, ids: np.ndarray, layer: int) -> dict:
     return R.check_float(rows, ids, layer)
 
 
+def _shard(variant: str) -> tuple[int, int] | None:
+    """``(head_start, part)`` of a variant's head shard: "h3" is column 3, "t1" the second half of the columns."""
+    if variant[:1] == "h":
+        return int(variant[1:]), 1
+    if variant[:1] == "t":
+        half = R.v41().cols // 2
+        return int(variant[1:]) * half, half
+    return None
+
+
 class Table:
     """One ``EngramStore`` a client opened (``instance`` numbers them in the client), with its ``V41Rows`` for the
-    V4.1 kinds (``shard``: the one column a head shard holds, else None)."""
+    V4.1 kinds (``shard``: ``(head_start, part)``, the columns a head shard holds, else None)."""
 
-    def __init__(self, es: EngramStore, instance: int, kind: str, layer: int, shard: int | None):
+    def __init__(self, es: EngramStore, instance: int, kind: str, layer: int, shard: tuple[int, int] | None):
         self.es, self.instance, self.shard = es, instance, shard
         self.rows = None
         if R.family(kind) == "v41":
@@ -107,7 +117,8 @@ class Worker:
 
     def table(self, kind: str, layer: int, variant: str = "") -> Table:
         """The layer's open table of ``variant``: "" (plain), "cache" (a store table with a row cache), "h0" or
-        "h1" (a V4.1 layer's head shard of that column)."""
+        "h1" (a V4.1 layer's head shard of that column), "t0" or "t1" (half its columns: a tensor-parallel rank of
+        two)."""
         table = self.tables.get((kind, layer, variant))
         if table is None:
             table = self.tables[(kind, layer, variant)] = self.open_table(kind, layer, variant)
@@ -115,15 +126,15 @@ class Worker:
 
     def open_table(self, kind: str, layer: int, variant: str = "") -> Table:
         """A table of the layer of its own, numbered, not kept: the caller closes it."""
-        shard = int(variant[1:]) if variant.startswith("h") else None
+        shard = _shard(variant)
         with self._numbering:  # (a reload's reader opens tables on a thread of its own)
             self.instances += 1
             instance = self.instances
         return Table(self._open(kind, layer, variant, shard), instance, kind, layer, shard)
 
-    def _open(self, kind: str, layer: int, variant: str, shard: int | None) -> EngramStore:
+    def _open(self, kind: str, layer: int, variant: str, shard: tuple[int, int] | None) -> EngramStore:
         config, place = R.config(kind, layer), R.place(kind)
-        heads = None if shard is None else [shard]
+        heads = None if shard is None else list(range(shard[0], shard[0] + shard[1]))
         if place == "store":
             return EngramStore(layer, config, self._store(), heads=heads,
                                row_cache_bytes=STORE_CACHE_BYTES if variant == "cache" else 0)

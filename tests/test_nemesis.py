@@ -99,7 +99,7 @@ def test_the_churn_tour_holds_to_the_contract():
     reads = [c for c in ran if c["op"] == "lookup"]
     assert {c.get("form") for c in reads} >= {"bf16", "packed", "split"}
     assert any(c.get("many") for c in reads) and any(c.get("variant") == "cache" for c in reads)
-    assert any(c.get("variant", "").startswith("h") for c in reads) and any(c.get("background") for c in reads)
+    assert any(c.get("variant", "")[:1] in ("h", "t") for c in reads) and any(c.get("background") for c in reads)
     assert any(op.interrupted for op in history.ops), "no call was interrupted"
     assert any(c["op"] == "reload" for c in ran)
     wide = [op for op in history.ops if op.cmd.get("kind") == "wide" and op.worker.startswith("x")]
@@ -134,7 +134,7 @@ def test_every_row_carries_its_identity_and_a_wrong_one_shows(kind):
             bad[0, 0, 0] = wrong
             assert len(R.check_float(bad, ids, layer)["bad"]) == 1
         return
-    heads, rows = np.array([0, 1, 0, -1]), np.array([5, 7, 1008, -1])
+    heads, rows = np.array([0, 1, 7, -1]), np.array([5, 7, 499, -1])
     packed = np.stack([gen3[h][r] if r >= 0 else np.zeros(R.v41().row_bytes, np.uint8) for h, r in zip(heads, rows)])
     for form, got in (("packed", packed), ("split", packed), ("bf16", R.bf16_of(packed))):
         assert R.check_v41(got, form, layer, heads, rows) == {"gens": [3], "bad": []}, form
