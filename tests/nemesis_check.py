@@ -286,7 +286,14 @@ def _segment_tail(history, message: str) -> str:
     for i, slot in enumerate(history.segments):
         proc = slot["proc"]
         if proc is not None and any(a and a in message for a in [proc.address, *proc.read_addresses]):
-            out += f"\nsegment{i}'s log ends:\n" + proc.output()[-1500:]
+            out += (f"\nsegment{i} (pid {proc.pid}, {proc.address}, readers {proc.read_addresses}, "
+                    f"{'alive' if proc.alive() else 'exited'}) log ends:\n" + proc.output()[-1500:])
+    if history.network is not None:
+        import subprocess
+        rules = subprocess.run(["ip", "netns", "exec", history.network.hub, "ip", "rule", "show"],
+                               capture_output=True, text=True, timeout=30).stdout
+        out += "\nblackhole rules in force: " + (" | ".join(r for r in rules.splitlines() if "blackhole" in r)
+                                                  or "none")
     return out
 
 
