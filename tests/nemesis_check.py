@@ -119,7 +119,7 @@ def check_read(history, op) -> list[str]:
         problems.append(f"{cmd['op']} #{op.id} of {target} returned wrong data: {op.reply['bad']}")
     gens = op.reply.get("gens", [op.reply.get("gen")] if "gen" in op.reply else [])
     reads = op.reply.get("reads")
-    mixed = [g for _, g in reads if len(g) > 1] if reads is not None else [gens] if len(gens) > 1 else []
+    mixed = op.reply["mixed"] if "mixed" in op.reply else [gens] if len(gens) > 1 and reads is None else []
     if mixed:
         problems.append(f"{cmd['op']} #{op.id} of {target} mixed rows of populates {mixed[0]}")
     problems += _went_back(history, op, reads or [])

@@ -2,9 +2,10 @@
 (``tests/nemesis_worker.py``): lookups of every layer kind (``tests/nemesis_rows.py``) through every read path,
 in bursts, of many rows; tables closed under lookups in flight; ``engram-layers remove`` as a process.
 
-A read answers ``gens`` (the populates it saw), ``bad`` (rows that are not the ones asked for), ``reads`` (per
-table instance, in order, the populates each read saw: one instance is one ``EngramStore`` the client opened)
-and ``slowest`` (seconds, the longest single read). A read that fails half-way raises with what it read before
+A read answers ``gens`` (the populates it saw), ``bad`` (rows that are not the ones asked for), ``mixed`` (the
+populates of each read that saw more than one), ``reads`` (per table instance, in order, the populates each read
+saw: one instance is one ``EngramStore`` the client opened; the last hundred changes) and ``slowest`` (seconds,
+the longest single read). A read that fails half-way raises with what it read before
 attached (``exc.nemesis_partial``), so those rows are checked too.
 """
 
@@ -47,6 +48,7 @@ class Reads:
         self.gens: set[int] = set()
         self.bad: list[str] = []
         self.reads: list[list] = []
+        self.mixed: list[list[int]] = []  # the populates of each read that saw more than one (the first few)
         self.slowest = 0.0
         self.count = 0
 
@@ -56,11 +58,13 @@ class Reads:
         entry = [instance, check["gens"]]
         if not self.reads or self.reads[-1] != entry:
             self.reads.append(entry)
+        if len(check["gens"]) > 1 and len(self.mixed) < 5:
+            self.mixed.append(check["gens"])
         self.slowest = max(self.slowest, seconds)
         self.count += 1
 
     def reply(self) -> dict:
-        return {"gens": sorted(self.gens), "bad": self.bad, "reads": self.reads[-50:],
+        return {"gens": sorted(self.gens), "bad": self.bad, "mixed": self.mixed, "reads": self.reads[-100:],
                 "slowest": round(self.slowest, 3), "n": self.count}
 
 

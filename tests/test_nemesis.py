@@ -180,7 +180,7 @@ def test_the_checker_holds_reads_errors_and_stalls_to_the_contract(tmp_path):
     assert any("went back" in p for p in problems(op(6, read, 7.5, 8.0, {"gens": [1], "bad": [],
                                                                          "reads": [[7, [1]]], "took": 1})))
     assert not problems(op(7, read, 7.5, 8.0, {"gens": [1], "bad": [], "reads": [[8, [1]]], "took": 1}))
-    assert any("mixed" in p for p in problems(op(8, read, 8.5, 9.0, {"gens": [1, 2], "bad": [],
+    assert any("mixed" in p for p in problems(op(8, read, 8.5, 9.0, {"gens": [1, 2], "bad": [], "mixed": [[1, 2]],
                                                                      "reads": [[9, [1, 2]]], "took": 1})))
     interrupted = op(9, {"op": "get", "key": "k1"}, 9.0, 9.5, {"error": "Interrupted", "took": 0.1}, "unknown")
     interrupted.interrupted = True
