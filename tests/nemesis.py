@@ -271,6 +271,7 @@ class History(Faults, JournalFaults, RestFaults, Churn):
         while True:
             self.tend_faults()
             self.check_processes()
+            self.churn_keep_busy()
             busy = {w.proc.popen.stdout: w for w in self.workers.values() if w.op is not None and w.proc.alive()}
             now = self.now()
             for w in self.workers.values():

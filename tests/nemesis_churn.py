@@ -1,9 +1,10 @@
 """Ordinary churn for the fault explorer (``tests/nemesis.py``): layers removed and populated again while every read
 path is busy with them, and the faults that come with it.
 
-Two more clients (``x0``, ``x1``, one local-direct and one not, or as the seed draws) run these, drawn from a
-random stream of their own (``churn {seed}``), so a seed's schedule of operations and faults is what it was
-without them (``--no-churn`` replays a seed found before them exactly):
+Two more clients (``x0``, ``x1``, one local-direct and one not, or as the seed draws) run these one after another
+all through the history (an idle client gets the next action at once), drawn from a random stream of their own
+(``churn {seed}``), so a seed's schedule of operations and faults is what it was without them (``--no-churn``
+replays a seed found before them exactly); its faults come at the schedule's steps:
 
 * **layers of every shape** (``tests/nemesis_rows.py``): the small layers; ``wide`` store layers (one head of
   256-byte rows, so a lookup of many ids is one reply of 2.3 MB, which a segment streams in pieces over the raw
@@ -34,10 +35,12 @@ from engram_store.testing import segment_ready, spawn_segment
 
 import nemesis_rows as R
 
-#: The chance that a step of the schedule also gets a churn operation, and a churn fault.
-ACTION_P = 0.7
-FAULT_P = 0.12
+#: The churn clients' actions, how often, and how many idle clients each takes (an idle client gets the next one
+#: at once: churn goes on all through the history, not a step at a time).
 ACTIONS = {"repopulate": 2, "read": 3, "overlap": 2, "reload": 3, "race": 2, "close": 1.5}
+CLIENTS = {"overlap": 2, "race": 2}
+#: The chance that a step of the schedule also gets a churn fault.
+FAULT_P = 0.12
 FAULTS = {"sigint": 2, "second_segment": 1, "cut_off": 1.5}
 #: Kinds the churn acts on, and how often.
 KIND_WEIGHTS = {"wide": 2, "v41": 2, "v41-local": 1.5, "v41-disk": 1, "store": 1, "local": 1, "disk": 1}
@@ -74,6 +77,9 @@ class Churn:
         self.intruders: list[dict] = []
         self._next_churn = 0
         self._started = False
+        self._churning = False  # from the first step until the faults heal
+        self._acting = False
+        self._next_action: str | None = None
         if self.churn_rng is not None:  # the layer most churn acts on (half of it), so that its races meet
             kind = self._kind()
             self.focus = (kind, self.churn_rng.choice(R.LAYERS[R.family(kind)]))
@@ -101,6 +107,7 @@ class Churn:
     # ---- the stream -------------------------------------------------------------------------------------------
 
     def churn_step(self) -> None:
+        """At a step of the schedule: maybe a churn fault (a tour: its next action or fault)."""
         if self.churn_rng is None:
             return
         if not self._started:
@@ -111,19 +118,31 @@ class Churn:
                 self._tour_step += 1
                 (getattr(self, "_churn_" + name, None) or getattr(self, "_fault_" + name))(*args)
             return
-        r = self.churn_rng.random()
-        if r < ACTION_P:
-            name = self.churn_rng.choices(list(ACTIONS), weights=list(ACTIONS.values()))[0]
-            getattr(self, "_churn_" + name)()
-        elif r < ACTION_P + FAULT_P:
+        if self.churn_rng.random() < FAULT_P:
             name = self.churn_rng.choices(list(FAULTS), weights=list(FAULTS.values()))[0]
             getattr(self, "_fault_" + name)()
+
+    def churn_keep_busy(self) -> None:
+        """Called as the history waits: the next action for the churn clients once enough of them are idle."""
+        if not self._churning or self._acting or self.tour:
+            return
+        if self._next_action is None:
+            self._next_action = self.churn_rng.choices(list(ACTIONS), weights=list(ACTIONS.values()))[0]
+        if len(self._idle_now()) < CLIENTS.get(self._next_action, 1):
+            return
+        self._acting = True  # (an action may wait a moment itself: no action starts inside another)
+        try:
+            name, self._next_action = self._next_action, None
+            getattr(self, "_churn_" + name)()
+        finally:
+            self._acting = False
 
     def _churn_start(self) -> None:
         """The churn clients' first operations: populate the focus layer and three more, so that reads find rows."""
         self._started = True
         if self.tour:
             return
+        self._churning = True
         targets = [self.focus]
         while len(targets) < 4:
             kind = self._kind()
@@ -142,11 +161,14 @@ class Churn:
         kind = self._kind()
         return kind, self.churn_rng.choice(R.LAYERS[R.family(kind)])
 
+    def _idle_now(self) -> list:
+        return sorted((w for w in self.churn_workers() if w.op is None and not w.queue), key=lambda w: w.name)
+
     def _idle(self, n: int = 1) -> list:
         """``n`` idle churn clients, or none (a tour waits for them)."""
         deadline = self.now() + (60.0 if self.tour else 0.0)
         while True:
-            idle = sorted((w for w in self.churn_workers() if w.op is None and not w.queue), key=lambda w: w.name)
+            idle = self._idle_now()
             if len(idle) >= n or self.now() >= deadline:
                 return self.churn_rng.sample(idle, n) if len(idle) >= n else []
             self.pump(self.now() + 0.05)
@@ -362,6 +384,7 @@ class Churn:
                            f"{INTRUDER_VERDICT_S:g} s")
 
     def churn_heal(self) -> None:
+        self._churning = False
         deadline = self.now() + INTRUDER_VERDICT_S + 5
         while any(it["verdict"] is None for it in self.intruders) and self.now() < deadline:
             self.pump(self.now() + 0.1)
