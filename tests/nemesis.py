@@ -226,7 +226,7 @@ class History(Faults, JournalFaults, RestFaults, Churn):
             node = f"client{len(self.main_workers) % 3}"
         worker = Worker(name, [self.worker_master(name, local_direct), os.path.join(self.files, "local"),
                                os.path.join(self.files, "disk"), "1" if local_direct else "0", str(CLIENT_TIMEOUT_MS),
-                               self.worker_cache(dies_at), os.path.join(self.dir, "shm"), "1" if churn else "0"],
+                               self.worker_cache(dies_at), os.path.join(self.dir, "shm"), self.churn_role(churn)],
                         self._prefix(node), wait)
         worker.node = node
         worker.churn = churn

@@ -99,6 +99,11 @@ class Churn:
         local_direct = n % 2 == 0 if self.churn_rng.random() < 0.7 else self.churn_rng.random() < 0.5
         return f"x{n}", local_direct, self.churn_rng.choice(["client0", "client1", "client2"])
 
+    def churn_role(self, churn: bool) -> str:
+        """A client's last argument: "1" a churn client, "2" another client of a history with churn (SIGINT may
+        reach it), "0" a history without churn."""
+        return "1" if churn else "2" if self.churn_rng is not None else "0"
+
     def churn_setup(self) -> list:
         if self.churn_rng is None:
             return []

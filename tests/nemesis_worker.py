@@ -349,12 +349,14 @@ def main() -> int:
     ops.env_path()
     worker = Worker(master, local_dir, disk_dir, local_direct == "1", int(timeout_ms),
                     sys.argv[6] if len(sys.argv) > 6 else "process")
-    # Numba loads its registries (modules it imports) on the first cached kernel a process loads: a SIGINT in that
-    # import leaves them half-made, and every kernel loaded after fails with KeyError: "duplicate registration"
-    # (Numba's, not the store's: seed 960002). Every client runs kernels: they are loaded before it is ready.
-    from numba.core.registry import cpu_target
-    cpu_target.target_context.refresh()
-    if len(sys.argv) > 8 and sys.argv[8] == "1":  # a churn client: its first engram-layers starts importing now
+    role = sys.argv[8] if len(sys.argv) > 8 else "0"  # "1": a churn client, "2": SIGINT may come (nemesis_churn)
+    if role in ("1", "2"):
+        # Numba loads its registries (modules it imports) on the first cached kernel a process loads: a SIGINT in
+        # that import leaves them half-made, and every kernel loaded after fails with KeyError: "duplicate
+        # registration" (Numba's, not the store's: seed 960002). So they are loaded before the client is ready.
+        from numba.core.registry import cpu_target
+        cpu_target.target_context.refresh()
+    if role == "1":  # a churn client: its first engram-layers starts importing now
         worker.cli = ops.spawn_cli()
     interrupts = Interrupts()
     print(json.dumps({"ready": os.getpid()}), flush=True)
