@@ -254,6 +254,8 @@ class History(Faults, JournalFaults, RestFaults, Churn):
     # ---- operations ---------------------------------------------------------------------------
 
     def issue(self, worker: Worker, cmd: dict) -> Op:
+        if worker.op is not None:  # its reply would be taken for the one in flight
+            raise RuntimeError(f"the explorer sent {cmd} to client {worker.name}, busy with #{worker.op.id}")
         op = Op(self._next_op, worker.name, self.rest_cmd(worker, cmd), self.now())
         self._next_op += 1
         self.ops.append(op)
@@ -291,6 +293,8 @@ class History(Faults, JournalFaults, RestFaults, Churn):
 
     def finish(self, worker: Worker, reply: dict) -> None:
         op, worker.op = worker.op, None
+        if reply.get("id") != op.id:
+            raise RuntimeError(f"client {worker.name} answered #{reply.get('id')} while #{op.id} was in flight")
         op.done, op.reply = self.now(), reply
         if reply.get("ok"):
             op.outcome = "ok"

@@ -125,7 +125,11 @@ class Churn:
             return
         if self.churn_rng.random() < FAULT_P:
             name = self.churn_rng.choices(list(FAULTS), weights=list(FAULTS.values()))[0]
-            getattr(self, "_fault_" + name)()
+            self._acting = True  # (a fault may wait a moment: no action starts meanwhile)
+            try:
+                getattr(self, "_fault_" + name)()
+            finally:
+                self._acting = False
 
     def churn_keep_busy(self) -> None:
         """Called as the history waits: the next action for the churn clients once enough of them are idle."""
