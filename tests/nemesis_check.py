@@ -75,18 +75,18 @@ def check_op(history, op) -> list[str]:
 def _check_error(history, op) -> list[str]:
     cmd, error = op.cmd, op.reply.get("error")
     what = f"{cmd['op']} #{op.id} of {_target(cmd)}"
+    before = [o.id for o in history.ops if o.worker == op.worker and o.interrupted and o.id < op.id]
+    said = ((" (interrupted itself)" if op.interrupted else "")
+            + (f" (its client was interrupted in #{before[-1]} before: another call's reply?)" if before else "")
+            + f": {op.reply.get('message', '')[:300]}")
     problems = []
     if error in STALLED:
-        problems.append(f"{what} stalled: {error}: {op.reply.get('message', '')[:300]}")
+        problems.append(f"{what} stalled: {error}{said}")
     elif error in MISLEADING and cmd["op"] != "undo":  # (an undo with nothing to undo is refused as invalid)
-        before = [o.id for o in history.ops if o.worker == op.worker and o.interrupted and o.id < op.id]
-        problems.append(f"{what} failed with {error}, though every argument was valid"
-                        + (" (interrupted itself)" if op.interrupted else "")
-                        + (f" (its client was interrupted in #{before[-1]} before)" if before else "")
-                        + f": {op.reply.get('message', '')[:300]}")
+        problems.append(f"{what} failed with {error}, though every argument was valid{said}")
     elif error == "ObjectNotFound" and cmd["op"] in ("populate", "put"):
         problems.append(f"{what} failed with ObjectNotFound: a write whose put was fenced (a forced remove ended "
-                        f"it) gets WriteFenced (docs/operating.md): {op.reply.get('message', '')[:300]}")
+                        f"it) gets WriteFenced (docs/operating.md){said}")
     for name in op.reply.get("reader_errors", []):
         if name in MISLEADING or name in STALLED:
             problems.append(f"{what}: a lookup in flight ended with {name}")
