@@ -7,10 +7,11 @@ all through the history (an idle client gets the next action at once), drawn fro
 replays a seed found before them exactly); its faults come at the schedule's steps:
 
 * **layers of every shape** (``tests/nemesis_rows.py``): the small layers; ``wide`` store layers (one head of
-  256-byte rows, so a lookup of many ids is one reply of 2.3 MB, which a segment streams in pieces over the raw
+  256-byte rows, so a lookup of many ids is one reply of 4 MB, which a segment streams in pieces over the raw
   channel); V4.1-shaped layers (264-byte rows) in the store, under ``local_dir`` and under ``disk_dir``;
 * **reads** in bursts of up to a dozen (some paced over a few seconds), of few or many rows, through every path:
-  ``lookup``, ``prefetch``, ``lookup_into`` (a buffer filled with a sentinel first), a store table with a row
+  ``lookup``, ``prefetch``, ``lookup_into`` (a buffer filled with a sentinel first), ``lookup_many`` of a family's
+  layers together (one request per segment server for all, as an engine reads its layers), a store table with a row
   cache (``row_cache_bytes``), ``V41Rows.gather_into`` in the bf16, packed and split forms, on head shards
   (``head_start``) and in the background; a table opened anew before each read (``local_dir`` and ``disk_dir``
   opens under churn);
@@ -49,7 +50,8 @@ CHURN_WORKERS = 2
 #: read path, one a step, in this order.
 TOUR = [
     ("populate", "wide", 21), ("populate", "v41", 11), ("populate", "v41-local", 12), ("populate", "v41-disk", 11),
-    ("read", {"kind": "wide", "layer": 21, "many": True, "api": "into", "repeat": 6}),
+    ("populate", "wide", 22), ("read", {"kind": "wide", "layer": 21, "many": True, "api": "into", "repeat": 6}),
+    ("read", {"kind": "wide", "layer": 22, "many": True, "api": "layers", "repeat": 4}),
     ("overlap", "wide", 21), ("reload", "wide", 21),
     ("read", {"kind": "v41", "layer": 11, "many": True, "form": "bf16", "variant": "t1", "background": True}),
     ("race", "v41", 11),
@@ -203,7 +205,7 @@ class Churn:
             if cmd["form"] != "split" and rng.random() < 0.3:
                 cmd["variant"] = rng.choice([f"h{rng.randrange(R.v41().cols)}", "t0", "t1"])
         else:
-            cmd["api"] = rng.choice(["lookup", "prefetch", "into"])
+            cmd["api"] = rng.choice(["lookup", "prefetch", "into", "layers"])
         if R.place(kind) == "store" and "variant" not in cmd and rng.random() < 0.35:
             cmd["variant"] = "cache"
         return cmd

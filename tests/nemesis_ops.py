@@ -113,6 +113,8 @@ def read_once(table, cmd: dict, rng: np.random.Generator) -> dict:
         batch = int(rng.integers(1, 5))
         ids = np.stack([rng.integers(0, s, size=(batch, 16)) for s in sizes], axis=-1)
     api = cmd.get("api") or ("prefetch" if cmd.get("prefetch") else "lookup")
+    if api == "layers":
+        return _with_other_layers(table, cmd, ids)
     if api == "prefetch":
         rows = es.prefetch(ids).result(timeout=60)
     elif api == "into":
@@ -122,6 +124,25 @@ def read_once(table, cmd: dict, rng: np.random.Generator) -> dict:
     else:
         rows = es.lookup(ids)
     return R.check_float(rows, ids, layer)
+
+
+def _with_other_layers(table, cmd: dict, ids: np.ndarray) -> dict:
+    """The layer read together with the family's other layers (``lookup_many``: one request per segment server for
+    all of them, as an engine reads its Engram layers): this layer's rows checked as a lookup's, the others' rows
+    for what they are (their populates are not this layer's)."""
+    from engram_store import lookup_many
+
+    kind, layer = cmd["kind"], cmd["layer"]
+    others = [o for o in R.LAYERS[R.family(kind)] if o != layer]
+    tables = [table.es] + [table.worker.table(kind, o, cmd.get("variant", "")).es for o in others]
+    rows = lookup_many([(es, ids) for es in tables]).result(timeout=60)
+    check = R.check_float(rows[0], ids, layer)
+    for other, got in zip(others, rows[1:]):
+        seen = R.check_float(got, ids, other)
+        check["bad"] += [f"(layer {other}, read with layer {layer}) {b}" for b in seen["bad"]]
+        if len(seen["gens"]) > 1:
+            check["bad"].append(f"(layer {other}, read with layer {layer}) rows of populates {seen['gens']}")
+    return check
 
 
 def _gather(table, cmd: dict, rng: np.random.Generator) -> dict:

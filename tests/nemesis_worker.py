@@ -78,8 +78,9 @@ class Table:
     """One ``EngramStore`` a client opened (``instance`` numbers them in the client), with its ``V41Rows`` for the
     V4.1 kinds (``shard``: ``(head_start, part)``, the columns a head shard holds, else None)."""
 
-    def __init__(self, es: EngramStore, instance: int, kind: str, layer: int, shard: tuple[int, int] | None):
-        self.es, self.instance, self.shard = es, instance, shard
+    def __init__(self, es: EngramStore, instance: int, kind: str, layer: int, shard: tuple[int, int] | None,
+                 worker: "Worker"):
+        self.es, self.instance, self.shard, self.worker = es, instance, shard, worker
         self.rows = None
         if R.family(kind) == "v41":
             from engram_model.v41 import V41Rows
@@ -130,7 +131,7 @@ class Worker:
         with self._numbering:  # (a reload's reader opens tables on a thread of its own)
             self.instances += 1
             instance = self.instances
-        return Table(self._open(kind, layer, variant, shard), instance, kind, layer, shard)
+        return Table(self._open(kind, layer, variant, shard), instance, kind, layer, shard, self)
 
     def _open(self, kind: str, layer: int, variant: str, shard: tuple[int, int] | None) -> EngramStore:
         config, place = R.config(kind, layer), R.place(kind)

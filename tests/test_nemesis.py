@@ -99,6 +99,7 @@ def test_the_churn_tour_holds_to_the_contract():
     reads = [c for c in ran if c["op"] == "lookup"]
     assert {c.get("form") for c in reads} >= {"bf16", "packed", "split"}
     assert any(c.get("many") for c in reads) and any(c.get("variant") == "cache" for c in reads)
+    assert any(c.get("api") == "layers" for c in reads)
     assert any(c.get("variant", "")[:1] in ("h", "t") for c in reads) and any(c.get("background") for c in reads)
     assert any(op.interrupted for op in history.ops), "no call was interrupted"
     assert any(c["op"] == "reload" for c in ran)
