@@ -59,9 +59,11 @@ def _target(cmd: dict):
 
 
 def _writes(history, target) -> list:
-    return [op for op in history.ops if op.cmd["op"] in ("populate", "put", "remove", "remove_key", "undo",
-                                                         "cli_remove", "reload")
-            and _target(op.cmd) == target]
+    """The writes of ``target``: its populates (puts), removes and undos, and every ``remove_all`` of the store."""
+    in_store = _in_store(target)
+    return [op for op in history.ops if (op.cmd["op"] in ("populate", "put", "remove", "remove_key", "undo",
+                                                          "cli_remove", "reload") and _target(op.cmd) == target)
+            or (op.cmd["op"] == "remove_all" and in_store)]
 
 
 def check_op(history, op) -> list[str]:

@@ -20,6 +20,7 @@ replays a seed found before them exactly); its faults come at the schedule's ste
 * **overlaps**: one client reads a layer in a burst while the other removes it and populates it again;
 * **reloads**: one client removes a layer and populates it again while a thread of its own reads it;
 * **races**: a populate and an ``engram-layers remove`` of the same layer started together;
+* **resets**: ``remove_all`` (every object of the store, no segment told), and the focus layer populated again;
 * **tables closed** under lookups in flight from another thread, another layer's table opened at once;
 * faults: **SIGINT** to a client mid-call (its next call must answer right or fail cleanly); a **second segment**
   started on a durable segment's ``--file`` (it must be refused; while it runs, every read is held to the same
@@ -38,7 +39,7 @@ import nemesis_rows as R
 
 #: The churn clients' actions, how often, and how many idle clients each takes (an idle client gets the next one
 #: at once: churn goes on all through the history, not a step at a time).
-ACTIONS = {"repopulate": 2, "read": 3, "overlap": 2, "reload": 3, "race": 2, "close": 1.5}
+ACTIONS = {"repopulate": 2, "read": 3, "overlap": 2, "reload": 3, "race": 2, "close": 1.5, "reset": 0.7}
 CLIENTS = {"overlap": 2, "race": 2}
 #: The chance that a step of the schedule also gets a churn fault.
 FAULT_P = 0.12
@@ -59,7 +60,7 @@ TOUR = [
     ("repopulate", "v41-local", 12),
     ("read", {"kind": "v41-disk", "layer": 11, "form": "packed", "reopen": True, "repeat": 4}),
     ("close", {"kind": "v41-disk", "layer": 11, "form": "packed"}),
-    ("read", {"kind": "wide", "layer": 21, "variant": "cache", "api": "prefetch", "repeat": 4}),
+    ("read", {"kind": "wide", "layer": 21, "variant": "cache", "api": "prefetch", "repeat": 4}), ("reset",),
     ("sigint",), ("cut_off",), ("second_segment",),
 ]
 #: A tour's steps of the main schedule: the tour's, and a few more while the last of it runs.
@@ -260,6 +261,15 @@ class Churn:
             read["reopen"] = R.place(kind) != "store" and self.churn_rng.random() < 0.7
             self.issue(idle[0], {**self._populate(kind, layer), "op": "reload", "read": read,
                                  "after_s": self.churn_rng.uniform(0.0, 0.2)})
+
+    def _churn_reset(self) -> None:
+        """One client removes every object of the store (``remove_all``, which tells no segment: readers see it at
+        their next check with the master) and populates the focus layer again, with the same sizes."""
+        idle = self._idle()
+        if idle:
+            kind, layer = self.focus if R.place(self.focus[0]) == "store" else ("wide", 21)
+            self.issue_queue(idle[0], [{"op": "remove_all", "force": self.churn_rng.random() < 0.5},
+                                       self._populate(kind, layer)])
 
     def _churn_race(self, kind: str | None = None, layer: int | None = None) -> None:
         """A populate (after a remove, so that it writes) and an ``engram-layers remove`` of the same layer, started

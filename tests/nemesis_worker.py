@@ -197,6 +197,8 @@ class Worker:
         if op == "remove_key":
             self._store().remove(cmd["key"])
             return {}
+        if op == "remove_all":
+            return {"removed": self._store().remove_all(force=cmd.get("force", False))}
         raise ValueError(f"unknown op {op!r}")
 
     def _child_lookup(self, cmd: dict) -> dict:

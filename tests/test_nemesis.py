@@ -102,7 +102,7 @@ def test_the_churn_tour_holds_to_the_contract():
     assert any(c.get("api") == "layers" for c in reads)
     assert any(c.get("variant", "")[:1] in ("h", "t") for c in reads) and any(c.get("background") for c in reads)
     assert any(op.interrupted for op in history.ops), "no call was interrupted"
-    assert any(c["op"] == "reload" for c in ran)
+    assert any(c["op"] == "reload" for c in ran) and any(c["op"] == "remove_all" for c in ran)
     wide = [op for op in history.ops if op.cmd.get("kind") == "wide" and op.worker.startswith("x")]
     assert any(r.cmd["op"] in ("remove", "cli_remove") and r.worker != q.worker and q.cmd["op"] == "lookup"
                and q.invoked < r.invoked < (q.done or float("inf")) for q in wide for r in wide), \
