@@ -25,7 +25,7 @@ replays a seed found before them exactly); its faults come at the schedule's ste
 * faults: **SIGINT** to a client mid-call (its next call must answer right or fail cleanly); a **second segment**
   started on a durable segment's ``--file`` (it must be refused; while it runs, every read is held to the same
   contract); a churn client **cut off** from the master for a while, reading a store layer slowly while the other
-  removes it and populates it again, then another layer that may take its space.
+  removes it and another layer, and past the reuse delay populates the other (which may take its space) and it.
 """
 
 from __future__ import annotations
@@ -310,7 +310,8 @@ class Churn:
     def _fault_cut_off(self) -> None:
         """A churn client cut off from the master for a while (its reads go on from the placements it has). Where
         both churn clients are idle, the one cut off is reading a store layer in a slow burst, and the other
-        removes that layer and populates it again, then another (which may take the first one's space)."""
+        removes that layer and another, and past the master's reuse delay populates the other (which may take the
+        first one's space) and the first again."""
         workers = sorted(self.churn_workers(), key=lambda w: w.name)
         if not workers or (self.network is None and not self.proxies):
             return
@@ -324,8 +325,9 @@ class Churn:
             self.issue(pair[0], read)
             self.pump(self.now() + 0.3)
             other = self.churn_rng.choice([k for k in R.LAYERS[R.family(kind)] if k != layer])
-            self.issue_queue(pair[1], [self._remove(kind, layer), self._populate(kind, layer),
-                                       self._remove(kind, other), self._populate(kind, other)])
+            self.issue_queue(pair[1], [self._remove(kind, layer), self._remove(kind, other),
+                                       {"op": "pause", "s": 0.4},  # (past the reuse delay: the space may go)
+                                       self._populate(kind, other), self._populate(kind, layer)])
             workers = [pair[0]]
         worker = self.churn_rng.choice(workers)
         until = self.now() + self.churn_rng.uniform(1.0, 4.0)

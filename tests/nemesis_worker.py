@@ -199,6 +199,9 @@ class Worker:
             return {}
         if op == "remove_all":
             return {"removed": self._store().remove_all(force=cmd.get("force", False))}
+        if op == "pause":  # (a scenario's wait between two writes: past the master's reuse delay)
+            time.sleep(cmd["s"])
+            return {}
         raise ValueError(f"unknown op {op!r}")
 
     def _child_lookup(self, cmd: dict) -> dict:
