@@ -24,8 +24,9 @@ replays a seed found before them exactly); its faults come at the schedule's ste
 * **tables closed** under lookups in flight from another thread, another layer's table opened at once;
 * faults: **SIGINT** to a client mid-call (its next call must answer right or fail cleanly); a **second segment**
   started on a durable segment's ``--file`` (it must be refused; while it runs, every read is held to the same
-  contract); a churn client **cut off** from the master for a while, reading a store layer slowly while the other
-  removes it and another layer, and past the reuse delay populates the other (which may take its space) and it.
+  contract); a churn client **cut off** from the master for a while;
+* **cut-offs**: one client cut off from the master while it reads a store layer slowly, and the other removes it
+  and another layer, and past the reuse delay populates the other (which may take its space) and it again.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ import nemesis_rows as R
 
 #: The churn clients' actions, how often, and how many idle clients each takes (an idle client gets the next one
 #: at once: churn goes on all through the history, not a step at a time).
-ACTIONS = {"repopulate": 2, "read": 3, "overlap": 2, "reload": 3, "race": 2, "close": 1.5, "reset": 0.7}
-CLIENTS = {"overlap": 2, "race": 2}
+ACTIONS = {"repopulate": 2, "read": 3, "overlap": 2, "reload": 3, "race": 2, "close": 1.5, "reset": 0.7,
+           "cutoff": 1.5}
+CLIENTS = {"overlap": 2, "race": 2, "cutoff": 2}
 #: The chance that a step of the schedule also gets a churn fault.
 FAULT_P = 0.12
 FAULTS = {"sigint": 2, "second_segment": 1, "cut_off": 1.5}
@@ -61,7 +63,7 @@ TOUR = [
     ("read", {"kind": "v41-disk", "layer": 11, "form": "packed", "reopen": True, "repeat": 4}),
     ("close", {"kind": "v41-disk", "layer": 11, "form": "packed"}),
     ("read", {"kind": "wide", "layer": 21, "variant": "cache", "api": "prefetch", "repeat": 4}), ("reset",),
-    ("sigint",), ("cut_off",), ("second_segment",),
+    ("sigint",), ("cutoff",), ("second_segment",),
 ]
 #: A tour's steps of the main schedule: the tour's, and a few more while the last of it runs.
 TOUR_STEPS = len(TOUR) + 4
@@ -307,29 +309,36 @@ class Churn:
         worker.proc.popen.send_signal(signal.SIGINT)
         self.log(f"FAULT client {worker.name} interrupted (SIGINT) while {worker.op.cmd['op']} #{worker.op.id}")
 
-    def _fault_cut_off(self) -> None:
-        """A churn client cut off from the master for a while (its reads go on from the placements it has). Where
-        both churn clients are idle, the one cut off is reading a store layer in a slow burst, and the other
-        removes that layer and another, and past the master's reuse delay populates the other (which may take the
-        first one's space) and the first again."""
-        workers = sorted(self.churn_workers(), key=lambda w: w.name)
-        if not workers or (self.network is None and not self.proxies):
-            return
+    def _churn_cutoff(self) -> None:
+        """One churn client reads a store layer in a slow burst and is cut off from the master (its reads go on from
+        the placement it has) while the other removes that layer and another, and past the master's reuse delay
+        populates the other (which may take the first one's space) and the first again."""
         pair = self._idle(2)
-        if pair:
-            kind, layer = self._target()
-            if R.place(kind) != "store":
-                kind, layer = self.churn_rng.choice([("v41", 11), ("v41", 12), ("wide", 21), ("store", 1)])
-            read = self._read_cmd(kind, layer)
-            read.update(repeat=12, pace_s=0.25, reopen=False, fork=False)
-            self.issue(pair[0], read)
-            self.pump(self.now() + 0.3)
-            other = self.churn_rng.choice([k for k in R.LAYERS[R.family(kind)] if k != layer])
-            self.issue_queue(pair[1], [self._remove(kind, layer), self._remove(kind, other),
-                                       {"op": "pause", "s": 0.4},  # (past the reuse delay: the space may go)
-                                       self._populate(kind, other), self._populate(kind, layer)])
-            workers = [pair[0]]
-        worker = self.churn_rng.choice(workers)
+        if not pair or not self._can_cut():
+            return
+        kind, layer = self._target()
+        if R.place(kind) != "store":
+            kind, layer = self.churn_rng.choice([("v41", 11), ("v41", 12), ("wide", 21), ("store", 1)])
+        read = self._read_cmd(kind, layer)
+        read.update(repeat=12, pace_s=0.25, reopen=False, fork=False)
+        self.issue(pair[0], read)
+        self.pump(self.now() + 0.3)
+        other = self.churn_rng.choice([k for k in R.LAYERS[R.family(kind)] if k != layer])
+        self.issue_queue(pair[1], [self._remove(kind, layer), self._remove(kind, other),
+                                   {"op": "pause", "s": 0.4},  # (past the reuse delay: the space may go)
+                                   self._populate(kind, other), self._populate(kind, layer)])
+        self._cut(pair[0])
+
+    def _fault_cut_off(self) -> None:
+        """A churn client cut off from the master for a while, whatever it is doing."""
+        workers = sorted(self.churn_workers(), key=lambda w: w.name)
+        if workers and self._can_cut():
+            self._cut(self.churn_rng.choice(workers))
+
+    def _can_cut(self) -> bool:
+        return self.network is not None or bool(self.proxies)
+
+    def _cut(self, worker) -> None:
         until = self.now() + self.churn_rng.uniform(1.0, 4.0)
         if self.network is not None:
             rules = [(worker.node, "master"), ("master", worker.node)]
