@@ -113,7 +113,7 @@ class WritePath:
         deadline = time.monotonic() + max(self.timeout_ms / 1000.0, PUT_START_WAIT_S)
         while True:
             try:
-                return self._put(keys, views, replica_num, progress)
+                return self._put(keys, views, replica_num, progress, requires)
             except _Refused as refused:  # (revoked): the master places the put elsewhere once it has heard
                 if time.monotonic() > deadline:
                     raise refused.error from None
@@ -121,7 +121,7 @@ class WritePath:
                 time.sleep(REFUSED_RETRY_S)
 
     def _put(self, keys: list[str], views: list[np.ndarray], replica_num: int,
-             progress: Callable[[int], None] | None) -> tuple[list[str], list[int]]:
+             progress: Callable[[int], None] | None, requires: list[tuple[str, int]]) -> tuple[list[str], list[int]]:
         """One try of :meth:`put_generations`: placed, written, published, or revoked and raised."""
         results, put_timeout_ms = self._put_start(keys, [v.nbytes for v in views], replica_num)
         started = {k: r["generation"] for k, r in zip(keys, results) if r.get("ok")}  # key -> its put's id
