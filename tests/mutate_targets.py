@@ -22,6 +22,18 @@ DISK_TESTS = ("tests/disk/test_disk_kernels.py", "tests/disk/test_cache_guards.p
 GENERATION_TESTS = ("tests/store/test_generations.py", "tests/store/test_raw_io.py")
 MASTER_TESTS = ("tests/master/test_master_journal.py", "tests/master/test_master_state.py")
 PLANNING_TESTS = ("tests/kernels/test_planning.py", "tests/kernels/test_kernels.py", "tests/store/test_raw_io.py")
+CHURN = "tests/faults/test_churn_reads.py::test_"
+MAPPED_TESTS = ("tests/store/test_mapped_reads.py",
+                f"{CHURN}lookups_and_local_copies_cut_off_from_the_master_never_read_what_took_the_space")
+PLACEMENT_TESTS = ("tests/store/test_read_matrix.py", "tests/faults/test_at_rest.py::test_a_reader_cut_off_from_the_"
+                   "master_never_reads_a_layer_written_where_a_restarted_segment_held_its_own")
+V41_TESTS = ("tests/model/test_v41_rows.py::test_every_table_kind_gives_the_engines_rows",
+             f"{CHURN}v41_rows_cut_off_from_the_master_never_read_the_layer_written_in_its_space",
+             "tests/model/test_v41_rows.py")
+CACHE_TESTS = (f"{CHURN}a_row_cache_filled_while_the_layer_is_written_again_never_serves_the_earlier_rows",
+               *(f"tests/tables/test_engram_store.py::test_row_cache_{name}" for name in (
+                   "returns_the_same_rows_and_counts_hits", "serves_repeats_without_requests_and_forgets_a_repopulated_"
+                   "layer")))
 
 TARGETS = [
     # the master's replay and fencing
@@ -50,6 +62,18 @@ TARGETS = [
                "put_get_roundtrip_random_sizes", "get_into_ranges_equals_numpy_slicing",
                "remote_reads_split_at_the_reply_limit_land_where_numpy_slicing_puts_them",
                "get_fails_over_to_second_replica_before_master_notices")))),
+    # reads of mapped memory: the one rule (client.read_mapped), a placement's age guard and checks, the store row
+    # cache's placement tag, and V4.1's engine reads through it
+    Target("engram_store/client/_mapped.py", ("read_mapped", "_check", "object_checks"), MAPPED_TESTS),
+    # (Placements.get and resolve decide how often a placement is checked with the master, not what may be read:
+    # read_mapped refuses what a stale placement maps, however it was kept)
+    Target("engram_store/tables/_placement.py",
+           ("Placements.local_safe_s", "Placements.read_mapped", "Placements.gather", "Placements._build"),
+           MAPPED_TESTS + PLACEMENT_TESTS),
+    Target("engram_store/tables/_source_store.py",
+           ("StoreSource.read_local", "StoreSource._clear_cache", "_RowCache.probe", "_RowCache.fill",
+            "_RowCache.clear"), MAPPED_TESTS + CACHE_TESTS + V41_TESTS),
+    Target("engram_model/v41/_rows.py", ("V41Rows._run", "V41Rows._from_mapped"), V41_TESTS),
     # V4.1's ragged decode state
     Target("engram_model/v41/_hasher.py",
            ("V41Hasher.step_ragged", "V41Hasher.commit", "V41Hasher._ragged", "V41Hasher._ragged_refused",
@@ -98,6 +122,12 @@ CONTINUES = "r >= 0 and range_head[r] == j and row == prev + 1"  # _rows_to_rang
 RESHAPE = "NumPy's reshape takes any negative size as the one size it works out"
 #: Why CLOCK always finds a victim where the cache kernels guard against none.
 ONE_UNPINNED = "redundant (see the comment beside it): pin() leaves a way of every set unpinned, so CLOCK finds a victim"
+
+#: Why V41Rows' memory path never meets tables that are not C-contiguous: EngramStore.local_tables gives each head's
+#: table as a reshape of a flat read-only view (InMemory.views), for every source with tables here.
+CONTIGUOUS = ("redundant (see the comment beside it): every table local_tables gives is C-contiguous (a reshape of a "
+              "flat view, InMemory.views), so the memory path is taken whatever the guard says")
+SPAN_GUARD = "tables is not self._span_of and not all(t.flags.c_contiguous for t in tables)"
 
 #: Mutants that change nothing a caller can observe: ``(path, function, old, new) -> why``, or with the code of the
 #: line the change is on (no indentation, no comment) as a fifth item where the same change occurs twice in a
@@ -335,4 +365,10 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "more passes of the radix sort over bits that are all zero leave the order as it is (a speed loss)",
     ("engram_store/kernels/_sort.py", "_sort_positions", "(span >> shift) > 0", "span >> shift >= 0"):
         "more passes of the radix sort over bits that are all zero leave the order as it is (a speed loss)",
+    # reads of mapped memory
+    ("engram_store/tables/_source_store.py", "_RowCache.clear", "1", "2"):
+        "a cache key is never negative (head << 40 | row): a fill of -2 empties the cache as -1 does",
+    **{("engram_model/v41/_rows.py", "V41Rows._from_mapped", old, new): CONTIGUOUS for old, new in (
+        (SPAN_GUARD, "False"), (SPAN_GUARD, "not all((t.flags.c_contiguous for t in tables))"),
+        ("tables is not self._span_of", "tables is self._span_of"), ("False", "True"))},
 }

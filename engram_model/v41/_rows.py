@@ -201,14 +201,21 @@ class V41Rows:
     # ---- the gather -------------------------------------------------------------------------------
 
     def _run(self, call: _Call) -> Any:
-        tables = self.table.local_tables(layer=self.layer_id)  # per call: a layer populated again moves
-        if tables is not None and (tables is self._span_of or all(t.flags.c_contiguous for t in tables)):
-            self._from_memory(call, tables)
+        # Per call: a layer populated again moves. The tables are read under the checks of a lookup's own read of
+        # them (read_local); a table of a store written over meanwhile is read the staged way, which asks again.
+        if self.table.read_local(lambda tables: self._from_mapped(call, tables), layer=self.layer_id):
             self.memory_gathers += 1
         else:
             self._staged(call)
             self.staged_gathers += 1
         return call.result
+
+    def _from_mapped(self, call: _Call, tables: list[np.ndarray]) -> bool:
+        # (redundant today: local_tables gives C-contiguous views of flat tables; kept for a source that would not)
+        if tables is not self._span_of and not all(t.flags.c_contiguous for t in tables):
+            return False
+        self._from_memory(call, tables)
+        return True
 
     def _from_memory(self, call: _Call, tables: list[np.ndarray]) -> None:
         with self._lock:

@@ -170,9 +170,7 @@ def load_layers(args: argparse.Namespace, prog: str, layers: Sequence[int], load
                 try:
                     table = load(layer_id, store)
                 except ObjectExists as exc:
-                    remove = f"engram-layers remove {place} {layer_id}" if not args.local_dir else \
-                        f"delete {os.path.join(args.local_dir, f'layer-{layer_id}')}"
-                    print(f"{prog}: {exc}: {remove}", file=sys.stderr)
+                    print(f"{prog}: {exc}: engram-layers remove {place} {layer_id}", file=sys.stderr)
                     return 1
                 nbytes = sum(table.get_table_vocab_sizes()) * table.get_row_bytes()
                 elapsed = time.perf_counter() - start

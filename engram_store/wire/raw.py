@@ -39,18 +39,26 @@ READ_KIND = kind(OP_READ)
 OK_KIND = kind(STATUS_OK)
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> bool:
-    """Fill ``view`` from ``sock``; False if the peer closed the connection before the first byte."""
+class PeerClosed(ConnectionError):
+    """The peer closed the connection before a whole message (or part of one) came: ``got`` of its ``wanted``
+    bytes had. A receive is whole or it raises: nothing that reads a message ever takes part of one as all."""
+
+    def __init__(self, got: int, wanted: int):
+        super().__init__(f"peer closed the connection after {got} of {wanted} bytes")
+        self.got = got
+        self.wanted = wanted
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``, or raise: PeerClosed if the peer closes first (``got == 0``: before the first
+    byte), OSError (a timeout too) as the socket raises it."""
     got = 0
     n = view.nbytes
     while got < n:
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
-            if got == 0:
-                return False
-            raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
+            raise PeerClosed(got, n)
         got += k
-    return True
 
 
 def request_id_of(head: bytes) -> int:

@@ -20,7 +20,7 @@ from engram_store.testing import Cluster, start_master, start_segment
 
 from engram_store import DistributedStore, MasterUnavailable, SegmentUnavailable
 from engram_store.wire._auth import load_keys
-from engram_store.wire._transport import Connection
+from engram_store.wire import Connection
 
 pytestmark = pytest.mark.skipif(not __import__("zmq").has("curve"), reason="libzmq without CURVE")
 
