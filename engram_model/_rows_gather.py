@@ -97,16 +97,10 @@ def check_table(table: Any, layer_id: int, row_format: str, dim: int, sizes: Seq
 
 def read_in_place(table: EngramStore, layer_id: int, read: Callable[[list[np.ndarray]], bool]) -> bool:
     """``read(tables)`` over the layer's tables in this host's memory, under the checks a lookup's own read of them
-    passes: what it returns, or False where the tables are not here or what it wrote must not be used.
-
-    Through ``EngramStore.read_local`` where the store has it (a store's mapped segment is checked against its
-    generation table around the read); else over ``local_tables()``, taken per call (a layer populated again
-    moves)."""
-    read_local = getattr(table, "read_local", None)
-    if read_local is not None:
-        return bool(read_local(read, layer=layer_id))
-    tables = table.local_tables(layer=layer_id)
-    return False if tables is None else bool(read(tables))
+    passes (``EngramStore.read_local``: a store's mapped segment is checked around the read; the tables are taken
+    per call, since a layer populated again moves): what it returns, or False where the tables are not here or
+    what it wrote must not be used."""
+    return bool(table.read_local(read, layer=layer_id))
 
 
 class Span(NamedTuple):
