@@ -489,7 +489,14 @@ def read_many(requests: Sequence[tuple[DiskLayer, np.ndarray, np.ndarray]], engi
         raise InvalidType(f"requests: expected a list of (layer, ids, out) tuples, got {type(requests).__name__}")
     if engine is not None and not isinstance(engine, IOEngine):
         raise InvalidType(f"engine: expected an IOEngine or None, got {type(engine).__name__}")
-    checked = [_check_request(i, r) for i, r in enumerate(requests)]
+    read_checked([_check_request(i, r) for i, r in enumerate(requests)], engine)
+
+
+def read_checked(checked: Sequence[tuple[DiskLayer, np.ndarray, np.ndarray]],
+                 engine: IOEngine | None = None) -> None:
+    """:func:`read_many` of requests already in its form, as an EngramStore's jobs are (C-contiguous int64 ids
+    ``[M, H]`` of the layer's ``H`` heads; ``out`` its flat, writable, C-contiguous uint8 bytes, ``M * H *
+    row_bytes`` of them): the ids' range is still checked before anything is read."""
     entered: list[DiskLayer] = []
     try:
         fds = []
