@@ -56,6 +56,7 @@ from ._fp8 import ENGINE_BF16_TABLE
 
 #: A gather of at least this many rows from memory is split over ``threads`` threads (the kernels release the GIL).
 THREADED_MIN_ROWS = 16384
+_ID_DTYPES = frozenset((np.dtype(np.int32), np.dtype(np.int64)))  # dtypes: a set look-up, not two conversions
 
 
 class RowsHandle(LookupHandle):
@@ -323,7 +324,7 @@ class BoundRows:
         """Fill ``out[:T]`` with the rows of ``ids [T, cols]`` (refused as ``gather_into`` refuses them, writing
         nothing); returns ``out``."""
         rows, cols = self.rows, self.rows.config.cols
-        arr = ids if (isinstance(ids, np.ndarray) and ids.ndim == 2 and ids.dtype in (np.int32, np.int64)
+        arr = ids if (isinstance(ids, np.ndarray) and ids.ndim == 2 and ids.dtype in _ID_DTYPES
                       and ids.flags.c_contiguous) else _as_ids(ids, 2, False)
         T = arr.shape[0]
         if arr.shape[1] != cols or not 0 < T <= self.array.shape[0]:

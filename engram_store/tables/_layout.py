@@ -13,6 +13,8 @@ from .. import kernels as _kernels
 from ..buffers import BIT_VIEWS, host_array
 from .._errors import InvalidArgument, InvalidType, describe, is_int
 
+_INT64 = np.dtype(np.int64)  # compared as a dtype: against the type it costs a conversion a call
+
 #: Row formats and the NumPy dtype their items are returned as.
 ROW_FORMATS = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "bytes": np.uint8}
 
@@ -178,7 +180,7 @@ class Layer:
         ids = row_ids
         H = self.num_heads
         # The common case (a C-contiguous int64 array of the right shape) skips the generic conversion.
-        if not (type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 3 and ids.shape[2] == H
+        if not (type(ids) is np.ndarray and ids.dtype == _INT64 and ids.ndim == 3 and ids.shape[2] == H
                 and ids.size and ids.flags.c_contiguous):
             ids = as_row_ids(row_ids, H)
         return ids

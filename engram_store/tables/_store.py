@@ -82,8 +82,9 @@ class EngramStore:
     # ---- layers and getters (work without a store) ------------------------------------------------
 
     def _layer(self, layer: int | None) -> Layer:
-        if layer is None and self._only is not None:
-            return self._only
+        only = self._only
+        if only is not None and (layer is None or (type(layer) is int and layer == only.layer_id)):
+            return only
         return find_layer(self._layers, layer)
 
     def get_layer_ids(self) -> list[int]:
