@@ -316,25 +316,26 @@ class BoundRows:
 
     def __init__(self, rows: V41Rows, form: str, array: np.ndarray, head_start: int, out: Any):
         self.rows, self.form, self.array, self.head_start, self.out = rows, form, array, head_start, out
-        self.part = array.shape[1]
+        self.part, self.max_t, self.cols = array.shape[1], array.shape[0], rows.config.cols
         self.straight: bool | None = None  # _straight of every call but for its rows (a view of a C-contiguous
         # buffer along its first axis is C-contiguous)
 
     def __call__(self, ids: Any) -> Any:
         """Fill ``out[:T]`` with the rows of ``ids [T, cols]`` (refused as ``gather_into`` refuses them, writing
         nothing); returns ``out``."""
-        rows, cols = self.rows, self.rows.config.cols
+        rows, cols = self.rows, self.cols
         arr = ids if (isinstance(ids, np.ndarray) and ids.ndim == 2 and ids.dtype in _ID_DTYPES
                       and ids.flags.c_contiguous) else _as_ids(ids, 2, False)
         T = arr.shape[0]
-        if arr.shape[1] != cols or not 0 < T <= self.array.shape[0]:
-            raise InvalidArgument(f"ids: expected [T, cols] with 1 <= T <= {self.array.shape[0]} (the bound buffer's "
+        if arr.shape[1] != cols or not 0 < T <= self.max_t:
+            raise InvalidArgument(f"ids: expected [T, cols] with 1 <= T <= {self.max_t} (the bound buffer's "
                                   f"tokens) and cols = {cols}, got {list(arr.shape)}")
         bad = _k.first_bad_window(arr, rows.offsets, self.head_start, self.part)
         if bad >= 0:
             t, c = divmod(int(bad), cols)
             raise InvalidArgument(rows._bad_id(f"ids[{t}, {c}]", int(arr[t, c])))
-        return rows._run(_Call(self.form, arr, self.array[:T], None, self.head_start, self.out), self.straight)
+        view = self.array if T == self.max_t else self.array[:T]
+        return rows._run(_Call(self.form, arr, view, None, self.head_start, self.out), self.straight)
 
 
 def _check_table(table: Any, config: V41Config, layer_id: int) -> list[int]:
