@@ -82,9 +82,8 @@ class EngramStore:
     # ---- layers and getters (work without a store) ------------------------------------------------
 
     def _layer(self, layer: int | None) -> Layer:
-        only = self._only
-        if only is not None and (layer is None or (type(layer) is int and layer == only.layer_id)):
-            return only
+        if self._only is not None and (layer is None or (type(layer) is int and layer == self._only.layer_id)):
+            return self._only
         return find_layer(self._layers, layer)
 
     def get_layer_ids(self) -> list[int]:
