@@ -94,7 +94,8 @@ TARGETS = [
             "tests/disk/test_host_cache_leaving.py")),
     Target("engram_store/disk/_cache_kernels.py",
            ("_find", "_clock_victim", "_replace", "_cache_fill", "_cache_pin", "_cache_repair"), DISK_TESTS),
-    Target("engram_store/disk/_kernels.py", ("_find_way", "_probe_all", "_first_bad", "_plan_read", "_mark_used"),
+    Target("engram_store/disk/_kernels.py", ("_find_way", "_probe_all", "_first_bad", "_serve_hits", "_plan_read",
+                                             "_mark_used"),
            DISK_TESTS),
 ]
 
@@ -275,17 +276,12 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
        for a in ("meta, base", "rows, at")},
     ("engram_store/disk/_kernels.py", "_probe_all", "1", "2", "at = -1"):
         "the row's place is read only when it is not negative",
-    **{("engram_store/disk/_kernels.py", "_plan_read", old, new, line): "with an id out of range the caller raises "
-       "before it reads anything else _plan_read returns" for old, new, line in (
-           ("0", "1", "return (bad, 0, np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64),"),
-           ("0", "1", "np.zeros(1, np.int64), np.empty(0, np.int64), np.empty(0, np.int64))"),
-           ("1", "2", "np.zeros(1, np.int64), np.empty(0, np.int64), np.empty(0, np.int64))"))},
     ("engram_store/disk/_kernels.py", "_plan_read", "1", "2", "s = np.int64((np.uint64(s) + np.uint64(1)) & mask)"):
         "probing by twos in a table of at least 2K slots (a power of two) still finds a free slot: each parity "
         "class has K or more, and at most K - 1 blocks are placed before the last",
     ("engram_store/disk/_kernels.py", "_first_bad", "False", "True"):
         "every position of the row is then compared one by one, and only one outside its head is returned",
-    ("engram_store/disk/_kernels.py", "_first_bad", "1", "2"): "_plan_read and its callers take any negative as none",
+    ("engram_store/disk/_kernels.py", "_first_bad", "1", "2"): "_serve_hits takes any negative as none",
     ("engram_store/disk/_kernels.py", "_plan_read", "size < 2 * K", "size <= 2 * K"):
         "a larger block table: still a power of two with a free slot for every block",
     ("engram_store/disk/_kernels.py", "_plan_read", "20", "21"):

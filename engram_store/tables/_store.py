@@ -82,7 +82,7 @@ class EngramStore:
     # ---- layers and getters (work without a store) ------------------------------------------------
 
     def _layer(self, layer: int | None) -> Layer:
-        if layer is None and self._only is not None:
+        if self._only is not None and (layer is None or (type(layer) is int and layer == self._only.layer_id)):
             return self._only
         return find_layer(self._layers, layer)
 
