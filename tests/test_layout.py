@@ -3,8 +3,9 @@ modules stay small, functions that are not kernels stay short, and every package
 ``__all__``.
 
 Rooms, from the top: ``engram_engines`` (the serving engines' plugins) -> ``engram_model`` -> ``engram_store.compat`` -> ``engram_store.tables`` ->
-``engram_store.client`` -> ``engram_store.segment`` and ``master`` -> ``engram_store.wire`` and
-``engram_store.disk`` -> ``engram_store.kernels`` -> the ground modules (errors, units, config, metrics, pages,
+``engram_store.client`` -> ``engram_store.segment`` and ``master`` -> ``engram_store.raw`` (the raw read channel's
+both ends and its frame: the client and segment rooms use it) -> ``engram_store.wire`` and ``engram_store.disk``
+-> ``engram_store.kernels`` -> the ground modules (errors, units, config, metrics, pages,
 progress: kernels raise the project's errors). A module may import its own room and rooms below it, never one
 above, and only through the room's door: its package or its public modules, not its private ones.
 """
@@ -19,8 +20,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Each room's level: imports go to rooms of a lower level (or the same room).
-LEVELS = {"engines": 8, "model": 7, "compat": 6, "tables": 5, "client": 4, "segment": 3, "master": 3, "wire": 2, "disk": 2,
-          "kernels": 1, "ground": 0}
+LEVELS = {"engines": 9, "model": 8, "compat": 7, "tables": 6, "client": 5, "segment": 4, "master": 4, "raw": 3,
+          "wire": 2, "disk": 2, "kernels": 1, "ground": 0}
 #: Modules that tie rooms together on purpose: the package surface, the test and warm-up helpers.
 JOINERS = {"engram_store", "engram_store.testing", "engram_store.warmup", "engram_model.warmup"}
 MAX_LINES = 550
@@ -186,7 +187,7 @@ def test_the_engram_store_facade_stays_a_facade():
                                       "the tables room's modules behind it")
 
 
-@pytest.mark.parametrize("package", ["engram_store", "engram_store.wire", "engram_store.segment",
+@pytest.mark.parametrize("package", ["engram_store", "engram_store.wire", "engram_store.raw", "engram_store.segment",
                                      "engram_store.client", "engram_store.tables", "engram_store.compat",
                                      "engram_store.disk", "engram_store.kernels", "master", "engram_model",
                                      "engram_model.v41", "engram_engines", "engram_engines.v41"])

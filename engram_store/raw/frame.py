@@ -1,7 +1,7 @@
 """The raw read channel's framing, shared by the segments that serve it and the clients that read from it.
 
 Every message starts with a 24-byte header ``<4sHHQQ``: magic ``b"ENGR"``, version, op or status, request id,
-count; see :mod:`engram_store.segment._raw_server` for the protocol and its bounds.
+count; see :mod:`engram_store.raw.frame` for the protocol and its bounds.
 """
 
 from __future__ import annotations

@@ -93,11 +93,11 @@ from .._errors import InvalidArgument, SegmentUnavailable
 from .._peers import LEDGER, Holders, PeerNames
 from ..wire import REFUSALS
 from ..kernels.raw_io import serve_params
-from ..wire.raw import HEADER, MAGIC, OK_KIND, READ_KIND, STATUS_BUSY, TOKEN_BYTES, VERSION, timeval
-from . import _raw_limits as limits
-from ._raw_receive import Receiving
-from ._raw_serving import Serving
-from ._raw_state import GONE, LISTENER, READY, WAKE, Conn, open_files_cap
+from .frame import HEADER, MAGIC, OK_KIND, READ_KIND, STATUS_BUSY, TOKEN_BYTES, VERSION, timeval
+from . import limits
+from ._receive import Receiving
+from ._serving import Serving
+from ._state import GONE, LISTENER, READY, WAKE, Conn, open_files_cap
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class RawReadServer(Receiving, Serving):
         self.serving_threads = limits.SERVING_THREADS
         self.body_budget = limits.BODY_BYTES_IN_FLIGHT
         self._sweep_s = min(limits.SWEEP_S, self.hello_timeout_s / 4, self.message_timeout_s / 4, self.idle_timeout_s / 4)
-        # What the native serving kernel answers by itself (see _raw_serving): reads within these bounds.
+        # What the native serving kernel answers by itself (see _serving): reads within these bounds.
         self._native_params = serve_params(READ_KIND, OK_KIND, max_ranges, max_bytes, limits.STREAM_MIN_BYTES,
                                            limits.STREAM_PIECE_BYTES, self.send_timeout_s,
                                            limits.SEND_MIN_BYTES_PER_S)

@@ -1,5 +1,5 @@
 """How the raw channel's event loop receives a message: a header, a hello's token, a read's ranges, a body it drops;
-each bounded by a deadline and, for ranges the loop holds, by the bytes in flight (see :mod:`._raw_server`)."""
+each bounded by a deadline and, for ranges the loop holds, by the bytes in flight (see :mod:`._server`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 
 from .._errors import AuthError, InvalidArgument, ProtocolError
 from ..wire import REFUSALS
-from ..wire.raw import (
+from .frame import (
     HEADER,
     HELLO_BYTES,
     MAGIC,
@@ -23,13 +23,13 @@ from ..wire.raw import (
     VERSION,
     error_reply,
 )
-from ._raw_state import BODY, DROP, GONE, HEAD, NO_PAIRS, READY, TOKEN, WAIT, Conn, request_buffer
+from ._state import BODY, DROP, GONE, HEAD, NO_PAIRS, READY, TOKEN, WAIT, Conn, request_buffer
 
-log = logging.getLogger("engram_store.segment._raw_server")
+log = logging.getLogger("engram_store.raw._server")
 
 
 class Receiving:
-    """The receiving side of a :class:`~._raw_server.RawReadServer` (a mixin: the server holds the state)."""
+    """The receiving side of a :class:`~._server.RawReadServer` (a mixin: the server holds the state)."""
 
     def _advance(self, c: Conn, flags: int, data: memoryview | None = None, into: np.ndarray | None = None,
                  loop: bool = False) -> int:

@@ -10,8 +10,8 @@ import numpy as np
 
 from .._peers import LEDGER
 from ..kernels.raw_io import SERVER_STATE_WORDS
-from ..wire.raw import HEADER, HELLO_BYTES
-from . import _raw_limits as limits
+from .frame import HEADER, HELLO_BYTES
+from . import limits
 
 # Receiving states of a connection, and what advancing it can end in.
 HEAD, TOKEN, BODY, DROP = range(4)

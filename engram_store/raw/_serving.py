@@ -1,5 +1,5 @@
 """The raw channel's serving threads: a bounded set that receives a read's ranges, gathers (GIL-free) and sends,
-then waits on the connection for its next request (see :mod:`._raw_server`)."""
+then waits on the connection for its next request (see :mod:`._server`)."""
 
 from __future__ import annotations
 
@@ -22,17 +22,17 @@ from ..kernels.raw_io import GONE as GONE_NATIVE
 from ..kernels.raw_io import COUNT, PYTHON, RAW_IO, RECHECK, RING_AT, SEND_TIMEOUT, SERVED, serve_read_unchecked
 from ..kernels.raw_io import QUIET as QUIET_NATIVE
 from ..wire import REFUSALS
-from ..wire.raw import HEADER, MAGIC, OP_READ, STATUS_OK, VERSION, error_reply, sendmsg_all, request_id_of
-from . import _raw_limits as limits
-from ._raw_state import GONE, READY, WAIT, Buffers, Conn
+from .frame import HEADER, MAGIC, OP_READ, STATUS_OK, VERSION, error_reply, sendmsg_all, request_id_of
+from . import limits
+from ._state import GONE, READY, WAIT, Buffers, Conn
 
-log = logging.getLogger("engram_store.segment._raw_server")
+log = logging.getLogger("engram_store.raw._server")
 #: The generation table of a server without one: a read that names objects is then checked in Python.
 _NO_TABLE = np.zeros(0, dtype=np.int64)
 
 
 class Serving:
-    """The serving threads of a :class:`~._raw_server.RawReadServer` (a mixin: the server holds their state)."""
+    """The serving threads of a :class:`~._server.RawReadServer` (a mixin: the server holds their state)."""
 
     def _dispatch(self, c: Conn) -> None:
         with self._lock:
