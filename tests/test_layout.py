@@ -198,6 +198,24 @@ def test_every_package_names_its_public_surface(package):
     assert not missing, f"{package}.__all__ names what it does not define: {missing}"
 
 
+#: The raw read channel's kernels, which stay with the other kernels (the raw room hands them its frame's kinds).
+RAW_KERNELS = {"engram_store.kernels.raw_io", "engram_store.kernels._raw_twins"}
+
+
+def test_the_raw_channel_lives_in_one_room():
+    """Both ends of the raw read channel and the one description of its frame are ``engram_store.raw``; its kernels
+    are ``kernels.raw_io`` (and their twins). A module elsewhere named for the channel, or one that spells the
+    frame's magic itself, is a piece of the channel outside its room."""
+    def in_room(name: str) -> bool:
+        return name.split(".")[:2] == ["engram_store", "raw"] or name in RAW_KERNELS
+
+    named = [name for name, _ in _modules() if not in_room(name)
+             and any(part.lstrip("_").startswith("raw") for part in name.split(".")[1:])]
+    magic = [name for name, path in _modules() if not in_room(name) and 'b"ENGR"' in path.read_text()]
+    assert not named and not magic, ("the raw channel outside engram_store.raw:\n"
+                                     + "\n".join(named + [f"{name} spells the frame's magic" for name in magic]))
+
+
 #: The one module that imports ``prometheus_client`` (an engine's dependency, not engram's).
 PROMETHEUS_MODULES = {"engram_engines._prometheus"}
 

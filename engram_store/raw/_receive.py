@@ -17,6 +17,7 @@ from .frame import (
     MAGIC,
     OP_HELLO,
     OP_READ,
+    PAIR_BYTES,
     STATUS_BUSY,
     STATUS_OK,
     TOKEN_BYTES,
@@ -93,7 +94,7 @@ class Receiving:
     def _claim_body(self, c: Conn, into: np.ndarray | None) -> int:
         """A buffer for ``c``'s ranges: in ``into`` where they fit, else one of their own within the bound on bytes in
         flight; without room the ranges are received and dropped (DROP, answered busy). Returns the new state."""
-        nbytes = 16 * c.count
+        nbytes = PAIR_BYTES * c.count
         if into is not None and nbytes <= into.size - HEADER.size:
             c.body, c.borrowed = into[HEADER.size:HEADER.size + nbytes], True
         elif self._reserve(nbytes):
@@ -133,7 +134,7 @@ class Receiving:
             if c.borrowed:
                 c.borrowed = False
                 partial, c.body = c.body, None
-                nbytes = 16 * c.count
+                nbytes = PAIR_BYTES * c.count
                 if c.got and self._reserve(nbytes):
                     c.body, c.reserved = request_buffer(nbytes), nbytes
                     c.body[:c.got] = partial[:c.got]

@@ -1,7 +1,70 @@
-"""The raw read channel's framing, shared by the segments that serve it and the clients that read from it.
+"""The raw read channel's frame: the one description of what goes over its TCP connections, and the helpers both
+ends share. Version 3 (``VERSION``), every word little-endian.
 
-Every message starts with a 24-byte header ``<4sHHQQ``: magic ``b"ENGR"``, version, op or status, request id,
-count; see :mod:`engram_store.raw.frame` for the protocol and its bounds.
+Every message, request or reply, is a 24-byte header (``HEADER``, ``<4sHHQQ``) and a body:
+
+==========  =====  =====  =====================================================================================
+field       bytes  type   meaning
+==========  =====  =====  =====================================================================================
+magic       0-3    4s     ``MAGIC``, ``b"ENGR"``
+version     4-5    u16    ``VERSION``
+code        6-7    u16    a request's op (``OP_READ``, ``OP_HELLO``) or a reply's status (``STATUS_*``)
+request id  8-15   u64    chosen by the client; its reply carries it back (0 in a busy answer to a new connection)
+count       16-23  u64    a read: its pairs; a hello: its token's bytes; a reply: its body's bytes
+==========  =====  =====  =====================================================================================
+
+The native kernels (:mod:`engram_store.kernels.raw_io`) read a header as three little-endian int64 words
+(the kind, the request id, the count). The kind is magic, version and code in one word
+(:func:`kind`; ``READ_KIND`` and ``OK_KIND`` are the ones they compare); its low 48 bits (magic and version) tell a
+reply of another status from a reply of another protocol.
+
+Requests (``OP_*``):
+
+* ``OP_READ`` (1), a read: ``count`` pairs of int64 ``(offset, length)`` (``PAIR_BYTES`` each). A read may lead
+  with checks of the objects it expects: pairs whose first word is negative, two per object,
+  ``(-base - 1, generation)`` and ``(-size - 1, generation)`` (``kernels.check_pairs_for``); the segment answers
+  only while each named object is still the put's that the client saw (else ``STATUS_STALE``). The ranges follow:
+  the segment sends them back to back, in their order.
+* ``OP_HELLO`` (2), a hello: ``count`` = ``TOKEN_BYTES`` (32) and a one-time token, ``HELLO_BYTES`` (56) in all.
+  A segment started with CURVE keys (``--auth``) requires it as a connection's first message, so what a stranger
+  can make it read is one fixed 56-byte message; its reply is ``STATUS_OK`` with an empty body.
+
+Replies come in the order of the requests (a client may send several before it receives). Each has a status:
+
+======  ===================  ==================  ==================================================================
+status  name                 a client raises     when
+======  ===================  ==================  ==================================================================
+0       ``STATUS_OK``        (none)              the body is the ranges gathered back to back (a hello's: empty)
+1       ``STATUS_INVALID``   InvalidArgument     a range outside the segment, too many bytes (the connection keeps
+                                                 serving), or too many ranges in one read (it closes)
+2       ``STATUS_PROTOCOL``  ProtocolError       another magic or version, an unknown op, a hello whose count is not
+                                                 ``TOKEN_BYTES``: the connection closes after the reply
+3       ``STATUS_AUTH``      AuthError           a read before the token, an unknown or expired token: it closes
+4       ``STATUS_REMOTE``    RemoteError         anything else that went wrong on the segment
+5       ``STATUS_BUSY``      (reads over ZeroMQ) not "the segment is down": a full channel answers a new connection
+                                                 busy (request id 0) and closes it; a read whose ranges would take
+                                                 the segment past its bytes in flight is answered busy on a
+                                                 connection that stays open
+6       ``STATUS_STALE``     StalePlacement      a check named an object that another put has written over since
+======  ===================  ==================  ==================================================================
+
+An error reply's body is ``count`` bytes (at most ``MESSAGE_BYTES``) of a UTF-8 message naming what was wrong and
+the endpoint (``STATUS_ERRORS``: the exception for each status; ``ERROR_STATUS``: the status for each exception).
+A reply that goes out in pieces (a large one) and whose objects change meanwhile is cut: the segment closes the
+connection inside it, and the client reads the same ranges over ZeroMQ, whose reply is checked whole.
+
+Versions: 1 took tokens of any length up to 1 KiB and had no busy status; 2 fixed the token at 32 bytes and added
+busy (5); 3 lets a read lead with checks and adds stale (6). A header of another version is answered with a
+protocol error naming both versions, and the connection is closed; segments say their version in their ping
+(``raw_version``), and a client of another version reads over ZeroMQ.
+
+Authentication: with ``--auth``, a client first asks for a token on the segment's ZeroMQ socket, main or reader
+(``op: "channel_token"``, so only a client holding the cluster's CURVE keys gets one), then opens the TCP connection
+with it. A token is good for one connection within ``limits.TOKEN_TTL_S``. The channel authenticates who may read
+but does not encrypt; clients that need encryption read over ZeroMQ (``raw_reads=False``).
+
+What bounds a connection (first messages, whole messages, idle connections, sends, bytes in flight, connections per
+peer) is :mod:`.limits`; how a segment serves the channel is :mod:`._server`.
 """
 
 from __future__ import annotations
@@ -13,21 +76,29 @@ import time
 from .._errors import AuthError, InvalidArgument, ProtocolError, RemoteError, StalePlacement
 
 MAGIC = b"ENGR"
-#: 3: reads may lead with checks of the objects they expect (pairs with negative offsets; see
-#: ``engram_store.kernels.check_generations``) and a refusal is StalePlacement (status 6).
 VERSION = 3
 HEADER = struct.Struct("<4sHHQQ")
+#: A read's pair: int64 (offset, length), or a check (-base - 1 or -size - 1, generation).
+PAIR_BYTES = 16
 OP_READ = 1
 OP_HELLO = 2
 STATUS_OK = 0
+STATUS_INVALID = 1
+STATUS_PROTOCOL = 2
+STATUS_AUTH = 3
+STATUS_REMOTE = 4
 STATUS_BUSY = 5
+STATUS_STALE = 6
 #: A token's bytes: a hello is one fixed message of HELLO_BYTES.
 TOKEN_BYTES = 32
 HELLO_BYTES = HEADER.size + TOKEN_BYTES
+#: The most bytes of an error reply's message.
+MESSAGE_BYTES = 4096
 #: Error statuses and the exception a client raises for each.
-STATUS_ERRORS = {1: InvalidArgument, 2: ProtocolError, 3: AuthError, 4: RemoteError, 6: StalePlacement}
-ERROR_STATUS = {InvalidArgument: 1, ProtocolError: 2, AuthError: 3, StalePlacement: 6}
-
+STATUS_ERRORS = {STATUS_INVALID: InvalidArgument, STATUS_PROTOCOL: ProtocolError, STATUS_AUTH: AuthError,
+                 STATUS_REMOTE: RemoteError, STATUS_STALE: StalePlacement}
+ERROR_STATUS = {InvalidArgument: STATUS_INVALID, ProtocolError: STATUS_PROTOCOL, AuthError: STATUS_AUTH,
+                StalePlacement: STATUS_STALE}
 
 def kind(code: int) -> int:
     """A header's first word (magic, version, then ``code``: an op or a status) as the native kernels compare it
@@ -67,8 +138,8 @@ def request_id_of(head: bytes) -> int:
 
 
 def error_reply(request_id: int, exc: Exception) -> bytes:
-    message = str(exc).encode()[:4096]
-    return HEADER.pack(MAGIC, VERSION, ERROR_STATUS.get(type(exc), 4), request_id, len(message)) + message
+    message = str(exc).encode()[:MESSAGE_BYTES]
+    return HEADER.pack(MAGIC, VERSION, ERROR_STATUS.get(type(exc), STATUS_REMOTE), request_id, len(message)) + message
 
 
 def sendmsg_all(conn: socket.socket, buffers: list, timeout_s: float | None = None,
