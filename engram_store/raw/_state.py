@@ -69,8 +69,9 @@ class Buffers:
             return None
         buf = self.request
         if buf is None or buf.size < nbytes:
-            size = HEADER.size + min(limits.REQUEST_KEEP_BYTES, max(nbytes - HEADER.size, PAIR_BYTES * limits.SMALL_RANGES,
-                                                             0 if buf is None else 2 * (buf.size - HEADER.size)))
+            size = HEADER.size + min(limits.REQUEST_KEEP_BYTES,
+                                     max(nbytes - HEADER.size, PAIR_BYTES * limits.SMALL_RANGES,
+                                         0 if buf is None else 2 * (buf.size - HEADER.size)))
             grown = np.empty(size, dtype=np.uint8)
             if self.end > self.start:
                 grown[:self.end - self.start] = buf[self.start:self.end]

@@ -14,7 +14,7 @@ count       16-23  u64    a read: its pairs; a hello: its token's bytes; a reply
 ==========  =====  =====  =====================================================================================
 
 The native kernels (:mod:`engram_store.kernels.raw_io`) read a header as three little-endian int64 words
-(the kind, the request id, the count). The kind is magic, version and code in one word
+(``raw_io.HEADER_LAYOUT``: the kind, the request id, the count). The kind is magic, version and code in one word
 (:func:`kind`; ``READ_KIND`` and ``OK_KIND`` are the ones they compare); its low 48 bits (magic and version) tell a
 reply of another status from a reply of another protocol.
 
@@ -74,12 +74,13 @@ import struct
 import time
 
 from .._errors import AuthError, InvalidArgument, ProtocolError, RemoteError, StalePlacement
+from ..kernels import raw_io
 
 MAGIC = b"ENGR"
 VERSION = 3
 HEADER = struct.Struct("<4sHHQQ")
-#: A read's pair: int64 (offset, length), or a check (-base - 1 or -size - 1, generation).
-PAIR_BYTES = 16
+#: A read's pair: int64 (offset, length), or a check (-base - 1 or -size - 1, generation); the kernels' words.
+PAIR_BYTES = raw_io.PAIR_BYTES
 OP_READ = 1
 OP_HELLO = 2
 STATUS_OK = 0
@@ -99,6 +100,12 @@ STATUS_ERRORS = {STATUS_INVALID: InvalidArgument, STATUS_PROTOCOL: ProtocolError
                  STATUS_REMOTE: RemoteError, STATUS_STALE: StalePlacement}
 ERROR_STATUS = {InvalidArgument: STATUS_INVALID, ProtocolError: STATUS_PROTOCOL, AuthError: STATUS_AUTH,
                 StalePlacement: STATUS_STALE}
+
+# The kernels read the header as raw_io.HEADER_LAYOUT's words: the same bytes.
+if HEADER.size != raw_io.HEADER_BYTES:
+    raise ImportError(f"the raw frame's header ({HEADER.size} bytes) disagrees with the kernels' "
+                      f"({raw_io.HEADER_BYTES})")
+
 
 def kind(code: int) -> int:
     """A header's first word (magic, version, then ``code``: an op or a status) as the native kernels compare it
