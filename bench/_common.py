@@ -367,7 +367,7 @@ class TcpEchoClient:
 def tcp_echo_main() -> int:
     import threading
 
-    from engram_store.wire.raw import sendmsg_all as _sendmsg_all  # every byte of a large reply, without copying the payload
+    from engram_store.raw.frame import sendmsg_all as _sendmsg_all  # every byte of a large reply, without copying the payload
 
     header = struct.Struct("<4sHHQQ")
     payload = np.full(ECHO_MAX_BYTES, 7, dtype=np.uint8)

@@ -233,7 +233,7 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     ("engram_store/kernels/raw_io.py", "_direct_request", "2", "3", "return -2"):
         "read_direct_unchecked answers NO_ROOM for -1 and BAD_ID for any other negative count",
     ("engram_store/kernels/raw_io.py", "direct_read_plan", "1", "2",
-     "checks = np.ascontiguousarray(checks, dtype=np.int64).reshape(-1, 2)"):
+     "checks = np.ascontiguousarray(checks, dtype=np.int64).reshape(-1, PAIR_WORDS)"):
         RESHAPE,
     ("engram_store/kernels/raw_io.py", "direct_read_plan", "1", "2",
      "return np.concatenate(([order.size, checks.shape[0]], order, bases, limits, "

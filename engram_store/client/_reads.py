@@ -12,10 +12,10 @@ import numpy as np
 
 from .. import kernels as _kernels
 from .._errors import EngramError, InvalidArgument, ProtocolError, SegmentUnavailable, StalePlacement
+from ..raw import RawChannel, RawChannelRefused
 from ..wire import ZERO_COPY_SEND_BYTES, frame_bytes
 from ._mapped import object_checks, read_mapped
 from ._objects import ObjectInfo, Replica, as_bytes_view, check_key
-from ._raw_client import RawChannel, RawChannelRefused
 
 log = logging.getLogger("engram_store.client")
 

@@ -33,12 +33,11 @@ from .._errors import (
     is_int,
 )
 from .._units import parse_size
+from ..raw import RawRoutes, raw_reads_default
 from ..segment import SegmentServer, host_id
 from ..wire import AUTH_DIR_ENV, Connection, ConnectionPool, load_keys, resolve_auth_dir, wait_all
 from ._local_segments import LocalSegments
 from ._objects import KeyInfo, ObjectInfo, check_key, replica_of
-from ._raw_client import raw_reads_default
-from ._raw_routes import RawRoutes
 from ._reads import ReadPath
 from ._writes import WritePath
 

@@ -20,10 +20,10 @@ import pytest
 
 from suite_helpers import TcpProxy, run_threads, wait_for
 from engram_store import DistributedStore, EngramStore, SegmentUnavailable, StalePlacement, WriteFenced
-from engram_store.client import RawChannel, RawChannelRefused
+from engram_store.raw import RawChannel, RawChannelRefused
 from engram_store.tables.cli import main as layers_main
 from engram_store.testing import Cluster
-from engram_store.wire.raw import HEADER, MAGIC, STATUS_OK, VERSION
+from engram_store.raw.frame import HEADER, MAGIC, STATUS_OK, VERSION
 from faults_helpers import CONFIG, expected_rows, layer_ids, layer_tables
 
 pytestmark = pytest.mark.timeout(180)
@@ -137,8 +137,8 @@ def test_a_streamed_lookup_cut_at_a_piece_is_read_again_whole():
     """A lookup of 4 MiB over the raw channel (the segment streams it in 1 MiB pieces); the connection ends after
     the header and the first piece, as when the segment finds the layer written over before the second: the
     lookup returns every row (read again over ZeroMQ), never the caller's old buffer past the first piece."""
-    from engram_store.client import RawPort
-    from engram_store.segment._raw_limits import STREAM_PIECE_BYTES
+    from engram_store.raw import RawPort
+    from engram_store.raw.limits import STREAM_PIECE_BYTES
 
     tables = layer_tables(1)
     ids = layer_ids(1, (64, 256))  # 16,384 positions x 4 heads x 64 bytes: 4 MiB

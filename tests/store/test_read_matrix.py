@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from engram_store import DistributedStore, EngramStore, EngramStoreConfig
-from engram_store.client import RawPort
+from engram_store.raw import RawPort
 from engram_store.testing import Cluster
 
 pytestmark = pytest.mark.timeout(180)

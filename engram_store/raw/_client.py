@@ -1,6 +1,6 @@
 """A client's raw read channel to one segment: a TCP connection on which it sends reads and receives replies.
 
-See :mod:`engram_store.segment._raw_server` for the protocol. Any failure closes the connection (a late reply is
+See :mod:`engram_store.raw.frame` for the protocol. Any failure closes the connection (a late reply is
 never read as the answer to a later request); a connection the segment closed while idle is reopened and the
 reads sent on it are sent again (reads are idempotent); a busy answer or a refused connection raises
 :class:`RawChannelRefused`, and the caller reads over ZeroMQ instead.
@@ -25,7 +25,7 @@ import numpy as np
 from .._errors import NO_FILES, EngramError, ProtocolError, RemoteError, SegmentUnavailable, too_many_open_files
 from ..kernels.raw_io import (BAD_ID, INTERRUPTED, NO_ROOM, OK, RAW_IO, TIMEOUT, client_buffer, direct_request_bytes,
                                read_direct_unchecked, set_client_timeout)
-from ..wire.raw import (
+from .frame import (
     HEADER,
     MAGIC,
     OK_KIND,

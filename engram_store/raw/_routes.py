@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from .._errors import EngramError, SegmentUnavailable
-from ..wire import RAW_VERSION
-from ._raw_client import RawChannel, RawChannelRefused
+from .frame import VERSION as RAW_VERSION
+from ._client import RawChannel, RawChannelRefused
 
 log = logging.getLogger("engram_store.client")
 
