@@ -37,14 +37,14 @@ CACHE_TESTS = (f"{CHURN}a_row_cache_filled_while_the_layer_is_written_again_neve
 
 TARGETS = [
     # the master's replay and fencing
-    Target("master/_replay.py", ("Replay.replay", "Replay._free_replicas", "Replay._quarantine_replayed",
+    Target("engram_store/master/_replay.py", ("Replay.replay", "Replay._free_replicas", "Replay._quarantine_replayed",
                                  "Replay._replay_object"), MASTER_TESTS),
-    Target("master/_fencing.py", ("Fencing._end_registration", "Fencing._report_held", "Fencing._reserved_by_fence",
+    Target("engram_store/master/_fencing.py", ("Fencing._end_registration", "Fencing._report_held", "Fencing._reserved_by_fence",
                                   "Fencing._fence", "Fencing._fence_acknowledged", "Fencing._forget_settled_fences",
                                   "Fencing.fencing_bytes"), MASTER_TESTS),
-    Target("master/_state.py", ("MasterState.heartbeat", "MasterState.take_put_id"), MASTER_TESTS),
+    Target("engram_store/master/_state.py", ("MasterState.heartbeat", "MasterState.take_put_id"), MASTER_TESTS),
     # objects a segment found damaged: dropped, and lost where it was the last replica, in one journal record
-    Target("master/_repairs.py", ("Repairs.drop_damaged",), MASTER_TESTS + ("tests/faults/test_at_rest.py",)),
+    Target("engram_store/master/_repairs.py", ("Repairs.drop_damaged",), MASTER_TESTS + ("tests/faults/test_at_rest.py",)),
     # the segment's fence
     Target("engram_store/segment/_fence.py",
            ("WriteFence.new_registration", "WriteFence._admit", "WriteFence.check", "WriteFence.ticket_of",
@@ -107,7 +107,7 @@ HAND = [
     ("engram_store/client/_reads.py", "ReadPath._read_remote",
      "named.add((replica.offset, info.size, replica.generation))", "named.add((replica.offset, info.size, 0))",
      "remote reads name no generation"),
-    ("master/_replay.py", "Replay.replay", "*(g + 1 for g in generations)", "*(g for g in generations)",
+    ("engram_store/master/_replay.py", "Replay.replay", "*(g + 1 for g in generations)", "*(g for g in generations)",
      "put ids repeat after a replay"),
     ("engram_store/segment/_fence.py", "WriteFence._admit", "if fields[0] in self._fenced:",
      "if fields[0] in self._acks:", "a fenced put writes again once its fence is acknowledged"),
@@ -135,35 +135,35 @@ SPAN_GUARD = "tables is not self._span_of and not all(t.flags.c_contiguous for t
 #: function. Not run.
 EQUIVALENT: dict[tuple[str, ...], str] = {
     # the master's replay
-    ("master/_replay.py", "Replay._quarantine_replayed", "self.reuse_delay_s <= 0", "False"):
+    ("engram_store/master/_replay.py", "Replay._quarantine_replayed", "self.reuse_delay_s <= 0", "False"):
         "with no reuse delay what it quarantines is due at once, and put_start frees what is due before it allocates",
-    ("master/_replay.py", "Replay._quarantine_replayed", "self.reuse_delay_s <= 0", "self.reuse_delay_s < 0"):
+    ("engram_store/master/_replay.py", "Replay._quarantine_replayed", "self.reuse_delay_s <= 0", "self.reuse_delay_s < 0"):
         "with no reuse delay what it quarantines is due at once, and put_start frees what is due before it allocates",
-    ("master/_replay.py", "Replay._quarantine_replayed", "lo < hi", "lo <= hi"):
+    ("engram_store/master/_replay.py", "Replay._quarantine_replayed", "lo < hi", "lo <= hi"):
         "an empty overlap reserves, quarantines and later frees 0 bytes: the allocator takes each as a no-op",
-    **{("master/_repairs.py", "Repairs.drop_damaged", "segment is None or not damaged", new):
+    **{("engram_store/master/_repairs.py", "Repairs.drop_damaged", "segment is None or not damaged", new):
        "redundant (see the comment beside it): with nothing damaged the loop does nothing, and dropping a segment "
        "takes its replicas out of every object, so no entry finds one there"
        for new in ("False", "segment is None and (not damaged)", "not damaged", "segment is None")},
     # the master's fencing
-    ("master/_fencing.py", "Fencing._end_registration", "segment.fences.clear()", "pass"):
+    ("engram_store/master/_fencing.py", "Fencing._end_registration", "segment.fences.clear()", "pass"):
         "the ids left go out with the next heartbeat reply; the segment applies and acknowledges them, and "
         "heartbeat() drops them (their fences were settled here already)",
-    ("master/_fencing.py", "Fencing._reserved_by_fence", "f.waiting.get(segment_id) == offset and f.size == size",
+    ("engram_store/master/_fencing.py", "Fencing._reserved_by_fence", "f.waiting.get(segment_id) == offset and f.size == size",
      "f.waiting.get(segment_id) == offset"):
         "a held range is always one put's whole ticket range, and a fence waiting at that offset of that segment is "
         "that put's (fenced space is not placed again), so the sizes are equal",
-    ("master/_fencing.py", "Fencing._fence", "segment is None", "False"):
+    ("engram_store/master/_fencing.py", "Fencing._fence", "segment is None", "False"):
         "redundant (see the comment beside it): dropping a segment takes its replicas out of pending puts first",
-    ("master/_fencing.py", "Fencing._fence", "replica.segment_id in settled or not meta.size",
+    ("engram_store/master/_fencing.py", "Fencing._fence", "replica.segment_id in settled or not meta.size",
      "replica.segment_id in settled"):
         "a put of 0 bytes holds no space: fencing it only waits for an acknowledgement that frees 0 bytes",
-    ("master/_fencing.py", "Fencing._fence_acknowledged", "fence is None", "False"):
+    ("engram_store/master/_fencing.py", "Fencing._fence_acknowledged", "fence is None", "False"):
         "redundant (see the comment beside it): a put id in a segment's fences always has a fence waiting on it",
-    ("master/_fencing.py", "Fencing._fence_acknowledged",
+    ("engram_store/master/_fencing.py", "Fencing._fence_acknowledged",
      "held is not None and (offset, fence.size) in {(int(o), int(n)) for o, n in held}", "held is not None"):
         "redundant (see the comment beside it): heartbeat() reports the same list next, which frees a range it lacks",
-    ("master/_fencing.py", "Fencing._fence_acknowledged", "(offset, fence.size) in {(int(o), int(n)) for o, n in held}",
+    ("engram_store/master/_fencing.py", "Fencing._fence_acknowledged", "(offset, fence.size) in {(int(o), int(n)) for o, n in held}",
      "(offset, fence.size) not in {(int(o), int(n)) for o, n in held}"):
         "heartbeat() reports the same list next: a listed range freed here is reserved again as held there, an "
         "unlisted one kept here is freed there",

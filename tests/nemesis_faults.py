@@ -49,7 +49,7 @@ class Faults:
         import sys
         journal = self.journal_file
         before = os.stat(journal).st_ino if os.path.exists(journal) else None
-        second = subprocess.run(self._prefix("master") + [sys.executable, "-m", "master", "--host",
+        second = subprocess.run(self._prefix("master") + [sys.executable, "-m", "engram_store.master", "--host",
                                 self._host("master"), "--port", "0", "--journal", journal],
                                 capture_output=True, text=True, timeout=60)
         after = os.stat(journal).st_ino if os.path.exists(journal) else None

@@ -3,7 +3,7 @@ modules stay small, functions that are not kernels stay short, and every package
 ``__all__``.
 
 Rooms, from the top: ``engram_engines`` (the serving engines' plugins) -> ``engram_model`` -> ``engram_store.compat`` -> ``engram_store.tables`` ->
-``engram_store.client`` -> ``engram_store.segment`` and ``master`` -> ``engram_store.raw`` (the raw read channel's
+``engram_store.client`` -> ``engram_store.segment`` and ``engram_store.master`` -> ``engram_store.raw`` (the raw read channel's
 both ends and its frame: the client and segment rooms use it) -> ``engram_store.wire`` and ``engram_store.disk``
 -> ``engram_store.kernels`` -> the ground modules (errors, units, config, metrics, pages,
 progress: kernels raise the project's errors). A module may import its own room and rooms below it, never one
@@ -33,8 +33,6 @@ MAX_FACADE_LINES = 300
 
 def _room(module: str) -> str | None:
     parts = module.split(".")
-    if parts[0] == "master":
-        return "master"
     if parts[0] == "engram_model":
         return "model"
     if parts[0] == "engram_engines":
@@ -47,7 +45,7 @@ def _room(module: str) -> str | None:
 
 
 def _modules():
-    for package in ("engram_store", "master", "engram_model", "engram_engines"):
+    for package in ("engram_store", "engram_model", "engram_engines"):
         for path in sorted((ROOT / package).rglob("*.py")):
             name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
             yield name.removesuffix(".__init__"), path
@@ -110,7 +108,7 @@ def test_rooms_meet_at_their_doors():
 
 
 #: The top packages: each reaches another only through its public modules.
-TOP_PACKAGES = {"engram_store", "master", "engram_model", "engram_engines"}
+TOP_PACKAGES = {"engram_store", "engram_model", "engram_engines"}
 
 
 def _private_reaches(name: str, path: Path):
@@ -134,12 +132,23 @@ def _private_reaches(name: str, path: Path):
         yield from ((node.lineno, dotted) for dotted in paths if private(dotted))
 
 
+def test_packages_import_one_way():
+    """``engram_engines`` -> ``engram_model`` -> ``engram_store``, joiners included: the store (its master, segments
+    and embedded cluster among it) never imports a model family or an engine plugin, and a model never an engine."""
+    above = {"engram_store": ("engram_model", "engram_engines"), "engram_model": ("engram_engines",),
+             "engram_engines": ()}
+    back = [f"{path.relative_to(ROOT)} imports {target}" for name, path in _modules()
+            for target in _imports(name, path) if target.split(".")[0] in above[name.split(".")[0]]]
+    assert not back, "imports that run back up between packages:\n" + "\n".join(back)
+    assert not (ROOT / "master").exists(), "the master is a room of engram_store (engram_store/master), not a package"
+
+
 def test_packages_meet_at_public_modules():
-    """``engram_model``, ``master`` and ``engram_engines`` use what ``engram_store`` (and ``engram_model``) give them
+    """``engram_model`` and ``engram_engines`` use what ``engram_store`` (and ``engram_model``) give them
     through public modules (``engram_store.errors``, ``.cli``, ``.units``, ...): the underscore marks what may change
     inside a package without the others knowing."""
     reaches = [f"{path.relative_to(ROOT)}:{line}: imports {dotted}"
-               for name, path in _modules() if name.split(".")[0] in ("engram_model", "master", "engram_engines")
+               for name, path in _modules() if name.split(".")[0] in ("engram_model", "engram_engines")
                for line, dotted in _private_reaches(name, path)]
     assert not reaches, "imports of another package's private modules:\n" + "\n".join(reaches)
 
@@ -189,7 +198,7 @@ def test_the_engram_store_facade_stays_a_facade():
 
 @pytest.mark.parametrize("package", ["engram_store", "engram_store.wire", "engram_store.raw", "engram_store.segment",
                                      "engram_store.client", "engram_store.tables", "engram_store.compat",
-                                     "engram_store.disk", "engram_store.kernels", "master", "engram_model",
+                                     "engram_store.disk", "engram_store.kernels", "engram_store.master", "engram_model",
                                      "engram_model.v41", "engram_engines", "engram_engines.v41"])
 def test_every_package_names_its_public_surface(package):
     module = importlib.import_module(package)

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(not __import__("zmq").has("curve"), reason="libz
 
 
 def _engram_master(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "master", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "engram_store.master", *args], capture_output=True, text=True, timeout=60)
 
 
 def _keygen(directory) -> str:

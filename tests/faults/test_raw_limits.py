@@ -50,7 +50,7 @@ def _wait_for(predicate, timeout_s: float = 20.0, what: str = "") -> None:
 
 def _keys(tmp_path) -> str:
     directory = str(tmp_path / "keys")
-    result = subprocess.run([sys.executable, "-m", "master", "keygen", directory], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "engram_store.master", "keygen", directory], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr
     return directory

@@ -15,7 +15,7 @@ from engram_store import (
     WriteFenced,
 )
 from engram_store.wire import make_ticket, read_ticket
-from master import ALIGNMENT, FreeListAllocator, MasterState
+from engram_store.master import ALIGNMENT, FreeListAllocator, MasterState
 
 
 def _align(n):

@@ -14,7 +14,7 @@ from engram_store.client import object_checks, read_mapped
 from engram_store.kernels import check_pairs_for
 from engram_store.segment import SegmentServer
 from engram_store.segment._generations import Generations
-from master import MasterServer
+from engram_store.master import MasterServer
 
 
 @pytest.fixture

@@ -304,7 +304,7 @@ def test_a_hung_segment_does_not_hold_up_reads_of_a_healthy_one(monkeypatch):
 @pytest.mark.skipif(not __import__("zmq").has("curve"), reason="libzmq without CURVE")
 def test_with_auth_a_connection_needs_a_token_from_the_zeromq_socket(tmp_path):
     keys = str(tmp_path / "keys")
-    result = subprocess.run([sys.executable, "-m", "master", "keygen", keys], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "engram_store.master", "keygen", keys], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr
     with Cluster(segments=1, auth_dir=keys, heartbeat_timeout_s=10.0) as c:

@@ -45,7 +45,7 @@ def keys(tmp_path_factory) -> str:
     if not HAS_CURVE:
         return ""
     directory = str(tmp_path_factory.mktemp("matrix") / "keys")
-    result = subprocess.run([sys.executable, "-m", "master", "keygen", directory], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "engram_store.master", "keygen", directory], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr
     return directory
