@@ -99,6 +99,25 @@ def measure(fn: Callable[[int], object], *, warmup: int, min_reps: int, min_time
 # ---- output ---------------------------------------------------------------------------------------------
 
 
+def interleaved_times(cands: dict[str, Callable[[int], object]], rounds: int, sets: int) -> dict[str, np.ndarray]:
+    """Microseconds of each call of each candidate ``fn(set_index)``, calls interleaved round by round (each candidate
+    once per round, the order turning each round: none always follows the same one). Every call reads an id set of
+    its own, the sets ``0 .. sets - 2`` in turn (set ``sets - 1`` warms each candidate first: compile, map): no
+    candidate finds rows that the one before it brought into the CPU's caches, and over the rounds each reads
+    them all."""
+    for fn in cands.values():
+        fn(sets - 1)
+    times: dict[str, list[float]] = {name: [] for name in cands}
+    items = list(cands.items())
+    for r in range(rounds):
+        for i in range(len(items)):
+            name, fn = items[(i + r) % len(items)]
+            t0 = time.perf_counter_ns()
+            fn((r * len(items) + i) % (sets - 1))
+            times[name].append((time.perf_counter_ns() - t0) / 1e3)
+    return {name: np.array(v) for name, v in times.items()}
+
+
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]], title: str | None = None) -> None:
     """Print rows under headers, each column right-aligned to its widest cell (first column left-aligned)."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
@@ -348,7 +367,7 @@ class TcpEchoClient:
 def tcp_echo_main() -> int:
     import threading
 
-    from engram_store.wire.raw import sendmsg_all as _sendmsg_all  # every byte of a large reply, without copying the payload
+    from engram_store.raw.frame import sendmsg_all as _sendmsg_all  # every byte of a large reply, without copying the payload
 
     header = struct.Struct("<4sHHQQ")
     payload = np.full(ECHO_MAX_BYTES, 7, dtype=np.uint8)

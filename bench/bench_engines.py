@@ -1,7 +1,10 @@
-"""V4.1 rows for the serving engines: ``V41Rows.gather_into`` beside the engines' own CPU gather.
+"""V4.1 rows for the serving engines: ``V41Rows.gather_into`` beside the engines' own CPU gather; and Qwen4-Exp's PLE
+rows (``PLERows``), in ``_engines_ple.py``.
 
-    python bench/bench_engines.py [--quick] [--rows-per-column N] [--threads N] [--json PATH]
+    python bench/bench_engines.py [--quick] [--families v41,ple] [--rows-per-column N] [--threads N] [--json PATH]
                                   [--sections memory,local_dir,disk,remote,critical,startup] [--startup-gb G]
+                                  [--ple-rows-per-head N] [--ple-dtypes float8_e4m3fn,bfloat16]
+                                  [--ple-engine-threads N]
 
 One layer in the released row format (24 columns of 264-byte rows: 256 e4m3 codes, 8 e8m0 scale bytes), with
 ``--rows-per-column`` rows per column (default 250,000: 6M rows, 1.6 GB; the release has 16M per column), random
@@ -35,13 +38,13 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from _common import default_json_path, fmt, print_table, start_cluster, write_json
+from _common import default_json_path, fmt, interleaved_times, print_table, start_cluster, write_json
 from _engines_paths import critical_path, startup
 
+import _engines_ple
 from engram_model.v41 import V41Config, V41Rows, v41_store_config
 from engram_store import DistributedStore, EngramStore
 
@@ -61,8 +64,14 @@ def main() -> int:
     parser.add_argument("--startup-gb", type=float, default=None, help="table size of the start-up section "
                         "(default 4, --quick 1)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="V41Rows threads for large gathers")
-    parser.add_argument("--json", default=default_json_path("bench_engines"))
+    parser.add_argument("--json", default=None, help="default: bench/results/bench_engines.json, or "
+                        "bench_engines_ple.json for the PLE part alone")
+    parser.add_argument("--families", default="v41,ple", help="the model families' rows to run: v41, ple or both")
+    _engines_ple.add_arguments(parser)
     args = parser.parse_args()
+    if "v41" not in args.families.split(","):  # the PLE part alone
+        write_json(args.json or default_json_path("bench_engines_ple"), {"ple": _engines_ple.run(args, args.sections.split(","))})
+        return 0
     per_column = args.rows_per_column or (60_000 if args.quick else 250_000)
     rounds = {"decode": 15 if args.quick else 60, "prefill": 3 if args.quick else 9}
     sections = args.sections.split(",")
@@ -96,7 +105,9 @@ def main() -> int:
     del packed, tables, engine
     if "startup" in sections:
         results["startup"] = startup(args.startup_gb or (1.0 if args.quick else 4.0), HOST_CACHE_BYTES)
-    write_json(args.json, results)
+    if "ple" in args.families.split(","):  # memory, local_dir, disk and remote of the PLE tables
+        results["ple"] = _engines_ple.run(args, sections)
+    write_json(args.json or default_json_path("bench_engines"), results)
     return 0
 
 
@@ -177,17 +188,7 @@ def _run(step: str, T: int, cands: dict, rounds: int, baseline: str | None, extr
     """Median microseconds of each candidate, calls interleaved round by round; print the table. Every call reads
     an id set of its own, the sets in turn: no candidate finds rows that the one before it brought into the CPU's
     caches (a serving step reads rows the step before did not), and over the rounds each reads them all."""
-    sets = SETS[step.split(", ")[-1]]
-    for fn in cands.values():
-        fn(sets - 1)  # compile, map, warm (timed rounds start from set 0)
-    times: dict[str, list[float]] = {name: [] for name in cands}
-    items = list(cands.items())
-    for r in range(rounds):
-        for i in range(len(items)):  # the order turns each round: no candidate always follows the same one
-            name, fn = items[(i + r) % len(items)]
-            t0 = time.perf_counter_ns()
-            fn((r * len(items) + i) % (sets - 1))
-            times[name].append((time.perf_counter_ns() - t0) / 1e3)
+    times = interleaved_times(cands, rounds, SETS[step.split(", ")[-1]])
     med = {name: float(np.median(v)) for name, v in times.items()}
     base = med.get(baseline) if baseline else None
     rows = []

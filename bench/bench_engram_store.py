@@ -23,7 +23,7 @@ Paths (the store paths read the tables from one ``engram-segment`` process on th
   answered by a Python ROUTER in its own process that does nothing else: the floor of a remote read over
   ZeroMQ.
 - tcp floor: the same bytes over a bare blocking TCP socket, answered by a Python thread in its own process
-  that does nothing else: the floor of the raw read channel the remote path uses (see ``engram_store.segment._raw_server``).
+  that does nothing else: the floor of the raw read channel the remote path uses (see ``engram_store.raw``).
 - prefetch: ``prefetch(ids).result()`` on the local-direct client (the background-thread hand-off included).
 - mooncake: Mooncake's own ``mooncake.store.EngramStore`` (from its wheel, ``pip install "engram[mooncake]"``)
   reading the same tables over TCP from a ``mooncake_client`` segment process (Mooncake's scenario only;

@@ -43,7 +43,7 @@ from _common import HEARTBEAT_TIMEOUT_S, EchoClient, EchoServer, TIMEOUT_MS, def
     print_table, size_label, start_cluster, write_json
 from engram_store import DistributedStore, EngramStore, EngramStoreConfig, SegmentUnavailable
 from engram_store.segment import default_readers
-from engram_store.wire._transport import Connection
+from engram_store.wire import Connection
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES = [4 << 10, 1 << 20, 16 << 20]

@@ -86,7 +86,8 @@ def warm_v41(verbose: bool = True) -> float:
 
 def warm_ple(verbose: bool = True) -> float:
     """Run Qwen4-Exp's PLE hash kernel once through the paths serving uses (whole sequences, a ragged step, a draft
-    and its commit); returns seconds."""
+    and its commit, a step after vLLM's context), and the engines' row gathers (PLERows); returns seconds."""
+    from ._rows_gather import warm_kernels
     from .ple import PLEConfig, PLEHasher
 
     start = time.perf_counter()
@@ -98,6 +99,8 @@ def warm_ple(verbose: bool = True) -> float:
         state = hasher.begin(4)
         hasher.step_ragged(state, ids.ravel(), [3, 0], [0, 2, 6], commit=False)
         hasher.commit(state, ids.ravel()[:3], [3, 0], [0, 1, 3])
+        hasher.hash_ragged(ids.ravel(), [0, 2, 6], np.ones((2, 2), np.int64))
+    warm_kernels()  # the engines' row gathers (PLERows)
     elapsed = time.perf_counter() - start
     if verbose:
         print(f"engram_model.ple kernels ready in {elapsed:.1f} s", flush=True)

@@ -186,7 +186,7 @@ def start_master(*, port: int | None = None, heartbeat_timeout_s: float = 10.0, 
     """Start ``engram-master`` on ``host`` and wait until it answers. ``prefix``: a command to run it under (e.g.
     ``["ip", "netns", "exec", NAME]`` to start it inside a network namespace)."""
     port = port or free_port()
-    args = (prefix or []) + [sys.executable, "-m", "master", "--host", host, "--port", str(port),
+    args = (prefix or []) + [sys.executable, "-m", "engram_store.master", "--host", host, "--port", str(port),
             "--heartbeat-timeout", str(heartbeat_timeout_s), "--lease-ttl", str(lease_ttl_s),
             "--log-level", "INFO"]
     if journal:

@@ -22,17 +22,29 @@ DISK_TESTS = ("tests/disk/test_disk_kernels.py", "tests/disk/test_cache_guards.p
 GENERATION_TESTS = ("tests/store/test_generations.py", "tests/store/test_raw_io.py")
 MASTER_TESTS = ("tests/master/test_master_journal.py", "tests/master/test_master_state.py")
 PLANNING_TESTS = ("tests/kernels/test_planning.py", "tests/kernels/test_kernels.py", "tests/store/test_raw_io.py")
+CHURN = "tests/faults/test_churn_reads.py::test_"
+MAPPED_TESTS = ("tests/store/test_mapped_reads.py",
+                f"{CHURN}lookups_and_local_copies_cut_off_from_the_master_never_read_what_took_the_space")
+PLACEMENT_TESTS = ("tests/store/test_read_matrix.py", "tests/faults/test_at_rest.py::test_a_reader_cut_off_from_the_"
+                   "master_never_reads_a_layer_written_where_a_restarted_segment_held_its_own")
+V41_TESTS = ("tests/model/test_v41_rows.py::test_every_table_kind_gives_the_engines_rows",
+             f"{CHURN}v41_rows_cut_off_from_the_master_never_read_the_layer_written_in_its_space",
+             "tests/model/test_v41_rows.py")
+CACHE_TESTS = (f"{CHURN}a_row_cache_filled_while_the_layer_is_written_again_never_serves_the_earlier_rows",
+               *(f"tests/tables/test_engram_store.py::test_row_cache_{name}" for name in (
+                   "returns_the_same_rows_and_counts_hits", "serves_repeats_without_requests_and_forgets_a_repopulated_"
+                   "layer")))
 
 TARGETS = [
     # the master's replay and fencing
-    Target("master/_replay.py", ("Replay.replay", "Replay._free_replicas", "Replay._quarantine_replayed",
+    Target("engram_store/master/_replay.py", ("Replay.replay", "Replay._free_replicas", "Replay._quarantine_replayed",
                                  "Replay._replay_object"), MASTER_TESTS),
-    Target("master/_fencing.py", ("Fencing._end_registration", "Fencing._report_held", "Fencing._reserved_by_fence",
+    Target("engram_store/master/_fencing.py", ("Fencing._end_registration", "Fencing._report_held", "Fencing._reserved_by_fence",
                                   "Fencing._fence", "Fencing._fence_acknowledged", "Fencing._forget_settled_fences",
                                   "Fencing.fencing_bytes"), MASTER_TESTS),
-    Target("master/_state.py", ("MasterState.heartbeat", "MasterState.take_put_id"), MASTER_TESTS),
+    Target("engram_store/master/_state.py", ("MasterState.heartbeat", "MasterState.take_put_id"), MASTER_TESTS),
     # objects a segment found damaged: dropped, and lost where it was the last replica, in one journal record
-    Target("master/_repairs.py", ("Repairs.drop_damaged",), MASTER_TESTS + ("tests/faults/test_at_rest.py",)),
+    Target("engram_store/master/_repairs.py", ("Repairs.drop_damaged",), MASTER_TESTS + ("tests/faults/test_at_rest.py",)),
     # the segment's fence
     Target("engram_store/segment/_fence.py",
            ("WriteFence.new_registration", "WriteFence._admit", "WriteFence.check", "WriteFence.ticket_of",
@@ -50,6 +62,18 @@ TARGETS = [
                "put_get_roundtrip_random_sizes", "get_into_ranges_equals_numpy_slicing",
                "remote_reads_split_at_the_reply_limit_land_where_numpy_slicing_puts_them",
                "get_fails_over_to_second_replica_before_master_notices")))),
+    # reads of mapped memory: the one rule (client.read_mapped), a placement's age guard and checks, the store row
+    # cache's placement tag, and V4.1's engine reads through it
+    Target("engram_store/client/_mapped.py", ("read_mapped", "_check", "object_checks"), MAPPED_TESTS),
+    # (Placements.get and resolve decide how often a placement is checked with the master, not what may be read:
+    # read_mapped refuses what a stale placement maps, however it was kept)
+    Target("engram_store/tables/_placement.py",
+           ("Placements.local_safe_s", "Placements.read_mapped", "Placements.gather", "Placements._build"),
+           MAPPED_TESTS + PLACEMENT_TESTS),
+    Target("engram_store/tables/_source_store.py",
+           ("StoreSource.read_local", "StoreSource._clear_cache", "_RowCache.probe", "_RowCache.fill",
+            "_RowCache.clear"), MAPPED_TESTS + CACHE_TESTS + V41_TESTS),
+    Target("engram_model/v41/_rows.py", ("V41Rows._run", "V41Rows._from_mapped"), V41_TESTS),
     # V4.1's ragged decode state
     Target("engram_model/v41/_hasher.py",
            ("V41Hasher.step_ragged", "V41Hasher.commit", "V41Hasher._ragged", "V41Hasher._ragged_refused",
@@ -70,7 +94,8 @@ TARGETS = [
             "tests/disk/test_host_cache_leaving.py")),
     Target("engram_store/disk/_cache_kernels.py",
            ("_find", "_clock_victim", "_replace", "_cache_fill", "_cache_pin", "_cache_repair"), DISK_TESTS),
-    Target("engram_store/disk/_kernels.py", ("_find_way", "_probe_all", "_first_bad", "_plan_read", "_mark_used"),
+    Target("engram_store/disk/_kernels.py", ("_find_way", "_probe_all", "_first_bad", "_serve_hits", "_plan_read",
+                                             "_mark_used"),
            DISK_TESTS),
 ]
 
@@ -82,7 +107,7 @@ HAND = [
     ("engram_store/client/_reads.py", "ReadPath._read_remote",
      "named.add((replica.offset, info.size, replica.generation))", "named.add((replica.offset, info.size, 0))",
      "remote reads name no generation"),
-    ("master/_replay.py", "Replay.replay", "*(g + 1 for g in generations)", "*(g for g in generations)",
+    ("engram_store/master/_replay.py", "Replay.replay", "*(g + 1 for g in generations)", "*(g for g in generations)",
      "put ids repeat after a replay"),
     ("engram_store/segment/_fence.py", "WriteFence._admit", "if fields[0] in self._fenced:",
      "if fields[0] in self._acks:", "a fenced put writes again once its fence is acknowledged"),
@@ -99,40 +124,46 @@ RESHAPE = "NumPy's reshape takes any negative size as the one size it works out"
 #: Why CLOCK always finds a victim where the cache kernels guard against none.
 ONE_UNPINNED = "redundant (see the comment beside it): pin() leaves a way of every set unpinned, so CLOCK finds a victim"
 
+#: Why V41Rows' memory path never meets tables that are not C-contiguous: EngramStore.local_tables gives each head's
+#: table as a reshape of a flat read-only view (InMemory.views), for every source with tables here.
+CONTIGUOUS = ("redundant (see the comment beside it): every table local_tables gives is C-contiguous (a reshape of a "
+              "flat view, InMemory.views), so the memory path is taken whatever the guard says")
+SPAN_GUARD = "tables is not self._span_of and not all(t.flags.c_contiguous for t in tables)"
+
 #: Mutants that change nothing a caller can observe: ``(path, function, old, new) -> why``, or with the code of the
 #: line the change is on (no indentation, no comment) as a fifth item where the same change occurs twice in a
 #: function. Not run.
 EQUIVALENT: dict[tuple[str, ...], str] = {
     # the master's replay
-    ("master/_replay.py", "Replay._quarantine_replayed", "self.reuse_delay_s <= 0", "False"):
+    ("engram_store/master/_replay.py", "Replay._quarantine_replayed", "self.reuse_delay_s <= 0", "False"):
         "with no reuse delay what it quarantines is due at once, and put_start frees what is due before it allocates",
-    ("master/_replay.py", "Replay._quarantine_replayed", "self.reuse_delay_s <= 0", "self.reuse_delay_s < 0"):
+    ("engram_store/master/_replay.py", "Replay._quarantine_replayed", "self.reuse_delay_s <= 0", "self.reuse_delay_s < 0"):
         "with no reuse delay what it quarantines is due at once, and put_start frees what is due before it allocates",
-    ("master/_replay.py", "Replay._quarantine_replayed", "lo < hi", "lo <= hi"):
+    ("engram_store/master/_replay.py", "Replay._quarantine_replayed", "lo < hi", "lo <= hi"):
         "an empty overlap reserves, quarantines and later frees 0 bytes: the allocator takes each as a no-op",
-    **{("master/_repairs.py", "Repairs.drop_damaged", "segment is None or not damaged", new):
+    **{("engram_store/master/_repairs.py", "Repairs.drop_damaged", "segment is None or not damaged", new):
        "redundant (see the comment beside it): with nothing damaged the loop does nothing, and dropping a segment "
        "takes its replicas out of every object, so no entry finds one there"
        for new in ("False", "segment is None and (not damaged)", "not damaged", "segment is None")},
     # the master's fencing
-    ("master/_fencing.py", "Fencing._end_registration", "segment.fences.clear()", "pass"):
+    ("engram_store/master/_fencing.py", "Fencing._end_registration", "segment.fences.clear()", "pass"):
         "the ids left go out with the next heartbeat reply; the segment applies and acknowledges them, and "
         "heartbeat() drops them (their fences were settled here already)",
-    ("master/_fencing.py", "Fencing._reserved_by_fence", "f.waiting.get(segment_id) == offset and f.size == size",
+    ("engram_store/master/_fencing.py", "Fencing._reserved_by_fence", "f.waiting.get(segment_id) == offset and f.size == size",
      "f.waiting.get(segment_id) == offset"):
         "a held range is always one put's whole ticket range, and a fence waiting at that offset of that segment is "
         "that put's (fenced space is not placed again), so the sizes are equal",
-    ("master/_fencing.py", "Fencing._fence", "segment is None", "False"):
+    ("engram_store/master/_fencing.py", "Fencing._fence", "segment is None", "False"):
         "redundant (see the comment beside it): dropping a segment takes its replicas out of pending puts first",
-    ("master/_fencing.py", "Fencing._fence", "replica.segment_id in settled or not meta.size",
+    ("engram_store/master/_fencing.py", "Fencing._fence", "replica.segment_id in settled or not meta.size",
      "replica.segment_id in settled"):
         "a put of 0 bytes holds no space: fencing it only waits for an acknowledgement that frees 0 bytes",
-    ("master/_fencing.py", "Fencing._fence_acknowledged", "fence is None", "False"):
+    ("engram_store/master/_fencing.py", "Fencing._fence_acknowledged", "fence is None", "False"):
         "redundant (see the comment beside it): a put id in a segment's fences always has a fence waiting on it",
-    ("master/_fencing.py", "Fencing._fence_acknowledged",
+    ("engram_store/master/_fencing.py", "Fencing._fence_acknowledged",
      "held is not None and (offset, fence.size) in {(int(o), int(n)) for o, n in held}", "held is not None"):
         "redundant (see the comment beside it): heartbeat() reports the same list next, which frees a range it lacks",
-    ("master/_fencing.py", "Fencing._fence_acknowledged", "(offset, fence.size) in {(int(o), int(n)) for o, n in held}",
+    ("engram_store/master/_fencing.py", "Fencing._fence_acknowledged", "(offset, fence.size) in {(int(o), int(n)) for o, n in held}",
      "(offset, fence.size) not in {(int(o), int(n)) for o, n in held}"):
         "heartbeat() reports the same list next: a listed range freed here is reserved again as held there, an "
         "unlisted one kept here is freed there",
@@ -202,7 +233,7 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     ("engram_store/kernels/raw_io.py", "_direct_request", "2", "3", "return -2"):
         "read_direct_unchecked answers NO_ROOM for -1 and BAD_ID for any other negative count",
     ("engram_store/kernels/raw_io.py", "direct_read_plan", "1", "2",
-     "checks = np.ascontiguousarray(checks, dtype=np.int64).reshape(-1, 2)"):
+     "checks = np.ascontiguousarray(checks, dtype=np.int64).reshape(-1, PAIR_WORDS)"):
         RESHAPE,
     ("engram_store/kernels/raw_io.py", "direct_read_plan", "1", "2",
      "return np.concatenate(([order.size, checks.shape[0]], order, bases, limits, "
@@ -245,17 +276,12 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
        for a in ("meta, base", "rows, at")},
     ("engram_store/disk/_kernels.py", "_probe_all", "1", "2", "at = -1"):
         "the row's place is read only when it is not negative",
-    **{("engram_store/disk/_kernels.py", "_plan_read", old, new, line): "with an id out of range the caller raises "
-       "before it reads anything else _plan_read returns" for old, new, line in (
-           ("0", "1", "return (bad, 0, np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64),"),
-           ("0", "1", "np.zeros(1, np.int64), np.empty(0, np.int64), np.empty(0, np.int64))"),
-           ("1", "2", "np.zeros(1, np.int64), np.empty(0, np.int64), np.empty(0, np.int64))"))},
     ("engram_store/disk/_kernels.py", "_plan_read", "1", "2", "s = np.int64((np.uint64(s) + np.uint64(1)) & mask)"):
         "probing by twos in a table of at least 2K slots (a power of two) still finds a free slot: each parity "
         "class has K or more, and at most K - 1 blocks are placed before the last",
     ("engram_store/disk/_kernels.py", "_first_bad", "False", "True"):
         "every position of the row is then compared one by one, and only one outside its head is returned",
-    ("engram_store/disk/_kernels.py", "_first_bad", "1", "2"): "_plan_read and its callers take any negative as none",
+    ("engram_store/disk/_kernels.py", "_first_bad", "1", "2"): "_serve_hits takes any negative as none",
     ("engram_store/disk/_kernels.py", "_plan_read", "size < 2 * K", "size <= 2 * K"):
         "a larger block table: still a power of two with a free slot for every block",
     ("engram_store/disk/_kernels.py", "_plan_read", "20", "21"):
@@ -335,4 +361,10 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "more passes of the radix sort over bits that are all zero leave the order as it is (a speed loss)",
     ("engram_store/kernels/_sort.py", "_sort_positions", "(span >> shift) > 0", "span >> shift >= 0"):
         "more passes of the radix sort over bits that are all zero leave the order as it is (a speed loss)",
+    # reads of mapped memory
+    ("engram_store/tables/_source_store.py", "_RowCache.clear", "1", "2"):
+        "a cache key is never negative (head << 40 | row): a fill of -2 empties the cache as -1 does",
+    **{("engram_model/v41/_rows.py", "V41Rows._from_mapped", old, new): CONTIGUOUS for old, new in (
+        (SPAN_GUARD, "False"), (SPAN_GUARD, "not all((t.flags.c_contiguous for t in tables))"),
+        ("tables is not self._span_of", "tables is self._span_of"), ("False", "True"))},
 }

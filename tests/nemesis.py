@@ -5,28 +5,39 @@ In the spirit of Jepsen and of FoundationDB's simulation tests: examples pin the
 finds the ones nobody did. One seed fixes the cluster (journal or not, durable or shared-memory segments, replica
 count) and the schedule of operations (populate, lookup, prefetch, remove, verify of store, ``local_dir`` and
 ``disk_dir`` layers, behind a client's own row cache or the host's, shared and asked for at different sizes; undo
-of a client's own populate of a store layer; put, get and remove of objects; clients closing mid-call) and faults (SIGKILL, SIGSTOP and
-restarts of the master, with and without its journal, and of segments; clients killed mid-populate and mid-remove;
-a paused segment's shared memory truncated under its readers, which its seals must refuse; network partitions
-between processes, where the machine lets this run make network namespaces). Processes are
-real (``engram-master``, ``engram-segment``, client processes running ``tests/nemesis_worker.py``); timings are
-not, so a seed replays the same schedule, not the same interleaving.
+of a client's own populate of a store layer; put, get and remove of objects; clients closing mid-call) and faults
+(SIGKILL, SIGSTOP and restarts of the master, with and without its journal, and of segments; clients killed
+mid-populate and mid-remove; a paused segment's shared memory truncated under its readers, which its seals must
+refuse; network partitions between processes, where the machine lets this run make network namespaces). Streams
+of their own add faults of the journal (``nemesis_journal``), faults at rest and forks (``nemesis_rest``) and
+ordinary churn (``nemesis_churn``): layers of every shape (256-byte rows whose lookups stream, V4.1's 264-byte
+rows read with ``V41Rows`` in every form) removed and populated again, also by ``engram-layers remove``, while
+every read path reads them in bursts (row caches, head shards, the background, tables opened anew); tables closed
+under lookups in flight; SIGINT to clients mid-call; a second segment started on a durable segment's file.
+Processes are real (``engram-master``, ``engram-segment``, client processes running ``tests/nemesis_worker.py``,
+``engram-layers``); timings are not, so a seed replays the same schedule, not the same interleaving.
 
-The checker holds the history to the contract (see :func:`check`):
+The checker holds the history to the contract (``tests/nemesis_check.py``):
 
-- every row a lookup returns is exactly the row asked for, of one populate of that layer that was acknowledged or
-  may have taken effect (never another layer's, never a mix of two populates, never one that was refused);
+- every row a read returns, by any path (lookups, ``V41Rows`` gathers, row caches, reads in flight when their
+  table closed, the reads a failed burst made before), is exactly the row asked for, of one populate of that
+  layer that was acknowledged or may have taken effect (never another layer's or object's, never a mix of two
+  populates, never one that was refused), and a table never goes back to a populate older than one it returned;
+- a read of valid ids fails only with an error that says what happened (never one that blames the caller, such as
+  InvalidArgument after a SIGINT), and no operation stalls past its bound (a LockTimeout is a stall);
 - every acknowledged object is readable at the end, or reported lost by name when the bytes are truly gone (every
-  segment that held it died); a removal that was acknowledged stays removed;
-- no process of ours dies by a signal it was not sent, and none is left behind.
+  segment that held it died); a removal that was acknowledged stays removed; every layer ends published whole or
+  absent (never a manifest without its heads: the store's keys and the layer files are checked at the end);
+- a second segment on a live segment's file is refused; no process of ours dies by a signal it was not sent, and
+  none is left behind.
 
     python tests/nemesis.py --seed 17                # replay one history and print it
     python tests/nemesis.py --seeds 0-999 --minutes 60   # explore; prints each seed that broke the contract
+    python tests/nemesis.py --seed 962 --tour        # the churn stream's short tour, as CI runs it
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -35,7 +46,7 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if os.path.dirname(HERE) not in sys.path:
@@ -44,6 +55,8 @@ if os.path.dirname(HERE) not in sys.path:
 from engram_store.testing import Proc, free_port, segment_ready, spawn_segment, start_master  # noqa: E402
 from engram_store.segment import reap_orphans  # noqa: E402
 
+from nemesis_churn import TOUR_STEPS, Churn  # noqa: E402
+from nemesis_client import Op, Worker  # noqa: E402,F401 (Op and Worker: the tests that start clients of their own)
 from nemesis_faults import FAULTS, Faults  # noqa: E402
 from nemesis_journal import JournalFaults  # noqa: E402
 from nemesis_rest import RestFaults  # noqa: E402
@@ -54,77 +67,17 @@ HEARTBEAT_TIMEOUT_S = 1.5
 MASTER_EXTRA = ["--reuse-delay", "0.3", "--put-timeout", "4"]
 LEASE_TTL_S = 0.5
 SEGMENT_SIZE = "4MiB"
+#: With the churn stream's larger layers (nemesis_churn), twice as much.
+CHURN_SEGMENT_SIZE = "8MiB"
 CLIENT_TIMEOUT_MS = 2000
 #: An operation still unanswered after this long is a hang (a violation).
 OP_HANG_S = 90.0
 #: Errors that leave an operation's outcome unknown: it may or may not have taken effect.
-INDETERMINATE = {"MasterUnavailable", "SegmentUnavailable", "Unavailable", "killed", "RawChannelRefused"}
+INDETERMINATE = {"MasterUnavailable", "SegmentUnavailable", "Unavailable", "killed", "RawChannelRefused",
+                 "Interrupted", "CliFailed", "ReloadFailed"}
 KINDS = ("store", "local", "disk")
 LAYERS = (1, 2, 3)
 KEYS = ("k1", "k2")
-
-
-@dataclass
-class Op:
-    """One operation of the history: what was asked, by whom, when, and how it ended."""
-    id: int
-    worker: str
-    cmd: dict
-    invoked: float
-    done: float | None = None
-    outcome: str = "pending"   # ok, fail (a definite refusal), unknown (may have taken effect)
-    reply: dict = field(default_factory=dict)
-
-    def describe(self) -> str:
-        args = " ".join(f"{k}={v}" for k, v in self.cmd.items() if k not in ("op", "id"))
-        end = "" if self.done is None else f"{self.done:7.3f}"
-        result = {k: v for k, v in self.reply.items() if k not in ("id", "ok", "message")}
-        message = self.reply.get("message", "")
-        return (f"{self.invoked:7.3f}..{end:>7} {self.worker:<3} {self.cmd['op']:<13} {args:<34} -> {self.outcome}"
-                + (f" {result}" if result else "") + (f" ({message[:160]})" if message else ""))
-
-
-class Worker:
-    """A client process and the operation it is running."""
-
-    def __init__(self, name: str, args: list[str], prefix: list[str], wait: bool = True):
-        self.name = name
-        self.proc = Proc(prefix + [sys.executable, os.path.join(HERE, "nemesis_worker.py"), *args],
-                         f"client-{name}", stdout_pipe=True, stdin_pipe=True)
-        self.buffer = b""
-        self.op: Op | None = None
-        self.node = ""
-        if wait:
-            self.wait_ready()
-
-    def wait_ready(self) -> None:
-        """Wait for the process's ready line (it has imported everything and will answer)."""
-        line = self.read_line(time.monotonic() + 60)
-        if line is None or "ready" not in json.loads(line):
-            out = self.proc.output()
-            self.proc.close()
-            raise RuntimeError(f"client {self.name} did not start:\n{out[-3000:]}")
-
-    def read_line(self, deadline: float) -> str | None:
-        import select
-        while b"\n" not in self.buffer:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            ready, _, _ = select.select([self.proc.popen.stdout], [], [], remaining)
-            if not ready:
-                return None
-            chunk = os.read(self.proc.popen.stdout.fileno(), 1 << 16)
-            if not chunk:
-                return None
-            self.buffer += chunk
-        line, self.buffer = self.buffer.split(b"\n", 1)
-        return line.decode()
-
-    def send(self, op: Op) -> None:
-        self.op = op
-        self.proc.popen.stdin.write((json.dumps({**op.cmd, "id": op.id}) + "\n").encode())
-        self.proc.popen.stdin.flush()
 
 
 @dataclass
@@ -147,11 +100,12 @@ class Plan:
                    steps=rng.randint(25, 45))
 
 
-class History(Faults, JournalFaults, RestFaults):
+class History(Faults, JournalFaults, RestFaults, Churn):
     """Runs one seed: the cluster, the clients, the schedule of operations and faults, and the record of it."""
 
     def __init__(self, seed: int, verbose: bool = False, partitions: bool | None = None, undo: bool = True,
-                 journal: bool = True, rest: bool = True):
+                 journal: bool = True, rest: bool = True, churn: bool = True, tour: bool = False,
+                 steps: int | None = None):
         self.seed = seed
         self.rng = random.Random(seed)
         # Undos come from a stream of their own, so that without them (undo=False: how the seeds that found
@@ -169,6 +123,10 @@ class History(Faults, JournalFaults, RestFaults):
             self.release()
             raise
         self.plan = Plan.of(self.rng, self.network is not None)
+        if steps is not None or tour:
+            self.plan.steps = steps or TOUR_STEPS
+        self.churn_init(churn, tour)  # churn, from a stream of its own too (see nemesis_churn)
+        self.segment_size = CHURN_SEGMENT_SIZE if churn else SEGMENT_SIZE
         self.files = self.fs.path if self.fs else self.dir
         self.t0 = time.monotonic()
         self.ops: list[Op] = []
@@ -233,7 +191,7 @@ class History(Faults, JournalFaults, RestFaults):
         slot = self.segments[i]
         extra = ["--file", slot["file"]] if slot["file"] else []
         node = f"segment{i}"
-        slot["proc"] = spawn_segment(self.master_address, SEGMENT_SIZE, extra + ["--register-timeout", "600"],
+        slot["proc"] = spawn_segment(self.master_address, self.segment_size, extra + ["--register-timeout", "600"],
                                      prefix=self._prefix(node), host=self._host(node))
         slot["starting"] = True
         slot["stopped_until"] = slot["down_until"] = 0.0
@@ -258,16 +216,23 @@ class History(Faults, JournalFaults, RestFaults):
         slot["starting"] = False
         return True
 
-    def start_worker(self, wait: bool = True, dies_at: int = 0) -> Worker:
-        name = f"c{self._next_worker}"
-        local_direct = self.plan.local_direct[self._next_worker % len(self.plan.local_direct)]
-        self._next_worker += 1
-        node = f"client{len(self.workers) % 3}"
+    def start_worker(self, wait: bool = True, dies_at: int = 0, churn: bool = False) -> Worker:
+        if churn:
+            name, local_direct, node = self.churn_worker_args()
+        else:
+            name = f"c{self._next_worker}"
+            local_direct = self.plan.local_direct[self._next_worker % len(self.plan.local_direct)]
+            self._next_worker += 1
+            node = f"client{len(self.main_workers) % 3}"
         worker = Worker(name, [self.worker_master(name, local_direct), os.path.join(self.files, "local"),
                                os.path.join(self.files, "disk"), "1" if local_direct else "0", str(CLIENT_TIMEOUT_MS),
-                               self.worker_cache(dies_at), os.path.join(self.dir, "shm")], self._prefix(node), wait)
+                               self.worker_cache(dies_at), os.path.join(self.dir, "shm"), self.churn_role(churn)],
+                        self._prefix(node), wait)
         worker.node = node
+        worker.churn = churn
         self.workers[name] = worker
+        if churn:
+            self.log(f"client {name} (churn) on {node}, " + ("local-direct" if local_direct else "reads remote"))
         return worker
 
     def all_procs(self) -> list[tuple[str, Proc]]:
@@ -289,11 +254,18 @@ class History(Faults, JournalFaults, RestFaults):
     # ---- operations ---------------------------------------------------------------------------
 
     def issue(self, worker: Worker, cmd: dict) -> Op:
+        if worker.op is not None:  # its reply would be taken for the one in flight
+            raise RuntimeError(f"the explorer sent {cmd} to client {worker.name}, busy with #{worker.op.id}")
         op = Op(self._next_op, worker.name, self.rest_cmd(worker, cmd), self.now())
         self._next_op += 1
         self.ops.append(op)
         worker.send(op)
         return op
+
+    def issue_queue(self, worker: Worker, cmds: list[dict]) -> None:
+        """Run ``cmds`` on ``worker`` one after the other, each as soon as the one before has ended."""
+        worker.queue = list(cmds[1:])
+        self.issue(worker, cmds[0])
 
     def pump(self, until: float) -> None:
         """Collect replies, resume paused processes when their time is up, restart what is due, until ``until``."""
@@ -301,6 +273,7 @@ class History(Faults, JournalFaults, RestFaults):
         while True:
             self.tend_faults()
             self.check_processes()
+            self.churn_keep_busy()
             busy = {w.proc.popen.stdout: w for w in self.workers.values() if w.op is not None and w.proc.alive()}
             now = self.now()
             for w in self.workers.values():
@@ -320,10 +293,12 @@ class History(Faults, JournalFaults, RestFaults):
 
     def finish(self, worker: Worker, reply: dict) -> None:
         op, worker.op = worker.op, None
+        if reply.get("id") != op.id:
+            raise RuntimeError(f"client {worker.name} answered #{reply.get('id')} while #{op.id} was in flight")
         op.done, op.reply = self.now(), reply
         if reply.get("ok"):
             op.outcome = "ok"
-        elif reply.get("error") in INDETERMINATE:
+        elif reply.get("error") in INDETERMINATE or op.interrupted:
             op.outcome = "unknown"
         else:
             op.outcome = "fail"
@@ -333,6 +308,8 @@ class History(Faults, JournalFaults, RestFaults):
         if self.verbose:
             print(op.describe(), flush=True)
         self.check_read(op)
+        if worker.queue and worker.proc.alive():
+            self.issue(worker, worker.queue.pop(0))
 
     def wait_idle(self, worker: Worker, timeout_s: float = OP_HANG_S) -> None:
         deadline = self.now() + timeout_s
@@ -378,13 +355,15 @@ class History(Faults, JournalFaults, RestFaults):
             self.setup()
             for _ in range(self.plan.steps):
                 self.pump(self.now() + self.rng.uniform(0.0, 0.3))
+                self.churn_step()
                 if self.rng.random() < 0.85:
-                    idle = [w for w in self.workers.values() if w.op is None and w.proc.alive()]
+                    idle = [w for w in self.main_workers.values() if w.op is None and w.proc.alive()]
                     if idle:
                         self.issue(self.rng.choice(idle), self.next_op())
                         continue
-                self.fault()
-                self.rest_fault()
+                if not self.tour:  # (a tour's faults are its own: it covers the churn stream in a short history)
+                    self.fault()
+                    self.rest_fault()
             self.heal()
             self.final_check()
         finally:
@@ -396,6 +375,7 @@ class History(Faults, JournalFaults, RestFaults):
         for d in ("local", "disk"):
             os.makedirs(os.path.join(self.files, d))
         workers = [self.start_worker(wait=False) for _ in range(3)]  # they import while the cluster starts
+        workers += self.churn_setup()
         self.start_master()
         for i in range(self.plan.segments):
             self.segments.append({"proc": None, "file": os.path.join(self.files, f"segment-{i}.bin")
@@ -419,6 +399,7 @@ class History(Faults, JournalFaults, RestFaults):
     def kill_worker(self, worker: Worker, why: str) -> None:
         worker.proc.expected_exit = True
         worker.proc.kill()
+        worker.queue = []
         if worker.op is not None:
             op, worker.op = worker.op, None
             op.done, op.outcome, op.reply = self.now(), "unknown", {"error": "killed", "message": why}
@@ -433,6 +414,7 @@ class History(Faults, JournalFaults, RestFaults):
     def tend_faults(self) -> None:
         """Resume what was paused and restart what was killed, when its time comes."""
         now = self.now()
+        self.churn_tend(now)  # (before a segment starts again: a second segment on its file goes first)
         if self.master is not None and self.master_stopped_until and now >= self.master_stopped_until:
             self.master.signal(signal.SIGCONT)
             self.master_stopped_until = 0.0
@@ -475,10 +457,12 @@ class History(Faults, JournalFaults, RestFaults):
             slot["down_until"] = min(slot["down_until"], self.now())
         self.tend_faults()
         self.tend_faults()
+        self.churn_heal()
         for worker in list(self.workers.values()):
             self.wait_idle(worker)
 
     def teardown(self) -> None:
+        self.churn_close()
         for worker in list(self.workers.values()):
             worker.proc.expected_exit = True
             worker.proc.close()
@@ -508,8 +492,8 @@ class History(Faults, JournalFaults, RestFaults):
     # ---- the contract -------------------------------------------------------------------------
 
     def check_read(self, op: Op) -> None:
-        from nemesis_check import check_read
-        for problem in check_read(self, op):
+        from nemesis_check import check_op
+        for problem in check_op(self, op):
             self.violation(problem)
 
     def final_check(self) -> None:
@@ -518,85 +502,17 @@ class History(Faults, JournalFaults, RestFaults):
 
 
 def run_seed(seed: int, verbose: bool = False, partitions: bool | None = None, undo: bool = True,
-             journal: bool = True, rest: bool = True) -> History:
-    history = History(seed, verbose=verbose, partitions=partitions, undo=undo, journal=journal, rest=rest)
+             journal: bool = True, rest: bool = True, churn: bool = True, tour: bool = False,
+             steps: int | None = None) -> History:
+    history = History(seed, verbose=verbose, partitions=partitions, undo=undo, journal=journal, rest=rest,
+                      churn=churn, tour=tour, steps=steps)
     history.run()
     return history
 
 
-def _stop(signum: int, frame) -> None:
-    """The first SIGINT or SIGTERM stops the explorer (KeyboardInterrupt); later ones are ignored while it cleans up."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    raise KeyboardInterrupt
-
-
-def _seed_range(text: str) -> range:
-    lo, _, hi = text.partition("-")
-    return range(int(lo), int(hi or lo) + 1)
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python tests/nemesis.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--seed", type=int, help="replay one history and print it")
-    p.add_argument("--seeds", type=_seed_range, metavar="A-B", help="explore these seeds")
-    p.add_argument("--minutes", type=float, default=None, help="stop exploring after this long (default: all)")
-    p.add_argument("--no-partitions", action="store_true", help="never partition the network")
-    p.add_argument("--no-undo", action="store_true",
-                   help="no undo_populate in the schedule (how seeds found before it existed replay)")
-    p.add_argument("--no-journal-faults", action="store_true",
-                   help="no faults of the master's journal (how seeds found before they existed replay)")
-    p.add_argument("--no-rest", action="store_true",
-                   help="no faults at rest or forks (nemesis_rest: how seeds found before them replay)")
-    p.add_argument("--record", metavar="DIR", default=os.path.join(tempfile.gettempdir(), "engram-nemesis"),
-                   help="where a history that broke the contract is written in full, as seed-S.log (a replay "
-                        "repeats the schedule, not the timing; default: %(default)s)")
-    args = p.parse_args(argv)
-    partitions = False if args.no_partitions else None
-    # SIGTERM stops like Ctrl-C: the history in progress tears down its processes, namespaces and file system,
-    # and a second signal (``timeout`` passes one on to its child as the shell sends another) does not cut that short.
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    if args.seed is not None:
-        history = run_seed(args.seed, verbose=True, partitions=partitions, undo=not args.no_undo,
-                           journal=not args.no_journal_faults, rest=not args.no_rest)
-        print(f"seed {args.seed}: " + ("held" if not history.violations else
-                                       f"{len(history.violations)} violation(s)"))
-        for v in history.violations:
-            print(f"  - {v}")
-        return 0 if not history.violations else 1
-    if args.seeds is None:
-        p.error("give --seed S or --seeds A-B")
-    deadline = time.monotonic() + args.minutes * 60 if args.minutes else float("inf")
-    failed, ran = [], 0
-    for seed in args.seeds:
-        if time.monotonic() > deadline:
-            break
-        try:
-            history = run_seed(seed, partitions=partitions, undo=not args.no_undo,
-                               journal=not args.no_journal_faults, rest=not args.no_rest)
-        except KeyboardInterrupt:
-            print(f"stopped during seed {seed} (not counted)", flush=True)
-            break
-        except Exception:
-            import traceback
-            ran += 1
-            failed.append(seed)
-            print(f"seed {seed}: the explorer itself failed:\n{traceback.format_exc()}", flush=True)
-            continue
-        ran += 1
-        if history.violations:
-            failed.append(seed)
-            os.makedirs(args.record, exist_ok=True)
-            record = os.path.join(args.record, f"seed-{seed}.log")
-            with open(record, "w", encoding="utf-8") as f:
-                f.write(history.transcript())
-            print(f"seed {seed}: {len(history.violations)} violation(s), history in {record}: "
-                  f"{history.violations[0][:300]}", flush=True)
-        elif ran % 10 == 0:
-            print(f"... {ran} seeds, {len(failed)} failed", flush=True)
-    print(f"{ran} seed(s) explored, {len(failed)} broke the contract" + (f": {failed}" if failed else ""))
-    return 0 if not failed else 1
+    from nemesis_cli import main as explore
+    return explore(argv, run_seed, __doc__)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ class Faults:
         import sys
         journal = self.journal_file
         before = os.stat(journal).st_ino if os.path.exists(journal) else None
-        second = subprocess.run(self._prefix("master") + [sys.executable, "-m", "master", "--host",
+        second = subprocess.run(self._prefix("master") + [sys.executable, "-m", "engram_store.master", "--host",
                                 self._host("master"), "--port", "0", "--journal", journal],
                                 capture_output=True, text=True, timeout=60)
         after = os.stat(journal).st_ino if os.path.exists(journal) else None
@@ -134,8 +134,8 @@ class Faults:
 
     def fault_client_kill(self) -> None:
         """SIGKILL a client, often mid-operation (a writer killed mid-populate or mid-remove); a new one starts."""
-        busy = [w for w in self.workers.values() if w.op is not None]
-        worker = self.rng.choice(busy or list(self.workers.values()))
+        busy = [w for w in self.main_workers.values() if w.op is not None]
+        worker = self.rng.choice(busy or list(self.main_workers.values()))
         what = worker.op.cmd["op"] if worker.op is not None else "idle"
         self.kill_worker(worker, "killed by the explorer")
         self.log(f"FAULT client {worker.name} killed (SIGKILL) while {what}")
@@ -172,7 +172,7 @@ FAULTS = {
     "segment_kill": (2, lambda h: sum(s["proc"] is not None for s in h.segments) > 1 and _segment_live(h)),
     "segment_term": (1, lambda h: sum(s["proc"] is not None for s in h.segments) > 1 and _segment_live(h)),
     "segment_pause": (3, _segment_live),
-    "client_kill": (3, lambda h: any(w.op is not None for w in h.workers.values())),
+    "client_kill": (3, lambda h: any(w.op is not None for w in h.main_workers.values())),
     "partition": (3, lambda h: h.network is not None),
     "disk_full": (1.5, lambda h: h.fs is not None and not h.fs.full_until),
 }

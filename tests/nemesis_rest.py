@@ -29,6 +29,7 @@ import random
 import numpy as np
 
 from nemesis_check import _target
+from nemesis_rows import kind_of, place
 from suite_helpers import TcpProxy, flip_byte
 from engram_store.kernels import generation_table
 
@@ -75,9 +76,10 @@ class RestFaults:
 
     def rest_cmd(self, worker, cmd: dict) -> dict:
         """``cmd`` as ``worker`` runs it: some lookups in a forked child (not where a child would inherit the
-        cache's test hook and die mid-fill in its parent's place)."""
-        if self.rest_rng is not None and cmd["op"] == "lookup" and self.rest_rng.random() < FORK_P \
-                and not getattr(worker, "dies", False):
+        cache's test hook and die mid-fill in its parent's place; not the churn clients', which draw nothing from
+        this stream)."""
+        if self.rest_rng is not None and cmd["op"] == "lookup" and not worker.churn \
+                and self.rest_rng.random() < FORK_P and not getattr(worker, "dies", False):
             cmd["fork"] = True
         return cmd
 
@@ -141,9 +143,9 @@ class RestFaults:
 
     def rest_restart_cut_off(self) -> None:
         i = self._durable_up()
-        if i is None or not self.workers:
+        if i is None or not self.main_workers:
             return
-        names = sorted(self.workers)
+        names = sorted(self.main_workers)
         local = [n for n in names if n in self.local_direct_workers]
         name = self.rest_rng.choice(local or names)
         cut_s = self.rest_rng.uniform(1.0, 4.0)
@@ -194,7 +196,8 @@ class RestFaults:
             # The manifest lags what the segment holds (it keeps its old file when the disk is full: seed 860097),
             # and the rot hit an object it does not name: any object written to the store may be that one.
             targets |= {_target(op.cmd) for op in self.ops
-                        if op.cmd["op"] in ("populate", "put") and op.cmd.get("kind", "store") == "store"}
+                        if op.cmd["op"] in ("populate", "put", "reload")
+                        and place(op.cmd.get("kind", "store")) == "store"}
             what += "; it hit an object the manifest does not name yet, so every object written counts as hit"
         for target in targets:
             self.rotted[target] = self.now()
@@ -228,7 +231,7 @@ class RestFaults:
         except OSError as exc:  # removed meanwhile
             self.log(f"disk layer {name}: could not rot it ({exc})")
             return
-        self.rotted[("disk", int(name[6:]))] = self.now()
+        self.rotted[(kind_of("disk", int(name[6:])), int(name[6:]))] = self.now()
         self.log(f"FAULT disk layer {name[6:]}'s data file rotted: {what}")
 
     def rest_die_mid_fill(self) -> None:
@@ -267,5 +270,5 @@ def _target_of(key: str):
     if not key.startswith("engram:"):
         return ("key", key)
     part = key.split(":")[1]
-    return ("store", int(part[1:])) if part[1:].isdigit() else None
+    return (kind_of("store", int(part[1:])), int(part[1:])) if part[1:].isdigit() else None
 

@@ -138,7 +138,7 @@ def read_ranges_served(store, timeout_s: float = 10.0) -> int:
     """read_ranges requests the embedded segment of ``store`` has served so far, once the count has held still for
     longer than a serving thread may keep reads it answered natively out of the metrics (it counts them when no
     other read came within ``SETTLE_S`` of the last reply, or after 64)."""
-    from engram_store.segment import _raw_limits as limits
+    from engram_store.raw import limits
 
     def count() -> int:
         return sum(int(float(line.split()[-1])) for line in store.local_segment.server.metrics.render()

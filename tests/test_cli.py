@@ -120,7 +120,7 @@ def test_status_of_a_port_that_does_not_answer_says_so_after_a_second():
         silent.bind(("127.0.0.1", 0))
         silent.listen()
         address = "127.0.0.1:%d" % silent.getsockname()[1]
-        proc = subprocess.Popen([sys.executable, "-m", "master", "status", "--master", address, "--timeout", "3"],
+        proc = subprocess.Popen([sys.executable, "-m", "engram_store.master", "status", "--master", address, "--timeout", "3"],
                                 stderr=subprocess.PIPE, text=True)
         try:
             start = time.monotonic()
@@ -155,7 +155,7 @@ def test_status_waits_for_segments_started_in_the_background():
 
 def test_status_waits_for_a_master_that_is_still_starting():
     port = free_port()
-    status = subprocess.Popen([sys.executable, "-m", "master", "status", "--master", f"127.0.0.1:{port}",
+    status = subprocess.Popen([sys.executable, "-m", "engram_store.master", "status", "--master", f"127.0.0.1:{port}",
                                "--wait-segments", "1", "--timeout", "90"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
     try:

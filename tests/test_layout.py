@@ -3,8 +3,9 @@ modules stay small, functions that are not kernels stay short, and every package
 ``__all__``.
 
 Rooms, from the top: ``engram_engines`` (the serving engines' plugins) -> ``engram_model`` -> ``engram_store.compat`` -> ``engram_store.tables`` ->
-``engram_store.client`` -> ``engram_store.segment`` and ``master`` -> ``engram_store.wire`` and
-``engram_store.disk`` -> ``engram_store.kernels`` -> the ground modules (errors, units, config, metrics, pages,
+``engram_store.client`` -> ``engram_store.segment`` and ``engram_store.master`` -> ``engram_store.raw`` (the raw read channel's
+both ends and its frame: the client and segment rooms use it) -> ``engram_store.wire`` and ``engram_store.disk``
+-> ``engram_store.kernels`` -> the ground modules (errors, units, config, metrics, pages,
 progress: kernels raise the project's errors). A module may import its own room and rooms below it, never one
 above, and only through the room's door: its package or its public modules, not its private ones.
 """
@@ -19,8 +20,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Each room's level: imports go to rooms of a lower level (or the same room).
-LEVELS = {"engines": 8, "model": 7, "compat": 6, "tables": 5, "client": 4, "segment": 3, "master": 3, "wire": 2, "disk": 2,
-          "kernels": 1, "ground": 0}
+LEVELS = {"engines": 9, "model": 8, "compat": 7, "tables": 6, "client": 5, "segment": 4, "master": 4, "raw": 3,
+          "wire": 2, "disk": 2, "kernels": 1, "ground": 0}
 #: Modules that tie rooms together on purpose: the package surface, the test and warm-up helpers.
 JOINERS = {"engram_store", "engram_store.testing", "engram_store.warmup", "engram_model.warmup"}
 MAX_LINES = 550
@@ -32,8 +33,6 @@ MAX_FACADE_LINES = 300
 
 def _room(module: str) -> str | None:
     parts = module.split(".")
-    if parts[0] == "master":
-        return "master"
     if parts[0] == "engram_model":
         return "model"
     if parts[0] == "engram_engines":
@@ -46,7 +45,7 @@ def _room(module: str) -> str | None:
 
 
 def _modules():
-    for package in ("engram_store", "master", "engram_model", "engram_engines"):
+    for package in ("engram_store", "engram_model", "engram_engines"):
         for path in sorted((ROOT / package).rglob("*.py")):
             name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
             yield name.removesuffix(".__init__"), path
@@ -109,7 +108,7 @@ def test_rooms_meet_at_their_doors():
 
 
 #: The top packages: each reaches another only through its public modules.
-TOP_PACKAGES = {"engram_store", "master", "engram_model", "engram_engines"}
+TOP_PACKAGES = {"engram_store", "engram_model", "engram_engines"}
 
 
 def _private_reaches(name: str, path: Path):
@@ -133,12 +132,23 @@ def _private_reaches(name: str, path: Path):
         yield from ((node.lineno, dotted) for dotted in paths if private(dotted))
 
 
+def test_packages_import_one_way():
+    """``engram_engines`` -> ``engram_model`` -> ``engram_store``, joiners included: the store (its master, segments
+    and embedded cluster among it) never imports a model family or an engine plugin, and a model never an engine."""
+    above = {"engram_store": ("engram_model", "engram_engines"), "engram_model": ("engram_engines",),
+             "engram_engines": ()}
+    back = [f"{path.relative_to(ROOT)} imports {target}" for name, path in _modules()
+            for target in _imports(name, path) if target.split(".")[0] in above[name.split(".")[0]]]
+    assert not back, "imports that run back up between packages:\n" + "\n".join(back)
+    assert not (ROOT / "master").exists(), "the master is a room of engram_store (engram_store/master), not a package"
+
+
 def test_packages_meet_at_public_modules():
-    """``engram_model``, ``master`` and ``engram_engines`` use what ``engram_store`` (and ``engram_model``) give them
+    """``engram_model`` and ``engram_engines`` use what ``engram_store`` (and ``engram_model``) give them
     through public modules (``engram_store.errors``, ``.cli``, ``.units``, ...): the underscore marks what may change
     inside a package without the others knowing."""
     reaches = [f"{path.relative_to(ROOT)}:{line}: imports {dotted}"
-               for name, path in _modules() if name.split(".")[0] in ("engram_model", "master", "engram_engines")
+               for name, path in _modules() if name.split(".")[0] in ("engram_model", "engram_engines")
                for line, dotted in _private_reaches(name, path)]
     assert not reaches, "imports of another package's private modules:\n" + "\n".join(reaches)
 
@@ -186,15 +196,33 @@ def test_the_engram_store_facade_stays_a_facade():
                                       "the tables room's modules behind it")
 
 
-@pytest.mark.parametrize("package", ["engram_store", "engram_store.wire", "engram_store.segment",
+@pytest.mark.parametrize("package", ["engram_store", "engram_store.wire", "engram_store.raw", "engram_store.segment",
                                      "engram_store.client", "engram_store.tables", "engram_store.compat",
-                                     "engram_store.disk", "engram_store.kernels", "master", "engram_model",
+                                     "engram_store.disk", "engram_store.kernels", "engram_store.master", "engram_model",
                                      "engram_model.v41", "engram_engines", "engram_engines.v41"])
 def test_every_package_names_its_public_surface(package):
     module = importlib.import_module(package)
     assert isinstance(getattr(module, "__all__", None), list) and module.__all__, f"{package} has no __all__"
     missing = [name for name in module.__all__ if not hasattr(module, name)]
     assert not missing, f"{package}.__all__ names what it does not define: {missing}"
+
+
+#: The raw read channel's kernels, which stay with the other kernels (the raw room hands them its frame's kinds).
+RAW_KERNELS = {"engram_store.kernels.raw_io", "engram_store.kernels._raw_twins"}
+
+
+def test_the_raw_channel_lives_in_one_room():
+    """Both ends of the raw read channel and the one description of its frame are ``engram_store.raw``; its kernels
+    are ``kernels.raw_io`` (and their twins). A module elsewhere named for the channel, or one that spells the
+    frame's magic itself, is a piece of the channel outside its room."""
+    def in_room(name: str) -> bool:
+        return name.split(".")[:2] == ["engram_store", "raw"] or name in RAW_KERNELS
+
+    named = [name for name, _ in _modules() if not in_room(name)
+             and any(part.lstrip("_").startswith("raw") for part in name.split(".")[1:])]
+    magic = [name for name, path in _modules() if not in_room(name) and 'b"ENGR"' in path.read_text()]
+    assert not named and not magic, ("the raw channel outside engram_store.raw:\n"
+                                     + "\n".join(named + [f"{name} spells the frame's magic" for name in magic]))
 
 
 #: The one module that imports ``prometheus_client`` (an engine's dependency, not engram's).

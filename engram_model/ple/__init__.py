@@ -11,6 +11,10 @@ Public surface::
                                      step_ragged/commit/reset for continuous batching (requests in slots, drafts)
     PLELayer, PLEConvState           one layer's forward in NumPy (grouped (1 + w) norms, the per-stream gate, the
                                      dilated short convolution with per-request state); rows() reads its table
+    PLERows, RowsHandle, BoundRows   a layer's rows for the serving engines, bit for bit in their conventions
+                                     (vLLM's raw rows of a rank's row range, SGLang's bf16 gather), from any table;
+                                     bind() checks a decode step's buffer once
+    ple_rank_rows, RankRows          a tensor-parallel rank's contiguous rows as the engines cut the table
     load_ple_table, open_ple_table   a layer's table streamed from the checkpoint's row-range shards into a store,
                                      a disk_dir or a local_dir (re-sliced into heads)
     load_ple_weights                 a layer's projections, norms, convolution and table scale (float32)
@@ -18,26 +22,33 @@ Public surface::
     write_toy_checkpoint             a small checkpoint in the released layout (bf16 or FP8)
 
 Loading a checkpoint: ``engram-load`` (the family from config.json). Sizing a hot-row cache: ``engram-stats --ple``.
-The engines' row conventions and plugins are not served yet (docs/ple.md says what is).
+Serving: PLERows is the call an engine's PLE embedding makes per step; the engine plugins do not make it yet
+(docs/ple.md, "Serving", says where it goes in each engine).
 """
 
 from ._checkpoint import load_ple_hash_buffers, load_ple_table, load_ple_weights, open_ple_table
 from ._config import PLEConfig, PLEHashBuffers, ple_store_config
 from ._hasher import PLEHasher, PLEHashState
 from ._layer import PLEConvState, PLELayer
+from ._rows import BoundRows, PLERows, RankRows, RowsHandle, ple_rank_rows
 from ._toy import write_toy_checkpoint
 
 __all__ = [
+    "BoundRows",
     "PLEConfig",
     "PLEConvState",
     "PLEHashBuffers",
     "PLEHashState",
     "PLEHasher",
     "PLELayer",
+    "PLERows",
+    "RankRows",
+    "RowsHandle",
     "load_ple_hash_buffers",
     "load_ple_table",
     "load_ple_weights",
     "open_ple_table",
+    "ple_rank_rows",
     "ple_store_config",
     "write_toy_checkpoint",
 ]

@@ -22,7 +22,8 @@ Serving: :meth:`PLEHasher.begin` gives a :class:`PLEHashState` holding per seque
 ``ngram_size - 1`` tokens, oldest first (EOS at the start); :meth:`PLEHasher.step` hashes a ``[B, T]`` chunk after
 it; :meth:`PLEHasher.step_ragged` one continuous-batching step (requests flattened, ``query_start_loc``, a slot per
 request, ``commit=False`` for a speculative draft), :meth:`PLEHasher.commit` the accepted tokens, and
-``state.reset(slots)`` starts new requests with EOS. One kernel call (:func:`engram_model.ple._kernels.hash_ragged`)
+``state.reset(slots)`` starts new requests with EOS; :meth:`PLEHasher.hash_ragged` hashes a step after each request's
+context as vLLM passes it (no state). One kernel call (:func:`engram_model.ple._kernels.hash_ragged`)
 does every form; :func:`hash_numpy` and :func:`hash_ragged_numpy` are its vectorised NumPy twins.
 """
 
@@ -148,6 +149,16 @@ class PLEHasher:
         """Move ``state`` by the accepted tokens of a step hashed with ``commit=False`` (arguments as for
         :meth:`step_ragged`: each request's accepted prefix, none for a fully rejected draft); hashes nothing."""
         self._ragged(state, tokens, slots, query_start_loc, False, True)
+
+    def hash_ragged(self, tokens: Any, query_start_loc: Any, context: Any) -> np.ndarray:
+        """Rows of one engine step as vLLM hashes it (``Qwen4ExpNGramEmbedding.compute_ngram_ids``), without a
+        state: ``tokens [T]`` of R requests (``query_start_loc [R + 1]``, from 0 to T), request r's after its own
+        ``context[r]`` (``[R, ngram_size - 1]``, the tokens before them, oldest first, EOS where it has none: vLLM's
+        ``ngram_context``, rebuilt every step from the accepted tokens) -> int64 ``[T, len(ple_layer_ids), heads]``."""
+        starts = _vector(query_start_loc, "query_start_loc", "[R + 1]")
+        R = max(starts.shape[0] - 1, 0)
+        state = PLEHashState(self._context(context, R), self.eos)
+        return self._ragged(state, tokens, np.arange(R, dtype=np.int64), starts, True, False)
 
     # ---- checks and the kernel call -------------------------------------------------------------
 

@@ -25,6 +25,7 @@ transformers'; ``dtype="float32"`` rounds nothing (a float32 model). Sums run in
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Mapping
 
 import numpy as np
@@ -34,6 +35,8 @@ from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
 
 from .._rows_format import decode_rows, round_bf16
 from ..v41._hasher import _vector
+from ..v41._checkpoint import _as_checkpoint, table_options
+from ._checkpoint import _buffers, load_ple_weights, open_ple_table
 from ._config import PLEConfig, PLEHashBuffers, ple_store_config
 
 #: The gate's floor on |d| before the square root (the reference's clamp_min).
@@ -107,6 +110,52 @@ class PLELayer:
         if table is not None:
             self._check_table(table)
         self.table = table
+        self._owns_table = False  # from_checkpoint opened the table: close() closes it
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike, config: PLEConfig, layer_id: int, store: Any = None, *,
+                        disk_dir: str | os.PathLike | None = None, local_dir: str | os.PathLike | None = None,
+                        row_cache_bytes: int = 0, cache_scope: str = "process", replica_num: int = 1,
+                        progress: bool | None = None, dtype: str = "bfloat16") -> "PLELayer":
+        """PLE layer ``layer_id`` of a Qwen4-Exp safetensors checkpoint: its weights, its hash buffers (the
+        checkpoint's, as the engines take them: ``layer.buffers``) and its table.
+
+        The table is in ``store`` (an :class:`EngramStore` already holding it, or a ``DistributedStore``), under
+        ``disk_dir`` (files on local SSD) or under ``local_dir`` (files in memory, shared by the host's
+        processes): exactly one. For all but an EngramStore the table is opened here with ``row_cache_bytes`` and
+        ``cache_scope`` and closed with the layer (:meth:`close`), and streamed in from the checkpoint first where it
+        is not there yet (:func:`engram_model.ple.open_ple_table`; ``replica_num``, ``progress`` go there). The
+        weights are read and checked before anything is written.
+        """
+        if not isinstance(config, PLEConfig):
+            raise InvalidType(f"config: expected a PLEConfig, got {type(config).__name__}")
+        table_options(layer_id, store, disk_dir, local_dir, row_cache_bytes, cache_scope)  # one place, or refused
+        ckpt = _as_checkpoint(path)
+        buffers = _buffers(ckpt, config, layer_id, None)
+        weights = load_ple_weights(ckpt, config, layer_id)
+        owned = not isinstance(store, EngramStore)
+        table = open_ple_table(ckpt, config, layer_id, store, disk_dir=disk_dir, local_dir=local_dir,
+                               replica_num=replica_num, progress=progress, row_cache_bytes=row_cache_bytes,
+                               cache_scope=cache_scope, buffers=buffers) if owned else store
+        try:
+            layer = cls(config, layer_id, weights, table, buffers=buffers, dtype=dtype)
+        except BaseException:
+            if owned:
+                table.close()
+            raise
+        layer._owns_table = owned
+        return layer
+
+    def close(self) -> None:
+        """Close the table where :meth:`from_checkpoint` opened it (it stays where it is); safe to call twice."""
+        if self._owns_table and self.table is not None:
+            self.table.close()
+
+    def __enter__(self) -> "PLELayer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _check_table(self, table: Any) -> None:
         if not isinstance(table, EngramStore):

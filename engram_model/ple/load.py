@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from engram_store import cli
-from engram_store.errors import EngramError
 
-from ..v41.load import load_layers, open_checkpoint, parse, paths_exist, room_in_memory
+from ..v41._checkpoint import SafetensorsCheckpoint
+from ..v41.load import parse, run_family
 from ._checkpoint import load_ple_hash_buffers, load_ple_table
 from ._config import PLEConfig
 
@@ -49,29 +49,15 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
 
 def run(args: argparse.Namespace, prog: str = PROG) -> int:
     """Load the PLE tables the parsed command line names; the exit status."""
-    config_path = args.config or args.checkpoint
-    if not paths_exist(args, config_path, prog):
-        return 2
-    try:
-        config = PLEConfig.from_hf(config_path)
-        layers = args.layers or list(config.ple_layer_ids)
-        for layer_id in layers:
-            config.ple_index(layer_id)
-        if args.local_dir and not room_in_memory(args.local_dir, sum(config.num_embeddings(layer_id) * config.row_bytes
-                                                                     for layer_id in layers), prog):
-            return 1
-        checkpoint = open_checkpoint(args, prog)
-        if checkpoint is None:
-            return 2
+    def prepare(checkpoint: SafetensorsCheckpoint, config: PLEConfig, layers: list[int]) -> tuple[Any, Any]:
         buffers = load_ple_hash_buffers(checkpoint, config, layers)  # every layer checked before anything is written
-    except EngramError as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
-        return 1
-    return load_layers(args, prog, layers, lambda layer_id, store: load_ple_table(
-        checkpoint, config, layer_id, store, disk_dir=args.disk_dir, local_dir=args.local_dir,
-        replica_num=args.replica_num, progress=args.progress, buffers=buffers[layer_id]),
-        lambda layer_id: f"{config.heads} heads of {sum(buffers[layer_id].sizes)} rows of {config.row_format}",
-        "heads")
+        return (lambda layer_id, store: load_ple_table(
+            checkpoint, config, layer_id, store, disk_dir=args.disk_dir, local_dir=args.local_dir,
+            replica_num=args.replica_num, progress=args.progress, buffers=buffers[layer_id]),
+            lambda layer_id: f"{config.heads} heads of {sum(buffers[layer_id].sizes)} rows of {config.row_format}")
+
+    return run_family(args, prog, PLEConfig.from_hf, lambda config: config.ple_layer_ids,
+                      lambda config, layer_id: config.ple_index(layer_id), prepare, "heads")
 
 
 if __name__ == "__main__":

@@ -165,9 +165,9 @@ class V41Engram:
         elif not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == shape
                   and out.flags.c_contiguous and out.flags.writeable):
             raise InvalidArgument(f"out: expected a writable C-contiguous float32 array of shape {shape}")
-        tables = self.store.local_tables(layer=self.layer_id)  # per call: a layer populated again moves
-        if tables is not None and all(t.flags.c_contiguous for t in tables):
-            self._gather_fused(tables, ids, out)
+        # Per call: a layer populated again moves; read under the checks of a lookup's own read (read_local).
+        if self.store.read_local(lambda tables: all(t.flags.c_contiguous for t in tables)
+                                 and self._gather_fused(tables, ids, out), layer=self.layer_id):
             self.fused_reads += 1
             return out
         store_ids = ids - self.offsets                                      # (B, L, cols), each column from 0
@@ -178,8 +178,8 @@ class V41Engram:
         self.staged_reads += 1
         return out
 
-    def _gather_fused(self, tables: list[np.ndarray], ids: np.ndarray, out: np.ndarray) -> None:
-        """Gather and decode from the tables in this host's memory, in one kernel."""
+    def _gather_fused(self, tables: list[np.ndarray], ids: np.ndarray, out: np.ndarray) -> bool:
+        """Gather and decode from the tables in this host's memory, in one kernel (True: done)."""
         cols, head_dim = self.config.cols, self.config.head_dim
         views = []
         for t in tables:  # one array type for every column, so the kernel indexes them as one tuple
@@ -197,6 +197,7 @@ class V41Engram:
             row = int(flat_ids[n, c] - self.offsets[c])
             raise InvalidArgument(bad_row_message(f"layer {self.layer_id}, column {c}, table row {row}",
                                                   tables[c][row].reshape(1, -1), 0, ()))
+        return True
 
     def _read_staged(self, store_ids: np.ndarray, out: np.ndarray) -> None:
         """Read packed rows with lookup_into into the reused staging buffer, then decode them into ``out``."""

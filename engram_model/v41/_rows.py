@@ -56,6 +56,7 @@ from ._fp8 import ENGINE_BF16_TABLE
 
 #: A gather of at least this many rows from memory is split over ``threads`` threads (the kernels release the GIL).
 THREADED_MIN_ROWS = 16384
+_ID_DTYPES = frozenset((np.dtype(np.int32), np.dtype(np.int64)))  # dtypes: a set look-up, not two conversions
 
 
 class RowsHandle(LookupHandle):
@@ -97,6 +98,7 @@ class V41Rows:
         self.heads = _check_table(table, config, self.layer_id)
         self.table = table
         cols = config.cols
+        self.row_bytes = config.row_bytes  # (a property that builds a RowFormat: read once)
         self.offsets = np.append(config.offsets(self.layer_id), config.num_embeddings(self.layer_id)).astype(np.int64)
         self.col_head = np.full(cols, -1, dtype=np.int64)
         self.col_head[self.heads] = np.arange(len(self.heads))
@@ -200,15 +202,23 @@ class V41Rows:
 
     # ---- the gather -------------------------------------------------------------------------------
 
-    def _run(self, call: _Call) -> Any:
-        tables = self.table.local_tables(layer=self.layer_id)  # per call: a layer populated again moves
-        if tables is not None and (tables is self._span_of or all(t.flags.c_contiguous for t in tables)):
-            self._from_memory(call, tables)
+    def _run(self, call: _Call, straight: bool | None = None) -> Any:
+        # Per call: a layer populated again moves. The tables are read under the checks of a lookup's own read of
+        # them (read_local); a table of a store written over meanwhile is read the staged way, which asks again.
+        # ``straight``: what _straight says of the call but for its rows (known once for a bound buffer).
+        if self.table.read_local(lambda tables: self._from_mapped(call, tables), layer=self.layer_id):
             self.memory_gathers += 1
         else:
-            self._staged(call)
+            self._staged(call, straight)
             self.staged_gathers += 1
         return call.result
+
+    def _from_mapped(self, call: _Call, tables: list[np.ndarray]) -> bool:
+        # (redundant today: local_tables gives C-contiguous views of flat tables; kept for a source that would not)
+        if tables is not self._span_of and not all(t.flags.c_contiguous for t in tables):
+            return False
+        self._from_memory(call, tables)
+        return True
 
     def _from_memory(self, call: _Call, tables: list[np.ndarray]) -> None:
         with self._lock:
@@ -222,7 +232,7 @@ class V41Rows:
             return
         T, part = call.out.shape[0], call.out.shape[1]
         self._split_range(T, lambda a, b: _k.window_from_span(
-            span, base, self.offsets, call.ids, call.head_start, a, b, self.config.row_bytes, ENGINE_BF16_TABLE,
+            span, base, self.offsets, call.ids, call.head_start, a, b, self.row_bytes, ENGINE_BF16_TABLE,
             call.out), rows_per_item=part)
 
     def _split_range(self, n: int, work, rows_per_item: int = 1) -> None:
@@ -232,9 +242,9 @@ class V41Rows:
         else:
             split(work, n, self.threads, _POOL)
 
-    def _staged(self, call: _Call) -> None:
+    def _staged(self, call: _Call, straight: bool | None = None) -> None:
         """Read the rows with the table's lookup_into (remote segments, disk), then lay them out."""
-        H, rb = len(self.heads), self.config.row_bytes
+        H, rb = len(self.heads), self.row_bytes
         if call.form == "split":
             store_ids, src = _k.plan_flat(call.ids, self.offsets, self.col_head, H)
         else:
@@ -242,7 +252,9 @@ class V41Rows:
                                             self.col_head, H)
         M = store_ids.shape[0]
         wanted = store_ids.reshape(1, M, H)
-        if call.form == "packed" and self._straight(call, M):
+        if straight is None:
+            straight = call.form == "packed" and self._straight(call)
+        if call.form == "packed" and straight and M == call.out.shape[0]:
             self.table.lookup_into(wanted, call.out.reshape(1, M, H, rb), layer=self.layer_id)
             _k.zero_slots(src, call.out)
             return
@@ -256,11 +268,11 @@ class V41Rows:
             else:
                 _k.window_from_staging(staged, src, ENGINE_BF16_TABLE, call.out)
 
-    def _straight(self, call: _Call, M: int) -> bool:
+    def _straight(self, call: _Call) -> bool:
         """Whether a packed read can land in ``out`` itself: out is C-contiguous, its slots are the table's heads
-        in order, and every row stays in its slot (no id of another column)."""
-        T, part = call.out.shape[0], call.out.shape[1]
-        if M != T or part != len(self.heads) or call.head_start + part > self.config.cols:
+        in order; and then, if every row stays in its slot (no id of another column: the plan reads T rows)."""
+        part = call.out.shape[1]
+        if part != len(self.heads) or call.head_start + part > self.config.cols:
             return False
         in_order = self.col_head[call.head_start:call.head_start + part] == np.arange(part)
         return bool(in_order.all()) and call.out.flags.c_contiguous
@@ -278,7 +290,9 @@ class V41Rows:
         if view.array.ndim != 3 or view.array.shape[0] < 1:
             raise InvalidArgument(f"out: expected a [max_T, part, width] buffer, got {list(view.array.shape)}")
         call = self._check(probe, view.array[:1], None, head_start, copy_ids=False)
-        return BoundRows(self, call.form, view.array, int(head_start), out)
+        bound = BoundRows(self, call.form, view.array, int(head_start), out)
+        bound.straight = call.form == "packed" and self._straight(call._replace(out=view.array))
+        return bound
 
     # ---- lifetime ---------------------------------------------------------------------------------
 
@@ -302,23 +316,26 @@ class BoundRows:
 
     def __init__(self, rows: V41Rows, form: str, array: np.ndarray, head_start: int, out: Any):
         self.rows, self.form, self.array, self.head_start, self.out = rows, form, array, head_start, out
-        self.part = array.shape[1]
+        self.part, self.max_t, self.cols = array.shape[1], array.shape[0], rows.config.cols
+        self.straight: bool | None = None  # _straight of every call but for its rows (a view of a C-contiguous
+        # buffer along its first axis is C-contiguous)
 
     def __call__(self, ids: Any) -> Any:
         """Fill ``out[:T]`` with the rows of ``ids [T, cols]`` (refused as ``gather_into`` refuses them, writing
         nothing); returns ``out``."""
-        rows, cols = self.rows, self.rows.config.cols
-        arr = ids if (isinstance(ids, np.ndarray) and ids.ndim == 2 and ids.dtype in (np.int32, np.int64)
+        rows, cols = self.rows, self.cols
+        arr = ids if (isinstance(ids, np.ndarray) and ids.ndim == 2 and ids.dtype in _ID_DTYPES
                       and ids.flags.c_contiguous) else _as_ids(ids, 2, False)
         T = arr.shape[0]
-        if arr.shape[1] != cols or not 0 < T <= self.array.shape[0]:
-            raise InvalidArgument(f"ids: expected [T, cols] with 1 <= T <= {self.array.shape[0]} (the bound buffer's "
+        if arr.shape[1] != cols or not 0 < T <= self.max_t:
+            raise InvalidArgument(f"ids: expected [T, cols] with 1 <= T <= {self.max_t} (the bound buffer's "
                                   f"tokens) and cols = {cols}, got {list(arr.shape)}")
         bad = _k.first_bad_window(arr, rows.offsets, self.head_start, self.part)
         if bad >= 0:
             t, c = divmod(int(bad), cols)
             raise InvalidArgument(rows._bad_id(f"ids[{t}, {c}]", int(arr[t, c])))
-        return rows._run(_Call(self.form, arr, self.array[:T], None, self.head_start, self.out))
+        view = self.array if T == self.max_t else self.array[:T]
+        return rows._run(_Call(self.form, arr, view, None, self.head_start, self.out), self.straight)
 
 
 def _check_table(table: Any, config: V41Config, layer_id: int) -> list[int]:

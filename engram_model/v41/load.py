@@ -110,27 +110,42 @@ def _main(argv: Sequence[str] | None, prog: str = PROG) -> int:
 
 def run(args: argparse.Namespace, prog: str = PROG) -> int:
     """Load the V4.1 tables the parsed command line names (:func:`parse`); the exit status."""
+    def prepare(checkpoint: SafetensorsCheckpoint, config: V41Config, layers: list[int]) -> tuple[Any, Any]:
+        return (lambda layer_id, store: load_v41_table(
+            checkpoint, config, layer_id, store, disk_dir=args.disk_dir, local_dir=args.local_dir,
+            replica_num=args.replica_num, progress=args.progress),
+            lambda layer_id: f"{config.cols} columns, {config.num_embeddings(layer_id)} rows")
+
+    return run_family(args, prog, V41Config.from_hf_config, lambda config: config.layer_ids,
+                      lambda config, layer_id: config.layer_index(layer_id), prepare, "columns")
+
+
+def run_family(args: argparse.Namespace, prog: str, read_config: Any, layer_ids: Any, check_layer: Any,
+               prepare: Any, units: str) -> int:
+    """A loader's run over the parsed command line (:func:`parse`), for any model family: the config read by
+    ``read_config(path)``, the layers asked for (``--layers``, each checked by ``check_layer(config, layer_id)``) or
+    all of ``layer_ids(config)``, ``--local-dir``'s room checked (the config's ``num_embeddings(layer_id)`` rows of
+    ``row_bytes``), the checkpoint opened, then ``prepare(checkpoint, config, layers)`` gives the
+    ``(load(layer_id, store), what(layer_id))`` of :func:`load_layers`; the exit status."""
     config_path = args.config or args.checkpoint
     if not paths_exist(args, config_path, prog):
         return 2
     try:
-        config = V41Config.from_hf_config(config_path)
-        layers = args.layers or list(config.layer_ids)
+        config = read_config(config_path)
+        layers = args.layers or list(layer_ids(config))
         for layer_id in layers:
-            config.layer_index(layer_id)
+            check_layer(config, layer_id)
         if args.local_dir and not room_in_memory(args.local_dir, sum(config.num_embeddings(layer_id) * config.row_bytes
                                                                      for layer_id in layers), prog):
             return 1
         checkpoint = open_checkpoint(args, prog)
+        if checkpoint is None:
+            return 2
+        load, what = prepare(checkpoint, config, layers)  # may read the checkpoint: every layer checked first
     except EngramError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1
-    if checkpoint is None:
-        return 2
-    return load_layers(args, prog, layers, lambda layer_id, store: load_v41_table(
-        checkpoint, config, layer_id, store, disk_dir=args.disk_dir, local_dir=args.local_dir,
-        replica_num=args.replica_num, progress=args.progress),
-        lambda layer_id: f"{config.cols} columns, {config.num_embeddings(layer_id)} rows", "columns")
+    return load_layers(args, prog, layers, load, what, units)
 
 
 def open_checkpoint(args: argparse.Namespace, prog: str) -> SafetensorsCheckpoint | None:
@@ -155,9 +170,7 @@ def load_layers(args: argparse.Namespace, prog: str, layers: Sequence[int], load
                 try:
                     table = load(layer_id, store)
                 except ObjectExists as exc:
-                    remove = f"engram-layers remove {place} {layer_id}" if not args.local_dir else \
-                        f"delete {os.path.join(args.local_dir, f'layer-{layer_id}')}"
-                    print(f"{prog}: {exc}: {remove}", file=sys.stderr)
+                    print(f"{prog}: {exc}: engram-layers remove {place} {layer_id}", file=sys.stderr)
                     return 1
                 nbytes = sum(table.get_table_vocab_sizes()) * table.get_row_bytes()
                 elapsed = time.perf_counter() - start

@@ -11,10 +11,11 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from .. import kernels as _kernels
-from .._errors import EngramError, InvalidArgument, ProtocolError, SegmentUnavailable
+from .._errors import EngramError, InvalidArgument, ProtocolError, SegmentUnavailable, StalePlacement
+from ..raw import RawChannel, RawChannelRefused
 from ..wire import ZERO_COPY_SEND_BYTES, frame_bytes
+from ._mapped import object_checks, read_mapped
 from ._objects import ObjectInfo, Replica, as_bytes_view, check_key
-from ._raw_client import RawChannel, RawChannelRefused
 
 log = logging.getLogger("engram_store.client")
 
@@ -132,10 +133,7 @@ class ReadPath:
                     tried = ", ".join(sorted(r.address for r in info.replicas))
                     raise SegmentUnavailable(f"object {info.key!r}: no replica could be read (tried {tried})")
                 view = self.local_view(replica)
-                if view is not None:
-                    item = work[w]
-                    _copy_local(view, item.src_offsets + replica.offset, item.sizes, item.dst, item.dst_offsets)
-                else:
+                if view is None or not self._copy_mapped(view, replica, work[w]):
                     groups.setdefault(replica.address, []).append(w)
             pending = []
             if not groups:
@@ -145,6 +143,19 @@ class ReadPath:
                 for w in failed_items:
                     attempt[w] += 1
                 pending.extend(failed_items)
+
+    def _copy_mapped(self, view: np.ndarray, replica: Replica, item: Ranges) -> bool:
+        """Copy ``item``'s ranges of ``replica`` from this host's mapping of its segment, by the one rule of mapped
+        reads (:func:`read_mapped`; an ObjectInfo says not how old the master's answer is, so the segment's
+        generation table must prove the object there): False where it cannot, and the ranges are read through the
+        segment, which checks them (and refuses an object that is gone: StalePlacement)."""
+        checks = object_checks(self.local_table(replica), replica.offset, item.info.size, replica.generation)
+        try:
+            read_mapped(lambda: _copy_local(view, item.src_offsets + replica.offset, item.sizes, item.dst,
+                                            item.dst_offsets), checks, False, f"object {item.info.key!r}")
+        except StalePlacement:
+            return False
+        return True
 
     def _choose(self, info: ObjectInfo, failed: set[str], attempt: int) -> Replica | None:
         live = [r for r in info.replicas if r.address not in failed]

@@ -33,12 +33,12 @@ from .._errors import (
     is_int,
 )
 from .._units import parse_size
+from ..raw import RawRoutes, raw_reads_default
 from ..segment import SegmentServer, host_id
+from ._embedded import start_master
 from ..wire import AUTH_DIR_ENV, Connection, ConnectionPool, load_keys, resolve_auth_dir, wait_all
 from ._local_segments import LocalSegments
 from ._objects import KeyInfo, ObjectInfo, check_key, replica_of
-from ._raw_client import raw_reads_default
-from ._raw_routes import RawRoutes
 from ._reads import ReadPath
 from ._writes import WritePath
 
@@ -150,14 +150,10 @@ class DistributedStore(ReadPath, WritePath):
         With ``auth_dir`` the master and segment require CURVE keys from that directory, so other processes
         on this host need the keys too.
         """
-        from master import MasterServer  # the master depends on this package, not the reverse
-
         size = parse_size(segment_size, "segment_size")
         if size <= 0:
             raise InvalidArgument(f"segment_size: an embedded store needs a segment of > 0 bytes, got {size}")
-        server_auth = load_keys(auth_dir, server=True) if auth_dir else None
-        master = MasterServer("127.0.0.1", 0, lease_ttl_s=lease_ttl_s,
-                              heartbeat_timeout_s=heartbeat_timeout_s, auth=server_auth).start()
+        master = start_master(auth_dir, lease_ttl_s=lease_ttl_s, heartbeat_timeout_s=heartbeat_timeout_s)
         try:
             store = cls(master.address, timeout_ms=timeout_ms, local_direct=local_direct, auth_dir=auth_dir,
                         raw_reads=raw_reads, _owned=[master])

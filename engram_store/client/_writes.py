@@ -82,7 +82,8 @@ class WritePath:
         return self.put_generations(keys, buffers, replica_num=replica_num, progress=progress)[0]
 
     def put_generations(self, keys: Sequence[str], buffers: Sequence[object], replica_num: int = 1,
-                        progress: Callable[[int], None] | None = None) -> tuple[list[str], list[int]]:
+                        progress: Callable[[int], None] | None = None, *,
+                        requires: Sequence[tuple[str, int]] = ()) -> tuple[list[str], list[int]]:
         """:meth:`batch_put_from`, returning the xxh3_64 checksum (hex) of each object's bytes and its generation
         (the id of the put that wrote it): ``remove_many(keys, generations=...)`` removes those objects and never
         one another writer put under the same key since.
@@ -93,6 +94,10 @@ class WritePath:
         while it is written, so a writer that dies or hangs lets go of its keys after the master's put timeout,
         and a write of a put that was ended meanwhile is refused (:class:`WriteFenced`) instead of landing in
         space another object owns.
+
+        ``requires``: ``(key, generation)`` of published objects these describe (a layer's heads, for its manifest):
+        the master publishes these only while every one is still the object that put wrote, checked with the
+        publication; otherwise nothing is published and WriteFenced is raised.
         """
         keys = [check_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
         if len(buffers) != len(keys):
@@ -102,12 +107,13 @@ class WritePath:
         if not is_int(replica_num) or replica_num < 1:
             raise InvalidArgument(f"replica_num: expected an integer >= 1, got {describe(replica_num)}")
         views = [as_bytes_view(b, f"buffers[{i}]") for i, b in enumerate(buffers)]
+        requires = _check_requires(requires)
         if not keys:
             return [], []
         deadline = time.monotonic() + max(self.timeout_ms / 1000.0, PUT_START_WAIT_S)
         while True:
             try:
-                return self._put(keys, views, replica_num, progress)
+                return self._put(keys, views, replica_num, progress, requires)
             except _Refused as refused:  # (revoked): the master places the put elsewhere once it has heard
                 if time.monotonic() > deadline:
                     raise refused.error from None
@@ -115,7 +121,7 @@ class WritePath:
                 time.sleep(REFUSED_RETRY_S)
 
     def _put(self, keys: list[str], views: list[np.ndarray], replica_num: int,
-             progress: Callable[[int], None] | None) -> tuple[list[str], list[int]]:
+             progress: Callable[[int], None] | None, requires: list[tuple[str, int]]) -> tuple[list[str], list[int]]:
         """One try of :meth:`put_generations`: placed, written, published, or revoked and raised."""
         results, put_timeout_ms = self._put_start(keys, [v.nbytes for v in views], replica_num)
         started = {k: r["generation"] for k, r in zip(keys, results) if r.get("ok")}  # key -> its put's id
@@ -136,7 +142,7 @@ class WritePath:
             self._seal_direct(direct, writes)
             sums = checksums.result() if checksums is not None else _checksums(views)
             generations = [started[k] for k in keys]  # (every key started, or the loop above raised)
-            self._put_end(keys, sums, generations)
+            self._put_end(keys, sums, generations, requires)
         except BaseException:
             writes.close_direct(quiet=True)
             self._revoke(started, settled=writes.in_flight == 0)
@@ -190,9 +196,14 @@ class WritePath:
         if direct:
             self._ping_segments({job.replica["address"] for job in direct})
 
-    def _put_end(self, keys: list[str], sums: list[str], generations: list[int]) -> None:
-        """Publish the objects with their checksums; raise the first key's refusal."""
-        ended = self._master_call("put_end", {"keys": keys, "checksums": sums, "generations": generations})["results"]
+    def _put_end(self, keys: list[str], sums: list[str], generations: list[int],
+                 requires: Sequence[tuple[str, int]] = ()) -> None:
+        """Publish the objects with their checksums (while ``requires`` hold); raise the first key's refusal."""
+        fields = {"keys": keys, "checksums": sums, "generations": generations}
+        if requires:
+            fields["requires"] = [key for key, _ in requires]
+            fields["required_generations"] = [generation for _, generation in requires]
+        ended = self._master_call("put_end", fields)["results"]
         for result in ended:
             if not result.get("ok"):
                 raise error_from_reply(result.get("code"), result.get("message"))
@@ -440,6 +451,17 @@ class _Writes:
 
 #: Checksums computed while a put's bytes go out: one thread per process.
 _CHECKSUM_POOL = SharedPool("engram-checksum")
+
+
+def _check_requires(requires: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
+    """``put_generations``' ``requires``: ``(key, generation)`` pairs, each generation a put id (> 0)."""
+    checked = []
+    for i, pair in enumerate(requires):
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and is_int(pair[1]) and pair[1] > 0):
+            raise InvalidArgument(f"requires[{i}]: expected a (key, generation) pair with a put id > 0, got "
+                                  f"{describe(pair)}")
+        checked.append((check_key(pair[0], f"requires[{i}]"), int(pair[1])))
+    return checked
 
 
 def _checksums(views: Sequence[np.ndarray]) -> list[str]:

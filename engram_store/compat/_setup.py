@@ -17,9 +17,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from master import MasterServer
-
-from ..client import DistributedStore
+from ..client import DistributedStore, start_master
+from ..master import MasterServer
 from ..segment import SegmentServer, default_readers
 from ..wire import load_keys, resolve_auth_dir
 from .._config import DEFAULT_EMBEDDED_SEGMENT_SIZE, DEFAULT_TIMEOUT_MS
@@ -198,8 +197,7 @@ class Session:
         size = request.global_segment_size
         auth_dir = resolve_auth_dir(None)  # $ENGRAM_AUTH_DIR: a cluster run with --auth
         if not master:
-            server_keys = load_keys(auth_dir, server=True) if auth_dir else None
-            self.master = MasterServer("127.0.0.1", 0, auth=server_keys).start()
+            self.master = start_master(auth_dir)
             master = self.master.address
             size = size or DEFAULT_EMBEDDED_SEGMENT_SIZE
         self.store = DistributedStore.connect(master, 0, timeout_ms=DEFAULT_TIMEOUT_MS, host=request.host,

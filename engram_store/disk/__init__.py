@@ -23,14 +23,16 @@ from ._host_mrc import HostCurve
 from ._mrc import SIZE_LADDER, MissRatioCurve, bytes_for_rows
 from ._profile import LayerProfile, load_profile, save_profile, warm_layer
 from ._layout import PAGE_BYTES, DiskLayout
-from ._reader import DEFAULT_DEPTH, DiskLayer, DiskReadError, IOEngine, aio_available, default_engine, read_many
+from ._reader import (DEFAULT_DEPTH, DiskLayer, DiskReadError, IOEngine, aio_available, default_engine, read_checked,
+                      read_many)
 from ._writer import LayerWriter, write_layer
 
 __all__ = [
     "DiskDir", "DiskLayer", "DiskLayout", "DiskReadError", "HostCurve", "HostRowCache", "IOEngine", "LayerProfile",
     "LayerWriter",
     "MissRatioCurve", "SIZE_LADDER", "bytes_for_rows",
-    "RowCache", "PAGE_BYTES", "DEFAULT_DEPTH", "aio_available", "default_engine", "load_profile", "read_many",
+    "RowCache", "PAGE_BYTES", "DEFAULT_DEPTH", "aio_available", "default_engine", "load_profile", "read_checked",
+    "read_many",
     "save_profile", "verify_layer", "warm_layer", "write_layer", "warmup",
 ]
 

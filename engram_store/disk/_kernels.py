@@ -200,36 +200,41 @@ def _first_bad(ids, n_rows):
 
 
 @njit(cache=True, nogil=True)
-def _plan_read(ids, n_rows, head_offset, row_base, rows_per_block, block_bytes, row_bytes, tag,
-               meta, rows, slot_bytes, out):
-    """Serve what the cache holds and plan the block reads of the rest.
+def _serve_hits(ids, n_rows, row_base, tag, meta, rows, slot_bytes, out, row_bytes, miss_pos, miss_key):
+    """Check ``ids``, copy every row the cache holds to ``out`` and list the others: their output positions in
+    ``miss_pos`` and cache keys in ``miss_key`` (``int64 [M * H]`` each, the caller's). Returns how many missed, or
+    ``-1 - i`` where ``i`` is the first position whose id lies outside its head (nothing is read then).
 
-    Returns ``(bad, hits, miss_pos, miss_key, offsets, starts, order, in_block)``: ``bad`` the first position
-    whose id lies outside its head (-1 if none; nothing else is valid then); ``miss_pos[k]`` / ``miss_key[k]``
-    the output position and cache key of the k-th row not served from the cache; ``offsets[j]`` the file offset
-    of the j-th distinct block to read; the rows it serves are ``order[starts[j]:starts[j + 1]]`` (indices into
-    the misses), ``in_block[k]`` bytes into their block.
+    One call a lookup and an integer back: a lookup the cache serves whole returns no array (each one a kernel
+    returns costs its call about 2 us), and its blocks are planned by :func:`_plan_read` only where some row missed.
     """
     M, H = ids.shape
     bad = _first_bad(ids, n_rows)
     if bad >= 0:
-        return (bad, 0, np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64),
-                np.zeros(1, np.int64), np.empty(0, np.int64), np.empty(0, np.int64))
-    n = M * H
-    miss_pos = np.empty(n, dtype=np.int64)
-    miss_key = np.empty(n, dtype=np.int64)
+        return -1 - bad
     if meta.size > 0:
-        K = _probe_all(ids, row_base, tag, meta, rows, slot_bytes, out, row_bytes, miss_pos, miss_key)
-    else:
-        tag_bits = np.int64(tag) << KEY_ROW_BITS
-        i = 0
-        for m in range(M):
-            for h in range(H):
-                miss_pos[i] = i
-                miss_key[i] = tag_bits | (row_base[h] + ids[m, h])
-                i += 1
-        K = n
-    hits = n - K
+        return _probe_all(ids, row_base, tag, meta, rows, slot_bytes, out, row_bytes, miss_pos, miss_key)
+    tag_bits = np.int64(tag) << KEY_ROW_BITS
+    i = 0
+    for m in range(M):
+        for h in range(H):
+            miss_pos[i] = i
+            miss_key[i] = tag_bits | (row_base[h] + ids[m, h])
+            i += 1
+    return M * H
+
+
+@njit(cache=True, nogil=True)
+def _plan_read(ids, miss_pos, head_offset, rows_per_block, block_bytes, row_bytes):
+    """Plan the block reads of the rows :func:`_serve_hits` listed as missing (``miss_pos``: their output
+    positions, ``m * H + h``).
+
+    Returns ``(offsets, starts, order, in_block)``: ``offsets[j]`` the file offset of the j-th distinct block to
+    read; the rows it serves are ``order[starts[j]:starts[j + 1]]`` (indices into the misses), ``in_block[k]``
+    bytes into their block.
+    """
+    H = ids.shape[1]
+    K = miss_pos.size
     # distinct blocks of the misses: an open-addressing table of block offsets
     size = 16
     while size < 2 * K:
@@ -267,7 +272,7 @@ def _plan_read(ids, n_rows, head_offset, row_base, rows_per_block, block_bytes, 
         j = block_of[k]
         order[fill[j]] = k
         fill[j] += 1
-    return -1, hits, miss_pos[:K], miss_key[:K], offsets[:P], starts, order, in_block
+    return offsets[:P], starts, order, in_block
 
 
 # ---- reading blocks -------------------------------------------------------------------------------------------

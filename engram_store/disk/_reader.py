@@ -372,6 +372,10 @@ STAT_FIELDS = ("reads", "rows", "pages_read", "bytes_read", "cache_hits", "cache
 
 _EMPTY_META = np.empty(0, dtype=np.int64)
 _EMPTY_ROWS = np.empty(0, dtype=np.uint8)
+_NO_MISSES = np.empty(0, dtype=np.int64)  # a lookup the cache served whole: its misses and blocks (read-only)
+_NO_BLOCKS = np.zeros(1, dtype=np.int64)  # and the starts of its plan of no block
+_NO_MISSES.flags.writeable = False
+_NO_BLOCKS.flags.writeable = False
 
 
 def _check_request(index: int, request: Any) -> tuple[DiskLayer, np.ndarray, np.ndarray]:
@@ -408,14 +412,22 @@ class _Job:
         cache = layer.cache
         meta, rows = (cache.meta, cache.rows) if cache is not None else (_EMPTY_META, _EMPTY_ROWS)
         lay = layer.layout
-        (bad, hits, self.miss_pos, self.miss_key, self.offsets, self.starts, self.order,
-         self.in_block) = k._plan_read(ids, layer.n_rows, layer.head_offsets, layer.row_base, lay.rows_per_block,
-                                       lay.block_bytes, lay.row_bytes, layer.tag, meta, rows, lay.row_bytes, out)
-        if bad >= 0:
-            m, h = divmod(int(bad), layer.num_heads)
+        n = ids.size
+        miss_pos, miss_key = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+        K = k._serve_hits(ids, layer.n_rows, layer.row_base, layer.tag, meta, rows, lay.row_bytes, out, lay.row_bytes,
+                          miss_pos, miss_key)
+        if K < 0:
+            m, h = divmod(-1 - K, layer.num_heads)
             raise InvalidArgument(f"ids[{m}, {h}] = {int(ids[m, h])} is out of range for head {h} of layer "
                                   f"{layer.layer_id} (expected 0 <= id < {lay.sizes[h]})")
-        self.hits = int(hits)
+        self.hits = n - K
+        if K:
+            self.miss_pos, self.miss_key = miss_pos[:K], miss_key[:K]
+            self.offsets, self.starts, self.order, self.in_block = k._plan_read(
+                ids, self.miss_pos, layer.head_offsets, lay.rows_per_block, lay.block_bytes, lay.row_bytes)
+        else:  # every row served by the cache: nothing to plan
+            self.miss_pos = self.miss_key = self.offsets = self.order = self.in_block = _NO_MISSES
+            self.starts = _NO_BLOCKS
         self.blocks = int(self.offsets.size)
 
 
@@ -489,7 +501,14 @@ def read_many(requests: Sequence[tuple[DiskLayer, np.ndarray, np.ndarray]], engi
         raise InvalidType(f"requests: expected a list of (layer, ids, out) tuples, got {type(requests).__name__}")
     if engine is not None and not isinstance(engine, IOEngine):
         raise InvalidType(f"engine: expected an IOEngine or None, got {type(engine).__name__}")
-    checked = [_check_request(i, r) for i, r in enumerate(requests)]
+    read_checked([_check_request(i, r) for i, r in enumerate(requests)], engine)
+
+
+def read_checked(checked: Sequence[tuple[DiskLayer, np.ndarray, np.ndarray]],
+                 engine: IOEngine | None = None) -> None:
+    """:func:`read_many` of requests already in its form, as an EngramStore's jobs are (C-contiguous int64 ids
+    ``[M, H]`` of the layer's ``H`` heads; ``out`` its flat, writable, C-contiguous uint8 bytes, ``M * H *
+    row_bytes`` of them): the ids' range is still checked before anything is read."""
     entered: list[DiskLayer] = []
     try:
         fds = []

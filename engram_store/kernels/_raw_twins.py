@@ -13,6 +13,7 @@ from .raw_io import (
     CLOSED,
     FAILED,
     HEADER_BYTES,
+    HEADER_LAYOUT,
     OK,
     P_MAX_BYTES,
     P_MAX_RANGES,
@@ -20,20 +21,27 @@ from .raw_io import (
     P_READ_KIND,
     P_STREAM_MIN,
     P_STREAM_PIECE,
+    PAIR_BYTES,
+    PAIR_WORDS,
+    PLAN_C,
+    PLAN_K,
+    PLAN_ORDER,
     PROTOCOL,
     REFUSED,
     TIMEOUT,
     _LOW48,
 )
 
-_WORDS = struct.Struct("<qqq")
+#: A header's three words (kind, request id, count), as raw_io.HEADER_LAYOUT lays them out.
+_WORDS = struct.Struct("<" + "q" * len(HEADER_LAYOUT.names))
 
 
 def direct_request_numpy(ids: np.ndarray, plan: np.ndarray, row_bytes: int, kind: int, request_id: int) -> bytes:
     """The request :func:`read_direct` sends, built with NumPy: header, checks, :func:`direct_pairs`'s ranges."""
-    K, C = int(plan[0]), int(plan[1])
-    order, bases = plan[2:2 + K], plan[2 + K:2 + 2 * K]
-    checks = plan[2 + 3 * K:2 + 3 * K + 2 * C].reshape(C, 2)
+    K, C = int(plan[PLAN_K]), int(plan[PLAN_C])
+    order, bases = plan[PLAN_ORDER:PLAN_ORDER + K], plan[PLAN_ORDER + K:PLAN_ORDER + 2 * K]
+    c0 = PLAN_ORDER + 3 * K
+    checks = plan[c0:c0 + PAIR_WORDS * C].reshape(C, PAIR_WORDS)
     pairs = np.stack([(bases[None, :] + ids[:, order] * row_bytes).reshape(-1),
                       np.full(ids.shape[0] * K, row_bytes, dtype=np.int64)], axis=1)
     return _WORDS.pack(kind, request_id, C + ids.shape[0] * K) + checks.tobytes() + pairs.tobytes()
@@ -42,9 +50,9 @@ def direct_request_numpy(ids: np.ndarray, plan: np.ndarray, row_bytes: int, kind
 def read_direct_python(sock, ids: np.ndarray, plan: np.ndarray, row_bytes: int, kind: int, ok_kind: int,
                        request_id: int, out: np.ndarray) -> int:
     """:func:`read_direct` with the socket module (``sock`` blocking, with its own timeouts)."""
-    K = int(plan[0])
-    rows = ids[:, plan[2:2 + K]]
-    if ((rows < 0) | (rows >= plan[2 + 2 * K:2 + 3 * K])).any():
+    K = int(plan[PLAN_K])
+    rows = ids[:, plan[PLAN_ORDER:PLAN_ORDER + K]]
+    if ((rows < 0) | (rows >= plan[PLAN_ORDER + 2 * K:PLAN_ORDER + 3 * K])).any():
         return BAD_ID
     expected = ids.shape[0] * K * row_bytes
     try:
@@ -91,9 +99,9 @@ def serve_read_python(message: bytes, segment: np.ndarray, table: np.ndarray, pa
         return None
     word0, request_id, count = _WORDS.unpack(message[:HEADER_BYTES])
     if word0 != params[P_READ_KIND] or not 0 <= count <= params[P_MAX_RANGES] \
-            or len(message) != HEADER_BYTES + 16 * count:
+            or len(message) != HEADER_BYTES + PAIR_BYTES * count:
         return None
-    pairs = np.frombuffer(message, dtype=np.int64, offset=HEADER_BYTES).reshape(count, 2)
+    pairs = np.frombuffer(message, dtype=np.int64, offset=HEADER_BYTES).reshape(count, PAIR_WORDS)
     K = int(np.argmax(pairs[:, 0] >= 0)) if count and (pairs[:, 0] >= 0).any() else count
     if K:
         if table.size == 0 or K % 2:

@@ -38,17 +38,55 @@ from ._planning import _pairs_total
 
 #: Whether the kernels run here (Linux, 64-bit, little-endian); callers take their Python paths where not.
 RAW_IO = sys.platform.startswith("linux") and sys.maxsize > 2 ** 32 and sys.byteorder == "little"
-HEADER_BYTES = 24
-#: The words at the start of a channel's buffer (client_buffer): a msghdr (0-6), two iovecs (7-10), the reply
-#: header (C_HEAD), a timespec (C_TIME), a pollfd (C_POLL), the request's kind, a good reply's kind, the timeout.
-CLIENT_WORDS = 24
-C_HEAD, C_TIME, C_POLL, C_KIND, C_OK_KIND, C_TIMEOUT_NS = 11, 14, 16, 17, 18, 19
+
+# The kernels' arrays are int64 words; each layout below is a record dtype, and the kernels index its fields by
+# the word each starts at (_words: a layout's field -> word index).
+
+
+def _words(layout: np.dtype) -> dict[str, int]:
+    return {name: offset // 8 for name, (_, offset) in layout.fields.items()}
+
+
+_I8 = "<i8"
+#: A message's header as the kernels read it: three little-endian words (the frame, engram_store.raw.frame, gives
+#: the bytes: magic, version and op or status make the kind).
+HEADER_LAYOUT = np.dtype([("kind", _I8), ("request_id", _I8), ("count", _I8)])
+H_KIND, H_REQUEST_ID, H_COUNT = _words(HEADER_LAYOUT).values()
+HEADER_WORDS = HEADER_LAYOUT.itemsize // 8
+HEADER_BYTES = HEADER_LAYOUT.itemsize
+#: A read's pair of words: (offset, length), or a check.
+PAIR_WORDS = 2
+PAIR_BYTES = 8 * PAIR_WORDS
+#: libc's structs (Linux, 64-bit) as words: ``struct msghdr`` (an int and a socklen_t padded to a word each),
+#: ``struct iovec``, ``struct timespec``; a ``struct pollfd`` is one word (the fd in the low 32 bits, the events
+#: above, the returned events from bit 48).
+MSGHDR = np.dtype([("name", _I8), ("namelen", _I8), ("iov", _I8), ("iovlen", _I8), ("control", _I8),
+                   ("controllen", _I8), ("flags", _I8)])
+M_NAME, M_NAMELEN, M_IOV, M_IOVLEN, M_CONTROL, M_CONTROLLEN, M_FLAGS = _words(MSGHDR).values()
+IOVEC = np.dtype([("base", _I8), ("len", _I8)])
+IOV_BASE, IOV_LEN = _words(IOVEC).values()
+IOVEC_WORDS = IOVEC.itemsize // 8
+TIMESPEC = np.dtype([("sec", _I8), ("nsec", _I8)])
+TS_SEC, TS_NSEC = _words(TIMESPEC).values()
+POLL_EVENTS_SHIFT, POLL_REVENTS_SHIFT = 32, 48
+#: The words at the start of a channel's buffer (client_buffer): a msghdr, two iovecs (the reply's header, then
+#: its rows), the reply header, a timespec, a pollfd, the request's kind, a good reply's kind, the timeout.
+C_IOVECS = 2
+CLIENT_LAYOUT = np.dtype([("msghdr", MSGHDR), ("iov", IOVEC, C_IOVECS), ("head", HEADER_LAYOUT), ("time", TIMESPEC),
+                          ("poll", _I8), ("kind", _I8), ("ok_kind", _I8), ("timeout_ns", _I8), ("spare", _I8, 4)])
+C_MSGHDR, C_IOV, C_HEAD, C_TIME, C_POLL, C_KIND, C_OK_KIND, C_TIMEOUT_NS, _ = _words(CLIENT_LAYOUT).values()
+CLIENT_WORDS = CLIENT_LAYOUT.itemsize // 8
 #: A :func:`serve_read` state array: the bytes received and not used yet (``request[start:end]``), how many reads
-#: the call answered, the last one's request id and reply bytes, scratch memory (two pollfds at 8-9, a timespec at
-#: 10-11), then each answered read's serving time in ns (at most RING of them a call).
-START, END, COUNT, REQUEST_ID, TOTAL = range(5)
-RING_AT, RING = 16, 64
-SERVER_STATE_WORDS = RING_AT + RING
+#: the call answered, the last one's request id and reply bytes, scratch memory (two pollfds, a timespec), then each
+#: answered read's serving time in ns (at most RING of them a call).
+RING = 64
+SERVER_LAYOUT = np.dtype([("start", _I8), ("end", _I8), ("count", _I8), ("request_id", _I8), ("total", _I8),
+                          ("spare", _I8, 3), ("poll", _I8, 2), ("time", TIMESPEC), ("spare2", _I8, 4),
+                          ("ring", _I8, RING)])
+START, END, COUNT, REQUEST_ID, TOTAL, _, S_POLL, S_TIME, _, RING_AT = _words(SERVER_LAYOUT).values()
+SERVER_STATE_WORDS = SERVER_LAYOUT.itemsize // 8
+#: A :func:`direct_read_plan`: ``[K, C, order[K], bases[K], limits[K], checks[2C, 2]]``; order starts at PLAN_ORDER.
+PLAN_K, PLAN_C, PLAN_ORDER = 0, 1, 2
 #: :func:`serve_read`'s params: the kinds of a read request and a good reply, and the bounds of one request.
 (P_READ_KIND, P_OK_KIND, P_MAX_RANGES, P_MAX_BYTES, P_STREAM_MIN, P_STREAM_PIECE, P_SEND_TIMEOUT_NS,
  P_SEND_MIN_RATE) = range(8)
@@ -101,7 +139,7 @@ def _errno():
 def _now_ns(scratch, at):
     # CLOCK_MONOTONIC in ns (time.monotonic's clock); scratch[at:at + 2] holds the timespec.
     _clock_gettime(_CLOCK_MONOTONIC, scratch.ctypes.data + 8 * at)
-    return scratch[at] * 1_000_000_000 + scratch[at + 1]
+    return scratch[at + TS_SEC] * 1_000_000_000 + scratch[at + TS_NSEC]
 
 
 @njit(cache=True, nogil=True)
@@ -113,7 +151,7 @@ def _wait_fd(fd, events, deadline_ns, interruptible, scratch, at_time, at_poll):
         now = _now_ns(scratch, at_time)
         if now >= deadline_ns:
             return TIMEOUT
-        scratch[at_poll] = fd | (events << 32)
+        scratch[at_poll] = fd | (events << POLL_EVENTS_SHIFT)
         r = _poll(scratch.ctypes.data + 8 * at_poll, 1, (deadline_ns - now + 999_999) // 1_000_000)
         if r > 0:
             return OK
@@ -161,27 +199,27 @@ def _direct_request(ids, plan, row_bytes, kind, request_id, words):
     # (m, listed head) in output order. plan: [K, C, order[K], bases[K], limits[K], checks[2C, 2] flat]. Returns
     # its bytes, -1 when words is too small, -2 when an id is outside [0, its head's limit).
     M = ids.shape[0]
-    K = plan[0]
-    C = plan[1]
+    K = plan[PLAN_K]
+    C = plan[PLAN_C]
+    order, bases, limits, c0 = PLAN_ORDER, PLAN_ORDER + K, PLAN_ORDER + 2 * K, PLAN_ORDER + 3 * K
     count = C + M * K
-    if 3 + 2 * count > words.size:
+    if HEADER_WORDS + PAIR_WORDS * count > words.size:
         return -1
-    words[0] = kind
-    words[1] = request_id
-    words[2] = count
-    p = 3
-    c0 = 2 + 3 * K
-    for i in range(2 * C):
+    words[H_KIND] = kind
+    words[H_REQUEST_ID] = request_id
+    words[H_COUNT] = count
+    p = HEADER_WORDS
+    for i in range(PAIR_WORDS * C):
         words[p + i] = plan[c0 + i]
-    p += 2 * C
+    p += PAIR_WORDS * C
     for m in range(M):
         for k in range(K):
-            row = ids[m, plan[2 + k]]
-            if row < 0 or row >= plan[2 + 2 * K + k]:
+            row = ids[m, plan[order + k]]
+            if row < 0 or row >= plan[limits + k]:
                 return -2
-            words[p] = plan[2 + K + k] + row * row_bytes
+            words[p] = plan[bases + k] + row * row_bytes
             words[p + 1] = row_bytes
-            p += 2
+            p += PAIR_WORDS
     return 8 * p
 
 
@@ -192,7 +230,7 @@ def read_direct_unchecked(fd, ids, plan, row_bytes, request_id, buf, out):
     nbytes = _direct_request(ids, plan, row_bytes, words[C_KIND], request_id, words[CLIENT_WORDS:])
     if nbytes < 0:
         return NO_ROOM if nbytes == -1 else BAD_ID
-    expected = ids.shape[0] * plan[0] * row_bytes
+    expected = ids.shape[0] * plan[PLAN_K] * row_bytes
     if out.size < expected:
         return NO_ROOM
     deadline = _now_ns(words, C_TIME) + words[C_TIMEOUT_NS]
@@ -200,27 +238,27 @@ def read_direct_unchecked(fd, ids, plan, row_bytes, request_id, buf, out):
     status = _send_all(fd, base + 8 * CLIENT_WORDS, nbytes, deadline, True, words, C_TIME, C_POLL)
     if status != OK:
         return status
-    # The reply: its header into words[C_HEAD:C_HEAD + 3], its rows straight into out; both in one recvmsg where
-    # they arrived together (a msghdr at words[0:7] and two iovecs at words[7:11]).
+    # The reply: its header into words[C_HEAD:C_HEAD + HEADER_WORDS], its rows straight into out; both in one
+    # recvmsg where they arrived together (the msghdr at C_MSGHDR names the two iovecs at C_IOV).
     head = base + 8 * C_HEAD
-    words[0] = 0
-    words[1] = 0
-    words[2] = base + 8 * 7
-    words[3] = 2
-    words[4] = 0
-    words[5] = 0
-    words[6] = 0
-    words[7] = head
-    words[8] = HEADER_BYTES
-    words[9] = out.ctypes.data
-    words[10] = expected
+    words[C_MSGHDR + M_NAME] = 0
+    words[C_MSGHDR + M_NAMELEN] = 0
+    words[C_MSGHDR + M_IOV] = base + 8 * C_IOV
+    words[C_MSGHDR + M_IOVLEN] = C_IOVECS
+    words[C_MSGHDR + M_CONTROL] = 0
+    words[C_MSGHDR + M_CONTROLLEN] = 0
+    words[C_MSGHDR + M_FLAGS] = 0
+    words[C_IOV + IOV_BASE] = head
+    words[C_IOV + IOV_LEN] = HEADER_BYTES
+    words[C_IOV + IOVEC_WORDS + IOV_BASE] = out.ctypes.data
+    words[C_IOV + IOVEC_WORDS + IOV_LEN] = expected
     ok_kind = words[C_OK_KIND]
     total = HEADER_BYTES + expected
     got = 0
     checked = False
     while got < total:
         if got == 0:
-            k = _recvmsg(fd, base, 0)
+            k = _recvmsg(fd, base + 8 * C_MSGHDR, 0)
         elif got < HEADER_BYTES:
             k = _recv(fd, head + got, HEADER_BYTES - got, 0)
         else:
@@ -229,9 +267,9 @@ def read_direct_unchecked(fd, ids, plan, row_bytes, request_id, buf, out):
             got += k
             if not checked and got >= HEADER_BYTES:
                 checked = True
-                if words[C_HEAD] != ok_kind:
-                    return REFUSED if (words[C_HEAD] & _LOW48) == (ok_kind & _LOW48) else PROTOCOL
-                if words[C_HEAD + 1] != request_id or words[C_HEAD + 2] != expected:
+                if words[C_HEAD + H_KIND] != ok_kind:
+                    return REFUSED if (words[C_HEAD + H_KIND] & _LOW48) == (ok_kind & _LOW48) else PROTOCOL
+                if words[C_HEAD + H_REQUEST_ID] != request_id or words[C_HEAD + H_COUNT] != expected:
                     return PROTOCOL
             if got < total and _now_ns(words, C_TIME) > deadline:
                 return TIMEOUT
@@ -274,7 +312,7 @@ def direct_read_plan(order: np.ndarray, bases: np.ndarray, checks: np.ndarray,
     None: no limit)."""
     order = np.ascontiguousarray(order, dtype=np.int64)
     bases = np.ascontiguousarray(bases, dtype=np.int64)
-    checks = np.ascontiguousarray(checks, dtype=np.int64).reshape(-1, 2)
+    checks = np.ascontiguousarray(checks, dtype=np.int64).reshape(-1, PAIR_WORDS)
     if order.ndim != 1 or bases.shape != order.shape:
         raise ValueError(f"bases: expected {order.size} entries (one per listed head), got shape {bases.shape}")
     if sizes is None:
@@ -291,7 +329,7 @@ def direct_read_plan(order: np.ndarray, bases: np.ndarray, checks: np.ndarray,
 def direct_request_bytes(ids: np.ndarray, plan: np.ndarray) -> int:
     """The bytes of the request :func:`read_direct` sends for ``ids`` under ``plan`` (what ``client_buffer`` needs
     room for)."""
-    return HEADER_BYTES + 16 * (int(plan[1]) + ids.shape[0] * int(plan[0]))
+    return HEADER_BYTES + PAIR_BYTES * (int(plan[PLAN_C]) + ids.shape[0] * int(plan[PLAN_K]))
 
 
 def read_direct(fd: int, ids: np.ndarray, plan: np.ndarray, row_bytes: int, request_id: int, buf: np.ndarray,
@@ -311,8 +349,9 @@ def read_direct(fd: int, ids: np.ndarray, plan: np.ndarray, row_bytes: int, requ
     if buf.size < 8 * CLIENT_WORDS or buf.ctypes.data % 8:
         raise ValueError(f"buf: expected an 8-byte aligned buffer of at least {8 * CLIENT_WORDS} bytes "
                          "(client_buffer makes one)")
-    if ids.shape[0] and ids.shape[1] <= int(plan[2:2 + int(plan[0])].max(initial=-1)):
-        raise ValueError(f"plan: lists head {int(plan[2:2 + int(plan[0])].max())}, ids have {ids.shape[1]} heads")
+    order = plan[PLAN_ORDER:PLAN_ORDER + int(plan[PLAN_K])]
+    if ids.shape[0] and ids.shape[1] <= int(order.max(initial=-1)):
+        raise ValueError(f"plan: lists head {int(order.max())}, ids have {ids.shape[1]} heads")
     return int(read_direct_unchecked(np.int64(fd), ids, plan, np.int64(row_bytes), np.int64(request_id), buf, out))
 
 
@@ -321,16 +360,16 @@ def read_direct(fd: int, ids: np.ndarray, plan: np.ndarray, row_bytes: int, requ
 @njit(cache=True, nogil=True)
 def _wait_readable(fd, need_fd, linger_ms, sticky_ms, state):
     # Wait for fd: linger_ms watching it alone, then sticky_ms watching need_fd as well (a byte there: another
-    # request wants this thread). 0 when fd is readable, else QUIET, NEEDED or RECHECK. pollfds at state[8:10]
-    # (fd in the low 32 bits, events above), the timespec at state[10:12].
+    # request wants this thread). 0 when fd is readable, else QUIET, NEEDED or RECHECK. pollfds at state[S_POLL]
+    # (fd) and state[S_POLL + 1] (need_fd), the timespec at state[S_TIME].
     if linger_ms < 0:
         return QUIET
-    now = _now_ns(state, 10)
+    now = _now_ns(state, S_TIME)
     linger_end = now + linger_ms * 1_000_000
     sticky_end = linger_end + sticky_ms * 1_000_000
-    fds = state.ctypes.data + 8 * 8
-    state[8] = fd | (_POLLIN << 32)
-    state[9] = need_fd | (_POLLIN << 32)
+    fds = state.ctypes.data + 8 * S_POLL
+    state[S_POLL] = fd | (_POLLIN << POLL_EVENTS_SHIFT)
+    state[S_POLL + 1] = need_fd | (_POLLIN << POLL_EVENTS_SHIFT)
     while True:
         if now < linger_end:
             n, end = 1, linger_end
@@ -340,14 +379,14 @@ def _wait_readable(fd, need_fd, linger_ms, sticky_ms, state):
             return QUIET
         r = _poll(fds, n, (end - now + 999_999) // 1_000_000)
         if r > 0:
-            if (state[8] >> 48) & 0xFFFF:
+            if (state[S_POLL] >> POLL_REVENTS_SHIFT) & 0xFFFF:
                 return 0
-            if n == 2 and (state[9] >> 48) & 0xFFFF:
-                k = _read(need_fd, fds + 8 * 2, 1)  # the byte lands in state[10], rewritten below
+            if n == 2 and (state[S_POLL + 1] >> POLL_REVENTS_SHIFT) & 0xFFFF:
+                k = _read(need_fd, state.ctypes.data + 8 * S_TIME, 1)  # into state[S_TIME], rewritten below
                 return NEEDED if k == 1 else RECHECK
         elif r < 0 and _errno() != _EINTR:
             return GONE
-        now = _now_ns(state, 10)
+        now = _now_ns(state, S_TIME)
 
 
 @njit(cache=True, nogil=True)
@@ -363,10 +402,10 @@ def _serve_one(fd, need_fd, linger_ms, sticky_ms, request, reply, segment, table
         have = end - start
         if have >= HEADER_BYTES:
             w = start >> 3
-            count = words[w + 2]
-            if start % 8 or words[w] != params[P_READ_KIND] or count < 0 or count > params[P_MAX_RANGES]:
+            count = words[w + H_COUNT]
+            if start % 8 or words[w + H_KIND] != params[P_READ_KIND] or count < 0 or count > params[P_MAX_RANGES]:
                 break  # for the caller: a hello, another op, a bad header, or an unaligned start
-            need = HEADER_BYTES + 16 * count
+            need = HEADER_BYTES + PAIR_BYTES * count
             if start + need > request.size or have >= need:
                 break
         elif have == 0:
@@ -393,12 +432,12 @@ def _serve_one(fd, need_fd, linger_ms, sticky_ms, request, reply, segment, table
             return status
     state[START] = start
     state[END] = end
-    if end - start < HEADER_BYTES or start % 8 or words[start >> 3] != params[P_READ_KIND] or count < 0 \
+    if end - start < HEADER_BYTES or start % 8 or words[(start >> 3) + H_KIND] != params[P_READ_KIND] or count < 0 \
             or count > params[P_MAX_RANGES] or start + need > request.size or end - start < need:
         return PYTHON
-    t0 = _now_ns(state, 10)
-    p0 = (start >> 3) + 3
-    pairs = words[p0:p0 + 2 * count].reshape((count, 2))
+    t0 = _now_ns(state, S_TIME)
+    p0 = (start >> 3) + HEADER_WORDS
+    pairs = words[p0:p0 + PAIR_WORDS * count].reshape((count, PAIR_WORDS))
     K = 0
     while K < count and pairs[K, 0] < 0:
         K += 1
@@ -420,20 +459,20 @@ def _serve_one(fd, need_fd, linger_ms, sticky_ms, request, reply, segment, table
         if bad != HOLDS:
             return PYTHON
     head = reply[:HEADER_BYTES].view(np.int64)
-    head[0] = params[P_OK_KIND]
-    head[1] = words[(start >> 3) + 1]
-    head[2] = total
-    now = _now_ns(state, 10)
+    head[H_KIND] = params[P_OK_KIND]
+    head[H_REQUEST_ID] = words[(start >> 3) + H_REQUEST_ID]
+    head[H_COUNT] = total
+    now = _now_ns(state, S_TIME)
     state[RING_AT + state[COUNT]] = now - t0
     deadline = now + params[P_SEND_TIMEOUT_NS] + total * 1_000_000_000 // params[P_SEND_MIN_RATE]
-    status = _send_all(fd, reply.ctypes.data, HEADER_BYTES + total, deadline, False, state, 10, 8)
+    status = _send_all(fd, reply.ctypes.data, HEADER_BYTES + total, deadline, False, state, S_TIME, S_POLL)
     if status == TIMEOUT:
         return SEND_TIMEOUT
     if status != OK:
         return GONE
     state[START] = start + need
     state[COUNT] += 1
-    state[REQUEST_ID] = head[1]
+    state[REQUEST_ID] = head[H_REQUEST_ID]
     state[TOTAL] = total
     return SERVED
 

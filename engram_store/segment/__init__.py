@@ -5,15 +5,12 @@
 * ``_memory``: the segment's memory (a sealed memfd, or a durable file); ``_handover``: that memory handed to
   processes on the host as descriptors; ``_catalog``: the objects it holds, offered back when it registers again;
   ``_fence``: the checks a write passes before it lands;
-* ``_raw_server`` (with ``_raw_receive``, ``_raw_serving``, ``_raw_state``, ``_raw_limits``): the raw read
-  channel, range reads over plain TCP;
 * ``cli``: the ``engram-segment`` command.
 """
 
 from ._catalog import Catalog
 from ._fence import WriteFence
 from ._memory import SegmentMemory, host_id, pwrite_all, reap_orphans
-from ._raw_server import RawReadServer
 from ._server import DEFAULT_READERS, MAX_RANGES, MAX_READ_BYTES, MAX_READERS, SegmentServer, default_readers
 
 __all__ = [
@@ -22,7 +19,6 @@ __all__ = [
     "MAX_READERS",
     "MAX_READ_BYTES",
     "Catalog",
-    "RawReadServer",
     "SegmentMemory",
     "SegmentServer",
     "WriteFence",

@@ -33,14 +33,14 @@ from .._errors import (
     describe,
     is_int,
 )
-from ..wire import (PROTOCOL_VERSION, RAW_VERSION, AuthKeys, Connection, Request, RpcServer, frame_array, frame_bytes,
+from ..raw import VERSION as RAW_VERSION, RawReadServer
+from ..wire import (PROTOCOL_VERSION, AuthKeys, Connection, Request, RpcServer, frame_array, frame_bytes,
                     io_threads)
 from ._catalog import Catalog
 from ._fence import WriteFence
 from ._generations import Generations
 from ._handover import MemoryHandover, start_handover
 from ._memory import SegmentMemory, host_id
-from ._raw_server import RawReadServer
 from ._readers import DEFAULT_READERS, MAX_READERS, READERS_MIN_CPUS, default_readers  # noqa: F401 (exported)
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class SegmentServer:
     ports), serve ``read_ranges``, ``ping`` and ``channel_token`` only, and are registered with the master as
     ``read_addresses``; with ``auth`` they require the same CURVE keys as the main socket. They stop with the
     segment. With ``raw_reads`` (default) it also serves range reads on a plain TCP port, the raw read channel
-    (:mod:`engram_store.segment._raw_server`), holding at most ``raw_max_connections`` connections (default its MAX_CONNECTIONS).
+    (:mod:`engram_store.raw`), holding at most ``raw_max_connections`` connections (default its MAX_CONNECTIONS).
 
     A context manager; :meth:`close` unregisters from the master, stops serving and lets go of its memory (and
     its hand-over socket). Use :meth:`start` to serve from a background thread (a segment mounted in a client

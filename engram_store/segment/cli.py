@@ -18,7 +18,7 @@ from .._errors import EngramError, MasterUnavailable
 from .._units import parse_address, parse_size
 from ..wire import (AUTH_DIR_ENV, exposure_warning, load_keys, resolve_auth_dir, serve_until_signalled,
                     stop_on_signal_while_starting)
-from ._raw_limits import MAX_CONNECTIONS as RAW_MAX_CONNECTIONS
+from ..raw.limits import MAX_CONNECTIONS as RAW_MAX_CONNECTIONS
 from ._server import DEFAULT_READERS, MAX_READERS, READERS_MIN_CPUS, SegmentServer, default_readers
 
 

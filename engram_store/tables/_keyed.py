@@ -54,8 +54,12 @@ class KeyedSource(Source):
         """The manifest's bytes, or None when the layer has none (never taking a lease that would block remove)."""
         raise NotImplementedError
 
-    def put_manifest(self, lay: Layer, data: bytes, replica_num: int) -> int | None:
-        """Put the manifest; the generation of its object, where the store names one."""
+    def put_manifest(self, lay: Layer, data: bytes, replica_num: int,
+                     heads: dict[str, int] | None = None) -> int | None:
+        """Put the manifest; the generation of its object, where the store names one. ``heads``: the generation of
+        each head this populate wrote (key -> put id), where the store names them: a store that can publishes the
+        manifest only while every head of the layer is still there (so no remove can leave a manifest without
+        its heads), and raises WriteFenced otherwise."""
         raise NotImplementedError
 
     def put_tables(self, lay: Layer, tables: list[np.ndarray], replica_num: int, bar: Any) -> Upload:
@@ -106,16 +110,17 @@ class KeyedSource(Source):
         finally:
             bar.close()
         try:
-            published = self.publish(lay, upload.checksums, replica_num, upload.algorithm)
+            published = self.publish(lay, upload.checksums, replica_num, upload.algorithm, upload.generations)
         except BaseException:
             self.undo_written(lay, Written(upload, manifest=False))  # all-or-nothing: no tables without their manifest
             raise
         lay.written = Written(upload, *published)
 
-    def publish(self, lay: Layer, checksums: list[str], replica_num: int,
-                algorithm: str = "xxh3_64") -> tuple[bool, int | None]:
-        """Write the manifest last, once every head of the layer is in the store (this call's or other shards').
-        Returns whether this call wrote it, and its object's generation where the store names one."""
+    def publish(self, lay: Layer, checksums: list[str], replica_num: int, algorithm: str = "xxh3_64",
+                generations: list[int] | None = None) -> tuple[bool, int | None]:
+        """Write the manifest last, once every head of the layer is in the store (this call's or other shards'),
+        and only while they are (``generations``: this call's heads' puts; see :meth:`put_manifest`). Returns
+        whether this call wrote it, and its object's generation where the store names one."""
         if self.read_manifest(lay, lost_is_absent=True) is not None:
             return False, None
         by_head = dict(zip(lay.heads, checksums))
@@ -127,7 +132,7 @@ class KeyedSource(Source):
                 by_head = {**self.recorded_checksums(lay), **by_head}
         try:
             generation = self.put_manifest(lay, manifest.encode(manifest.manifest_record(lay, by_head, algorithm)),
-                                           replica_num)
+                                           replica_num, dict(zip(lay.keys, generations)) if generations else None)
         except ObjectExists:
             manifest.check(lay, self.read_manifest(lay))  # a concurrent shard published first
             return False, None

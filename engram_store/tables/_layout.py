@@ -10,8 +10,10 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .. import kernels as _kernels
-from ..buffers import host_array
+from ..buffers import BIT_VIEWS, host_array
 from .._errors import InvalidArgument, InvalidType, describe, is_int
+
+_INT64 = np.dtype(np.int64)  # compared as a dtype: against the type it costs a conversion a call
 
 #: Row formats and the NumPy dtype their items are returned as.
 ROW_FORMATS = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "bytes": np.uint8}
@@ -152,6 +154,7 @@ class Layer:
         self.dim = dim
         self.row_format = config.row_format
         self.dtype = config.dtype
+        self._plain_dtype = self.dtype.name not in BIT_VIEWS  # an out of this dtype is itself (check_out)
         self.row_bytes = config.row_bytes
         self.keys = [f"engram:l{self.layer_id}:h{h}" for h in self.heads]
         self.layer_keys = [f"engram:l{self.layer_id}:h{h}" for h in range(len(sizes))]
@@ -177,7 +180,7 @@ class Layer:
         ids = row_ids
         H = self.num_heads
         # The common case (a C-contiguous int64 array of the right shape) skips the generic conversion.
-        if not (type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 3 and ids.shape[2] == H
+        if not (type(ids) is np.ndarray and ids.dtype == _INT64 and ids.ndim == 3 and ids.shape[2] == H
                 and ids.size and ids.flags.c_contiguous):
             ids = as_row_ids(row_ids, H)
         return ids
@@ -207,6 +210,9 @@ class Layer:
         flat byte buffer of exactly the right size is viewed with the right dtype and shape. Never copies: a
         buffer that cannot be written in place is refused.
         """
+        if type(out) is np.ndarray and out.dtype == self.dtype and out.shape == shape and out.flags.c_contiguous \
+                and out.flags.writeable and self._plain_dtype:  # what the checks below pass as it is, at once
+            return out
         if isinstance(out, (list, tuple, str, bytes)) or out is None:
             raise InvalidType(f"out: expected a writable {self.dtype} buffer of shape {shape} (a NumPy array, "
                               f"a CPU tensor with __dlpack__, or an object with the buffer protocol or "

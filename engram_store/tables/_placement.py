@@ -17,17 +17,19 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 
 from .. import _fork
 from .. import kernels as _kernels
 from .._errors import EngramError, ObjectNotFound, SegmentUnavailable, StalePlacement, StoreError, Unavailable
+from ..client import read_mapped
 from ._layout import Layer
 from ._source import InMemory, gather
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: How long a resolved table placement is used before it is checked with the master again (one request, in the
 #: background up to PLACEMENT_STALE_S, before use past it). Reads never depend on them for their correctness
@@ -76,6 +78,17 @@ class Placement:
         return any(address in failed for address, *_ in self.remote)
 
 
+def _ttls(local: bool, local_tables: list, remote: dict) -> tuple[float, float]:
+    """A placement's (ttl_s, stale_s): how often it is checked with the master, not what may be read (mapped tables
+    pass read_mapped, remote reads name their puts). Where every table is read through its segment (none mapped
+    here, the mappings looked for: ``local``, not a placement built without them while the master did not answer)
+    and every read names its put, a segment refuses what changed: the master is asked far more rarely (see
+    REMOTE_PLACEMENT_TTL_S)."""
+    if local and not local_tables and all(r.generation for entries in remote.values() for _, _, r in entries):
+        return REMOTE_PLACEMENT_TTL_S, REMOTE_PLACEMENT_STALE_S
+    return PLACEMENT_TTL_S, PLACEMENT_STALE_S
+
+
 class PlacementState:
     """What a store source knows of one layer: its placement, the master's last answer, the hot-row cache."""
 
@@ -93,7 +106,8 @@ class PlacementState:
 class Placements:
     """Resolves and keeps the placements of a store source's layers (see the module docstring)."""
 
-    def __init__(self, native: Any, check_published: Callable[[Layer], None], clear_cache: Callable[[Layer], None]):
+    def __init__(self, native: Any, check_published: Callable[[Layer], None],
+                 clear_cache: Callable[[Layer, tuple], None]):
         self.native = native
         self.check_published = check_published
         self.clear_cache = clear_cache
@@ -112,43 +126,26 @@ class Placements:
     def local_safe_s(self) -> float:
         """How long the master's answer alone proves what a mapping holds: half its reuse delay (a removed table's
         space stays unused that long). Past it, tables mapped here are checked against their segment's
-        generation table around each gather (:meth:`gather`)."""
+        generation table around each read (:meth:`read_mapped`)."""
         return getattr(self.native, "reuse_delay_s", 2.0) / 2
+
+    def read_mapped(self, lay: Layer, placement: Placement, read: Callable[[], T], age: float | None = None) -> T:
+        """``read()`` of the tables ``placement`` maps on this host, by the one rule of mapped reads
+        (``client.read_mapped``): as it is while the placement is younger than :meth:`local_safe_s`, else between
+        a check of each segment's generation table (the named tables are still there) and a recheck (no put
+        claimed their space meanwhile); StalePlacement otherwise, and nothing ``read`` wrote may be used. ``age``:
+        the placement's age now, where the caller has just taken it."""
+        if age is None:
+            age = time.monotonic() - placement.checked_at
+        fresh = age < self.local_safe_s()
+        return read_mapped(read, placement.local_checks, fresh, "" if fresh else f"layer {lay.layer_id}")
 
     def gather(self, lay: Layer, placement: Placement, ids2: np.ndarray, flat: np.ndarray, threads: int,
                age: float | None = None) -> None:
-        """Gather the rows of the heads mapped on this host. Past :meth:`local_safe_s`, each segment's generation
-        table is checked before (the named tables are still there) and after (no put claimed their space while
-        they were read); StalePlacement otherwise, and no row of this call is used. ``age``: the placement's age
-        now, where the caller has just taken it."""
-        if not placement.memory.sources:
-            return
-        if age is None:
-            age = time.monotonic() - placement.checked_at
-        if not placement.local_checks or age < self.local_safe_s():
-            gather(lay, placement.memory, ids2, flat, threads)
-            return
-        seqs = [self._check_local(lay, table, checks) for table, checks in placement.local_checks]
-        gather(lay, placement.memory, ids2, flat, threads)
-        for (table, checks), seq in zip(placement.local_checks, seqs):
-            if table[0] != seq:
-                self._check_local(lay, table, checks)
-
-    @staticmethod
-    def _check_local(lay: Layer, table: np.ndarray | None, checks: np.ndarray) -> int:
-        if table is None:
-            raise StalePlacement(f"layer {lay.layer_id}: the master's answer is too old to prove what a table mapped "
-                                 "on this host holds, and its segment publishes no generation table")
-        bad, seq = _kernels.check_table(table, checks)
-        if bad == _kernels.TABLE_UNKNOWN:
-            raise StalePlacement(f"layer {lay.layer_id}: the master's answer is too old to prove what a table mapped "
-                                 "on this host holds, and its segment's generation table cannot tell (too many "
-                                 "objects)")
-        if bad >= 0:
-            raise StalePlacement(f"layer {lay.layer_id}: a table mapped on this host (offset "
-                                 f"{-int(checks[2 * bad, 0]) - 1}, put {int(checks[2 * bad, 1])}) has been removed, "
-                                 "or written over by another put, since the master said where the layer is")
-        return seq
+        """Gather the rows of the heads mapped on this host (:meth:`read_mapped`: StalePlacement where the tables
+        cannot be proven still there, and no row of this call is used)."""
+        if placement.memory.sources:
+            self.read_mapped(lay, placement, lambda: gather(lay, placement.memory, ids2, flat, threads), age)
 
     def get(self, lay: Layer, failed: set[str]) -> Placement:
         """The layer's placement, checked with the master as the module docstring says.
@@ -237,7 +234,7 @@ class Placements:
             if signature != state.validated:
                 # First read, or the layer changed: check its layout (a failover to the same tables does not).
                 self.check_published(lay)
-                self.clear_cache(lay)  # rows cached from an earlier placement may belong to another table now
+                self.clear_cache(lay, signature)  # rows cached under an earlier placement: not this layer's now
                 state.validated = signature
             state.known = (infos, signature, now)
         placement = self._build(lay, infos, failed, signature, checked_at)
@@ -271,7 +268,7 @@ class Placements:
                 if view is not None and 0 <= r.offset <= view.size - nbytes:
                     local_tables.append((h, view[r.offset:r.offset + nbytes]))
                     mapped.setdefault(r.segment_id, []).append((native.local_table(r), r.offset, nbytes,
-                                                                getattr(r, "generation", 0)))
+                                                                r.generation))
                     break
             else:
                 r = live[h % len(live)]
@@ -285,17 +282,14 @@ class Placements:
             checks.append(_kernels.readonly(_kernels.check_pairs_for(
                 np.array([offset for _, offset, _ in entries], dtype=np.int64),
                 np.array([lay.sizes[h] * lay.row_bytes for h, _, _ in entries], dtype=np.int64),
-                np.array([getattr(r, "generation", 0) for _, _, r in entries], dtype=np.int64))))
-        local_checks = tuple((heads[0][0], _kernels.readonly(_kernels.check_pairs_for(
-            *(np.array(column, dtype=np.int64) for column in list(zip(*heads))[1:])))) for heads in mapped.values())
-        checked = all(table is not None and all(gen for *_, gen in heads)
-                      for heads in mapped.values() for table in [heads[0][0]])
-        # Read only through segments, each read naming every table's put: a segment refuses what changed (see
-        # REMOTE_PLACEMENT_TTL_S). Not so for a placement built without the mappings (the master did not answer).
-        through_segments = local and not local_tables and all(getattr(r, "generation", 0)
-                                                               for entries in remote.values() for _, _, r in entries)
-        ttl, stale = (REMOTE_PLACEMENT_TTL_S, REMOTE_PLACEMENT_STALE_S) if through_segments \
-            else (PLACEMENT_TTL_S, PLACEMENT_STALE_S)
+                np.array([r.generation for _, _, r in entries], dtype=np.int64))))
+        # A segment with a table whose put is unknown (generation 0) cannot prove it: no table to check against.
+        local_checks = tuple((heads[0][0] if all(gen for *_, gen in heads) else None,
+                              _kernels.readonly(_kernels.check_pairs_for(
+                                  *(np.array(column, dtype=np.int64) for column in list(zip(*heads))[1:]))))
+                             for heads in mapped.values())
+        checked = all(table is not None for table, _ in local_checks)
+        ttl, stale = _ttls(local, local_tables, remote)
         return Placement(InMemory.of(lay, local_tables), groups,
                          _kernels.readonly(np.asarray(order, dtype=np.int64)),
                          _kernels.readonly(np.asarray(bases, dtype=np.int64)), signature, checked_at, tuple(checks),

@@ -15,7 +15,7 @@ A new place for tables is a new subclass in a module of its own.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -118,6 +118,13 @@ class Source:
     def local_tables(self, lay: Layer) -> list[np.ndarray] | None:
         """Each head's table as a read-only ``[N_h, row_bytes]`` view of this host's memory, or None."""
         return None
+
+    def read_local(self, lay: Layer, read: Callable[[list[np.ndarray]], bool]) -> bool:
+        """``read(tables)`` over :meth:`local_tables`, under the checks the source's own reads of them pass: what it
+        returns, or False where it did not run or its result must not be used. Here (arrays bound in this process,
+        files the source opened): nothing to check; a store's tables pass the generation checks (StoreSource)."""
+        tables = self.local_tables(lay)
+        return False if tables is None else read(tables)
 
     def stats(self, lay: Layer, reset: bool) -> dict[str, int]:
         """Counters the source keeps itself, added to the layer's :class:`LookupCounters`."""

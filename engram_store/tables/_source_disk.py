@@ -20,7 +20,7 @@ import numpy as np
 
 from .._errors import InvalidArgument, ObjectExists, ObjectNotFound
 from .._metrics import RequestMetrics
-from ..disk import DiskDir, HostRowCache, LayerProfile, RowCache, read_many, warm_layer
+from ..disk import DiskDir, HostRowCache, LayerProfile, RowCache, read_checked, warm_layer
 from ._layout import Layer
 from ._sizing import Sizing
 from ._source import Job, Source, closed_error, progress, state_of
@@ -35,6 +35,8 @@ class DiskSource(Source):
     """Layers published under ``disk_dir``; ``lay.state`` is the layer's open :class:`~engram_store.disk.DiskLayer`."""
 
     streams = True
+    #: A lookup's ids are checked as its read plans them (``_kernels._plan_read``), before the cache is probed.
+    checks_ids = True
 
     def __init__(self, path: str | os.PathLike, row_cache_bytes: int, row_sizes: Sequence[int], threads: int = 1,
                  cache_scope: str = "process"):
@@ -156,10 +158,14 @@ class DiskSource(Source):
         timed = self.read_metrics
         start = time.perf_counter() if timed is not None else 0.0
         try:
-            read_many(requests)
-        except BaseException:
+            read_checked(requests)  # the facade's jobs: ids int64 [M, H] and flat bytes, C-contiguous
+        except BaseException as exc:
             if timed is not None:
                 timed.record("read", time.perf_counter() - start, False)
+            if isinstance(exc, InvalidArgument):  # an id out of range: named as the facade names it
+                for job in jobs:
+                    if job.unchecked is not None:
+                        job.layer.check_range(job.unchecked)
             raise
         if timed is not None:
             timed.record("read", time.perf_counter() - start, True)

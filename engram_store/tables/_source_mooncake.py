@@ -53,7 +53,8 @@ class MooncakeSource(KeyedSource):
             return None
         return self.store.get(lay.manifest_key) or None
 
-    def put_manifest(self, lay: Layer, data: bytes, replica_num: int) -> None:
+    def put_manifest(self, lay: Layer, data: bytes, replica_num: int, heads: dict[str, int] | None = None) -> None:
+        # (Mooncake names no generations: the heads are not checked as the manifest is published.)
         _mooncake_put(self.store, lay.manifest_key, np.frombuffer(data, dtype=np.uint8).copy(),
                       _replicate_config(replica_num))
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from .. import kernels as _kernels
-from .._errors import ObjectNotFound, SegmentUnavailable, StalePlacement, StoreError
+from .._errors import ObjectNotFound, SegmentUnavailable, StalePlacement, StoreError, WriteFenced
 from ._keyed import KeyedSource, Upload, Written
 from ._layout import Layer
 from ._placement import Placement, Placements, PlacementState
@@ -44,9 +44,9 @@ class StoreSource(KeyedSource):
         """Forget the layer's placement and cached rows (a closed EngramStore's next read resolves them again)."""
         self.attach(lay)  # (a new state: no placement, no _Lean)
 
-    def _clear_cache(self, lay: Layer) -> None:
+    def _clear_cache(self, lay: Layer, signature: tuple) -> None:
         if lay.state.cache is not None:
-            lay.state.cache.clear()
+            lay.state.cache.clear(signature)
 
     # ---- the store's primitives (see KeyedSource) -------------------------------------------------------------
 
@@ -59,8 +59,23 @@ class StoreSource(KeyedSource):
         except ObjectNotFound:
             return None
 
-    def put_manifest(self, lay: Layer, data: bytes, replica_num: int) -> int:
-        return self.native.put_generations([lay.manifest_key], [data], replica_num=replica_num)[1][0]
+    def put_manifest(self, lay: Layer, data: bytes, replica_num: int, heads: dict[str, int] | None = None) -> int:
+        """Published only while every head of the layer is the object ``heads`` names (this populate's) or, for
+        another shard's head, the object there as the manifest is put: the master checks them with the
+        publication (``put_generations(requires=)``), so a remove of the heads meanwhile fails this put
+        (WriteFenced) instead of leaving a manifest without its heads."""
+        heads = dict(heads or {})
+        others = [key for key in lay.layer_keys if key not in heads]
+        try:
+            infos = self.native.locate(others, lease=False) if others else []
+        except ObjectNotFound as exc:  # removed since publish() saw every shard's heads
+            raise WriteFenced(f"populate layer {lay.layer_id}: a head of another shard was removed before the "
+                              f"manifest was published ({exc}); nothing was published") from exc
+        for info in infos:
+            if info.replicas and info.replicas[0].generation:
+                heads[info.key] = info.replicas[0].generation
+        return self.native.put_generations([lay.manifest_key], [data], replica_num=replica_num,
+                                           requires=list(heads.items()))[1][0]
 
     def put_tables(self, lay: Layer, tables: list[np.ndarray], replica_num: int, bar: Any) -> Upload:
         # The store computes each table's xxh3_64 while it uploads (and the master keeps them).
@@ -160,6 +175,19 @@ class StoreSource(KeyedSource):
 
     def local_tables(self, lay: Layer) -> list[np.ndarray] | None:
         return self.placements.get(lay, set()).memory.views(lay)
+
+    def read_local(self, lay: Layer, read: Callable[[list[np.ndarray]], bool]) -> bool:
+        """``read(tables)`` over the tables mapped here, under :meth:`Placements.read_mapped` (the one rule of mapped
+        reads): False where a table was written over meanwhile (the caller's lookup of the rows meets the same
+        check, and asks the master again)."""
+        placement = self.placements.get(lay, set())
+        tables = placement.memory.views(lay)
+        if tables is None:
+            return False
+        try:
+            return self.placements.read_mapped(lay, placement, lambda: read(tables))
+        except StalePlacement:
+            return False
 
     def _read_one(self, lay: Layer, ids2: np.ndarray, flat: np.ndarray, unchecked: np.ndarray | None = None) -> None:
         """One layer: the lean path of a lookup (see :func:`._plan.read_native` for the rest).
@@ -284,14 +312,14 @@ class StoreSource(KeyedSource):
 
     def read_cached(self, lay: Layer, placement: Placement, ids2: np.ndarray, flat: np.ndarray,
                     counts: dict) -> set[str]:
-        """The remote read of a layer with a hot-row cache: cached rows are not requested, fetched ones are added."""
+        """The remote read of a layer with a hot-row cache: cached rows are not requested, fetched ones are added
+        (each under the placement it was read under: see :class:`_RowCache`)."""
         uniq, head_starts, inverse = _kernels.plan_unique_rows(ids2, placement.order)
         cache = lay.state.cache
         head_of = np.repeat(placement.order, np.diff(head_starts))
         keys = (head_of << 40) | uniq
         rows_all = np.empty((uniq.size, lay.dim), dtype=lay.dtype)
-        with cache.lock:
-            hit, hits = _kernels.cache_probe(keys, cache.keys, cache.rows, cache.words(rows_all))
+        hit, hits = cache.probe(placement.signature, keys, rows_all)
         miss = ~hit
         tally(counts, flat, cache_hits=hits, cache_misses=int(uniq.size) - hits)
         requests = []
@@ -322,9 +350,8 @@ class StoreSource(KeyedSource):
                     failed.add(STALE)
                     continue
                 raise result
-            rows = np.frombuffer(result, dtype=lay.dtype).reshape(-1, lay.dim)
-            with cache.lock:
-                _kernels.cache_fill(keys, positions, cache.words(rows), cache.words(rows_all), cache.keys, cache.rows)
+            cache.fill(placement.signature, keys, positions, np.frombuffer(result, dtype=lay.dtype).reshape(
+                -1, lay.dim), rows_all)
         if not failed:
             bad = _kernels.scatter_rows_prepared(rows_all.reshape(-1).view(np.uint8), inverse, placement.order, 0,
                                                  lay.row_bytes, flat)
@@ -355,7 +382,12 @@ class _Lean:
 
 
 class _RowCache:
-    """A bounded, direct-mapped cache of remote rows (see ``kernels.cache_probe``); thread-safe."""
+    """A bounded, direct-mapped cache of remote rows (see ``kernels.cache_probe``); thread-safe.
+
+    It holds the rows of one placement at a time: ``tag``, the signature of the placement they were read under
+    (each table's place and the put that wrote it; None: none yet), set when the layer's placement changes
+    (:meth:`clear`). A read under another placement neither takes rows from it nor adds its own, so no clear can
+    race a fill into serving an earlier populate's rows."""
 
     def __init__(self, capacity_bytes: int, row_bytes: int):
         self.word = 8 if row_bytes % 8 == 0 else 4 if row_bytes % 4 == 0 else 1
@@ -364,11 +396,29 @@ class _RowCache:
         self.keys = np.full(slots, -1, dtype=np.int64)
         self.rows = np.zeros((slots, self.words_per_row), dtype={8: np.uint64, 4: np.uint32, 1: np.uint8}[self.word])
         self.lock = threading.Lock()
+        self.tag: tuple | None = None
 
     def words(self, rows: np.ndarray) -> np.ndarray:
         """``rows`` ([n, D] of any dtype, C-contiguous) seen as the cache's words."""
         return rows.reshape(rows.shape[0], -1).view(self.rows.dtype)
 
-    def clear(self) -> None:
+    def probe(self, tag: tuple, keys: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, int]:
+        """Copy the rows of ``keys`` held under placement ``tag`` into ``out``: (hit mask, hit count)."""
+        with self.lock:
+            if self.tag == tag:
+                return _kernels.cache_probe(keys, self.keys, self.rows, self.words(out))
+        return np.zeros(keys.size, dtype=np.bool_), 0  # rows of another placement (or none): take nothing
+
+    def fill(self, tag: tuple, keys: np.ndarray, positions: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+        """``out[positions] = rows``, keeping each under ``keys[positions]`` while the cache holds ``tag``'s rows."""
+        with self.lock:
+            if self.tag == tag:
+                _kernels.cache_fill(keys, positions, self.words(rows), self.words(out), self.keys, self.rows)
+                return
+        out[positions] = rows  # the layer moved since this read began: its rows stay out
+
+    def clear(self, tag: tuple | None) -> None:
+        """Forget every row; rows read under the placement of signature ``tag`` are kept from now on."""
         with self.lock:
             self.keys.fill(-1)
+            self.tag = tag

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -82,7 +82,7 @@ class EngramStore:
     # ---- layers and getters (work without a store) ------------------------------------------------
 
     def _layer(self, layer: int | None) -> Layer:
-        if layer is None and self._only is not None:
+        if self._only is not None and (layer is None or (type(layer) is int and layer == self._only.layer_id)):
             return self._only
         return find_layer(self._layers, layer)
 
@@ -206,16 +206,18 @@ class EngramStore:
 
     def local_tables(self, *, layer: int | None = None) -> list[np.ndarray] | None:
         """Each head's table as a read-only ``[N_h, row_bytes]`` uint8 view of this host's memory, in head order, or
-        None when some head is not in memory here (it is read over the network, or from disk).
-
-        For kernels that read rows in place and transform them on the way (e.g. decoding FP8 rows as they are
-        gathered). Tables bound with :meth:`bind_local` or published under ``local_dir`` are always here; tables in
-        a store are here when their segment is mapped on this host. Call it per step rather than keeping the views:
-        for a store, the placement is revalidated as for a lookup (a layer removed and populated again moves).
-        """
+        None when some head is not here (``bind_local`` and ``local_dir`` tables are; a store's when mapped here).
+        A view shows what that memory holds when read: kernels that read rows in place go through read_local."""
         lay = self._layer(layer)
         self._source.ready(lay, "local_tables")
         return self._source.local_tables(lay)
+
+    def read_local(self, read: Callable[[list[np.ndarray]], bool], *, layer: int | None = None) -> bool:
+        """``read(tables)`` over :meth:`local_tables`, checked as a lookup's read (docs/store.md, "What a read
+        checks"): its result, or False where it did not run or its output must not be used (read with lookup_into)."""
+        lay = self._layer(layer)
+        self._source.ready(lay, "read_local")
+        return self._source.read_local(lay, read)
 
     # ---- lookups --------------------------------------------------------------------------------
 

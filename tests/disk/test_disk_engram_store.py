@@ -124,3 +124,29 @@ def test_disk_layers_refuse_what_they_cannot_do(tmp_path, published):
     bad = EngramStoreConfig(table_vocab_sizes=SIZES, embedding_dim=64, row_format="bytes")
     with pytest.raises(Exception, match="row_bytes|64|66"):
         EngramStore(1, bad, disk_dir=path)  # the published layout is checked when the layer is opened
+
+
+@pytest.mark.parametrize("heads", [None, [0, 2]])
+def test_an_id_out_of_range_is_refused_by_name_before_the_cache_serves_a_row(published, heads):
+    """A disk layer checks a lookup's ids as its read plans them: an id outside its head raises the InvalidArgument
+    every place for tables raises (the facade's ``row_ids[b, l, h]``, in the store's heads), and nothing is written,
+    not even the rows the cache holds; the next lookup reads as before."""
+    path, tables = published
+    held = [tables[h] for h in (heads or range(len(SIZES)))]
+    sizes = [len(t) for t in held]
+    rng = np.random.default_rng(5)
+    ids = _ids(rng, 2, 3, sizes)
+    with EngramStore(1, CONFIG, disk_dir=path, row_cache_bytes=1 << 20, heads=heads) as layer:
+        for _ in range(2):  # the second one is served by the cache
+            np.testing.assert_array_equal(layer.lookup(ids), _expected(held, ids))
+        for b, l, h, value in ((1, 2, 1, sizes[1]), (0, 0, 0, -1), (1, 0, len(sizes) - 1, 1 << 40)):
+            bad = ids.copy()
+            bad[b, l, h] = value
+            with pytest.raises(InvalidArgument, match=rf"row_ids\[{b}, {l}, {h}\] = {value} is out of range: "
+                                                      rf"head {h} of layer 1 has {sizes[h]} rows"):
+                layer.lookup(bad)
+            out = np.full(ids.shape + (66,), 7, dtype=np.uint8)
+            with pytest.raises(InvalidArgument, match=rf"row_ids\[{b}, {l}, {h}\] = {value} is out of range"):
+                layer.lookup_into(bad, out)
+            assert (out == 7).all()
+        np.testing.assert_array_equal(layer.lookup(ids), _expected(held, ids))

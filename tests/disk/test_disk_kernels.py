@@ -25,12 +25,19 @@ def lookups(draw):
 
 
 def _plan(lay, ids, cache=None, tag=1, out=None):
+    """A read's two kernels, as the reader calls them: ``((bad, hits, miss_pos, miss_key, offsets, starts, order,
+    in_block), row_base, out)`` (bad -1 where every id is in its head; the rest is not valid otherwise)."""
     row_base = np.concatenate(([0], np.cumsum(lay.sizes)[:-1])).astype(np.int64)
     out = np.zeros(ids.size * lay.row_bytes, np.uint8) if out is None else out
     meta, rows = (cache.meta, cache.rows) if cache is not None else (_NO_META, _NO_ROWS)
-    return dk._plan_read(ids, np.asarray(lay.sizes, np.int64), np.asarray(lay.head_offsets, np.int64), row_base,
-                         lay.rows_per_block, lay.block_bytes, lay.row_bytes, tag, meta, rows, lay.row_bytes, out), \
-        row_base, out
+    miss_pos, miss_key = np.empty(ids.size, np.int64), np.empty(ids.size, np.int64)
+    K = dk._serve_hits(ids, np.asarray(lay.sizes, np.int64), row_base, tag, meta, rows, lay.row_bytes, out,
+                       lay.row_bytes, miss_pos, miss_key)
+    if K < 0:
+        return (-1 - K, 0, None, None, None, None, None, None), row_base, out
+    plan = dk._plan_read(ids, miss_pos[:K], np.asarray(lay.head_offsets, np.int64), lay.rows_per_block,
+                         lay.block_bytes, lay.row_bytes)
+    return (-1, ids.size - K, miss_pos[:K], miss_key[:K], *plan), row_base, out
 
 
 @SETTINGS

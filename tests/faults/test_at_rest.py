@@ -138,7 +138,7 @@ def test_a_durable_segments_generation_table_is_taken_over_in_place_by_its_next_
 def test_the_master_drops_damaged_replicas_and_a_restart_from_its_journal_keeps_the_loss():
     """The master's part, without processes: a replica named damaged leaves its object (the other replica stays),
     an object left without one is lost with a message that says why, and replaying the journal gives the same."""
-    from master import MasterState
+    from engram_store.master import MasterState
 
     journal: list[dict] = []
     state = MasterState(journal=journal.append)
@@ -194,7 +194,7 @@ def test_a_journal_torn_in_the_record_of_a_damaged_objects_loss_never_replays_it
     with the journal torn in its last record. Dropping the replica and the loss are one record: replayed without
     it, the object is where the journal put it, and the segment, whose catalogue no longer lists it, is asked
     about it and does not hold it intact: it is lost, by name. Never gone without a word."""
-    from master import MasterState
+    from engram_store.master import MasterState
 
     journal: list[dict] = []
     state = MasterState(journal=journal.append)
@@ -224,7 +224,7 @@ def test_a_damaged_replicas_space_waits_out_the_reuse_delay_and_only_complete_ob
     """What drop_damaged leaves alone: a key it does not know, a key whose write is still in progress (its replica
     is the writer's, not the damaged one); and the damaged replica's space is taken again only after the reuse
     delay, as a removed object's is (a reader may still hold its placement)."""
-    from master import MasterState
+    from engram_store.master import MasterState
 
     now = [1000.0]
     journal: list[dict] = []

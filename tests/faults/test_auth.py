@@ -20,13 +20,13 @@ from engram_store.testing import Cluster, start_master, start_segment
 
 from engram_store import DistributedStore, MasterUnavailable, SegmentUnavailable
 from engram_store.wire._auth import load_keys
-from engram_store.wire._transport import Connection
+from engram_store.wire import Connection
 
 pytestmark = pytest.mark.skipif(not __import__("zmq").has("curve"), reason="libzmq without CURVE")
 
 
 def _engram_master(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "master", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "engram_store.master", *args], capture_output=True, text=True, timeout=60)
 
 
 def _keygen(directory) -> str:

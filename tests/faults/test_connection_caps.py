@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 
 from engram_store import _http, _peers
 from engram_store.metrics import MetricsEndpoint
-from engram_store.segment import RawReadServer
-from engram_store.segment import _raw_limits as _raw
-from engram_store.wire.raw import HEADER, MAGIC, OP_READ, STATUS_BUSY, VERSION
+from engram_store.raw import RawReadServer
+from engram_store.raw import limits as _raw
+from engram_store.raw.frame import HEADER, MAGIC, OP_READ, STATUS_BUSY, VERSION
 from engram_store.wire import Connection, RpcServer
 from engram_store.wire import _guard
 from suite_helpers import ZMTP_GREETING, ZMTP_READY

@@ -173,7 +173,7 @@ def test_a_segment_declared_dead_comes_back_with_the_objects_it_can_prove_intact
             _wait_for(lambda: not store.status()["segments"], 20, "the master to drop the paused segment")
             with pytest.raises(ObjectLost, match="missed heartbeats"):
                 store.get("plain")
-            status = subprocess.run([sys.executable, "-m", "master", "status", "--master", c.address],
+            status = subprocess.run([sys.executable, "-m", "engram_store.master", "status", "--master", c.address],
                                     capture_output=True, text=True, timeout=60)
             assert f"{HEADS + 3} object(s) lost" in status.stdout, status.stdout
             fd = os.open(segment_memory(c.segments[0].pid), os.O_WRONLY)  # one object's bytes change meanwhile
@@ -188,7 +188,7 @@ def test_a_segment_declared_dead_comes_back_with_the_objects_it_can_prove_intact
             assert layer.verify() == list(range(HEADS))
             with pytest.raises(ObjectLost):  # its checksum no longer matches: not taken back
                 store.get("tampered")
-            status = subprocess.run([sys.executable, "-m", "master", "status", "--master", c.address],
+            status = subprocess.run([sys.executable, "-m", "engram_store.master", "status", "--master", c.address],
                                     capture_output=True, text=True, timeout=60)
             assert "1 object(s) lost" in status.stdout and "tampered" in status.stdout, status.stdout
 

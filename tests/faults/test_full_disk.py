@@ -153,7 +153,7 @@ def test_a_master_refuses_to_start_on_a_journal_it_cannot_write_and_says_why(tmp
     import subprocess
     import sys
 
-    from master import Journal
+    from engram_store.master import Journal
 
     where = tmpfs("1m")
     journal = Journal(str(where / "master.journal"))
@@ -163,7 +163,7 @@ def test_a_master_refuses_to_start_on_a_journal_it_cannot_write_and_says_why(tmp
         fill_up(str(where / "filler"))
     else:
         subprocess.run(["mount", "-o", "remount,ro", str(where)], check=True, timeout=30)
-    done = subprocess.run([sys.executable, "-m", "master", "--port", "0", "--journal", str(where / "master.journal")],
+    done = subprocess.run([sys.executable, "-m", "engram_store.master", "--port", "0", "--journal", str(where / "master.journal")],
                           capture_output=True, text=True, timeout=60)
     why = "No space left on device" if disk == "full" else "Read-only file system"
     assert done.returncode == 2, done.stderr

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from suite_helpers import zmq_request
 from engram_store import DistributedStore, SegmentUnavailable
-from engram_store.wire.raw import HEADER, MAGIC, OP_HELLO, OP_READ, TOKEN_BYTES, VERSION
+from engram_store.raw.frame import HEADER, MAGIC, OP_HELLO, OP_READ, TOKEN_BYTES, VERSION
 from engram_store.segment import MAX_RANGES
 from engram_store.testing import Cluster, wait_ping
 

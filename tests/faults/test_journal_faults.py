@@ -77,7 +77,7 @@ def test_a_second_master_refuses_a_journal_in_use_and_leaves_it_alone(tmp_path):
             store.put("before", b"b" * 1000)
         inode = os.stat(journal).st_ino
         for port in (free_port(), int(c.address.rsplit(":", 1)[1])):  # another port, and the same one
-            second = subprocess.run([sys.executable, "-m", "master", "--host", "127.0.0.1", "--port", str(port),
+            second = subprocess.run([sys.executable, "-m", "engram_store.master", "--host", "127.0.0.1", "--port", str(port),
                                      "--journal", journal], capture_output=True, text=True, timeout=60)
             assert second.returncode != 0
             assert "in use by another process" in second.stderr and f"pid {c.master.pid}" in second.stderr, \
@@ -256,7 +256,7 @@ def test_a_journal_that_lost_its_last_records_takes_back_what_the_segment_holds_
         damaged[len(whole) // 2] ^= 0x04
         with open(journal, "wb") as f:
             f.write(damaged)
-        refused = subprocess.run([sys.executable, "-m", "master", "--port", "0", "--journal", journal],
+        refused = subprocess.run([sys.executable, "-m", "engram_store.master", "--port", "0", "--journal", journal],
                                  capture_output=True, text=True, timeout=60)
         assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
         assert re.search(r"^engram-master: journal .*: line \d+ does not match its checksum", refused.stderr)

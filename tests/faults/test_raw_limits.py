@@ -26,10 +26,9 @@ import numpy as np
 import pytest
 
 from engram_store import DistributedStore, EngramStore, EngramStoreConfig, SegmentUnavailable
-from engram_store.client import RawChannel, RawChannelRefused
-from engram_store.segment import RawReadServer
-from engram_store.segment import _raw_limits as _raw
-from engram_store.wire.raw import HEADER, MAGIC, OP_HELLO, OP_READ, STATUS_BUSY, TOKEN_BYTES, VERSION
+from engram_store.raw import RawChannel, RawChannelRefused, RawReadServer
+from engram_store.raw import limits as _raw
+from engram_store.raw.frame import HEADER, MAGIC, OP_HELLO, OP_READ, STATUS_BUSY, TOKEN_BYTES, VERSION
 from engram_store.testing import Cluster, wait_ping
 from suite_helpers import proc_status
 
@@ -51,7 +50,7 @@ def _wait_for(predicate, timeout_s: float = 20.0, what: str = "") -> None:
 
 def _keys(tmp_path) -> str:
     directory = str(tmp_path / "keys")
-    result = subprocess.run([sys.executable, "-m", "master", "keygen", directory], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "engram_store.master", "keygen", directory], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr
     return directory
@@ -92,7 +91,7 @@ class _Strangers:
     """``count`` connections to a raw port, half silent, half dripping a header one byte every ``drip_s``; a
     connection the segment closes is opened again, so the pressure lasts until :meth:`stop`. They come from
     ``sources`` loopback addresses (127.0.0.2, ...), each a peer of its own, so that no peer holds more than the
-    channel's share of one (``_raw_limits.PENDING_PER_PEER``; one peer's flood is tests/security's)."""
+    channel's share of one (``raw.limits.PENDING_PER_PEER``; one peer's flood is tests/security's)."""
 
     def __init__(self, port: int, count: int, header: bytes, drip_s: float = 0.2, sources: int = 32):
         self.port = port

@@ -11,7 +11,7 @@ import pytest
 from suite_helpers import fill_up, wait_for
 from engram_store import DistributedStore, SegmentServer, UnsafeFile
 from engram_store.testing import Cluster, segment_ready, spawn_segment
-from master._journal import Journal
+from engram_store.master._journal import Journal
 
 pytestmark = pytest.mark.timeout(180)
 

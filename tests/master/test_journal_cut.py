@@ -7,7 +7,7 @@ import os
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from master import FreeListAllocator, MasterState
+from engram_store.master import FreeListAllocator, MasterState
 
 
 class Clock:

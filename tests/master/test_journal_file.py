@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from engram_store import JournalError
-from master._journal import Journal, parse
-from master._journal_format import encode
+from engram_store.master._journal import Journal, parse
+from engram_store.master._journal_format import encode
 from suite_helpers import fill_up
 
 RECORDS = [
@@ -113,7 +113,7 @@ def test_a_torn_last_record_is_dropped_with_a_warning_and_a_cut_at_a_boundary_re
     for cut in range(last + 1, len(data)):
         Path(path).write_bytes(data[:cut])
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="master._journal"):
+        with caplog.at_level(logging.WARNING, logger="engram_store.master._journal"):
             assert _read(path) == RECORDS[:-1]
         assert "line 4" in caplog.text and "cut short by a crash" in caplog.text
     Path(path).write_bytes(data[:last])  # whole records: nothing here can tell (segments do, at registration)
@@ -145,7 +145,7 @@ def test_appends_to_a_full_disk_fail_whole_and_leave_every_acknowledged_record(t
 
 
 def test_a_record_that_contradicts_the_ones_before_it_is_refused_not_replayed():
-    from master import MasterState
+    from engram_store.master import MasterState
 
     records = [RECORDS[0], {**RECORDS[0], "size": 8192}]
     with pytest.raises(JournalError, match=r"record 2 \(segment\) cannot be replayed: segment s1: registered with "

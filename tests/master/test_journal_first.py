@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engram_store import JournalError, ObjectLost, WriteFenced
-from master import MasterState
+from engram_store.master import MasterState
 
 
 class Clock:

@@ -9,8 +9,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from engram_store import ConfigError, ObjectLost
-from master import MasterState
-from master._journal import Journal
+from engram_store.master import MasterState
+from engram_store.master._journal import Journal
 
 
 class Clock:
@@ -273,7 +273,7 @@ def test_put_ids_handed_out_but_never_journalled_never_repeat_after_a_replay():
 
 
 def test_every_put_id_handed_out_lies_below_the_journalled_bound(monkeypatch):
-    from master import _state
+    from engram_store.master import _state
 
     monkeypatch.setattr(_state, "PUT_ID_BLOCK", 3)
     journal = []
@@ -491,7 +491,7 @@ def test_remove_many_is_all_or_nothing_and_list_keys_pages_by_prefix():
 ])
 def test_a_master_config_refuses_what_cannot_run_naming_the_field(fields, message):
     from engram_store import InvalidArgument
-    from master import MasterConfig
+    from engram_store.master import MasterConfig
 
     with pytest.raises(InvalidArgument, match=message):
         MasterConfig(**fields)

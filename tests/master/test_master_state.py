@@ -12,9 +12,10 @@ from engram_store import (
     ObjectNotFound,
     OutOfSpace,
     SegmentUnavailable,
+    WriteFenced,
 )
 from engram_store.wire import make_ticket, read_ticket
-from master import ALIGNMENT, FreeListAllocator, MasterState
+from engram_store.master import ALIGNMENT, FreeListAllocator, MasterState
 
 
 def _align(n):
@@ -107,13 +108,13 @@ def test_a_writer_that_names_its_put_acts_on_that_put_only():
     b = state.objects["k"].put_id
     assert a != b
     assert not state.put_renew("k", a) and state.put_renew("k", b)
-    with pytest.raises(ObjectNotFound, match="put_end 'k': no write in progress"):
-        state.put_end("k", "aa", a)
+    with pytest.raises(WriteFenced, match="put_end 'k': no write in progress for put"):
+        state.put_end("k", "aa", a)  # (the docs promise a fenced writer WriteFenced)
     state.put_revoke("k", generation=a)
     assert state.objects["k"].state == "pending"  # B's put goes on
     state.put_end("k", "bb", b)
     state.put_end("k", "bb", b)  # a retried put_end of one's own put is answered again
-    with pytest.raises(ObjectNotFound):
+    with pytest.raises(WriteFenced):
         state.put_end("k", "aa", a)
     assert state.remove_many(["k"], force=True, generations=[a]) == {}
     assert state.exists("k") and state.objects["k"].checksum == "bb"

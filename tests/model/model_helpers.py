@@ -190,3 +190,75 @@ def hf_ngram_ids_module(config, layer_id: int):
 
     module.ngram_embedding = RowIds()
     return module, hc
+
+
+# ---- the engines' PLE row gathers (vLLM 0.33.0, SGLang 0.5.23), line by line --------------------------------------
+
+def vllm_ple_lookup(weight: np.ndarray, ids: np.ndarray, vocab_start: int, vocab_end: int) -> np.ndarray:
+    """vLLM's ``_lookup_ple_embedding_from_pinned_kernel`` (``vllm/models/qwen4_exp/common/ngram_embedding.py``),
+    one program per id: ``weight`` the rank's table as bytes (uint8 ``[vocab_end - vocab_start, row_bytes]``: its
+    ``weight`` viewed through the kernel's byte pointers); ids outside ``[vocab_start, vocab_end)`` store zeros.
+    Returns uint8 ``[*ids.shape, row_bytes]`` (the bytes of vLLM's ``[T, 16, 160]`` output)."""
+    row_bytes = weight.shape[1]
+    flat = ids.reshape(-1).astype(np.int64)
+    out = np.empty((flat.size, row_bytes), np.uint8)
+    for row_id in range(flat.size):
+        global_idx = flat[row_id]
+        in_range = vocab_start <= global_idx < vocab_end
+        local_idx = global_idx - vocab_start if in_range else 0
+        values = weight[local_idx] if in_range else np.zeros(row_bytes, np.uint8)   # load(mask=in_range, other=0)
+        out[row_id] = values
+    return out.reshape(*ids.shape, row_bytes)
+
+
+def sglang_ple_gather(weight: np.ndarray, ids: np.ndarray, vocab_start: int, vocab_end: int) -> np.ndarray:
+    """SGLang's ``_gather_ple_embedding_from_pinned_kernel`` (``sglang/srt/models/qwen4_exp.py``), one program per
+    id: ``weight`` the rank's table, uint8 e4m3 codes (``is_fp8``) or uint16 bf16 bits ``[rows, embedding_dim]``;
+    the row ``.to(tl.bfloat16)``, zeros where the id is outside ``[vocab_start, vocab_end)``. Returns uint16 bf16
+    bits ``[*ids.shape, embedding_dim]``. (e4m3 NaN codes, which no loaded table holds, are left to ml_dtypes.)"""
+    import ml_dtypes
+
+    dim = weight.shape[1]
+    flat = ids.reshape(-1).astype(np.int64)
+    out = np.empty((flat.size, dim), np.uint16)
+    for row_id in range(flat.size):
+        global_idx = flat[row_id]
+        in_range = vocab_start <= global_idx < vocab_end
+        local_idx = global_idx - vocab_start if in_range else 0
+        if not in_range:                                                              # load(mask=...), then
+            out[row_id] = 0                                                           # tl.where(in_range, v, 0.0)
+            continue
+        row = weight[local_idx]
+        out[row_id] = row.view(ml_dtypes.float8_e4m3fn).astype(ml_dtypes.bfloat16).view(np.uint16) \
+            if weight.dtype == np.uint8 else row
+    return out.reshape(*ids.shape, dim)
+
+
+def vocab_parallel_range(rows: int, padding_size: int, rank: int, ranks: int) -> tuple[int, int]:
+    """``VocabParallelEmbedding._get_indices`` (vLLM's and SGLang's ``vocab_parallel_embedding.py``) for a table of
+    ``rows`` without added rows: ``org_vocab_start_index``, ``org_vocab_end_index`` of ``rank``."""
+    padded = ((rows + padding_size - 1) // padding_size) * padding_size            # pad_vocab_size
+    assert padded % ranks == 0                                                      # divide()
+    per_partition = padded // ranks
+    start, end = rank * per_partition, rank * per_partition + per_partition
+    return min(start, rows), min(end, rows)
+
+
+def ple_rows_config(dtype: str):
+    """The release's rows (160 values, 16 heads) over small prime heads (5,632 rows, the last 20 padding), of
+    ``dtype`` ("float8_e4m3fn" or "bfloat16"), PLE layer 2."""
+    from engram_model.ple import PLEConfig
+
+    return PLEConfig(ple_layer_ids=[2], vocab_size=500, eos_token_id=5, ngram_vocab_size_base=300, hidden_size=8,
+                     hc_count=2, ple_embed_dim=2560, split_ngram_parts=64, ple_embedding_dtype=dtype)
+
+
+def ple_random_table(config, seed: int = 0) -> np.ndarray:
+    """Layer 2's whole table as the engines hold it (padding rows included), in the store's dtype: e4m3 codes
+    without NaN (no loaded table has one), or bf16 bits without NaN or infinity."""
+    rows, rng = config.num_embeddings(2), np.random.default_rng(seed)
+    if config.row_format.codes == "e4m3":
+        codes = rng.integers(0, 256, (rows, config.head_dim), dtype=np.uint8)
+        return np.where((codes & 0x7F) == 0x7F, codes ^ 1, codes).astype(np.uint8)
+    bits = rng.integers(0, 1 << 16, (rows, config.head_dim), dtype=np.uint16)
+    return np.where((bits & 0x7F80) == 0x7F80, bits ^ 0x0080, bits).astype(np.uint16)

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import numpy as np
 import pytest
 
 from engram_model.load import main as load_main
-from engram_model.ple import (PLEConfig, PLEHasher, load_ple_hash_buffers, load_ple_table, load_ple_weights,
+from engram_model.ple import (PLEConfig, PLEHasher, PLELayer, load_ple_hash_buffers, load_ple_table, load_ple_weights,
                               open_ple_table, ple_store_config, write_toy_checkpoint)
 from engram_model.ple import _checkpoint as ple_checkpoint
 from engram_model.ple._toy import toy_tensors
@@ -273,3 +274,38 @@ def test_an_index_that_names_a_shard_outside_the_checkpoint_is_refused(tmp_path,
     assert load_main([path, "--disk-dir", str(tmp_path / "ssd")]) == 2
     assert f"weight_map entry {name!r} names '../elsewhere.safetensors', outside" in capsys.readouterr().err
     assert DiskDir(tmp_path / "ssd").layers() == []
+
+
+def mapped(directory) -> bool:
+    """Whether this process maps a file under ``directory`` (a local_dir table open here)."""
+    with open("/proc/self/maps", encoding="utf-8") as f:
+        return str(directory) in f.read()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps to see what is mapped")
+def test_a_layer_from_the_checkpoint_streams_its_table_once_and_closes_it(tmp_path):
+    """PLELayer.from_checkpoint: the table streamed into local_dir the first time and opened the second, the
+    checkpoint's hash buffers taken, the forward the same as a layer built from its parts; close() closes the table
+    it opened, not one it was given; a second place, or none, is refused before anything is read."""
+    path = write_toy_checkpoint(tmp_path / "ckpt", FP8)
+    shm = tmp_path / "shm"
+    ids = PLEHasher(FP8, load_ple_hash_buffers(path, FP8))(np.arange(12).reshape(2, 6) % 500)[:, :, 1]
+    hidden = np.random.default_rng(0).standard_normal((2, 6, FP8.hc_count * FP8.hidden_size)).astype(np.float32)
+    with PLELayer.from_checkpoint(path, FP8, 5, local_dir=shm) as first:
+        assert first.buffers == load_ple_hash_buffers(path, FP8)[5]
+        out = first.forward(hidden, first.rows(ids))
+        assert mapped(shm)
+    assert not mapped(shm)                                                     # closed with the layer
+    with open_ple_table(path, FP8, 5, local_dir=shm) as opened:
+        built = PLELayer(FP8, 5, load_ple_weights(path, FP8, 5), opened, buffers=load_ple_hash_buffers(path, FP8)[5])
+        np.testing.assert_array_equal(built.forward(hidden, built.rows(ids)), out)
+        again = PLELayer.from_checkpoint(path, FP8, 5, opened)              # an EngramStore given: not closed
+        again.close()
+        assert mapped(shm)
+    with PLELayer.from_checkpoint(path, FP8, 5, local_dir=shm) as second:   # there already: opened
+        np.testing.assert_array_equal(second.forward(hidden, second.rows(ids)), out)
+    for places in ({}, {"local_dir": shm, "disk_dir": tmp_path / "ssd"}):
+        with pytest.raises(InvalidArgument, match="store, disk_dir, local_dir: expected exactly one place"):
+            PLELayer.from_checkpoint(tmp_path / "nowhere", FP8, 5, **places)
+    assert not (tmp_path / "ssd").exists()

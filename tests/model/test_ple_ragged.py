@@ -155,6 +155,32 @@ def test_released_config_decode_with_drafts_and_int32_inputs():
     np.testing.assert_array_equal(more, hasher(np.concatenate([prompts, nxt], axis=1))[:, L])
 
 
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hashers(), st.data())
+def test_a_step_after_each_requests_own_context_as_vllm_passes_it(hasher, data):
+    """hash_ragged: vLLM's stateless step (``ngram_context [R, ngram_size - 1]``, EOS where a request has none,
+    int32 as vLLM keeps it) equals one whole-sequence call per request after the same context, and the kernel's
+    twin; nothing else is kept."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
+    R, C = data.draw(st.integers(1, 5)), hasher.context
+    context = rng.integers(0, hasher.config.vocab_size, (R, C)).astype(np.int32)
+    context[rng.random(context.shape) < 0.3] = hasher.eos
+    parts = [tokens_of(rng, hasher, data.draw(st.sampled_from([0, 1, 2, 5]))) for _ in range(R)]
+    tokens = np.array([t for ids in parts for t in ids], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum([len(ids) for ids in parts])]).astype(np.int32)
+    got = hasher.hash_ragged(tokens, starts, context)
+    twin = hasher.step_ragged_numpy(PLEHashState(context.astype(np.int64), hasher.eos), tokens, np.arange(R),
+                                    starts.astype(np.int64), commit=False)
+    np.testing.assert_array_equal(got, twin)
+    for r, ids in enumerate(parts):
+        if ids:
+            whole = hasher(np.array([ids], dtype=np.int64), context=context[r:r + 1])[0]
+            np.testing.assert_array_equal(got[starts[r]:starts[r + 1]], whole)
+    with pytest.raises(InvalidArgument, match=r"context: expected shape \[B, ngram_size - 1\] = "
+                                              rf"\[{R}, {C}\]"):
+        hasher.hash_ragged(tokens, starts, context[:, :C - 1])
+
+
 def test_reset_reused_slot_and_empty_calls():
     hasher = PLEHasher(PLEConfig(ple_layer_ids=[2]))
     state = hasher.begin(2)

@@ -117,7 +117,7 @@ def test_idle_connections_leave_an_auth_master_answering_its_clients(keys):
         with Flood("idle", _port(master.address)) as flood:
             assert flood.held > 1024  # more than the master could ever have held at once
             _status_answers(master.address, keys)
-            done = subprocess.run([sys.executable, "-m", "master", "status", "--master", master.address, "--auth",
+            done = subprocess.run([sys.executable, "-m", "engram_store.master", "status", "--master", master.address, "--auth",
                                    keys, "--timeout", str(ANSWER_S)], capture_output=True, text=True, timeout=60)
             assert done.returncode == 0, done.stderr
             _assert_quiet(master.pid, "the master")

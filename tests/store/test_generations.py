@@ -12,7 +12,7 @@ from engram_store import DistributedStore, InvalidArgument, StalePlacement
 from engram_store.kernels import check_generations, check_pairs_for
 from engram_store.segment import SegmentServer
 from engram_store.segment._generations import Generations
-from master import MasterServer
+from engram_store.master import MasterServer
 
 
 def _reference(entries: dict, base: int, size: int, gen: int) -> bool:

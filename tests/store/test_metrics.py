@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 
 from engram_store import DistributedStore, ObjectNotFound, Unavailable
-from master import MasterServer
+from engram_store.master import MasterServer
 from engram_store.testing import Cluster, free_port
 
 pytestmark = pytest.mark.timeout(120)

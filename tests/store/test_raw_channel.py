@@ -1,4 +1,4 @@
-"""The raw read channel (``engram_store.segment._raw_server``, ``engram_store.client._raw_client``): range reads over plain TCP next to ZeroMQ.
+"""The raw read channel (``engram_store.raw``: ``_server``, ``_client``): range reads over plain TCP next to ZeroMQ.
 
 Reads through it equal NumPy slicing; hostile bytes get error replies (and a connection whose framing is lost
 is closed) while the segment keeps serving; a header of another version is refused naming both versions; with
@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from suite_helpers import run_threads
 from engram_store import (AuthError, DistributedStore, EngramStore, EngramStoreConfig, InvalidArgument,
                           ProtocolError, SegmentUnavailable)
-from engram_store.client import RawChannel, port_of
-from engram_store.wire.raw import HEADER, MAGIC, OP_HELLO, OP_READ, VERSION
+from engram_store.raw import RawChannel, port_of
+from engram_store.raw.frame import HEADER, MAGIC, OP_HELLO, OP_READ, VERSION
 from engram_store.testing import Cluster
 
 pytestmark = pytest.mark.timeout(240)
@@ -274,7 +274,7 @@ def test_a_hung_segment_does_not_hold_up_reads_of_a_healthy_one(monkeypatch):
     runs again it is found again."""
     import signal
 
-    from engram_store.client import _raw_routes as _routes  # its hold is patched
+    from engram_store.raw import _routes  # its hold is patched
     with Cluster(segments=2, segment_size="16MiB", heartbeat_timeout_s=30.0) as c:
         with DistributedStore.connect(c.address, local_direct=False, timeout_ms=3000) as store:
             payload = np.arange(1 << 12, dtype=np.uint8)
@@ -304,7 +304,7 @@ def test_a_hung_segment_does_not_hold_up_reads_of_a_healthy_one(monkeypatch):
 @pytest.mark.skipif(not __import__("zmq").has("curve"), reason="libzmq without CURVE")
 def test_with_auth_a_connection_needs_a_token_from_the_zeromq_socket(tmp_path):
     keys = str(tmp_path / "keys")
-    result = subprocess.run([sys.executable, "-m", "master", "keygen", keys], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "engram_store.master", "keygen", keys], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr
     with Cluster(segments=1, auth_dir=keys, heartbeat_timeout_s=10.0) as c:

@@ -1,6 +1,7 @@
 """The raw read channel's native round trips (``kernels.read_direct``, ``kernels.serve_read``) against their plain
 Python/NumPy twins, over real socket pairs: the bytes each sends, what each makes of every reply, and the waits."""
 
+import ctypes
 import os
 import socket
 import struct
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from engram_store.kernels import RAW_IO, check_pairs_for, direct_read_plan, read_direct, serve_params, serve_read
 from engram_store.kernels import raw_io as rio
 from engram_store.kernels import _raw_twins as twins
+from engram_store.raw import frame
 from engram_store.segment._generations import Generations
 
 pytestmark = pytest.mark.skipif(not RAW_IO, reason="the native round trips run on 64-bit little-endian Linux")
@@ -138,6 +140,34 @@ def test_a_lookup_read_of_an_id_outside_its_heads_rows_sends_nothing(M, H, seed)
     for native in (True, False):
         status, _, request = _client(ids, plan, 8, lambda r: WORDS.pack(OK, 9, len(rows)) + rows, native)
         assert (status, request) == (rio.BAD_ID, b"")
+
+
+@settings(max_examples=100, deadline=None)
+@given(code=st.integers(0, 0xFFFF), request_id=st.integers(0, 2 ** 63 - 1), count=st.integers(0, 2 ** 63 - 1))
+def test_the_kernels_read_the_frames_header_as_their_words(code, request_id, count):
+    """The frame (``raw.frame.HEADER``) and the kernels' view of it (``raw_io.HEADER_LAYOUT``) are the same bytes:
+    the kind the frame makes of magic, version and code, then the request id and the count."""
+    head = frame.HEADER.pack(frame.MAGIC, frame.VERSION, code, request_id, count)
+    words = np.frombuffer(head, dtype=np.int64)
+    assert words.size == rio.HEADER_WORDS
+    assert (words[rio.H_KIND], words[rio.H_REQUEST_ID], words[rio.H_COUNT]) == (frame.kind(code), request_id, count)
+    assert np.frombuffer(head, dtype=rio.HEADER_LAYOUT)[0].tolist() == (frame.kind(code), request_id, count)
+
+
+def test_the_kernels_libc_layouts_are_libcs():
+    """The words read_direct fills for recvmsg are ``struct msghdr`` and ``struct iovec`` as libc lays them out."""
+    class Msghdr(ctypes.Structure):
+        _fields_ = [("name", ctypes.c_void_p), ("namelen", ctypes.c_uint32), ("iov", ctypes.c_void_p),
+                    ("iovlen", ctypes.c_size_t), ("control", ctypes.c_void_p), ("controllen", ctypes.c_size_t),
+                    ("flags", ctypes.c_int)]
+
+    class Iovec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+    for struct_, layout in ((Msghdr, rio.MSGHDR), (Iovec, rio.IOVEC)):
+        assert ctypes.sizeof(struct_) == layout.itemsize
+        assert [getattr(struct_, name).offset for name in layout.names] == [layout.fields[n][1] for n in layout.names]
+    assert rio.CLIENT_LAYOUT.fields["iov"][1] == 8 * rio.C_IOV and rio.CLIENT_LAYOUT.itemsize == 8 * rio.CLIENT_WORDS
 
 
 @pytest.mark.parametrize("case, answer, status", [

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from engram_store import DistributedStore, EngramStore, EngramStoreConfig
-from engram_store.client import RawPort
+from engram_store.raw import RawPort
 from engram_store.testing import Cluster
 
 pytestmark = pytest.mark.timeout(180)
@@ -45,7 +45,7 @@ def keys(tmp_path_factory) -> str:
     if not HAS_CURVE:
         return ""
     directory = str(tmp_path_factory.mktemp("matrix") / "keys")
-    result = subprocess.run([sys.executable, "-m", "master", "keygen", directory], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "engram_store.master", "keygen", directory], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr
     return directory

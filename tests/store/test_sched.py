@@ -12,7 +12,7 @@ import pytest
 
 from engram_store import DistributedStore
 from engram_store._sched import prefer_short_slice
-from engram_store.segment import _raw_limits as limits
+from engram_store.raw import limits
 from engram_store.testing import Cluster
 
 pytestmark = [pytest.mark.timeout(120),

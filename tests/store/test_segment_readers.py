@@ -25,7 +25,7 @@ from engram_store import DistributedStore, InvalidArgument, ProtocolError, Segme
 from engram_store.client import _writes as _client
 from engram_store.segment import MAX_RANGES, MAX_READ_BYTES, SegmentMemory, default_readers
 from engram_store.segment._memory import shmem_huge_pages
-from engram_store.wire._transport import Connection
+from engram_store.wire import Connection
 from engram_store.testing import Cluster, wait_ping
 
 pytestmark = pytest.mark.timeout(180)

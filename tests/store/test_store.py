@@ -369,13 +369,13 @@ def test_segment_removes_its_shared_memory_file_on_sigterm():
 
 
 def test_status_cli_prints_segments(shared_cluster):
-    out = subprocess.run([sys.executable, "-m", "master", "status", "--master", shared_cluster.address],
+    out = subprocess.run([sys.executable, "-m", "engram_store.master", "status", "--master", shared_cluster.address],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     for seg in shared_cluster.segments:
         assert seg.address in out.stdout
     assert "object(s)" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "master", "status", "--master", "127.0.0.1:1", "--timeout", "0.5"],
+    bad = subprocess.run([sys.executable, "-m", "engram_store.master", "status", "--master", "127.0.0.1:1", "--timeout", "0.5"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "no reply" in bad.stderr
 

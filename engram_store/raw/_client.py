@@ -1,9 +1,15 @@
 """A client's raw read channel to one segment: a TCP connection on which it sends reads and receives replies.
 
-See :mod:`engram_store.segment._raw_server` for the protocol. Any failure closes the connection (a late reply is
+See :mod:`engram_store.raw.frame` for the protocol. Any failure closes the connection (a late reply is
 never read as the answer to a later request); a connection the segment closed while idle is reopened and the
 reads sent on it are sent again (reads are idempotent); a busy answer or a refused connection raises
 :class:`RawChannelRefused`, and the caller reads over ZeroMQ instead.
+
+A reply is whole or it raises: a connection that ends inside a reply (a segment ends a streamed reply whose objects
+changed while it went out, or it stopped) raises :class:`RawChannelRefused` with ``cut`` set, and the caller reads
+the same ranges over ZeroMQ, whose reply is checked whole (rows, or StalePlacement). A caller interrupted between
+a read's send and its receive (a signal's exception) leaves that read pending: the next receive on the connection
+finds it ahead of its own and sends its read again on a new connection, so no reply is read as another's.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import numpy as np
 from .._errors import NO_FILES, EngramError, ProtocolError, RemoteError, SegmentUnavailable, too_many_open_files
 from ..kernels.raw_io import (BAD_ID, INTERRUPTED, NO_ROOM, OK, RAW_IO, TIMEOUT, client_buffer, direct_request_bytes,
                                read_direct_unchecked, set_client_timeout)
-from ..wire.raw import (
+from .frame import (
     HEADER,
     MAGIC,
     OK_KIND,
@@ -31,6 +37,7 @@ from ..wire.raw import (
     STATUS_OK,
     TOKEN_BYTES,
     VERSION,
+    PeerClosed,
     recv_exact,
     sendmsg_all,
     set_timeouts,
@@ -48,12 +55,14 @@ class RawChannelRefused(SegmentUnavailable):
     """The raw read channel did not take a read, though the segment may be well: it answered busy (``busy``), or
     a new connection was refused or closed before any answer. The client reads over ZeroMQ instead (``pairs``:
     that read's ranges); a segment that does not answer a ZeroMQ ping either is unavailable. ``first``: False for
-    a read sent ahead on a connection that a refusal of an earlier read closed."""
+    a read sent ahead on a connection that a refusal of an earlier read closed. ``cut``: the connection ended inside
+    the reply (its rows are not all there)."""
 
-    def __init__(self, message: str, busy: bool = False, first: bool = True):
+    def __init__(self, message: str, busy: bool = False, first: bool = True, cut: bool = False):
         super().__init__(message)
         self.busy = busy
         self.first = first
+        self.cut = cut
         self.pairs: np.ndarray | None = None
         self.reported = False  # raised to the caller once: the reads it orphaned say first=False
 
@@ -207,8 +216,10 @@ class RawChannel:
             self._orphans.pop(request_id, None)
             exc.pairs, exc.reported = pairs, True
             raise
-        except BaseException:
+        except BaseException as exc:
             self._orphans.pop(request_id, None)
+            if not isinstance(exc, EngramError):
+                self.close()  # interrupted part-way (a signal's exception): part of a request may be on the wire
             raise
         return request_id
 
@@ -255,6 +266,8 @@ class RawChannel:
                                      "read connection")
         try:
             try:
+                if next(iter(self._pending)) != request_id:
+                    self._drop_abandoned(request_id, deadline)
                 data = self._recv_read(request_id, expected, deadline, out)
             except _Stale:  # closed while idle, before our reads got there: ask again on a new connection
                 self._send_again(deadline)
@@ -266,11 +279,23 @@ class RawChannel:
                 exc.pairs = orphan[0]
             exc.reported = True
             raise
-        except BaseException:
+        except BaseException as exc:
+            if not isinstance(exc, EngramError):
+                self.close()  # interrupted inside a reply: the rest of it must never be read as another's
             self._orphans.pop(request_id, None)
             raise
         del self._pending[request_id]
         return data
+
+    def _drop_abandoned(self, request_id: int, deadline: float) -> None:
+        """Reads sent before ``request_id`` are still pending: their callers left between send and receive (a
+        signal's exception; callers receive in the order they sent). Their replies come first on this connection,
+        so it is closed, they are forgotten, and ``request_id`` and the reads after it go again on a new one."""
+        reads = list(self._pending)
+        self._pending = {rid: self._pending[rid] for rid in reads[reads.index(request_id):]}
+        self._close_socket()
+        self._send_again(deadline)
+        self._raise_orphan(request_id)
 
     def _recv_read(self, request_id: int, expected: int, deadline: float, out: np.ndarray | None) -> np.ndarray:
         if out is None:
@@ -290,7 +315,7 @@ class RawChannel:
             if got < HEADER.size:
                 recv_exact(sock, header[got:])
                 got = HEADER.size
-        except (OSError, ConnectionError) as exc:
+        except OSError as exc:
             self._closed_early(exc)
             self._fail(exc)
         count = self._reply_count(request_id, bytes(out[:max(0, got - HEADER.size)]))
@@ -301,18 +326,33 @@ class RawChannel:
         if have < expected:
             try:
                 recv_exact(sock, memoryview(out)[have:])
-            except (OSError, ConnectionError) as exc:
+            except (PeerClosed, ConnectionResetError) as exc:
+                self._cut(have + getattr(exc, "got", 0), expected, exc)
+            except OSError as exc:
                 self._fail(exc)
         self._served += 1
         return out
+
+    def _cut(self, got: int, expected: int, exc: BaseException) -> None:
+        """The connection ended inside a reply, after ``got`` of its ``expected`` bytes: the segment ends a streamed
+        reply whose objects changed while it went out (or it stopped). Raise RawChannelRefused (``cut``): the caller
+        reads the ranges again over ZeroMQ, whose reply is checked whole (or it asks the segment whether it is
+        there), never taking the rows received."""
+        cut = RawChannelRefused(f"read_ranges: {self.address} ended its reply after {got} of {expected} bytes",
+                                cut=True)
+        self.close(cut)
+        raise cut from exc
 
     def _recv_reply(self, request_id: int, deadline: float) -> int:
         """Receive a reply header (and raise its error); returns its count."""
         self._check_deadline(deadline)
         try:
-            if not recv_exact(self.sock, memoryview(self._header)):
+            recv_exact(self.sock, memoryview(self._header))
+        except PeerClosed as exc:
+            if not exc.got:
                 self._closed_early(None)
-        except (OSError, ConnectionError, AttributeError) as exc:
+            self._fail(exc)
+        except (OSError, AttributeError) as exc:
             if isinstance(exc, OSError):
                 self._closed_early(exc)
             self._fail(exc)
@@ -394,6 +434,9 @@ class RawChannel:
                 sock.close()
             except OSError:
                 pass
+
+    def __del__(self) -> None:
+        self._close_socket()  # the thread that used it ended (see RawRoutes): its socket goes with it
 
 
 def raw_reads_default() -> bool:

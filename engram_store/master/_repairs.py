@@ -11,7 +11,7 @@ from engram_store.errors import JournalError
 from ._fencing import Fence
 from ._records import COMPLETE, PENDING, LostObject, ObjectMeta, Replica, some_keys
 
-log = logging.getLogger("master._state")
+log = logging.getLogger("engram_store.master._state")
 
 
 @dataclass

@@ -37,6 +37,7 @@ from engram_store.errors import (
     ObjectNotFound,
     OutOfSpace,
     SegmentUnavailable,
+    WriteFenced,
 )
 from engram_store.wire import make_ticket
 
@@ -382,22 +383,33 @@ class MasterState(Removals, Fencing, Repairs, Replay, Adoptions):
         meta.renewed = self.clock()
         return True
 
-    def put_end(self, key: str, checksum: str = "", generation: int = 0) -> None:
-        error = self.put_end_many([(key, checksum, generation)])[0]
+    def put_end(self, key: str, checksum: str = "", generation: int = 0,
+                requires: list[tuple[str, int]] = ()) -> None:
+        error = self.put_end_many([(key, checksum, generation)], requires)[0]
         if error is not None:
             raise error
 
-    def put_end_many(self, puts: list[tuple[str, str, int]]) -> list[EngramError | None]:
+    def put_end_many(self, puts: list[tuple[str, str, int]],
+                     requires: list[tuple[str, int]] = ()) -> list[EngramError | None]:
         """Publish ``(key, checksum, generation)`` puts, all in one journal record: each answered None (published,
         or published already) or with its error; if the record cannot be written, none is published and each
-        gets the JournalError. Publishing a key that was lost forgets the loss: the key holds the new object."""
+        gets the JournalError. Publishing a key that was lost forgets the loss: the key holds the new object.
+
+        ``requires``: ``(key, generation)`` of published objects the puts describe (a layer's heads, for its
+        manifest): unless every one is still the object that put wrote, nothing is published and every put gets
+        WriteFenced (checked here, with the publication, so no remove can come between). A put named by its
+        generation that is not in progress any more (revoked, expired, ended by a forced remove) gets WriteFenced."""
+        gone = next(((key, g) for key, g in requires if not self._published_by(key, g)), None)
+        if gone is not None:
+            return [WriteFenced(f"put_end {key!r}: {gone[0]!r} is no longer the object put {gone[1]} wrote "
+                                "(removed, or written again), and this object describes it: nothing was published")
+                    for key, _, _ in puts]
         results: list[EngramError | None] = []
         ready: dict[str, tuple[ObjectMeta, str]] = {}
         for key, checksum, generation in puts:
             meta = self.objects.get(key)
             if meta is None or (generation and not self._written_by(key, generation)):
-                results.append(ObjectNotFound(f"put_end {key!r}: no write in progress (revoked, timed out, fenced, "
-                                              "or forgotten by a master restart)"))
+                results.append(_ended(key, generation))
                 continue
             results.append(None)
             if meta.state != COMPLETE and key not in ready:
@@ -414,6 +426,11 @@ class MasterState(Removals, Fencing, Repairs, Replay, Adoptions):
             meta.checksum = checksum
             self._touch(meta)
         return results
+
+    def _published_by(self, key: str, generation: int) -> bool:
+        """Whether ``key`` holds a published object that the put ``generation`` wrote."""
+        meta = self.objects.get(key)
+        return meta is not None and meta.state == COMPLETE and self._written_by(key, generation)
 
     def put_revoke(self, key: str, settled: bool = False, generation: int = 0) -> None:
         """Abandon a pending put. ``settled``: its writer has no write in flight any more (every write it sent was
@@ -455,3 +472,14 @@ class MasterState(Removals, Fencing, Repairs, Replay, Adoptions):
                  if k.startswith(prefix) and k > after and k not in self.objects]
         rows.sort()
         return rows[:limit], len(rows) > limit
+
+
+def _ended(key: str, generation: int) -> EngramError:
+    """put_end's answer for a put that is not in progress: WriteFenced where the writer named its put (it ended:
+    revoked, expired, ended by a forced remove or a segment's new registration, or forgotten by a master restart),
+    ObjectNotFound where it named none."""
+    why = "(revoked, timed out, fenced, or forgotten by a master restart)"
+    if generation:
+        return WriteFenced(f"put_end {key!r}: no write in progress for put {generation} {why}: nothing of it is "
+                           "published")
+    return ObjectNotFound(f"put_end {key!r}: no write in progress {why}")

@@ -5,30 +5,10 @@ where a blocking TCP socket answers in ~30 us. Lookups are small reads on the cr
 step, so segments also serve ``read_ranges`` on a plain TCP port. Everything else (writes, pings, metadata)
 stays on ZeroMQ, and a client reads over ZeroMQ wherever the raw channel is off, unreachable, full or busy.
 
-Wire format, version 2 (little-endian). Every message starts with a 24-byte header ``<4sHHQQ``: magic
-``b"ENGR"``, version, op or status, request id, count; then the body:
-
-* request ``op=2`` (hello): ``count`` = 32 and a 32-byte one-time token. A segment started with CURVE keys
-  requires it as a connection's first message, so what a stranger can make it read is one fixed 56-byte
-  message;
-* request ``op=1`` (read): ``count`` pairs of int64 (offset, length), the ranges of the segment to send back;
-* reply: status 0 and ``count`` bytes of the gathered ranges, back to back; or an error status (1 invalid
-  argument, 2 protocol, 3 authentication, 4 other, 5 busy) and ``count`` bytes of a UTF-8 message naming what
-  was wrong and the endpoint.
-
-Busy (5) means "read this over ZeroMQ", not "the segment is down": a segment whose channel is full answers a
-new connection busy (request id 0) and closes it; a read whose ranges would take the segment past its bound on
-request bytes in flight has its ranges read and dropped and is answered busy on a connection that stays open.
-A client may send several requests before it receives (a client reading a large object does); replies come
-in order. Version 1 took tokens of any length up to 1 KiB and had no busy status. A header of another version
-is answered with a protocol error naming both versions, and the connection is closed; segments say their
-version in their ping (``raw_version``), and a client of another version reads over ZeroMQ.
-
-Authentication: when the segment runs with ``--auth``, a client first asks for a token on the segment's ZeroMQ
-socket, main or reader (``op: "channel_token"``, so only a client holding the cluster's CURVE keys gets one),
-then opens the TCP connection with it. A token is good for one connection within ``TOKEN_TTL_S``. The channel
-authenticates who may read but does not encrypt; clients that need encryption read over ZeroMQ
-(``raw_reads=False``).
+The frame (version, ops, statuses, every field) is :mod:`.frame`'s; the bounds and deadlines are :mod:`.limits`'.
+Busy means "read this over ZeroMQ", not "the segment is down": a segment whose channel is full answers a new
+connection busy (request id 0) and closes it; a read whose ranges would take the segment past its bound on request
+bytes in flight has its ranges read and dropped and is answered busy on a connection that stays open.
 
 Serving. One event-loop thread (``selectors``: epoll on Linux) holds every connection that is idle or has a
 message only partly received: a socket and a 56-byte header buffer each, no thread and no other buffer. It
@@ -93,11 +73,11 @@ from .._errors import InvalidArgument, SegmentUnavailable
 from .._peers import LEDGER, Holders, PeerNames
 from ..wire import REFUSALS
 from ..kernels.raw_io import serve_params
-from ..wire.raw import HEADER, MAGIC, OK_KIND, READ_KIND, STATUS_BUSY, TOKEN_BYTES, VERSION, timeval
-from . import _raw_limits as limits
-from ._raw_receive import Receiving
-from ._raw_serving import Serving
-from ._raw_state import GONE, LISTENER, READY, WAKE, Conn, open_files_cap
+from .frame import HEADER, MAGIC, OK_KIND, READ_KIND, STATUS_BUSY, TOKEN_BYTES, VERSION, timeval
+from . import limits
+from ._receive import Receiving
+from ._serving import Serving
+from ._state import GONE, LISTENER, READY, WAKE, Conn, open_files_cap
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +128,7 @@ class RawReadServer(Receiving, Serving):
         self.serving_threads = limits.SERVING_THREADS
         self.body_budget = limits.BODY_BYTES_IN_FLIGHT
         self._sweep_s = min(limits.SWEEP_S, self.hello_timeout_s / 4, self.message_timeout_s / 4, self.idle_timeout_s / 4)
-        # What the native serving kernel answers by itself (see _raw_serving): reads within these bounds.
+        # What the native serving kernel answers by itself (see _serving): reads within these bounds.
         self._native_params = serve_params(READ_KIND, OK_KIND, max_ranges, max_bytes, limits.STREAM_MIN_BYTES,
                                            limits.STREAM_PIECE_BYTES, self.send_timeout_s,
                                            limits.SEND_MIN_BYTES_PER_S)

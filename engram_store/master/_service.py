@@ -329,8 +329,13 @@ class MasterServer:
         if checksums and len(checksums) != len(keys):
             raise InvalidArgument(f"field 'checksums': expected {len(keys)} checksums (one per key), got "
                                   f"{len(checksums)}")
+        requires = req.str_list("requires", MAX_BATCH, MAX_KEY_LEN, default=[])  # objects the puts describe
+        required = req.int_list("required_generations", MAX_BATCH, lo=1, default=[])
+        if len(required) != len(requires):
+            raise InvalidArgument(f"field 'required_generations': expected {len(requires)} put ids (one per key of "
+                                  f"'requires'), got {len(required)}")
         errors = self.state.put_end_many([(key, checksums[i] if checksums else "", generations[i])
-                                          for i, key in enumerate(keys)])
+                                          for i, key in enumerate(keys)], list(zip(requires, required)))
         return {"results": [{"ok": True} if exc is None else {"ok": False, "code": exc.code, "message": str(exc)}
                             for exc in errors]}
 

@@ -10,8 +10,8 @@ import numpy as np
 
 from .._peers import LEDGER
 from ..kernels.raw_io import SERVER_STATE_WORDS
-from ..wire.raw import HEADER, HELLO_BYTES
-from . import _raw_limits as limits
+from .frame import HEADER, HELLO_BYTES, PAIR_BYTES
+from . import limits
 
 # Receiving states of a connection, and what advancing it can end in.
 HEAD, TOKEN, BODY, DROP = range(4)
@@ -69,8 +69,9 @@ class Buffers:
             return None
         buf = self.request
         if buf is None or buf.size < nbytes:
-            size = HEADER.size + min(limits.REQUEST_KEEP_BYTES, max(nbytes - HEADER.size, 16 * limits.SMALL_RANGES,
-                                                             0 if buf is None else 2 * (buf.size - HEADER.size)))
+            size = HEADER.size + min(limits.REQUEST_KEEP_BYTES,
+                                     max(nbytes - HEADER.size, PAIR_BYTES * limits.SMALL_RANGES,
+                                         0 if buf is None else 2 * (buf.size - HEADER.size)))
             grown = np.empty(size, dtype=np.uint8)
             if self.end > self.start:
                 grown[:self.end - self.start] = buf[self.start:self.end]
@@ -111,7 +112,7 @@ class Conn:
 
     def complete(self) -> bool:
         """Whether a whole read request is in (its ranges in ``body``)."""
-        return self.state == BODY and self.body is not None and self.got == 16 * self.count
+        return self.state == BODY and self.body is not None and self.got == PAIR_BYTES * self.count
 
     def next_message(self) -> None:
         self.state = HEAD

@@ -1,6 +1,8 @@
 """What a client knows of its segments' raw read channels: where each listens (learnt from a ping), which to leave
 alone for a while (one that refused a read, one whose segment did not answer), and the channels its threads hold
-open. One lock guards it; each thread keeps its own channels (a channel serves one thread at a time).
+open. One lock guards it; each thread keeps its own channels (a channel serves one thread at a time), in its
+thread-local storage only: a thread that ends takes its channels with it, each closing its socket as it is
+collected (the routes know them weakly, to close or retime them all).
 """
 
 from __future__ import annotations
@@ -8,12 +10,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from .._errors import EngramError, SegmentUnavailable
-from ..wire import RAW_VERSION
-from ._raw_client import RawChannel, RawChannelRefused
+from .frame import VERSION as RAW_VERSION
+from ._client import RawChannel, RawChannelRefused
 
 log = logging.getLogger("engram_store.client")
 
@@ -78,7 +81,7 @@ class RawRoutes:
     def __init__(self, timeout_s: float):
         self.ports: dict[str, PortState] = {}
         self.backoff: dict[str, float] = {}  # address -> until when its reads go over ZeroMQ
-        self.channels: list[RawChannel] = []  # every open channel, of every thread
+        self.channels: weakref.WeakSet[RawChannel] = weakref.WeakSet()  # every open channel, of every thread
         self._timeout_s = timeout_s
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -135,7 +138,7 @@ class RawRoutes:
         channel = channels[address] = RawChannel(address, state.host, state.port,
                                                  token if state.needs_token else None, timeout_s=self._timeout_s)
         with self._lock:
-            self.channels.append(channel)
+            self.channels.add(channel)
         return channel
 
     def close(self, address: str) -> None:
@@ -145,8 +148,7 @@ class RawRoutes:
         if channel is not None:
             channel.close()
             with self._lock:
-                if channel in self.channels:
-                    self.channels.remove(channel)
+                self.channels.discard(channel)
 
     def drop(self, address: str) -> None:
         """After a failed read: close the channel, and look for the segment again (a ping) before the next one."""
@@ -158,7 +160,8 @@ class RawRoutes:
     def refused(self, address: str, exc: RawChannelRefused, ping: Ping) -> None:
         """``address``'s channel refused a read: read from it over ZeroMQ for RAW_BACKOFF_S. A busy answer comes
         from a live segment; after a refused or closed connection a ping tells a live segment (read it over ZeroMQ,
-        or over the raw port it now names) from a gone one (SegmentUnavailable, as a failed read)."""
+        or over the raw port it now names) from a gone one (SegmentUnavailable, as a failed read). A reply cut off
+        (``exc.cut``) came from a segment that may be well: after the ping, the channel is used again at once."""
         self.close(address)
         if not exc.busy:
             try:
@@ -168,7 +171,7 @@ class RawRoutes:
             with self._lock:
                 moved = state != self.ports.get(address)
                 self.ports[address] = state
-            if moved:
+            if moved or exc.cut:
                 return  # restarted on another port (or without the channel): the next read goes by the ping
         log.debug("%s; reading from it over ZeroMQ for %g s", exc, RAW_BACKOFF_S)
         with self._lock:
@@ -195,6 +198,6 @@ class RawRoutes:
     def close_all(self) -> None:
         """Close every thread's channels (the client is closing)."""
         with self._lock:
-            channels, self.channels = self.channels, []
+            channels, self.channels = list(self.channels), weakref.WeakSet()
         for channel in channels:
             channel.close()

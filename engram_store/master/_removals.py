@@ -9,7 +9,7 @@ from engram_store.errors import LeaseActive, ObjectNotFound
 
 from ._records import COMPLETE, LOST_KEYS_KEPT, PENDING, REMOVED_KEPT, LostObject, ObjectMeta, Replica
 
-log = logging.getLogger("master._state")
+log = logging.getLogger("engram_store.master._state")
 
 
 class Removals:

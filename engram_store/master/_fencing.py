@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ._records import PENDING, ObjectMeta, Segment
 
-log = logging.getLogger("master._state")
+log = logging.getLogger("engram_store.master._state")
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """How the raw channel's event loop receives a message: a header, a hello's token, a read's ranges, a body it drops;
-each bounded by a deadline and, for ranges the loop holds, by the bytes in flight (see :mod:`._raw_server`)."""
+each bounded by a deadline and, for ranges the loop holds, by the bytes in flight (see :mod:`._server`)."""
 
 from __future__ import annotations
 
@@ -11,25 +11,26 @@ import numpy as np
 
 from .._errors import AuthError, InvalidArgument, ProtocolError
 from ..wire import REFUSALS
-from ..wire.raw import (
+from .frame import (
     HEADER,
     HELLO_BYTES,
     MAGIC,
     OP_HELLO,
     OP_READ,
+    PAIR_BYTES,
     STATUS_BUSY,
     STATUS_OK,
     TOKEN_BYTES,
     VERSION,
     error_reply,
 )
-from ._raw_state import BODY, DROP, GONE, HEAD, NO_PAIRS, READY, TOKEN, WAIT, Conn, request_buffer
+from ._state import BODY, DROP, GONE, HEAD, NO_PAIRS, READY, TOKEN, WAIT, Conn, request_buffer
 
-log = logging.getLogger("engram_store.segment._raw_server")
+log = logging.getLogger("engram_store.raw._server")
 
 
 class Receiving:
-    """The receiving side of a :class:`~._raw_server.RawReadServer` (a mixin: the server holds the state)."""
+    """The receiving side of a :class:`~._server.RawReadServer` (a mixin: the server holds the state)."""
 
     def _advance(self, c: Conn, flags: int, data: memoryview | None = None, into: np.ndarray | None = None,
                  loop: bool = False) -> int:
@@ -93,7 +94,7 @@ class Receiving:
     def _claim_body(self, c: Conn, into: np.ndarray | None) -> int:
         """A buffer for ``c``'s ranges: in ``into`` where they fit, else one of their own within the bound on bytes in
         flight; without room the ranges are received and dropped (DROP, answered busy). Returns the new state."""
-        nbytes = 16 * c.count
+        nbytes = PAIR_BYTES * c.count
         if into is not None and nbytes <= into.size - HEADER.size:
             c.body, c.borrowed = into[HEADER.size:HEADER.size + nbytes], True
         elif self._reserve(nbytes):
@@ -133,7 +134,7 @@ class Receiving:
             if c.borrowed:
                 c.borrowed = False
                 partial, c.body = c.body, None
-                nbytes = 16 * c.count
+                nbytes = PAIR_BYTES * c.count
                 if c.got and self._reserve(nbytes):
                     c.body, c.reserved = request_buffer(nbytes), nbytes
                     c.body[:c.got] = partial[:c.got]

@@ -15,7 +15,7 @@ from engram_store.errors import EngramError, JournalError
 
 from ._records import COMPLETE, LostObject, ObjectMeta, Replica
 
-log = logging.getLogger("master._state")
+log = logging.getLogger("engram_store.master._state")
 
 
 def _replica(entry: list) -> Replica:

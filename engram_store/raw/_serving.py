@@ -1,5 +1,5 @@
 """The raw channel's serving threads: a bounded set that receives a read's ranges, gathers (GIL-free) and sends,
-then waits on the connection for its next request (see :mod:`._raw_server`)."""
+then waits on the connection for its next request (see :mod:`._server`)."""
 
 from __future__ import annotations
 
@@ -22,17 +22,18 @@ from ..kernels.raw_io import GONE as GONE_NATIVE
 from ..kernels.raw_io import COUNT, PYTHON, RAW_IO, RECHECK, RING_AT, SEND_TIMEOUT, SERVED, serve_read_unchecked
 from ..kernels.raw_io import QUIET as QUIET_NATIVE
 from ..wire import REFUSALS
-from ..wire.raw import HEADER, MAGIC, OP_READ, STATUS_OK, VERSION, error_reply, sendmsg_all, request_id_of
-from . import _raw_limits as limits
-from ._raw_state import GONE, READY, WAIT, Buffers, Conn
+from .frame import (HEADER, MAGIC, OP_READ, PAIR_BYTES, STATUS_OK, VERSION, error_reply, request_id_of,
+                    sendmsg_all)
+from . import limits
+from ._state import GONE, READY, WAIT, Buffers, Conn
 
-log = logging.getLogger("engram_store.segment._raw_server")
+log = logging.getLogger("engram_store.raw._server")
 #: The generation table of a server without one: a read that names objects is then checked in Python.
 _NO_TABLE = np.zeros(0, dtype=np.int64)
 
 
 class Serving:
-    """The serving threads of a :class:`~._raw_server.RawReadServer` (a mixin: the server holds their state)."""
+    """The serving threads of a :class:`~._server.RawReadServer` (a mixin: the server holds their state)."""
 
     def _dispatch(self, c: Conn) -> None:
         with self._lock:
@@ -88,7 +89,7 @@ class Serving:
             if c.complete():
                 result = READY
             else:
-                result = self._advance(c, socket.MSG_WAITALL, into=bufs.room(HEADER.size + 16 * c.count))
+                result = self._advance(c, socket.MSG_WAITALL, into=bufs.room(HEADER.size + PAIR_BYTES * c.count))
             if result != READY:
                 alive = result == WAIT  # the ranges are slow: the loop receives the rest
             else:
@@ -152,7 +153,7 @@ class Serving:
         if not RAW_IO:
             return PYTHON
         if bufs.request is None or bufs.end == bufs.start:
-            bufs.room(HEADER.size + 16 * limits.SMALL_RANGES)
+            bufs.room(HEADER.size + PAIR_BYTES * limits.SMALL_RANGES)
         state = bufs.state
         state[0], state[1] = bufs.start, bufs.end
         table = self.generations.table if self.generations is not None else None
@@ -216,7 +217,7 @@ class Serving:
             if have >= HEADER.size:
                 rq = bufs.request
                 magic, version, op, request_id, count = HEADER.unpack_from(rq, start)
-                need = HEADER.size + 16 * count
+                need = HEADER.size + PAIR_BYTES * count
                 if op != OP_READ or magic != MAGIC or version != VERSION or count > self.max_ranges:
                     return self._general(c, bufs, wait)
                 if have >= need and not start % 8:  # the hot path: a whole read, its ranges aligned
@@ -229,7 +230,7 @@ class Serving:
             elif have == 0 and bufs.request is not None:
                 bufs.start = bufs.end = 0  # nothing kept: receive from the buffer's start
             else:
-                bufs.room(HEADER.size + 16 * limits.SMALL_RANGES)
+                bufs.room(HEADER.size + PAIR_BYTES * limits.SMALL_RANGES)
             view = memoryview(bufs.request)[bufs.end:]
             try:
                 try:

@@ -1,4 +1,4 @@
-"""The raw read channel's bounds and deadlines, in one place (see :mod:`._raw_server`): the event loop and the
+"""The raw read channel's bounds and deadlines, in one place (see :mod:`._server`): the event loop and the
 serving threads read them as ``limits.NAME`` when they act, so a deployment (or a test) may change them."""
 
 #: How long a token handed out over ZeroMQ may wait for its connection, and how many may wait at once.

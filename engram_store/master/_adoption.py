@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from ._records import COMPLETE, PENDING, LostObject, ObjectMeta, Replica, Segment, some_keys
 
-log = logging.getLogger("master._state")
+log = logging.getLogger("engram_store.master._state")
 
 
 @dataclass

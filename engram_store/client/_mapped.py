@@ -1,0 +1,74 @@
+"""The one rule for reading this host's mapped segment memory: every read of it passes :func:`read_mapped`.
+
+A mapping shows whatever the segment holds now, not the object the reader was told about: once that object is
+removed and its space given to another put, the mapping shows the other object's bytes, and nothing in them says
+so. Two things prove what a mapping holds:
+
+* time: the master keeps a removed object's space unused for its reuse delay, so an answer of the master younger
+  than half that delay (``fresh``) still names what is there;
+* the segment's generation table (``kernels.check_table``, a seqlock in shared memory): checked before the read,
+  every named object is still the one its put wrote; the table's sequence unchanged after it (or checked again),
+  no put claimed a range meanwhile (a put claims its range before its first byte lands).
+
+Past ``fresh``, a read whose table cannot tell (none published, overflowed, retired) or names an object that is
+gone raises :class:`StalePlacement` and its result is not used: the caller asks the master again, or reads through
+the segment, which checks each remote read the same way. The store's lookups (``Placements``), ``V41Rows`` and
+``V41Engram`` (through ``EngramStore.read_local``) and this client's own local-direct copies all read mapped memory
+through here, so one rule decides whether mapped bytes may be used.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence, TypeVar
+
+import numpy as np
+
+from .. import kernels as _kernels
+from .._errors import StalePlacement
+
+T = TypeVar("T")
+
+#: ``(generation table or None, check pairs)`` of one mapped segment: the pairs (``kernels.check_pairs_for``) name
+#: the objects a read takes from it.
+Checks = Sequence[tuple[np.ndarray | None, np.ndarray]]
+
+
+def read_mapped(read: Callable[[], T], checks: Checks, fresh: bool, what: str) -> T:
+    """``read()``, whose result may be used: at once when ``fresh`` (the master's answer is younger than half its
+    reuse delay), else between a check of every table in ``checks`` and a recheck (see the
+    module docstring). Raises StalePlacement, naming ``what`` (the layer or object read), where a check fails; the
+    caller must then drop what ``read`` wrote. An error ``read`` raised stands only where the recheck holds (an
+    error about bytes another put wrote is no error of these tables)."""
+    if fresh:
+        return read()
+    seqs = [_check(table, pairs, what) for table, pairs in checks]
+    try:
+        return read()
+    finally:
+        for (table, pairs), seq in zip(checks, seqs):
+            if table[_kernels.generation_table.SEQ] != seq:  # a put claimed a range meanwhile: ours still there?
+                _check(table, pairs, what)
+
+
+def _check(table: np.ndarray | None, pairs: np.ndarray, what: str) -> int:
+    """The table's sequence once every object ``pairs`` names holds there; StalePlacement otherwise."""
+    if table is None or not pairs.size:
+        raise StalePlacement(f"{what}: the master's answer is too old to prove what a table mapped on this host "
+                             "holds, and nothing here can (its segment publishes no generation table, or the "
+                             "master named no put)")
+    bad, seq = _kernels.check_table(table, pairs)
+    if bad == _kernels.TABLE_UNKNOWN:
+        raise StalePlacement(f"{what}: the master's answer is too old to prove what a table mapped on this host "
+                             "holds, and its segment's generation table cannot tell (too many objects)")
+    if bad >= 0:
+        raise StalePlacement(f"{what}: a table mapped on this host (offset {-int(pairs[2 * bad, 0]) - 1}, put "
+                             f"{int(pairs[2 * bad, 1])}) has been removed, or written over by another put, since "
+                             "the master said where it is")
+    return seq
+
+
+def object_checks(table: np.ndarray | None, offset: int, size: int, generation: int) -> Checks:
+    """The checks of one object mapped here (its place, size and the put that wrote it), as :func:`read_mapped`
+    takes them (a generation of 0, unknown, names nothing: such an object is proven by time alone)."""
+    return ((table, _kernels.check_pairs_for(np.array([offset], np.int64), np.array([size], np.int64),
+                                             np.array([generation], np.int64))),)
