@@ -32,6 +32,28 @@ def pytest_xdist_auto_num_workers(config):
     return max(2, min(WORKERS_PER_CPU * len(os.sched_getaffinity(0)), MAX_WORKERS))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, each worker's first share of the run starts with its part of the tests marked ``slow``
+    (the fault explorer's histories, the docs' shell blocks: up to a minute or two each when the workers share two
+    cores). Work stealing (``--dist worksteal``) gives each worker an equal run of consecutive tests to begin with
+    and moves the ends of long queues to idle workers, so a slow test at the end of the collection would start last
+    and hold up the run's end; one at the start of every share starts at once, and the rest of the suite fills in
+    around it. Run without workers, the order stays the collection's."""
+    workers = getattr(config, "workerinput", {}).get("workercount", 0)
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if workers < 2 or not slow:
+        return
+    rest = [item for item in items if not item.get_closest_marker("slow")]
+    ordered, pending = [], len(items)
+    for worker in range(workers):
+        share = pending // (workers - worker)  # as work stealing splits the tests among idle workers at the start
+        mine = slow[worker::workers]
+        ordered += mine + rest[:max(0, share - len(mine))]
+        rest = rest[max(0, share - len(mine)):]
+        pending -= share
+    items[:] = ordered + rest
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _temporary_files_in_the_runs_own_directory(tmp_path_factory):
     """Everything the run writes through ``tempfile`` (its own files, and its child processes' through ``TMPDIR``:
