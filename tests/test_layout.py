@@ -113,7 +113,7 @@ TOP_PACKAGES = {"engram_store", "engram_model", "engram_engines"}
 
 def _private_reaches(name: str, path: Path):
     """(line, dotted path) of each import in ``name`` of another top package's private module: a dotted path with a
-    part that starts with ``_`` (``from engram_store import _cli`` reaches ``engram_store._cli``)."""
+    part that starts with ``_`` (``from engram_store import _peers`` reaches ``engram_store._peers``)."""
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     others = TOP_PACKAGES - {name.split(".")[0]}
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
-from .._errors import InvalidArgument, InvalidType, describe, is_int
+from ..errors import InvalidArgument, InvalidType, describe, is_int
 from ._layout import Layer, LookupCounters
 from ._source import Source
 
