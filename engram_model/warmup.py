@@ -74,7 +74,7 @@ def warm_v41(verbose: bool = True) -> float:
 
             sizing_report(replay_tokens(config, np.arange(16, dtype=np.int64) % 8, ids, max_keys=4), 0.5)
     decode_fp8_rows(encode_fp8_rows(np.ones((2, 32), dtype=np.float32)))
-    from .v41._rows import warm_kernels
+    from ._rows_gather import warm_kernels
 
     warm_kernels()  # the engines' row gathers (V41Rows)
     _warm_v41_checkpoint()

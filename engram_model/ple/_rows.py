@@ -135,8 +135,8 @@ class BoundRows:
             return
         g = self.rows._gather
         g.split_range(call.ids.shape[0], lambda a, b: _k.rows_from_span(
-            span.words, span.word_delta, g.offsets, call.ids, call.v0, call.v1, a, b, g.row_bytes // 8, E4M3_BF16,
-            words))
+            span.words, span.word_delta, g.offsets, call.ids, 0, g.cols, call.v0, call.v1, a, b, g.row_bytes // 8,
+            E4M3_BF16, words))
 
 
 def ple_rank_rows(config: PLEConfig, layer_id: int, rank: int, ranks: int, *, padding: int | None = None,
@@ -332,7 +332,7 @@ class PLERows:
         if words is not None:
             source, delta, items, out = span.words, span.word_delta, g.row_bytes // 8, words
         g.split_range(call.ids.shape[0], lambda a, b: _k.rows_from_span(
-            source, delta, g.offsets, call.ids, call.v0, call.v1, a, b, items, E4M3_BF16, out))
+            source, delta, g.offsets, call.ids, 0, g.cols, call.v0, call.v1, a, b, items, E4M3_BF16, out))
 
     # ---- lifetime ---------------------------------------------------------------------------------
 
