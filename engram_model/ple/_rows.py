@@ -45,7 +45,7 @@ from engram_store.buffers import host_array
 from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
 
 from .. import _rows_gather_kernels as _k
-from .._fp8 import E4M3_TABLE
+from .._rows_format import E4M3_TABLE
 from .._rows_gather import RowGather, RowsHandle, Span, as_ids, check_table, check_threads, word_view
 from ._config import PLEConfig, PLEHashBuffers
 
