@@ -47,7 +47,7 @@ from engram_store.buffers import host_array
 from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
 
 from .. import _rows_gather_kernels as _k
-from .._rows_gather import NO_LUT, RowGather, RowsHandle, Span, as_ids, check_table, check_threads, word_view
+from .._rows_gather import NO_LUT, RowGather, RowsHandle, Span, as_ids, check_table, check_threads
 from ._config import FP8_BLOCK, V41Config
 from ._fp8 import ENGINE_BF16_TABLE
 
@@ -213,7 +213,7 @@ class V41Rows:
         return call.result
 
     def _from_span(self, span: Span, call: _Call) -> None:
-        """The call's rows from this host's memory: packed rows a word at a time where the span and ``out`` allow."""
+        """The call's rows from this host's memory, in one kernel of the call's form."""
         g, out, args = self._gather, call.out, (call.ids, call.first, call.width, call.v0, call.v1)
         if call.form == "split":
             g.split_range(out.shape[0], lambda a, b: _k.split_from_span(
@@ -221,13 +221,9 @@ class V41Rows:
         elif call.form == "bf16":
             g.split_range(out.shape[0], lambda a, b: _k.scaled_from_span(
                 span.bytes, span.delta, g.offsets, *args, a, b, g.row_bytes, ENGINE_BF16_TABLE, out))
-        else:
-            words = word_view(out) if span.words is not None else None
-            source, delta, items = (span.bytes, span.delta, g.row_bytes) if words is None else \
-                (span.words, span.word_delta, g.row_bytes // 8)
-            target = out if words is None else words
+        else:  # byte copies (words measured no faster on 264-byte rows)
             g.split_range(out.shape[0], lambda a, b: _k.rows_from_span(
-                source, delta, g.offsets, *args, a, b, items, NO_LUT, target))
+                span.bytes, span.delta, g.offsets, *args, a, b, g.row_bytes, NO_LUT, out))
 
     def _staged(self, call: _Call) -> None:
         """The call's rows read with the table's lookup_into (remote segments, disk), then laid out."""
