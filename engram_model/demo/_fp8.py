@@ -22,7 +22,7 @@ import numpy as np
 
 from engram_store.errors import InvalidArgument, InvalidType, is_int
 
-from ._rows_format import E4M3_MAX, E4M3_TABLE, nearest_e4m3
+from .._rows_format import E4M3_MAX, E4M3_TABLE, nearest_e4m3
 
 
 @dataclass(frozen=True)

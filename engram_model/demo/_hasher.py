@@ -6,7 +6,7 @@ unique across all heads of all layers. At position t the order-n mix is
 ``token[t] * m_0 ^ token[t-1] * m_1 ^ ... ^ token[t-n+1] * m_{n-1}`` (int64, wrapping; positions before the
 start read the pad id) and head j of that order reads row ``mix % prime_j``.
 
-The hashing itself runs in the Numba kernel of :mod:`engram_model._kernels`; :func:`ngram_hashes_numpy` is
+The hashing itself runs in the Numba kernel of :mod:`engram_model.demo._kernels`; :func:`ngram_hashes_numpy` is
 the reference's NumPy formulation, kept for tests and the benchmark.
 """
 
@@ -20,10 +20,10 @@ import numpy as np
 
 from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
 
+from .._ngram import find_next_prime
+from .._tokenizer import CompressedTokenizer, as_int_ids
 from . import _kernels
-from ._ngram import find_next_prime
 from ._config import BackboneConfig, EngramConfig
-from ._tokenizer import CompressedTokenizer, as_int_ids
 
 #: Spreads the multiplier seeds of different layers apart (the reference's PRIME_1).
 LAYER_SEED_STRIDE = 10007

@@ -21,6 +21,7 @@ Public surface::
     load_ple_hash_buffers            the checkpoint's hash buffers, which take precedence over the config's
     write_toy_checkpoint             a small checkpoint in the released layout (bf16 or FP8)
     replay_tokens, sizing_geometry   a corpus hashed and replayed into a hit-rate curve (engram-stats --ple)
+    warmup                           compile the family's kernels (engram-warmup)
 
 Loading a checkpoint: ``engram-load`` (the family from config.json). Sizing a hot-row cache: ``engram-stats --ple``.
 Serving: PLERows is the call an engine's PLE embedding makes per step; the engine plugins do not make it yet
@@ -34,6 +35,7 @@ from ._layer import PLEConvState, PLELayer
 from ._rows import BoundRows, PLERows, RankRows, RowsHandle, ple_rank_rows
 from ._sizing import replay_tokens, sizing_geometry
 from ._toy import write_toy_checkpoint
+from ._warmup import warmup
 
 __all__ = [
     "BoundRows",
@@ -54,5 +56,6 @@ __all__ = [
     "ple_store_config",
     "replay_tokens",
     "sizing_geometry",
+    "warmup",
     "write_toy_checkpoint",
 ]

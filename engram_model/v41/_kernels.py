@@ -6,7 +6,7 @@ shapes and contiguity first. Each kernel is tested against a plain NumPy version
 * :func:`hash_step` hashes ``T`` new tokens of ``B`` sequences after the history each one carries (the last
   ``max_ngram_size - 1`` compressed ids, DEAD where there is none), for every Engram layer in one pass; a whole
   sequence is one step from an all-DEAD history. The modulo avoids 64-bit division as
-  :mod:`engram_model._kernels` does: a float64 quotient estimate from ``1 / prime``, then exact corrections.
+  :mod:`engram_model.demo._kernels` does: a float64 quotient estimate from ``1 / prime``, then exact corrections.
 * :func:`hash_ragged` is the same hash for one step of a continuous-batching engine: the requests' tokens
   flattened into one array (``query_start_loc`` marking where each starts), each request's history in a slot of
   one state, document starts that block the look-back, and a switch that hashes a speculative draft without
