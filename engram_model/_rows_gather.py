@@ -233,6 +233,33 @@ class RowGather:
         self._background.close()
 
 
+class RowsAdapter:
+    """What a family's adapter (``V41Rows``, ``PLERows``) shares: its :class:`RowGather` (``_gather``), the gathers'
+    counts, and its lifetime."""
+
+    _gather: RowGather
+
+    @property
+    def memory_gathers(self) -> int:
+        """Calls gathered from this host's memory in one kernel."""
+        return self._gather.memory_gathers
+
+    @property
+    def staged_gathers(self) -> int:
+        """Calls read with ``lookup_into``, then laid out."""
+        return self._gather.staged_gathers
+
+    def close(self) -> None:
+        """Wait for background gathers and stop their thread (the table stays open: it is the caller's)."""
+        self._gather.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def warm_kernels() -> None:
     """Compile the gathers' kernels for the dtypes engines pass (int32 and int64 ids; raw, coded, scaled and split
     outputs; the memory and the staged paths), on tiny inputs."""

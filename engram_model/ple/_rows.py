@@ -46,7 +46,7 @@ from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
 
 from .. import _rows_gather_kernels as _k
 from .._rows_format import E4M3_TABLE
-from .._rows_gather import RowGather, RowsHandle, Span, as_ids, check_table, check_threads, word_view
+from .._rows_gather import RowGather, RowsAdapter, RowsHandle, Span, as_ids, check_table, check_threads, word_view
 from ._config import PLEConfig, PLEHashBuffers
 
 #: bf16 bits of every e4m3 code (exact: an e4m3 value is a bf16 value; NaN codes give a quiet NaN of their sign).
@@ -165,7 +165,7 @@ def ple_rank_rows(config: PLEConfig, layer_id: int, rank: int, ranks: int, *, pa
     return RankRows(int(start), int(end), heads)
 
 
-class PLERows:
+class PLERows(RowsAdapter):
     """Rows of layer ``layer_id``'s PLE table for a serving engine (see the module docstring).
 
     ``table``: an :class:`EngramStore` holding the layer in :func:`ple_store_config`'s layout, or a head shard of
@@ -201,16 +201,6 @@ class PLERows:
         self._store_dtype = fmt.dtype
         self._whole: tuple[int, int] | None = None
         self._whole = self._window(0, None) if self.heads == list(range(config.heads)) else None
-
-    @property
-    def memory_gathers(self) -> int:
-        """Calls gathered from this host's memory in one kernel."""
-        return self._gather.memory_gathers
-
-    @property
-    def staged_gathers(self) -> int:
-        """Calls read with ``lookup_into``, then laid out."""
-        return self._gather.staged_gathers
 
     # ---- the call ---------------------------------------------------------------------------------
 
@@ -333,18 +323,6 @@ class PLERows:
             source, delta, items, out = span.words, span.word_delta, g.row_bytes // 8, words
         g.split_range(call.ids.shape[0], lambda a, b: _k.rows_from_span(
             source, delta, g.offsets, call.ids, 0, g.cols, call.v0, call.v1, a, b, items, E4M3_BF16, out))
-
-    # ---- lifetime ---------------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Wait for background gathers and stop their thread (the table stays open: it is the caller's)."""
-        self._gather.close()
-
-    def __enter__(self) -> "PLERows":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"PLERows(layer_id={self.layer_id}, heads={self.heads[0]}..{self.heads[-1]}, rows={self.fmt}, "

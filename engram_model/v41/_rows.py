@@ -47,7 +47,8 @@ from engram_store.buffers import host_array
 from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
 
 from .. import _rows_gather_kernels as _k
-from .._rows_gather import NO_LUT, RowGather, RowsHandle, Span, as_ids, check_table, check_threads
+from .._rows_gather import (NO_LUT, RowGather, RowsAdapter, RowsHandle, Span, as_ids, check_table,
+                             check_threads)
 from ._config import FP8_BLOCK, V41Config
 from ._fp8 import ENGINE_BF16_TABLE
 
@@ -77,7 +78,7 @@ def _slots(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     return flat, None
 
 
-class V41Rows:
+class V41Rows(RowsAdapter):
     """Rows of layer ``layer_id``'s table for a serving engine (see the module docstring).
 
     ``table``: an :class:`EngramStore` holding the layer with :func:`v41_store_config`'s layout, or a head shard of
@@ -100,16 +101,6 @@ class V41Rows:
                                  f"v41-rows-l{self.layer_id}")
         self.offsets, self.col_head = self._gather.offsets, self._gather.col_head
         self._covered: set[tuple[int, int]] = set()  # (head_start, part) windows whose columns the table holds
-
-    @property
-    def memory_gathers(self) -> int:
-        """Calls gathered from this host's memory in one kernel."""
-        return self._gather.memory_gathers
-
-    @property
-    def staged_gathers(self) -> int:
-        """Calls read with ``lookup_into``, then rearranged or decoded."""
-        return self._gather.staged_gathers
 
     # ---- the call ---------------------------------------------------------------------------------
 
@@ -252,18 +243,6 @@ class V41Rows:
             raise InvalidArgument(f"out: expected a [max_T, part, width] buffer, got {list(view.array.shape)}")
         call = self._check(probe, view.array[:1], None, head_start, copy_ids=False)
         return BoundRows(self, call, view.array, out)
-
-    # ---- lifetime ---------------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Wait for background gathers and stop their thread (the table stays open: it is the caller's)."""
-        self._gather.close()
-
-    def __enter__(self) -> "V41Rows":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (f"V41Rows(layer_id={self.layer_id}, columns={self.heads[0]}..{self.heads[-1]}, "
