@@ -44,9 +44,9 @@ import numpy as np
 from engram_store.buffers import host_array
 from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
 
-from .. import _rows_gather_kernels as _k
 from .._rows_format import E4M3_TABLE
 from .._rows_gather import RowGather, RowsAdapter, RowsHandle, Span, as_ids, check_table, check_threads, word_view
+from .._rows_gather_kernels import first_bad, rows_from_span, rows_from_staging
 from ._config import PLEConfig, PLEHashBuffers
 
 #: bf16 bits of every e4m3 code (exact: an e4m3 value is a bf16 value; NaN codes give a quiet NaN of their sign).
@@ -114,7 +114,7 @@ class BoundRows:
             raise InvalidArgument(f"ids: expected [T, heads] with 1 <= T <= {self.max_tokens} (the bound buffer's "
                                   f"tokens) and heads = {self.heads}, got {list(arr.shape)}")
         flat = arr.reshape(-1)
-        bad = _k.first_bad(flat, rows.total)
+        bad = first_bad(flat, rows.total)
         if bad >= 0:
             raise InvalidArgument(rows._bad_id(arr, int(bad)))
         views = self._views.get(T) or self._view(T)
@@ -134,7 +134,7 @@ class BoundRows:
             self.rows._from_span(span, call)
             return
         g = self.rows._gather
-        g.split_range(call.ids.shape[0], lambda a, b: _k.rows_from_span(
+        g.split_range(call.ids.shape[0], lambda a, b: rows_from_span(
             span.words, span.word_delta, g.offsets, call.ids, 0, g.cols, call.v0, call.v1, a, b, g.row_bytes // 8,
             E4M3_BF16, words))
 
@@ -253,7 +253,7 @@ class PLERows(RowsAdapter):
         flat = _rows_of(arr)
         v0, v1 = self._window(row_start, row_end)
         ids_flat = ids_arr.reshape(-1)
-        bad = _k.first_bad(ids_flat, self.total)
+        bad = first_bad(ids_flat, self.total)
         if bad >= 0:
             raise InvalidArgument(self._bad_id(ids_arr, int(bad)))
         out2 = flat.view(np.uint8) if raw else flat
@@ -311,7 +311,7 @@ class PLERows(RowsAdapter):
 
     def _staged(self, call: _Call) -> None:
         """The call's rows read with the table's lookup_into (remote segments, disk), then laid out."""
-        self._gather.staged(call.ids, call.v0, call.v1, lambda staged, src: _k.rows_from_staging(
+        self._gather.staged(call.ids, call.v0, call.v1, lambda staged, src: rows_from_staging(
             staged, src, E4M3_BF16, call.out), call.straight)
 
     def _from_span(self, span: Span, call: _Call) -> None:
@@ -321,7 +321,7 @@ class PLERows(RowsAdapter):
         words = word_view(out) if span.words is not None and out.itemsize == 1 else None
         if words is not None:
             source, delta, items, out = span.words, span.word_delta, g.row_bytes // 8, words
-        g.split_range(call.ids.shape[0], lambda a, b: _k.rows_from_span(
+        g.split_range(call.ids.shape[0], lambda a, b: rows_from_span(
             source, delta, g.offsets, call.ids, 0, g.cols, call.v0, call.v1, a, b, items, E4M3_BF16, out))
 
     def __repr__(self) -> str:

@@ -22,7 +22,8 @@ import numpy as np
 
 from engram_store.errors import InvalidArgument, InvalidType
 
-from .._rows_format import E4M3_MAX, E4M3_TABLE, RowFormat, nearest_e4m3, round_bf16  # noqa: F401 (round_bf16: the V4.1 modules import it from here)
+from .._rows_format import E4M3_MAX, E4M3_TABLE, RowFormat, nearest_e4m3
+from .._rows_format import round_bf16  # noqa: F401 (the V4.1 modules import it from here)
 from . import _kernels
 from ._config import FP8_BLOCK
 

@@ -46,9 +46,10 @@ from engram_store import EngramStore
 from engram_store.buffers import host_array
 from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
 
-from .. import _rows_gather_kernels as _k
 from .._rows_gather import (NO_LUT, RowGather, RowsAdapter, RowsHandle, Span, as_ids, check_table,
                              check_threads)
+from .._rows_gather_kernels import (first_bad, first_bad_window, rows_from_span, rows_from_staging,
+                                    scaled_from_span, scaled_from_staging, split_from_span, split_from_staging)
 from ._config import FP8_BLOCK, V41Config
 from ._fp8 import ENGINE_BF16_TABLE
 
@@ -57,7 +58,7 @@ class _Call(NamedTuple):
     first + j]`` (see :mod:`engram_model._rows_gather_kernels`)."""
     form: str                  # "bf16", "packed" or "split"
     ids: np.ndarray            # int32/int64, flat: [T * cols] or the split form's [N]
-    out: np.ndarray            # the slots' rows: uint8 [n, row_bytes], uint16 [n, head_dim], or codes uint8 [N, head_dim]
+    out: np.ndarray            # the slots' rows: uint8 [n, row_bytes], uint16 [n, head_dim], or codes [N, head_dim]
     scales: np.ndarray | None  # split: uint8 [N, head_dim // 32]
     first: int                 # head_start
     width: int                 # part (cols for the split form)
@@ -164,7 +165,7 @@ class V41Rows(RowsAdapter):
         if N == 0:
             raise InvalidArgument("ids: expected at least one id, got none")
         v0, v1 = self._check_columns(0, cfg.cols)
-        bad = _k.first_bad(ids_arr, v1)
+        bad = first_bad(ids_arr, v1)
         if bad >= 0:
             raise InvalidArgument(self._bad_id(f"ids.flat[{int(bad)}]", int(ids_arr[bad])))
         return _Call("split", ids_arr, c, s, 0, cfg.cols, v0, v1, None, codes)
@@ -184,7 +185,7 @@ class V41Rows(RowsAdapter):
 
     def _check_ids(self, ids: np.ndarray, head_start: int, part: int) -> None:
         """Refuse an id of the window's columns that is no row of the table."""
-        bad = _k.first_bad_window(ids, self.offsets[-1], head_start, part)
+        bad = first_bad_window(ids, self.offsets[-1], head_start, part)
         if bad >= 0:
             t, c = divmod(int(bad), self.config.cols)
             raise InvalidArgument(self._bad_id(f"ids[{t}, {c}]", int(ids[t, c])))
@@ -207,24 +208,24 @@ class V41Rows(RowsAdapter):
         """The call's rows from this host's memory, in one kernel of the call's form."""
         g, out, args = self._gather, call.out, (call.ids, call.first, call.width, call.v0, call.v1)
         if call.form == "split":
-            g.split_range(out.shape[0], lambda a, b: _k.split_from_span(
+            g.split_range(out.shape[0], lambda a, b: split_from_span(
                 span.bytes, span.delta, g.offsets, *args, a, b, g.row_bytes, out, call.scales))
         elif call.form == "bf16":
-            g.split_range(out.shape[0], lambda a, b: _k.scaled_from_span(
+            g.split_range(out.shape[0], lambda a, b: scaled_from_span(
                 span.bytes, span.delta, g.offsets, *args, a, b, g.row_bytes, ENGINE_BF16_TABLE, out))
         else:  # byte copies (words measured no faster on 264-byte rows)
-            g.split_range(out.shape[0], lambda a, b: _k.rows_from_span(
+            g.split_range(out.shape[0], lambda a, b: rows_from_span(
                 span.bytes, span.delta, g.offsets, *args, a, b, g.row_bytes, NO_LUT, out))
 
     def _staged(self, call: _Call) -> None:
         """The call's rows read with the table's lookup_into (remote segments, disk), then laid out."""
         out = call.out
         if call.form == "split":
-            lay_out = lambda staged, src: _k.split_from_staging(staged, src, out, call.scales)  # noqa: E731
+            lay_out = lambda staged, src: split_from_staging(staged, src, out, call.scales)  # noqa: E731
         elif call.form == "bf16":
-            lay_out = lambda staged, src: _k.scaled_from_staging(staged, src, ENGINE_BF16_TABLE, out)  # noqa: E731
+            lay_out = lambda staged, src: scaled_from_staging(staged, src, ENGINE_BF16_TABLE, out)  # noqa: E731
         else:
-            lay_out = lambda staged, src: _k.rows_from_staging(staged, src, NO_LUT, out)  # noqa: E731
+            lay_out = lambda staged, src: rows_from_staging(staged, src, NO_LUT, out)  # noqa: E731
         straight = out if call.form == "packed" and out.flags.c_contiguous else None
         self._gather.staged(call.ids, call.v0, call.v1, lay_out, straight, first=call.first, width=call.width,
                             n=out.shape[0])
