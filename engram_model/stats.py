@@ -53,8 +53,7 @@ from engram_store.errors import EngramError, InvalidArgument
 from engram_store.units import format_size
 from engram_store.disk import LayerProfile, load_profile, save_profile
 
-from ._config import BackboneConfig, EngramConfig
-from ._hashing import NgramHashMapping
+from .demo import BackboneConfig, EngramConfig, NgramHashMapping
 from ._tokenizer import compressed_tokenizer_from_path
 
 
