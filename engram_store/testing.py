@@ -29,10 +29,43 @@ from engram_store.wire import Connection, load_keys
 START_TIMEOUT_S = 60.0
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(count: int = 1, *, reserve: bool = True) -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on, for a server started next (the first of ``count`` free in a
+    row: a segment's reader sockets take the ports after its own).
+
+    ``reserve`` (the default) keeps the port from being handed out again for a minute, so that tests running side by
+    side (pytest-xdist's workers, another run on the host) never get the same one: it is left with a closed
+    connection in TIME_WAIT, which the kernel's choice of a port (``bind`` to port 0, an outgoing ``connect``) passes
+    over, while a server that binds it with ``SO_REUSEADDR`` (every engram server, ZeroMQ's) takes it at once. A
+    server that binds without ``SO_REUSEADDR`` cannot take a reserved port: ``reserve=False`` gives a port that was
+    merely free a moment ago."""
+    if not reserve:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    while True:
+        port = _reserve_port(0)
+        try:
+            for following in range(port + 1, port + count):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.bind(("127.0.0.1", following))  # no SO_REUSEADDR: a reserved port is refused too
+                _reserve_port(following)
+            return port
+        except OSError:
+            continue  # one of the ports after it is taken: another start
+
+
+def _reserve_port(port: int) -> int:
+    """Bind ``port`` (0: one the kernel picks) and leave it in TIME_WAIT (see :func:`free_port`); returns it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=10):
+            accepted, _ = listener.accept()
+            accepted.close()  # the listening side closes first: its end, on this port, waits in TIME_WAIT
+    return port
 
 
 def wait_ping(address: str, timeout_s: float = START_TIMEOUT_S, unavailable=MasterUnavailable,

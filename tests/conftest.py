@@ -13,11 +13,45 @@ Conventions: a folder's helpers live beside its tests in ``<folder>_helpers.py``
 unique name (never ``from conftest import``: several folders have one, and the first imported wins); a script a
 test runs as a process of its own is named ``*_worker.py``.
 """
+import contextlib
 import os
+import shutil
 import subprocess
 import tempfile
 
 import pytest
+
+
+#: Workers per CPU for ``-n auto`` (pyproject.toml's addopts): a test mostly waits on the servers it started.
+WORKERS_PER_CPU = 2
+MAX_WORKERS = 12
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: twice the CPUs this process may run on (4 on a 2-core machine), at most 12."""
+    return max(2, min(WORKERS_PER_CPU * len(os.sched_getaffinity(0)), MAX_WORKERS))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, each worker's first share of the run starts with its part of the tests marked ``slow``
+    (the fault explorer's histories, the docs' shell blocks: up to a minute or two each when the workers share two
+    cores). Work stealing (``--dist worksteal``) gives each worker an equal run of consecutive tests to begin with
+    and moves the ends of long queues to idle workers, so a slow test at the end of the collection would start last
+    and hold up the run's end; one at the start of every share starts at once, and the rest of the suite fills in
+    around it. Run without workers, the order stays the collection's."""
+    workers = getattr(config, "workerinput", {}).get("workercount", 0)
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if workers < 2 or not slow:
+        return
+    rest = [item for item in items if not item.get_closest_marker("slow")]
+    ordered, pending = [], len(items)
+    for worker in range(workers):
+        share = pending // (workers - worker)  # as work stealing splits the tests among idle workers at the start
+        mine = slow[worker::workers]
+        ordered += mine + rest[:max(0, share - len(mine))]
+        rest = rest[max(0, share - len(mine)):]
+        pending -= share
+    items[:] = ordered + rest
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -25,18 +59,43 @@ def _temporary_files_in_the_runs_own_directory(tmp_path_factory):
     """Everything the run writes through ``tempfile`` (its own files, and its child processes' through ``TMPDIR``:
     servers' logs, the explorer's directories) lands in a directory of the session's, which pytest removes with
     the rest when every test passed (``tmp_path_retention_policy = "failed"``): a run leaves nothing in the
-    system's temporary directory."""
+    system's temporary directory. Under pytest-xdist each worker is a session of its own, with its own directory."""
     directory = str(tmp_path_factory.mktemp("tmp", numbered=False))
-    saved = tempfile.tempdir, os.environ.get("TMPDIR")
-    tempfile.tempdir = os.environ["TMPDIR"] = directory
+    with _environment(TMPDIR=directory):
+        saved, tempfile.tempdir = tempfile.tempdir, directory
+        try:
+            yield directory
+        finally:
+            tempfile.tempdir = saved
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_files_in_the_runs_own_directory():
+    """What engram shares between the processes of a host (``engram-<uid>`` under ``ENGRAM_SHM_DIR``, else
+    ``/dev/shm``: segments' hand-over sockets, host row caches) goes to a directory of this session's, in memory
+    too: tests running side by side (pytest-xdist's workers, another run on the host) never see, reap or attach
+    each other's, and whatever a test leaves there is its own session's to find. Removed at the end."""
+    base = os.environ.get("ENGRAM_SHM_DIR") or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+    directory = tempfile.mkdtemp(prefix="engram-tests-", dir=base)
     try:
-        yield directory
+        with _environment(ENGRAM_SHM_DIR=directory):
+            yield directory
     finally:
-        tempfile.tempdir = saved[0]
-        if saved[1] is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = saved[1]
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _environment(**values):
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @pytest.fixture

@@ -10,6 +10,8 @@ are on this host, as clients on one machine do.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import random
 import shutil
@@ -18,11 +20,26 @@ import sys
 
 NODES = ["master", "segment0", "segment1", "segment2", "client0", "client1", "client2"]
 ROOT = len(NODES)  # the explorer's own namespace joins the hub as one more node
+NETNS_LOCK = "/run/lock/engram-nemesis-net.lock"  # root only, as namespaces are
 
 
 def _ip(*args: str, netns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
     cmd = (["ip", "netns", "exec", netns] if netns else []) + ["ip", *args]
     return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=30)
+
+
+@contextlib.contextmanager
+def _netns_lock():
+    """Held while a network picks its 10.N and routes it, so that networks built side by side (a test beside this
+    one, another run on the host) never pick the same N: an exclusive lock on a file of the host's lock directory
+    (``ip netns`` itself locks ``/run/netns``, so that one cannot serve)."""
+    os.makedirs(os.path.dirname(NETNS_LOCK), exist_ok=True)
+    fd = os.open(NETNS_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # (lets go of the lock)
 
 
 class Network:
@@ -42,15 +59,16 @@ class Network:
     def __init__(self, seed: int):
         rng = random.Random(os.getpid() * 7919 + seed)
         self.tag = f"{rng.randrange(16 ** 4):04x}"
-        taken = subprocess.run(["ip", "route"], capture_output=True, text=True, timeout=30).stdout
-        free = [n for n in range(100, 250) if f"10.{n}.0.0/16" not in taken]  # other runs at the same time
-        self.net = rng.choice(free)  # the run's 10.N.0.0/16
         self.hub = f"engram-{self.tag}-hub"
         self.namespaces: list[str] = []
         self.cuts: list[tuple[float, list[tuple[str, str]], str]] = []  # (heal at, rule pairs, description)
         self._rules: dict[tuple[str, str], int] = {}  # how many cuts in force block src -> dst
         try:
-            self._build()
+            with _netns_lock():  # another network built at the same time (a test beside this one) takes another N
+                taken = subprocess.run(["ip", "route"], capture_output=True, text=True, timeout=30).stdout
+                free = [n for n in range(100, 250) if f"10.{n}.0.0/16" not in taken]
+                self.net = rng.choice(free)  # the run's 10.N.0.0/16
+                self._build()
         except BaseException:
             self.close()
             raise

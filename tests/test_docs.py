@@ -161,6 +161,7 @@ def test_python_block_runs(block, own_tmp, own_cwd):
     exec(code, {"__name__": "__docs__"})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("block", SHELL, ids=[b.id for b in SHELL])
 def test_shell_block_runs(block, tmp_path, own_tmp):

@@ -6,7 +6,6 @@ parameters, -704 not found, -1601 no DFS tier.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import gc
 import itertools
@@ -102,29 +101,15 @@ def test_hostname_is_this_clients_endpoint_on_a_port_in_mooncakes_range(cluster,
         client_only.close()
 
 
-def _free_ports(n: int = 4) -> int:
-    """A port free with the n - 1 after it: a mounted segment's reader sockets take the ports after its own."""
-    while True:
-        port = free_port()
-        try:
-            with contextlib.ExitStack() as held:
-                for p in range(port, port + n):
-                    sock = held.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", p))
-            return port
-        except OSError:
-            continue
-
-
 def test_hostname_port_given_in_local_hostname_or_the_environment(cluster, monkeypatch):
-    port = _free_ports()
+    port = free_port(4)  # the ports after it are free too: a mounted segment's reader sockets take them
     store = connect(cluster, host=f"127.0.0.1:{port}")
     try:
         assert store.get_hostname() == f"127.0.0.1:{port}"
         wait_ping(store.get_hostname(), timeout_s=10, unavailable=SegmentUnavailable)
     finally:
         store.close()
-    low = free_port()
+    low = free_port(reserve=False)  # the store holds it with a plain bind (no SO_REUSEADDR)
     monkeypatch.setenv("MC_STORE_CLIENT_MIN_PORT", str(low))
     monkeypatch.setenv("MC_STORE_CLIENT_MAX_PORT", str(low))
     store = connect(cluster, segment_size=0)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from engram_store import DistributedStore, EngramError, EngramStore, EngramStoreConfig, OutOfSpace
+from engram_store._shared_dirs import shared_base
 from engram_store.testing import Cluster, free_port, start_master
 from engram_store.wire import Connection
 
@@ -148,7 +149,7 @@ def test_a_segment_stopped_while_it_waits_for_the_master_exits_cleanly_and_leave
         c.procs.append(segment)
 
         def memory() -> list[str]:
-            own = f"/dev/shm/engram-{os.geteuid()}"  # its hand-over socket, which goes with its memory
+            own = os.path.join(shared_base(), f"engram-{os.geteuid()}")  # its hand-over socket, gone with its memory
             return [f for f in os.listdir(own) if f.startswith(f"engram-{segment.pid}-")] if os.path.isdir(own) else []
 
         try:

@@ -75,7 +75,7 @@ def _wait_accepting(proc: Proc, port: int, what: str, timeout_s: float) -> None:
 def _start(make_args, name: str, timeout_s: float) -> tuple[Proc, int]:
     """Start ``make_args(port)`` on a fresh free port until it accepts (retrying a lost port race)."""
     for attempt in range(START_ATTEMPTS):
-        port = free_port()
+        port = free_port(reserve=False)  # mooncake_master may bind without SO_REUSEADDR
         proc = Proc(make_args(port), name)
         try:
             _wait_accepting(proc, port, name, timeout_s)
@@ -99,7 +99,7 @@ class MooncakeMaster:
         binary = wheel_binary("mooncake_master")
 
         def args(port: int) -> list[str]:
-            self.metrics_port = free_port()
+            self.metrics_port = free_port(reserve=False)
             return [binary, f"-rpc_port={port}", "-rpc_address=127.0.0.1",
                     f"-metrics_port={self.metrics_port}", "-metrics_host=127.0.0.1",
                     "-enable_http_metadata_server=false", f"-default_kv_lease_ttl={int(lease_ttl_ms)}",
