@@ -28,7 +28,7 @@ from _common import Stats, fmt, print_table as print_columns, time_ns, write_jso
 
 from engram_model import (BackboneConfig, CompressedTokenizer, Engram, EngramConfig, IncrementalHasher,
                           NgramHashMapping, get_hash_mapping)
-from engram_model._hashing import token_ids_2d
+from engram_model.demo._hasher import token_ids_2d
 from engram_store import DistributedStore
 
 DEMO_VOCAB = 129280

@@ -1,38 +1,38 @@
-"""engram_model: the Engram layer in NumPy, bit-exact with DeepSeek's ``engram_demo_v1.py``, tables in the store.
+"""engram_model: Engram-style n-gram embedding layers in NumPy, their tables in the store, one package per model
+family over a shared ground.
 
-Public surface::
+The families, each a package with the same inner layout (``_config``, ``_hasher``, ``_kernels``, ``_checkpoint``,
+``_layer``, and where the family has them ``_fp8``, ``_rows``, ``_sizing``, ``_toy``, ``demo``, ``load``; each
+package's ``warmup()`` compiles its kernels):
 
-    EngramConfig, BackboneConfig   hashing/table geometry and the backbone it sits in
-    CompressedTokenizer            token ids -> ids of normalised token texts
-    NgramHashMapping               token ids -> per-head table rows (Numba), prime table sizes, multipliers
-    IncrementalHasher              per-request n-gram context for decode steps (rollback, export/import)
-    dequantize_fp8_rows_f32_scales FP8 (e4m3fn) rows with float32 block scales (not DeepSeek-V4.1's rows:
-    quantize_fp8_rows_f32_scales   those have e8m0 scales per 32 values, see engram_model.v41)
-    Engram                         one layer: tables in an EngramStore, gate, short convolution, weights I/O
-                                   (also Mooncake's first Engram API: forward, query, populate_store_from_buffers)
-    EngramPrefetch                 a background row read, accepted by ``Engram.forward(prefetched=...)``
-    prefetch_layers                hash once for several layers and start all their reads
-    EngramModule(Config)           the same layer for a single residual stream ``[B, L, hidden_dim]``
-    save_checkpoint, load_checkpoint, save_safetensors, load_safetensors, split_embedding_table
+    engram_model.demo   DeepSeek's demo architecture (``engram_demo_v1.py``), bit-exact: ``Engram`` and its hash
+    engram_model.v41    DeepSeek-V4.1's Engram: its hash, FP8 rows with e8m0 scales, gate, checkpoint loading
+    engram_model.ple    Qwen4-Exp's PLE tables (Qwen/Qwen3.8-Flash-Next): hash, rows, forward, loading
+
+The shared ground, at this package's top: how a family's rows are stored (``RowFormat``, ``decode_rows``), the
+rows' gathers into the engines' buffers (``_rows_gather``), checkpoint files (``_checkpoint_files``,
+``_safetensors``, ``_table_load``), the n-gram hashes' common pieces (``_ngram``), the sizing replay
+(``_replay``) and the compressed tokenizer; the console scripts ``engram-load``, ``engram-stats`` and
+``engram-warmup``.
+
+Public surface (the demo architecture's names are exported here too: ``from engram_model import Engram``)::
+
     RowFormat, decode_rows         how a model family's table rows are stored (codes, block / table / no scales),
                                    shared by DeepSeek-V4.1's and Qwen4-Exp's tables; rows without block scales decoded
+    CompressedTokenizer            token ids -> ids of normalised token texts
+    EngramConfig, BackboneConfig, NgramHashMapping, IncrementalHasher, Engram, EngramPrefetch, prefetch_layers,
+    EngramModule(Config), the checkpoint and FP8 helpers      engram_model.demo's (see there)
 
-DeepSeek-V4.1's Engram (its hash, FP8 rows with e8m0 scales, gate and checkpoint loading) is the subpackage
-:mod:`engram_model.v41`; Qwen4-Exp's PLE tables (Qwen/Qwen3.8-Flash-Next) are :mod:`engram_model.ple`.
-
-Quick start: ``engram-demo`` (or ``python -m engram_model.demo``); V4.1: ``python -m engram_model.v41.demo``.
+Quick start: ``engram-demo``; V4.1: ``python -m engram_model.v41.demo``.
 """
 
-from ._checkpoint import load_checkpoint, load_safetensors, save_checkpoint, save_safetensors
-from ._config import BackboneConfig, EngramConfig
-from ._engram import Engram, EngramPrefetch, prefetch_layers, split_embedding_table
-from ._fp8 import (FP8_ROWS_F32_SCALES, FP8RowFormatF32Scales, dequantize_fp8_rows_f32_scales,
-                   quantize_fp8_rows_f32_scales)
-from ._hashing import NgramHashMapping, get_hash_mapping
-from ._incremental import IncrementalHasher
-from ._module import EngramModule, EngramModuleConfig
 from ._rows_format import RowFormat, decode_rows
 from ._tokenizer import CompressedTokenizer
+from .demo import (FP8_ROWS_F32_SCALES, BackboneConfig, Engram, EngramConfig, EngramModule, EngramModuleConfig,
+                   EngramPrefetch, FP8RowFormatF32Scales, IncrementalHasher, NgramHashMapping,
+                   dequantize_fp8_rows_f32_scales, get_hash_mapping, load_checkpoint, load_safetensors,
+                   prefetch_layers, quantize_fp8_rows_f32_scales, save_checkpoint, save_safetensors,
+                   split_embedding_table)
 
 __all__ = [
     "FP8_ROWS_F32_SCALES",

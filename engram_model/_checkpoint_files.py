@@ -19,11 +19,13 @@ Why a loader, root's included, reads only what the checkpoint's owner could have
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import stat
+from typing import Any, Mapping
 
 from engram_store.durable import HeldDir
-from engram_store.errors import InvalidArgument, UnsafeFile
+from engram_store.errors import ConfigError, InvalidArgument, UnsafeFile, describe
 
 __all__ = ["CheckpointDir", "open_checkpoint_file"]
 
@@ -74,3 +76,33 @@ def open_checkpoint_file(path: str | os.PathLike) -> int:
     where = os.fspath(path)
     with CheckpointDir(os.path.dirname(where)) as directory:
         return directory.open_file(os.path.basename(where), where)
+
+
+def read_json(path_or_dict: Any, caller: str = "from_hf_config") -> Mapping[str, Any]:
+    """A model's config.json as a dict: ``path_or_dict`` a dict (as it is), the file, or a checkpoint directory
+    holding it; ``caller`` names the call in errors."""
+    if isinstance(path_or_dict, Mapping):
+        return path_or_dict
+    if not isinstance(path_or_dict, (str, os.PathLike)):
+        raise ConfigError(f"path_or_dict: expected a config.json path, a directory or a dict, "
+                          f"got {type(path_or_dict).__name__}")
+    path = os.fspath(path_or_dict)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(open_checkpoint_file(path), encoding="utf-8") as f:  # a regular file: never a pipe
+            raw = json.load(f)
+    except (FileNotFoundError, NotADirectoryError):
+        where = (f"no config.json in the directory {os.fspath(path_or_dict)!r}" if path != os.fspath(path_or_dict)
+                 else f"no such file {path!r}")
+        raise ConfigError(f"{caller}: {where} (expected a config.json path, a checkpoint directory holding "
+                          "one, or a dict)") from None
+    except OSError as exc:
+        raise ConfigError(f"{caller}: cannot read {path!r}: {exc.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not JSON ({exc})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a config.json") from None
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{path}: expected a JSON object, got {describe(raw)}")
+    return raw

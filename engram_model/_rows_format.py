@@ -34,7 +34,38 @@ import numpy as np
 from engram_store import EngramStoreConfig
 from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
 
-from ._fp8 import E4M3_TABLE
+#: The largest finite e4m3fn value (1 sign bit, 4 exponent bits of bias 7, 3 mantissa bits; exponent 0 is
+#: subnormal; no infinities; codes 0x7F and 0xFF are NaN).
+E4M3_MAX = 448.0
+
+
+def _e4m3_table() -> np.ndarray:
+    """float32 value of every e4m3fn code (index = code)."""
+    codes = np.arange(256)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    exponent = (codes >> 3) & 0xF
+    mantissa = codes & 0x7
+    value = np.where(exponent == 0, mantissa / 8.0 * 2.0 ** -6, (1.0 + mantissa / 8.0) * 2.0 ** (exponent - 7.0))
+    value = sign * value
+    value[(codes & 0x7F) == 0x7F] = np.nan
+    return value.astype(np.float32)
+
+
+E4M3_TABLE = _e4m3_table()
+# The finite non-negative values in increasing order (codes 0x00..0x7E are already sorted by value).
+_POSITIVE = E4M3_TABLE[:0x7F].astype(np.float64)
+
+
+def nearest_e4m3(magnitude: np.ndarray) -> np.ndarray:
+    """Codes (0..0x7E) of the e4m3fn values nearest to ``magnitude`` (>= 0, saturated), ties to the even code."""
+    m = np.minimum(magnitude, E4M3_MAX)
+    upper = np.clip(np.searchsorted(_POSITIVE, m, side="left"), 0, _POSITIVE.size - 1)
+    lower = np.maximum(upper - 1, 0)
+    d_low = m - _POSITIVE[lower]
+    d_up = _POSITIVE[upper] - m
+    take_upper = (d_up < d_low) | ((d_up == d_low) & (upper % 2 == 0))
+    return np.where(take_upper, upper, lower).astype(np.uint8)
+
 
 #: Bytes of one stored value, by code.
 CODE_BYTES = {"e4m3": 1, "bf16": 2}

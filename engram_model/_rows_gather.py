@@ -1,7 +1,8 @@
 """The gather machinery every model family's engine rows share: one layer's table rows into a caller's buffers.
 
-A family's adapter (:class:`engram_model.ple.PLERows`; DeepSeek-V4.1's ``V41Rows`` has its own copy of the same
-pieces for now) checks a call's arguments and says how one slot is laid out; :class:`RowGather` does the rest:
+A family's adapter (:class:`engram_model.v41.V41Rows`, :class:`engram_model.ple.PLERows`) checks a call's
+arguments and says how its slots are laid out (which id fills which slot, in which form:
+:mod:`engram_model._rows_gather_kernels`); :class:`RowGather` does the rest:
 
 * **where the rows are read from.** Where the table's rows are in this host's memory (arrays bound with
   ``bind_local``, ``local_dir`` files, a store's segment mapped here) one kernel gathers them in place, from one
@@ -15,8 +16,6 @@ pieces for now) checks a call's arguments and says how one slot is laid out; :cl
 * **background.** ``submit`` runs a checked call on the adapter's own thread and returns a :class:`RowsHandle`.
 * **ids.** :func:`as_ids` takes NumPy arrays and CPU tensors (DLPack) of int32 or int64, without a copy unless
   asked (a background call copies them: the caller may reuse its buffer at once).
-
-The kernels are :mod:`engram_model._rows_gather_kernels`.
 """
 
 from __future__ import annotations
@@ -40,6 +39,9 @@ from . import _rows_gather_kernels as _k
 THREADED_MIN_ROWS = 16384
 #: The gathers' threads, one pool per process (grown to the most any adapter asks for).
 _POOL = SharedPool("engram-rows")
+#: The ``lut`` argument of a raw gather, which reads none.
+NO_LUT = np.zeros(256, dtype=np.uint16)
+NO_LUT.flags.writeable = False
 
 
 class RowsHandle(LookupHandle):
@@ -196,17 +198,21 @@ class RowGather:
             split(work, n, self.threads, _POOL)
 
     def staged(self, ids: np.ndarray, v0: int, v1: int, lay_out: Callable[[np.ndarray, np.ndarray], None],
-               straight: np.ndarray | None = None) -> None:
-        """Read the rows of flat ``ids`` inside ``[v0, v1)`` with the table's ``lookup_into``, then
-        ``lay_out(staged uint8 [S, row_bytes], src int64 [N])``. ``straight`` (the caller's buffer as the store's
-        dtype, C-contiguous ``[N, store_dim]``): read into it directly where every slot's row is its own column's,
-        the table holding every column in order, and zero the slots outside the window."""
+               straight: np.ndarray | None = None, *, first: int = 0, width: int | None = None,
+               n: int | None = None) -> None:
+        """Read the rows of the ``n`` slots of flat ``ids`` (slot ``t * width + j``: ``ids[t * cols + first + j]``;
+        by default ``ids[i]``) inside ``[v0, v1)`` with the table's ``lookup_into``, then ``lay_out(staged uint8
+        [S, row_bytes], src int64 [n])``. ``straight`` (the caller's buffer as the store's dtype, C-contiguous
+        ``[n, store_dim]``): read into it directly where every slot's row is its own column's and the table's
+        heads are the slots' columns in order, and zero the slots outside the window."""
+        width = self.cols if width is None else width
+        n = ids.shape[0] if n is None else n
         H, rb = len(self.heads), self.row_bytes
-        store_ids, src = _k.plan_window(ids, self.offsets, v0, v1, self.col_head, H)
+        store_ids, src = _k.plan_window(ids, self.offsets, first, width, n, v0, v1, self.col_head, H)
         M = store_ids.shape[0]
         wanted = store_ids.reshape(1, M, H)
-        if straight is not None and M * H == ids.shape[0] and H == self.cols \
-                and bool((self.col_head == np.arange(H)).all()):
+        if straight is not None and M * H == n and H == width and first + width <= self.cols \
+                and bool((self.col_head[first:first + width] == np.arange(H)).all()):
             self.table.lookup_into(wanted, straight.reshape(1, M, H, -1), layer=self.layer_id)
             _k.zero_slots(src, straight)
             return
@@ -227,28 +233,65 @@ class RowGather:
         self._background.close()
 
 
+class RowsAdapter:
+    """What a family's adapter (``V41Rows``, ``PLERows``) shares: its :class:`RowGather` (``_gather``), the gathers'
+    counts, and its lifetime."""
+
+    _gather: RowGather
+
+    @property
+    def memory_gathers(self) -> int:
+        """Calls gathered from this host's memory in one kernel."""
+        return self._gather.memory_gathers
+
+    @property
+    def staged_gathers(self) -> int:
+        """Calls read with ``lookup_into``, then laid out."""
+        return self._gather.staged_gathers
+
+    def close(self) -> None:
+        """Wait for background gathers and stop their thread (the table stays open: it is the caller's)."""
+        self._gather.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def warm_kernels() -> None:
-    """Compile the gathers' kernels for the dtypes engines pass (int32 and int64 ids, raw and coded outputs, the
-    memory and the staged paths), on tiny inputs."""
+    """Compile the gathers' kernels for the dtypes engines pass (int32 and int64 ids; raw, coded, scaled and split
+    outputs; the memory and the staged paths), on tiny inputs."""
     offsets = np.array([0, 3, 7], dtype=np.int64)
-    for row_bytes, coded in ((4, True), (8, False)):
+    lut2 = np.zeros((256, 256), dtype=np.uint16)
+    lut2.flags.writeable = False
+    for row_bytes, coded in ((4, True), (8, False), (9, False)):
         table = np.zeros((7, row_bytes), dtype=np.uint8)
         span = span_of([table[:3], table[3:]], [0, 1], offsets, row_bytes)
-        lut = np.zeros(256, dtype=np.uint16)
         for dtype in (np.int32, np.int64):
             ids = np.array([0, 4, -1, 6], dtype=dtype)
             _k.first_bad(ids, 7)
+            _k.first_bad_window(ids.reshape(2, 2), 7, 0, 2)
             raw = np.empty((4, row_bytes), np.uint8)
-            store_ids, src = _k.plan_window(ids, offsets, 0, 7, np.arange(2, dtype=np.int64), 2)
+            store_ids, src = _k.plan_window(ids, offsets, 0, 2, 4, 0, 7, np.arange(2, dtype=np.int64), 2)
             staged = np.zeros((store_ids.size, row_bytes), np.uint8)
-            _k.rows_from_span(span.bytes, span.delta, offsets, ids, 0, 7, 0, 4, row_bytes, lut, raw)
-            _k.rows_from_staging(staged, src, lut, raw)
-            if coded:
+            args = (span.delta, offsets, ids, 0, 2, 0, 7, 0, 4)
+            _k.rows_from_span(span.bytes, *args, row_bytes, NO_LUT, raw)
+            _k.rows_from_staging(staged, src, NO_LUT, raw)
+            if coded:  # PLE's e4m3 codes as bf16 (its lut is read-only too)
                 coded_out = np.empty((4, row_bytes), np.uint16)
-                _k.rows_from_span(span.bytes, span.delta, offsets, ids, 0, 7, 0, 4, row_bytes, lut, coded_out)
-                _k.rows_from_staging(staged, src, lut, coded_out)
+                _k.rows_from_span(span.bytes, *args, row_bytes, NO_LUT, coded_out)
+                _k.rows_from_staging(staged, src, NO_LUT, coded_out)
+            if row_bytes == 9:  # V4.1's rows: codes and block scales, decoded or split
+                scaled, codes, scales = (np.empty((4, 8), np.uint16), np.empty((4, 8), np.uint8),
+                                         np.empty((4, 1), np.uint8))
+                _k.scaled_from_span(span.bytes, *args, row_bytes, lut2, scaled)
+                _k.scaled_from_staging(staged, src, lut2, scaled)
+                _k.split_from_span(span.bytes, *args, row_bytes, codes, scales)
+                _k.split_from_staging(staged, src, codes, scales)
             if span.words is not None:  # rows copied a word at a time
-                _k.rows_from_span(span.words, span.word_delta, offsets, ids, 0, 7, 0, 4, row_bytes // 8, lut,
+                _k.rows_from_span(span.words, span.word_delta, *args[1:], row_bytes // 8, NO_LUT,
                                   raw.view(np.uint64))
             _k.zero_slots(src, raw)
-            _k.zero_slots(src, raw.view(np.uint16))
+            _k.zero_slots(src, raw.view(np.uint16) if row_bytes % 2 == 0 else raw)

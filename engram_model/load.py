@@ -18,9 +18,9 @@ from typing import Mapping, Sequence
 from engram_store import cli
 from engram_store.errors import EngramError
 
+from ._checkpoint_files import read_json
 from .ple import load as ple_load
 from .v41 import load as v41_load
-from .v41._config import _read_json
 
 PROG = "engram-load"
 DESCRIPTION = """\
@@ -44,7 +44,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if not v41_load.paths_exist(args, config_path, PROG):
         return 2
     try:
-        raw = _read_json(config_path, "--config" if args.config else "CHECKPOINT_DIR")
+        raw = read_json(config_path, "--config" if args.config else "CHECKPOINT_DIR")
     except EngramError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 1

@@ -53,8 +53,7 @@ from engram_store.errors import EngramError, InvalidArgument
 from engram_store.units import format_size
 from engram_store.disk import LayerProfile, load_profile, save_profile
 
-from ._config import BackboneConfig, EngramConfig
-from ._hashing import NgramHashMapping
+from .demo import BackboneConfig, EngramConfig, NgramHashMapping
 from ._tokenizer import compressed_tokenizer_from_path
 
 
@@ -198,8 +197,8 @@ def _token_map(path: str) -> np.ndarray:
 
 def _sizing_source(args: Any, family: str) -> tuple[Any, Any, Any]:
     """``(config, geometry, curve source)`` of a --v41 or --ple sizing; writes --profile."""
-    from .v41 import V41Hasher
-    from .v41._sizing import ProfileCurve, replay_tokens
+    from ._replay import ProfileCurve
+    from .v41 import V41Hasher, replay_tokens
 
     if args.from_profile is not None:
         if args.profile:
@@ -219,7 +218,7 @@ def _sizing_source(args: Any, family: str) -> tuple[Any, Any, Any]:
             save_profile(args.profile, _v41_profiles(ids, V41Hasher(config, token_map)))
         return config, config, source
     from .ple import PLEHasher
-    from .ple._sizing import replay_tokens as replay_ple
+    from .ple import replay_tokens as replay_ple
 
     if args.tokenizer:
         raise InvalidArgument("--tokenizer: --ple hashes raw token ids (TOKENS from the model's own tokenizer); "
@@ -232,14 +231,14 @@ def _sizing_source(args: Any, family: str) -> tuple[Any, Any, Any]:
 
 
 def _ple_geometry(config: Any) -> Any:
-    from .ple._sizing import sizing_geometry
+    from .ple import sizing_geometry
 
     return sizing_geometry(config)
 
 
 def _main_sizing(args: Any, family: str) -> int:
     """engram-stats --v41 / --ple: the sizing report of TOKENS or --from-profile."""
-    from .v41._sizing import sizing_report
+    from ._replay import sizing_report
 
     try:
         if (args.tokens is None) == (args.from_profile is None):

@@ -16,35 +16,9 @@ import importlib
 from typing import TYPE_CHECKING
 
 from ._config import StoreConfig
-from ._errors import (
-    AuthError,
-    CatalogUnwritable,
-    ConfigError,
-    EngramError,
-    InvalidArgument,
-    InvalidType,
-    LeaseActive,
-    MasterUnavailable,
-    NotConnected,
-    ObjectExists,
-    ObjectLost,
-    ObjectNotFound,
-    OutOfSpace,
-    ProtocolError,
-    RemoteError,
-    ResourceExhausted,
-    SegmentUnavailable,
-    StoreError,
-    Unavailable,
-    WriteFenced,
-    StalePlacement,
-    DiskReadError,
-    JournalError,
-    LockTimeout,
-    TableClosed,
-    UnsafeFile,
-)
-from ._units import format_size, parse_size
+from . import errors
+from .errors import *  # noqa: F403 (the exception tree: errors.__all__)
+from .units import format_size, parse_size
 
 if TYPE_CHECKING:
     from .client import DistributedStore, KeyInfo, ObjectInfo, Replica
@@ -76,45 +50,21 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
-    "AuthError",
-    "CatalogUnwritable",
-    "ConfigError",
     "DistributedStore",
-    "EngramError",
     "EngramStore",
     "EngramStoreConfig",
-    "InvalidArgument",
-    "InvalidType",
-    "LeaseActive",
-    "LookupHandle",
-    "MasterUnavailable",
-    "NotConnected",
-    "ObjectExists",
     "KeyInfo",
+    "LookupHandle",
     "ObjectInfo",
-    "ObjectLost",
-    "ObjectNotFound",
-    "OutOfSpace",
-    "ProtocolError",
-    "RemoteError",
     "Replica",
-    "ResourceExhausted",
     "SegmentServer",
-    "SegmentUnavailable",
     "StoreConfig",
-    "StoreError",
-    "Unavailable",
-    "WriteFenced",
-    "StalePlacement",
-    "DiskReadError",
-    "JournalError",
-    "LockTimeout",
-    "TableClosed",
-    "UnsafeFile",
+    "errors",
     "format_size",
     "lookup_many",
     "metrics_text",
     "parse_size",
     "prefetch_many",
     "serve_metrics",
+    *(name for name in errors.__all__ if name not in ("describe", "is_int")),
 ]

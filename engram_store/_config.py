@@ -30,8 +30,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Mapping
 
-from ._errors import ConfigError, InvalidType, describe
-from ._units import parse_address, parse_size
+from .errors import ConfigError, InvalidType, describe
+from .units import parse_address, parse_size
 
 DEFAULT_TIMEOUT_MS = 10_000
 DEFAULT_EMBEDDED_SEGMENT_SIZE = 1 << 30

@@ -35,7 +35,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, TypeVar
 
-from ._errors import EngramError, InvalidArgument, LockTimeout, StoreError, TableClosed, UnsafeFile, describe
+from .errors import EngramError, InvalidArgument, LockTimeout, StoreError, TableClosed, UnsafeFile, describe
 from ._shared_dirs import dir_mode, open_own
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ import stat
 import tempfile
 import threading
 
-from ._errors import NO_FILES, ConfigError, OutOfSpace, StoreError, UnsafeFile, too_many_open_files
+from .errors import NO_FILES, ConfigError, OutOfSpace, StoreError, UnsafeFile, too_many_open_files
 
 _OPEN_TRIES = 8
 _umask_lock = threading.Lock()

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._errors import InvalidArgument, InvalidType
+from .errors import InvalidArgument, InvalidType
 
 __all__ = ["HostArray", "host_array"]
 

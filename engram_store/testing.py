@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from engram_store._errors import EngramError, MasterUnavailable, SegmentUnavailable
+from engram_store.errors import EngramError, MasterUnavailable, SegmentUnavailable
 from engram_store.segment import reap_orphans
 from engram_store.wire import Connection, load_keys
 

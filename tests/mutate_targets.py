@@ -73,13 +73,15 @@ TARGETS = [
     Target("engram_store/tables/_source_store.py",
            ("StoreSource.read_local", "StoreSource._clear_cache", "_RowCache.probe", "_RowCache.fill",
             "_RowCache.clear"), MAPPED_TESTS + CACHE_TESTS + V41_TESTS),
-    Target("engram_model/v41/_rows.py", ("V41Rows._run", "V41Rows._from_mapped"), V41_TESTS),
+    Target("engram_model/v41/_rows.py", ("V41Rows._run",), V41_TESTS),
+    Target("engram_model/_rows_gather.py", ("RowGather.gather", "RowGather._span_over"), V41_TESTS),
     # V4.1's ragged decode state
     Target("engram_model/v41/_hasher.py",
-           ("V41Hasher.step_ragged", "V41Hasher.commit", "V41Hasher._ragged", "V41Hasher._ragged_refused",
-            "ragged_arguments", "ragged_refused"),
+           ("V41Hasher.step_ragged", "V41Hasher.commit", "V41Hasher._ragged", "V41Hasher._ragged_refused"),
            ("tests/model/test_v41_ragged.py",)),
-    Target("engram_model/v41/_kernels.py", ("hash_ragged", "ragged_refusal"), ("tests/model/test_v41_ragged.py",)),
+    Target("engram_model/_ngram.py", ("ragged_arguments", "ragged_refused"), ("tests/model/test_v41_ragged.py",)),
+    Target("engram_model/v41/_kernels.py", ("hash_ragged",), ("tests/model/test_v41_ragged.py",)),
+    Target("engram_model/_ngram_kernels.py", ("ragged_refusal",), ("tests/model/test_v41_ragged.py",)),
     # read planning
     Target("engram_store/kernels/_planning.py",
            ("_check_ranges", "_pairs_total", "_plan_pieces", "plan_pieces", "_first_bad_row", "_plan_unique_rows",
@@ -299,10 +301,10 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     ("engram_model/v41/_hasher.py", "V41Hasher._ragged", "0", "1",
      "out = np.empty((T if emit else 0, nl, cols), dtype=np.int64)"):
         "a commit's output is neither written nor returned",
-    ("engram_model/v41/_kernels.py", "ragged_refusal", "S <= MARK_SLOTS", "S < MARK_SLOTS"):
+    ("engram_model/_ngram_kernels.py", "ragged_refusal", "S <= MARK_SLOTS", "S < MARK_SLOTS"):
         "at exactly MARK_SLOTS slots the sorted search finds a repeated slot as the marks do",
-    ("engram_model/v41/_kernels.py", "ragged_refusal", "1", "2", "seen[slots[r]] = 1"): "any non-zero mark is a mark",
-    ("engram_model/v41/_kernels.py", "ragged_refusal", "R > 1", "R >= 1"):
+    ("engram_model/_ngram_kernels.py", "ragged_refusal", "1", "2", "seen[slots[r]] = 1"): "any non-zero mark is a mark",
+    ("engram_model/_ngram_kernels.py", "ragged_refusal", "R > 1", "R >= 1"):
         "a lone request has no slot to repeat: the sorted search finds none",
     ("engram_model/v41/_kernels.py", "hash_ragged", "False", "True", "small = False"):
         "the general modulo loop gives what one correction gives, for every prime (only slower)",

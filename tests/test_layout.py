@@ -113,7 +113,7 @@ TOP_PACKAGES = {"engram_store", "engram_model", "engram_engines"}
 
 def _private_reaches(name: str, path: Path):
     """(line, dotted path) of each import in ``name`` of another top package's private module: a dotted path with a
-    part that starts with ``_`` (``from engram_store import _cli`` reaches ``engram_store._cli``)."""
+    part that starts with ``_`` (``from engram_store import _peers`` reaches ``engram_store._peers``)."""
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     others = TOP_PACKAGES - {name.split(".")[0]}
 
@@ -199,7 +199,8 @@ def test_the_engram_store_facade_stays_a_facade():
 @pytest.mark.parametrize("package", ["engram_store", "engram_store.wire", "engram_store.raw", "engram_store.segment",
                                      "engram_store.client", "engram_store.tables", "engram_store.compat",
                                      "engram_store.disk", "engram_store.kernels", "engram_store.master", "engram_model",
-                                     "engram_model.v41", "engram_engines", "engram_engines.v41"])
+                                     "engram_model.demo", "engram_model.v41", "engram_model.ple", "engram_engines",
+                                     "engram_engines.v41"])
 def test_every_package_names_its_public_surface(package):
     module = importlib.import_module(package)
     assert isinstance(getattr(module, "__all__", None), list) and module.__all__, f"{package} has no __all__"
@@ -223,6 +224,77 @@ def test_the_raw_channel_lives_in_one_room():
     magic = [name for name, path in _modules() if not in_room(name) and 'b"ENGR"' in path.read_text()]
     assert not named and not magic, ("the raw channel outside engram_store.raw:\n"
                                      + "\n".join(named + [f"{name} spells the frame's magic" for name in magic]))
+
+
+#: Every model family (a package under ``engram_model``) names its modules by role, the same name for the same role:
+#: these it has all, each package's ``warmup()`` behind ``_warmup``.
+FAMILY_ROLES = ("_config", "_hasher", "_kernels", "_checkpoint", "_layer", "_warmup")
+#: Other names for the roles above, which a family does not use.
+ROLE_SYNONYMS = {"_engram": "_layer", "_layers": "_layer", "_hashing": "_hasher", "_hash": "_hasher",
+                 "_model": "_layer", "_ckpt": "_checkpoint", "_cfg": "_config", "_warm": "_warmup"}
+
+
+def _families() -> list[str]:
+    return sorted(path.parent.name for path in (ROOT / "engram_model").glob("*/__init__.py"))
+
+
+def test_model_families_share_one_inner_layout():
+    """Each family (``demo``, ``v41``, ``ple``, ...) holds the same role modules under the same names, says its
+    public surface in ``__all__`` and compiles its kernels behind ``warmup()``: a newcomer who knows one family
+    finds their way in the others."""
+    families = _families()
+    assert {"demo", "v41", "ple"} <= set(families), families
+    problems = []
+    for family in families:
+        names = {path.stem for path in (ROOT / "engram_model" / family).glob("*.py")}
+        problems += [f"engram_model/{family} has no {role}.py" for role in FAMILY_ROLES if role not in names]
+        problems += [f"engram_model/{family}/{name}.py: the role's name is {ROLE_SYNONYMS[name]}.py"
+                     for name in sorted(names & set(ROLE_SYNONYMS))]
+        module = importlib.import_module(f"engram_model.{family}")
+        if "warmup" not in getattr(module, "__all__", ()):
+            problems.append(f"engram_model.{family} exports no warmup()")
+    assert not problems, "model families out of the shared layout:\n" + "\n".join(problems)
+
+
+def test_the_shared_ground_has_no_twins_in_the_families():
+    """The private modules at ``engram_model``'s top are the ground every family shares (row formats and gathers,
+    checkpoint files, the tokenizer, ...): none has a family module's name. (The console scripts there are the
+    families' doors: ``engram-load`` reads the family from config.json and runs its ``load``.)"""
+    top = {path.stem for path in (ROOT / "engram_model").glob("_*.py")} - {"__init__"}
+    twins = [f"engram_model/{name}.py and engram_model/{family}/{name}.py" for family in _families()
+             for name in sorted(top & {path.stem for path in (ROOT / "engram_model" / family).glob("*.py")})]
+    assert not twins, "a shared module and a family module of one name:\n" + "\n".join(twins)
+
+
+def _family_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "engram_model" and parts[1] in _families() else None
+
+
+def test_families_meet_at_their_doors():
+    """No module of ``engram_model`` reaches into a family's private modules from outside that family: another
+    family, the shared ground and the console scripts (``warmup``, ``stats``, ``load``) use its package or its
+    public modules. What two families share lives in the shared ground, not in one of them."""
+    reaches = []
+    for name, path in _modules():
+        if not name.startswith("engram_model"):
+            continue
+        home = _family_of(name)
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            target = _absolute(package, node)
+            for dotted in [target] if _reaches(target, home) else [f"{target}.{alias.name}" for alias in node.names]:
+                if _reaches(dotted, home):
+                    reaches.append(f"{path.relative_to(ROOT)}:{node.lineno}: imports {dotted}")
+    assert not reaches, "imports of another family's private modules:\n" + "\n".join(reaches)
+
+
+def _reaches(dotted: str, home: str | None) -> bool:
+    """Whether ``dotted`` is a private part of a family other than ``home``."""
+    family = _family_of(dotted)
+    return family not in (None, home) and any(part.startswith("_") for part in dotted.split(".")[2:])
 
 
 #: The one module that imports ``prometheus_client`` (an engine's dependency, not engram's).

@@ -20,6 +20,8 @@ Public surface::
     load_ple_weights                 a layer's projections, norms, convolution and table scale (float32)
     load_ple_hash_buffers            the checkpoint's hash buffers, which take precedence over the config's
     write_toy_checkpoint             a small checkpoint in the released layout (bf16 or FP8)
+    replay_tokens, sizing_geometry   a corpus hashed and replayed into a hit-rate curve (engram-stats --ple)
+    warmup                           compile the family's kernels (engram-warmup)
 
 Loading a checkpoint: ``engram-load`` (the family from config.json). Sizing a hot-row cache: ``engram-stats --ple``.
 Serving: PLERows is the call an engine's PLE embedding makes per step; the engine plugins do not make it yet
@@ -31,7 +33,9 @@ from ._config import PLEConfig, PLEHashBuffers, ple_store_config
 from ._hasher import PLEHasher, PLEHashState
 from ._layer import PLEConvState, PLELayer
 from ._rows import BoundRows, PLERows, RankRows, RowsHandle, ple_rank_rows
+from ._sizing import replay_tokens, sizing_geometry
 from ._toy import write_toy_checkpoint
+from ._warmup import warmup
 
 __all__ = [
     "BoundRows",
@@ -50,5 +54,8 @@ __all__ = [
     "open_ple_table",
     "ple_rank_rows",
     "ple_store_config",
+    "replay_tokens",
+    "sizing_geometry",
+    "warmup",
     "write_toy_checkpoint",
 ]

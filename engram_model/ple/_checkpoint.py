@@ -37,11 +37,10 @@ from engram_store import EngramStore
 from engram_store.errors import InvalidArgument
 from engram_store.progress import Progress
 
-from .._fp8 import E4M3_TABLE
-from .._rows_format import RowFormat
-from ..v41._checkpoint import (CHUNK_ROWS, PROGRESS_MIN_BYTES, SafetensorsCheckpoint, _as_checkpoint, _expect,
-                               open_or_load, populate_heads, table_options, write_to_disk, write_to_local_dir)
-from ..v41._safetensors import FLOATS
+from .._rows_format import E4M3_TABLE, RowFormat
+from .._safetensors import FLOATS, SafetensorsCheckpoint
+from .._table_load import (CHUNK_ROWS, PROGRESS_MIN_BYTES, as_checkpoint, expect, open_or_load, populate_heads,
+                           table_options, write_to_disk, write_to_local_dir)
 from ._config import PLEConfig, PLEHashBuffers, ple_store_config
 
 log = logging.getLogger(__name__)
@@ -129,7 +128,7 @@ class ShardedTable:
 def _ints(ckpt: SafetensorsCheckpoint, name: str, n: int) -> np.ndarray | None:
     if name not in ckpt:
         return None
-    _expect(ckpt, name, _INTS, (n,))
+    expect(ckpt, name, _INTS, (n,))
     return ckpt.raw(name).astype(np.int64)
 
 
@@ -137,7 +136,7 @@ def load_ple_hash_buffers(path: Any, config: PLEConfig, layer_ids: Any = None) -
     """Each PLE layer's hash layout, ``{layer_id: PLEHashBuffers}``: the checkpoint's ``layer_multipliers``,
     ``ngram_heads_vocab_sizes`` and ``ngram_heads_offsets`` where it has them (a WARNING names each that differs
     from the config's, and both values), the config's otherwise; the table's rows from its shards."""
-    ckpt = _as_checkpoint(path)
+    ckpt = as_checkpoint(path)
     return {lid: _layer_buffers(ckpt, config, lid) for lid in config.ple_layer_ids}
 
 
@@ -168,7 +167,7 @@ def load_ple_weights(path: Any, config: PLEConfig, layer_id: int) -> dict[str, A
     the norms scale by ``1 + w``), ``conv1d`` ``[hc * hidden, kernel]``, and ``table_scale``: the FP8 table's
     scale as a float (None for bf16 rows). FP8 projections are dequantised by their ``weight_scale_inv`` blocks
     (or one ``weight_scale``)."""
-    ckpt = _as_checkpoint(path)
+    ckpt = as_checkpoint(path)
     config.ple_index(layer_id)
     prefix = tensor_prefix(ckpt, layer_id)
     hc_hidden, E = config.hc_count * config.hidden_size, config.ple_embed_dim
@@ -176,10 +175,10 @@ def load_ple_weights(path: Any, config: PLEConfig, layer_id: int) -> dict[str, A
                            "value_proj": _linear(ckpt, prefix + "value_proj.weight", (config.hidden_size, E))}
     for norm in ("norm_key", "norm_query", "norm_conv"):
         name = prefix + f"{norm}.weight"
-        _expect(ckpt, name, FLOATS, (hc_hidden,))
+        expect(ckpt, name, FLOATS, (hc_hidden,))
         out[norm] = ckpt.float32(name)
     name = prefix + "conv1d.weight"
-    _expect(ckpt, name, FLOATS, (hc_hidden, 1, config.ple_conv_kernel_size))
+    expect(ckpt, name, FLOATS, (hc_hidden, 1, config.ple_conv_kernel_size))
     out["conv1d"] = ckpt.float32(name).reshape(hc_hidden, config.ple_conv_kernel_size)
     out["table_scale"] = _table_scale(ckpt, prefix + TABLE + "weight_scale", config.row_format)
     return out
@@ -204,7 +203,7 @@ def _table_scale(ckpt: SafetensorsCheckpoint, name: str, fmt: RowFormat) -> floa
 
 def _linear(ckpt: SafetensorsCheckpoint, name: str, shape: tuple[int, int]) -> np.ndarray:
     """A projection's weight as float32: a float tensor, or e4m3 codes times their scales."""
-    dtype = _expect(ckpt, name, FLOATS + ("F8_E4M3",), shape)
+    dtype = expect(ckpt, name, FLOATS + ("F8_E4M3",), shape)
     if dtype in FLOATS:
         return ckpt.float32(name)
     base = name.removesuffix("weight")
@@ -260,7 +259,7 @@ def load_ple_table(path: Any, config: PLEConfig, layer_id: int, store: Any = Non
     bar on stderr (None: where stderr is a terminal and the data is large). Returns the layer's EngramStore,
     opened with ``row_cache_bytes`` and ``cache_scope`` (as :class:`EngramStore` takes them).
     """
-    ckpt = _as_checkpoint(path)
+    ckpt = as_checkpoint(path)
     buffers = _buffers(ckpt, config, layer_id, buffers)
     layout = ple_store_config(config, layer_id, buffers)
     table = ShardedTable(ckpt, config, layer_id)   # the tensors are checked before anything else
@@ -300,7 +299,7 @@ def open_ple_table(path: Any, config: PLEConfig, layer_id: int, store: Any = Non
     """The layer's EngramStore in ``store``, under ``disk_dir`` or under ``local_dir``: opened where the table is
     there already, else streamed in from the checkpoint first (:func:`load_ple_table`, same arguments). A table
     partly in a store (an interrupted load) is refused: remove it and load it again."""
-    ckpt = _as_checkpoint(path)
+    ckpt = as_checkpoint(path)
     buffers = _buffers(ckpt, config, layer_id, buffers)
     options = table_options(layer_id, store, disk_dir, local_dir, row_cache_bytes, cache_scope)
     load = dict(disk_dir=disk_dir, local_dir=local_dir, replica_num=replica_num, progress=progress,

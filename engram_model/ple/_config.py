@@ -29,9 +29,9 @@ import numpy as np
 from engram_store import EngramStoreConfig
 from engram_store.errors import ConfigError, InvalidArgument, InvalidType, describe, is_int
 
-from .._hashing import is_prime
+from .._ngram import is_prime
+from .._checkpoint_files import read_json
 from .._rows_format import RowFormat
-from ..v41._config import _read_json
 
 _MASK64 = (1 << 64) - 1
 _SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
@@ -260,7 +260,7 @@ class PLEConfig:
         fields under ``text_config`` or at the top. Fields it leaves out take transformers' defaults
         (:data:`HF_DEFAULTS`); ``ple_layer_ids`` and ``eos_token_id`` (the first, if a list) are required. The
         table's row format comes from ``ple_embedding_dtype`` (under ``text_config`` or at the top)."""
-        raw = _read_json(config, "from_hf")
+        raw = read_json(config, "from_hf")
         text = raw.get("text_config", raw)
         if not isinstance(text, Mapping):
             raise ConfigError(f"text_config: expected an object, got {describe(text)}")

@@ -35,8 +35,8 @@ import numpy as np
 
 from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
 
+from .._ngram import int_vector, ragged_arguments, ragged_refused, rows_numpy
 from .._tokenizer import as_int_ids
-from ..v41._hasher import _rows_numpy, _vector, ragged_arguments, ragged_refused
 from . import _kernels
 from ._config import PLEConfig, PLEHashBuffers
 
@@ -155,7 +155,7 @@ class PLEHasher:
         state: ``tokens [T]`` of R requests (``query_start_loc [R + 1]``, from 0 to T), request r's after its own
         ``context[r]`` (``[R, ngram_size - 1]``, the tokens before them, oldest first, EOS where it has none: vLLM's
         ``ngram_context``, rebuilt every step from the accepted tokens) -> int64 ``[T, len(ple_layer_ids), heads]``."""
-        starts = _vector(query_start_loc, "query_start_loc", "[R + 1]")
+        starts = int_vector(query_start_loc, "query_start_loc", "[R + 1]")
         R = max(starts.shape[0] - 1, 0)
         state = PLEHashState(self._context(context, R), self.eos)
         return self._ragged(state, tokens, np.arange(R, dtype=np.int64), starts, True, False)
@@ -237,9 +237,9 @@ class PLEHasher:
     def step_ragged_numpy(self, state: PLEHashState, tokens: Any, slots: Any, query_start_loc: Any, *,
                           commit: bool = True) -> np.ndarray:
         """The rows (and state) of :meth:`step_ragged`, computed by :func:`hash_ragged_numpy`; checks less."""
-        return hash_ragged_numpy(_vector(tokens, "tokens", "[T]"), _vector(query_start_loc, "query_start_loc",
+        return hash_ragged_numpy(int_vector(tokens, "tokens", "[T]"), int_vector(query_start_loc, "query_start_loc",
                                                                           "[R + 1]"),
-                                 _vector(slots, "slots", "[R]"), state.history, self.eos, self.multipliers,
+                                 int_vector(slots, "slots", "[R]"), state.history, self.eos, self.multipliers,
                                  self.sizes, self.offsets, self.config.heads_per_ngram, bool(commit))
 
     def __repr__(self) -> str:
@@ -264,7 +264,7 @@ def hash_numpy(ids: np.ndarray, context: np.ndarray, eos: int, multipliers: np.n
     C = context.shape[1]
     full = np.concatenate([context, ids], axis=1)                        # (B, C + T), oldest first
     back = np.stack([full[:, C - s:C - s + T] for s in range(C + 1)], axis=-1)   # (B, T, C + 1): s tokens back
-    return _rows_numpy(_windows(back, eos), multipliers, sizes, offsets, heads_per_ngram)
+    return rows_numpy(_windows(back, eos), multipliers, sizes, offsets, heads_per_ngram)
 
 
 def hash_ragged_numpy(tokens: np.ndarray, query_start_loc: np.ndarray, slots: np.ndarray, history: np.ndarray,
@@ -281,7 +281,7 @@ def hash_ragged_numpy(tokens: np.ndarray, query_start_loc: np.ndarray, slots: np
     from_call = local[:, None] >= back                                  # (T, C + 1): within this call's tokens
     window = np.where(from_call, tokens[np.maximum(every[:, None] - back, 0)],
                       np.take_along_axis(held, np.clip(C - (back - local[:, None]), 0, C - 1), axis=1))
-    out = _rows_numpy(_windows(window, eos), multipliers, sizes, offsets, heads_per_ngram)
+    out = rows_numpy(_windows(window, eos), multipliers, sizes, offsets, heads_per_ngram)
     if commit:
         has = query_start_loc[1:] > query_start_loc[:-1]
         ends = query_start_loc[1:][has] - 1                             # last token of each request with tokens

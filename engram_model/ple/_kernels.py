@@ -5,7 +5,7 @@ tests hold the kernel to the NumPy twins of ``_hasher.py`` (``tests/model/test_p
 
 :func:`hash_ragged` builds each token's window of raw token ids (the reference's ``_shift_right_ignore_eos``: walking
 back from the token, the first EOS met is kept and every older slot reads EOS; the token itself is never
-replaced), and hands blocks of :data:`~engram_model.v41._kernels.HASH_BLOCK` windows to the mixing and modulo of
+replaced), and hands blocks of :data:`~engram_model._ngram_kernels.HASH_BLOCK` windows to the mixing and modulo of
 DeepSeek-V4.1's hash, which is the same arithmetic (``r = t0 * m0 ^ t1 * m1 ^ ...`` per order, int64 wrapping,
 ``r mod size + offset`` non-negative).
 """
@@ -15,8 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ..v41._kernels import HASH_BLOCK, ragged_refusal
-from ..v41._kernels import _rows_of_block as rows_of_block
+from .._ngram_kernels import HASH_BLOCK, ragged_refusal, rows_of_block
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

@@ -33,9 +33,9 @@ import numpy as np
 from engram_store import EngramStore
 from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
 
+from .._ngram import int_vector
 from .._rows_format import decode_rows, round_bf16
-from ..v41._hasher import _vector
-from ..v41._checkpoint import _as_checkpoint, table_options
+from .._table_load import as_checkpoint, table_options
 from ._checkpoint import _buffers, load_ple_weights, open_ple_table
 from ._config import PLEConfig, PLEHashBuffers, ple_store_config
 
@@ -65,7 +65,7 @@ class PLEConvState:
         if slots is None:
             self.rows.fill(0.0)
             return
-        idx = _vector(slots, "slots", "[R]")
+        idx = int_vector(slots, "slots", "[R]")
         if idx.size and (idx.min() < 0 or idx.max() >= self.batch_size):
             raise InvalidArgument(f"slots: expected slots in [0, {self.batch_size}), got {describe(slots)}")
         self.rows[idx] = 0.0
@@ -130,7 +130,7 @@ class PLELayer:
         if not isinstance(config, PLEConfig):
             raise InvalidType(f"config: expected a PLEConfig, got {type(config).__name__}")
         table_options(layer_id, store, disk_dir, local_dir, row_cache_bytes, cache_scope)  # one place, or refused
-        ckpt = _as_checkpoint(path)
+        ckpt = as_checkpoint(path)
         buffers = _buffers(ckpt, config, layer_id, None)
         weights = load_ple_weights(ckpt, config, layer_id)
         owned = not isinstance(store, EngramStore)
@@ -223,8 +223,8 @@ class PLELayer:
         back a draft."""
         h, e = self._inputs(hidden_states, embeddings, 2)
         T, C = h.shape
-        starts = _vector(query_start_loc, "query_start_loc", "[R + 1]")
-        where = _vector(slots, "slots", "[R]")
+        starts = int_vector(query_start_loc, "query_start_loc", "[R + 1]")
+        where = int_vector(slots, "slots", "[R]")
         if not isinstance(state, PLEConvState) or state.rows.shape[1:] != (self.config.conv_state_len, C):
             raise InvalidType(f"state: expected a PLEConvState of begin(), got {describe(state)}")
         if starts.shape[0] != where.shape[0] + 1 or starts[0] != 0 or starts[-1] != T \

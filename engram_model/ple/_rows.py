@@ -44,9 +44,9 @@ import numpy as np
 from engram_store.buffers import host_array
 from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
 
-from .. import _rows_gather_kernels as _k
-from .._fp8 import E4M3_TABLE
-from .._rows_gather import RowGather, RowsHandle, Span, as_ids, check_table, check_threads, word_view
+from .._rows_format import E4M3_TABLE
+from .._rows_gather import RowGather, RowsAdapter, RowsHandle, Span, as_ids, check_table, check_threads, word_view
+from .._rows_gather_kernels import first_bad, rows_from_span, rows_from_staging
 from ._config import PLEConfig, PLEHashBuffers
 
 #: bf16 bits of every e4m3 code (exact: an e4m3 value is a bf16 value; NaN codes give a quiet NaN of their sign).
@@ -114,7 +114,7 @@ class BoundRows:
             raise InvalidArgument(f"ids: expected [T, heads] with 1 <= T <= {self.max_tokens} (the bound buffer's "
                                   f"tokens) and heads = {self.heads}, got {list(arr.shape)}")
         flat = arr.reshape(-1)
-        bad = _k.first_bad(flat, rows.total)
+        bad = first_bad(flat, rows.total)
         if bad >= 0:
             raise InvalidArgument(rows._bad_id(arr, int(bad)))
         views = self._views.get(T) or self._view(T)
@@ -134,9 +134,9 @@ class BoundRows:
             self.rows._from_span(span, call)
             return
         g = self.rows._gather
-        g.split_range(call.ids.shape[0], lambda a, b: _k.rows_from_span(
-            span.words, span.word_delta, g.offsets, call.ids, call.v0, call.v1, a, b, g.row_bytes // 8, E4M3_BF16,
-            words))
+        g.split_range(call.ids.shape[0], lambda a, b: rows_from_span(
+            span.words, span.word_delta, g.offsets, call.ids, 0, g.cols, call.v0, call.v1, a, b, g.row_bytes // 8,
+            E4M3_BF16, words))
 
 
 def ple_rank_rows(config: PLEConfig, layer_id: int, rank: int, ranks: int, *, padding: int | None = None,
@@ -165,7 +165,7 @@ def ple_rank_rows(config: PLEConfig, layer_id: int, rank: int, ranks: int, *, pa
     return RankRows(int(start), int(end), heads)
 
 
-class PLERows:
+class PLERows(RowsAdapter):
     """Rows of layer ``layer_id``'s PLE table for a serving engine (see the module docstring).
 
     ``table``: an :class:`EngramStore` holding the layer in :func:`ple_store_config`'s layout, or a head shard of
@@ -201,16 +201,6 @@ class PLERows:
         self._store_dtype = fmt.dtype
         self._whole: tuple[int, int] | None = None
         self._whole = self._window(0, None) if self.heads == list(range(config.heads)) else None
-
-    @property
-    def memory_gathers(self) -> int:
-        """Calls gathered from this host's memory in one kernel."""
-        return self._gather.memory_gathers
-
-    @property
-    def staged_gathers(self) -> int:
-        """Calls read with ``lookup_into``, then laid out."""
-        return self._gather.staged_gathers
 
     # ---- the call ---------------------------------------------------------------------------------
 
@@ -263,7 +253,7 @@ class PLERows:
         flat = _rows_of(arr)
         v0, v1 = self._window(row_start, row_end)
         ids_flat = ids_arr.reshape(-1)
-        bad = _k.first_bad(ids_flat, self.total)
+        bad = first_bad(ids_flat, self.total)
         if bad >= 0:
             raise InvalidArgument(self._bad_id(ids_arr, int(bad)))
         out2 = flat.view(np.uint8) if raw else flat
@@ -321,7 +311,7 @@ class PLERows:
 
     def _staged(self, call: _Call) -> None:
         """The call's rows read with the table's lookup_into (remote segments, disk), then laid out."""
-        self._gather.staged(call.ids, call.v0, call.v1, lambda staged, src: _k.rows_from_staging(
+        self._gather.staged(call.ids, call.v0, call.v1, lambda staged, src: rows_from_staging(
             staged, src, E4M3_BF16, call.out), call.straight)
 
     def _from_span(self, span: Span, call: _Call) -> None:
@@ -331,20 +321,8 @@ class PLERows:
         words = word_view(out) if span.words is not None and out.itemsize == 1 else None
         if words is not None:
             source, delta, items, out = span.words, span.word_delta, g.row_bytes // 8, words
-        g.split_range(call.ids.shape[0], lambda a, b: _k.rows_from_span(
-            source, delta, g.offsets, call.ids, call.v0, call.v1, a, b, items, E4M3_BF16, out))
-
-    # ---- lifetime ---------------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Wait for background gathers and stop their thread (the table stays open: it is the caller's)."""
-        self._gather.close()
-
-    def __enter__(self) -> "PLERows":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        g.split_range(call.ids.shape[0], lambda a, b: rows_from_span(
+            source, delta, g.offsets, call.ids, 0, g.cols, call.v0, call.v1, a, b, items, E4M3_BF16, out))
 
     def __repr__(self) -> str:
         return (f"PLERows(layer_id={self.layer_id}, heads={self.heads[0]}..{self.heads[-1]}, rows={self.fmt}, "

@@ -1,6 +1,6 @@
 """How large a PLE hot-row cache must be, before serving: ``engram-stats --ple``.
 
-The V4.1 sizing's replay and report (:mod:`engram_model.v41._sizing`: an LRU miss-ratio curve over a spatially
+The replay and report every family shares (:mod:`engram_model._replay`: an LRU miss-ratio curve over a spatially
 hashed sample, exact working set and first-touch bound, per layer and n-gram order, or a profile's most frequent
 rows) over the PLE geometry: :func:`sizing_geometry` names a PLE config's layers, heads and rows as that report
 reads them, and :func:`replay_tokens` hashes a corpus of raw token ids (the model's own tokenizer's) with
@@ -14,7 +14,7 @@ from typing import Mapping
 
 import numpy as np
 
-from ..v41._sizing import REPLAY_MAX_KEYS, Replay, replay_hasher
+from .._replay import REPLAY_MAX_KEYS, Replay, replay_hasher
 from ._config import PLEConfig, PLEHashBuffers
 from ._hasher import PLEHasher
 

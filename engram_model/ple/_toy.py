@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from engram_store.durable import write_replacing
-from ..v41._toy import write_safetensors
+from .._safetensors import write_safetensors
 from ._config import PLEConfig
 
 #: Tensors of the ``ple_embedding`` module that are not the table (transformers' buffers).

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from engram_store import cli
 
-from ..v41._checkpoint import SafetensorsCheckpoint
+from .._safetensors import SafetensorsCheckpoint
 from ..v41.load import parse, run_family
 from ._checkpoint import load_ple_hash_buffers, load_ple_table
 from ._config import PLEConfig

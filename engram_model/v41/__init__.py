@@ -14,19 +14,23 @@ Public surface::
     V41Engram.from_checkpoint        a layer from safetensors shards, its table streamed into the store
     load_v41_weights, load_v41_table the same in parts; SafetensorsCheckpoint reads F8/BF16 tensors (pread)
     hit_rate_by_order, order_labels  a disk_dir EngramStore's stats() curves by n-gram order; metrics labelled so
+    replay_tokens                    a corpus hashed and replayed into a hit-rate curve (engram-stats --v41)
+    write_toy_checkpoint             a small checkpoint in the released layout
+    warmup                           compile the family's kernels (engram-warmup)
 
 Demo: ``python -m engram_model.v41.demo``. Loading a checkpoint into a running store: ``engram-load-v41``.
 """
 
 from ._checkpoint import SafetensorsCheckpoint, load_v41_table, load_v41_weights, open_v41_table
 from ._config import V41Config, v41_store_config
-from ._engram import V41Engram, V41Prefetch
+from ._layer import V41Engram, V41Prefetch
 from ._fp8 import decode_fp8_rows, encode_fp8_rows
 from ._hasher import V41Hasher, V41HashState
 from ._rows import BoundRows, RowsHandle, V41Rows
-from ._sizing import hit_rate_by_order, order_labels
+from ._sizing import hit_rate_by_order, order_labels, replay_tokens
 from ._tokens import build_token_map, check_token_map, load_token_map, save_token_map
 from ._toy import write_toy_checkpoint
+from ._warmup import warmup
 
 __all__ = [
     "BoundRows",
@@ -47,8 +51,10 @@ __all__ = [
     "load_token_map",
     "load_v41_table",
     "open_v41_table",
+    "replay_tokens",
     "load_v41_weights",
     "save_token_map",
     "v41_store_config",
+    "warmup",
     "write_toy_checkpoint",
 ]

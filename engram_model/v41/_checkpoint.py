@@ -19,31 +19,21 @@ manifest. If a column fails, the columns this call wrote are removed first.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
 
 from engram_store import EngramStore
-from engram_store.errors import EngramError, InvalidArgument, InvalidType, ObjectExists, ObjectNotFound, describe
+from engram_store.errors import InvalidArgument
 from engram_store.progress import Progress
 
-from .._fp8 import E4M3_TABLE
+from .._rows_format import E4M3_TABLE
+from .._safetensors import FLOATS as _FLOATS
+from .._safetensors import SafetensorsCheckpoint
+from .._table_load import (CHUNK_ROWS, PROGRESS_MIN_BYTES, as_checkpoint, expect, open_or_load, populate_heads,
+                           table_options, write_to_disk, write_to_local_dir)
 from . import _kernels
 from ._config import FP8_BLOCK, V41Config, v41_store_config
-from ._safetensors import FLOATS as _FLOATS
-from ._safetensors import SafetensorsCheckpoint
-
-log = logging.getLogger(__name__)
-
-#: Rows packed per chunk while a column is copied (16 MiB of 264-byte rows); the progress bar moves per chunk.
-CHUNK_ROWS = 1 << 16
-#: Columns smaller than this show no progress bar.
-PROGRESS_MIN_BYTES = 64 << 20
-
-
-def _as_checkpoint(path: Any) -> SafetensorsCheckpoint:
-    return path if isinstance(path, SafetensorsCheckpoint) else SafetensorsCheckpoint(path)
 
 
 def tensor_name(ckpt: SafetensorsCheckpoint, layer_id: int, part: str) -> str:
@@ -57,34 +47,25 @@ def tensor_name(ckpt: SafetensorsCheckpoint, layer_id: int, part: str) -> str:
     raise InvalidArgument(f"{ckpt.path}: layer {layer_id} has no Engram tensor {part!r} (tried {', '.join(tried)})")
 
 
-def _expect(ckpt: SafetensorsCheckpoint, name: str, dtypes: tuple[str, ...], shape: tuple[int, ...]) -> str:
-    dtype, got = ckpt.info(name)
-    if dtype not in dtypes:
-        raise InvalidArgument(f"{name}: expected dtype {' or '.join(dtypes)}, got {dtype}")
-    if got != shape:
-        raise InvalidArgument(f"{name}: expected shape {list(shape)} for this config, got {list(got)}")
-    return dtype
-
-
 def load_v41_weights(path: Any, config: V41Config, layer_id: int) -> dict[str, np.ndarray]:
     """``{"wkv", "q_weight", "k_weight"}`` of one layer as float32, ``wkv`` dequantised by its 32x32 block scales."""
-    ckpt = _as_checkpoint(path)
+    ckpt = as_checkpoint(path)
     config.layer_index(layer_id)
     hc, hidden, K = config.hc_mult, config.hidden_size, config.cols * config.head_dim
     out: dict[str, np.ndarray] = {}
     for part in ("q_weight", "k_weight"):
         name = tensor_name(ckpt, layer_id, part)
-        _expect(ckpt, name, _FLOATS, (hc, hidden))
+        expect(ckpt, name, _FLOATS, (hc, hidden))
         out[part] = ckpt.float32(name)
     name = tensor_name(ckpt, layer_id, "wkv.weight")
     shape = ((hc + 1) * hidden, K)
-    dtype = _expect(ckpt, name, ("F8_E4M3",) + _FLOATS, shape)
+    dtype = expect(ckpt, name, ("F8_E4M3",) + _FLOATS, shape)
     if dtype in _FLOATS:  # already dequantised by another stack
         out["wkv"] = ckpt.float32(name)
         return out
     scale_name = tensor_name(ckpt, layer_id, "wkv.scale")
     blocks = (-(-shape[0] // FP8_BLOCK), -(-shape[1] // FP8_BLOCK))
-    scale_dtype = _expect(ckpt, scale_name, ("F8_E8M0", "U8") + _FLOATS, blocks)
+    scale_dtype = expect(ckpt, scale_name, ("F8_E8M0", "U8") + _FLOATS, blocks)
     if scale_dtype in _FLOATS:  # scales stored as their values
         scales = ckpt.float32(scale_name)
     else:
@@ -121,9 +102,9 @@ class _TableRows:
 def _table_tensors(ckpt: SafetensorsCheckpoint, config: V41Config, layer_id: int) -> _TableRows:
     rows, hd = config.num_embeddings(layer_id), config.head_dim
     weight = tensor_name(ckpt, layer_id, "embed.weight")
-    _expect(ckpt, weight, ("F8_E4M3", "U8"), (rows, hd))
+    expect(ckpt, weight, ("F8_E4M3", "U8"), (rows, hd))
     scale = tensor_name(ckpt, layer_id, "embed.scale")
-    _expect(ckpt, scale, ("F8_E8M0", "U8"), (rows, hd // FP8_BLOCK))
+    expect(ckpt, scale, ("F8_E8M0", "U8"), (rows, hd // FP8_BLOCK))
     return _TableRows(ckpt, weight, scale, hd)
 
 
@@ -144,7 +125,7 @@ def load_v41_table(path: Any, config: V41Config, layer_id: int, store: Any = Non
     the layer's EngramStore, opened with ``row_cache_bytes`` and ``cache_scope`` (as :class:`EngramStore` takes
     them), ready for :class:`V41Engram` and :class:`V41Rows`.
     """
-    ckpt = _as_checkpoint(path)
+    ckpt = as_checkpoint(path)
     layout = v41_store_config(config, layer_id)
     table = _table_tensors(ckpt, config, layer_id)  # the tensors are checked before anything else
     options = table_options(layer_id, store, disk_dir, local_dir, row_cache_bytes, cache_scope)
@@ -156,41 +137,6 @@ def load_v41_table(path: Any, config: V41Config, layer_id: int, store: Any = Non
     buffer = np.empty((max(primes), config.row_bytes), dtype=np.uint8)
     return populate_heads(store, layout, layer_id, options, replica_num, lambda c: _pack_column(
         table, offsets[c], buffer[:primes[c]], layer_id, c, config.cols, progress), "column")
-
-
-def populate_heads(store: Any, layout: Any, layer_id: int, options: dict[str, Any], replica_num: int,
-                   head_table: Any, what: str = "head") -> EngramStore:
-    """Populate the layer's heads into ``store`` one head shard at a time, ``head_table(h)`` making head h's table
-    (into a buffer it may reuse); the last shard publishes the layer's manifest. Refuses a layer already (or partly)
-    there; on any failure each shard written is taken back with :meth:`EngramStore.undo_populate` (a layer that
-    another process removed with force and loaded meanwhile stays whole). Returns the layer's EngramStore."""
-    layer = store_layer(store, layout, layer_id, options)
-    heads = len(layout.table_vocab_sizes)
-    present = [k for k, e in zip(layer.get_store_keys(), store.batch_is_exist(layer.get_store_keys())) if e]
-    if present:
-        layer.close()
-        raise ObjectExists(f"layer {layer_id}: {len(present)} of {heads} {what}s are already in the store "
-                           f"(first {present[0]!r}); remove the layer first")
-    written: list[EngramStore] = []
-    try:
-        for h, rows in enumerate(layout.table_vocab_sizes):
-            table = head_table(h)
-            shard = EngramStore(layer_id, layout, store, heads=[h])
-            shard.populate([table], replica_num=replica_num)
-            written.append(shard)
-            log.info("layer %d: %s %d/%d written (%d rows)", layer_id, what, h + 1, heads, rows)
-    except BaseException:
-        for shard in written:
-            try:  # this load's heads only: another process may have removed the layer and loaded it since
-                shard.undo_populate()
-            except EngramError as exc:  # keep the original error; say what could not be cleaned up
-                log.error("layer %d: removing a %s this load wrote failed: %s", layer_id, what, exc)
-        layer.close()
-        raise
-    finally:
-        for shard in written:
-            shard.close()
-    return layer
 
 
 def open_v41_table(path: Any, config: V41Config, layer_id: int, store: Any = None, *, disk_dir: Any = None,
@@ -205,73 +151,6 @@ def open_v41_table(path: Any, config: V41Config, layer_id: int, store: Any = Non
                 row_cache_bytes=row_cache_bytes, cache_scope=cache_scope)
     return open_or_load(layout, layer_id, store, options, lambda: load_v41_table(path, config, layer_id, store,
                                                                                  **load), "column")
-
-
-def open_or_load(layout: Any, layer_id: int, store: Any, options: dict[str, Any], load: Any,
-                 what: str = "head") -> EngramStore:
-    """The layer's EngramStore in the place ``options`` name (:func:`table_options`), opened where the layer is
-    there already, else made by ``load()`` (which streams it in). A layer partly in a store is refused."""
-    disk_dir, local_dir = options.get("disk_dir"), options.get("local_dir")
-    if disk_dir is not None:
-        from engram_store.disk import DiskDir
-
-        if layer_id in DiskDir(disk_dir).layers():
-            return EngramStore(layer_id, layout, None, **options)
-        return load()
-    if local_dir is not None:
-        layer = EngramStore(layer_id, layout, None, **options)
-        try:
-            layer.local_tables()  # raises ObjectNotFound where the layer is not published there
-        except ObjectNotFound:
-            layer.close()
-            return load()
-        return layer
-    layer = store_layer(store, layout, layer_id, options)
-    present = store.batch_is_exist(layer.get_store_keys())
-    if all(present):
-        return layer
-    layer.close()
-    if any(present):
-        raise InvalidArgument(f"store: {sum(present)} of {len(present)} {what}s of layer {layer_id} are in the store "
-                              f"(an interrupted load?); engram-layers remove --master {store.master_address} "
-                              f"{layer_id}, then load it again")
-    _say_why_loading(store, layer_id)
-    return load()
-
-
-def table_options(layer_id: int, store: Any, disk_dir: Any, local_dir: Any, row_cache_bytes: int,
-                   cache_scope: str) -> dict[str, Any]:
-    """The EngramStore keywords of the one place a layer's table is (refusing none or several)."""
-    places = {name: value for name, value in (("store", store), ("disk_dir", disk_dir), ("local_dir", local_dir))
-              if value is not None}
-    if len(places) != 1:
-        got = ", ".join(f"{name}={describe(value)}" for name, value in places.items()) or "none"
-        raise InvalidArgument(f"store, disk_dir, local_dir: expected exactly one place for the table of layer "
-                              f"{layer_id}, got {got}")
-    options: dict[str, Any] = {"row_cache_bytes": row_cache_bytes, "cache_scope": cache_scope}
-    if store is None:
-        options.update(places)
-    return options
-
-
-def store_layer(store: Any, layout: Any, layer_id: int, options: dict[str, Any]) -> EngramStore:
-    if isinstance(store, EngramStore) or not hasattr(store, "batch_is_exist"):
-        raise InvalidType(f"store: expected a DistributedStore (the table goes in as head shards of layer "
-                          f"{layer_id}), got {type(store).__name__}")
-    return EngramStore(layer_id, layout, store, **options)
-
-
-def _say_why_loading(store: Any, layer_id: int) -> None:
-    """Log why a layer is streamed into a store: it was never there, or the store lost it (a loss must not hide
-    behind a silent reload)."""
-    lost = [k.key for k in store.list_keys(f"engram:l{layer_id}:") if k.state == "lost"] \
-        if hasattr(store, "list_keys") else []
-    if lost:
-        log.warning("layer %d: the store lost %d of its objects (%s%s; engram-master status lists them); streaming "
-                    "the layer from the checkpoint again", layer_id, len(lost), ", ".join(lost[:3]),
-                    ", ..." if len(lost) > 3 else "")
-    else:
-        log.info("layer %d is not in the store yet: streaming it from the checkpoint", layer_id)
 
 
 def _pack_column(table: _TableRows, offset: int, column: np.ndarray, layer_id: int, c: int, cols: int,
@@ -295,25 +174,6 @@ def _pack_column(table: _TableRows, offset: int, column: np.ndarray, layer_id: i
     return column
 
 
-def write_to_disk(layout: Any, layer_id: int, disk_dir: Any, fills: list, progress: bool | None,
-                  options: dict[str, Any]) -> EngramStore:
-    """Write the layer under ``disk_dir`` from one ``fill(start_row, out)`` per head, chunk by chunk as the writer
-    asks, and publish it; refuses a layer already there. Returns the layer's EngramStore."""
-    from engram_store.disk import DiskDir
-
-    directory = DiskDir(disk_dir)
-    if layer_id in directory.layers():
-        raise ObjectExists(f"layer {layer_id} is already published under disk_dir {directory.path}; remove it first")
-    nbytes = sum(layout.table_vocab_sizes) * layout.row_bytes
-    bar = Progress(nbytes, f"layer {layer_id} to {directory.path}",
-                   enabled=progress if progress is not None else (None if nbytes >= PROGRESS_MIN_BYTES else False))
-    try:
-        directory.write(layer_id, layout.row_bytes, layout.table_vocab_sizes, fills, progress=bar)
-    finally:
-        bar.close()
-    return EngramStore(layer_id, layout, **{**options, "disk_dir": directory.path})
-
-
 def _column_fills(table: _TableRows, config: V41Config, layer_id: int) -> list:
     """One ``fill(start_row, out)`` per column: its rows packed (codes, then scale bytes) chunk by chunk, NaNs
     refused naming the table row."""
@@ -327,13 +187,3 @@ def _column_fills(table: _TableRows, config: V41Config, layer_id: int) -> list:
     return [column(c, offset) for c, offset in enumerate(config.offsets(layer_id).tolist())]
 
 
-def write_to_local_dir(layout: Any, layer_id: int, fills: list, options: dict[str, Any]) -> EngramStore:
-    """Write the layer under ``local_dir`` from one ``fill(start_row, out)`` per head, each head's file chunk by
-    chunk, and publish it. Returns the layer's EngramStore."""
-    layer = EngramStore(layer_id, layout, None, **options)
-    try:
-        layer.populate(fills)
-    except BaseException:
-        layer.close()
-        raise
-    return layer

@@ -10,7 +10,6 @@ from the tokenizer (:mod:`engram_model.v41._tokens`).
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -21,8 +20,8 @@ import numpy as np
 from engram_store import EngramStoreConfig
 from engram_store.errors import ConfigError, InvalidArgument, InvalidType, describe, is_int
 
-from .._checkpoint_files import open_checkpoint_file
-from .._hashing import find_next_prime
+from .._checkpoint_files import read_json
+from .._ngram import find_next_prime
 from .._rows_format import RowFormat
 
 #: Spreads the multiplier seeds of different layers apart (the reference seeds ``10007 * layer_id``, no base seed).
@@ -147,7 +146,7 @@ class V41Config:
         ``engram_pad_token_id`` or ``engram_pad_id``. ``engram_num_embeddings``, where present, must equal the
         sums of the primes this config derives: a mismatch means the tables were laid out differently.
         """
-        raw = _read_json(path_or_dict)
+        raw = read_json(path_or_dict)
         text = raw.get("text_config", raw)
         if not isinstance(text, Mapping):
             raise ConfigError(f"text_config: expected an object, got {describe(text)}")
@@ -193,34 +192,6 @@ def _primes(config: V41Config) -> tuple[tuple[tuple[int, ...], ...], ...]:
             orders.append(tuple(heads))
         layers.append(tuple(orders))
     return tuple(layers)
-
-
-def _read_json(path_or_dict: Any, caller: str = "from_hf_config") -> Mapping[str, Any]:
-    if isinstance(path_or_dict, Mapping):
-        return path_or_dict
-    if not isinstance(path_or_dict, (str, os.PathLike)):
-        raise ConfigError(f"path_or_dict: expected a config.json path, a directory or a dict, "
-                          f"got {type(path_or_dict).__name__}")
-    path = os.fspath(path_or_dict)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    try:
-        with open(open_checkpoint_file(path), encoding="utf-8") as f:  # a regular file: never a pipe
-            raw = json.load(f)
-    except (FileNotFoundError, NotADirectoryError):
-        where = (f"no config.json in the directory {os.fspath(path_or_dict)!r}" if path != os.fspath(path_or_dict)
-                 else f"no such file {path!r}")
-        raise ConfigError(f"{caller}: {where} (expected a config.json path, a checkpoint directory holding "
-                          "one, or a dict)") from None
-    except OSError as exc:
-        raise ConfigError(f"{caller}: cannot read {path!r}: {exc.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: not JSON ({exc})") from None
-    except RecursionError:
-        raise ConfigError(f"{path}: nested too deeply to be a config.json") from None
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{path}: expected a JSON object, got {describe(raw)}")
-    return raw
 
 
 def v41_store_config(config: V41Config, layer_id: int) -> EngramStoreConfig:

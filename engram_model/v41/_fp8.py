@@ -22,8 +22,8 @@ import numpy as np
 
 from engram_store.errors import InvalidArgument, InvalidType
 
-from .._fp8 import E4M3_MAX, E4M3_TABLE, _nearest_e4m3
-from .._rows_format import RowFormat, round_bf16  # noqa: F401 (round_bf16: the V4.1 modules import it from here)
+from .._rows_format import E4M3_MAX, E4M3_TABLE, RowFormat, nearest_e4m3
+from .._rows_format import round_bf16  # noqa: F401 (the V4.1 modules import it from here)
 from . import _kernels
 from ._config import FP8_BLOCK
 
@@ -135,7 +135,7 @@ def encode_fp8_rows(values: Any) -> np.ndarray:
     k -= (amax > 0) & (amax <= np.ldexp(E4M3_MAX, k.astype(np.int64) - 1))
     k = np.clip(k, -E8M0_BIAS, E8M0_BIAS).astype(np.int64)
     scaled = blocks / np.ldexp(1.0, k)[..., None]
-    codes = _nearest_e4m3(np.abs(scaled)) | np.where(scaled < 0, 0x80, 0).astype(np.uint8)
+    codes = nearest_e4m3(np.abs(scaled)) | np.where(scaled < 0, 0x80, 0).astype(np.uint8)
     out = np.empty((x.shape[0], head_dim + head_dim // FP8_BLOCK), dtype=np.uint8)
     out[:, :head_dim] = codes.reshape(x.shape[0], head_dim)
     out[:, head_dim:] = (k + E8M0_BIAS).astype(np.uint8)

@@ -41,6 +41,7 @@ import numpy as np
 
 from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
 
+from .._ngram import int_vector, ragged_arguments, ragged_refused, rows_numpy
 from .._tokenizer import as_int_ids
 from . import _kernels
 from ._config import V41Config
@@ -253,10 +254,10 @@ class V41Hasher:
     def step_ragged_numpy(self, state: V41HashState, tokens: Any, slots: Any, query_start_loc: Any, *,
                           token_mask: Any = None, doc_start: Any = None, commit: bool = True) -> np.ndarray:
         """The rows (and state) of :meth:`step_ragged`, computed by :func:`hash_ragged_numpy`; checks less."""
-        ids = _vector(tokens, "tokens", "[T]")
+        ids = int_vector(tokens, "tokens", "[T]")
         T = ids.shape[0]
-        return hash_ragged_numpy(ids, _vector(query_start_loc, "query_start_loc", "[R + 1]"),
-                                 _vector(slots, "slots", "[R]"), state.history, self.token_map, self.pad,
+        return hash_ragged_numpy(ids, int_vector(query_start_loc, "query_start_loc", "[R + 1]"),
+                                 int_vector(slots, "slots", "[R]"), state.history, self.token_map, self.pad,
                                  self.multipliers, self.primes, self.offsets, self.config.n_heads,
                                  self._flags(token_mask, "token_mask", (T,), "mask"),
                                  self._flags(doc_start, "doc_start", (T,), "doc_start"), bool(commit))
@@ -265,50 +266,6 @@ class V41Hasher:
         c = self.config
         return (f"V41Hasher(layers={list(c.layer_ids)}, max_ngram_size={c.max_ngram_size}, cols={c.cols}, "
                 f"vocab={self.token_map.size} -> {c.compressed_vocab_size})")
-
-
-def ragged_arguments(tokens: Any, slots: Any, query_start_loc: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A ragged step's ``(tokens [T], query_start_loc [R + 1], slots [R])`` as int64 vectors, their lengths and the
-    offsets' ends checked (what the kernels check, :func:`~engram_model.v41._kernels.ragged_refusal`, aside)."""
-    ids = _vector(tokens, "tokens", "[T]")
-    starts = _vector(query_start_loc, "query_start_loc", "[R + 1]")
-    where = _vector(slots, "slots", "[R]")
-    T, R = ids.shape[0], where.shape[0]
-    if starts.shape[0] != R + 1:
-        raise InvalidArgument(f"query_start_loc: expected R + 1 = {R + 1} offsets (slots has R = {R}), "
-                              f"got {starts.shape[0]}")
-    if starts[0] != 0 or starts[R] != T:
-        raise InvalidArgument(f"query_start_loc: expected offsets from 0 to T = {T} (the number of tokens), "
-                              f"got {int(starts[0])} to {int(starts[R])}")
-    return ids, starts, where
-
-
-def ragged_refused(kind: int, at: int, ids: np.ndarray, starts: np.ndarray, slots: np.ndarray, n_slots: int,
-                   tokens_in: str) -> None:
-    """Raise for the problem :func:`~engram_model.v41._kernels.ragged_refusal` found (its codes); ``tokens_in``
-    says where token ids must lie."""
-    if kind == 1:
-        r = int(np.searchsorted(starts, at, side="right")) - 1
-        raise InvalidArgument(f"tokens: token id {int(ids[at])} at [{at}] (request {r}) is outside {tokens_in}")
-    if kind == 4:
-        raise InvalidArgument(f"query_start_loc: expected non-decreasing offsets, got {int(starts[at])} then "
-                              f"{int(starts[at + 1])} at [{at}, {at + 1}]")
-    slot = int(slots[at])
-    if kind == 2:
-        raise InvalidArgument(f"slots: expected slots of the state in [0, {n_slots}), got {slot} for request {at}")
-    first = int(np.flatnonzero(slots == slot)[0])
-    raise InvalidArgument(f"slots: expected a distinct slot per request, got slot {slot} for requests {first} "
-                          f"and {at}")
-
-
-def _vector(value: Any, name: str, shape: str) -> np.ndarray:
-    """Integer ``value`` as a C-contiguous int64 vector (engines pass int32 ones: they are converted)."""
-    if isinstance(value, np.ndarray) and value.dtype == np.int64 and value.ndim == 1 and value.flags.c_contiguous:
-        return value  # the decode fast path: nothing to convert
-    arr = as_int_ids(value, name)
-    if arr.ndim != 1:
-        raise InvalidArgument(f"{name}: expected shape {shape}, got shape {arr.shape}")
-    return np.ascontiguousarray(arr)
 
 
 def hash_numpy(ids: np.ndarray, token_map: np.ndarray, pad: int, multipliers: np.ndarray, primes: np.ndarray,
@@ -330,7 +287,7 @@ def hash_numpy(ids: np.ndarray, token_map: np.ndarray, pad: int, multipliers: np
         if position_ids is not None:
             blocked |= position_ids < s
         tokens[..., s] = np.where(blocked, pad, back)
-    return _rows_numpy(tokens, multipliers, primes, offsets, n_heads)
+    return rows_numpy(tokens, multipliers, primes, offsets, n_heads)
 
 
 def hash_ragged_numpy(tokens: np.ndarray, query_start_loc: np.ndarray, slots: np.ndarray, history: np.ndarray,
@@ -356,7 +313,7 @@ def hash_ragged_numpy(tokens: np.ndarray, query_start_loc: np.ndarray, slots: np
     window = np.where(from_call, c[np.maximum(every[:, None] - back, 0)],
                       np.take_along_axis(held, np.clip(back - local[:, None] - 1, 0, C - 1), axis=1))
     blocked = np.logical_or.accumulate((window == DEAD) | (since[:, None] < back), axis=1)
-    out = _rows_numpy(np.where(blocked, pad, window), multipliers, primes, offsets, n_heads)
+    out = rows_numpy(np.where(blocked, pad, window), multipliers, primes, offsets, n_heads)
     if commit:
         ends = query_start_loc[1:][query_start_loc[1:] > query_start_loc[:-1]] - 1   # last token of each request
         moved = slots[query_start_loc[1:] > query_start_loc[:-1]]
@@ -364,15 +321,3 @@ def hash_ragged_numpy(tokens: np.ndarray, query_start_loc: np.ndarray, slots: np
     return out
 
 
-def _rows_numpy(tokens: np.ndarray, multipliers: np.ndarray, primes: np.ndarray, offsets: np.ndarray,
-                n_heads: int) -> np.ndarray:
-    """Rows ``[..., n_layers, cols]`` of n-gram windows ``tokens [..., max_n]`` (s tokens back, pad if blocked)."""
-    n_layers, max_n = multipliers.shape
-    out = np.empty(tokens.shape[:-1] + (n_layers, primes.shape[1]), dtype=np.int64)
-    for layer in range(n_layers):
-        r = tokens[..., 0] * multipliers[layer, 0]
-        for n in range(2, max_n + 1):
-            r = r ^ (tokens[..., n - 1] * multipliers[layer, n - 1])
-            cols = slice((n - 2) * n_heads, (n - 1) * n_heads)
-            out[..., layer, cols] = r[..., None] % primes[layer, cols] + offsets[layer, cols]
-    return out

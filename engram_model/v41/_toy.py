@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 
 import numpy as np
 
 from engram_store.durable import write_replacing
 
+from .._safetensors import write_safetensors
 from ._config import FP8_BLOCK, V41Config
 
 
@@ -54,17 +54,3 @@ def write_toy_checkpoint(directory: str | os.PathLike, config: V41Config, seed: 
     return directory
 
 
-def write_safetensors(path: str | os.PathLike, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
-    """One safetensors file from ``{name: (dtype name, raw values)}`` (float8 and bf16 as their bytes)."""
-    header, offset = {}, 0
-    for name, (dtype, array) in tensors.items():
-        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
-        offset += array.nbytes
-    blob = json.dumps(header).encode()
-    blob += b" " * (-len(blob) % 8)
-
-    def write(f) -> None:
-        f.write(struct.pack("<Q", len(blob)) + blob)
-        for _, array in tensors.values():
-            f.write(np.ascontiguousarray(array).tobytes())
-    write_replacing(path, write, "write_safetensors")

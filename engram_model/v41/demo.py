@@ -19,7 +19,7 @@ import numpy as np
 from engram_store import DistributedStore, EngramStore
 
 from ._config import V41Config, v41_store_config
-from ._engram import V41Engram
+from ._layer import V41Engram
 from ._fp8 import round_bf16
 from ._hasher import V41Hasher
 

@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from .. import kernels as _kernels
-from .._errors import (NO_FILES, EngramError, ProtocolError, ResourceExhausted, SegmentUnavailable, UnsafeFile,
+from ..errors import (NO_FILES, EngramError, ProtocolError, ResourceExhausted, SegmentUnavailable, UnsafeFile,
                        too_many_open_files)
 from ..wire import handover
 from ._objects import Replica

@@ -24,7 +24,7 @@ from typing import Callable, Sequence, TypeVar
 import numpy as np
 
 from .. import kernels as _kernels
-from .._errors import StalePlacement
+from ..errors import StalePlacement
 
 T = TypeVar("T")
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._errors import InvalidArgument, InvalidType, describe
+from ..errors import InvalidArgument, InvalidType, describe
 
 MAX_KEY_LEN = 1024
 

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from .. import kernels as _kernels
-from .._errors import EngramError, InvalidArgument, ProtocolError, SegmentUnavailable, StalePlacement
+from ..errors import EngramError, InvalidArgument, ProtocolError, SegmentUnavailable, StalePlacement
 from ..raw import RawChannel, RawChannelRefused
 from ..wire import ZERO_COPY_SEND_BYTES, frame_bytes
 from ._mapped import object_checks, read_mapped

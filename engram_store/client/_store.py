@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 from .. import _fork
 from .._config import DEFAULT_EMBEDDED_SEGMENT_SIZE, StoreConfig
-from .._errors import (
+from ..errors import (
     ConfigError,
     EngramError,
     InvalidArgument,
@@ -32,7 +32,7 @@ from .._errors import (
     error_from_reply,
     is_int,
 )
-from .._units import parse_size
+from ..units import parse_size
 from ..raw import RawRoutes, raw_reads_default
 from ..segment import SegmentServer, host_id
 from ._embedded import start_master

@@ -19,7 +19,7 @@ import numpy as np
 import xxhash
 import zmq
 
-from .._errors import (
+from ..errors import (
     CatalogUnwritable,
     EngramError,
     InvalidArgument,

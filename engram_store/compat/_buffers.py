@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 
-from .._errors import InvalidArgument
+from ..errors import InvalidArgument
 
 
 class BufferHandle(bytearray):

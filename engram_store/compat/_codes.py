@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from .._errors import (
+from ..errors import (
     InvalidArgument,
     InvalidType,
     LeaseActive,

@@ -9,7 +9,7 @@ from typing import Any, Iterable, Mapping
 
 from ..client import DistributedStore
 from ..tables import EngramStore as NativeEngramStore
-from .._errors import (
+from ..errors import (
     EngramError,
     InvalidType,
     NotConnected,

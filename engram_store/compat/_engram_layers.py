@@ -11,7 +11,7 @@ import numpy as np
 from ..tables import EngramStore as NativeEngramStore
 from ..tables import EngramStoreConfig as NativeEngramStoreConfig
 from ..tables import lookup_many
-from .._errors import (
+from ..errors import (
     EngramError,
     InvalidArgument,
     InvalidType,

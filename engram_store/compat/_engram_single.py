@@ -8,7 +8,7 @@ import numpy as np
 
 from ..tables import EngramStore as NativeEngramStore
 from ..tables import EngramStoreConfig as NativeEngramStoreConfig
-from .._errors import (
+from ..errors import (
     EngramError,
     InvalidType,
 )

@@ -7,7 +7,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .._errors import (
+from ..errors import (
     ConfigError,
     EngramError,
     InvalidArgument,

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..client import DistributedStore
-from .._errors import EngramError, InvalidArgument
+from ..errors import EngramError, InvalidArgument
 from ._buffers import Registrations, view
 from ._codes import ErrorCode
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Callable
 
-from .._errors import InvalidArgument, InvalidType, Unavailable, describe
+from ..errors import InvalidArgument, InvalidType, Unavailable, describe
 
 #: Mooncake master's default ``max_kv_soft_pin_ttl``: an ``ENABLE`` with a longer ``soft_pin_ttl_ms`` is refused.
 MAX_SOFT_PIN_TTL_MS = 24 * 60 * 60 * 1000

@@ -22,7 +22,7 @@ from ..master import MasterServer
 from ..segment import SegmentServer, default_readers
 from ..wire import load_keys, resolve_auth_dir
 from .._config import DEFAULT_EMBEDDED_SEGMENT_SIZE, DEFAULT_TIMEOUT_MS
-from .._errors import EngramError, InvalidArgument, InvalidType, MasterUnavailable, Unavailable, describe
+from ..errors import EngramError, InvalidArgument, InvalidType, MasterUnavailable, Unavailable, describe
 
 log = logging.getLogger("engram_store.compat")
 

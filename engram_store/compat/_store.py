@@ -17,7 +17,7 @@ import numpy as np
 
 from ..client import DistributedStore, as_bytes_view
 from .._config import StoreConfig
-from .._errors import EngramError, InvalidArgument, InvalidType, NotConnected, ObjectExists, ObjectNotFound
+from ..errors import EngramError, InvalidArgument, InvalidType, NotConnected, ObjectExists, ObjectNotFound
 from ._buffers import BufferHandle, Registrations, view
 from ._codes import error_code
 from ._reads import object_sizes, read_ranges, read_whole

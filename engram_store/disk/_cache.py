@@ -16,7 +16,7 @@ import threading
 
 import numpy as np
 
-from .._errors import InvalidArgument, describe, is_int
+from ..errors import InvalidArgument, describe, is_int
 from . import _cache_kernels as ck
 from . import _kernels as k
 from ._files import aligned_empty

@@ -25,7 +25,7 @@ import numpy as np
 import xxhash
 from numba import njit
 
-from .._errors import InvalidArgument
+from ..errors import InvalidArgument
 from ._native import load_u32, load_u64
 
 #: Bytes at the end of each block that hold its checksum.

@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 import numpy as np
 import xxhash
 
-from .._errors import ObjectNotFound, StoreError
+from ..errors import ObjectNotFound, StoreError
 from .._layer_dir import LayerDir
 from . import _kernels as k
 from ._cache import RowCache

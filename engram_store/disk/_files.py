@@ -11,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .._errors import DiskReadError, StoreError, describe
+from ..errors import DiskReadError, StoreError, describe
 from .._layer_dir import check_held, link_refused, open_at
 from ._layout import DATA_FILE, PAGE_BYTES, DiskLayout, check_expected, read_manifest_at
 

@@ -71,8 +71,8 @@ import numpy as np
 import xxhash
 
 from .. import _fork
-from .._errors import EngramError, InvalidArgument, OutOfSpace, StoreError, TableClosed, describe
-from .._pages import MADV_HUGEPAGE, madvise
+from ..errors import EngramError, InvalidArgument, OutOfSpace, StoreError, TableClosed, describe
+from ..pages import MADV_HUGEPAGE, madvise
 from .._shared_dirs import UserDir, directory_error, shared_base
 from . import _cache_kernels as ck
 from . import _kernels as k

@@ -19,7 +19,7 @@ import threading
 import time
 
 from .. import _fork
-from .._errors import EngramError, LockTimeout
+from ..errors import EngramError, LockTimeout
 from .._shared_dirs import UserDir
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .._errors import ConfigError, InvalidArgument, InvalidType, StoreError, describe
+from ..errors import ConfigError, InvalidArgument, InvalidType, StoreError, describe
 from .._layer_dir import read_at
 from ._checksum import CHECKSUM_BYTES
 

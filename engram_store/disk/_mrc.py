@@ -24,7 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .._errors import InvalidArgument, describe, is_int
+from ..errors import InvalidArgument, describe, is_int
 from . import _mrc_kernels as mk
 from ._cache import per_set_bytes
 from ._kernels import WAYS

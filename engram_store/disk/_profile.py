@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._errors import InvalidArgument, InvalidType, describe, is_int
+from ..errors import InvalidArgument, InvalidType, describe, is_int
 from . import _kernels as k
 from ._cache import MAX_PINNED_WAYS
 from ._reader import DiskLayer, _Batch, default_engine

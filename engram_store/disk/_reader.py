@@ -31,7 +31,7 @@ import numpy as np
 import xxhash
 
 from .. import _fork
-from .._errors import (DiskReadError, InvalidArgument, InvalidType, ObjectNotFound, StoreError, TableClosed, describe,
+from ..errors import (DiskReadError, InvalidArgument, InvalidType, ObjectNotFound, StoreError, TableClosed, describe,
                        is_int)
 from .._layer_dir import HeldFd, LayerDir
 from . import _kernels as k

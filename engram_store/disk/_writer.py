@@ -25,9 +25,9 @@ from typing import Callable, Sequence, Union
 import numpy as np
 import xxhash
 
-from .._errors import InvalidArgument, InvalidType, ObjectExists, OutOfSpace, StoreError, describe, is_int
-from .._pages import reserve
-from .._progress import Progress
+from ..errors import InvalidArgument, InvalidType, ObjectExists, OutOfSpace, StoreError, describe, is_int
+from ..pages import reserve
+from ..progress import Progress
 from .._shared_dirs import file_mode
 from . import _kernels
 from .._layer_dir import LayerDir, LayerLock

@@ -10,7 +10,7 @@ import numpy as np
 from numba import njit
 
 from ._common import _int64_1d, readonly
-from .._errors import InvalidArgument
+from ..errors import InvalidArgument
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 

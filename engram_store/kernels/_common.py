@@ -7,7 +7,7 @@ from llvmlite import ir as _ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
-from .._errors import InvalidArgument, InvalidType
+from ..errors import InvalidArgument, InvalidType
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _SHIFT = {1: 0, 2: 1, 4: 2, 8: 3}

@@ -21,7 +21,7 @@ from ._common import (
     word_shift,
 )
 from ._planning import _pairs, _pairs_shift, check_ranges
-from .._errors import InvalidArgument, InvalidType
+from ..errors import InvalidArgument, InvalidType
 
 
 @njit(cache=True, nogil=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
-from .._errors import InvalidType
+from ..errors import InvalidType
 
 
 @njit(cache=True, nogil=True)

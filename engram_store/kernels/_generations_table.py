@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit
 
 from ._generations import _check_generations
-from .._errors import InvalidType
+from ..errors import InvalidType
 
 HEADER_WORDS = 8
 SEQ, COUNT, CAPACITY, OVERFLOW, RETIRED = range(5)

@@ -11,7 +11,7 @@ from numba import njit
 
 from ._common import _heads, _ids_2d, _int64_1d, readonly, word_shift
 from ._sort import _minus_ones, _sort_positions
-from .._errors import InvalidArgument
+from ..errors import InvalidArgument
 
 
 @njit(cache=True, nogil=True)

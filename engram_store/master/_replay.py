@@ -87,11 +87,24 @@ class Replay:
         elif op == "forget_lost":
             for key in list(self.lost):
                 self._forget_lost(key)
-        elif op == "batch":
+        elif op == "batch":  # one change made at once: the objects it places again give up their old space first
+            self._free_replaced(record["records"])
             for inner in record["records"]:
                 self._replay_record(inner, freed)
         else:  # the journal's reader refuses these before replay
             raise JournalError(f"journal: cannot replay a record of unknown op {op!r}")
+
+    def _free_replaced(self, records: list[dict]) -> None:
+        """Before a batch's records replay, free the space of each object a record of the batch places again (a
+        segment's adoption replaces an object whose space another object of the same batch now holds: in record
+        order the newcomer would find that space still taken). Keys the batch also removes replay in order."""
+        removed = {str(r.get("key")) for r in records if r.get("op") == "remove"}
+        for inner in records:
+            key = str(inner.get("key"))
+            if inner.get("op") == "object" and key not in removed:
+                old = self.objects.pop(key, None)
+                if old is not None:
+                    self._free_replicas(old)
 
     def found(self, key: str, replicas: list[Replica]) -> None:
         """An object of ``key`` with ``replicas`` is known again: a lost one of the key is restored by it, or (written

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import NO_FILES, EngramError, ProtocolError, RemoteError, SegmentUnavailable, too_many_open_files
+from ..errors import NO_FILES, EngramError, ProtocolError, RemoteError, SegmentUnavailable, too_many_open_files
 from ..kernels.raw_io import (BAD_ID, INTERRUPTED, NO_ROOM, OK, RAW_IO, TIMEOUT, client_buffer, direct_request_bytes,
                                read_direct_unchecked, set_client_timeout)
 from .frame import (

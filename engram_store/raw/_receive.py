@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from .._errors import AuthError, InvalidArgument, ProtocolError
+from ..errors import AuthError, InvalidArgument, ProtocolError
 from ..wire import REFUSALS
 from .frame import (
     HEADER,

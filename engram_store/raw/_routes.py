@@ -14,7 +14,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from .._errors import EngramError, SegmentUnavailable
+from ..errors import EngramError, SegmentUnavailable
 from .frame import VERSION as RAW_VERSION
 from ._client import RawChannel, RawChannelRefused
 

@@ -69,7 +69,7 @@ from typing import Any
 import numpy as np
 
 from .. import kernels as _kernels
-from .._errors import InvalidArgument, SegmentUnavailable
+from ..errors import InvalidArgument, SegmentUnavailable
 from .._peers import LEDGER, Holders, PeerNames
 from ..wire import REFUSALS
 from ..kernels.raw_io import serve_params

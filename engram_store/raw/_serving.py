@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from .. import kernels as _kernels
-from .._errors import EngramError, InvalidArgument
+from ..errors import EngramError, InvalidArgument
 from .._sched import prefer_short_slice
 from ..kernels.raw_io import GONE as GONE_NATIVE
 from ..kernels.raw_io import COUNT, PYTHON, RAW_IO, RECHECK, RING_AT, SEND_TIMEOUT, SERVED, serve_read_unchecked

@@ -73,7 +73,7 @@ import socket
 import struct
 import time
 
-from .._errors import AuthError, InvalidArgument, ProtocolError, RemoteError, StalePlacement
+from ..errors import AuthError, InvalidArgument, ProtocolError, RemoteError, StalePlacement
 from ..kernels import raw_io
 
 MAGIC = b"ENGR"

@@ -11,7 +11,7 @@ import uuid
 import numpy as np
 import xxhash
 
-from .._errors import CatalogUnwritable, ConfigError, StoreError
+from ..errors import CatalogUnwritable, ConfigError, StoreError
 from .._shared_dirs import open_own
 from ._files import SegmentFiles
 

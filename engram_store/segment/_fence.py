@@ -21,7 +21,7 @@ import threading
 import uuid
 from dataclasses import dataclass
 
-from .._errors import InvalidArgument, WriteFenced
+from ..errors import InvalidArgument, WriteFenced
 from ..wire import WRITE_KEY_BYTES, read_ticket
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ A segment owns its file: before it reads or writes any of them it takes the excl
 holder (pid, host, start time, and once it serves, its id and address). A second segment started on the same file
 refuses to start, naming the first; two segments on one file would register under one segment id and each hand
 out the other's space (a reader got a blob's bytes as rows). The directory is checked once and held
-(``engram_store._durable``): every file is opened, replaced and removed relative to it, the catalogue through a
+(``engram_store.durable``): every file is opened, replaced and removed relative to it, the catalogue through a
 private temporary, so no name another user takes beside the file is ever written.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from .._durable import DurableDir
+from ..durable import DurableDir
 
 #: What to do about a directory the segment's files may not be kept in.
 HINT = "choose another --file"

@@ -29,10 +29,10 @@ import threading
 import numpy as np
 
 from .. import kernels as _kernels
-from .._errors import InvalidArgument, StalePlacement, StoreError
+from ..errors import InvalidArgument, StalePlacement, StoreError
 from ..kernels import generation_table
-from .._durable import DurableDir, HeldDir
-from .._pages import reserve
+from ..durable import DurableDir, HeldDir
+from ..pages import reserve
 from .._shared_dirs import open_own
 from ._memory import anonymous_memory
 

@@ -16,7 +16,7 @@ import socket
 import threading
 import uuid
 
-from .._errors import EngramError, StoreError
+from ..errors import EngramError, StoreError
 from .._shared_dirs import UserDir, shared_base
 from ..wire import handover
 

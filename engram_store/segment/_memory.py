@@ -10,7 +10,7 @@ with SIGBUS). Where the kernel makes no memfd, an anonymous file in this user's 
 unlinked at once) stands in, without seals.
 
 A durable segment (``--file``) keeps its bytes in a regular file, which cannot be sealed. It is created exclusively,
-never through a link, relative to its directory held open (``engram_store._durable``), or used only when ``fstat``
+never through a link, relative to its directory held open (``engram_store.durable``), or used only when ``fstat``
 shows a regular file of this user that no one else may write (see ``engram_store._shared_dirs``); its user (changing the mode first) and root can still truncate it, which kills the
 segment and the clients mapping it (docs/operating.md says so).
 """
@@ -28,9 +28,9 @@ import uuid
 
 import numpy as np
 
-from .._errors import ConfigError, InvalidArgument, StoreError
-from .._durable import DurableDir, HeldDir
-from .._pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise, prefault, reserve, reserve_memory
+from ..errors import ConfigError, InvalidArgument, StoreError
+from ..durable import DurableDir, HeldDir
+from ..pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise, prefault, reserve, reserve_memory
 from .._shared_dirs import UserDir, open_own, shared_base
 from ..wire import handover
 
@@ -176,7 +176,7 @@ class SegmentMemory:
         self.path = os.path.abspath(path) if path is not None else None
         self.size = size
         self._keep_file = keep_file
-        self._dir, self._own_dir = directory, False  # a file's directory, held open (see engram_store._durable)
+        self._dir, self._own_dir = directory, False  # a file's directory, held open (see engram_store.durable)
         if self.path is None:
             fd, self.sealed = anonymous_memory(size, f"engram-segment-{os.getpid()}", "segment size")
             self.name = f"memfd {os.getpid()}/{fd}"

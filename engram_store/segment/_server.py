@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from .. import kernels as _kernels
-from .._errors import (
+from ..errors import (
     ConfigError,
     EngramError,
     InvalidArgument,

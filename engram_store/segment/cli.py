@@ -13,9 +13,9 @@ from typing import Sequence
 
 import zmq
 
-from .. import _cli
-from .._errors import EngramError, MasterUnavailable
-from .._units import parse_address, parse_size
+from .. import cli as _cli
+from ..errors import EngramError, MasterUnavailable
+from ..units import parse_address, parse_size
 from ..wire import (AUTH_DIR_ENV, exposure_warning, load_keys, resolve_auth_dir, serve_until_signalled,
                     stop_on_signal_while_starting)
 from ..raw.limits import MAX_CONNECTIONS as RAW_MAX_CONNECTIONS

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import EngramError, LeaseActive, LockTimeout, ObjectNotFound, StoreError
+from ..errors import EngramError, LeaseActive, LockTimeout, ObjectNotFound, StoreError
 from .._layer_dir import LayerDir, read_at
 from ..disk import DiskDir
 from ._layout import ROW_FORMATS, EngramStoreConfig

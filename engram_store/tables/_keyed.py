@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._errors import InvalidArgument, ObjectExists, ObjectLost, StoreError
+from ..errors import InvalidArgument, ObjectExists, ObjectLost, StoreError
 from . import _manifest as manifest
 from ._layout import Layer
 from ._source import Source, progress

@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import kernels as _kernels
 from ..buffers import BIT_VIEWS, host_array
-from .._errors import InvalidArgument, InvalidType, describe, is_int
+from ..errors import InvalidArgument, InvalidType, describe, is_int
 
 _INT64 = np.dtype(np.int64)  # compared as a dtype: against the type it costs a conversion a call
 

@@ -39,11 +39,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .. import _pages
+from .. import pages as _pages
 from .. import kernels as _kernels
-from .._errors import ConfigError, ObjectExists, OutOfSpace, StoreError
+from ..errors import ConfigError, ObjectExists, OutOfSpace, StoreError
 from .._layer_dir import LayerDir, open_at, read_at
-from .._pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise, reserve
+from ..pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise, reserve
 from .._shared_dirs import file_mode
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import xxhash
 
-from .._errors import ConfigError, ObjectNotFound, StoreError
+from ..errors import ConfigError, ObjectNotFound, StoreError
 from ._layout import Layer
 
 #: Version of the layout manifest written with each layer (1: crc32 checksums; 2: xxh3_64 or crc32, named).

@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import _fork
 from .. import kernels as _kernels
-from .._errors import EngramError, ObjectNotFound, SegmentUnavailable, StalePlacement, StoreError, Unavailable
+from ..errors import EngramError, ObjectNotFound, SegmentUnavailable, StalePlacement, StoreError, Unavailable
 from ..client import read_mapped
 from ._layout import Layer
 from ._source import InMemory, gather

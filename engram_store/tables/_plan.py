@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import _fork
 from .. import kernels as _kernels
-from .._errors import InvalidType, NotConnected, SegmentUnavailable, StalePlacement, StoreError, describe
+from ..errors import InvalidType, NotConnected, SegmentUnavailable, StalePlacement, StoreError, describe
 from ._placement import Placement
 from ._source import Job
 

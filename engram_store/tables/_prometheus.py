@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
-from .._errors import InvalidArgument, InvalidType, describe
-from .._metrics import MetricsEndpoint, RequestMetrics, gauge, labels
+from ..errors import InvalidArgument, InvalidType, describe
+from ..metrics import MetricsEndpoint, RequestMetrics, gauge, labels
 from ..disk import SIZE_LADDER
 from ._layout import LookupCounters
 from ._store import EngramStore

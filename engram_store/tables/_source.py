@@ -20,8 +20,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 from .. import kernels as _kernels
-from .._errors import InvalidArgument, NotConnected, StoreError, TableClosed
-from .._progress import Progress
+from ..errors import InvalidArgument, NotConnected, StoreError, TableClosed
+from ..progress import Progress
 from ..pools import SharedPool, split
 from ._layout import Layer
 

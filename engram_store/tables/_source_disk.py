@@ -18,8 +18,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .._errors import InvalidArgument, ObjectExists, ObjectNotFound
-from .._metrics import RequestMetrics
+from ..errors import InvalidArgument, ObjectExists, ObjectNotFound
+from ..metrics import RequestMetrics
 from ..disk import DiskDir, HostRowCache, LayerProfile, RowCache, read_checked, warm_layer
 from ._layout import Layer
 from ._sizing import Sizing

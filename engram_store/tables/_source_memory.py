@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from .._errors import InvalidArgument, ObjectNotFound
+from ..errors import InvalidArgument, ObjectNotFound
 from ._layout import Layer
 from ._local_dir import LocalDir, MappedLayer
 from ._source import InMemory, Job, Source, closed_error, gather, progress, state_of

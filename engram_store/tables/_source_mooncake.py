@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from .. import kernels as _kernels
-from .._errors import InvalidArgument, LeaseActive, ObjectNotFound, StoreError
+from ..errors import InvalidArgument, LeaseActive, ObjectNotFound, StoreError
 from ._keyed import KeyedSource, Upload, check_code
 from ._layout import Layer
 from ._source import Job

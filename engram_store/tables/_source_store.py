@@ -15,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import kernels as _kernels
-from .._errors import ObjectNotFound, SegmentUnavailable, StalePlacement, StoreError, WriteFenced
+from ..errors import ObjectNotFound, SegmentUnavailable, StalePlacement, StoreError, WriteFenced
 from ._keyed import KeyedSource, Upload, Written
 from ._layout import Layer
 from ._placement import Placement, Placements, PlacementState

@@ -15,11 +15,11 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from .. import _fork
-from .._errors import InvalidArgument, InvalidType, describe
+from ..errors import InvalidArgument, InvalidType, describe
 from ._layout import EngramStoreConfig, Layer, check_tables, find_layer, layers_of
 from ._plan import Background, LookupHandle, layer_jobs, read_jobs, start_reads
 from ._source import Job
-from ._sources import check_options, release, source_for, sum_stats, warm_cache
+from ._places import check_options, release, source_for, sum_stats, warm_cache
 
 
 class EngramStore:

@@ -17,9 +17,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .. import _cli
-from .._errors import EngramError, MasterUnavailable
-from .._units import format_size
+from .. import cli as _cli
+from ..errors import EngramError, MasterUnavailable
+from ..units import format_size
 from ._inventory import DiskDirLayers, LayerInfo, LocalDirLayers, StoreLayers
 from ._layout import ROW_FORMATS
 

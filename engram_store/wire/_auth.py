@@ -31,7 +31,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from .._errors import ConfigError
+from ..errors import ConfigError
 from .._peers import REFUSAL_LOG_INTERVAL_S, REFUSALS  # noqa: F401 (REFUSAL_LOG_INTERVAL_S: named in docs)
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Sequence
 
 import zmq
 
-from .._errors import EngramError, ProtocolError, Unavailable, error_from_reply
+from ..errors import EngramError, ProtocolError, Unavailable, error_from_reply
 from ._protocol import PROTOCOL_VERSION, decode, encode, pack_header
 from ._sockets import failed, new_socket
 from ._transport import DEFAULT_HWM, DEFAULT_TIMEOUT_MS

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Sequence
 import msgpack
 import numpy as np
 
-from .._errors import EngramError, InvalidArgument, ProtocolError, describe
+from ..errors import EngramError, InvalidArgument, ProtocolError, describe
 
 #: 2: writes carry tickets (fencing); segments register with a write key and acknowledge fences in heartbeats.
 PROTOCOL_VERSION = 2

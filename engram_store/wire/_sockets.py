@@ -8,7 +8,7 @@ import os
 
 import zmq
 
-from .._errors import NO_FILES, StoreError, Unavailable, out_of_files, too_many_open_files
+from ..errors import NO_FILES, StoreError, Unavailable, out_of_files, too_many_open_files
 
 
 def _context() -> zmq.Context:

@@ -18,8 +18,8 @@ import zmq
 from ._auth import AuthKeys, ensure_authenticator
 from ._guard import ConnectionGuard, bound_socket
 from ._sockets import _context, new_socket
-from .._errors import EngramError, InvalidArgument, ProtocolError, Unavailable, describe
-from .._metrics import RequestMetrics
+from ..errors import EngramError, InvalidArgument, ProtocolError, Unavailable, describe
+from ..metrics import RequestMetrics
 from ._protocol import PROTOCOL_VERSION, Request, error_reply, pack_header, unpack_header
 
 log = logging.getLogger(__name__)

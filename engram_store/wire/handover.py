@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from .._errors import ProtocolError, UnsafeFile, out_of_files, too_many_open_files
+from ..errors import ProtocolError, UnsafeFile, out_of_files, too_many_open_files
 
 HANDOVER_VERSION = 1
 MAX_MESSAGE_BYTES = 4096

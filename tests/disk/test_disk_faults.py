@@ -15,7 +15,7 @@ import pytest
 from engram_store import EngramStore, EngramStoreConfig, OutOfSpace, StoreError
 from engram_store.disk import DiskDir, DiskReadError, LayerWriter
 from engram_store.disk import _files, _writer
-from engram_store import _layer_dir, _pages
+from engram_store import _layer_dir, pages as _pages
 
 SIZES = [701, 1009, 97]
 CONFIG = EngramStoreConfig(table_vocab_sizes=SIZES, embedding_dim=66, row_format="bytes")

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engram_store.tables._manifest import checksums as _checksums
-from engram_store._errors import InvalidArgument, InvalidType
+from engram_store.errors import InvalidArgument, InvalidType
 from engram_store.disk import PAGE_BYTES, DiskDir, DiskLayout, LayerWriter
 from engram_store.disk import _kernels as dk
 

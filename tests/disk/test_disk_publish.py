@@ -9,7 +9,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from engram_store._errors import InvalidArgument, ObjectExists, ObjectNotFound, StoreError
+from engram_store.errors import InvalidArgument, ObjectExists, ObjectNotFound, StoreError
 from engram_store.disk import DiskDir, LayerWriter, write_layer
 
 

@@ -14,7 +14,7 @@ from disk_helpers import expected_rows, make_tables
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engram_store._errors import ConfigError, InvalidArgument, InvalidType, ObjectNotFound, StoreError
+from engram_store.errors import ConfigError, InvalidArgument, InvalidType, ObjectNotFound, StoreError
 from engram_store.disk import (DiskDir, DiskLayer, DiskReadError, IOEngine, RowCache, _files, aio_available,
                                read_many)
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import host_cache_worker as worker
 
 from engram_store import EngramStore, EngramStoreConfig
-from engram_store._errors import InvalidArgument
+from engram_store.errors import InvalidArgument
 from engram_store.disk import HostRowCache, LayerProfile, RowCache, load_profile, save_profile
 from engram_store.disk import _cache_kernels as ck
 from engram_store.disk import _kernels as dk

@@ -70,6 +70,8 @@ _op = st.one_of(
 @example(ops=[("put", 1, 3000, 1), ("remove", 1), ("wait", 2.5), ("put", 2, 3000, 1)], lagging=set())
 @example(ops=[("put", 1, 3000, 1), ("remove", 1), ("wait", 2.5), ("put", 1, 2000, 1)], lagging=set())
 @example(ops=[("put", 1, 3000, 1), ("put", 2, 100, 1), ("remove", 2)], lagging={1})
+@example(ops=[("put", 1, 1, 1), ("remove", 1), ("put", 0, 1, 1), ("wait", 2.0), ("remove", 0), ("put", 0, 1, 1),
+              ("put", 1, 1, 1)], lagging=set())  # an adoption placing k0 where the journal still had k1, moved
 def test_a_journal_cut_at_any_record_gives_back_every_object_the_segments_hold(ops, lagging):
     """``lagging``: keys whose publication the segments' catalogues do not list yet (the writer could not tell
     them, and no heartbeat came before the master restarted): they hold them all the same, and keep them where the

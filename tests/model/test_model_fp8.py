@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from engram_model import (FP8_ROWS_F32_SCALES, FP8RowFormatF32Scales, dequantize_fp8_rows_f32_scales,
                           quantize_fp8_rows_f32_scales)
-from engram_model._fp8 import E4M3_TABLE
+from engram_model._rows_format import E4M3_TABLE
 from engram_store import EngramStore, EngramStoreConfig, InvalidArgument, InvalidType
 
 

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engram_model import _kernels
+from engram_model.demo import _kernels
 from engram_model import BackboneConfig, CompressedTokenizer, EngramConfig, NgramHashMapping, get_hash_mapping
-from engram_model._hashing import (find_next_prime, is_prime, layer_multipliers, ngram_hashes_numpy,
-                                   table_sizes_across_layers)
+from engram_model.demo._hasher import layer_multipliers, ngram_hashes_numpy, table_sizes_across_layers
+from engram_model._ngram import find_next_prime, is_prime
 from engram_store import InvalidArgument, InvalidType
 
 INT64_MIN, INT64_MAX = np.iinfo(np.int64).min, np.iinfo(np.int64).max

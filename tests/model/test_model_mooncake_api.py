@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import engram_model
-import engram_model._config
+import engram_model.demo._config
 from engram_model import BackboneConfig, Engram, EngramConfig
 from engram_store import EngramError, InvalidArgument, InvalidType, NotConnected, ObjectExists
 
@@ -121,7 +121,7 @@ def test_creation_config_and_creation(store):
 
 def test_creation_different_configs(store, caplog, monkeypatch):
     """TestEngramCreation.test_02_different_configs: the small config lists two sizes for max_ngram_size = 2."""
-    monkeypatch.setattr(engram_model._config, "_warned_extra_sizes", set())
+    monkeypatch.setattr(engram_model.demo._config, "_warned_extra_sizes", set())
     cfg1 = EngramConfig()
     cfg1.engram_vocab_size = [100, 100]
     cfg1.max_ngram_size = 2
@@ -136,7 +136,7 @@ def test_creation_different_configs(store, caplog, monkeypatch):
     bb1.hc_mult = 2
     bb1.vocab_size = 10000
     bb1.num_layers = 4
-    with caplog.at_level(logging.WARNING, logger="engram_model._config"):
+    with caplog.at_level(logging.WARNING, logger="engram_model.demo._config"):
         engram1 = Engram(layer_id=1, config=cfg1, backbone_cfg=bb1, store=store)
         again = Engram(layer_id=1, config=cfg1, backbone_cfg=bb1, store=store)
     assert len(engram1.get_table_vocab_sizes()) == cfg1.n_head_per_ngram  # one order (2): two heads

@@ -5,8 +5,8 @@ import pytest
 
 from engram_model import (BackboneConfig, CompressedTokenizer, Engram, EngramConfig, EngramModule,
                           EngramModuleConfig, prefetch_layers)
-from engram_model import demo
-from engram_model.demo import quick_start_configs as demo_quick_start_configs
+from engram_model.demo import demo
+from engram_model.demo.demo import quick_start_configs as demo_quick_start_configs
 from engram_store import InvalidArgument, InvalidType, ObjectExists
 from suite_helpers import read_ranges_served
 
@@ -196,7 +196,7 @@ def test_demo_main_prints_output_shape(capsys):
 
 
 def test_transformer_example_prefetches_every_layer(embedded):
-    from engram_model.example import TransformerWithEngram
+    from engram_model.demo.example import TransformerWithEngram
 
     cfg = EngramConfig(engram_vocab_size=[300, 300], n_embed_per_ngram=16, n_head_per_ngram=2, layer_ids=[1, 3])
     bb = BackboneConfig(hidden_size=16, hc_mult=2, vocab_size=1000, num_layers=4)

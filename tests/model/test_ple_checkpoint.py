@@ -17,7 +17,7 @@ from engram_model.ple import _checkpoint as ple_checkpoint
 from engram_model.ple._toy import toy_tensors
 from engram_model.v41 import SafetensorsCheckpoint, V41Config
 from engram_model.v41 import write_toy_checkpoint as write_v41_checkpoint
-from engram_model.v41._toy import write_safetensors
+from engram_model._safetensors import write_safetensors
 from engram_store import DistributedStore, EngramStore, InvalidArgument, ObjectExists
 from engram_store.disk import DiskDir
 

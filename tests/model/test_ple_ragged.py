@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engram_model.ple import PLEConfig, PLEHasher, PLEHashState
-from engram_model.v41 import _kernels as v41_kernels
+from engram_model._ngram_kernels import MARK_SLOTS
 from engram_store import InvalidArgument, InvalidType
 
 
@@ -200,7 +200,7 @@ def test_reset_reused_slot_and_empty_calls():
 
 def test_a_slot_named_twice_is_found_in_large_states_too():
     hasher = PLEHasher(PLEConfig(ple_layer_ids=[2]))
-    big = hasher.begin(v41_kernels.MARK_SLOTS + 3)  # past the byte-per-slot marks: the slots are sorted
+    big = hasher.begin(MARK_SLOTS + 3)  # past the byte-per-slot marks: the slots are sorted
     before = big.history.copy()
     with pytest.raises(InvalidArgument, match=r"slots: expected a distinct slot per request, got slot 65537 for "
                                               r"requests 0 and 2"):

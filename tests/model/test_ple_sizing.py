@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from engram_model.ple import PLEConfig, PLEHasher
-from engram_model.ple._sizing import replay_tokens, sizing_geometry
+from engram_model.ple import replay_tokens, sizing_geometry
 from engram_model.ple._toy import hf_config
 from engram_model.stats import main
-from engram_model.v41._sizing import sizing_report
+from engram_model._replay import sizing_report
 
 SMALL = PLEConfig(ple_layer_ids=[2, 3], vocab_size=400, eos_token_id=7, ngram_vocab_size_base=500, hidden_size=16,
                   hc_count=2, ple_embed_dim=320)

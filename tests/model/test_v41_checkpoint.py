@@ -298,7 +298,7 @@ def test_a_layer_the_store_lost_is_loaded_again_with_a_warning_naming_the_loss(t
             while not store.status()["lost"]:
                 assert time.monotonic() < deadline, "the master never dropped the killed segment"
                 time.sleep(0.1)
-            caplog.set_level(logging.INFO, logger="engram_model.v41._checkpoint")
+            caplog.set_level(logging.INFO, logger="engram_model._table_load")
             V41Engram.from_checkpoint(tmp_path, CFG, 1, store).close()
             assert "layer 1: the store lost" in caplog.text and "engram:l1:" in caplog.text
 

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engram_model.v41 import V41Config, V41Hasher, V41HashState
-from engram_model.v41 import _kernels
+from engram_model._ngram_kernels import MARK_SLOTS
 from engram_store import InvalidArgument, InvalidType
 
 DEAD = -1
@@ -229,7 +229,7 @@ def test_reset_reused_slot_and_empty_calls():
 
 def test_a_slot_named_twice_is_found_in_large_states_too():
     hasher = released_hasher()
-    big = hasher.begin(_kernels.MARK_SLOTS + 3)  # past the byte-per-slot marks: the slots are sorted
+    big = hasher.begin(MARK_SLOTS + 3)  # past the byte-per-slot marks: the slots are sorted
     with pytest.raises(InvalidArgument, match=r"slots: expected a distinct slot per request, got slot 65537 for "
                                               r"requests 0 and 2"):
         hasher.step_ragged(big, [1, 2, 3], [65537, 4, 65537], [0, 1, 2, 3])
@@ -239,7 +239,7 @@ def test_a_slot_named_twice_is_found_in_large_states_too():
 
 def test_a_slot_named_twice_is_found_wherever_it_sorts_in_large_states():
     hasher = released_hasher()
-    big = hasher.begin(_kernels.MARK_SLOTS + 3)
+    big = hasher.begin(MARK_SLOTS + 3)
     for slots in ([7, 7], [9, 65538, 9], [65538, 3, 65538, 4]):  # the repeat sorts first, in the middle, last
         before = big.history.copy()
         with pytest.raises(InvalidArgument, match=f"got slot {slots[-2] if slots[-1] == 4 else slots[-1]} for "):

@@ -34,10 +34,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from mooncake_procs import MooncakeMaster, MooncakeSegment, connect  # noqa: E402
 
-from engram_model.demo import quick_start_configs  # noqa: E402
+from engram_model.demo.demo import quick_start_configs  # noqa: E402
 
 from engram_model import Engram  # noqa: E402
-from engram_model.example import TransformerWithEngram  # noqa: E402
+from engram_model.demo.example import TransformerWithEngram  # noqa: E402
 from engram_store import (DistributedStore, EngramStore, EngramStoreConfig,  # noqa: E402
                           InvalidArgument, InvalidType, LeaseActive, ObjectExists, ObjectNotFound)
 from engram_store.testing import Cluster  # noqa: E402

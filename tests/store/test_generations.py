@@ -351,7 +351,7 @@ def test_a_client_refuses_a_generation_table_whose_header_disagrees_with_its_siz
 
 
 def test_the_checks_wrapper_refuses_what_is_not_pairs_and_passes_a_read_that_names_nothing():
-    from engram_store._errors import InvalidType
+    from engram_store.errors import InvalidType
 
     generations = Generations()
     generations.claim(0, 64, 3)

@@ -25,7 +25,7 @@ from engram_store import (
     OutOfSpace,
     SegmentUnavailable,
 )
-from engram_store._errors import MasterUnavailable
+from engram_store.errors import MasterUnavailable
 from engram_store.testing import Cluster, wait_ping
 
 pytestmark = pytest.mark.timeout(180)
@@ -427,7 +427,7 @@ def test_timeout_ms_is_checked_when_set():
 def test_a_segment_larger_than_free_memory_fails_at_start_with_a_clear_error():
     # A segment's memory (a memfd) is bounded by no file system: asking for more than the host has available is
     # refused before a single page is allocated (allocating it page by page would end in the OOM killer).
-    from engram_store._pages import available_memory
+    from engram_store.pages import available_memory
 
     available, _ = available_memory()
     if available is None:

@@ -1,4 +1,5 @@
-"""Which row source an EngramStore's arguments name, and what the facade asks of its source over its layers.
+"""The place an EngramStore's arguments name (a store, ``local_dir``, ``disk_dir`` or none), the row source built for it,
+and what the facade asks of its source over its layers.
 
 :func:`source_for` checks the place arguments (a store, ``local_dir``, ``disk_dir`` or none of them; the row cache,
 its scope and the gather threads) and builds the :class:`~._source.Source` for them, importing only the module of
@@ -12,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
-from .._errors import InvalidArgument, InvalidType, describe, is_int
+from ..errors import InvalidArgument, InvalidType, describe, is_int
 from ._layout import Layer, LookupCounters
 from ._source import Source
 

@@ -14,7 +14,7 @@ Rounding ``mix`` to float64 moves the estimate by at most ``2**10 / prime``, so 
 two steps for table-sized primes (more only for tiny moduli); the loops make the result exact for any
 positive modulus. That arithmetic lives once, in :func:`_position_rows`, inlined into both kernels (called
 rather than inlined, it slows the whole-sequence kernel down by a quarter or more). ``tests/model`` checks the
-kernels against the NumPy formulation in :func:`engram_model._hashing.ngram_hashes_numpy` and a Python-int
+kernels against the NumPy formulation in :func:`engram_model.demo._hasher.ngram_hashes_numpy` and a Python-int
 transcription.
 """
 

@@ -1,6 +1,6 @@
 """The Engram quick start: build a layer, upload its tables to the store, run a forward pass, clean up.
 
-Run ``engram-demo`` or ``python -m engram_model.demo``; by default the store runs inside this process
+Run ``engram-demo`` or ``python -m engram_model.demo.demo``; by default the store runs inside this process
 (``DistributedStore.embedded()``); ``--master HOST:PORT`` uses a running ``engram-master`` instead.
 """
 
@@ -18,7 +18,7 @@ from engram_store import DistributedStore, MasterUnavailable, ObjectExists
 from engram_store import cli
 
 from ._config import BackboneConfig, EngramConfig
-from ._engram import Engram
+from ._layer import Engram
 
 
 @contextmanager

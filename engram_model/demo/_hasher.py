@@ -6,7 +6,7 @@ unique across all heads of all layers. At position t the order-n mix is
 ``token[t] * m_0 ^ token[t-1] * m_1 ^ ... ^ token[t-n+1] * m_{n-1}`` (int64, wrapping; positions before the
 start read the pad id) and head j of that order reads row ``mix % prime_j``.
 
-The hashing itself runs in the Numba kernel of :mod:`engram_model._kernels`; :func:`ngram_hashes_numpy` is
+The hashing itself runs in the Numba kernel of :mod:`engram_model.demo._kernels`; :func:`ngram_hashes_numpy` is
 the reference's NumPy formulation, kept for tests and the benchmark.
 """
 
@@ -20,48 +20,15 @@ import numpy as np
 
 from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
 
+from .._ngram import find_next_prime
+from .._tokenizer import CompressedTokenizer, as_int_ids
 from . import _kernels
 from ._config import BackboneConfig, EngramConfig
-from ._tokenizer import CompressedTokenizer, as_int_ids
 
 #: Spreads the multiplier seeds of different layers apart (the reference's PRIME_1).
 LAYER_SEED_STRIDE = 10007
 #: NgramHashMapping instances kept by :func:`get_hash_mapping` (each holds a few small arrays).
 HASH_MAPPING_CACHE_SIZE = 32
-
-_MILLER_RABIN_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)  # deterministic below 3.3e24
-
-
-def is_prime(n: int) -> bool:
-    """Deterministic Miller-Rabin primality test (exact for every n below 3.3e24)."""
-    if n < 2:
-        return False
-    for p in _MILLER_RABIN_BASES:
-        if n % p == 0:
-            return n == p
-    d, s = n - 1, 0
-    while d % 2 == 0:
-        d, s = d // 2, s + 1
-    for a in _MILLER_RABIN_BASES:
-        x = pow(a, d, n)
-        if x in (1, n - 1):
-            continue
-        for _ in range(s - 1):
-            x = x * x % n
-            if x == n - 1:
-                break
-        else:
-            return False
-    return True
-
-
-def find_next_prime(start: int, seen_primes: set[int]) -> int:
-    """The smallest prime above ``start`` that is not in ``seen_primes``."""
-    candidate = start + 1
-    while not (is_prime(candidate) and candidate not in seen_primes):
-        candidate += 1
-    return candidate
-
 
 def layer_multipliers(seed: int, layer_id: int, max_ngram_size: int, tokenizer_vocab_size: int) -> np.ndarray:
     """The odd int64 multipliers ``m_0..m_{max_ngram_size-1}`` of one layer.

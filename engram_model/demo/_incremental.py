@@ -8,7 +8,7 @@ the whole sequence at once.
 
 The kept tokens of all requests live in one slot table (a ring of ``keep`` tokens per slot, with the ring's
 head, the number of tokens kept and the number seen); a dict maps request ids to slots and released slots are
-reused. A step is one kernel call for the whole batch (:func:`engram_model._kernels.hash_step`): it reads each
+reused. A step is one kernel call for the whole batch (:func:`engram_model.demo._kernels.hash_step`): it reads each
 request's context from its slot, hashes the new tokens of every layer and appends them to the slot.
 """
 
@@ -23,7 +23,7 @@ import numpy as np
 from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
 
 from . import _kernels
-from ._hashing import NgramHashMapping
+from ._hasher import NgramHashMapping
 
 STATE_VERSION = 1
 #: Requests a hasher holds before its slot table first grows (it doubles whenever it is full).

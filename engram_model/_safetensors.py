@@ -26,9 +26,10 @@ from typing import Any
 
 import numpy as np
 
+from engram_store.durable import write_replacing
 from engram_store.errors import InvalidArgument, describe
 
-from .._checkpoint_files import CheckpointDir
+from ._checkpoint_files import CheckpointDir
 
 INDEX_FILE = "model.safetensors.index.json"
 #: Largest header accepted (as the safetensors reference implementation bounds it).
@@ -279,3 +280,17 @@ def _close_all(fds: dict[str, int], held: list[CheckpointDir]) -> None:
         held.pop().close()
 
 
+def write_safetensors(path: str | os.PathLike, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
+    """One safetensors file from ``{name: (dtype name, raw values)}`` (float8 and bf16 as their bytes)."""
+    header, offset = {}, 0
+    for name, (dtype, array) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+
+    def write(f) -> None:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for _, array in tensors.values():
+            f.write(np.ascontiguousarray(array).tobytes())
+    write_replacing(path, write, "write_safetensors")

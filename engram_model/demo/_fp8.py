@@ -22,24 +22,7 @@ import numpy as np
 
 from engram_store.errors import InvalidArgument, InvalidType, is_int
 
-E4M3_MAX = 448.0
-
-
-def _e4m3_table() -> np.ndarray:
-    """float32 value of every e4m3fn code (index = code)."""
-    codes = np.arange(256)
-    sign = np.where(codes & 0x80, -1.0, 1.0)
-    exponent = (codes >> 3) & 0xF
-    mantissa = codes & 0x7
-    value = np.where(exponent == 0, mantissa / 8.0 * 2.0 ** -6, (1.0 + mantissa / 8.0) * 2.0 ** (exponent - 7.0))
-    value = sign * value
-    value[(codes & 0x7F) == 0x7F] = np.nan
-    return value.astype(np.float32)
-
-
-E4M3_TABLE = _e4m3_table()
-# The finite non-negative values in increasing order (codes 0x00..0x7E are already sorted by value).
-_POSITIVE = E4M3_TABLE[:0x7F].astype(np.float64)
+from .._rows_format import E4M3_MAX, E4M3_TABLE, nearest_e4m3
 
 
 @dataclass(frozen=True)
@@ -92,17 +75,6 @@ def dequantize_fp8_rows_f32_scales(rows: np.ndarray, fmt: FP8RowFormatF32Scales 
     return (values * scales).reshape(*lead, fmt.values)
 
 
-def _nearest_e4m3(magnitude: np.ndarray) -> np.ndarray:
-    """Codes (0..0x7E) of the e4m3fn values nearest to ``magnitude`` (>= 0, saturated), ties to the even code."""
-    m = np.minimum(magnitude, E4M3_MAX)
-    upper = np.clip(np.searchsorted(_POSITIVE, m, side="left"), 0, _POSITIVE.size - 1)
-    lower = np.maximum(upper - 1, 0)
-    d_low = m - _POSITIVE[lower]
-    d_up = _POSITIVE[upper] - m
-    take_upper = (d_up < d_low) | ((d_up == d_low) & (upper % 2 == 0))
-    return np.where(take_upper, upper, lower).astype(np.uint8)
-
-
 def quantize_fp8_rows_f32_scales(values: np.ndarray, fmt: FP8RowFormatF32Scales = FP8_ROWS_F32_SCALES) -> np.ndarray:
     """FP8-plus-scale rows ``uint8 [..., row_bytes]`` from float32 ``[..., values]``.
 
@@ -122,7 +94,7 @@ def quantize_fp8_rows_f32_scales(values: np.ndarray, fmt: FP8RowFormatF32Scales 
     amax = np.abs(blocks).max(axis=-1, keepdims=True)
     scales = np.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
     scaled = blocks / scales.astype(np.float64)
-    codes = _nearest_e4m3(np.abs(scaled)) | np.where(scaled < 0, 0x80, 0).astype(np.uint8)
+    codes = nearest_e4m3(np.abs(scaled)) | np.where(scaled < 0, 0x80, 0).astype(np.uint8)
     out = np.empty((blocks.shape[0], fmt.row_bytes), dtype=np.uint8)
     out[:, :fmt.values] = codes.reshape(-1, fmt.values)
     out[:, fmt.values:] = scales.reshape(-1, fmt.blocks).astype("<f4").view(np.uint8)

@@ -24,11 +24,11 @@ import numpy as np
 from engram_store import EngramStore, EngramStoreConfig, LookupHandle, prefetch_many
 from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
 
+from .._tokenizer import CompressedTokenizer, as_int_ids, compressed_tokenizer_from_path
 from ._checkpoint import load_checkpoint, save_checkpoint
 from ._config import BackboneConfig, EngramConfig, check_layer
-from ._hashing import NgramHashMapping, get_hash_mapping, token_ids_2d
-from ._layers import EngramWeights, engram_output
-from ._tokenizer import CompressedTokenizer, as_int_ids, compressed_tokenizer_from_path
+from ._forward import EngramWeights, engram_output
+from ._hasher import NgramHashMapping, get_hash_mapping, token_ids_2d
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class Engram:
     workspace=None)``, the workspace-size getters and ``remove_from_store``.
 
     Weights start from a seeded initialisation (``numpy.random.default_rng((config.seed, layer_id))``;
-    see :class:`engram_model._layers.EngramWeights`) until :meth:`load_state_dict` or :meth:`load` replaces them.
+    see :class:`engram_model.demo._forward.EngramWeights`) until :meth:`load_state_dict` or :meth:`load` replaces them.
     """
 
     def __init__(self, layer_id: int, config: EngramConfig | None = None, backbone_cfg: BackboneConfig | None = None,

@@ -18,7 +18,7 @@ import numpy as np
 from engram_store.durable import write_replacing
 from engram_store.errors import InvalidArgument, InvalidType, describe
 
-from ._checkpoint_files import open_checkpoint_file
+from .._checkpoint_files import open_checkpoint_file
 
 #: safetensors dtype names and the NumPy dtypes they are read as. BF16 has no NumPy dtype and is widened
 #: to float32 on reading (exactly: bfloat16 is the top half of a float32).

@@ -24,7 +24,7 @@ import numpy as np
 from engram_store.errors import ConfigError, InvalidArgument, InvalidType, describe, is_int
 
 from ._config import BackboneConfig, EngramConfig
-from ._engram import Engram, EngramPrefetch
+from ._layer import Engram, EngramPrefetch
 
 
 @dataclass

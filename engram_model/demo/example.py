@@ -5,7 +5,7 @@ layer once and start all table reads before its first block runs; by the time th
 Engram layer its rows are (usually) already here. The blocks between are stand-ins (a residual tanh MLP on
 each hyper-connection stream) in place of attention and MoE, as in the reference's ``TransformerBlock``.
 
-Run ``python -m engram_model.example`` for a small model on an embedded store.
+Run ``python -m engram_model.demo.example`` for a small model on an embedded store.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ._config import BackboneConfig, EngramConfig
-from ._engram import Engram, prefetch_layers
+from ._layer import Engram, prefetch_layers
 
 
 class TransformerWithEngram:
