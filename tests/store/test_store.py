@@ -326,7 +326,9 @@ def test_segment_kill_loses_single_replica_objects_only():
 
 def test_get_fails_over_to_second_replica_before_master_notices():
     with Cluster(segments=2, heartbeat_timeout_s=30.0) as c:
-        with DistributedStore.connect(c.address, timeout_ms=1500, local_direct=False) as store:
+        # the client's timeout only bounds the wait on the dead replica (well inside the master's heartbeat
+        # timeout); 1.5 s was too short for the live replica's answer too when the tests share loaded CPUs
+        with DistributedStore.connect(c.address, timeout_ms=5000, local_direct=False) as store:
             payload = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
             store.put("twice", payload, replica_num=2)
             # Kill the segment of the replica the client reads first (it picks by the key's hash, which differs
