@@ -5,7 +5,8 @@ removed and its space given to another put, the mapping shows the other object's
 so. Two things prove what a mapping holds:
 
 * time: the master keeps a removed object's space unused for its reuse delay, so an answer of the master younger
-  than half that delay (``fresh``) still names what is there;
+  than half that delay still names what is there, for a read that ends before that (``fresh_until``): one that
+  outlasts it (a thread descheduled on a loaded host) is checked after it, as below;
 * the segment's generation table (``kernels.check_table``, a seqlock in shared memory): checked before the read,
   every named object is still the one its put wrote; the table's sequence unchanged after it (or checked again),
   no put claimed a range meanwhile (a put claims its range before its first byte lands).
@@ -19,6 +20,7 @@ through here, so one rule decides whether mapped bytes may be used.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Sequence, TypeVar
 
 import numpy as np
@@ -33,14 +35,21 @@ T = TypeVar("T")
 Checks = Sequence[tuple[np.ndarray | None, np.ndarray]]
 
 
-def read_mapped(read: Callable[[], T], checks: Checks, fresh: bool, what: str) -> T:
-    """``read()``, whose result may be used: at once when ``fresh`` (the master's answer is younger than half its
-    reuse delay), else between a check of every table in ``checks`` and a recheck (see the
-    module docstring). Raises StalePlacement, naming ``what`` (the layer or object read), where a check fails; the
-    caller must then drop what ``read`` wrote. An error ``read`` raised stands only where the recheck holds (an
-    error about bytes another put wrote is no error of these tables)."""
-    if fresh:
-        return read()
+def read_mapped(read: Callable[[], T], checks: Checks, fresh_until: float, what: str) -> T:
+    """``read()``, whose result may be used: as it is where it ends before ``fresh_until`` (``time.monotonic()``
+    half the reuse delay after the master's answer was asked for; 0: not fresh), else between a check of every
+    table in ``checks`` and a recheck (see the module docstring). A fresh read that outlasts its proof is checked
+    after it: an object still named in its table then was never written over (a put claims its range, and a remove
+    drops its name, before anything else lands there). Raises StalePlacement, naming ``what`` (the layer or object
+    read), where a check fails; the caller must then drop what ``read`` wrote. An error ``read`` raised stands only
+    where the recheck holds (an error about bytes another put wrote is no error of these tables)."""
+    if time.monotonic() < fresh_until:
+        try:
+            return read()
+        finally:
+            if time.monotonic() >= fresh_until:
+                for table, pairs in checks:
+                    _check(table, pairs, what)
     seqs = [_check(table, pairs, what) for table, pairs in checks]
     try:
         return read()

@@ -152,7 +152,7 @@ class ReadPath:
         checks = object_checks(self.local_table(replica), replica.offset, item.info.size, replica.generation)
         try:
             read_mapped(lambda: _copy_local(view, item.src_offsets + replica.offset, item.sizes, item.dst,
-                                            item.dst_offsets), checks, False, f"object {item.info.key!r}")
+                                            item.dst_offsets), checks, 0.0, f"object {item.info.key!r}")
         except StalePlacement:
             return False
         return True

@@ -131,14 +131,12 @@ class Placements:
 
     def read_mapped(self, lay: Layer, placement: Placement, read: Callable[[], T], age: float | None = None) -> T:
         """``read()`` of the tables ``placement`` maps on this host, by the one rule of mapped reads
-        (``client.read_mapped``): as it is while the placement is younger than :meth:`local_safe_s`, else between
-        a check of each segment's generation table (the named tables are still there) and a recheck (no put
-        claimed their space meanwhile); StalePlacement otherwise, and nothing ``read`` wrote may be used. ``age``:
+        (``client.read_mapped``): as it is where it ends while the placement is younger than :meth:`local_safe_s`,
+        else between a check of each segment's generation table (the named tables are still there) and a recheck
+        (no put claimed their space meanwhile); StalePlacement otherwise, and nothing ``read`` wrote may be used. ``age``:
         the placement's age now, where the caller has just taken it."""
-        if age is None:
-            age = time.monotonic() - placement.checked_at
-        fresh = age < self.local_safe_s()
-        return read_mapped(read, placement.local_checks, fresh, "" if fresh else f"layer {lay.layer_id}")
+        asked_at = placement.checked_at if age is None else time.monotonic() - age
+        return read_mapped(read, placement.local_checks, asked_at + self.local_safe_s(), f"layer {lay.layer_id}")
 
     def gather(self, lay: Layer, placement: Placement, ids2: np.ndarray, flat: np.ndarray, threads: int,
                age: float | None = None) -> None:

@@ -197,6 +197,10 @@ class ConnectionGuard:
         entry = self._entries.pop(fd, None)
         failed, self._failed = self._failed, None
         if entry is None:
+            # Accepted and closed before this thread named it (a refused handshake is quick, a loaded host slow):
+            # the refusal is still logged, without the peer.
+            if failed is not None:
+                REFUSALS.refused(self.name, None, failed)
             return
         self._forget(entry)
         if failed is not None and not entry.closing:

@@ -28,28 +28,36 @@ def table():
         generations.close()
 
 
+NOT_FRESH = 0.0
+
+
+def _fresh(s: float = 60.0) -> float:
+    """A ``fresh_until`` ``s`` from now."""
+    return time.monotonic() + s
+
+
 def _checks(generations, *objects):
     return ((generations.table, check_pairs_for(*(np.array(c, dtype=np.int64) for c in zip(*objects)))),)
 
 
 def test_a_fresh_answer_reads_without_looking_and_an_old_one_only_what_its_table_proves(table):
     held = _checks(table, (0, 640, 7), (1024, 64, 8))
-    assert read_mapped(lambda: "rows", held, False, "layer 1") == "rows"
-    assert read_mapped(lambda: "rows", ((None, held[0][1]),), True, "") == "rows"  # fresh: no table needed
+    assert read_mapped(lambda: "rows", held, NOT_FRESH, "layer 1") == "rows"
+    assert read_mapped(lambda: "rows", ((None, held[0][1]),), _fresh(), "") == "rows"  # fresh: no table needed
     table.claim(0, 64, 9)  # another put took part of the first object's space
     calls = []
     with pytest.raises(StalePlacement, match=r"layer 1: a table mapped on this host \(offset 0, put 7\)"):
-        read_mapped(lambda: calls.append(1), held, False, "layer 1")
+        read_mapped(lambda: calls.append(1), held, NOT_FRESH, "layer 1")
     assert not calls, "a read the table already refused was made"
-    assert read_mapped(lambda: "rows", held, True, "") == "rows"  # time alone proves a fresh answer
+    assert read_mapped(lambda: "rows", held, _fresh(), "") == "rows"  # time alone proves a fresh answer
 
 
 def test_a_put_that_claims_the_space_while_it_is_read_fails_the_read(table):
     held = _checks(table, (0, 640, 7))
     with pytest.raises(StalePlacement, match="put 7"):
-        read_mapped(lambda: table.claim(320, 64, 9), held, False, "layer 1")
+        read_mapped(lambda: table.claim(320, 64, 9), held, NOT_FRESH, "layer 1")
     other = _checks(table, (1024, 64, 8))  # a claim beside the object read: the seq moves, the checks hold
-    assert read_mapped(lambda: table.claim(4096, 64, 10) or "rows", other, False, "layer 1") == "rows"
+    assert read_mapped(lambda: table.claim(4096, 64, 10) or "rows", other, NOT_FRESH, "layer 1") == "rows"
 
 
 def test_an_error_of_a_read_stands_only_where_the_space_was_not_taken_meanwhile(table):
@@ -59,15 +67,38 @@ def test_an_error_of_a_read_stands_only_where_the_space_was_not_taken_meanwhile(
         raise ValueError("a NaN code")
 
     with pytest.raises(ValueError, match="NaN"):
-        read_mapped(bad_row, held, False, "layer 1")
+        read_mapped(bad_row, held, NOT_FRESH, "layer 1")
 
     def taken_then_bad():
         table.claim(0, 640, 11)
         bad_row()
 
     with pytest.raises(StalePlacement) as caught:
-        read_mapped(taken_then_bad, held, False, "layer 1")
+        read_mapped(taken_then_bad, held, NOT_FRESH, "layer 1")
     assert isinstance(caught.value.__context__, ValueError)
+
+
+def test_a_fresh_read_that_outlasts_its_proof_is_checked_after_it(table):
+    """A read begun while the master's answer was fresh but ended after (a thread descheduled on a loaded host): the
+    space may have been given to another put meanwhile, so the table must prove the object still there at its end."""
+    held = _checks(table, (0, 640, 7))
+
+    def slow(claim):
+        def read():
+            deadline = time.monotonic() + 0.05
+            if claim:
+                table.claim(320, 64, 12)  # another put took the space while the read went on
+            while time.monotonic() < deadline:
+                pass
+            return "rows"
+        return read
+
+    assert read_mapped(slow(False), held, _fresh(0.01), "layer 1") == "rows"  # outlasted, and the table holds
+    with pytest.raises(StalePlacement, match="put 7"):
+        read_mapped(slow(True), held, _fresh(0.01), "layer 1")
+    assert read_mapped(lambda: "rows", ((None, held[0][1]),), _fresh(), "") == "rows"  # ended in time: no table
+    with pytest.raises(StalePlacement, match="nothing here can"):
+        read_mapped(slow(False), ((None, held[0][1]),), _fresh(0.01), "layer 1")
 
 
 def test_what_cannot_be_proven_past_a_fresh_answer_is_refused(table):
@@ -75,13 +106,13 @@ def test_what_cannot_be_proven_past_a_fresh_answer_is_refused(table):
     for checks in ((None, check_pairs_for(np.array([0]), np.array([640]), np.array([7]))),), \
             object_checks(table.table, 0, 640, 0):
         with pytest.raises(StalePlacement, match="nothing here can"):
-            read_mapped(lambda: pytest.fail("read"), checks, False, "object 'k'")
-    assert read_mapped(lambda: "rows", object_checks(table.table, 0, 640, 7), False, "object 'k'") == "rows"
-    assert read_mapped(lambda: "rows", (), False, "nothing mapped") == "rows"
+            read_mapped(lambda: pytest.fail("read"), checks, NOT_FRESH, "object 'k'")
+    assert read_mapped(lambda: "rows", object_checks(table.table, 0, 640, 7), NOT_FRESH, "object 'k'") == "rows"
+    assert read_mapped(lambda: "rows", (), NOT_FRESH, "nothing mapped") == "rows"
     overflowed = np.array(table.table)
     overflowed[3] = 1
     with pytest.raises(StalePlacement, match="cannot tell"):
-        read_mapped(lambda: pytest.fail("read"), ((overflowed, _checks(table, (0, 640, 7))[0][1]),), False, "l")
+        read_mapped(lambda: pytest.fail("read"), ((overflowed, _checks(table, (0, 640, 7))[0][1]),), NOT_FRESH, "l")
 
 
 CONFIG = EngramStoreConfig(table_vocab_sizes=[101, 103], embedding_dim=16)
