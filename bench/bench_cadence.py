@@ -23,7 +23,7 @@ Sections:
 - clients: ``--clients`` client processes (4) at 30 ms spacing against the same segment, each alternating the two
   paths as above; p50 and p99 over every call of every process.
 - cold: where a spaced lookup's time goes, with the CPU caches flushed before every call (a pass over 64 MiB) as a
-  model step's work flushes them: the lookup, the bare native read it makes (``DistributedStore.read_direct`` of
+  model step's work flushes them: the lookup, the bare kernel read it makes (``DistributedStore.read_direct`` of
   the same rows into a ready buffer: the round trip and nothing else) and the echo, taking turns; the Python around
   the read is the difference.
 
@@ -302,7 +302,7 @@ def _single(master: str, echo: str, tables: dict, placements: list[Placement], s
 
 
 def _cold(master: str, echo: str, placement: Placement, servers: list[int], args) -> list[dict]:
-    """B=1 and B=64 lookups, their bare native reads and the echo, caches flushed before each call."""
+    """B=1 and B=64 lookups, their bare kernel reads and the echo, caches flushed before each call."""
     configs = _configs()
     placement.pin_servers(servers)
     scratch = np.zeros(COLD_SCRATCH_BYTES // 4, dtype=np.int32)
@@ -318,18 +318,18 @@ def _cold(master: str, echo: str, placement: Placement, servers: list[int], args
             for i in range(20):
                 calls.remote(i)
             lay = layer._layer(None)
-            lean = lay.state.lean  # how the lookup reads the layer in one native call
+            lean = lay.state.lean  # how the lookup reads the layer in one kernel call
             if lean is None:
-                raise RuntimeError("the layer is not read in one native call here (one segment, local_direct=False)")
+                raise RuntimeError("the layer is not read in one kernel call here (one segment, local_direct=False)")
             ids2 = [ids.reshape(-1, lay.num_heads) for ids in calls.ids]
             flat = np.empty(ids2[0].size * lay.row_bytes, dtype=np.uint8)
 
-            def native(i: int) -> None:
+            def kernel(i: int) -> None:
                 if not store.read_direct(lean.endpoint or store.pick_endpoint(lean.endpoints), lean.plan,
                                          ids2[i % ID_POOL], lay.row_bytes, flat):
-                    raise RuntimeError("the bare native read did not go out")
+                    raise RuntimeError("the bare kernel read did not go out")
 
-            paths = [("lookup", calls.remote), ("native", native), ("tcp", calls.echo)]
+            paths = [("lookup", calls.remote), ("kernel", kernel), ("tcp", calls.echo)]
             samples: dict[str, list[float]] = {name: [] for name, _ in paths}
             for k in range(n):
                 for name, call in paths[k % 3:] + paths[:k % 3]:
@@ -340,7 +340,7 @@ def _cold(master: str, echo: str, placement: Placement, servers: list[int], args
             layer.close()
             stats = {name: Stats.from_ns([int(v * 1e9) for v in values]).as_dict() for name, values in samples.items()}
             out.append({"placement": placement.name, "shape": shape, "rows": batch * length * MOONCAKE_HEADS, **stats,
-                        "python_us": stats["lookup"]["p50_us"] - stats["native"]["p50_us"]})
+                        "python_us": stats["lookup"]["p50_us"] - stats["kernel"]["p50_us"]})
     return out
 
 
@@ -396,9 +396,9 @@ def _slow(cell: dict) -> str:
 
 
 def _print_cold(cold: list[dict]) -> None:
-    print_table(["placement", "shape", "rows", "lookup p50", "native read p50", "python around it", "tcp p50",
+    print_table(["placement", "shape", "rows", "lookup p50", "kernel read p50", "python around it", "tcp p50",
                  "lookup / tcp"],
-                [[c["placement"], c["shape"], str(c["rows"]), fmt(c["lookup"]["p50_us"]), fmt(c["native"]["p50_us"]),
+                [[c["placement"], c["shape"], str(c["rows"]), fmt(c["lookup"]["p50_us"]), fmt(c["kernel"]["p50_us"]),
                   fmt(c["python_us"]), fmt(c["tcp"]["p50_us"]),
                   fmt(c["lookup"]["p50_us"] / c["tcp"]["p50_us"], 2) + "x"] for c in cold],
                 title="caches flushed before every call (us)")

@@ -136,7 +136,7 @@ def run_threads(work: Callable[[int], None], count: int, timeout_s: float, what:
 
 def read_ranges_served(store, timeout_s: float = 10.0) -> int:
     """read_ranges requests the embedded segment of ``store`` has served so far, once the count has held still for
-    longer than a serving thread may keep reads it answered natively out of the metrics (it counts them when no
+    longer than a serving thread may keep reads it answered in its kernel out of the metrics (it counts them when no
     other read came within ``SETTLE_S`` of the last reply, or after 64)."""
     from engram_store.raw import limits
 

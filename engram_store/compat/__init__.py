@@ -10,7 +10,7 @@ As in Mooncake, the store's methods return integer codes instead of raising (0 o
 negative :class:`ErrorCode` on failure) and zero-copy calls take raw buffer addresses (``ndarray.ctypes.data``).
 The failure behind a code is logged and kept in :attr:`MooncakeDistributedStore.last_error`.
 
-:class:`EngramStore` speaks both generations of Mooncake's EngramStore, chosen by the first argument:
+:class:`EngramStore` speaks both API versions of Mooncake's EngramStore, chosen by the first argument:
 
 * a ``{layer_id: EngramStoreConfig}`` dict: the multi-layer API of opaque byte rows (``row_bytes`` per row),
   ``populate(layer_id, buffers, config)``, ``lookup_into(layer_id, row_ids, output)``, ``bind_local``,
@@ -22,7 +22,7 @@ Both are a translation layer over :class:`engram_store.EngramStore`. Modules: ``
 with ``_setup`` (its two ``setup`` overloads and the session they open), ``_replicate`` (``ReplicateConfig``,
 ``SoftPinAction`` and the checks of a write), ``_reads`` (per-key results over all-or-nothing reads),
 ``_buffers`` (addresses, registrations, ``BufferHandle``) and ``_codes`` (the return codes); ``_engram`` (the
-config and the class that picks a generation), ``_engram_layers`` and ``_engram_single`` (one generation each),
+config and the class that picks an API version), ``_engram_layers`` and ``_engram_single`` (one API version each),
 ``_errors`` (errors as Mooncake raises them). docs/mooncake-compat.md lists every method of Mooncake's store and
 how each behaves here. Errors are raised with the builtin types
 Mooncake's binding raises (``RuntimeError`` for what its C++ code reports, ``ValueError`` and ``TypeError`` for
@@ -34,7 +34,7 @@ from .._config import StoreConfig
 from ._buffers import BufferHandle
 from ._codes import ErrorCode
 from ._engram import EngramStore, EngramStoreConfig
-from . import _engram_layers, _engram_single  # noqa: F401  each registers its API generation
+from . import _engram_layers, _engram_single  # noqa: F401  each registers its API version
 from ._replicate import ReplicateConfig, SoftPinAction
 from ._store import MooncakeConfig, MooncakeDistributedStore
 

@@ -1,4 +1,4 @@
-"""Mooncake's Python ``EngramStore``: its config, and the class whose first argument picks the API generation."""
+"""Mooncake's Python ``EngramStore``: its config, and the class whose first argument picks the API version."""
 
 from __future__ import annotations
 
@@ -99,13 +99,13 @@ def _store_client(store: Any) -> Any:
                               f"got {type(store).__name__}")
 
 
-#: The API generations, by the kind of first argument: "layers" (a dict) and "layer" (an id). Each generation's
+#: The API versions, by the kind of first argument: "layers" (a dict) and "layer" (an id). Each version's
 #: module registers its class here (the package imports both), so this module imports neither.
-GENERATIONS: dict[str, type] = {}
+API_VERSIONS: dict[str, type] = {}
 
 
-def _generation(args: tuple, kwargs: dict) -> type:
-    """The API generation an ``EngramStore(...)`` call speaks: a layers dict, or one layer id."""
+def _api_version(args: tuple, kwargs: dict) -> type:
+    """The API version an ``EngramStore(...)`` call speaks: a layers dict, or one layer id."""
     if args:
         first, name = args[0], "the first argument"
     elif "layers" in kwargs:
@@ -116,15 +116,15 @@ def _generation(args: tuple, kwargs: dict) -> type:
         raise InvalidType("EngramStore: expected layers={layer_id: EngramStoreConfig} (byte rows, one or more "
                           "layers) or layer_id=<int> with config= (float32 rows, one layer)")
     if isinstance(first, Mapping):
-        return GENERATIONS["layers"]
+        return API_VERSIONS["layers"]
     if _is_int(first):
-        return GENERATIONS["layer"]
+        return API_VERSIONS["layer"]
     raise InvalidType(f"EngramStore: expected a {{layer_id: EngramStoreConfig}} dict (the multi-layer byte-row "
                       f"API) or a layer id int (the single-layer float32 API) as {name}, got {describe(first)}")
 
 
 class EngramStore:
-    """Mooncake's Python ``EngramStore``, either generation, over :class:`engram_store.EngramStore`.
+    """Mooncake's Python ``EngramStore``, either API version, over :class:`engram_store.EngramStore`.
 
     Several layers of opaque byte rows (Mooncake's current API)::
 
@@ -145,7 +145,7 @@ class EngramStore:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "EngramStore":
         if cls is EngramStore:
-            cls = _generation(args, kwargs)
+            cls = _api_version(args, kwargs)
         return super().__new__(cls)
 
     @property

@@ -18,7 +18,7 @@ from ..errors import (
     NotConnected,
     describe,
 )
-from ._engram import GENERATIONS, EngramStore, EngramStoreConfig, _store_client
+from ._engram import API_VERSIONS, EngramStore, EngramStoreConfig, _store_client
 from ._errors import (
     _UNSET,
     _lookup_error,
@@ -389,4 +389,4 @@ def _check_disjoint(outputs: list[np.ndarray], name: str = "outputs") -> None:
                                           "lookup needs its own output")
 
 
-GENERATIONS["layers"] = _MultiLayerEngramStore
+API_VERSIONS["layers"] = _MultiLayerEngramStore

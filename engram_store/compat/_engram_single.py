@@ -12,7 +12,7 @@ from ..errors import (
     EngramError,
     InvalidType,
 )
-from ._engram import GENERATIONS, EngramStore, EngramStoreConfig, _store_client
+from ._engram import API_VERSIONS, EngramStore, EngramStoreConfig, _store_client
 from ._errors import _lookup_error, _runtime_errors, _RuntimeInvalidArgument, _RuntimeInvalidType
 
 
@@ -82,4 +82,4 @@ class _SingleLayerEngramStore(EngramStore):
         return self._remove(force, self._es.layer_id)
 
 
-GENERATIONS["layer"] = _SingleLayerEngramStore
+API_VERSIONS["layer"] = _SingleLayerEngramStore

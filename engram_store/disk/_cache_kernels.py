@@ -24,7 +24,7 @@ import numpy as np
 from numba import njit
 
 from ._kernels import BUSY, PIN_MASK, PIN_SHIFT, REF_MASK, WAYS, META_WORDS, _set_of
-from ._native import atomic_add, atomic_and, atomic_or, fence_release, memcpy
+from ._intrinsics import atomic_add, atomic_and, atomic_or, fence_release, memcpy
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX2 = np.uint64(0xC2B2AE3D27D4EB4F)

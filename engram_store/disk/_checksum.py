@@ -26,7 +26,7 @@ import xxhash
 from numba import njit
 
 from ..errors import InvalidArgument
-from ._native import load_u32, load_u64
+from ._intrinsics import load_u32, load_u64
 
 #: Bytes at the end of each block that hold its checksum.
 CHECKSUM_BYTES = 8

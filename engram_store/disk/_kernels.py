@@ -26,7 +26,7 @@ from numba import njit
 
 from ..kernels import prefetch_hint as _prefetch
 from ._checksum import block_ok, seal_block
-from ._native import (address, atomic_add, errno, fence_acquire, load_acquire, memcpy, memcpy_to,
+from ._intrinsics import (address, atomic_add, errno, fence_acquire, load_acquire, memcpy, memcpy_to,
                       or_low_byte_relaxed, pread, syscall3, syscall5)
 
 WAYS = 7                    # ways per set: 7 keys and the version word fill one 64-byte line

@@ -1,6 +1,6 @@
 """The plain Python and NumPy twins of the raw read channel's kernels (:mod:`.raw_io`), which the tests hold them
 to: the same request bytes, the same answer to every reply, the same reply to every request (or the same refusal
-to answer it natively)."""
+to answer it in a kernel)."""
 from __future__ import annotations
 
 import struct

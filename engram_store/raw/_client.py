@@ -99,7 +99,7 @@ class RawChannel:
         self._header = bytearray(HEADER.size)
         self._buf = np.empty(1 << 16, dtype=np.uint8)
         self._fd = -1  # the connection's descriptor, for read_direct
-        # read_direct's buffer (its words, then the request it builds); None where the native path does not run.
+        # read_direct's buffer (its words, then the request it builds); None where the kernel path does not run.
         self._direct = client_buffer(DIRECT_REQUEST_BYTES, READ_KIND, OK_KIND, timeout_s) if RAW_IO else None
 
     def set_timeout(self, timeout_s: float) -> None:
@@ -171,7 +171,7 @@ class RawChannel:
         raise refused from exc
 
     def read_direct(self, plan: np.ndarray, ids: np.ndarray, row_bytes: int, out: np.ndarray) -> bool:
-        """A lookup's read in one native call (``kernels.read_direct``: the request built from ``ids`` under
+        """A lookup's read in one kernel call (``kernels.read_direct``: the request built from ``ids`` under
         ``plan``, sent, and the reply received into ``out``, without the GIL): True when ``out`` holds the rows.
 
         False, with nothing pending, when this connection cannot take it now (not connected, reads in flight, not

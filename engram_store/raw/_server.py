@@ -18,7 +18,7 @@ threads, which receives the ranges (they come with the header) into a buffer of 
 (GIL-free) and sends the reply, serves the requests that came behind it, then waits on the same connection for
 the next: ``LINGER_S`` watching it alone (so a client reading in a loop is served as by a thread of its own),
 then up to ``STICKY_S`` more, giving the thread up at once when another request waits for one; a connection
-that stays quiet goes back to the loop. Those later reads are answered by one native call each
+that stays quiet goes back to the loop. Those later reads are answered by one kernel call each
 (``kernels.serve_read``: the wait, the receive, the checks against the generation table, the gather and the
 send, without the GIL and without Python in between, so a read at a model step's cadence wakes one thread and
 runs no bytecode before its reply is out); whatever it does not answer itself (a request too large or too slow
@@ -128,8 +128,8 @@ class RawReadServer(Receiving, Serving):
         self.serving_threads = limits.SERVING_THREADS
         self.body_budget = limits.BODY_BYTES_IN_FLIGHT
         self._sweep_s = min(limits.SWEEP_S, self.hello_timeout_s / 4, self.message_timeout_s / 4, self.idle_timeout_s / 4)
-        # What the native serving kernel answers by itself (see _serving): reads within these bounds.
-        self._native_params = serve_params(READ_KIND, OK_KIND, max_ranges, max_bytes, limits.STREAM_MIN_BYTES,
+        # What the serving kernel answers by itself (see _serving): reads within these bounds.
+        self._kernel_params = serve_params(READ_KIND, OK_KIND, max_ranges, max_bytes, limits.STREAM_MIN_BYTES,
                                            limits.STREAM_PIECE_BYTES, self.send_timeout_s,
                                            limits.SEND_MIN_BYTES_PER_S)
         self._listener = _listen(host, port, name)

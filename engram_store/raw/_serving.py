@@ -80,7 +80,7 @@ class Serving:
         that follow: those already received at once, and while no other connection waits for a thread, those
         that come within limits.LINGER_S (then limits.STICKY_S); then hand ``c`` back to the loop (or close it).
 
-        The reads that follow are answered by a native kernel (``kernels.serve_read``: the wait, the receive, the
+        The reads that follow are answered by a kernel (``kernels.serve_read``: the wait, the receive, the
         checks, the gather and the send in one GIL-free call) wherever it can; what it leaves (a large or slow
         request, an error to explain, a reply sent in pieces) takes the Python path below."""
         alive = False
@@ -105,7 +105,7 @@ class Serving:
                             alive = True
                             break
                         sticky = True
-                    status = self._serve_native(c, bufs, wait=sticky)
+                    status = self._serve_in_kernel(c, bufs, wait=sticky)
                     if status == SERVED:
                         request = None
                         continue
@@ -144,8 +144,8 @@ class Serving:
         self._returns.append((c, alive))
         self._wake()
 
-    def _serve_native(self, c: Conn, bufs: "Buffers", wait: bool) -> int:
-        """Answer the next reads on ``c`` in the native kernel (``kernels.serve_read``), waiting for the first
+    def _serve_in_kernel(self, c: Conn, bufs: "Buffers", wait: bool) -> int:
+        """Answer the next reads on ``c`` in the kernel (``kernels.serve_read``), waiting for the first
         (limits.LINGER_S, then limits.STICKY_S ready to give the thread up) if ``wait``, and the next ones that come
         within limits.SETTLE_S of a reply: SERVED (each counted in the metrics, as its reply went out), PYTHON (a
         message, or part of one, for the Python path, in ``bufs``), GONE_NATIVE (closed), or another status for a
@@ -161,7 +161,7 @@ class Serving:
         while True:
             status = serve_read_unchecked(c.sock.fileno(), self._need_r, linger_ms, int(limits.STICKY_S * 1000), settle_ms,
                                  bufs.request, bufs.reply_room(0), self.segment, _NO_TABLE if table is None else table,
-                                 self._native_params, state)
+                                 self._kernel_params, state)
             if self.metrics is not None:
                 for ns in state[RING_AT:RING_AT + state[COUNT]].tolist():
                     self.metrics.record("read_ranges", ns / 1e9, True)

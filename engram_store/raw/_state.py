@@ -38,7 +38,7 @@ class Buffers:
     limits.STREAM_MIN_BYTES: a reply is gathered behind its header and sent in one piece) and the requests received
     from the connection it serves (a header and at most limits.REQUEST_KEEP_BYTES of ranges; ``request[start:end]``
     holds bytes received and not used yet: the start of the next request, or whole requests a client sent ahead).
-    ``state``: the native serving kernel's words (``kernels.serve_read``), kept."""
+    ``state``: the serving kernel's words (``kernels.serve_read``), kept."""
 
     __slots__ = ("reply", "request", "start", "end", "state")
 

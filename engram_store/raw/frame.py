@@ -13,7 +13,7 @@ request id  8-15   u64    chosen by the client; its reply carries it back (0 in 
 count       16-23  u64    a read: its pairs; a hello: its token's bytes; a reply: its body's bytes
 ==========  =====  =====  =====================================================================================
 
-The native kernels (:mod:`engram_store.kernels.raw_io`) read a header as three little-endian int64 words
+The kernels (:mod:`engram_store.kernels.raw_io`) read a header as three little-endian int64 words
 (``raw_io.HEADER_LAYOUT``: the kind, the request id, the count). The kind is magic, version and code in one word
 (:func:`kind`; ``READ_KIND`` and ``OK_KIND`` are the ones they compare); its low 48 bits (magic and version) tell a
 reply of another status from a reply of another protocol.
@@ -108,7 +108,7 @@ if HEADER.size != raw_io.HEADER_BYTES:
 
 
 def kind(code: int) -> int:
-    """A header's first word (magic, version, then ``code``: an op or a status) as the native kernels compare it
+    """A header's first word (magic, version, then ``code``: an op or a status) as the kernels compare it
     (``engram_store.kernels.read_direct`` and ``serve_read``: a little-endian int64)."""
     return int.from_bytes(HEADER.pack(MAGIC, VERSION, code, 0, 0)[:8], "little", signed=True)
 

@@ -20,10 +20,10 @@ SEND_MIN_BYTES_PER_S = 16 << 20
 #: client reading in a loop keeps a thread, as with a thread per connection; the Python path's blocking receive
 #: times out after it too), then up to STICKY_S more, ready to give the thread up at once to a request that
 #: waits for one; then the connection goes back to the event loop. A model step's lookups come tens of ms apart:
-#: the thread that waits answers each in one native call, with no hand-off.
+#: the thread that waits answers each in one kernel call, with no hand-off.
 LINGER_S = 0.05
 STICKY_S = 5.0
-#: After a reply it answers natively, a serving thread waits up to SETTLE_S for the next read (watching the
+#: After a reply it answers in its kernel, a serving thread waits up to SETTLE_S for the next read (watching the
 #: "thread wanted" pipe too) before it counts its reads in the metrics: at a model step's cadence that bookkeeping
 #: then runs after the client has taken its reply instead of beside it, and back to back once every 64 reads.
 #: It is no shorter than a kernel tick (4 ms at 250 Hz): a wait that ends before the next tick is the CPU's

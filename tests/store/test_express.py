@@ -1,4 +1,4 @@
-"""The express lookup (``StoreSource.express``): a remote layer read in one native call straight from ``lookup``.
+"""The express lookup (``StoreSource.express``): a remote layer read in one kernel call straight from ``lookup``.
 
 Whatever the caller passes, it returns exactly what the general path returns (rows equal NumPy's, the same errors,
 ``out`` filled in place) and counts every lookup, from any number of threads; what it does not take (another dtype

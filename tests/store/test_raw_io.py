@@ -1,4 +1,4 @@
-"""The raw read channel's native round trips (``kernels.read_direct``, ``kernels.serve_read``) against their plain
+"""The raw read channel's kernel round trips (``kernels.read_direct``, ``kernels.serve_read``) against their plain
 Python/NumPy twins, over real socket pairs: the bytes each sends, what each makes of every reply, and the waits."""
 
 import ctypes
@@ -19,7 +19,7 @@ from engram_store.kernels import _raw_twins as twins
 from engram_store.raw import frame
 from engram_store.segment._generations import Generations
 
-pytestmark = pytest.mark.skipif(not RAW_IO, reason="the native round trips run on 64-bit little-endian Linux")
+pytestmark = pytest.mark.skipif(not RAW_IO, reason="the kernel round trips run on 64-bit little-endian Linux")
 
 WORDS = struct.Struct("<qqq")
 READ, OK, BUSY = 0x1_0003_52474E45, 0x0_0003_52474E45, 0x5_0003_52474E45  # kinds: magic, version, op/status
@@ -52,7 +52,7 @@ def _recv_exact(sock, n: int) -> bytes:
     return bytes(data)
 
 
-def _client(ids, plan, row_bytes, answer, native: bool, request_bytes: int = 1 << 16, timeout_s: float = 5.0):
+def _client(ids, plan, row_bytes, answer, kernel: bool, request_bytes: int = 1 << 16, timeout_s: float = 5.0):
     """Run one read (the kernel, or its Python twin) against a peer thread that receives the request and sends
     ``answer(request)``; returns (status, out, the request the peer received)."""
     a, b = _pair(timeout_s)
@@ -76,7 +76,7 @@ def _client(ids, plan, row_bytes, answer, native: bool, request_bytes: int = 1 <
     thread.start()
     out = np.zeros(expected, dtype=np.uint8)
     try:
-        if native:
+        if kernel:
             status = read_direct(a.fileno(), ids, plan, row_bytes, 9,
                                  rio.client_buffer(request_bytes, READ, OK, timeout_s), out)
         else:
@@ -106,8 +106,8 @@ def test_a_lookup_read_sends_what_numpy_plans_and_receives_the_rows_in_place(M, 
     def answer(request):
         return WORDS.pack(OK, 9, len(rows)) + rows
 
-    for native in (True, False):
-        status, out, request = _client(ids, plan, row_bytes, answer, native)
+    for kernel in (True, False):
+        status, out, request = _client(ids, plan, row_bytes, answer, kernel)
         assert status == rio.OK
         assert request == twins.direct_request_numpy(ids, plan, row_bytes, READ, 9)
         assert out.tobytes() == rows
@@ -130,15 +130,15 @@ def test_a_lookup_read_of_an_id_outside_its_heads_rows_sends_nothing(M, H, seed)
     plan = direct_read_plan(order, bases, np.zeros((0, 2), np.int64), sizes)
     ids = rng.integers(0, sizes, (M, H)).astype(np.int64)
     rows = bytes(M * H * 8)
-    for native in (True, False):
-        status, _, request = _client(ids, plan, 8, lambda r: WORDS.pack(OK, 9, len(rows)) + rows, native)
+    for kernel in (True, False):
+        status, _, request = _client(ids, plan, 8, lambda r: WORDS.pack(OK, 9, len(rows)) + rows, kernel)
         assert status == rio.OK
         unlimited = direct_read_plan(order, bases, np.zeros((0, 2), np.int64))
         assert request == twins.direct_request_numpy(ids, unlimited, 8, READ, 9)
     m, h = int(rng.integers(M)), int(rng.integers(H))
     ids[m, h] = int(rng.choice([-1, sizes[h], sizes[h] + 7, 1 << 62]))
-    for native in (True, False):
-        status, _, request = _client(ids, plan, 8, lambda r: WORDS.pack(OK, 9, len(rows)) + rows, native)
+    for kernel in (True, False):
+        status, _, request = _client(ids, plan, 8, lambda r: WORDS.pack(OK, 9, len(rows)) + rows, kernel)
         assert (status, request) == (rio.BAD_ID, b"")
 
 
@@ -182,17 +182,17 @@ def test_a_lookup_read_says_why_a_reply_is_not_its_rows(case, answer, status):
     ids = np.array([[3, 4]], dtype=np.int64)
     plan = direct_read_plan(np.array([0, 1]), np.array([0, 1 << 20]), np.zeros((0, 2), np.int64))
 
-    for native in (True, False):
-        got, _, _ = _client(ids, plan, 8, answer, native)
-        assert got == status, (case, native)
+    for kernel in (True, False):
+        got, _, _ = _client(ids, plan, 8, answer, kernel)
+        assert got == status, (case, kernel)
 
 
 def test_a_lookup_read_times_out_on_a_silent_peer_and_refuses_a_request_too_large_for_its_buffer():
     ids = np.zeros((4, 2), dtype=np.int64)
     plan = direct_read_plan(np.array([0, 1]), np.array([0, 64]), np.zeros((0, 2), np.int64))
-    for native in (True, False):
+    for kernel in (True, False):
         start = time.monotonic()
-        status, _, _ = _client(ids, plan, 8, lambda r: b"", native, timeout_s=0.3)
+        status, _, _ = _client(ids, plan, 8, lambda r: b"", kernel, timeout_s=0.3)
         assert status == rio.TIMEOUT and time.monotonic() - start < 3
     status, _, request = _client(ids, plan, 8, lambda r: b"", True, request_bytes=64)
     assert status == rio.NO_ROOM and request == b""

@@ -147,7 +147,7 @@ def test_small_lookups_read_rows_as_they_are_and_large_ones_read_distinct_rows(o
 
 
 def test_an_id_out_of_range_on_the_lean_path_is_refused_by_name_and_reads_nothing(one_segment_store):
-    """A lookup read in one native call checks its ids as it builds the request: an id outside its head's rows
+    """A lookup read in one kernel call checks its ids as it builds the request: an id outside its head's rows
     raises the same InvalidArgument as every path, nothing is sent (the channel stays open), and the next lookup
     reads the rows again in one call."""
     sizes = [40, 50, 60]
