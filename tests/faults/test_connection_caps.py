@@ -235,6 +235,27 @@ def test_a_full_metrics_page_closes_the_oldest_of_the_peer_holding_most(monkeypa
                 sock.close()
 
 
+def test_a_refused_handshake_is_logged_though_its_connection_closed_before_the_guard_named_it(monkeypatch, caplog):
+    """A refused handshake is quick and a loaded host slow: the connection may be closed before the guard's thread
+    reads its accept event, so the guard never names it; the refusal is still logged, without the peer."""
+    import logging
+
+    import zmq
+
+    monkeypatch.setattr(_guard, "REFUSALS", _peers.RefusalLog())  # (no earlier refusal of this test's suppresses it)
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    guard = _guard.ConnectionGuard(sock, "a test server", log_handshakes=True)  # events handed over by hand
+    try:
+        with caplog.at_level(logging.WARNING, logger=_peers.__name__):
+            guard._handshake_failed(0)
+            guard._disconnected(1 << 20)  # a descriptor the guard never saw accepted
+        assert "a test server: refused a connection from an unknown peer: the handshake did not complete" \
+            in caplog.text, caplog.text
+    finally:
+        guard.close(sock)
+        sock.close(0)
+
+
 # ---- peers ---------------------------------------------------------------------------------------------------
 
 
