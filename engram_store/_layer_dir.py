@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator, TypeVar
 
 from .errors import EngramError, InvalidArgument, LockTimeout, StoreError, TableClosed, UnsafeFile, describe
-from ._shared_dirs import dir_mode, open_own
+from ._shared_dirs import HeldDirectory, dir_mode, open_own
 
 log = logging.getLogger(__name__)
 
@@ -287,14 +287,15 @@ def read_at(dir_fd: int, name: str, shown: str, what: str, limit: int) -> bytes:
         os.close(fd)
 
 
-class LayerDir:
+class LayerDir(HeldDirectory):
     """A directory of layers (``flag`` names the argument in errors), resolved once and held open; created if
-    ``create`` and need be. A context manager; :meth:`close` is idempotent and lets running operations finish."""
+    ``create`` and need be. Its descriptor is a :class:`HeldFd` (tables read through it while the owner may close
+    it): :meth:`close` is idempotent and lets running operations finish."""
 
     def __init__(self, path: object, flag: str, *, create: bool = True):
         if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
             raise InvalidArgument(f"{flag}: expected a directory path, got {describe(path)}")
-        self.flag = flag
+        self.flag = self.what = flag
         #: The path as given (absolute), and the directory it named when it was opened.
         self.path = os.path.abspath(os.fspath(path))
         fd, self.resolved, self.created = resolve_dir(self.path, flag, create)
@@ -305,27 +306,16 @@ class LayerDir:
             raise
         self.held = HeldFd(fd, f"{flag} {self.path}")
 
-    def join(self, name: str) -> str:
-        """``name``'s path, for messages (nothing is opened by it)."""
-        return os.path.join(self.path, name)
-
-    def names(self) -> list[str]:
-        with self.held.use() as fd:
-            return os.listdir(fd)
-
-    def _lstat(self, name: str) -> os.stat_result | None:
-        with self.held.use() as fd:
-            try:
-                return os.stat(name, dir_fd=fd, follow_symlinks=False)
-            except FileNotFoundError:
-                return None
+    def using(self):
+        """The descriptor, held open for one operation (TableClosed once closed)."""
+        return self.held.use()
 
     def exists(self, name: str) -> bool:
-        return self._lstat(name) is not None
+        return self.lstat(name) is not None
 
     def is_dir(self, name: str) -> bool:
         """Whether ``name`` is a directory here (a link to one is not)."""
-        st = self._lstat(name)
+        st = self.lstat(name)
         return st is not None and stat.S_ISDIR(st.st_mode)
 
     def open_published(self, name: str, build: Callable[[int, str], T],
@@ -335,7 +325,7 @@ class LayerDir:
         ``build`` means the layer was removed meanwhile (it is opened again) or lacks a file: ``missing(file)``
         is raised then (by default a StoreError saying the layer is damaged)."""
         shown = self.join(name)
-        with self.held.use() as top:
+        with self.using() as top:
             for _ in range(OPEN_TRIES):
                 try:
                     fd = os.open(name, _DIR, dir_fd=top)
@@ -362,7 +352,7 @@ class LayerDir:
         """Delete ``name``, left by a writer or remover of the layer that died; whether there was one. Call it
         holding the layer's lock: the live writer or remover of a layer holds it for its whole work, so what is
         there under the lock belongs to a dead one."""
-        st = self._lstat(name)
+        st = self.lstat(name)
         if st is None:
             return False
         log.warning("removing %s, left by a %s that died", self.join(name), left_by)
@@ -374,7 +364,7 @@ class LayerDir:
         return True
 
     def _delete(self, name: str, st: os.stat_result) -> None:
-        with self.held.use() as fd:
+        with self.using() as fd:
             if stat.S_ISDIR(st.st_mode):
                 shutil.rmtree(name, dir_fd=fd)
             else:
@@ -382,19 +372,19 @@ class LayerDir:
 
     def discard(self, name: str) -> None:
         """Delete ``name`` (a directory this process staged) if it is there; errors are ignored."""
-        with self.held.use() as fd:
+        with self.using() as fd:
             shutil.rmtree(name, ignore_errors=True, dir_fd=fd)
 
     def retire(self, name: str, doomed: str) -> None:
         """Unpublish the layer ``name``: one rename to ``doomed`` (readers opening it stop seeing it at once), then
         its files are deleted (readers that have them open read on). Under the layer's lock."""
-        with self.held.use() as fd:
+        with self.using() as fd:
             os.rename(name, doomed, src_dir_fd=fd, dst_dir_fd=fd)
             shutil.rmtree(doomed, dir_fd=fd)
 
     def stage(self, name: str) -> int:
         """Make the staging directory ``name`` (mode 0700, exclusively) and open it; its descriptor."""
-        with self.held.use() as top:
+        with self.using() as top:
             os.mkdir(name, 0o700, dir_fd=top)
             fd = os.open(name, _DIR, dir_fd=top)
         try:
@@ -409,18 +399,12 @@ class LayerDir:
         directory holding both is flushed so the rename outlives a crash."""
         os.fchmod(staging_fd, dir_mode() & ~0o022)  # as the umask says, but never writable by others
         os.fsync(staging_fd)
-        with self.held.use() as fd:
+        with self.using() as fd:
             os.rename(staging, final, src_dir_fd=fd, dst_dir_fd=fd)
             os.fsync(fd)
 
     def close(self) -> None:
         self.held.close()
-
-    def __enter__(self) -> "LayerDir":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"LayerDir({self.path!r}{'' if self.resolved == self.path else f' -> {self.resolved!r}'})"
@@ -471,7 +455,7 @@ class LayerLock:
         self.path = directory.join(name)
         self.fd = -1
         deadline = time.monotonic() + timeout_s
-        with directory.held.use() as top:
+        with directory.using() as top:
             while True:
                 fd, _ = open_own(name, os.O_RDWR, f"{what} lock", dir_fd=top)
                 try:

@@ -31,6 +31,8 @@ import os
 import stat
 import tempfile
 import threading
+from contextlib import contextmanager
+from typing import Iterator
 
 from .errors import NO_FILES, ConfigError, OutOfSpace, StoreError, UnsafeFile, too_many_open_files
 
@@ -176,7 +178,74 @@ def directory_error(exc: OSError, where: str, hint: str) -> StoreError:
     return StoreError(f"{where}: {exc.strerror or exc}; {hint}")
 
 
-class UserDir:
+class HeldDirectory:
+    """A directory opened once and held: every file in it is opened, listed, renamed and removed relative to its
+    descriptor (``dir_fd``), so a path changed after the open (a parent renamed, a link swapped) changes nothing.
+
+    The subclasses open and check it: :class:`UserDir` (this user's directory in a shared place),
+    ``durable.HeldDir`` (a directory a flag names, for durable files) and ``_layer_dir.LayerDir`` (a directory of
+    layers, resolved component by component, whose descriptor tables read through while its owner may close it).
+    :meth:`using` is the way to the descriptor; ``path`` is for messages, ``what`` names the use in errors.
+    A context manager; :meth:`close` is idempotent."""
+
+    path: str
+    what: str
+    fd: int = -1
+
+    @contextmanager
+    def using(self) -> Iterator[int]:
+        """The descriptor, for one operation."""
+        yield self.fd
+
+    def open(self, name: str, flags: int, mode: int = 0o600, create: bool = True) -> tuple[int, bool]:
+        """:func:`open_own` of ``name`` in this directory."""
+        with self.using() as fd:
+            return open_own(name, flags, self.what, mode, dir_fd=fd, create=create)
+
+    def join(self, name: str) -> str:
+        """``name``'s path, for messages (nothing is opened by it)."""
+        return os.path.join(self.path, name)
+
+    def lstat(self, name: str) -> os.stat_result | None:
+        """``name``'s own status here (a link's, not its target's), or None where there is no such name."""
+        with self.using() as fd:
+            try:
+                return os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return None
+
+    def same_file(self, fd: int, name: str) -> bool:
+        """Whether the open file ``fd`` is the file now named ``name`` here (not one removed or replaced since)."""
+        there = self.lstat(name)
+        if there is None:
+            return False
+        held = os.fstat(fd)
+        return (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino)
+
+    def unlink(self, name: str) -> None:
+        with self.using() as fd:
+            try:
+                os.unlink(name, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+
+    def names(self) -> list[str]:
+        with self.using() as fd:
+            return os.listdir(fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class UserDir(HeldDirectory):
     """``<base>/engram-<uid>``: this user's directory in a shared place, held open (see the module docstring).
 
     ``what`` names the use in errors; ``hint`` says how to choose another base (e.g. an environment variable)."""
@@ -206,33 +275,3 @@ class UserDir:
             raise UnsafeFile(f"{what}: {self.path} belongs to uid {st.st_uid} with mode {_mode(st)}; engram keeps "
                              f"this user's shared files in a directory only this user (uid {os.geteuid()}) may "
                              f"enter (mode 0700): remove it (as its owner or root), or {hint}")
-
-    def open(self, name: str, flags: int, mode: int = 0o600, create: bool = True) -> tuple[int, bool]:
-        """:func:`open_own` of ``name`` in this directory."""
-        return open_own(name, flags, self.what, mode, dir_fd=self.fd, create=create)
-
-    def join(self, name: str) -> str:
-        return os.path.join(self.path, name)
-
-    def same_file(self, fd: int, name: str) -> bool:
-        """Whether the open file ``fd`` is the file now named ``name`` here (not one removed or replaced since)."""
-        try:
-            there = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
-        except FileNotFoundError:
-            return False
-        held = os.fstat(fd)
-        return (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino)
-
-    def unlink(self, name: str) -> None:
-        try:
-            os.unlink(name, dir_fd=self.fd)
-        except FileNotFoundError:
-            pass
-
-    def names(self) -> list[str]:
-        return os.listdir(self.fd)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1

@@ -33,7 +33,7 @@ from typing import Callable
 
 from .errors import ConfigError, UnsafeFile
 from .owner import OwnerLock
-from ._shared_dirs import UserDir, directory_error, open_own
+from ._shared_dirs import HeldDirectory, directory_error, open_own
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ __all__ = ["DurableDir", "HeldDir", "HeldLock", "write_replacing"]
 TMP_INFIX = ".tmp-"
 
 
-class HeldDir(UserDir):
+class HeldDir(HeldDirectory):
     """The directory ``path``, opened once (following the links of the path as it is now) and held: every file is
     reached relative to its descriptor (see the module). ``what`` names the use in errors, ``hint`` what to do."""
 
@@ -125,12 +125,6 @@ class HeldDir(UserDir):
     def lock(self, name: str, what: str) -> "HeldLock":
         """The owner lock of ``name`` (``<name>.lock`` here), or FileInUse naming its holder."""
         return HeldLock(self, name, what)
-
-    def __enter__(self) -> "HeldDir":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class DurableDir(HeldDir):
