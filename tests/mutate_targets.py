@@ -136,6 +136,14 @@ SPAN_GUARD = "tables is not self._span_of and not all(t.flags.c_contiguous for t
 #: line the change is on (no indentation, no comment) as a fifth item where the same change occurs twice in a
 #: function. Not run.
 EQUIVALENT: dict[tuple[str, ...], str] = {
+    # the one rule of mapped reads: whether the proof of time holds at the very instant it ends decides nothing (a
+    # reuse delay is 2 s by default; half of it is the margin), and monotonic clocks are never read twice alike
+    ("engram_store/client/_mapped.py", "read_mapped", "time.monotonic() < fresh_until",
+     "time.monotonic() <= fresh_until"): "the instant the proof ends: either side of it is half a reuse delay "
+                                         "inside the delay",
+    ("engram_store/client/_mapped.py", "read_mapped", "time.monotonic() >= fresh_until",
+     "time.monotonic() > fresh_until"): "the instant the proof ends: either side of it is half a reuse delay "
+                                        "inside the delay",
     # the master's replay
     ("engram_store/master/_replay.py", "Replay._quarantine_replayed", "self.reuse_delay_s <= 0", "False"):
         "with no reuse delay what it quarantines is due at once, and put_start frees what is due before it allocates",
