@@ -276,7 +276,7 @@ class History(Faults, JournalFaults, RestFaults, Churn):
             self.churn_keep_busy()
             busy = {w.proc.popen.stdout: w for w in self.workers.values() if w.op is not None and w.proc.alive()}
             now = self.now()
-            for w in self.workers.values():
+            for w in list(self.workers.values()):  # (killing one takes it out of the dict)
                 if w.op is not None and now - w.op.invoked > OP_HANG_S:
                     self.violation(f"client {w.name}: {w.op.cmd} unanswered after {OP_HANG_S:g} s (a hang)")
                     self.kill_worker(w, "hung")
