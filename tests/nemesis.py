@@ -506,7 +506,11 @@ def run_seed(seed: int, verbose: bool = False, partitions: bool | None = None, u
              steps: int | None = None) -> History:
     history = History(seed, verbose=verbose, partitions=partitions, undo=undo, journal=journal, rest=rest,
                       churn=churn, tour=tour, steps=steps)
-    history.run()
+    try:
+        history.run()
+    except Exception as exc:  # the explorer's own failure: what happened before it is kept for the record
+        exc.nemesis_history = history
+        raise
     return history
 
 

@@ -79,11 +79,19 @@ def _explore(args: argparse.Namespace, run_seed, streams: dict) -> int:
         except KeyboardInterrupt:
             print(f"stopped during seed {seed} (not counted)", flush=True)
             break
-        except Exception:
+        except Exception as exc:
             import traceback
             ran += 1
             failed.append(seed)
-            print(f"seed {seed}: the explorer itself failed:\n{traceback.format_exc()}", flush=True)
+            told = traceback.format_exc()
+            history = getattr(exc, "nemesis_history", None)
+            if history is not None:
+                os.makedirs(args.record, exist_ok=True)
+                record = os.path.join(args.record, f"seed-{seed}.log")
+                with open(record, "w", encoding="utf-8") as f:
+                    f.write(history.transcript() + "\n\nthe explorer itself failed:\n" + told)
+                told += f"(the history up to then is in {record})\n"
+            print(f"seed {seed}: the explorer itself failed:\n{told}", flush=True)
             continue
         ran += 1
         if history.violations:
