@@ -182,36 +182,42 @@ class StoreSource(KeyedSource):
         """One layer's read of ``ids`` (``[M, H]``) into ``flat`` (the output's bytes): the one place that decides
         which way it goes. Under the layer's placement now, the first condition that holds decides:
 
-        ==============================================================  ==============================================
-        condition                                                       way
-        ==============================================================  ==============================================
-        this placement's one-call plan (_Lean), fresh (*), one round    one native call (:meth:`_read_lean`)
-        no placement or past its TTL, several servers, a row cache,     the general path (:meth:`_read_general`)
+        =============================================================  ============================================
+        condition                                                      way
+        =============================================================  ============================================
+        this placement's one-call plan (_Lean), fresh (*), one round   one native call (``native.read_direct``)
+        no placement or past its TTL, several servers, a row cache,    the general path (:meth:`_read_general`)
         more than one round
-        heads mapped here                                               gathered in place, then the rows below
-        every head on one server, its one-call plan not tried yet       one native call, under a new plan
-        remote heads on one server                                      one read_pairs (:meth:`_read_one_server`)
-        no remote head                                                  done
-        ==============================================================  ==============================================
+        heads mapped here                                              gathered in place, then the rows below
+        remote heads on one server                                     one read_pairs (:meth:`_read_one_server`)
+        =============================================================  ============================================
 
-        (*) younger than its stale limit; past its TTL, it is checked with the master after the read, in the
-        background (the check's own work does not land inside a lookup; segments check what they serve). A native
-        call the channel does not take (none open on this thread, reads in flight, an id out of range) goes on to
-        the rows below; every way that fails (a segment that does not answer, a placement a segment refuses as
-        stale) hands the read to :meth:`_read_general`, which fails over. ``row_ids``: the ``[B, L, H]`` ids of
-        ``ids`` while their range is unchecked: the native call checks it (an id out of range sends nothing),
-        every other way checks them first.
+        (*) younger than its stale limit; past its TTL it is checked with the master after the read, in the
+        background. A native call the channel does not take (none open on this thread, reads in flight, an id out
+        of range) goes on to the rows below. Every way that fails (a segment that does not answer, a placement a
+        segment refuses as stale) hands the read to :meth:`_read_general`, which fails over. ``row_ids``: the
+        ``[B, L, H]`` ids of ``ids`` while their range is unchecked: the native call checks it (an id out of range
+        sends nothing), every other way checks it first.
         """
         state = lay.state
         placement, lean = state.placement, state.lean
         age = time.monotonic() - placement.checked_at if placement is not None else math.inf
-        tried = lean is not None and lean.placement is placement
-        if tried and ids.size <= lean.max_ids and age < placement.stale_s \
-                and self._read_lean(lay, lean, ids, flat, row_ids):
-            if age >= placement.ttl_s:
-                self.placements.refresh_later(lay)
-            return
-        if row_ids is not None:  # not read in one native call: checked as every read's ids are
+        if lean is not None and lean.placement is placement and ids.size <= lean.max_ids and age < placement.stale_s:
+            native = self.native
+            try:
+                taken = native.read_direct(lean.endpoint or native.pick_endpoint(lean.endpoints), lean.plan, ids,
+                                           lay.row_bytes, flat)
+            except SegmentUnavailable:
+                if row_ids is not None:  # (the channel may have failed before the request was built)
+                    lay.check_range(row_ids)
+                self._read_general(lay, ids, flat, failed=lean.address)
+                return
+            if taken:
+                lay.counters.add_remote(ids.size)
+                if age >= placement.ttl_s:
+                    self.placements.refresh_later(lay)  # in the background: its work does not land inside a lookup
+                return
+        if row_ids is not None:
             lay.check_range(row_ids)
         if placement is None or age >= placement.ttl_s \
                 or len(placement.remote) > 1 or state.cache is not None or not fits_one_round(ids, flat):
@@ -223,9 +229,6 @@ class StoreSource(KeyedSource):
             except StalePlacement as exc:  # a mapped table was written over: ask the master where it is now
                 self._read_general(lay, ids, flat, stale=exc)
                 return
-        elif not tried and reads_direct(placement, ids) \
-                and self._read_lean(lay, self._lean_of(lay, placement), ids, flat, None):
-            return
         if placement.remote:
             self._read_one_server(lay, placement, ids, flat)
         else:
@@ -234,12 +237,14 @@ class StoreSource(KeyedSource):
     def _read_one_server(self, lay: Layer, placement: Placement, ids: np.ndarray, flat: np.ndarray) -> None:
         """The remote heads of a fresh placement on one server (the mapped ones are gathered already) in one
         read_pairs: where every head is there (:func:`._plan.reads_direct`), each (m, h) row in output order,
-        straight into ``flat`` (no sort, no scatter: a repeated row is read again); else each distinct row once,
-        scattered. A failed or stale read goes to :meth:`_read_general`."""
+        straight into ``flat`` (no sort, no scatter: a repeated row is read again), and the layer's next lookups
+        read in one native call (:meth:`_lean_of`); else each distinct row once, scattered. A failed or stale read
+        goes to :meth:`_read_general`."""
         address, endpoints, _, _ = placement.remote[0]
         native = self.native
         direct = reads_direct(placement, ids)
         if direct:
+            self._lean_of(lay, placement)
             pairs = _kernels.direct_pairs_unchecked(ids, placement.order, placement.bases, lay.row_bytes)
             rows = ids.size
         else:
@@ -265,25 +270,6 @@ class StoreSource(KeyedSource):
         lay.counters.add(lookups=1, rows=ids.size, local_rows=placement.memory.heads * ids.shape[0],
                          remote_requests=1, remote_rows=rows, remote_bytes=rows * lay.row_bytes)
 
-    def _read_lean(self, lay: Layer, lean: "_Lean", ids: np.ndarray, flat: np.ndarray,
-                   row_ids: np.ndarray | None) -> bool:
-        """Read ``ids`` into ``flat`` in one native call under ``lean``: True once ``flat`` holds the rows (read so,
-        or, after the segment failed, read by :meth:`_read_general` from other replicas), False when the channel
-        did not take it (nothing was read). ``row_ids``: the ``[B, L, H]`` ids whose range the native call checks,
-        checked here before a failover reads them (the channel may have failed before the request was built)."""
-        native = self.native
-        try:
-            if not native.read_direct(lean.endpoint or native.pick_endpoint(lean.endpoints), lean.plan, ids,
-                                      lay.row_bytes, flat):
-                return False
-        except SegmentUnavailable:
-            if row_ids is not None:
-                lay.check_range(row_ids)
-            self._read_general(lay, ids, flat, failed=lean.address)
-            return True
-        lay.counters.add_remote(ids.size)
-        return True
-
     def _read_general(self, lay: Layer, ids: np.ndarray, flat: np.ndarray, *, failed: str | None = None,
                       stale: StalePlacement | None = None) -> None:
         """The general path (:func:`._plan.read_native`: rounds, every server at once, failover), where every way
@@ -299,7 +285,7 @@ class StoreSource(KeyedSource):
 
     def _lean_of(self, lay: Layer, placement: Placement) -> "_Lean":
         """What a lookup of the layer needs to read it in one native call while ``placement`` holds (every remote
-        head on one server, none mapped here, no row cache), made once per placement."""
+        head on one server, none mapped here, no row cache), made once per placement (by its first read)."""
         lean = lay.state.lean
         if lean is None or lean.placement is not placement:
             address, endpoints, _, _ = placement.remote[0]
