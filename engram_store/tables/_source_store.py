@@ -145,12 +145,12 @@ class StoreSource(KeyedSource):
         if type(row_ids) is not np.ndarray or row_ids.dtype is not _INT64:
             return None
         shape = row_ids.shape
-        if len(shape) != 3 or shape[2] != lay.num_heads or not row_ids.size or not row_ids.flags.c_contiguous:
+        if len(shape) != 3 or shape[2] != lay.num_heads or not row_ids.size or not row_ids.flags["C_CONTIGUOUS"]:
             return None
         if out is None:
             rows = np.empty(shape + (lay.dim,), dtype=lay.dtype)
         elif type(out) is np.ndarray and out.dtype is lay.dtype and out.shape == shape + (lay.dim,) \
-                and out.flags.c_contiguous and out.flags.writeable:
+                and (flags := out.flags).c_contiguous and flags.writeable:
             rows = out
         else:
             return None
