@@ -199,7 +199,7 @@ def tally(counts: dict, flat: np.ndarray, **deltas: int) -> None:
         entry[name] = entry.get(name, 0) + delta
 
 
-class _Part(NamedTuple):
+class Part(NamedTuple):
     """One layer's share of a request to one segment server."""
     owner: Any
     layer: Any
@@ -207,6 +207,35 @@ class _Part(NamedTuple):
     pairs: np.ndarray      # its byte ranges
     rows: int              # rows its ranges return
     out: np.ndarray        # the job's output bytes
+
+
+def server_parts(owner: Any, lay: Any, placement: Placement, ids: np.ndarray, flat: np.ndarray) -> list[Part]:
+    """A layer's remote read of ``ids`` into ``flat`` as one part per server of ``placement.remote``, in its order:
+    where every head is on one server (:func:`reads_direct`), each (m, h) row in output order, so that the reply is
+    the output; else each distinct row once, to be scattered (see DIRECT_MAX_ROWS)."""
+    if reads_direct(placement, ids):
+        pairs = _kernels.direct_pairs_unchecked(ids, placement.order, placement.bases, lay.row_bytes)
+        return [Part(owner, lay, None, pairs, ids.size, flat)]
+    plan = _kernels.plan_reads(ids, placement.order, placement.bases, lay.row_bytes, checked=True)
+    return [Part(owner, lay, (plan, placement.order[j0:j1], int(plan.head_rows[j0])),
+                 plan.pairs[plan.head_ranges[j0]:plan.head_ranges[j1]], int(plan.head_rows[j1] - plan.head_rows[j0]),
+                 flat) for _, _, j0, j1 in placement.remote]
+
+
+def place_reply(part: Part, data: np.ndarray, address: str) -> None:
+    """Put the reply of ``part`` (``data``, its bytes, read-only uint8) into its output: copied where it was not
+    received there already, or scattered."""
+    lay, flat = part.layer, part.out
+    if part.scatter is None:
+        if data.size < flat.size:
+            raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")
+        if flat.ctypes.data != data.ctypes.data:
+            flat[:] = data[:flat.size]
+        return
+    plan, heads, r0 = part.scatter
+    if data.size < part.rows * lay.row_bytes \
+            or _kernels.scatter_rows_prepared(data, plan.inverse, heads, r0, lay.row_bytes, flat) >= 0:
+        raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")
 
 
 class _Request(NamedTuple):
@@ -221,21 +250,11 @@ def _requests(native: Any, jobs: list) -> dict[str, _Request]:
     of the tables it reads."""
     requests: dict[str, _Request] = {}  # by segment address
     for owner, lay, placement, ids, flat in jobs:
-        if reads_direct(placement, ids):
-            address, endpoints, _, _ = placement.remote[0]
-            pairs = _kernels.direct_pairs_unchecked(ids, placement.order, placement.bases, lay.row_bytes)
+        for (address, endpoints, _, _), checks, part in zip(placement.remote, placement.checks,
+                                                            server_parts(owner, lay, placement, ids, flat)):
             request = requests.setdefault(address, _Request(native.pick_endpoint(endpoints), [], []))
-            request.parts.append(_Part(owner, lay, None, pairs, ids.size, flat))
-            request.checks.append(placement.checks[0])
-            continue
-        plan = _kernels.plan_reads(ids, placement.order, placement.bases, lay.row_bytes, checked=True)
-        for g, (address, endpoints, j0, j1) in enumerate(placement.remote):
-            pairs = plan.pairs[plan.head_ranges[j0]:plan.head_ranges[j1]]
-            rows = int(plan.head_rows[j1] - plan.head_rows[j0])
-            request = requests.setdefault(address, _Request(native.pick_endpoint(endpoints), [], []))
-            request.parts.append(_Part(owner, lay, (plan, placement.order[j0:j1], int(plan.head_rows[j0])), pairs,
-                                       rows, flat))
-            request.checks.append(placement.checks[g])
+            request.parts.append(part)
+            request.checks.append(checks)
     return requests
 
 
@@ -243,7 +262,7 @@ def _read_remote(native: Any, jobs: list, counts: dict) -> set[str]:
     """One read per segment server for every job's remote heads; scatter the replies; the addresses that failed.
 
     A job whose heads all live on one server reads its rows as they are, in output order (the reply is its
-    output); others read each distinct row once and scatter it (see DIRECT_MAX_ROWS)."""
+    output); others read each distinct row once and scatter it (see :func:`server_parts`)."""
     requests = _requests(native, jobs)
     batch, outs = [], []
     for request in requests.values():
@@ -269,19 +288,9 @@ def _read_remote(native: Any, jobs: list, counts: dict) -> set[str]:
         data = _kernels.readonly(np.frombuffer(result, dtype=np.uint8))
         pos = 0
         for part in parts:
-            lay, scatter, rows, flat = part.layer, part.scatter, part.rows, part.out
-            n = rows * lay.row_bytes
-            if data.size < pos + n:
-                raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")
-            if scatter is None:
-                if flat.ctypes.data != data.ctypes.data + pos:
-                    flat[:] = data[pos:pos + n]
-            else:
-                plan, heads, r0 = scatter
-                if _kernels.scatter_rows_prepared(data[pos:pos + n], plan.inverse, heads, r0, lay.row_bytes,
-                                                  flat) >= 0:
-                    raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")
-            tally(counts, flat, remote_requests=1, remote_rows=rows, remote_bytes=n)
+            n = part.rows * part.layer.row_bytes
+            place_reply(part, data[pos:pos + n], address)
+            tally(counts, part.out, remote_requests=1, remote_rows=part.rows, remote_bytes=n)
             pos += n
     return failed
 

@@ -19,7 +19,8 @@ from ..errors import ObjectNotFound, SegmentUnavailable, StalePlacement, StoreEr
 from ._keyed import KeyedSource, Upload, Written
 from ._layout import Layer
 from ._placement import Placement, Placements, PlacementState
-from ._plan import READ_ROUND_BYTES, READ_ROUND_ROWS, STALE, fits_one_round, read_native, reads_direct, tally
+from ._plan import READ_ROUND_BYTES, READ_ROUND_ROWS, STALE, fits_one_round, place_reply, read_native, \
+    server_parts, tally
 from ._source import Job
 from ._source_memory import PREFETCH_INLINE_ROWS
 
@@ -236,39 +237,28 @@ class StoreSource(KeyedSource):
 
     def _read_one_server(self, lay: Layer, placement: Placement, ids: np.ndarray, flat: np.ndarray) -> None:
         """The remote heads of a fresh placement on one server (the mapped ones are gathered already) in one
-        read_pairs: where every head is there (:func:`._plan.reads_direct`), each (m, h) row in output order,
-        straight into ``flat`` (no sort, no scatter: a repeated row is read again), and the layer's next lookups
-        read in one native call (:meth:`_lean_of`); else each distinct row once, scattered. A failed or stale read
-        goes to :meth:`_read_general`."""
-        address, endpoints, _, _ = placement.remote[0]
-        native = self.native
-        direct = reads_direct(placement, ids)
-        if direct:
+        read_pairs, the part the general path would send there (:func:`._plan.server_parts`: where every head is
+        there, each (m, h) row in output order, straight into ``flat``, and the layer's next lookups read in one
+        native call, :meth:`_lean_of`; else each distinct row once, scattered). A failed or stale read goes to
+        :meth:`_read_general`."""
+        (address, endpoints, _, _), checks = placement.remote[0], placement.checks[0]
+        (part,) = server_parts(self, lay, placement, ids, flat)
+        if part.scatter is None:
             self._lean_of(lay, placement)
-            pairs = _kernels.direct_pairs_unchecked(ids, placement.order, placement.bases, lay.row_bytes)
-            rows = ids.size
-        else:
-            pairs, r, head_rows, _, inverse = _kernels.plan_reads_unchecked(ids, placement.order,
-                                                                            placement.bases, lay.row_bytes)
-            pairs = pairs[:r]
-            rows = int(head_rows[-1])
-        checks = placement.checks[0]
+        native = self.native
         try:
             data = native.read_pairs(native.pick_endpoint(endpoints),
-                                     np.concatenate((checks, pairs)) if checks.size else pairs,
-                                     rows * lay.row_bytes, out=flat if direct else None)
+                                     np.concatenate((checks, part.pairs)) if checks.size else part.pairs,
+                                     part.rows * lay.row_bytes, out=flat if part.scatter is None else None)
         except SegmentUnavailable:
             self._read_general(lay, ids, flat, failed=address)
             return
         except StalePlacement as exc:  # removed and its space reused: ask the master where it is now
             self._read_general(lay, ids, flat, stale=exc)
             return
-        if not direct and _kernels.scatter_rows_unchecked(_kernels.readonly(np.frombuffer(data, dtype=np.uint8)),
-                                                          _kernels.readonly(inverse), placement.order, 0,
-                                                          lay.row_bytes, flat) >= 0:
-            raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")
+        place_reply(part, _kernels.readonly(np.frombuffer(data, dtype=np.uint8)), address)
         lay.counters.add(lookups=1, rows=ids.size, local_rows=placement.memory.heads * ids.shape[0],
-                         remote_requests=1, remote_rows=rows, remote_bytes=rows * lay.row_bytes)
+                         remote_requests=1, remote_rows=part.rows, remote_bytes=part.rows * lay.row_bytes)
 
     def _read_general(self, lay: Layer, ids: np.ndarray, flat: np.ndarray, *, failed: str | None = None,
                       stale: StalePlacement | None = None) -> None:
