@@ -256,7 +256,8 @@ class StoreSource(KeyedSource):
         except StalePlacement as exc:  # removed and its space reused: ask the master where it is now
             self._read_general(lay, ids, flat, stale=exc)
             return
-        place_reply(part, _kernels.readonly(np.frombuffer(data, dtype=np.uint8)), address)
+        if part.scatter is not None:  # (else the reply is in flat already)
+            place_reply(part, _kernels.readonly(np.frombuffer(data, dtype=np.uint8)), address)
         lay.counters.add(lookups=1, rows=ids.size, local_rows=placement.memory.heads * ids.shape[0],
                          remote_requests=1, remote_rows=part.rows, remote_bytes=part.rows * lay.row_bytes)
 
