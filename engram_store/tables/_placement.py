@@ -100,7 +100,7 @@ class PlacementState:
         self.validated: tuple = ()       # the signature whose manifest was checked
         self.refreshing = 0              # the id of the process whose background check is running (0: none)
         self.cache = cache
-        self.lean: Any = None            # how a lookup reads the layer in one native call (the source's _Lean)
+        self.lean: Any = None            # how a lookup reads the layer in one kernel call (the source's _Lean)
 
 
 class Placements:

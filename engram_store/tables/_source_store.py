@@ -138,7 +138,7 @@ class StoreSource(KeyedSource):
     def express(self, lay: Layer, row_ids: Any, out: Any) -> Any:
         """A lookup whose ids are a C-contiguous int64 ``[B, L, H]`` array (and ``out`` None or a matching writable
         array), read by :meth:`_read_one` straight from the call: the arguments are what the facade's checks take as
-        they are, so only their range is left, and the read checks it (the native call as it builds its request).
+        they are, so only their range is left, and the read checks it (the kernel call as it builds its request).
         At a model step's cadence every cache is cold and each Python call on the way costs microseconds. Anything
         else (None) goes the facade's way, which converts what it can and names what it cannot."""
         # The facade's tests of arguments it takes as they are (Layer.as_ids, Layer.check_out), in the order that
@@ -186,7 +186,7 @@ class StoreSource(KeyedSource):
         =============================================================  ============================================
         condition                                                      way
         =============================================================  ============================================
-        this placement's one-call plan (_Lean), fresh (*), one round   one native call (``native.read_direct``)
+        this placement's one-call plan (_Lean), fresh (*), one round   one kernel call (``native.read_direct``)
         no placement or past its TTL, several servers, a row cache,    the general path (:meth:`_read_general`)
         more than one round
         heads mapped here                                              gathered in place, then the rows below
@@ -194,10 +194,10 @@ class StoreSource(KeyedSource):
         =============================================================  ============================================
 
         (*) younger than its stale limit; past its TTL it is checked with the master after the read, in the
-        background. A native call the channel does not take (none open on this thread, reads in flight, an id out
+        background. A kernel call the channel does not take (none open on this thread, reads in flight, an id out
         of range) goes on to the rows below. Every way that fails (a segment that does not answer, a placement a
         segment refuses as stale) hands the read to :meth:`_read_general`, which fails over. ``row_ids``: the
-        ``[B, L, H]`` ids of ``ids`` while their range is unchecked: the native call checks it (an id out of range
+        ``[B, L, H]`` ids of ``ids`` while their range is unchecked: the kernel call checks it (an id out of range
         sends nothing), every other way checks it first.
         """
         state = lay.state
@@ -239,7 +239,7 @@ class StoreSource(KeyedSource):
         """The remote heads of a fresh placement on one server (the mapped ones are gathered already) in one
         read_pairs, the part the general path would send there (:func:`._plan.server_parts`: where every head is
         there, each (m, h) row in output order, straight into ``flat``, and the layer's next lookups read in one
-        native call, :meth:`_lean_of`; else each distinct row once, scattered). A failed or stale read goes to
+        kernel call, :meth:`_lean_of`; else each distinct row once, scattered). A failed or stale read goes to
         :meth:`_read_general`."""
         (address, endpoints, _, _), checks = placement.remote[0], placement.checks[0]
         (part,) = server_parts(self, lay, placement, ids, flat)
@@ -275,7 +275,7 @@ class StoreSource(KeyedSource):
         read_native(self.native, [Job(self, lay, ids, flat)], failed={failed} if failed is not None else None)
 
     def _lean_of(self, lay: Layer, placement: Placement) -> "_Lean":
-        """What a lookup of the layer needs to read it in one native call while ``placement`` holds (every remote
+        """What a lookup of the layer needs to read it in one kernel call while ``placement`` holds (every remote
         head on one server, none mapped here, no row cache), made once per placement (by its first read)."""
         lean = lay.state.lean
         if lean is None or lean.placement is not placement:
@@ -339,7 +339,7 @@ class StoreSource(KeyedSource):
 
 
 class _Lean:
-    """A layer read in one native call (``DistributedStore.read_direct``): the placement this holds for (every remote
+    """A layer read in one kernel call (``DistributedStore.read_direct``): the placement this holds for (every remote
     head on the segment at ``address``, none mapped here, no row cache), its read endpoints, and the plan
     (``kernels.direct_read_plan``: heads, table offsets, checks). A lookup whose layer has one goes straight to the
     read (a model step's lookups come tens of milliseconds apart, every cache cold: each check skipped saves a

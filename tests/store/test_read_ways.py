@@ -1,6 +1,6 @@
 """A store layer's read ways (``StoreSource._read_one``) hand a failed read to the one general path.
 
-A layer whose heads sit on one server is read by one native call over the raw channel, or, where the channel does
+A layer whose heads sit on one server is read by one kernel call over the raw channel, or, where the channel does
 not take it (here: a client that reads over ZeroMQ only), by one ``read_pairs``; when the server holding the
 heads dies, either way gives the read to the general path with that server left out, and the rows come from the
 other replica in the same call.
