@@ -100,7 +100,7 @@ class PlacementState:
         self.validated: tuple = ()       # the signature whose manifest was checked
         self.refreshing = 0              # the id of the process whose background check is running (0: none)
         self.cache = cache
-        self.lean: Any = None            # how a lookup reads the layer in one native call (the source's _Lean)
+        self.lean: Any = None            # how a lookup reads the layer in one kernel call (the source's _Lean)
 
 
 class Placements:
@@ -138,12 +138,12 @@ class Placements:
         asked_at = placement.checked_at if age is None else time.monotonic() - age
         return read_mapped(read, placement.local_checks, asked_at + self.local_safe_s(), f"layer {lay.layer_id}")
 
-    def gather(self, lay: Layer, placement: Placement, ids2: np.ndarray, flat: np.ndarray, threads: int,
+    def gather(self, lay: Layer, placement: Placement, ids: np.ndarray, flat: np.ndarray, threads: int,
                age: float | None = None) -> None:
         """Gather the rows of the heads mapped on this host (:meth:`read_mapped`: StalePlacement where the tables
         cannot be proven still there, and no row of this call is used)."""
         if placement.memory.sources:
-            self.read_mapped(lay, placement, lambda: gather(lay, placement.memory, ids2, flat, threads), age)
+            self.read_mapped(lay, placement, lambda: gather(lay, placement.memory, ids, flat, threads), age)
 
     def get(self, lay: Layer, failed: set[str]) -> Placement:
         """The layer's placement, checked with the master as the module docstring says.

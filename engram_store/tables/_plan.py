@@ -83,9 +83,9 @@ def read_jobs(jobs: list[Job]) -> None:
         group[0][0].read(group)
 
 
-def fits_one_round(ids2: np.ndarray, flat: np.ndarray) -> bool:
-    """Whether a lookup of ``ids2`` into ``flat`` (output bytes) is read in one round (see READ_ROUND_BYTES)."""
-    return ids2.size <= READ_ROUND_ROWS and flat.size <= READ_ROUND_BYTES
+def fits_one_round(ids: np.ndarray, flat: np.ndarray) -> bool:
+    """Whether a lookup of ``ids`` into ``flat`` (output bytes) is read in one round (see READ_ROUND_BYTES)."""
+    return ids.size <= READ_ROUND_ROWS and flat.size <= READ_ROUND_BYTES
 
 
 def _read_rounds(jobs: list[Job]) -> list[list]:
@@ -95,14 +95,14 @@ def _read_rounds(jobs: list[Job]) -> list[list]:
     current: list = []
     size = rows = 0
     for job in jobs:
-        owner, lay, ids2, flat = job.source, job.layer, job.ids, job.out
-        M, H = ids2.shape
+        owner, lay, ids, flat = job.source, job.layer, job.ids, job.out
+        M, H = ids.shape
         per_m = H * lay.row_bytes
-        if fits_one_round(ids2, flat):
-            pieces = [(ids2, flat)]
+        if fits_one_round(ids, flat):
+            pieces = [(ids, flat)]
         else:
             step = max(1, min(READ_ROUND_BYTES // per_m, READ_ROUND_ROWS // H))
-            pieces = [(ids2[m0:m0 + step], flat[m0 * per_m:(m0 + step) * per_m]) for m0 in range(0, M, step)]
+            pieces = [(ids[m0:m0 + step], flat[m0 * per_m:(m0 + step) * per_m]) for m0 in range(0, M, step)]
         for ids_part, flat_part in pieces:
             if current and (size + flat_part.size > READ_ROUND_BYTES or rows + ids_part.size > READ_ROUND_ROWS):
                 rounds.append(current)
@@ -134,23 +134,23 @@ def _read_round(native: Any, jobs: list[Job], failed: set[str]) -> None:
         remote_jobs, cached_jobs, placed = [], [], []
         counts: dict[int, dict] = {}  # remote counters of this attempt, per job: counted only if the job is done
         for job in pending:
-            owner, lay, ids2, flat = job.source, job.layer, job.ids, job.out
+            owner, lay, ids, flat = job.source, job.layer, job.ids, job.out
             placement = owner.placements.get(lay, failed)
             placed.append(placement)
             try:
-                owner.placements.gather(lay, placement, ids2, flat, owner.threads)
+                owner.placements.gather(lay, placement, ids, flat, owner.threads)
             except StalePlacement as exc:  # a mapped table was written over: resolved again in the next round
                 owner.placements.stale(lay, exc)
                 continue
             if placement.remote:
                 jobs_of = cached_jobs if lay.state.cache is not None else remote_jobs
-                jobs_of.append((owner, lay, placement, ids2, flat))
+                jobs_of.append((owner, lay, placement, ids, flat))
         bad = _read_remote(native, remote_jobs, counts) if remote_jobs else set()
-        for owner, lay, placement, ids2, flat in cached_jobs:
-            bad |= owner.read_cached(lay, placement, ids2, flat, counts)
+        for owner, lay, placement, ids, flat in cached_jobs:
+            bad |= owner.read_cached(lay, placement, ids, flat, counts)
         retry = []
         for job, placement in zip(pending, placed):
-            lay, ids2, flat = job.layer, job.ids, job.out
+            lay, ids, flat = job.layer, job.ids, job.out
             if lay.state.stale is not None and lay.state.placement is None:
                 retry.append(job)  # a segment refused it as stale: ask the master again
             elif any(address in bad for address, *_ in placement.remote):
@@ -158,7 +158,7 @@ def _read_round(native: Any, jobs: list[Job], failed: set[str]) -> None:
                 with lay.lock:
                     lay.state.placement = None  # re-resolve: the master may have dropped the dead segment
             else:
-                lay.counters.add(rows=ids2.size, local_rows=placement.memory.heads * ids2.shape[0], retries=round_,
+                lay.counters.add(rows=ids.size, local_rows=placement.memory.heads * ids.shape[0], retries=round_,
                                  **counts.get(id(flat), {}))
         if not retry:
             return
@@ -186,10 +186,10 @@ def _exhausted(pending: list[Job], failed: set[str]) -> StoreError:
                               f"(failed: {', '.join(sorted(failed)) or 'none'}){also}")
 
 
-def reads_direct(placement: Placement, ids2: np.ndarray) -> bool:
+def reads_direct(placement: Placement, ids: np.ndarray) -> bool:
     """Whether a remote read asks for each (m, h) row in output order (see DIRECT_MAX_ROWS): every head of the
     layer on one server, and at most DIRECT_MAX_ROWS rows."""
-    return not placement.memory.sources and len(placement.remote) == 1 and ids2.size <= DIRECT_MAX_ROWS
+    return not placement.memory.sources and len(placement.remote) == 1 and ids.size <= DIRECT_MAX_ROWS
 
 
 def tally(counts: dict, flat: np.ndarray, **deltas: int) -> None:
@@ -199,7 +199,7 @@ def tally(counts: dict, flat: np.ndarray, **deltas: int) -> None:
         entry[name] = entry.get(name, 0) + delta
 
 
-class _Part(NamedTuple):
+class Part(NamedTuple):
     """One layer's share of a request to one segment server."""
     owner: Any
     layer: Any
@@ -207,6 +207,35 @@ class _Part(NamedTuple):
     pairs: np.ndarray      # its byte ranges
     rows: int              # rows its ranges return
     out: np.ndarray        # the job's output bytes
+
+
+def server_parts(owner: Any, lay: Any, placement: Placement, ids: np.ndarray, flat: np.ndarray) -> list[Part]:
+    """A layer's remote read of ``ids`` into ``flat`` as one part per server of ``placement.remote``, in its order:
+    where every head is on one server (:func:`reads_direct`), each (m, h) row in output order, so that the reply is
+    the output; else each distinct row once, to be scattered (see DIRECT_MAX_ROWS)."""
+    if reads_direct(placement, ids):
+        pairs = _kernels.direct_pairs_unchecked(ids, placement.order, placement.bases, lay.row_bytes)
+        return [Part(owner, lay, None, pairs, ids.size, flat)]
+    plan = _kernels.plan_reads(ids, placement.order, placement.bases, lay.row_bytes, checked=True)
+    return [Part(owner, lay, (plan, placement.order[j0:j1], int(plan.head_rows[j0])),
+                 plan.pairs[plan.head_ranges[j0]:plan.head_ranges[j1]], int(plan.head_rows[j1] - plan.head_rows[j0]),
+                 flat) for _, _, j0, j1 in placement.remote]
+
+
+def place_reply(part: Part, data: np.ndarray, address: str) -> None:
+    """Put the reply of ``part`` (``data``, its bytes, read-only uint8) into its output: copied where it was not
+    received there already, or scattered."""
+    lay, flat = part.layer, part.out
+    if part.scatter is None:
+        if data.size < flat.size:
+            raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")
+        if flat.ctypes.data != data.ctypes.data:
+            flat[:] = data[:flat.size]
+        return
+    plan, heads, r0 = part.scatter
+    if data.size < part.rows * lay.row_bytes \
+            or _kernels.scatter_rows_prepared(data, plan.inverse, heads, r0, lay.row_bytes, flat) >= 0:
+        raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")
 
 
 class _Request(NamedTuple):
@@ -220,22 +249,12 @@ def _requests(native: Any, jobs: list) -> dict[str, _Request]:
     """Every job's remote heads as parts of one request per segment server (by address), each led by the checks
     of the tables it reads."""
     requests: dict[str, _Request] = {}  # by segment address
-    for owner, lay, placement, ids2, flat in jobs:
-        if reads_direct(placement, ids2):
-            address, endpoints, _, _ = placement.remote[0]
-            pairs = _kernels.direct_pairs_unchecked(ids2, placement.order, placement.bases, lay.row_bytes)
+    for owner, lay, placement, ids, flat in jobs:
+        for (address, endpoints, _, _), checks, part in zip(placement.remote, placement.checks,
+                                                            server_parts(owner, lay, placement, ids, flat)):
             request = requests.setdefault(address, _Request(native.pick_endpoint(endpoints), [], []))
-            request.parts.append(_Part(owner, lay, None, pairs, ids2.size, flat))
-            request.checks.append(placement.checks[0])
-            continue
-        plan = _kernels.plan_reads(ids2, placement.order, placement.bases, lay.row_bytes, checked=True)
-        for g, (address, endpoints, j0, j1) in enumerate(placement.remote):
-            pairs = plan.pairs[plan.head_ranges[j0]:plan.head_ranges[j1]]
-            rows = int(plan.head_rows[j1] - plan.head_rows[j0])
-            request = requests.setdefault(address, _Request(native.pick_endpoint(endpoints), [], []))
-            request.parts.append(_Part(owner, lay, (plan, placement.order[j0:j1], int(plan.head_rows[j0])), pairs,
-                                       rows, flat))
-            request.checks.append(placement.checks[g])
+            request.parts.append(part)
+            request.checks.append(checks)
     return requests
 
 
@@ -243,7 +262,7 @@ def _read_remote(native: Any, jobs: list, counts: dict) -> set[str]:
     """One read per segment server for every job's remote heads; scatter the replies; the addresses that failed.
 
     A job whose heads all live on one server reads its rows as they are, in output order (the reply is its
-    output); others read each distinct row once and scatter it (see DIRECT_MAX_ROWS)."""
+    output); others read each distinct row once and scatter it (see :func:`server_parts`)."""
     requests = _requests(native, jobs)
     batch, outs = [], []
     for request in requests.values():
@@ -269,19 +288,9 @@ def _read_remote(native: Any, jobs: list, counts: dict) -> set[str]:
         data = _kernels.readonly(np.frombuffer(result, dtype=np.uint8))
         pos = 0
         for part in parts:
-            lay, scatter, rows, flat = part.layer, part.scatter, part.rows, part.out
-            n = rows * lay.row_bytes
-            if data.size < pos + n:
-                raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")
-            if scatter is None:
-                if flat.ctypes.data != data.ctypes.data + pos:
-                    flat[:] = data[pos:pos + n]
-            else:
-                plan, heads, r0 = scatter
-                if _kernels.scatter_rows_prepared(data[pos:pos + n], plan.inverse, heads, r0, lay.row_bytes,
-                                                  flat) >= 0:
-                    raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")
-            tally(counts, flat, remote_requests=1, remote_rows=rows, remote_bytes=n)
+            n = part.rows * part.layer.row_bytes
+            place_reply(part, data[pos:pos + n], address)
+            tally(counts, part.out, remote_requests=1, remote_rows=part.rows, remote_bytes=n)
             pos += n
     return failed
 
@@ -321,7 +330,7 @@ class Background:
 def layer_jobs(row_ids: Mapping[Any, Any], out: Mapping[Any, Any] | None, job: Callable[..., tuple[Job, Any]],
                layer_id: Callable[[Any], Any]) -> tuple[list[Job], dict[Any, Any]]:
     """The checked jobs of a call over several layers (``{layer_id: [B, L, H] ids}``, ``out`` a buffer per layer or
-    None), and what it returns (``{layer_id: rows}``): ``job(ids, out, layer)`` makes one, ``layer_id(layer)`` is
+    None), and what it returns (``{layer_id: rows}``): ``job(row_ids, out, layer)`` makes one, ``layer_id(layer)`` is
     the id the result is keyed by."""
     if not isinstance(row_ids, Mapping) or not row_ids:
         raise InvalidType(f"row_ids: expected a non-empty {{layer_id: [B, L, H] ids}} mapping, "
@@ -329,8 +338,8 @@ def layer_jobs(row_ids: Mapping[Any, Any], out: Mapping[Any, Any] | None, job: C
     if out is not None and not isinstance(out, Mapping):
         raise InvalidType(f"out: expected a {{layer_id: buffer}} mapping or None, got {type(out).__name__}")
     jobs, results = [], {}
-    for lid, ids in row_ids.items():
-        one, results[layer_id(lid)] = job(ids, out.get(lid) if out is not None else None, lid)
+    for lid, layer_row_ids in row_ids.items():
+        one, results[layer_id(lid)] = job(layer_row_ids, out.get(lid) if out is not None else None, lid)
         jobs.append(one)
     return jobs, results
 

@@ -34,11 +34,13 @@ class Job(NamedTuple):
     """A read job: rows of one layer for validated ids, into an output's bytes."""
     source: Any        # the Source that owns the layer
     layer: Layer
-    ids: np.ndarray    # int64 [M, H], checked against the layer's table sizes (unless ``unchecked`` is set)
+    ids: np.ndarray    # int64 [M, H]: the lookup's row_ids, checked against the layer's table sizes (unless
+                       # ``row_ids`` is set)
     out: np.ndarray    # the output's flat uint8 bytes, [M, H, row_bytes] as laid out
-    # The caller's [B, L, H] ids where their range is still to be checked (a Source that checks ids as it reads
-    # them, ``checks_ids``, checks them before anything else reads them), else None.
-    unchecked: np.ndarray | None = None
+    # The lookup's row_ids ([B, L, H], of which ``ids`` is the [M, H] view) while their range is still to be checked
+    # (a Source that checks ids as it reads them, ``checks_ids``, checks them before anything else reads them),
+    # else None.
+    row_ids: np.ndarray | None = None
 
 
 class Source:
@@ -55,7 +57,7 @@ class Source:
     #: The directory of tables in files on this host (``local_dir=``, ``disk_dir=``), else None.
     local_dir: str | None = None
     disk_dir: str | None = None
-    #: Whether :meth:`read` of one lookup's job checks the ids' range itself (``Job.unchecked``): a read that
+    #: Whether :meth:`read` of one lookup's job checks the ids' range itself (``Job.row_ids``): a read that
     #: checks them as it builds its request saves a kernel call (~10 us at a model step's cadence, caches cold).
     checks_ids = False
     #: Whether :meth:`populate` takes ``fill(start_row, out)`` functions in place of tables (files on this host).
@@ -195,18 +197,18 @@ class InMemory:
         return self._views
 
 
-def gather(lay: Layer, memory: InMemory, ids2: np.ndarray, flat: np.ndarray, threads: int = 1) -> None:
+def gather(lay: Layer, memory: InMemory, ids: np.ndarray, flat: np.ndarray, threads: int = 1) -> None:
     """Gather the rows of every head in ``memory`` from this host's memory into ``flat``; a gather of at least
     THREADED_MIN_ROWS rows is split over ``threads`` threads (the kernel releases the GIL)."""
-    M = ids2.shape[0]
+    M = ids.shape[0]
     threads = threads if M * lay.num_heads >= THREADED_MIN_ROWS else 1
     for source in memory.sources:
         if flat.ctypes.data % (1 << source.shift):  # a caller's buffer aligned to fewer bytes
             source = _kernels.narrower(source, _kernels.word_shift(flat.ctypes.data))
         if threads == 1:  # a decode step: no part for a pool
-            bad = _kernels.gather_rows(source, ids2, flat)
+            bad = _kernels.gather_rows(source, ids, flat)
         else:
-            bad = max(split(lambda lo, hi: _kernels.gather_rows(source, ids2, flat, lo, hi), M, threads,
+            bad = max(split(lambda lo, hi: _kernels.gather_rows(source, ids, flat, lo, hi), M, threads,
                             _GATHER_POOL))
         if bad >= 0:
             raise StoreError(f"layer {lay.layer_id}: a row lies outside its mapped tables; the stored layer "

@@ -164,8 +164,8 @@ class DiskSource(Source):
                 timed.record("read", time.perf_counter() - start, False)
             if isinstance(exc, InvalidArgument):  # an id out of range: named as the facade names it
                 for job in jobs:
-                    if job.unchecked is not None:
-                        job.layer.check_range(job.unchecked)
+                    if job.row_ids is not None:
+                        job.layer.check_range(job.row_ids)
             raise
         if timed is not None:
             timed.record("read", time.perf_counter() - start, True)

@@ -108,14 +108,14 @@ class MooncakeSource(KeyedSource):
             self._read_one(job.layer, job.ids, job.out)
             job.layer.counters.add(lookups=1, rows=job.ids.size)
 
-    def _read_one(self, lay: Layer, ids2: np.ndarray, flat: np.ndarray) -> None:
+    def _read_one(self, lay: Layer, ids: np.ndarray, flat: np.ndarray) -> None:
         """The store's planning over Mooncake's ``get_into_ranges`` (one call for all heads of the layer)."""
         if not lay.state:
             self.check_published(lay)
             lay.state = True
         H = lay.num_heads
         heads = np.arange(H, dtype=np.int64)
-        uniq, head_starts, inverse = _kernels.plan_unique_rows(ids2, heads)
+        uniq, head_starts, inverse = _kernels.plan_unique_rows(ids, heads)
         need = int(uniq.size) * lay.row_bytes
         with self._lock:
             staging = self._staging

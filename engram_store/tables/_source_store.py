@@ -19,7 +19,8 @@ from ..errors import ObjectNotFound, SegmentUnavailable, StalePlacement, StoreEr
 from ._keyed import KeyedSource, Upload, Written
 from ._layout import Layer
 from ._placement import Placement, Placements, PlacementState
-from ._plan import READ_ROUND_BYTES, READ_ROUND_ROWS, STALE, fits_one_round, read_native, reads_direct, tally
+from ._plan import READ_ROUND_BYTES, READ_ROUND_ROWS, STALE, fits_one_round, place_reply, read_native, \
+    server_parts, tally
 from ._source import Job
 from ._source_memory import PREFETCH_INLINE_ROWS
 
@@ -127,45 +128,34 @@ class StoreSource(KeyedSource):
     def read(self, jobs: list[Job]) -> None:
         if len(jobs) == 1:
             job = jobs[0]
-            self._read_one(job.layer, job.ids, job.out, job.unchecked)
+            self._read_one(job.layer, job.ids, job.out, job.row_ids)
         else:
             for job in jobs:
-                if job.unchecked is not None:
-                    job.layer.check_range(job.unchecked)
+                if job.row_ids is not None:
+                    job.layer.check_range(job.row_ids)
             read_native(self.native, jobs)
 
     def express(self, lay: Layer, row_ids: Any, out: Any) -> Any:
-        """A lookup whose layer reads in one native call (see _Lean), its placement younger than the stale limit
-        (past the TTL its check with the master starts in the background after the read, as :meth:`Placements.get`
-        has it), ids a C-contiguous int64 ``[B, L, H]`` array (and ``out`` a matching writable array): the read,
-        straight from the call. At a model step's cadence every cache is cold and each Python call on the way
-        costs microseconds: this is the lean path of :meth:`_read_one` with nothing else on the way. An id out of
-        range sends nothing (the kernel checks them) and the general path names it."""
-        # Each test below is one the general path makes too, in the order that costs least when cold (a
-        # non-contiguous ``ids`` is copied by its reshape; the kernel checks the ids' range).
-        state = lay.state
-        lean = state.lean
-        if lean is None or state.placement is not lean.placement or type(row_ids) is not np.ndarray \
-                or row_ids.dtype is not _INT64:
+        """A lookup whose ids are a C-contiguous int64 ``[B, L, H]`` array (and ``out`` None or a matching writable
+        array), read by :meth:`_read_one` straight from the call: the arguments are what the facade's checks take as
+        they are, so only their range is left, and the read checks it (the kernel call as it builds its request).
+        At a model step's cadence every cache is cold and each Python call on the way costs microseconds. Anything
+        else (None) goes the facade's way, which converts what it can and names what it cannot."""
+        # The facade's tests of arguments it takes as they are (Layer.as_ids, Layer.check_out), in the order that
+        # costs least when cold.
+        if type(row_ids) is not np.ndarray or row_ids.dtype is not _INT64:
             return None
-        placement = lean.placement
-        age = time.monotonic() - placement.checked_at
-        if age >= placement.stale_s:
-            return None  # the general path checks it with the master before use
         shape = row_ids.shape
-        if len(shape) != 3 or shape[2] != lay.num_heads or not 0 < row_ids.size <= lean.max_ids:
+        if len(shape) != 3 or shape[2] != lay.num_heads or not row_ids.size or not row_ids.flags["C_CONTIGUOUS"]:
             return None
         if out is None:
             rows = np.empty(shape + (lay.dim,), dtype=lay.dtype)
         elif type(out) is np.ndarray and out.dtype is lay.dtype and out.shape == shape + (lay.dim,) \
-                and out.flags.c_contiguous and out.flags.writeable:
+                and (flags := out.flags).c_contiguous and flags.writeable:
             rows = out
         else:
             return None
-        if not self._read_lean(lay, lean, row_ids.reshape(-1, shape[2]), rows.reshape(-1).view(np.uint8), row_ids):
-            return None
-        if age >= placement.ttl_s:
-            self.placements.refresh_later(lay)  # due for its check with the master: in the background, as get() does
+        self._read_one(lay, row_ids.reshape(-1, shape[2]), rows.reshape(-1).view(np.uint8), row_ids)
         return rows
 
     def inline(self, lay: Layer, rows: int) -> bool:
@@ -189,119 +179,104 @@ class StoreSource(KeyedSource):
         except StalePlacement:
             return False
 
-    def _read_one(self, lay: Layer, ids2: np.ndarray, flat: np.ndarray, unchecked: np.ndarray | None = None) -> None:
-        """One layer: the lean path of a lookup (see :func:`._plan.read_native` for the rest).
+    def _read_one(self, lay: Layer, ids: np.ndarray, flat: np.ndarray, row_ids: np.ndarray | None = None) -> None:
+        """One layer's read of ``ids`` (``[M, H]``) into ``flat`` (the output's bytes): the one place that decides
+        which way it goes. Under the layer's placement now, the first condition that holds decides:
 
-        With a fresh placement whose remote heads all live on one server, the rows are planned, read in one
-        request and scattered with nothing in between (where none is mapped here, in one native call on this
-        thread's raw channel: :meth:`DistributedStore.read_direct`); any failure takes the general path, which
-        fails over. ``unchecked``: the ``[B, L, H]`` ids of ``ids2`` where their range is not checked yet: the
-        native call checks it (an id out of range sends nothing), every other path checks them first.
+        =============================================================  ============================================
+        condition                                                      way
+        =============================================================  ============================================
+        this placement's one-call plan (_Lean), fresh (*), one round   one kernel call (``native.read_direct``)
+        no placement or past its TTL, several servers, a row cache,    the general path (:meth:`_read_general`)
+        more than one round
+        heads mapped here                                              gathered in place, then the rows below
+        remote heads on one server                                     one read_pairs (:meth:`_read_one_server`)
+        =============================================================  ============================================
+
+        (*) younger than its stale limit; past its TTL it is checked with the master after the read, in the
+        background. A kernel call the channel does not take (none open on this thread, reads in flight, an id out
+        of range) goes on to the rows below. Every way that fails (a segment that does not answer, a placement a
+        segment refuses as stale) hands the read to :meth:`_read_general`, which fails over. ``row_ids``: the
+        ``[B, L, H]`` ids of ``ids`` while their range is unchecked: the kernel call checks it (an id out of range
+        sends nothing), every other way checks it first.
         """
-        placement = lay.state.placement
+        state = lay.state
+        placement, lean = state.placement, state.lean
         age = time.monotonic() - placement.checked_at if placement is not None else math.inf
-        lean = lay.state.lean
-        if lean is not None and lean.placement is placement and ids2.size <= lean.max_ids:
-            # Every head on one server, read this way before: the request built, sent and the rows received into
-            # ``flat`` in one native call, the first thing a lookup does (see _Lean). A placement past its TTL is
-            # read as the general path reads it (segments check what they serve), and checked with the master
-            # after the read, in the background: the check's own work does not land inside a lookup.
-            if age < placement.stale_s and self._read_lean(lay, lean, ids2, flat, unchecked):
-                if age >= placement.ttl_s:
-                    self.placements.refresh_later(lay)
+        if lean is not None and lean.placement is placement and ids.size <= lean.max_ids and age < placement.stale_s:
+            native = self.native
+            try:
+                taken = native.read_direct(lean.endpoint or native.pick_endpoint(lean.endpoints), lean.plan, ids,
+                                           lay.row_bytes, flat)
+            except SegmentUnavailable:
+                if row_ids is not None:  # (the channel may have failed before the request was built)
+                    lay.check_range(row_ids)
+                self._read_general(lay, ids, flat, failed=lean.address)
                 return
-        if unchecked is not None:  # not read in one native call: checked as every read's ids are
-            lay.check_range(unchecked)
+            if taken:
+                lay.counters.add_remote(ids.size)
+                if age >= placement.ttl_s:
+                    self.placements.refresh_later(lay)  # in the background: its work does not land inside a lookup
+                return
+        if row_ids is not None:
+            lay.check_range(row_ids)
         if placement is None or age >= placement.ttl_s \
-                or len(placement.remote) > 1 or lay.state.cache is not None or not fits_one_round(ids2, flat):
-            read_native(self.native, [Job(self, lay, ids2, flat)])
+                or len(placement.remote) > 1 or state.cache is not None or not fits_one_round(ids, flat):
+            self._read_general(lay, ids, flat)
             return
         if placement.memory.sources:
             try:
-                self.placements.gather(lay, placement, ids2, flat, self.threads, age)
+                self.placements.gather(lay, placement, ids, flat, self.threads, age)
             except StalePlacement as exc:  # a mapped table was written over: ask the master where it is now
-                self.placements.stale(lay, exc)
-                read_native(self.native, [Job(self, lay, ids2, flat)])
+                self._read_general(lay, ids, flat, stale=exc)
                 return
         if placement.remote:
-            self._read_one_server(lay, placement, ids2, flat)
+            self._read_one_server(lay, placement, ids, flat)
         else:
-            lay.counters.add(lookups=1, rows=ids2.size, local_rows=ids2.size)
+            lay.counters.add(lookups=1, rows=ids.size, local_rows=ids.size)
 
-    def _read_one_server(self, lay: Layer, placement: Placement, ids2: np.ndarray, flat: np.ndarray) -> None:
-        """The remote heads of a fresh placement on one server (the mapped ones are gathered already): planned,
-        read in one request and scattered; a failed or stale read goes the general way, which fails over."""
-        address, endpoints, _, _ = placement.remote[0]
+    def _read_one_server(self, lay: Layer, placement: Placement, ids: np.ndarray, flat: np.ndarray) -> None:
+        """The remote heads of a fresh placement on one server (the mapped ones are gathered already) in one
+        read_pairs, the part the general path would send there (:func:`._plan.server_parts`: where every head is
+        there, each (m, h) row in output order, straight into ``flat``, and the layer's next lookups read in one
+        kernel call, :meth:`_lean_of`; else each distinct row once, scattered). A failed or stale read goes to
+        :meth:`_read_general`."""
+        (address, endpoints, _, _), checks = placement.remote[0], placement.checks[0]
+        (part,) = server_parts(self, lay, placement, ids, flat)
+        if part.scatter is None:
+            self._lean_of(lay, placement)
         native = self.native
-        direct = reads_direct(placement, ids2)
-        try:  # the common case in one native call: the request built, sent, and the rows received into flat
-            if direct and native.read_direct(native.pick_endpoint(endpoints), self._lean_of(lay, placement).plan,
-                                             ids2, lay.row_bytes, flat):
-                lay.counters.add(lookups=1, rows=ids2.size, remote_requests=1, remote_rows=ids2.size,
-                                 remote_bytes=flat.size)
-                return
-        except SegmentUnavailable:
-            self._read_without(address, lay, ids2, flat)
-            return
-        if direct:
-            # Every head on this server: one range per (m, h) in output order, so the reply lands in
-            # ``flat`` as it is; no sort, no scatter (a repeated row is read again).
-            pairs = _kernels.direct_pairs_unchecked(ids2, placement.order, placement.bases, lay.row_bytes)
-            rows = ids2.size
-        else:
-            pairs, r, head_rows, _, inverse = _kernels.plan_reads_unchecked(ids2, placement.order,
-                                                                            placement.bases, lay.row_bytes)
-            pairs = pairs[:r]
-            rows = int(head_rows[-1])
-        checks = placement.checks[0]
         try:
             data = native.read_pairs(native.pick_endpoint(endpoints),
-                                     np.concatenate((checks, pairs)) if checks.size else pairs,
-                                     rows * lay.row_bytes, out=flat if direct else None)
+                                     np.concatenate((checks, part.pairs)) if checks.size else part.pairs,
+                                     part.rows * lay.row_bytes, out=flat if part.scatter is None else None)
         except SegmentUnavailable:
-            self._read_without(address, lay, ids2, flat)
+            self._read_general(lay, ids, flat, failed=address)
             return
         except StalePlacement as exc:  # removed and its space reused: ask the master where it is now
-            self.placements.stale(lay, exc)
-            read_native(native, [Job(self, lay, ids2, flat)])
+            self._read_general(lay, ids, flat, stale=exc)
             return
-        if not direct and _kernels.scatter_rows_unchecked(_kernels.readonly(np.frombuffer(data, dtype=np.uint8)),
-                                                          _kernels.readonly(inverse), placement.order, 0,
-                                                          lay.row_bytes, flat) >= 0:
-            raise StoreError(f"layer {lay.layer_id}: {address} returned too few rows")
-        lay.counters.add(lookups=1, rows=ids2.size, local_rows=placement.memory.heads * ids2.shape[0],
-                         remote_requests=1, remote_rows=rows, remote_bytes=rows * lay.row_bytes)
+        if part.scatter is not None:  # (else the reply is in flat already)
+            place_reply(part, _kernels.readonly(np.frombuffer(data, dtype=np.uint8)), address)
+        lay.counters.add(lookups=1, rows=ids.size, local_rows=placement.memory.heads * ids.shape[0],
+                         remote_requests=1, remote_rows=part.rows, remote_bytes=part.rows * lay.row_bytes)
 
-    def _read_lean(self, lay: Layer, lean: "_Lean", ids2: np.ndarray, flat: np.ndarray,
-                   unchecked: np.ndarray | None) -> bool:
-        """Read ``ids2`` into ``flat`` in one native call under ``lean``: True once ``flat`` holds the rows (read so,
-        or, after the segment failed, read the general way from other replicas), False when the channel did not
-        take it (nothing was read: the caller takes the general path). ``unchecked``: the ``[B, L, H]`` ids whose
-        range the native call checks, checked here before a failover reads them (the channel may have failed
-        before the request was built)."""
-        native = self.native
-        try:
-            if not native.read_direct(lean.endpoint or native.pick_endpoint(lean.endpoints), lean.plan, ids2,
-                                      lay.row_bytes, flat):
-                return False
-        except SegmentUnavailable:
-            if unchecked is not None:
-                lay.check_range(unchecked)
-            self._read_without(lean.address, lay, ids2, flat)
-            return True
-        lay.counters.add_remote(ids2.size)
-        return True
-
-    def _read_without(self, address: str, lay: Layer, ids2: np.ndarray, flat: np.ndarray) -> None:
-        """Read the layer the general way after the segment at ``address`` failed: its placement is resolved again
-        (the master may have dropped the segment) and other replicas serve the heads it held."""
-        with lay.lock:
-            lay.state.placement = None
-        read_native(self.native, [Job(self, lay, ids2, flat)], failed={address})
+    def _read_general(self, lay: Layer, ids: np.ndarray, flat: np.ndarray, *, failed: str | None = None,
+                      stale: StalePlacement | None = None) -> None:
+        """The general path (:func:`._plan.read_native`: rounds, every server at once, failover), where every way
+        of :meth:`_read_one` that fails ends: ``failed``, the address of a segment that did not answer (the
+        layer's placement is resolved again, as the master may have dropped the segment, and other replicas serve
+        the heads it held); ``stale``, a segment's refusal of the placement (the master is asked where the layer
+        is now)."""
+        if stale is not None:
+            self.placements.stale(lay, stale)
+        if failed is not None:
+            self.forget(lay)
+        read_native(self.native, [Job(self, lay, ids, flat)], failed={failed} if failed is not None else None)
 
     def _lean_of(self, lay: Layer, placement: Placement) -> "_Lean":
-        """What a lookup of the layer needs to read it in one native call while ``placement`` holds (every remote
-        head on one server, none mapped here, no row cache), made once per placement."""
+        """What a lookup of the layer needs to read it in one kernel call while ``placement`` holds (every remote
+        head on one server, none mapped here, no row cache), made once per placement (by its first read)."""
         lean = lay.state.lean
         if lean is None or lean.placement is not placement:
             address, endpoints, _, _ = placement.remote[0]
@@ -310,11 +285,11 @@ class StoreSource(KeyedSource):
                 min(READ_ROUND_ROWS, READ_ROUND_BYTES // lay.row_bytes))
         return lean
 
-    def read_cached(self, lay: Layer, placement: Placement, ids2: np.ndarray, flat: np.ndarray,
+    def read_cached(self, lay: Layer, placement: Placement, ids: np.ndarray, flat: np.ndarray,
                     counts: dict) -> set[str]:
         """The remote read of a layer with a hot-row cache: cached rows are not requested, fetched ones are added
         (each under the placement it was read under: see :class:`_RowCache`)."""
-        uniq, head_starts, inverse = _kernels.plan_unique_rows(ids2, placement.order)
+        uniq, head_starts, inverse = _kernels.plan_unique_rows(ids, placement.order)
         cache = lay.state.cache
         head_of = np.repeat(placement.order, np.diff(head_starts))
         keys = (head_of << 40) | uniq
@@ -364,7 +339,7 @@ class StoreSource(KeyedSource):
 
 
 class _Lean:
-    """A layer read in one native call (``DistributedStore.read_direct``): the placement this holds for (every remote
+    """A layer read in one kernel call (``DistributedStore.read_direct``): the placement this holds for (every remote
     head on the segment at ``address``, none mapped here, no row cache), its read endpoints, and the plan
     (``kernels.direct_read_plan``: heads, table offsets, checks). A lookup whose layer has one goes straight to the
     read (a model step's lookups come tens of milliseconds apart, every cache cold: each check skipped saves a

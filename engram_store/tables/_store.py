@@ -226,16 +226,15 @@ class EngramStore:
         """A checked read job, and what the call returns (the caller's ``out``, else a new array).
 
         ``read_checks``: the job is read at once and alone, so where the source checks ids as it reads them
-        (``Source.checks_ids``) their range is left to it (the job's ``unchecked``); nothing is read before."""
+        (``Source.checks_ids``) their range is left to it (the job's ``row_ids``); nothing is read before."""
         lay = self._layer(layer)
         self._source.ready(lay, what)
         unchecked = read_checks and self._source.checks_ids
-        ids = lay.as_ids(row_ids) if unchecked else lay.check_ids(row_ids)
-        shape = ids.shape + (lay.dim,)
+        row_ids = lay.as_ids(row_ids) if unchecked else lay.check_ids(row_ids)  # [B, L, H], C-contiguous int64
+        shape = row_ids.shape + (lay.dim,)
         target = lay.check_out(out, shape) if out is not None else np.empty(shape, dtype=lay.dtype)
-        M = ids.shape[0] * ids.shape[1]
-        job = Job(self._source, lay, ids.reshape(M, lay.num_heads), target.reshape(-1).view(np.uint8),
-                  ids if unchecked else None)
+        job = Job(self._source, lay, row_ids.reshape(-1, lay.num_heads), target.reshape(-1).view(np.uint8),
+                  row_ids if unchecked else None)
         return job, out if out is not None else target
 
     def lookup(self, row_ids: Any, *, layer: int | None = None) -> np.ndarray:
@@ -340,8 +339,9 @@ def lookup_many(requests: Sequence[tuple[Any, Any]], *, layers: Sequence[int | N
     for i, item in enumerate(requests):
         if not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], EngramStore):
             raise InvalidType(f"requests[{i}]: expected (EngramStore, row_ids), got {describe(item)}")
-        owner, ids = item
-        job, result = owner._job(ids, out[i] if out is not None else None, layers[i] if layers is not None else None)
+        owner, row_ids = item
+        job, result = owner._job(row_ids, out[i] if out is not None else None,
+                                 layers[i] if layers is not None else None)
         jobs.append(job)
         results.append(result)
 
@@ -356,7 +356,7 @@ def prefetch_many(requests: Sequence[tuple[Any, Any]], *, layers: Sequence[int |
     when they all have, and a failure is raised by every handle.
     """
     combined = lookup_many(requests, layers=layers, out=out, background=background)
-    handles = [LookupHandle(Future(), ids) for _, ids in requests]
+    handles = [LookupHandle(Future(), row_ids) for _, row_ids in requests]
 
     def finish(done: Future) -> None:
         exc = done.exception()

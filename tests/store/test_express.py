@@ -1,8 +1,8 @@
 """The express lookup (``StoreSource.express``): a remote layer read in one kernel call straight from ``lookup``.
 
 Whatever the caller passes, it returns exactly what the general path returns (rows equal NumPy's, the same errors,
-``out`` filled in place) and counts every lookup, from any number of threads; what it does not take (another dtype
-or shape, a caller buffer it cannot fill in place, an id out of range) goes the general way.
+``out`` filled in place) and counts every lookup, from any number of threads; what it does not take (another dtype,
+shape or layout, a caller buffer it cannot fill in place) goes the general way.
 """
 from __future__ import annotations
 
@@ -73,18 +73,34 @@ def test_what_the_express_path_takes_and_what_it_leaves_to_the_general_one(remot
     layer, tables = remote
     lay, source = layer._layer(None), layer._source
     ids = _ids(np.random.default_rng(2), 3, 2)
-    # A lookup first: on a loaded host the module's earlier tests may outlast the placement's stale limit, past
-    # which the express path leaves the read to the general one (which asks the master and reads the lean way).
-    np.testing.assert_array_equal(layer.lookup(ids), _expected(tables, ids))
+    # Taken whichever way the read goes (on a loaded host the module's earlier tests may outlast the placement's
+    # stale limit: the read then asks the master first).
     np.testing.assert_array_equal(source.express(lay, ids, None), _expected(tables, ids))
     out = np.empty(ids.shape + (DIM,), np.float32)
     assert source.express(lay, ids, out) is out
     np.testing.assert_array_equal(out, _expected(tables, ids))
     for other, buffer in ((ids.astype(np.int32), None), (ids.tolist(), None), (ids[None], None), (ids, out[:1]),
-                          (ids, out.astype(np.float64)), (ids, out.reshape(-1).view(np.uint8))):
+                          (ids, out.astype(np.float64)), (ids, out.reshape(-1).view(np.uint8)),
+                          (np.asfortranarray(ids), None)):
         assert source.express(lay, other, buffer) is None
-    ids[0, 0, 0] = SIZES[0]  # the kernel sends nothing: the general path names the id
-    assert source.express(lay, ids, None) is None
+    ids[0, 0, 0] = SIZES[0]  # taken (its arguments are): the kernel sends nothing, the read's range check names it
+    with pytest.raises(InvalidArgument, match=r"row_ids\[0, 0, 0\] = 101 is out of range"):
+        source.express(lay, ids, None)
+
+
+def test_a_layer_read_another_way_is_taken_too(remote):
+    """A row cache keeps a layer off the one-call read: the express entry hands it to the same decision, which
+    reads it the general way (the second lookup from the cache)."""
+    layer, tables = remote
+    ids = _ids(np.random.default_rng(3), 2, 3)
+    with EngramStore(1, EngramStoreConfig(SIZES, DIM), layer.store, row_cache_bytes=1 << 20) as cached:
+        lay, source = cached._layer(None), cached._source
+        for _ in range(2):
+            np.testing.assert_array_equal(source.express(lay, ids, None), _expected(tables, ids))
+        distinct = sum(np.unique(ids[..., h]).size for h in range(len(SIZES)))  # rows the cache keeps, per head
+        stats = cached.stats()
+        assert (stats["lookups"], stats["cache_misses"], stats["cache_hits"]) == (2, distinct, distinct)
+        assert lay.state.lean is None
 
 
 def test_an_id_out_of_range_is_named_and_nothing_is_written(remote):
