@@ -252,7 +252,7 @@ class ReadPath:
 
     def read_direct(self, endpoint: str, plan: np.ndarray, ids: np.ndarray, row_bytes: int, out: np.ndarray) -> bool:
         """A lookup's read of every ``(m, head)`` row of ``ids`` under ``plan`` (``kernels.direct_read_plan`` of a
-        placement whose remote heads all sit on ``endpoint``'s segment) into ``out``, in one native call on this
+        placement whose remote heads all sit on ``endpoint``'s segment) into ``out``, in one kernel call on this
         thread's open raw channel to it: True when ``out`` holds the rows, False when that channel cannot take it
         (none open yet, reads in flight, or the read did not end in rows: :meth:`read_pairs` then reads it, and
         says why). Raises SegmentUnavailable when the segment did not answer within the timeout."""

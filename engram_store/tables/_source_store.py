@@ -122,7 +122,7 @@ class StoreSource(KeyedSource):
 
     # ---- reads ------------------------------------------------------------------------------------------------
 
-    #: A lookup on the native path checks its ids as it builds its request (``kernels.read_direct``'s limits).
+    #: A lookup of this store checks its ids as the kernel builds its request (``kernels.read_direct``'s limits).
     checks_ids = True
 
     def read(self, jobs: list[Job]) -> None:
