@@ -278,15 +278,34 @@ def reload(worker, cmd: dict) -> dict:
 
     thread = threading.Thread(target=reader, name="nemesis-reload-reader")
     thread.start()
+    start = time.monotonic()
     try:
         time.sleep(cmd.get("after_s", 0.0))
         _rewrite(worker, cmd)
-    finally:
-        stop.set()
-        thread.join(timeout=60)
+    except BaseException as exc:
+        exc.nemesis_partial = {**getattr(exc, "nemesis_partial", {}), "rewrite_s": round(time.monotonic() - start, 3),
+                               **_stop_reader(stop, thread)}
+        raise
+    timings = {"rewrite_s": round(time.monotonic() - start, 3), **_stop_reader(stop, thread)}
     if thread.is_alive() or crashes:
-        raise RuntimeError("the reader of a reloaded layer " + (f"raised:\n{crashes[0]}" if crashes else "hung"))
-    return {**reads.reply(), "reader_errors": errors}
+        raise RuntimeError("the reader of a reloaded layer " + (f"raised:\n{crashes[0]}" if crashes else
+                                                                f"hung: {timings}"))
+    return {**reads.reply(), "reader_errors": errors, **timings}
+
+
+def _stop_reader(stop: threading.Event, thread: threading.Thread) -> dict:
+    """Stop a reload's reader: how long it took to stop, and where it was when it had not after 5 s (a read that
+    does not end is what the explorer is after: its stack says which)."""
+    stop.set()
+    start = time.monotonic()
+    thread.join(timeout=5)
+    out: dict = {}
+    if thread.is_alive():
+        frame = sys._current_frames().get(thread.ident)
+        out["reader_stack"] = "".join(traceback.format_stack(frame)[-12:])[-3000:] if frame is not None else "?"
+        thread.join(timeout=55)
+    out["reader_stop_s"] = round(time.monotonic() - start, 3)
+    return out
 
 
 def _rewrite(worker, cmd: dict) -> None:
