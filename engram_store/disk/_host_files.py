@@ -143,6 +143,8 @@ def _detach_now(files: CacheFiles | None, mm: mmap.mmap | None, timeout_s: float
         else:
             log.warning("host row cache %s: another process held %s for more than %g s; detached without "
                         "cleaning up", files.data_path, files.lock_path, timeout_s)
+    except FileNotFoundError as exc:  # its files were removed meanwhile (by hand, or their directory): nothing to clean
+        log.debug("host row cache %s: its files are gone already: %s", files.data_path, exc)
     except (OSError, EngramError) as exc:
         log.warning("host row cache %s: detaching failed: %s", files.data_path, exc)
     finally:
