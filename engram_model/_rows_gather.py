@@ -31,6 +31,8 @@ import numpy as np
 from engram_store import EngramStore, LookupHandle
 from engram_store.buffers import host_array
 from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
+from engram_store.kernels import PREFETCH_ROWS
+from engram_store.pages import huge_pages
 from engram_store.pools import SharedPool, split
 
 from . import _rows_gather_kernels as _k
@@ -110,11 +112,13 @@ class Span(NamedTuple):
     g of column c at byte ``delta[c] + g * row_bytes``; ``words`` the same memory as uint64 and ``word_delta`` in
     words, where every table starts and ends on an 8-byte boundary and rows are whole words (None otherwise): rows
     copied a word at a time. Memory between the tables is never touched: every id is checked against the table
-    first."""
+    first. ``ahead``: the kernels' prefetch for these pages (``_rows_gather_kernels.prefetch_plan``): rows
+    ``PREFETCH_ROWS`` slots on, one at a time, where the tables lie on huge pages; 0 (bursts) on 4 KiB ones."""
     bytes: np.ndarray
     delta: np.ndarray
     words: np.ndarray | None
     word_delta: np.ndarray | None
+    ahead: int = 0
 
 
 def span_of(tables: list[np.ndarray], heads: list[int], offsets: np.ndarray, row_bytes: int) -> Span:
@@ -131,7 +135,9 @@ def span_of(tables: list[np.ndarray], heads: list[int], offsets: np.ndarray, row
     aligned = row_bytes % 8 == 0 and lo % 8 == 0 and (hi - lo) % 8 == 0 and all(
         t.ctypes.data % 8 == 0 and t.nbytes % 8 == 0 for t in tables)
     words = span.view(np.uint64) if aligned else None
-    return Span(span, delta, words, (base // 8 - offsets[:-1] * (row_bytes // 8)) if aligned else None)
+    largest = max(tables, key=lambda t: t.nbytes)  # (its middle: an array's first page may sit outside the huge ones)
+    ahead = PREFETCH_ROWS if huge_pages(largest.ctypes.data + largest.nbytes // 2) else 0
+    return Span(span, delta, words, (base // 8 - offsets[:-1] * (row_bytes // 8)) if aligned else None, ahead)
 
 
 def word_view(out: np.ndarray) -> np.ndarray | None:
@@ -277,21 +283,21 @@ def warm_kernels() -> None:
             store_ids, src = _k.plan_window(ids, offsets, 0, 2, 4, 0, 7, np.arange(2, dtype=np.int64), 2)
             staged = np.zeros((store_ids.size, row_bytes), np.uint8)
             args = (span.delta, offsets, ids, 0, 2, 0, 7, 0, 4)
-            _k.rows_from_span(span.bytes, *args, row_bytes, NO_LUT, raw)
+            _k.rows_from_span(span.bytes, *args, row_bytes, 0, NO_LUT, raw)
             _k.rows_from_staging(staged, src, NO_LUT, raw)
             if coded:  # PLE's e4m3 codes as bf16 (its lut is read-only too)
                 coded_out = np.empty((4, row_bytes), np.uint16)
-                _k.rows_from_span(span.bytes, *args, row_bytes, NO_LUT, coded_out)
+                _k.rows_from_span(span.bytes, *args, row_bytes, 0, NO_LUT, coded_out)
                 _k.rows_from_staging(staged, src, NO_LUT, coded_out)
             if row_bytes == 9:  # V4.1's rows: codes and block scales, decoded or split
                 scaled, codes, scales = (np.empty((4, 8), np.uint16), np.empty((4, 8), np.uint8),
                                          np.empty((4, 1), np.uint8))
-                _k.scaled_from_span(span.bytes, *args, row_bytes, lut2, scaled)
+                _k.scaled_from_span(span.bytes, *args, row_bytes, 0, lut2, scaled)
                 _k.scaled_from_staging(staged, src, lut2, scaled)
-                _k.split_from_span(span.bytes, *args, row_bytes, codes, scales)
+                _k.split_from_span(span.bytes, *args, row_bytes, 0, codes, scales)
                 _k.split_from_staging(staged, src, codes, scales)
             if span.words is not None:  # rows copied a word at a time
-                _k.rows_from_span(span.words, span.word_delta, *args[1:], row_bytes // 8, NO_LUT,
+                _k.rows_from_span(span.words, span.word_delta, *args[1:], row_bytes // 8, 0, NO_LUT,
                                   raw.view(np.uint64))
             _k.zero_slots(src, raw)
             _k.zero_slots(src, raw.view(np.uint16) if row_bytes % 2 == 0 else raw)

@@ -136,7 +136,7 @@ class BoundRows:
         g = self.rows._gather
         g.split_range(call.ids.shape[0], lambda a, b: rows_from_span(
             span.words, span.word_delta, g.offsets, call.ids, 0, g.cols, call.v0, call.v1, a, b, g.row_bytes // 8,
-            E4M3_BF16, words))
+            span.ahead, E4M3_BF16, words))
 
 
 def ple_rank_rows(config: PLEConfig, layer_id: int, rank: int, ranks: int, *, padding: int | None = None,
@@ -322,7 +322,7 @@ class PLERows(RowsAdapter):
         if words is not None:
             source, delta, items, out = span.words, span.word_delta, g.row_bytes // 8, words
         g.split_range(call.ids.shape[0], lambda a, b: rows_from_span(
-            source, delta, g.offsets, call.ids, 0, g.cols, call.v0, call.v1, a, b, items, E4M3_BF16, out))
+            source, delta, g.offsets, call.ids, 0, g.cols, call.v0, call.v1, a, b, items, span.ahead, E4M3_BF16, out))
 
     def __repr__(self) -> str:
         return (f"PLERows(layer_id={self.layer_id}, heads={self.heads[0]}..{self.heads[-1]}, rows={self.fmt}, "
