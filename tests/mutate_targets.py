@@ -26,7 +26,9 @@ CHURN = "tests/faults/test_churn_reads.py::test_"
 MAPPED_TESTS = ("tests/store/test_mapped_reads.py",
                 f"{CHURN}lookups_and_local_copies_cut_off_from_the_master_never_read_what_took_the_space")
 PLACEMENT_TESTS = ("tests/store/test_read_matrix.py", "tests/faults/test_at_rest.py::test_a_reader_cut_off_from_the_"
-                   "master_never_reads_a_layer_written_where_a_restarted_segment_held_its_own")
+                   "master_never_reads_a_layer_written_where_a_restarted_segment_held_its_own",
+                   "tests/faults/test_segment_files.py::test_a_durable_segments_file_cut_short_at_rest_is_never_read_"
+                   "past_its_end_where_it_is_mapped")
 V41_TESTS = ("tests/model/test_v41_rows.py::test_every_table_kind_gives_the_engines_rows",
              f"{CHURN}v41_rows_cut_off_from_the_master_never_read_the_layer_written_in_its_space",
              "tests/model/test_v41_rows.py")

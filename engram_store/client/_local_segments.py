@@ -51,6 +51,9 @@ class LocalSegments:
         self._retired_fds: list[int] = []  # of dead segments: another thread may still be writing with one
         self._retry_at: dict[str, float] = {}  # segment id -> when to ask again, after its socket did not answer
         self._mmaps: list[mmap.mmap] = []
+        #: segment id -> its memory's mapping, where that is a file that can still shrink (a durable segment's: no
+        #: seal keeps a regular file's size; cut short while its segment is down, a read past its end is SIGBUS)
+        self._files: dict[str, mmap.mmap] = {}
         self._lock = threading.Lock()
 
     def adopt(self, segment_id: str, memory: np.ndarray, table: np.ndarray | None) -> None:
@@ -103,6 +106,7 @@ class LocalSegments:
                 if self._tables.get(replica.segment_id, False) is table:
                     self._views.pop(replica.segment_id, None)
                     self._tables.pop(replica.segment_id, None)
+                    self._files.pop(replica.segment_id, None)
         self.view(replica)
         table = self._tables.get(replica.segment_id)
         return None if table is not None and table[_RETIRED] else table
@@ -114,11 +118,13 @@ class LocalSegments:
             if "memory" not in handed.fds or handed.size != size:
                 raise ProtocolError(f"segment {segment_id} handed over {sorted(handed.fds)} of {handed.size} bytes, "
                                     f"expected its memory of {size} bytes")
-            view = self._map(handed.fds["memory"], size, np.uint8, handed.uid, segment_id)
+            view, mm = self._map(handed.fds["memory"], size, np.uint8, handed.uid, segment_id)
+            if not _sealed(handed.fds["memory"]):
+                self._files[segment_id] = mm
             table = None
             if "table" in handed.fds:
                 try:
-                    table = self._map(handed.fds["table"], None, np.int64, handed.uid, segment_id)
+                    table = self._map(handed.fds["table"], None, np.int64, handed.uid, segment_id)[0]
                 except (OSError, EngramError) as exc:
                     log.debug("segment %s: generation table not mapped (%s)", segment_id, exc)
             problem = _kernels.generation_table.header_problem(table) if table is not None else ""
@@ -132,9 +138,11 @@ class LocalSegments:
         finally:
             handed.close()
 
-    def _map(self, fd: int, size: int | None, dtype: type, owner: int, segment_id: str) -> np.ndarray:
+    def _map(self, fd: int, size: int | None, dtype: type, owner: int,
+             segment_id: str) -> tuple[np.ndarray, mmap.mmap]:
         """The handed-over file ``fd`` mapped read-only, if it is ``size`` bytes (a table: at least 64, whole words)
-        and nothing can shrink it under the mapping (see the module docstring). Holds the lock."""
+        and no one but this user or root can shrink it under the mapping (see the module docstring), and its
+        mapping. Holds the lock."""
         st = os.fstat(fd)
         actual = st.st_size
         if not stat.S_ISREG(st.st_mode) or ((actual != size) if size is not None else (actual < 64 or actual % 8)):
@@ -146,7 +154,20 @@ class LocalSegments:
                              "someone other than this user or root could shrink it under the mapping")
         mm = mmap.mmap(fd, actual, mmap.MAP_SHARED, mmap.PROT_READ)
         self._mmaps.append(mm)
-        return np.frombuffer(mm, dtype=dtype)
+        return np.frombuffer(mm, dtype=dtype), mm
+
+    def shrunk(self, segment_id: str, need: int) -> bool:
+        """Whether the mapped memory of segment ``segment_id`` is a file now shorter than ``need`` bytes (one
+        ``fstat``; sealed memory never is): then nothing from ``need`` on may be read in place. A durable segment's
+        file is this user's own, but one cut short while its segment was down (damage at rest, a restart on a
+        truncated copy) would kill a read past its end with SIGBUS."""
+        mm = self._files.get(segment_id)
+        if mm is None:
+            return False
+        try:
+            return mm.size() < need
+        except (ValueError, OSError):  # closed meanwhile: nothing proves it whole
+            return True
 
     def write_fd(self, replica: dict, nbytes: int) -> int | None:
         """A write descriptor of the memory of a freshly placed replica's segment (``put_start``'s form), if it is on
@@ -195,6 +216,7 @@ class LocalSegments:
             if not keep_mapping:
                 self._views.pop(segment_id, None)
                 self._tables.pop(segment_id, None)
+                self._files.pop(segment_id, None)
             self._retry_at.pop(segment_id, None)
             fd = self._write_fds.pop(segment_id, None)
             if fd is not None:
@@ -210,6 +232,7 @@ class LocalSegments:
         with self._lock:
             self._views.clear()
             self._tables.clear()
+            self._files.clear()
             fds = [fd for fd in self._write_fds.values() if fd is not None] + self._retired_fds
             self._write_fds.clear()
             self._retired_fds = []

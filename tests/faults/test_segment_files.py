@@ -107,3 +107,58 @@ def test_temporaries_a_crash_left_are_removed_at_start_and_new_ones_are_private(
     assert sorted(os.listdir(tmp_path)) == ["master.journal", "segment.bin", "segment.bin.gen",
                                             "segment.bin.manifest"]
     assert _catalogue(data) == []
+
+
+_MAPPED_READER = """
+import sys
+import numpy as np
+from engram_store import DistributedStore, EngramError, EngramStore, EngramStoreConfig
+config = EngramStoreConfig(table_vocab_sizes=[997, 1009], embedding_dim=16)
+tables = [np.random.default_rng(h).random((n, 16), dtype=np.float32) for h, n in enumerate(config.table_vocab_sizes)]
+ids = np.array([[[996, 1008], [3, 5]]])
+with DistributedStore.connect(sys.argv[1], timeout_ms=2000, local_direct=True) as store:
+    layer = EngramStore(1, config, store)
+    layer.populate(tables)
+    store.put("blob", b"b" * 300_000)
+    assert np.array_equal(layer.lookup(ids)[0, 0, 1], tables[1][1008])
+    assert layer.stats()["local_rows"] > 0, "the layer is not mapped here"
+    assert store.get("blob", lease=False) == b"b" * 300_000
+    print("ready", flush=True)
+    sys.stdin.readline()  # the segment is stopped and its file cut short now
+    for what, read in (("lookup", lambda: layer.lookup(ids)), ("get", lambda: store.get("blob", lease=False))):
+        try:
+            read()
+            print(what, "read", flush=True)
+        except EngramError as exc:
+            print(what, type(exc).__name__, flush=True)
+"""
+
+
+def test_a_durable_segments_file_cut_short_at_rest_is_never_read_past_its_end_where_it_is_mapped(tmp_path):
+    """A durable segment's memory is a regular file, which no seal keeps from shrinking. Stopped, and its file cut
+    short at rest, a client that still maps it read a layer past the file's end and died of SIGBUS (the explorer,
+    seed 972128). Each read of a mapped segment's file now checks its size first: the reads fail over, or fail
+    with the store's error, and the client lives."""
+    import subprocess
+    import sys
+
+    data = str(tmp_path / "segment.bin")
+    with Cluster(segments=0, heartbeat_timeout_s=60.0) as c:  # (the master keeps naming the stopped segment)
+        durable = c.add_segment("8MiB", ["--file", data])
+        reader = subprocess.Popen([sys.executable, "-c", _MAPPED_READER, c.address], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert reader.stdout.readline().strip() == "ready", reader.stderr.read()
+            durable.terminate()
+            with open(data, "r+b") as f:
+                f.truncate(4096)
+            out, err = reader.communicate("go\n", timeout=120)
+        finally:
+            if reader.poll() is None:
+                reader.kill()
+                reader.wait()
+    assert reader.returncode == 0, f"the reader died ({reader.returncode}): {err[-2000:]}"
+    said = dict(line.split(" ", 1) for line in out.split("\n") if line)
+    assert said.keys() == {"lookup", "get"}, out
+    assert said["lookup"] in ("StalePlacement", "SegmentUnavailable"), out
+    assert said["get"] in ("SegmentUnavailable", "ObjectLost", "StalePlacement"), out
