@@ -153,12 +153,15 @@ def resolve_dir(path: str, flag: str, create: bool) -> tuple[int, str, bool]:
                 if links > MAX_LINKS:
                     raise InvalidArgument(f"{flag}: {path!r} passes through more than {MAX_LINKS} links") from None
                 if target.startswith("/"):
-                    os.close(fd)
-                    fd, here = os.open("/", _PATH), []
+                    # (the new descriptor held before the old one is closed: an interrupt between them leaks one,
+                    # never closes one twice, which could close another thread's file that took its number)
+                    old, fd = fd, os.open("/", _PATH)
+                    here = []
+                    os.close(old)
                 parts.extend(p for p in reversed(target.split("/")) if p)
                 continue
-            os.close(fd)
-            fd = nxt
+            old, fd = fd, nxt
+            os.close(old)
             if name == "..":
                 here = here[:-1]
             else:
@@ -234,8 +237,9 @@ def _check_above(fd: int, st: os.stat_result, shown: str, flag: str) -> None:
                                  "another user may rename it and put a directory of their own in its place; use a "
                                  "directory whose parents only you or root may change")
             nxt = os.open("..", _PATH, dir_fd=here)
-            os.close(here)
-            below, here, parent = up, nxt, os.path.dirname(parent)
+            old, here = here, nxt  # (held before the old one is closed: see resolve_dir)
+            below, parent = up, os.path.dirname(parent)
+            os.close(old)
     finally:
         os.close(here)
 
