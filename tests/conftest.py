@@ -81,9 +81,9 @@ def _temporary_files_in_the_runs_own_directory(tmp_path_factory):
 @pytest.fixture(scope="session", autouse=True)
 def _shared_files_in_the_runs_own_directory():
     """What engram shares between the processes of a host (``engram-<uid>`` under ``ENGRAM_SHM_DIR``, else
-    ``/dev/shm``: segments' hand-over sockets, host row caches) goes to a directory of this session's, in memory
+    ``/dev/shm``: segments' hand-over sockets, host row caches) goes to a directory of this test run's own, in memory
     too: tests running side by side (pytest-xdist's workers, another run on the host) never see, reap or attach
-    each other's, and whatever a test leaves there is its own session's to find. Removed at the end."""
+    each other's, and whatever a test leaves there is its own run's to find. Removed at the end."""
     base = os.environ.get("ENGRAM_SHM_DIR") or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
     directory = tempfile.mkdtemp(prefix="engram-tests-", dir=base)
     try:
