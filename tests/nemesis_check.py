@@ -89,9 +89,10 @@ def _check_error(history, op) -> list[str]:
     elif error == "ObjectNotFound" and cmd["op"] in ("populate", "put"):
         problems.append(f"{what} failed with ObjectNotFound: a write whose put was fenced (a forced remove ended "
                         f"it) gets WriteFenced (docs/operating.md){said}")
+    said_by = op.reply.get("reader_said", {})
     for name in op.reply.get("reader_errors", []):
         if name in MISLEADING or name in STALLED:
-            problems.append(f"{what}: a lookup in flight ended with {name}")
+            problems.append(f"{what}: a lookup in flight ended with {name}: {said_by.get(name, '')}")
     return problems
 
 

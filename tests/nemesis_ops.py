@@ -70,13 +70,29 @@ class Reads:
 
 # ---- reads ----------------------------------------------------------------------------------------------------------
 
+class ReaderErrors(list):
+    """The names of the store's errors a burst of reads met (``reader_errors``), and what the first of each name
+    said (``reader_said``: the checker quotes it where the error is one a read should never end with)."""
+
+    def __init__(self):
+        super().__init__()
+        self.said: dict[str, str] = {}
+
+    def add(self, exc: BaseException) -> None:
+        self.append(type(exc).__name__)
+        self.said.setdefault(type(exc).__name__, str(exc)[:300])
+
+    def reply(self) -> dict:
+        return {"reader_errors": list(self), "reader_said": self.said}
+
+
 def lookup(worker, cmd: dict) -> dict:
     """``cmd["repeat"]`` reads (default 1) of the layer, ``pace_s`` apart; ``reopen``: each from an ``EngramStore``
     opened anew. A burst (more than one) goes on past a read that fails with the store's error (``reader_errors``
     names them): a layer removed under it fails some reads, and the next populate's may follow."""
     kind, layer, variant = cmd["kind"], cmd["layer"], cmd.get("variant", "")
     rng = np.random.default_rng(cmd["seed"])
-    reads, errors = Reads(), []
+    reads, errors = Reads(), ReaderErrors()
     repeat = int(cmd.get("repeat", 1))
     try:
         for i in range(repeat):
@@ -91,13 +107,13 @@ def lookup(worker, cmd: dict) -> dict:
             except EngramError as exc:
                 if repeat == 1:
                     raise
-                errors.append(type(exc).__name__)
+                errors.add(exc)
                 continue
             reads.add(table.instance, check, time.monotonic() - start)
     except BaseException as exc:
         exc.nemesis_partial = reads.reply()
         raise
-    return {**reads.reply(), "reader_errors": errors} if repeat > 1 else reads.reply()
+    return {**reads.reply(), **errors.reply()} if repeat > 1 else reads.reply()
 
 
 def read_once(table, cmd: dict, rng: np.random.Generator) -> dict:
@@ -188,7 +204,7 @@ def close_table(worker, cmd: dict) -> dict:
     error or right rows."""
     kind, layer = cmd["kind"], cmd["layer"]
     table = worker.table(kind, layer, "")
-    reads, errors, crashes = Reads(), [], []
+    reads, errors, crashes = Reads(), ReaderErrors(), []
     stop = threading.Event()
 
     def reader():
@@ -199,7 +215,7 @@ def close_table(worker, cmd: dict) -> dict:
                 check = read_once(table, cmd, rng)
                 reads.add(table.instance, check, time.monotonic() - start)
         except EngramError as exc:
-            errors.append(type(exc).__name__)
+            errors.add(exc)
         except Exception:
             crashes.append(traceback.format_exc()[-1500:])
 
@@ -220,7 +236,7 @@ def close_table(worker, cmd: dict) -> dict:
         raise RuntimeError(f"a lookup in flight raised outside the store's errors when its table closed:\n{crashes[0]}")
     reply = reads.reply()
     reply["bad"] += other
-    return {**reply, "reader_errors": errors}
+    return {**reply, **errors.reply()}
 
 
 def _read_other(worker, cmd: dict) -> list[str]:
@@ -249,7 +265,7 @@ def reload(worker, cmd: dict) -> dict:
     raises ReloadFailed (its outcome is unknown)."""
     kind, layer = cmd["kind"], cmd["layer"]
     read = {**cmd["read"], "kind": kind, "layer": layer}
-    reads, errors, crashes = Reads(), [], []
+    reads, errors, crashes = Reads(), ReaderErrors(), []
     stop = threading.Event()
 
     def reader():
@@ -266,7 +282,7 @@ def reload(worker, cmd: dict) -> dict:
                     start = time.monotonic()
                     check = read_once(table, read, rng)
                 except EngramError as exc:
-                    errors.append(type(exc).__name__)
+                    errors.add(exc)
                     time.sleep(0.01)
                     continue
                 reads.add(table.instance, check, time.monotonic() - start)
@@ -290,7 +306,7 @@ def reload(worker, cmd: dict) -> dict:
     if thread.is_alive() or crashes:
         raise RuntimeError("the reader of a reloaded layer " + (f"raised:\n{crashes[0]}" if crashes else
                                                                 f"hung: {timings}"))
-    return {**reads.reply(), "reader_errors": errors, **timings}
+    return {**reads.reply(), **errors.reply(), **timings}
 
 
 def _stop_reader(stop: threading.Event, thread: threading.Thread) -> dict:

@@ -241,7 +241,7 @@ class Worker:
     def _close_midcall(self, cmd: dict) -> dict:
         """Close the store (and every layer on it) while another thread is in a lookup; then start afresh."""
         es = self._layer("store", cmd["layer"])
-        errors: list[str] = []
+        errors = ops.ReaderErrors()
 
         def read():
             ids = np.zeros((1, 8, len(SIZES)), dtype=np.int64)
@@ -249,7 +249,7 @@ class Worker:
                 for _ in range(50):
                     es.lookup(ids)
             except EngramError as exc:
-                errors.append(type(exc).__name__)
+                errors.add(exc)
 
         thread = threading.Thread(target=read)
         thread.start()
@@ -262,7 +262,7 @@ class Worker:
         thread.join(timeout=60)
         if thread.is_alive():
             raise RuntimeError("a lookup did not return within 60 s of its store closing")
-        return {"reader_errors": errors}
+        return errors.reply()
 
 
 #: Operations by name, beyond those ``Worker.run`` spells out.

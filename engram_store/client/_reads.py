@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
+import xxhash
 
 from .. import kernels as _kernels
-from ..errors import EngramError, InvalidArgument, ProtocolError, SegmentUnavailable, StalePlacement
+from ..errors import (EngramError, InvalidArgument, ObjectLost, ProtocolError, SegmentUnavailable,
+                      StalePlacement)
 from ..raw import RawChannel, RawChannelRefused
 from ..wire import ZERO_COPY_SEND_BYTES, frame_bytes
 from ._mapped import object_checks, read_mapped
@@ -58,6 +61,34 @@ class ReadPath:
         out = np.empty(info.size, dtype=np.uint8)
         self.read_object(info, out)
         return out.tobytes()
+
+    def get_checked(self, key: str, lease: bool = True) -> bytes:
+        """:meth:`get`, its bytes checked against the checksum the master recorded with the object: a copy that no
+        longer matches (damaged at rest, and read from this host's mapping before its segment started again and
+        found it) is passed over for the next replica. Raises ObjectLost naming the damage when no replica holds
+        the object's bytes; an object written without a checksum is returned as read. For small objects (a
+        layer's manifest): the check hashes every byte."""
+        info = self.locate([check_key(key)], lease=lease)[0]
+        out = np.empty(info.size, dtype=np.uint8)
+        self.read_object(info, out)
+        if not info.checksum or xxhash.xxh3_64_hexdigest(out) == info.checksum:
+            return out.tobytes()
+        damaged, unreadable = [], []
+        for replica in info.replicas:
+            try:
+                self.read_object(replace(info, replicas=(replica,)), out)
+            except (SegmentUnavailable, StalePlacement) as exc:
+                unreadable.append(f"{replica.segment_id} ({type(exc).__name__})")
+                continue
+            if xxhash.xxh3_64_hexdigest(out) == info.checksum:
+                log.warning("object %r: a copy read on this host no longer matches its checksum (damaged at rest); "
+                            "read from segment %s instead", key, replica.segment_id)
+                return out.tobytes()
+            damaged.append(replica.segment_id)
+        raise ObjectLost(f"object {key!r}: its bytes no longer match the checksum its writer recorded (damaged at "
+                         f"rest) on {', '.join(damaged) or 'the copy mapped on this host'}"
+                         + (f"; unreadable on {', '.join(unreadable)}" if unreadable else "")
+                         + "; write it again (populate the layer again for a manifest)")
 
     def get_into(self, key: str, buffer: object) -> int:
         """Copy the object into ``buffer`` (at least as large as the object); returns the byte count."""

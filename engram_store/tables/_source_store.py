@@ -56,7 +56,7 @@ class StoreSource(KeyedSource):
 
     def get_manifest(self, lay: Layer) -> bytes | None:
         try:
-            return self.native.get(lay.manifest_key, lease=False)  # a lease would block remove
+            return self.native.get_checked(lay.manifest_key, lease=False)  # (a lease would block remove)
         except ObjectNotFound:
             return None
 

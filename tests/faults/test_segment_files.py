@@ -6,6 +6,7 @@ import json
 import os
 import socket
 
+import numpy as np
 import pytest
 
 from suite_helpers import fill_up, wait_for
@@ -162,3 +163,44 @@ def test_a_durable_segments_file_cut_short_at_rest_is_never_read_past_its_end_wh
     assert said.keys() == {"lookup", "get"}, out
     assert said["lookup"] in ("StalePlacement", "SegmentUnavailable"), out
     assert said["get"] in ("SegmentUnavailable", "ObjectLost", "StalePlacement"), out
+
+
+def _flip(path: str, at: int, old: bytes, new: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        assert f.read(1) == old
+        f.seek(at)
+        f.write(new)
+
+
+def test_a_manifest_damaged_at_rest_where_it_is_mapped_is_read_from_another_copy_or_named_lost(tmp_path):
+    """A byte of a layer's manifest flipped in a durable segment's file (at rest: the segment stopped) where a
+    client maps it: the damaged copy still parsed, with other head sizes, and every open of the layer failed with
+    ConfigError, blaming the caller's configuration (the explorer, seed 972214). A manifest's bytes are now checked
+    against the checksum the master recorded: the damaged copy is passed over for another, and with every copy
+    damaged the layer reads as lost, naming the damage."""
+    from engram_store import EngramStore, EngramStoreConfig, ObjectLost
+
+    config = EngramStoreConfig(table_vocab_sizes=[997, 1009], embedding_dim=16)
+    tables = [np.random.default_rng(h).random((n, 16), dtype=np.float32) for h, n in enumerate(config.table_vocab_sizes)]
+    ids = np.array([[[996, 1008], [3, 5]]])
+    expected = np.stack([tables[0][ids[..., 0]], tables[1][ids[..., 1]]], axis=-2)
+    files = [str(tmp_path / f"segment{i}.bin") for i in range(2)]
+    with Cluster(segments=0, heartbeat_timeout_s=60.0) as c:  # (the master keeps naming the stopped segments)
+        segments = [c.add_segment("8MiB", ["--file", f]) for f in files]
+        with DistributedStore.connect(c.address, timeout_ms=2000, local_direct=True) as store:
+            EngramStore(1, config, store).populate(tables, replica_num=2)
+            info = store.locate(["engram:l1:manifest"], lease=False)[0]
+            at = store.get("engram:l1:manifest", lease=False).index(b"[997") + 1  # 997 -> 897: still JSON
+            chosen = store._choose(info, set(), 0)
+            assert store.local_view(chosen) is not None, "the manifest is not read from this host's mapping"
+            first = next(i for i, s in enumerate(segments) if s.segment_id == chosen.segment_id)
+            segments[first].terminate()
+            _flip(files[first], chosen.offset + at, b"9", b"8")
+            np.testing.assert_array_equal(EngramStore(1, config, store).lookup(ids), expected)
+
+            other = next(r for r in info.replicas if r is not chosen)
+            segments[1 - first].terminate()
+            _flip(files[1 - first], other.offset + at, b"9", b"8")
+            with pytest.raises(ObjectLost, match="'engram:l1:manifest': its bytes no longer match the checksum"):
+                EngramStore(1, config, store).lookup(ids)
