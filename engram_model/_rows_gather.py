@@ -31,8 +31,6 @@ import numpy as np
 from engram_store import EngramStore, LookupHandle
 from engram_store.buffers import host_array
 from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
-from engram_store.kernels import PREFETCH_ROWS
-from engram_store.pages import huge_pages
 from engram_store.pools import SharedPool, split
 
 from . import _rows_gather_kernels as _k
@@ -112,13 +110,11 @@ class Span(NamedTuple):
     g of column c at byte ``delta[c] + g * row_bytes``; ``words`` the same memory as uint64 and ``word_delta`` in
     words, where every table starts and ends on an 8-byte boundary and rows are whole words (None otherwise): rows
     copied a word at a time. Memory between the tables is never touched: every id is checked against the table
-    first. ``ahead``: the kernels' prefetch for these pages (``_rows_gather_kernels.prefetch_plan``): rows
-    ``PREFETCH_ROWS`` slots on, one at a time, where the tables lie on huge pages; 0 (bursts) on 4 KiB ones."""
+    first."""
     bytes: np.ndarray
     delta: np.ndarray
     words: np.ndarray | None
     word_delta: np.ndarray | None
-    ahead: int = 0
 
 
 def span_of(tables: list[np.ndarray], heads: list[int], offsets: np.ndarray, row_bytes: int) -> Span:
@@ -135,9 +131,7 @@ def span_of(tables: list[np.ndarray], heads: list[int], offsets: np.ndarray, row
     aligned = row_bytes % 8 == 0 and lo % 8 == 0 and (hi - lo) % 8 == 0 and all(
         t.ctypes.data % 8 == 0 and t.nbytes % 8 == 0 for t in tables)
     words = span.view(np.uint64) if aligned else None
-    largest = max(tables, key=lambda t: t.nbytes)  # (its middle: an array's first page may sit outside the huge ones)
-    ahead = PREFETCH_ROWS if huge_pages(largest.ctypes.data + largest.nbytes // 2) else 0
-    return Span(span, delta, words, (base // 8 - offsets[:-1] * (row_bytes // 8)) if aligned else None, ahead)
+    return Span(span, delta, words, (base // 8 - offsets[:-1] * (row_bytes // 8)) if aligned else None)
 
 
 def word_view(out: np.ndarray) -> np.ndarray | None:
@@ -177,17 +171,39 @@ class RowGather:
     def gather(self, from_span: Callable[[Span, Any], None], staged: Callable[[Any], None], call: Any) -> None:
         """``from_span(span, call)`` where the rows are in this host's memory (read in place, checked), else
         ``staged(call)``."""
-        def in_place(tables: list[np.ndarray]) -> bool:
+        if not self.in_place(from_span, call):
+            staged(call)
+            self.staged_gathers += 1
+
+    def in_place(self, from_span: Callable[[Span, Any], None], call: Any) -> bool:
+        """``from_span(span, call)`` where the rows are in this host's memory, under the checks of
+        :func:`read_in_place`: False where they are not here, or what it wrote must not be used."""
+        def read(tables: list[np.ndarray]) -> bool:
             if tables is not self._span_of and not all(t.flags.c_contiguous for t in tables):
                 return False
             from_span(self._span_over(tables), call)
             return True
 
-        if read_in_place(self.table, self.layer_id, in_place):
+        if read_in_place(self.table, self.layer_id, read):
             self.memory_gathers += 1
-        else:
-            staged(call)
-            self.staged_gathers += 1
+            return True
+        return False
+
+    def held_span(self, slots: int) -> tuple[Any, Span] | None:
+        """For a bound buffer's one kernel call a step: where gathers of up to ``slots`` slots run in one part and
+        the layer's tables are this process's own memory that a read needs no check of (``EngramStore.held_tables``:
+        bound arrays, a ``local_dir``'s files), the tables held and their span, to read while ``held.holds()``;
+        else None (a store's mapped segments: every read goes through read_local, which checks it)."""
+        if not self.one_part(slots):
+            return None
+        held = self.table.held_tables(layer=self.layer_id)
+        if held is None or not all(t.flags.c_contiguous for t in held.tables):
+            return None
+        return held, self._span_over(held.tables)
+
+    def one_part(self, n: int) -> bool:
+        """Whether a gather of ``n`` slots from memory runs as one call on the calling thread (a decode step)."""
+        return self.threads == 1 or n < THREADED_MIN_ROWS
 
     def _span_over(self, tables: list[np.ndarray]) -> Span:
         with self._lock:
@@ -198,7 +214,7 @@ class RowGather:
 
     def split_range(self, n: int, work: Callable[[int, int], Any]) -> None:
         """Run ``work(lo, hi)`` over ``range(n)``, split over the threads when the gather is large."""
-        if self.threads == 1 or n < THREADED_MIN_ROWS:  # a decode step: no part for a pool
+        if self.one_part(n):  # a decode step: no part for a pool
             work(0, n)
         else:
             split(work, n, self.threads, _POOL)
@@ -283,21 +299,26 @@ def warm_kernels() -> None:
             store_ids, src = _k.plan_window(ids, offsets, 0, 2, 4, 0, 7, np.arange(2, dtype=np.int64), 2)
             staged = np.zeros((store_ids.size, row_bytes), np.uint8)
             args = (span.delta, offsets, ids, 0, 2, 0, 7, 0, 4)
-            _k.rows_from_span(span.bytes, *args, row_bytes, 0, NO_LUT, raw)
+            _k.rows_from_span(span.bytes, *args, row_bytes, NO_LUT, raw)
             _k.rows_from_staging(staged, src, NO_LUT, raw)
+            checked = (span.delta, offsets, ids, 7, 0, 7)  # (a decode step's one call: ids checked, then rows)
+            _k.checked_rows_from_span(span.bytes, *checked, row_bytes, NO_LUT, raw)
             if coded:  # PLE's e4m3 codes as bf16 (its lut is read-only too)
                 coded_out = np.empty((4, row_bytes), np.uint16)
-                _k.rows_from_span(span.bytes, *args, row_bytes, 0, NO_LUT, coded_out)
+                _k.rows_from_span(span.bytes, *args, row_bytes, NO_LUT, coded_out)
+                _k.checked_rows_from_span(span.bytes, *checked, row_bytes, NO_LUT, coded_out)
                 _k.rows_from_staging(staged, src, NO_LUT, coded_out)
             if row_bytes == 9:  # V4.1's rows: codes and block scales, decoded or split
                 scaled, codes, scales = (np.empty((4, 8), np.uint16), np.empty((4, 8), np.uint8),
                                          np.empty((4, 1), np.uint8))
-                _k.scaled_from_span(span.bytes, *args, row_bytes, 0, lut2, scaled)
+                _k.scaled_from_span(span.bytes, *args, row_bytes, lut2, scaled)
                 _k.scaled_from_staging(staged, src, lut2, scaled)
-                _k.split_from_span(span.bytes, *args, row_bytes, 0, codes, scales)
+                _k.split_from_span(span.bytes, *args, row_bytes, codes, scales)
                 _k.split_from_staging(staged, src, codes, scales)
             if span.words is not None:  # rows copied a word at a time
-                _k.rows_from_span(span.words, span.word_delta, *args[1:], row_bytes // 8, 0, NO_LUT,
+                _k.rows_from_span(span.words, span.word_delta, *args[1:], row_bytes // 8, NO_LUT,
                                   raw.view(np.uint64))
+                _k.checked_rows_from_span(span.words, span.word_delta, *checked[1:], row_bytes // 8, NO_LUT,
+                                          raw.view(np.uint64))
             _k.zero_slots(src, raw)
             _k.zero_slots(src, raw.view(np.uint16) if row_bytes % 2 == 0 else raw)

@@ -54,35 +54,6 @@ def madvise(address: int, length: int, advice: int) -> int:
     return ctypes.get_errno() or errno.EINVAL
 
 
-def huge_pages(address: int) -> bool:
-    """Whether the mapping holding ``address`` in this process is backed by huge pages (2 MiB: transparent ones
-    of anonymous memory, shared memory or files, or hugetlbfs), from ``/proc/self/smaps``; False where that cannot
-    be read. It costs a read of the process's map (milliseconds): ask once per mapping, not per call."""
-    try:
-        with open("/proc/self/smaps", encoding="ascii", errors="replace") as f:
-            inside = False
-            for line in f:
-                head = line.split(None, 1)[0] if line.strip() else ""
-                if "-" in head and not head.endswith(":"):  # a mapping's first line: "lo-hi perms ..."
-                    if inside:
-                        return False  # its fields are over: none said huge
-                    lo, _, hi = head.partition("-")
-                    inside = int(lo, 16) <= address < int(hi, 16)
-                elif inside:
-                    name, _, value = line.partition(":")
-                    if name in _HUGE_FIELDS and value.split()[0] != "0":
-                        return True
-                    if name == "KernelPageSize" and value.split()[0] != "4":
-                        return True
-    except (OSError, ValueError, IndexError):
-        return False
-    return False
-
-
-#: Fields of ``/proc/self/smaps`` that count a mapping's memory on transparent huge pages.
-_HUGE_FIELDS = frozenset(("AnonHugePages", "ShmemPmdMapped", "FilePmdMapped"))
-
-
 def prefault(address: int, length: int, stop: threading.Event | None = None, *, name: str = "mapping",
              chunk_bytes: int = PREFAULT_CHUNK_BYTES) -> int:
     """Map every page of ``length`` bytes from ``address`` into this process (MADV_POPULATE_READ), chunk by

@@ -37,7 +37,7 @@ this host's memory one kernel gathers them; elsewhere they are read with ``looku
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -46,7 +46,7 @@ from engram_store.errors import InvalidArgument, InvalidType, describe, is_int
 
 from .._rows_format import E4M3_TABLE
 from .._rows_gather import RowGather, RowsAdapter, RowsHandle, Span, as_ids, check_table, check_threads, word_view
-from .._rows_gather_kernels import first_bad, rows_from_span, rows_from_staging
+from .._rows_gather_kernels import checked_rows_from_span, first_bad, rows_from_span, rows_from_staging
 from ._config import PLEConfig, PLEHashBuffers
 
 #: bf16 bits of every e4m3 code (exact: an e4m3 value is a bf16 value; NaN codes give a quiet NaN of their sign).
@@ -69,6 +69,7 @@ class _Call(NamedTuple):
     v1: int
     straight: np.ndarray | None  # raw: out as the store's rows [N, store_dim] where C-contiguous
     result: Any                # what the call returns: the caller's out
+    shape: tuple = ()          # the ids' shape as the caller gave them (for a refusal's message)
 
 
 class RankRows(NamedTuple):
@@ -91,6 +92,19 @@ def _rows_of(arr: np.ndarray) -> np.ndarray:
     return flat
 
 
+class _Direct(NamedTuple):
+    """A bound buffer's one kernel call (see :meth:`BoundRows._direct_call`): the tables it reads while ``held``
+    holds them, and the kernel's arguments over them."""
+    held: Any                  # engram_store's HeldTables
+    source: np.ndarray         # the span: uint64 words, or bytes
+    delta: np.ndarray
+    offsets: np.ndarray
+    total: int
+    items: int                 # a row's items in the span
+    out: np.ndarray            # the buffer's rows as the kernel writes them [max_T * heads, items]
+    gather: RowGather          # whose count of gathers from memory each call adds to
+
+
 class BoundRows:
     """:meth:`PLERows.bind`'s gathers into one checked buffer (``target``: its rows as the kernels write them,
     ``[max_T * heads, width]``; ``out``: the caller's). A decode step's call is the ids' checks, the store's check
@@ -102,24 +116,43 @@ class BoundRows:
         self.max_tokens, self.heads = max_tokens, rows.config.heads
         self.words = word_view(target) if target.itemsize == 1 else None  # raw rows a word at a time
         self._views: dict[int, tuple] = {}  # T -> the views of its rows: (target, straight, words)
+        self._direct: _Direct | None = None
 
     def __call__(self, ids: Any) -> Any:
         """Fill ``out[:T]`` with the rows of ``ids [T, heads]`` (refused as ``gather_into`` refuses them, writing
         nothing); returns ``out``."""
-        rows = self.rows
         arr = ids if (type(ids) is np.ndarray and ids.dtype in _ID_DTYPES and ids.ndim == 2
                       and ids.flags.c_contiguous) else as_ids(ids, 2, False, "[T, heads]")
         T = arr.shape[0]
         if arr.shape[1] != self.heads or not 0 < T <= self.max_tokens:
             raise InvalidArgument(f"ids: expected [T, heads] with 1 <= T <= {self.max_tokens} (the bound buffer's "
                                   f"tokens) and heads = {self.heads}, got {list(arr.shape)}")
-        flat = arr.reshape(-1)
-        bad = first_bad(flat, rows.total)
-        if bad >= 0:
-            raise InvalidArgument(rows._bad_id(arr, int(bad)))
+        direct = self._direct
+        if direct is not None and direct.held.holds():  # one kernel call, nothing between
+            bad = checked_rows_from_span(direct.source, direct.delta, direct.offsets, arr.reshape(-1), direct.total,
+                                         self.v0, self.v1, direct.items, E4M3_BF16, direct.out[:T * self.heads])
+            direct.gather.memory_gathers += 1
+            if bad >= 0:
+                raise InvalidArgument(self.rows._bad_id(arr, int(bad)))
+            return self.out
         views = self._views.get(T) or self._view(T)
-        rows._gather.gather(self._from_span, rows._staged, _Call(flat, views[0], self.v0, self.v1, views[1], views))
+        self.rows._checked_run(_Call(arr.reshape(-1), views[0], self.v0, self.v1, views[1], views, arr.shape),
+                               views[2], self._from_span)
+        self._direct = self._direct_call()
         return self.out
+
+    def _direct_call(self) -> "_Direct | None":
+        """A step's one kernel call where :meth:`RowGather.held_span` allows it; else None (every call takes the
+        checked path: ``PLERows._checked_run``)."""
+        g = self.rows._gather
+        found = g.held_span(self.max_tokens * self.heads)
+        if found is None:
+            return None
+        held, span = found
+        if span.words is not None and self.words is not None:  # raw rows a word at a time
+            return _Direct(held, span.words, span.word_delta, g.offsets, self.rows.total, g.row_bytes // 8,
+                           self.words, g)
+        return _Direct(held, span.bytes, span.delta, g.offsets, self.rows.total, g.row_bytes, self.target, g)
 
     def _view(self, T: int) -> tuple:
         n = T * self.heads
@@ -136,7 +169,7 @@ class BoundRows:
         g = self.rows._gather
         g.split_range(call.ids.shape[0], lambda a, b: rows_from_span(
             span.words, span.word_delta, g.offsets, call.ids, 0, g.cols, call.v0, call.v1, a, b, g.row_bytes // 8,
-            span.ahead, E4M3_BF16, words))
+            E4M3_BF16, words))
 
 
 def ple_rank_rows(config: PLEConfig, layer_id: int, rank: int, ranks: int, *, padding: int | None = None,
@@ -214,10 +247,11 @@ class PLERows(RowsAdapter):
         A refused call raises naming the argument, what was expected and what came, and writes nothing. A read
         that fails (a segment or disk fault) raises the store's error and may leave ``out`` partly written.
         """
-        call = self._check(ids, out, row_start, row_end, bool(background))
         if not background:
-            self._run(call)
+            call = self._check(ids, out, row_start, row_end, False, check_ids=False)
+            self._checked_run(call, None, self._from_span)
             return call.result
+        call = self._check(ids, out, row_start, row_end, True)
         return self._gather.submit(lambda: self._run(call), ids)
 
     def bind(self, out: Any, *, row_start: int = 0, row_end: int | None = None) -> "BoundRows":
@@ -237,7 +271,8 @@ class PLERows(RowsAdapter):
             else None
         return BoundRows(self, target, straight, call.v0, call.v1, out, view.array.shape[0])
 
-    def _check(self, ids: Any, out: Any, row_start: Any, row_end: Any, copy_ids: bool) -> _Call:
+    def _check(self, ids: Any, out: Any, row_start: Any, row_end: Any, copy_ids: bool, check_ids: bool = True) -> _Call:
+        """The call checked, its ids too unless ``check_ids=False`` (then :meth:`_checked_run` checks them)."""
         kind = _NUMPY_KINDS.get(out.dtype) if type(out) is np.ndarray and out.flags.writeable else None
         if kind is None:  # a tensor, an ml_dtypes array, a read-only or odd buffer: the general view
             view = host_array(out, "out")
@@ -253,12 +288,12 @@ class PLERows(RowsAdapter):
         flat = _rows_of(arr)
         v0, v1 = self._window(row_start, row_end)
         ids_flat = ids_arr.reshape(-1)
-        bad = first_bad(ids_flat, self.total)
+        bad = first_bad(ids_flat, self.total) if check_ids else -1
         if bad >= 0:
             raise InvalidArgument(self._bad_id(ids_arr, int(bad)))
         out2 = flat.view(np.uint8) if raw else flat
         straight = out2.view(self._store_dtype) if raw and out2.flags.c_contiguous else None
-        return _Call(ids_flat, out2, v0, v1, straight, out)
+        return _Call(ids_flat, out2, v0, v1, straight, out, ids_arr.shape)
 
     def _form(self, kind: str, arr: np.ndarray) -> bool:
         """Whether ``out`` asks for the raw form (else bf16), once its dtype and last axis fit this table."""
@@ -304,6 +339,35 @@ class PLERows(RowsAdapter):
 
     # ---- the gather -------------------------------------------------------------------------------
 
+    def _checked_run(self, call: _Call, words: np.ndarray | None, from_span: Callable[[Span, _Call], None]) -> None:
+        """``call`` with its ids not yet checked: a gather from
+        memory in one part checks them in its one kernel call (nothing written when one is refused); any other
+        checks them first, then reads as :meth:`_run` with ``from_span``. ``words``: ``call.out`` a word at a
+        time, where it was made once (a bound buffer's)."""
+        if not call.ids.shape[0]:
+            return
+        g = self._gather
+        if g.one_part(call.ids.shape[0]):
+            found = [-1]
+
+            def checked(span: Span, c: _Call) -> None:
+                source, delta, items, out = span.bytes, span.delta, g.row_bytes, c.out
+                w = (words if words is not None else word_view(out)) if span.words is not None \
+                    and out.itemsize == 1 else None
+                if w is not None:  # raw rows a word at a time
+                    source, delta, items, out = span.words, span.word_delta, g.row_bytes // 8, w
+                found[0] = checked_rows_from_span(source, delta, g.offsets, c.ids, self.total, c.v0, c.v1, items,
+                                                  E4M3_BF16, out)
+
+            if g.in_place(checked, call):
+                if found[0] >= 0:
+                    raise InvalidArgument(self._bad_id(call.ids.reshape(call.shape), int(found[0])))
+                return
+        bad = first_bad(call.ids, self.total)
+        if bad >= 0:
+            raise InvalidArgument(self._bad_id(call.ids.reshape(call.shape), int(bad)))
+        g.gather(from_span, self._staged, call)
+
     def _run(self, call: _Call) -> Any:
         if call.ids.shape[0]:
             self._gather.gather(self._from_span, self._staged, call)
@@ -322,7 +386,7 @@ class PLERows(RowsAdapter):
         if words is not None:
             source, delta, items, out = span.words, span.word_delta, g.row_bytes // 8, words
         g.split_range(call.ids.shape[0], lambda a, b: rows_from_span(
-            source, delta, g.offsets, call.ids, 0, g.cols, call.v0, call.v1, a, b, items, span.ahead, E4M3_BF16, out))
+            source, delta, g.offsets, call.ids, 0, g.cols, call.v0, call.v1, a, b, items, E4M3_BF16, out))
 
     def __repr__(self) -> str:
         return (f"PLERows(layer_id={self.layer_id}, heads={self.heads[0]}..{self.heads[-1]}, rows={self.fmt}, "

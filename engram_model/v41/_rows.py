@@ -209,13 +209,13 @@ class V41Rows(RowsAdapter):
         g, out, args = self._gather, call.out, (call.ids, call.first, call.width, call.v0, call.v1)
         if call.form == "split":
             g.split_range(out.shape[0], lambda a, b: split_from_span(
-                span.bytes, span.delta, g.offsets, *args, a, b, g.row_bytes, span.ahead, out, call.scales))
+                span.bytes, span.delta, g.offsets, *args, a, b, g.row_bytes, out, call.scales))
         elif call.form == "bf16":
             g.split_range(out.shape[0], lambda a, b: scaled_from_span(
-                span.bytes, span.delta, g.offsets, *args, a, b, g.row_bytes, span.ahead, ENGINE_BF16_TABLE, out))
+                span.bytes, span.delta, g.offsets, *args, a, b, g.row_bytes, ENGINE_BF16_TABLE, out))
         else:  # byte copies (words measured no faster on 264-byte rows)
             g.split_range(out.shape[0], lambda a, b: rows_from_span(
-                span.bytes, span.delta, g.offsets, *args, a, b, g.row_bytes, span.ahead, NO_LUT, out))
+                span.bytes, span.delta, g.offsets, *args, a, b, g.row_bytes, NO_LUT, out))
 
     def _staged(self, call: _Call) -> None:
         """The call's rows read with the table's lookup_into (remote segments, disk), then laid out."""

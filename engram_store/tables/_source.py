@@ -121,6 +121,11 @@ class Source:
         """Each head's table as a read-only ``[N_h, row_bytes]`` view of this host's memory, or None."""
         return None
 
+    def held_tables(self, lay: Layer) -> "HeldTables | None":
+        """The layer's tables where they are this process's own memory and reading them needs no check (see
+        :class:`HeldTables`); None here (a store's mapped segments: every read of them is checked)."""
+        return None
+
     def read_local(self, lay: Layer, read: Callable[[list[np.ndarray]], bool]) -> bool:
         """``read(tables)`` over :meth:`local_tables`, under the checks the source's own reads of them pass: what it
         returns, or False where it did not run or its result must not be used. Here (arrays bound in this process,
@@ -148,6 +153,23 @@ class Source:
 
     def close(self) -> None:
         """Release what the source holds beyond its layers (after every layer was detached)."""
+
+
+class HeldTables:
+    """A layer's tables in this process's memory that a read needs no check of (arrays bound with ``bind_local``,
+    a ``local_dir``'s mapped files), taken once: ``tables`` as :meth:`Source.local_tables` gives them, and
+    :meth:`holds`, whether they are still the layer's (its EngramStore not closed, the layer not reopened). A read
+    that begins while they hold may read them to its end while it keeps this object: it holds the state that holds
+    the memory (a close meanwhile unmaps files only once nothing views them). What a decode step's gather calls
+    instead of :meth:`Source.read_local`: one attribute test, not a chain of calls."""
+
+    __slots__ = ("tables", "_lay", "_state", "_source")
+
+    def __init__(self, tables: list[np.ndarray], lay: Layer, state: Any, source: Any):
+        self.tables, self._lay, self._state, self._source = tables, lay, state, source
+
+    def holds(self) -> bool:
+        return self._lay.state is self._state and not self._source.closed
 
 
 def closed_error(lay: Layer, what: str) -> TableClosed:

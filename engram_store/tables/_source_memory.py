@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import InvalidArgument, ObjectNotFound
 from ._layout import Layer
 from ._local_dir import LocalDir, MappedLayer
-from ._source import InMemory, Job, Source, closed_error, gather, progress, state_of
+from ._source import HeldTables, InMemory, Job, Source, closed_error, gather, progress, state_of
 
 #: A prefetch of at most this many rows from tables all in memory here runs at once in the caller's thread (a few
 #: microseconds, cheaper than a thread hand-off).
@@ -59,6 +59,13 @@ class ArraySource(Source):
 
     def local_tables(self, lay: Layer) -> list[np.ndarray] | None:
         return state_of(lay, "local_tables").views(lay)
+
+    def held_tables(self, lay: Layer) -> HeldTables | None:
+        state = lay.state
+        if state is None or self.closed:
+            return None
+        tables = self.local_tables(lay)
+        return HeldTables(tables, lay, state, self) if tables is not None and lay.state is state else None
 
 
 class _Mapped:

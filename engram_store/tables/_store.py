@@ -18,7 +18,7 @@ from .. import _fork
 from ..errors import InvalidArgument, InvalidType, describe
 from ._layout import EngramStoreConfig, Layer, check_tables, find_layer, layers_of
 from ._plan import Background, LookupHandle, layer_jobs, read_jobs, start_reads
-from ._source import Job
+from ._source import HeldTables, Job
 from ._places import check_options, release, source_for, sum_stats, warm_cache
 
 
@@ -211,6 +211,14 @@ class EngramStore:
         lay = self._layer(layer)
         self._source.ready(lay, "local_tables")
         return self._source.local_tables(lay)
+
+    def held_tables(self, *, layer: int | None = None) -> HeldTables | None:
+        """The layer's tables where they are this process's own memory that reading needs no check of (arrays bound
+        with ``bind_local``, a ``local_dir``'s mapped files), as a :class:`HeldTables` to read them by while its
+        ``holds()`` is True (a decode step's gather, without :meth:`read_local`'s calls); None elsewhere (a store's
+        segments mapped here: read them through read_local, which checks them)."""
+        lay = self._layer(layer)
+        return self._source.held_tables(lay)
 
     def read_local(self, read: Callable[[list[np.ndarray]], bool], *, layer: int | None = None) -> bool:
         """``read(tables)`` over :meth:`local_tables`, checked as a lookup's read (docs/store.md, "What a read

@@ -19,7 +19,7 @@ import model_helpers as ref
 from engram_model.ple import (BoundRows, PLEConfig, PLEHasher, PLERows, RowsHandle, load_ple_hash_buffers,
                               load_ple_table, ple_rank_rows, ple_store_config, write_toy_checkpoint)
 from engram_model.ple._toy import toy_tensors
-from engram_store import DistributedStore, EngramStore, InvalidArgument, InvalidType
+from engram_store import DistributedStore, EngramStore, InvalidArgument, InvalidType, TableClosed
 
 LAYER = 2
 DTYPES = ["float8_e4m3fn", "bfloat16"]
@@ -336,9 +336,12 @@ def test_a_bound_buffer_gives_what_gather_into_gives(kind, dtype, tmp_path):
                 got = buffer[:T].view(np.uint8).view(TABLES[dtype].dtype) if raw else buffer[:T].view(np.uint16)
                 np.testing.assert_array_equal(got, expected(dtype, ids, start, end, raw))
             before = buffer.copy()
+            last_bad = any_ids(rng, (2, 16), [(start, end)])
+            last_bad[1, 15] = HEADED  # (checked before any row is written, the last id as the first)
             for ids, words in ((np.zeros((9, 16), np.int64), r"1 <= T <= 8"), (np.zeros((2, 15), np.int64),
                                                                                  "heads = 16"),
                                (np.full((2, 16), HEADED, np.int64), "is no row of layer 2's heads"),
+                               (last_bad, rf"ids\[1, 15\] = {HEADED} is no row of layer 2's heads"),
                                (np.zeros((2, 16), np.float32), "int32 or int64")):
                 with pytest.raises((InvalidArgument, InvalidType), match=words):
                     bound(ids)
@@ -347,6 +350,44 @@ def test_a_bound_buffer_gives_what_gather_into_gives(kind, dtype, tmp_path):
         rows.bind(np.zeros((4, 2, 16, row_bytes), np.uint8)[:, 1])
     with pytest.raises(InvalidArgument, match=r"out: expected a \[max_T, 16, width\] buffer"):
         rows.bind(np.zeros((4, row_bytes), np.uint8))
+
+
+@pytest.mark.parametrize("kind", ["memory", "local_dir"])
+def test_a_bound_buffer_over_tables_of_this_process_is_one_kernel_call_until_they_close(kind, tmp_path):
+    """Over bound arrays or a local_dir's mapped files (memory a read needs no check of), a bound buffer's steps
+    after the first are one kernel call on the tables it holds: the same rows, a refused id writes nothing, and once
+    the EngramStore closes the next step raises TableClosed instead of reading what it held."""
+    dtype = "float8_e4m3fn"
+    config, layout = CONFIGS[dtype], ple_store_config(CONFIGS[dtype], LAYER)
+    where = {} if kind == "memory" else {"local_dir": tmp_path}
+    if where:
+        with EngramStore(LAYER, layout, None, **where) as es:
+            es.populate(heads_of(TABLES[dtype]))
+    es = EngramStore(LAYER, layout, None, **where)
+    if not where:
+        es.bind_local(heads_of(TABLES[dtype]))
+    rows = PLERows(es, config, LAYER, threads=1)
+    buffer = np.zeros((8, 16, 160), np.uint8)
+    bound = rows.bind(buffer)
+    rng = np.random.default_rng(12)
+    for T in (3, 8, 1):
+        ids = any_ids(rng, (T, 16))
+        assert bound(ids) is buffer
+        np.testing.assert_array_equal(buffer[:T], expected(dtype, ids, 0, ROWS, True))
+    assert bound._direct is not None and bound._direct.held.holds()
+    gathers = rows.memory_gathers
+    bad = any_ids(rng, (2, 16))
+    bad[1, 7] = HEADED
+    before = buffer.copy()
+    with pytest.raises(InvalidArgument, match=rf"ids\[1, 7\] = {HEADED} is no row"):
+        bound(bad)
+    np.testing.assert_array_equal(buffer, before)
+    bound(any_ids(rng, (2, 16)))
+    assert rows.memory_gathers == gathers + 2
+    es.close()
+    assert not bound._direct.held.holds()
+    with pytest.raises(TableClosed):
+        bound(any_ids(rng, (2, 16)))
 
 
 def test_a_bound_torch_buffer_takes_torch_ids(in_memory):
