@@ -9,9 +9,9 @@
 """
 
 from ._embedded import start_master
-from ._mapped import object_checks, read_mapped
+from ._mapped import MappedCheck, object_checks, read_mapped
 from ._objects import KeyInfo, ObjectInfo, Replica, as_bytes_view
 from ._store import DistributedStore
 
-__all__ = ["DistributedStore", "KeyInfo", "ObjectInfo", "Replica", "as_bytes_view", "object_checks", "read_mapped",
-           "start_master"]
+__all__ = ["DistributedStore", "KeyInfo", "MappedCheck", "ObjectInfo", "Replica", "as_bytes_view", "object_checks",
+           "read_mapped", "start_master"]

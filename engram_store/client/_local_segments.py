@@ -12,12 +12,14 @@ write, from a segment run by this user or root.
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import mmap
 import os
 import stat
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -155,6 +157,11 @@ class LocalSegments:
         mm = mmap.mmap(fd, actual, mmap.MAP_SHARED, mmap.PROT_READ)
         self._mmaps.append(mm)
         return np.frombuffer(mm, dtype=dtype), mm
+
+    def shrunk_probe(self, segment_id: str) -> Callable[[int], bool] | None:
+        """``shrunk`` of segment ``segment_id``'s mapped file (its check in ``client.read_mapped``), or None where
+        its memory cannot shrink (sealed memory, or none mapped)."""
+        return functools.partial(self.shrunk, segment_id) if segment_id in self._files else None
 
     def shrunk(self, segment_id: str, need: int) -> bool:
         """Whether the mapped memory of segment ``segment_id`` is a file now shorter than ``need`` bytes (one

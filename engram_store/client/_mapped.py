@@ -11,6 +11,11 @@ so. Two things prove what a mapping holds:
   every named object is still the one its put wrote; the table's sequence unchanged after it (or checked again),
   no put claimed a range meanwhile (a put claims its range before its first byte lands).
 
+Whatever proves the bytes, they must be there: a durable segment's memory is a regular file, which no seal keeps
+from shrinking, and one cut short while its segment was down kills a read past its end with SIGBUS. So every read,
+fresh or not, first checks that each mapped file still holds the bytes it needs (one ``fstat``; sealed memory never
+shrinks).
+
 Past ``fresh``, a read whose table cannot tell (none published, overflowed, retired) or names an object that is
 gone raises :class:`StalePlacement` and its result is not used: the caller asks the master again, or reads through
 the segment, which checks each remote read the same way. The store's lookups (``Placements``), ``V41Rows`` and
@@ -21,7 +26,7 @@ through here, so one rule decides whether mapped bytes may be used.
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, NamedTuple, Sequence, TypeVar
 
 import numpy as np
 
@@ -30,9 +35,18 @@ from ..errors import StalePlacement
 
 T = TypeVar("T")
 
-#: ``(generation table or None, check pairs)`` of one mapped segment: the pairs (``kernels.check_pairs_for``) name
-#: the objects a read takes from it.
-Checks = Sequence[tuple[np.ndarray | None, np.ndarray]]
+class MappedCheck(NamedTuple):
+    """What proves a read of one mapped segment: its generation table (None: it publishes none), the check pairs
+    naming the objects the read takes from it (``kernels.check_pairs_for``), and the bytes of the mapping the read
+    needs (``end``) with ``shrunk(end)``, whether the mapped file now holds fewer (None: memory that never shrinks)."""
+    table: np.ndarray | None
+    pairs: np.ndarray
+    end: int = 0
+    shrunk: Callable[[int], bool] | None = None
+
+
+#: The checks of a read, one per mapped segment it reads.
+Checks = Sequence[MappedCheck]
 
 
 def read_mapped(read: Callable[[], T], checks: Checks, fresh_until: float, what: str) -> T:
@@ -42,21 +56,27 @@ def read_mapped(read: Callable[[], T], checks: Checks, fresh_until: float, what:
     after it: an object still named in its table then was never written over (a put claims its range, and a remove
     drops its name, before anything else lands there). Raises StalePlacement, naming ``what`` (the layer or object
     read), where a check fails; the caller must then drop what ``read`` wrote. An error ``read`` raised stands only
-    where the recheck holds (an error about bytes another put wrote is no error of these tables)."""
+    where the recheck holds (an error about bytes another put wrote is no error of these tables). A mapped file
+    shorter than the read needs raises StalePlacement before anything is read."""
+    for check in checks:
+        if check.shrunk is not None and check.shrunk(check.end):
+            raise StalePlacement(f"{what}: the file of a segment mapped on this host is shorter than the {check.end} "
+                                 "bytes the read needs (cut short while its segment was down); read through the "
+                                 "segment")
     if time.monotonic() < fresh_until:
         try:
             return read()
         finally:
             if time.monotonic() >= fresh_until:
-                for table, pairs in checks:
-                    _check(table, pairs, what)
-    seqs = [_check(table, pairs, what) for table, pairs in checks]
+                for check in checks:
+                    _check(check.table, check.pairs, what)
+    seqs = [_check(check.table, check.pairs, what) for check in checks]
     try:
         return read()
     finally:
-        for (table, pairs), seq in zip(checks, seqs):
-            if table[_kernels.generation_table.SEQ] != seq:  # a put claimed a range meanwhile: ours still there?
-                _check(table, pairs, what)
+        for check, seq in zip(checks, seqs):
+            if check.table[_kernels.generation_table.SEQ] != seq:  # a put claimed a range meanwhile: still there?
+                _check(check.table, check.pairs, what)
 
 
 def _check(table: np.ndarray | None, pairs: np.ndarray, what: str) -> int:
@@ -76,8 +96,10 @@ def _check(table: np.ndarray | None, pairs: np.ndarray, what: str) -> int:
     return seq
 
 
-def object_checks(table: np.ndarray | None, offset: int, size: int, generation: int) -> Checks:
-    """The checks of one object mapped here (its place, size and the put that wrote it), as :func:`read_mapped`
-    takes them (a generation of 0, unknown, names nothing: such an object is proven by time alone)."""
-    return ((table, _kernels.check_pairs_for(np.array([offset], np.int64), np.array([size], np.int64),
-                                             np.array([generation], np.int64))),)
+def object_checks(table: np.ndarray | None, offset: int, size: int, generation: int,
+                  shrunk: Callable[[int], bool] | None = None) -> Checks:
+    """The checks of one object mapped here (its place, size and the put that wrote it; ``shrunk``: its mapped
+    file's probe), as :func:`read_mapped` takes them (a generation of 0, unknown, names nothing: such an object is
+    proven by time alone)."""
+    return (MappedCheck(table, _kernels.check_pairs_for(np.array([offset], np.int64), np.array([size], np.int64),
+                                                        np.array([generation], np.int64)), offset + size, shrunk),)

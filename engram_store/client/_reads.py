@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import xxhash
@@ -46,10 +46,10 @@ class ReadPath:
         this client reads local-direct); see :meth:`LocalSegments.view`."""
         return self.local_segments.view(replica) if self.local_direct else None
 
-    def local_shrunk(self, segment_id: str, need: int) -> bool:
-        """Whether segment ``segment_id``'s memory mapped on this host is a file now shorter than ``need`` bytes
-        (see :meth:`LocalSegments.shrunk`): nothing past its end may be read in place."""
-        return self.local_segments.shrunk(segment_id, need)
+    def local_shrunk_probe(self, segment_id: str) -> Callable[[int], bool] | None:
+        """Whether segment ``segment_id``'s memory mapped on this host is a file now shorter than a read needs, as
+        ``client.read_mapped`` asks it (see :meth:`LocalSegments.shrunk`); None where it cannot shrink."""
+        return self.local_segments.shrunk_probe(segment_id)
 
     def local_table(self, replica: Replica) -> np.ndarray | None:
         """The generation table of a segment mapped on this host; see :meth:`LocalSegments.table`."""
@@ -185,9 +185,8 @@ class ReadPath:
         reads (:func:`read_mapped`; an ObjectInfo says not how old the master's answer is, so the segment's
         generation table must prove the object there): False where it cannot, and the ranges are read through the
         segment, which checks them (and refuses an object that is gone: StalePlacement)."""
-        if self.local_shrunk(replica.segment_id, replica.offset + item.info.size):
-            return False  # its file was cut short (a durable segment's, at rest): read through the segment
-        checks = object_checks(self.local_table(replica), replica.offset, item.info.size, replica.generation)
+        checks = object_checks(self.local_table(replica), replica.offset, item.info.size, replica.generation,
+                               self.local_shrunk_probe(replica.segment_id))
         try:
             read_mapped(lambda: _copy_local(view, item.src_offsets + replica.offset, item.sizes, item.dst,
                                             item.dst_offsets), checks, 0.0, f"object {item.info.key!r}")

@@ -24,7 +24,7 @@ import numpy as np
 from .. import _fork
 from .. import kernels as _kernels
 from ..errors import EngramError, ObjectNotFound, SegmentUnavailable, StalePlacement, StoreError, Unavailable
-from ..client import read_mapped
+from ..client import MappedCheck, read_mapped
 from ._layout import Layer
 from ._source import InMemory, gather
 
@@ -67,11 +67,9 @@ class Placement:
     checked_at: float = 0.0           # time.monotonic() of the last check with the master
     checks: tuple = ()                # per remote server: the check pairs naming its tables (read-only int64
                                       # [2K, 2]); its reads lead with them, so it never serves another object
-    local_checks: tuple = ()          # per mapped segment: (its generation table, the check pairs of the tables
-                                      # read from it); see Placements.gather
+    local_checks: tuple = ()          # per mapped segment, a client.MappedCheck: its generation table, the check
+                                      # pairs of the tables read from it, and the bytes they need of its mapped file
     local_checked: bool = False       # every mapped table can be checked that way (else: time is the proof)
-    local_ends: tuple = ()            # per mapped segment: (its id, the end of the last table read from it), each
-                                      # read's check that a segment's file was not cut short (Placements.read_mapped)
     ttl_s: float = PLACEMENT_TTL_S    # used as it is while younger
     stale_s: float = PLACEMENT_STALE_S  # used while younger, checked in the background (both REMOTE_PLACEMENT_*
                                         # where every read is checked by its segment; see _build)
@@ -137,11 +135,6 @@ class Placements:
         else between a check of each segment's generation table (the named tables are still there) and a recheck
         (no put claimed their space meanwhile); StalePlacement otherwise, and nothing ``read`` wrote may be used. ``age``:
         the placement's age now, where the caller has just taken it."""
-        for segment_id, end in placement.local_ends:
-            if self.native.local_shrunk(segment_id, end):
-                raise StalePlacement(f"layer {lay.layer_id}: the file of segment {segment_id} mapped on this host is "
-                                     f"shorter than the {end} bytes its tables need (cut short while its segment was "
-                                     "down); read through the segment")
         asked_at = placement.checked_at if age is None else time.monotonic() - age
         return read_mapped(read, placement.local_checks, asked_at + self.local_safe_s(), f"layer {lay.layer_id}")
 
@@ -289,17 +282,18 @@ class Placements:
                 np.array([lay.sizes[h] * lay.row_bytes for h, _, _ in entries], dtype=np.int64),
                 np.array([r.generation for _, _, r in entries], dtype=np.int64))))
         # A segment with a table whose put is unknown (generation 0) cannot prove it: no table to check against.
-        local_checks = tuple((heads[0][0] if all(gen for *_, gen in heads) else None,
-                              _kernels.readonly(_kernels.check_pairs_for(
-                                  *(np.array(column, dtype=np.int64) for column in list(zip(*heads))[1:]))))
-                             for heads in mapped.values())
-        checked = all(table is not None for table, _ in local_checks)
-        ends = tuple((sid, max(offset + nbytes for _, offset, nbytes, _ in heads)) for sid, heads in mapped.items())
+        local_checks = tuple(MappedCheck(heads[0][0] if all(gen for *_, gen in heads) else None,
+                                         _kernels.readonly(_kernels.check_pairs_for(
+                                             *(np.array(column, dtype=np.int64) for column in list(zip(*heads))[1:]))),
+                                         max(offset + nbytes for _, offset, nbytes, _ in heads),
+                                         native.local_shrunk_probe(segment_id))
+                             for segment_id, heads in mapped.items())
+        checked = all(check.table is not None for check in local_checks)
         ttl, stale = _ttls(local, local_tables, remote)
         return Placement(InMemory.of(lay, local_tables), groups,
                          _kernels.readonly(np.asarray(order, dtype=np.int64)),
                          _kernels.readonly(np.asarray(bases, dtype=np.int64)), signature, checked_at, tuple(checks),
-                         local_checks, checked, ends, ttl, stale)
+                         local_checks, checked, ttl, stale)
 
     def _trouble(self) -> bool:
         """Whether a placement check failed recently (then lookups do not wait for the master)."""

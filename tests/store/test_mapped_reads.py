@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engram_store import DistributedStore, EngramStore, EngramStoreConfig, StalePlacement
-from engram_store.client import object_checks, read_mapped
+from engram_store.client import MappedCheck, object_checks, read_mapped
 from engram_store.kernels import check_pairs_for
 from engram_store.segment import SegmentServer
 from engram_store.segment._generations import Generations
@@ -37,19 +37,43 @@ def _fresh(s: float = 60.0) -> float:
 
 
 def _checks(generations, *objects):
-    return ((generations.table, check_pairs_for(*(np.array(c, dtype=np.int64) for c in zip(*objects)))),)
+    return (MappedCheck(generations.table, check_pairs_for(*(np.array(c, dtype=np.int64) for c in zip(*objects)))),)
 
 
 def test_a_fresh_answer_reads_without_looking_and_an_old_one_only_what_its_table_proves(table):
     held = _checks(table, (0, 640, 7), (1024, 64, 8))
     assert read_mapped(lambda: "rows", held, NOT_FRESH, "layer 1") == "rows"
-    assert read_mapped(lambda: "rows", ((None, held[0][1]),), _fresh(), "") == "rows"  # fresh: no table needed
+    assert read_mapped(lambda: "rows", (MappedCheck(None, held[0].pairs),), _fresh(), "") == "rows"  # no table needed
     table.claim(0, 64, 9)  # another put took part of the first object's space
     calls = []
     with pytest.raises(StalePlacement, match=r"layer 1: a table mapped on this host \(offset 0, put 7\)"):
         read_mapped(lambda: calls.append(1), held, NOT_FRESH, "layer 1")
     assert not calls, "a read the table already refused was made"
     assert read_mapped(lambda: "rows", held, _fresh(), "") == "rows"  # time alone proves a fresh answer
+
+
+def test_a_mapped_file_shorter_than_the_read_needs_is_refused_before_anything_is_read(table):
+    """A durable segment's file cut short while its segment was down: a read past its end would die of SIGBUS, so
+    the one rule asks each mapped file's size first, however fresh the answer (the explorer, seed 972128)."""
+    pairs = _checks(table, (0, 640, 7))[0].pairs
+    asked = []
+
+    def shrunk(need: int) -> bool:
+        asked.append(need)
+        return need > 320  # the file holds 320 bytes now
+
+    for fresh in (NOT_FRESH, _fresh()):
+        with pytest.raises(StalePlacement, match="layer 1: the file of a segment mapped on this host is shorter "
+                                                 "than the 640 bytes the read needs"):
+            read_mapped(lambda: pytest.fail("read past the end"), (MappedCheck(table.table, pairs, 640, shrunk),),
+                        fresh, "layer 1")
+    assert asked == [640, 640]
+    whole = (MappedCheck(table.table, pairs, 640, lambda need: need > 4096),)
+    assert read_mapped(lambda: "rows", whole, NOT_FRESH, "layer 1") == "rows"
+    assert read_mapped(lambda: "rows", object_checks(table.table, 0, 640, 7, lambda need: need > 640), _fresh(),
+                       "") == "rows"
+    with pytest.raises(StalePlacement, match="shorter than the 640 bytes"):
+        read_mapped(lambda: "rows", object_checks(table.table, 0, 640, 7, lambda need: need > 600), _fresh(), "")
 
 
 def test_a_put_that_claims_the_space_while_it_is_read_fails_the_read(table):
@@ -96,14 +120,15 @@ def test_a_fresh_read_that_outlasts_its_proof_is_checked_after_it(table):
     assert read_mapped(slow(False), held, _fresh(0.01), "layer 1") == "rows"  # outlasted, and the table holds
     with pytest.raises(StalePlacement, match="put 7"):
         read_mapped(slow(True), held, _fresh(0.01), "layer 1")
-    assert read_mapped(lambda: "rows", ((None, held[0][1]),), _fresh(), "") == "rows"  # ended in time: no table
+    no_table = (MappedCheck(None, held[0].pairs),)
+    assert read_mapped(lambda: "rows", no_table, _fresh(), "") == "rows"  # ended in time: no table needed
     with pytest.raises(StalePlacement, match="nothing here can"):
-        read_mapped(slow(False), ((None, held[0][1]),), _fresh(0.01), "layer 1")
+        read_mapped(slow(False), no_table, _fresh(0.01), "layer 1")
 
 
 def test_what_cannot_be_proven_past_a_fresh_answer_is_refused(table):
     """No table, a master that named no put (generation 0), a table that overflowed: the read is not made."""
-    for checks in ((None, check_pairs_for(np.array([0]), np.array([640]), np.array([7]))),), \
+    for checks in (MappedCheck(None, check_pairs_for(np.array([0]), np.array([640]), np.array([7]))),), \
             object_checks(table.table, 0, 640, 0):
         with pytest.raises(StalePlacement, match="nothing here can"):
             read_mapped(lambda: pytest.fail("read"), checks, NOT_FRESH, "object 'k'")
@@ -112,7 +137,8 @@ def test_what_cannot_be_proven_past_a_fresh_answer_is_refused(table):
     overflowed = np.array(table.table)
     overflowed[3] = 1
     with pytest.raises(StalePlacement, match="cannot tell"):
-        read_mapped(lambda: pytest.fail("read"), ((overflowed, _checks(table, (0, 640, 7))[0][1]),), NOT_FRESH, "l")
+        read_mapped(lambda: pytest.fail("read"), (MappedCheck(overflowed, _checks(table, (0, 640, 7))[0].pairs),),
+                    NOT_FRESH, "l")
 
 
 CONFIG = EngramStoreConfig(table_vocab_sizes=[101, 103], embedding_dim=16)
@@ -147,7 +173,7 @@ def test_a_lookups_mapped_tables_are_checked_from_half_the_reuse_delay_on():
             placements.gather(lay, placement, ids.reshape(-1, 2), out.reshape(-1).view(np.uint8), 1, age=safe)
         # Without an age, the placement's own: a fresh one is read as it is, though nothing here could prove it.
         fresh = dataclasses.replace(placement, checked_at=time.monotonic(),
-                                    local_checks=tuple((None, pairs) for _, pairs in placement.local_checks))
+                                    local_checks=tuple(c._replace(table=None) for c in placement.local_checks))
         assert placements.read_mapped(lay, fresh, lambda: "rows") == "rows"
         with pytest.raises(StalePlacement, match="nothing here can"):
             placements.read_mapped(lay, dataclasses.replace(fresh, checked_at=time.monotonic() - safe),
