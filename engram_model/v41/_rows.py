@@ -259,6 +259,9 @@ class BoundRows:
         self.rows, self.form, self.array, self.out = rows, probe.form, array, out
         self.head_start, self.part, self.v0, self.v1 = probe.first, probe.width, probe.v0, probe.v1
         self._views: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}  # T -> out[:T]'s slots (and copy-back)
+        self._held: tuple[Any, Span] | None = None  # RowGather.held_span: a step's rows in one kernel call
+        self._kernel, self._lut = (scaled_from_span, ENGINE_BF16_TABLE) if self.form == "bf16" \
+            else (rows_from_span, NO_LUT)
 
     def __call__(self, ids: Any) -> Any:
         """Fill ``out[:T]`` with the rows of ``ids [T, cols]`` (refused as ``gather_into`` refuses them, writing
@@ -272,8 +275,18 @@ class BoundRows:
                                   f"tokens) and cols = {cols}, got {list(arr.shape)}")
         rows._check_ids(arr, self.head_start, self.part)
         slots, back = self._views.get(T) or self._view(T)
+        held = self._held
+        if held is not None and held[0].holds():  # tables this process holds: the kernel, nothing between
+            g, span = rows._gather, held[1]
+            self._kernel(span.bytes, span.delta, g.offsets, arr.reshape(-1), self.head_start, self.part, self.v0,
+                         self.v1, 0, slots.shape[0], g.row_bytes, self._lut, slots)
+            g.memory_gathers += 1
+            if back is not None:
+                back[...] = slots.reshape(back.shape)
+            return self.out
         rows._run(_Call(self.form, arr.reshape(-1), slots, None, self.head_start, self.part, self.v0, self.v1, back,
                         self.out))
+        self._held = rows._gather.held_span(self.array.shape[0] * self.part)
         return self.out
 
     def _view(self, T: int) -> tuple[np.ndarray, np.ndarray | None]:

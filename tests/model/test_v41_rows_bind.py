@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engram_model.v41 import V41Config, V41Rows, v41_store_config
-from engram_store import EngramStore, InvalidArgument
+from engram_store import EngramStore, InvalidArgument, TableClosed
 
 CFG = V41Config(layer_ids=[1, 4], max_ngram_size=3, n_heads=3, head_dim=64, engram_vocab_size=60,
                 compressed_vocab_size=50, hidden_size=8, hc_mult=1)
@@ -35,8 +35,11 @@ def tables(tmp_path_factory):
 @settings(max_examples=40, deadline=None)
 @given(where=st.sampled_from(["memory", "disk"]), packed=st.booleans(), T=st.integers(1, MAX_T),
        head_start=st.integers(0, CFG.cols - 1), part=st.integers(1, CFG.cols), int32=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_a_bound_gather_gives_what_gather_into_gives(tables, where, packed, T, head_start, part, int32, seed):
+       seed=st.integers(0, 2**16), strided=st.booleans())
+def test_a_bound_gather_gives_what_gather_into_gives(tables, where, packed, T, head_start, part, int32, seed,
+                                                     strided):
+    """Every step: the first (the checked path, which finds tables this process holds) and the next ones (over bound
+    arrays: one kernel call), into a buffer whose slots are one axis or one copied back into (``strided``)."""
     rows = tables[where]
     rng = np.random.default_rng(seed)
     ids = np.stack([rng.integers(BOUNDS[c], BOUNDS[c + 1], T) for c in range(CFG.cols)], axis=1)
@@ -45,9 +48,12 @@ def test_a_bound_gather_gives_what_gather_into_gives(tables, where, packed, T, h
     width, dtype = (CFG.row_bytes, np.uint8) if packed else (CFG.head_dim, np.uint16)
     expected = np.empty((T, part, width), dtype)
     rows.gather_into(ids, expected, head_start=head_start)
-    buffer = np.full((MAX_T, part, width), 7, dtype)
-    assert rows.bind(buffer, head_start=head_start)(ids) is buffer
-    assert np.array_equal(buffer[:T], expected) and (buffer[T:] == 7).all()
+    buffer = np.full((MAX_T, part + 1, width), 7, dtype)[:, 1:] if strided else np.full((MAX_T, part, width), 7, dtype)
+    bound = rows.bind(buffer, head_start=head_start)
+    for _ in range(2):
+        assert bound(ids) is buffer
+        assert np.array_equal(buffer[:T], expected) and (buffer[T:] == 7).all()
+        buffer[:T] = 7
 
 
 def test_a_bound_gather_refuses_what_gather_into_refuses_and_writes_nothing(tables):
@@ -65,3 +71,28 @@ def test_a_bound_gather_refuses_what_gather_into_refuses_and_writes_nothing(tabl
     assert (buffer == 7).all()
     with pytest.raises(InvalidArgument, match="out: expected a bf16"):
         rows.bind(np.empty((MAX_T, CFG.cols, 100), np.uint8))
+
+
+def test_a_bound_gather_over_tables_of_this_process_is_one_kernel_call_until_they_close():
+    """Over bound arrays a step after the first is the id check and one kernel call on the tables held; once the
+    EngramStore closes, the next step raises TableClosed instead of reading what it held."""
+    table = EngramStore(LAYER, v41_store_config(CFG, LAYER), None)
+    table.bind_local(COLUMNS)
+    rows = V41Rows(table, CFG, LAYER, threads=1)
+    buffer = np.zeros((MAX_T, CFG.cols, CFG.head_dim), np.uint16)
+    bound = rows.bind(buffer)
+    rng = np.random.default_rng(3)
+    for T in (2, 9, 1):
+        ids = np.stack([rng.integers(BOUNDS[c], BOUNDS[c + 1], T) for c in range(CFG.cols)], axis=1)
+        expected = np.empty((T, CFG.cols, CFG.head_dim), np.uint16)
+        rows.gather_into(ids, expected)
+        bound(ids)
+        np.testing.assert_array_equal(buffer[:T], expected)
+    assert bound._held is not None and bound._held[0].holds()
+    gathers = rows.memory_gathers
+    bound(ids)
+    assert rows.memory_gathers == gathers + 1
+    table.close()
+    assert not bound._held[0].holds()
+    with pytest.raises(TableClosed):
+        bound(ids)
