@@ -165,13 +165,18 @@ class RowGather:
         self._background = SharedPool(name)  # one thread, made on first use
         self._span_of: list | None = None  # the tables the span was built over (kept referenced)
         self._span: Span | None = None
+        self._held: tuple[Any, Span] | None = None  # held(): the tables this process holds, while they hold
         self.memory_gathers = 0  # calls gathered from this host's memory in one kernel
         self.staged_gathers = 0  # calls read with lookup_into, then laid out
 
     def gather(self, from_span: Callable[[Span, Any], None], staged: Callable[[Any], None], call: Any) -> None:
-        """``from_span(span, call)`` where the rows are in this host's memory (read in place, checked), else
-        ``staged(call)``."""
-        if not self.in_place(from_span, call):
+        """``from_span(span, call)`` where the rows are in this host's memory (read in place: tables this process
+        holds as they are, a store's checked), else ``staged(call)``."""
+        held = self.held()
+        if held is not None:
+            from_span(held[1], call)
+            self.memory_gathers += 1
+        elif not self.in_place(from_span, call):
             staged(call)
             self.staged_gathers += 1
 
@@ -189,17 +194,26 @@ class RowGather:
             return True
         return False
 
+    def held(self) -> tuple[Any, Span] | None:
+        """Where the layer's tables are this process's own memory that a read needs no check of
+        (``EngramStore.held_tables``: bound arrays, a ``local_dir``'s files), the tables held and their span, kept
+        while they hold: a gather reads them with its kernel alone, none of read_local's calls between (each one a
+        cold miss or two at a decode step's cadence); else None (a store's mapped segments: every read goes
+        through read_local, which checks it)."""
+        held = self._held
+        if held is not None and held[0].holds():
+            return held
+        tables = self.table.held_tables(layer=self.layer_id)
+        if tables is None or not all(t.flags.c_contiguous for t in tables.tables):
+            self._held = None
+            return None
+        held = self._held = (tables, self._span_over(tables.tables))
+        return held
+
     def held_span(self, slots: int) -> tuple[Any, Span] | None:
-        """For a bound buffer's one kernel call a step: where gathers of up to ``slots`` slots run in one part and
-        the layer's tables are this process's own memory that a read needs no check of (``EngramStore.held_tables``:
-        bound arrays, a ``local_dir``'s files), the tables held and their span, to read while ``held.holds()``;
-        else None (a store's mapped segments: every read goes through read_local, which checks it)."""
-        if not self.one_part(slots):
-            return None
-        held = self.table.held_tables(layer=self.layer_id)
-        if held is None or not all(t.flags.c_contiguous for t in held.tables):
-            return None
-        return held, self._span_over(held.tables)
+        """:meth:`held` for a bound buffer's one kernel call a step, where gathers of up to ``slots`` slots run in
+        one part; else None."""
+        return self.held() if self.one_part(slots) else None
 
     def one_part(self, n: int) -> bool:
         """Whether a gather of ``n`` slots from memory runs as one call on the calling thread (a decode step)."""

@@ -436,7 +436,7 @@ def _serve_forks(fd: int) -> None:
                     os.close(f)
                 continue
             if pid == 0:
-                _run_forked(request, fds, (sock.fileno(), wake_r, wake_w))
+                _run_forked(request, fds)
             pidfd = os.pidfd_open(pid)
             socket.send_fds(sock, [json.dumps({"pid": pid}).encode()], [pidfd])
             os.close(pidfd)
@@ -444,7 +444,7 @@ def _serve_forks(fd: int) -> None:
                 os.close(f)
 
 
-def _run_forked(request: dict, fds: list[int], server_fds: tuple) -> None:
+def _run_forked(request: dict, fds: list[int]) -> None:
     """In a forked child: become the server ``request`` names, as ``python -m`` would run it; never returns."""
     import atexit
     import importlib
@@ -455,11 +455,9 @@ def _run_forked(request: dict, fds: list[int], server_fds: tuple) -> None:
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL if sig == signal.SIGCHLD else signal.default_int_handler)
-        for f in server_fds:
-            os.close(f)
         for target, f in enumerate(fds):
             os.dup2(f, target)
-            os.close(f)
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # as a command starts: nothing open but its standard streams
         os.chdir(request["cwd"])
         sys.argv = [request["module"]] + list(request["argv"])
         code = importlib.import_module(request["module"]).main(list(request["argv"]))

@@ -359,9 +359,15 @@ class PLERows(RowsAdapter):
                 found[0] = checked_rows_from_span(source, delta, g.offsets, c.ids, self.total, c.v0, c.v1, items,
                                                   E4M3_BF16, out)
 
-            if g.in_place(checked, call):
-                if found[0] >= 0:
-                    raise InvalidArgument(self._bad_id(call.ids.reshape(call.shape), int(found[0])))
+            held = g.held()
+            if held is not None:  # tables this process holds: the kernel alone
+                checked(held[1], call)
+                g.memory_gathers += 1
+            elif not g.in_place(checked, call):
+                found[0] = -2
+            if found[0] >= 0:
+                raise InvalidArgument(self._bad_id(call.ids.reshape(call.shape), int(found[0])))
+            if found[0] == -1:
                 return
         bad = first_bad(call.ids, self.total)
         if bad >= 0:

@@ -236,6 +236,9 @@ class WrittenOver(EngramStore):
         read(self.local_tables(layer=layer))
         return False
 
+    def held_tables(self, *, layer=None):
+        return None  # (a store's tables mapped here: read through read_local, never held)
+
 
 def test_rows_read_in_place_that_the_store_disowns_are_read_again_the_staged_way():
     dtype = "float8_e4m3fn"
