@@ -46,8 +46,7 @@ class EngramStore:
     layer's recently read remote rows in this process. ``cache_scope="host"`` (``disk_dir`` only) shares the row
     cache with every process of the host that opens the same ``disk_dir`` (another ``row_cache_bytes`` attaches to
     the one there, with a warning): one copy of the hot rows in shared memory instead of one per worker (see
-    :class:`engram_store.disk.HostRowCache`);
-    :meth:`warm_cache` pins the most frequent rows of a profile in it.
+    :class:`engram_store.disk.HostRowCache`); :meth:`warm_cache` pins the most frequent rows of a profile in it.
     """
 
     def __init__(self, layer_id: int | Mapping[int, EngramStoreConfig], config: EngramStoreConfig | None = None,
@@ -73,8 +72,7 @@ class EngramStore:
         _fork.in_child(self._forked)
 
     def _forked(self) -> None:
-        """In a forked child: the parent's background pool has no thread here, and its locks may be held by threads
-        the child does not have; the child makes its own on first use (see ``engram_store._fork``)."""
+        """In a forked child: the parent's pool and locks are not its own; it makes its own (``engram_store._fork``)."""
         self._pool.forked()
         for layer in self._layers.values():
             layer.forked()
@@ -205,20 +203,15 @@ class EngramStore:
         return warm_cache(self._source, self._layer(layer), profile, max_rows)
 
     def local_tables(self, *, layer: int | None = None) -> list[np.ndarray] | None:
-        """Each head's table as a read-only ``[N_h, row_bytes]`` uint8 view of this host's memory, in head order, or
-        None when some head is not here (``bind_local`` and ``local_dir`` tables are; a store's when mapped here).
-        A view shows what that memory holds when read: kernels that read rows in place go through read_local."""
+        """Each head's table as a read-only ``[N_h, row_bytes]`` uint8 view of this host's memory (None if one is not
+        here): what the memory holds when read. Kernels read rows in place through read_local or held_tables."""
         lay = self._layer(layer)
         self._source.ready(lay, "local_tables")
         return self._source.local_tables(lay)
 
     def held_tables(self, *, layer: int | None = None) -> HeldTables | None:
-        """The layer's tables where they are this process's own memory that reading needs no check of (arrays bound
-        with ``bind_local``, a ``local_dir``'s mapped files), as a :class:`HeldTables` to read them by while its
-        ``holds()`` is True (a decode step's gather, without :meth:`read_local`'s calls); None elsewhere (a store's
-        segments mapped here: read them through read_local, which checks them)."""
-        lay = self._layer(layer)
-        return self._source.held_tables(lay)
+        """Tables a read needs no check of (``bind_local``, ``local_dir``; see HeldTables), else None."""
+        return self._source.held_tables(self._layer(layer))
 
     def read_local(self, read: Callable[[list[np.ndarray]], bool], *, layer: int | None = None) -> bool:
         """``read(tables)`` over :meth:`local_tables`, checked as a lookup's read (docs/store.md, "What a read
