@@ -75,25 +75,37 @@ def test_a_wait_that_runs_out_raises_as_popens_does():
     assert master.popen.returncode == -signal.SIGKILL
 
 
-def test_a_server_started_under_other_conditions_is_a_command_that_sees_them(monkeypatch, tmp_path):
-    """A module may read the environment when it is imported, which the fork server did once: a server started
-    after a test changed it (or the umask, or the open-files limit) is started as a command."""
-    before = ForkServer.get() if os.environ.get(FORK_ENV, "1") != "0" else None
+def test_a_server_started_under_other_conditions_is_forked_by_a_fork_server_that_started_under_them(monkeypatch,
+                                                                                                      tmp_path):
+    """A module may read the environment when it is imported, which a fork server did once: a server started after
+    a test changed it (or the umask, or the open-files limit) comes from a fork server started under the new ones,
+    and sees them; the first one serves again once they are back."""
+    if not _forks_here():
+        pytest.skip(f"{FORK_ENV}=0: every server is started as a command")
+    before = ForkServer.get()
     monkeypatch.setenv("ENGRAM_TEST_MARK", str(tmp_path))
     master = start_master()
     try:
-        assert isinstance(master.popen, subprocess.Popen)
+        assert isinstance(master.popen, Forked) and master.popen.server is not before
         with open(f"/proc/{master.pid}/environ", "rb") as f:
             assert f"ENGRAM_TEST_MARK={tmp_path}".encode() in f.read().split(b"\0")
     finally:
         master.close()
     monkeypatch.delenv("ENGRAM_TEST_MARK")
-    if before is not None:
-        again = start_master()
-        try:
-            assert isinstance(again.popen, Forked)
-        finally:
-            again.close()
+    again = start_master()
+    try:
+        assert isinstance(again.popen, Forked) and again.popen.server is before
+    finally:
+        again.close()
+
+
+def test_a_server_under_a_prefix_is_a_command():
+    """``ip netns exec NAME`` (the explorer's partitions) runs the server in another namespace: no fork there."""
+    master = start_master(prefix=["env"])
+    try:
+        assert isinstance(master.popen, subprocess.Popen)
+    finally:
+        master.close()
 
 
 def test_the_fork_server_can_be_turned_off(monkeypatch):

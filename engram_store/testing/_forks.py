@@ -4,9 +4,9 @@ A master or segment started as ``python -m`` spends half a second importing (Num
 it does anything, and the suite starts hundreds. A fork server imports them once per test process and forks each
 server a test asks for: the child runs the same ``main`` with the same arguments, descriptors, directory, umask and
 environment, as a process of its own (its own pid, signals, exit code); only its parent is the fork server, which
-reports its exit. Where the test process's environment, umask or open-files limit differ from what the fork server
-started with (a module may have read them when it was imported), or a prefix runs the server (``ip netns exec``),
-the server is started as a command instead (:func:`forked` answers None).
+reports its exit. A module may have read the environment, umask or open-files limit when it was imported, so each
+set of them gets a fork server of its own (a test that changes them: see ``ForkServer.get``); a server run under a
+prefix (``ip netns exec``) is started as a command (:func:`forked` answers None).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ FORKED_MODULES = {"engram_store.master": "engram_store.master.cli",
                   "engram_store.segment.cli": "engram_store.segment.cli"}
 #: Set to 0 to start every server as a command (no fork server).
 FORK_ENV = "ENGRAM_TEST_FORK"
+#: Fork servers a test process keeps at once, one per set of conditions (see ForkServer.get).
+MAX_SERVERS = 3
 
 
 def forked(args: list[str], log, stdout_pipe: bool, stdin_pipe: bool) -> "Forked | None":
@@ -92,27 +94,34 @@ class ForkServer:
     """This test process's fork server (see above): a child that imported :data:`FORKED_MODULES`, forks a server
     for each request and reports each one's exit, over a socket pair; it dies with the test process."""
 
-    _current: "ForkServer | None" = None
+    _servers: "dict[tuple, ForkServer]" = {}  # by the conditions each started under, the most recently used last
     _failed = False
     _lock = threading.Lock()
 
     @classmethod
     def get(cls) -> "ForkServer | None":
-        """The fork server for the test process as it is now: started on first use (a second, while it imports),
-        again where it died; None where the conditions changed since it started (a test changed them: a command
-        it is, this time), where one failed to start, or where this host has no pidfds (Linux < 5.3)."""
+        """The fork server for the test process's conditions as they are now: started on first use (a second,
+        while it imports), again where it died; one per set of conditions (a test that changed its environment
+        gets one of its own, at most :data:`MAX_SERVERS`: the least recently used idle one is stopped for it). None
+        where that many are busy, where one failed to start, or where this host has no pidfds (Linux < 5.3)."""
         if cls._failed or not hasattr(os, "pidfd_open"):
             return None
         conditions = _conditions()
         with cls._lock:
-            server = cls._current
-            if server is not None and server.owner == os.getpid() and not server.alive():
+            if any(server.owner != os.getpid() for server in cls._servers.values()):
+                cls._servers = {}  # a forked test process: its parent's fork servers are not its own
+            server = cls._servers.pop(conditions, None)
+            if server is not None and not server.alive():
                 server.close()
                 server = None
-            if server is None or server.owner != os.getpid():  # (a forked test process starts its own)
-                server = cls._current = cls(conditions)
-            if server.conditions != conditions:
-                return None
+            if server is None:
+                idle = [c for c, other in cls._servers.items() if not other.children]
+                if len(cls._servers) >= MAX_SERVERS and not idle:
+                    return None
+                if len(cls._servers) >= MAX_SERVERS:
+                    cls._servers.pop(idle[0]).close()
+                server = cls(conditions)
+            cls._servers[conditions] = server
             if not server.ready():
                 cls._failed = True
                 return None
