@@ -204,6 +204,7 @@ class RowGather:
         if held is not None and held[0].holds():
             return held
         tables = self.table.held_tables(layer=self.layer_id)
+        # (every table a source holds is C-contiguous today, a reshape of a flat view: the test is for one that is not)
         if tables is None or not all(t.flags.c_contiguous for t in tables.tables):
             self._held = None
             return None

@@ -32,6 +32,10 @@ PLACEMENT_TESTS = ("tests/store/test_read_matrix.py", "tests/faults/test_at_rest
 V41_TESTS = ("tests/model/test_v41_rows.py::test_every_table_kind_gives_the_engines_rows",
              f"{CHURN}v41_rows_cut_off_from_the_master_never_read_the_layer_written_in_its_space",
              "tests/model/test_v41_rows.py")
+PLE_BOUND = "tests/model/test_ple_rows.py::test_a_bound_buffer_"
+HELD_TESTS = ("tests/model/test_rows_gather_span.py",
+              f"{PLE_BOUND}over_tables_of_this_process_is_one_kernel_call_until_they_close",
+              f"{PLE_BOUND}gives_what_gather_into_gives", "tests/model/test_v41_rows_bind.py")
 CACHE_TESTS = (f"{CHURN}a_row_cache_filled_while_the_layer_is_written_again_never_serves_the_earlier_rows",
                *(f"tests/tables/test_engram_store.py::test_row_cache_{name}" for name in (
                    "returns_the_same_rows_and_counts_hits", "serves_repeats_without_requests_and_forgets_a_repopulated_"
@@ -76,7 +80,13 @@ TARGETS = [
            ("StoreSource.read_local", "StoreSource._clear_cache", "_RowCache.probe", "_RowCache.fill",
             "_RowCache.clear"), MAPPED_TESTS + CACHE_TESTS + V41_TESTS),
     Target("engram_model/v41/_rows.py", ("V41Rows._run",), V41_TESTS),
-    Target("engram_model/_rows_gather.py", ("RowGather.gather", "RowGather._span_over"), V41_TESTS),
+    Target("engram_model/_rows_gather.py", ("RowGather.gather", "RowGather._span_over", "RowGather.held"),
+           V41_TESTS + HELD_TESTS),
+    # the gathers' own id check, folded into a decode step's one kernel (nothing written for a bad id)
+    Target("engram_model/_rows_gather_kernels.py", ("first_bad", "checked_rows_from_span"), HELD_TESTS),
+    # tables this process holds (bind_local, local_dir): read by the kernel alone while they hold
+    Target("engram_store/tables/_source.py", ("HeldTables.holds",), HELD_TESTS),
+    Target("engram_store/tables/_source_memory.py", ("ArraySource.held_tables",), HELD_TESTS),
     # V4.1's ragged decode state
     Target("engram_model/v41/_hasher.py",
            ("V41Hasher.step_ragged", "V41Hasher.commit", "V41Hasher._ragged", "V41Hasher._ragged_refused"),
@@ -134,10 +144,18 @@ CONTIGUOUS = ("redundant (see the comment beside it): every table local_tables g
               "flat view, InMemory.views), so the memory path is taken whatever the guard says")
 SPAN_GUARD = "tables is not self._span_of and not all(t.flags.c_contiguous for t in tables)"
 
+#: Why RowGather.held may drop its kept tables: it is a shortcut; asked again, the source gives the same held tables
+#: and _span_over the span it built over them (keyed on the list's identity), so every read is the same.
+HELD_AGAIN = "a shortcut: asked again, held_tables gives the same tables and _span_over the same span"
+
 #: Mutants that change nothing a caller can observe: ``(path, function, old, new) -> why``, or with the code of the
 #: line the change is on (no indentation, no comment) as a fifth item where the same change occurs twice in a
 #: function. Not run.
 EQUIVALENT: dict[tuple[str, ...], str] = {
+    # tables this process holds
+    ("engram_model/_rows_gather.py", "RowGather.held", "held is not None and held[0].holds()", "False"): HELD_AGAIN,
+    ("engram_model/_rows_gather.py", "RowGather.held",
+     "tables is None or not all(t.flags.c_contiguous for t in tables.tables)", "tables is None"): CONTIGUOUS,
     # the one rule of mapped reads: whether the proof of time holds at the very instant it ends decides nothing (a
     # reuse delay is 2 s by default; half of it is the margin), and monotonic clocks are never read twice alike
     ("engram_store/client/_mapped.py", "read_mapped", "time.monotonic() < fresh_until",
