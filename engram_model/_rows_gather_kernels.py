@@ -27,8 +27,8 @@ column's table: row g of column c at ``delta[c] + g * row_items``; raw rows a wo
 ``PREFETCH_ROWS``) at once while the burst before it is copied (measured on rows never read before, 1,024 a call:
 a third less time than one row 16 slots ahead at a time on 4 KiB pages, and as fast or faster on memory that is
 partly or wholly on huge pages, where the steady one-at-a-time prefetch fell to vLLM's own gather); one lays out
-rows already read into a staging array ``[S, row_bytes]`` (``src[i]`` the staging row of slot i, -1 for zeros), which :func:`plan_window`
-plans for a source that reads ``[M, H]`` per-head ids (``lookup_into``).
+rows already read into a staging array ``[S, row_bytes]`` (``src[i]`` the staging row of slot i, -1 for zeros),
+which :func:`plan_window` plans for a source that reads ``[M, H]`` per-head ids (``lookup_into``).
 :func:`first_bad` and :func:`first_bad_window` check the ids before anything is written;
 :func:`checked_rows_from_span` checks them and gathers in one call (a decode step's one dispatch).
 """

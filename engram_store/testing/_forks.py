@@ -49,8 +49,9 @@ def _conditions() -> tuple:
 
     mask = os.umask(0)
     os.umask(mask)
-    env = tuple(sorted((k, v) for k, v in os.environ.items() if not k.startswith("PYTEST_")))  # (pytest's own: the
-    return (env, mask, resource.getrlimit(resource.RLIMIT_NOFILE), sys.executable, os.geteuid(), os.getegid())  # test)
+    # (not pytest's own variables: they name the test running, which no server reads)
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if not k.startswith("PYTEST_")))
+    return (env, mask, resource.getrlimit(resource.RLIMIT_NOFILE), sys.executable, os.geteuid(), os.getegid())
 
 
 class Forked:
@@ -134,9 +135,9 @@ class ForkServer:
         self.children: dict[int, Forked] = {}
         self._io = threading.Lock()
         self._ready: bool | None = None
-        self.proc = subprocess.Popen(
-            [sys.executable, "-u", "-c", f"from engram_store.testing._forks import serve_forks; serve_forks({there.fileno()})"],
-            pass_fds=[there.fileno()], stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        code = f"from engram_store.testing._forks import serve_forks; serve_forks({there.fileno()})"
+        self.proc = subprocess.Popen([sys.executable, "-u", "-c", code], pass_fds=[there.fileno()],
+                                     stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         there.close()
 
     def alive(self) -> bool:

@@ -182,7 +182,8 @@ def test_a_manifest_damaged_at_rest_where_it_is_mapped_is_read_from_another_copy
     from engram_store import EngramStore, EngramStoreConfig, ObjectLost
 
     config = EngramStoreConfig(table_vocab_sizes=[997, 1009], embedding_dim=16)
-    tables = [np.random.default_rng(h).random((n, 16), dtype=np.float32) for h, n in enumerate(config.table_vocab_sizes)]
+    tables = [np.random.default_rng(h).random((n, 16), dtype=np.float32)
+              for h, n in enumerate(config.table_vocab_sizes)]
     ids = np.array([[[996, 1008], [3, 5]]])
     expected = np.stack([tables[0][ids[..., 0]], tables[1][ids[..., 1]]], axis=-2)
     files = [str(tmp_path / f"segment{i}.bin") for i in range(2)]
