@@ -172,17 +172,20 @@ class RowGather:
     def gather(self, from_span: Callable[[Span, Any], None], staged: Callable[[Any], None], call: Any) -> None:
         """``from_span(span, call)`` where the rows are in this host's memory (read in place: tables this process
         holds as they are, a store's checked), else ``staged(call)``."""
+        if not self.in_memory(from_span, call):
+            staged(call)
+            self.staged_gathers += 1
+
+    def in_memory(self, from_span: Callable[[Span, Any], None], call: Any) -> bool:
+        """``from_span(span, call)`` where the rows are in this host's memory: over tables this process holds as
+        they are (:meth:`held`), over a store's under the checks of :func:`read_in_place`; False where they are not
+        here, or what it wrote must not be used."""
         held = self.held()
         if held is not None:
             from_span(held[1], call)
             self.memory_gathers += 1
-        elif not self.in_place(from_span, call):
-            staged(call)
-            self.staged_gathers += 1
+            return True
 
-    def in_place(self, from_span: Callable[[Span, Any], None], call: Any) -> bool:
-        """``from_span(span, call)`` where the rows are in this host's memory, under the checks of
-        :func:`read_in_place`: False where they are not here, or what it wrote must not be used."""
         def read(tables: list[np.ndarray]) -> bool:
             if tables is not self._span_of and not all(t.flags.c_contiguous for t in tables):
                 return False

@@ -80,7 +80,8 @@ TARGETS = [
            ("StoreSource.read_local", "StoreSource._clear_cache", "_RowCache.probe", "_RowCache.fill",
             "_RowCache.clear"), MAPPED_TESTS + CACHE_TESTS + V41_TESTS),
     Target("engram_model/v41/_rows.py", ("V41Rows._run",), V41_TESTS),
-    Target("engram_model/_rows_gather.py", ("RowGather.gather", "RowGather._span_over", "RowGather.held"),
+    Target("engram_model/_rows_gather.py", ("RowGather.gather", "RowGather.in_memory", "RowGather._span_over",
+                                            "RowGather.held"),
            V41_TESTS + HELD_TESTS),
     # the gathers' own id check, folded into a decode step's one kernel (nothing written for a bad id)
     Target("engram_model/_rows_gather_kernels.py", ("first_bad", "checked_rows_from_span"), HELD_TESTS),
@@ -394,7 +395,7 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     # reads of mapped memory
     ("engram_store/tables/_source_store.py", "_RowCache.clear", "1", "2"):
         "a cache key is never negative (head << 40 | row): a fill of -2 empties the cache as -1 does",
-    **{("engram_model/v41/_rows.py", "V41Rows._from_mapped", old, new): CONTIGUOUS for old, new in (
+    **{("engram_model/_rows_gather.py", "RowGather.in_memory", old, new): CONTIGUOUS for old, new in (
         (SPAN_GUARD, "False"), (SPAN_GUARD, "not all((t.flags.c_contiguous for t in tables))"),
-        ("tables is not self._span_of", "tables is self._span_of"), ("False", "True"))},
+        ("tables is not self._span_of", "tables is self._span_of"))},
 }

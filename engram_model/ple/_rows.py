@@ -92,6 +92,16 @@ def _rows_of(arr: np.ndarray) -> np.ndarray:
     return flat
 
 
+def _kernel_rows(g: RowGather, span: Span, out: np.ndarray, words: np.ndarray | None = None) -> tuple:
+    """``(source, delta, items, out)`` for the row kernels over ``span`` into ``out``: raw rows a word at a time
+    where the span and ``out`` allow (``words``: ``out`` as words, where it was made once), else bytes."""
+    if span.words is not None and out.itemsize == 1:
+        words = words if words is not None else word_view(out)
+        if words is not None:
+            return span.words, span.word_delta, g.row_bytes // 8, words
+    return span.bytes, span.delta, g.row_bytes, out
+
+
 class _Direct(NamedTuple):
     """A bound buffer's one kernel call (see :meth:`BoundRows._direct_call`): the tables it reads while ``held``
     holds them, and the kernel's arguments over them."""
@@ -149,10 +159,8 @@ class BoundRows:
         if found is None:
             return None
         held, span = found
-        if span.words is not None and self.words is not None:  # raw rows a word at a time
-            return _Direct(held, span.words, span.word_delta, g.offsets, self.rows.total, g.row_bytes // 8,
-                           self.words, g)
-        return _Direct(held, span.bytes, span.delta, g.offsets, self.rows.total, g.row_bytes, self.target, g)
+        source, delta, items, out = _kernel_rows(g, span, self.target, self.words)
+        return _Direct(held, source, delta, g.offsets, self.rows.total, items, out, g)
 
     def _view(self, T: int) -> tuple:
         n = T * self.heads
@@ -162,14 +170,7 @@ class BoundRows:
 
     def _from_span(self, span: Span, call: _Call) -> None:
         """PLERows._from_span with the word view made at bind (``call.result``: the step's views)."""
-        words = call.result[2]
-        if words is None or span.words is None:
-            self.rows._from_span(span, call)
-            return
-        g = self.rows._gather
-        g.split_range(call.ids.shape[0], lambda a, b: rows_from_span(
-            span.words, span.word_delta, g.offsets, call.ids, 0, g.cols, call.v0, call.v1, a, b, g.row_bytes // 8,
-            E4M3_BF16, words))
+        self.rows._from_span(span, call, call.result[2])
 
 
 def ple_rank_rows(config: PLEConfig, layer_id: int, rank: int, ranks: int, *, padding: int | None = None,
@@ -351,23 +352,13 @@ class PLERows(RowsAdapter):
             found = [-1]
 
             def checked(span: Span, c: _Call) -> None:
-                source, delta, items, out = span.bytes, span.delta, g.row_bytes, c.out
-                w = (words if words is not None else word_view(out)) if span.words is not None \
-                    and out.itemsize == 1 else None
-                if w is not None:  # raw rows a word at a time
-                    source, delta, items, out = span.words, span.word_delta, g.row_bytes // 8, w
+                source, delta, items, out = _kernel_rows(g, span, c.out, words)
                 found[0] = checked_rows_from_span(source, delta, g.offsets, c.ids, self.total, c.v0, c.v1, items,
                                                   E4M3_BF16, out)
 
-            held = g.held()
-            if held is not None:  # tables this process holds: the kernel alone
-                checked(held[1], call)
-                g.memory_gathers += 1
-            elif not g.in_place(checked, call):
-                found[0] = -2
-            if found[0] >= 0:
-                raise InvalidArgument(self._bad_id(call.ids.reshape(call.shape), int(found[0])))
-            if found[0] == -1:
+            if g.in_memory(checked, call):
+                if found[0] >= 0:
+                    raise InvalidArgument(self._bad_id(call.ids.reshape(call.shape), int(found[0])))
                 return
         bad = first_bad(call.ids, self.total)
         if bad >= 0:
@@ -384,13 +375,11 @@ class PLERows(RowsAdapter):
         self._gather.staged(call.ids, call.v0, call.v1, lambda staged, src: rows_from_staging(
             staged, src, E4M3_BF16, call.out), call.straight)
 
-    def _from_span(self, span: Span, call: _Call) -> None:
-        """The call's rows from this host's memory: raw rows a word at a time where the span and ``out`` allow."""
-        g, out = self._gather, call.out
-        source, delta, items = span.bytes, span.delta, g.row_bytes
-        words = word_view(out) if span.words is not None and out.itemsize == 1 else None
-        if words is not None:
-            source, delta, items, out = span.words, span.word_delta, g.row_bytes // 8, words
+    def _from_span(self, span: Span, call: _Call, words: np.ndarray | None = None) -> None:
+        """The call's rows from this host's memory: raw rows a word at a time where the span and ``out`` allow
+        (``words``: ``out`` as words, made once)."""
+        g = self._gather
+        source, delta, items, out = _kernel_rows(g, span, call.out, words)
         g.split_range(call.ids.shape[0], lambda a, b: rows_from_span(
             source, delta, g.offsets, call.ids, 0, g.cols, call.v0, call.v1, a, b, items, E4M3_BF16, out))
 

@@ -387,6 +387,11 @@ def test_a_bound_buffer_over_tables_of_this_process_is_one_kernel_call_until_the
     np.testing.assert_array_equal(buffer, before)
     bound(any_ids(rng, (2, 16)))
     assert rows.memory_gathers == gathers + 2
+    ids = any_ids(rng, (3, 16))
+    out = np.zeros((3, 16, 160), np.uint8)
+    rows.gather_into(ids, out)  # (gather_into reads held tables in place too)
+    np.testing.assert_array_equal(out, expected(dtype, ids, 0, ROWS, True))
+    assert (rows.memory_gathers, rows.staged_gathers) == (gathers + 3, 0)
     es.close()
     assert not bound._direct.held.holds()
     with pytest.raises(TableClosed):
