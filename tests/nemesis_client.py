@@ -9,9 +9,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from engram_store.testing import Proc
+from engram_store.testing import FORKED_SCRIPTS, Proc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "nemesis_worker.py")
+FORKED_SCRIPTS.add(WORKER)  # forked from a fork server in its node's namespace: no second of imports a client
 
 
 @dataclass
@@ -40,7 +42,7 @@ class Worker:
 
     def __init__(self, name: str, args: list[str], prefix: list[str], wait: bool = True):
         self.name = name
-        self.proc = Proc(prefix + [sys.executable, os.path.join(HERE, "nemesis_worker.py"), *args],
+        self.proc = Proc(prefix + [sys.executable, WORKER, *args],
                          f"client-{name}", stdout_pipe=True, stdin_pipe=True)
         self.buffer = b""
         self.op: Op | None = None

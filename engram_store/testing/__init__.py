@@ -26,10 +26,10 @@ from engram_store.errors import EngramError, MasterUnavailable, SegmentUnavailab
 from engram_store.segment import reap_orphans
 from engram_store.wire import Connection, load_keys
 
-from ._forks import FORK_ENV, FORKED_MODULES, Forked, ForkServer, forked
+from ._forks import FORK_ENV, FORKED_MODULES, FORKED_SCRIPTS, Forked, ForkServer, forked
 
-__all__ = ["Cluster", "FORK_ENV", "FORKED_MODULES", "ForkServer", "Forked", "Proc", "START_TIMEOUT_S", "free_port",
-           "forked", "segment_ready", "spawn_segment", "start_master", "start_segment", "wait_ping"]
+__all__ = ["Cluster", "FORK_ENV", "FORKED_MODULES", "FORKED_SCRIPTS", "ForkServer", "Forked", "Proc", "START_TIMEOUT_S",
+           "free_port", "forked", "segment_ready", "spawn_segment", "start_master", "start_segment", "wait_ping"]
 
 START_TIMEOUT_S = 60.0
 
@@ -99,8 +99,9 @@ def wait_ping(address: str, timeout_s: float = START_TIMEOUT_S, unavailable=Mast
 
 class Proc:
     """A child process with its output in a log file; ``kill()`` and ``close()`` reap it. A master or segment
-    (``python -m`` of one of :data:`FORKED_MODULES`) is forked from this process's fork server where it can be
-    (:class:`ForkServer`: the same process, started in milliseconds), else started as any command is."""
+    (``python -m`` of one of :data:`FORKED_MODULES`, here or in a network namespace), or a script in
+    :data:`FORKED_SCRIPTS`, is forked from a fork server where it can be (:class:`ForkServer`: the same process,
+    started in milliseconds), else started as any command is."""
 
     def __init__(self, args: list[str], name: str, stdout_pipe: bool = False, stdin_pipe: bool = False):
         self.name = name

@@ -5,8 +5,11 @@ it does anything, and the suite starts hundreds. A fork server imports them once
 server a test asks for: the child runs the same ``main`` with the same arguments, descriptors, directory, umask and
 environment, as a process of its own (its own pid, signals, exit code); only its parent is the fork server, which
 reports its exit. A module may have read the environment, umask or open-files limit when it was imported, so each
-set of them gets a fork server of its own (a test that changes them: see ``ForkServer.get``); a server run under a
-prefix (``ip netns exec``) is started as a command (:func:`forked` answers None).
+set of them gets a fork server of its own (a test that changes them: see ``ForkServer.get``). A server run in a
+network namespace (the prefix ``ip netns exec NAME``: the fault explorer's nodes, as root) is forked from a fork
+server started there, one per namespace; any other prefix is a command (:func:`forked` answers None). Scripts a
+test registers in :data:`FORKED_SCRIPTS` (the explorer's client) are forked the same way, run as ``python SCRIPT``
+would run them.
 """
 
 from __future__ import annotations
@@ -27,31 +30,71 @@ START_TIMEOUT_S = 60.0
 #: ``python -m`` modules that may be forked, and the module whose ``main(argv)`` each runs.
 FORKED_MODULES = {"engram_store.master": "engram_store.master.cli",
                   "engram_store.segment.cli": "engram_store.segment.cli"}
+#: Scripts (absolute paths) forked as ``python SCRIPT ...`` would run them, with ``sys.path[0]`` their directory: a
+#: test adds its own (the fault explorer's client process). Their imports beyond the servers' are made after the fork.
+FORKED_SCRIPTS: set[str] = set()
 #: Set to 0 to start every server as a command (no fork server).
 FORK_ENV = "ENGRAM_TEST_FORK"
-#: Fork servers a test process keeps at once, one per set of conditions (see ForkServer.get).
-MAX_SERVERS = 3
+#: Fork servers a test process keeps at once, one per set of conditions (see ForkServer.get): the fault explorer's
+#: histories run nodes in five or six network namespaces.
+MAX_SERVERS = 8
+#: The one prefix a fork server may run under: a network namespace (the explorer's nodes).
+NETNS_PREFIX = ["ip", "netns", "exec"]
 
 
 def forked(args: list[str], log, stdout_pipe: bool, stdin_pipe: bool) -> "Forked | None":
-    """``args`` (``python -m MODULE ...``) forked from this process's fork server, with stderr (and stdout unless
-    ``stdout_pipe``) into ``log``; None where it cannot be (see above): start it as a command."""
-    if len(args) < 3 or args[0] != sys.executable or args[1] != "-m" or args[2] not in FORKED_MODULES \
-            or os.environ.get(FORK_ENV, "1") == "0":
+    """``args`` (``[ip netns exec NAME] python -m MODULE ...`` or ``python SCRIPT ...``, see above) forked from this
+    process's fork server for its conditions, with stderr (and stdout unless ``stdout_pipe``) into ``log``; None
+    where it cannot be: start it as a command."""
+    request = _request(args)
+    if request is None or os.environ.get(FORK_ENV, "1") == "0":
         return None
-    server = ForkServer.get()
-    return server.spawn(args, log, stdout_pipe, stdin_pipe) if server is not None else None
+    prefix = args[:args.index(sys.executable)]
+    server = ForkServer.get(prefix)
+    return server.spawn(args, request, log, stdout_pipe, stdin_pipe) if server is not None else None
 
 
-def _conditions() -> tuple:
-    """What a forked server inherits from the fork server rather than from the test process at the time."""
+def _request(args: list[str]) -> dict | None:
+    """What the fork server is asked to run for ``args``; None where it cannot run it."""
+    if sys.executable not in args:
+        return None
+    at = args.index(sys.executable)
+    prefix, command = args[:at], args[at + 1:]
+    if prefix and (len(prefix) != len(NETNS_PREFIX) + 1 or prefix[:-1] != NETNS_PREFIX):
+        return None
+    if len(command) >= 2 and command[0] == "-m" and command[1] in FORKED_MODULES:
+        return {"module": FORKED_MODULES[command[1]], "argv": command[2:], "cwd": os.getcwd()}
+    if command and command[0] in FORKED_SCRIPTS:
+        return {"script": command[0], "argv": command[1:], "cwd": os.getcwd()}
+    return None
+
+
+def _namespace(prefix: list[str]) -> tuple | None:
+    """The network namespace ``prefix`` runs in, as its file's identity (one deleted and made again under the same
+    name is another); () for none, None for one that is not there."""
+    if not prefix:
+        return ()
+    try:
+        info = os.stat(os.path.join("/run/netns", prefix[-1]))
+    except OSError:
+        return None
+    return (prefix[-1], info.st_dev, info.st_ino)
+
+
+def _conditions(prefix: list[str]) -> tuple | None:
+    """What a forked server inherits from the fork server rather than from the test process at the time (None:
+    ``prefix``'s namespace is gone)."""
     import resource
 
+    namespace = _namespace(prefix)
+    if namespace is None:
+        return None
     mask = os.umask(0)
     os.umask(mask)
     # (not pytest's own variables: they name the test running, which no server reads)
     env = tuple(sorted((k, v) for k, v in os.environ.items() if not k.startswith("PYTEST_")))
-    return (env, mask, resource.getrlimit(resource.RLIMIT_NOFILE), sys.executable, os.geteuid(), os.getegid())
+    return (env, mask, resource.getrlimit(resource.RLIMIT_NOFILE), sys.executable, os.geteuid(), os.getegid(),
+            namespace)
 
 
 class Forked:
@@ -100,17 +143,24 @@ class ForkServer:
     _lock = threading.Lock()
 
     @classmethod
-    def get(cls) -> "ForkServer | None":
-        """The fork server for the test process's conditions as they are now: started on first use (a second,
-        while it imports), again where it died; one per set of conditions (a test that changed its environment
-        gets one of its own, at most :data:`MAX_SERVERS`: the least recently used idle one is stopped for it). None
-        where that many are busy, where one failed to start, or where this host has no pidfds (Linux < 5.3)."""
+    def get(cls, prefix: list[str] = ()) -> "ForkServer | None":
+        """The fork server for the test process's conditions as they are now, in ``prefix``'s network namespace:
+        started on first use (a second, while it imports), again where it died; one per set of conditions (a test
+        that changed its environment gets one of its own, at most :data:`MAX_SERVERS`: the least recently used idle
+        one is stopped for it; an idle one whose namespace is gone is stopped first). None where that many are
+        busy, where one failed to start, where the namespace is not there, or where this host has no pidfds
+        (Linux < 5.3)."""
         if cls._failed or not hasattr(os, "pidfd_open"):
             return None
-        conditions = _conditions()
+        conditions = _conditions(list(prefix))
+        if conditions is None:
+            return None
         with cls._lock:
             if any(server.owner != os.getpid() for server in cls._servers.values()):
                 cls._servers = {}  # a forked test process: its parent's fork servers are not its own
+            for gone in [c for c, other in cls._servers.items()
+                         if c[-1] and not other.children and _namespace(other.prefix) != c[-1]]:
+                cls._servers.pop(gone).close()
             server = cls._servers.pop(conditions, None)
             if server is not None and not server.alive():
                 server.close()
@@ -121,22 +171,24 @@ class ForkServer:
                     return None
                 if len(cls._servers) >= MAX_SERVERS:
                     cls._servers.pop(idle[0]).close()
-                server = cls(conditions)
+                server = cls(conditions, list(prefix))
             cls._servers[conditions] = server
             if not server.ready():
-                cls._failed = True
+                if not prefix:
+                    cls._failed = True
+                cls._servers.pop(conditions).close()
                 return None
             return server
 
-    def __init__(self, conditions: tuple):
-        self.conditions, self.owner = conditions, os.getpid()
+    def __init__(self, conditions: tuple, prefix: list[str]):
+        self.conditions, self.prefix, self.owner = conditions, prefix, os.getpid()
         here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock = here
         self.children: dict[int, Forked] = {}
         self._io = threading.Lock()
         self._ready: bool | None = None
         code = f"from engram_store.testing._forks import serve_forks; serve_forks({there.fileno()})"
-        self.proc = subprocess.Popen([sys.executable, "-u", "-c", code], pass_fds=[there.fileno()],
+        self.proc = subprocess.Popen(prefix + [sys.executable, "-u", "-c", code], pass_fds=[there.fileno()],
                                      stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         there.close()
 
@@ -161,9 +213,9 @@ class ForkServer:
                 self._ready = message == b"ready"
         return self._ready
 
-    def spawn(self, args: list[str], log, stdout_pipe: bool, stdin_pipe: bool) -> Forked | None:
-        """Fork ``args``'s server with its standard streams: stdin /dev/null or a pipe, stdout ``log`` or a pipe,
-        stderr ``log``."""
+    def spawn(self, args: list[str], request: dict, log, stdout_pipe: bool, stdin_pipe: bool) -> Forked | None:
+        """Fork ``request`` (what ``args`` runs) with its standard streams: stdin /dev/null or a pipe, stdout ``log``
+        or a pipe, stderr ``log``."""
         ours, theirs = [], []
         try:
             if stdin_pipe:
@@ -179,9 +231,8 @@ class ForkServer:
             else:
                 theirs.append(os.dup(log.fileno()))
             theirs.append(os.dup(log.fileno()))
-            request = json.dumps({"module": FORKED_MODULES[args[2]], "argv": args[3:], "cwd": os.getcwd()}).encode()
             with self._io:
-                socket.send_fds(self.sock, [request], theirs)
+                socket.send_fds(self.sock, [json.dumps(request).encode()], theirs)
                 pid, pidfd = self._reply()
         except (OSError, RuntimeError):
             for fd in ours:
@@ -229,7 +280,8 @@ class ForkServer:
                 if ready:
                     data = self.sock.recv(4096)
                     if not data:
-                        raise RuntimeError(f"the fork server died; {child.args[2]} (pid {child.pid}) is orphaned")
+                        raise RuntimeError(f"the fork server died; {' '.join(child.args[:5])} (pid {child.pid}) is "
+                                           "orphaned")
                     self._exit(json.loads(data))
                     continue
             if remaining is not None and remaining <= 0:
@@ -245,6 +297,9 @@ def serve_forks(fd: int) -> None:
     sock = socket.socket(fileno=fd)
     for module in FORKED_MODULES.values():
         importlib.import_module(module)
+    from engram_store import kernels
+
+    kernels.warmup()  # the store's kernels in memory: a forked process does not load each from the disk cache again
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -285,9 +340,11 @@ def serve_forks(fd: int) -> None:
 
 
 def _run_forked(request: dict, fds: list[int]) -> None:
-    """In a forked child: become the server ``request`` names, as ``python -m`` would run it; never returns."""
+    """In a forked child: become the server or script ``request`` names, as ``python -m`` or ``python SCRIPT`` would
+    run it; never returns."""
     import atexit
     import importlib
+    import runpy
     import traceback
 
     code = 1
@@ -299,8 +356,14 @@ def _run_forked(request: dict, fds: list[int]) -> None:
             os.dup2(f, target)
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # as a command starts: nothing open but its standard streams
         os.chdir(request["cwd"])
-        sys.argv = [request["module"]] + list(request["argv"])
-        code = importlib.import_module(request["module"]).main(list(request["argv"]))
+        if "script" in request:
+            sys.argv = [request["script"]] + list(request["argv"])
+            sys.path[0] = os.path.dirname(request["script"])
+            runpy.run_path(request["script"], run_name="__main__")
+            code = 0
+        else:
+            sys.argv = [request["module"]] + list(request["argv"])
+            code = importlib.import_module(request["module"]).main(list(request["argv"]))
     except SystemExit as exc:
         code = exc.code
     except BaseException:

@@ -413,6 +413,7 @@ def test_idle_connections_are_closed_and_clients_reconnect_transparently(short):
 @pytest.mark.timeout(60)
 def test_reads_past_the_bound_on_bytes_in_flight_are_answered_busy(monkeypatch, short):
     monkeypatch.setattr(_raw, "BODY_BYTES_IN_FLIGHT", 1 << 20)
+    monkeypatch.setattr(_raw, "MESSAGE_TIMEOUT_S", 30.0)  # 2 MiB of ranges may take a while on a loaded machine
     monkeypatch.setattr(_raw, "REQUEST_KEEP_BYTES", 64 << 10)
     segment = np.random.default_rng(9).integers(0, 256, 4 << 20, dtype=np.uint8)
     srv = RawReadServer("127.0.0.1", segment, max_ranges=1 << 22, max_bytes=256 << 20).start()
@@ -437,6 +438,7 @@ def test_reads_past_the_bound_on_bytes_in_flight_are_answered_busy(monkeypatch, 
 @pytest.mark.timeout(60)
 def test_a_lookup_answered_busy_is_read_over_zeromq(monkeypatch, short):
     monkeypatch.setattr(_raw, "BODY_BYTES_IN_FLIGHT", 1 << 20)
+    monkeypatch.setattr(_raw, "MESSAGE_TIMEOUT_S", 30.0)  # 1.25 MiB of ranges may take a while on a loaded machine
     monkeypatch.setattr(_raw, "REQUEST_KEEP_BYTES", 64 << 10)
     with DistributedStore.embedded(segment_size="64MiB", local_direct=False) as store:
         sizes = [70_001, 70_003]

@@ -424,10 +424,14 @@ def test_timeout_ms_is_checked_when_set():
         assert store.timeout_ms == 250 and type(store.timeout_ms) is int
 
 
-def test_a_segment_larger_than_free_memory_fails_at_start_with_a_clear_error():
+def test_a_segment_larger_than_free_memory_fails_at_start_with_a_clear_error(tmp_path, monkeypatch):
     # A segment's memory (a memfd) is bounded by no file system: asking for more than the host has available is
     # refused before a single page is allocated (allocating it page by page would end in the OOM killer).
     from engram_store.pages import available_memory
+
+    # A directory of shared files of its own: the servers other tests of this process left running (a module's
+    # cluster) may add theirs to the run's at any time.
+    monkeypatch.setenv("ENGRAM_SHM_DIR", str(tmp_path))
 
     available, _ = available_memory()
     if available is None:
