@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import random
 import signal
+import subprocess
 
 from engram_store.testing import segment_ready, spawn_segment
 
@@ -392,6 +393,10 @@ class Churn:
         try:
             ready = segment_ready(proc, 0.0)
         except RuntimeError:
+            try:  # its output ended: it is exiting (its code comes a moment after, from a command as from a fork)
+                proc.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
             out = proc.output()
             if proc.popen.poll() not in (0, None) and "Traceback" not in out:
                 it["verdict"] = "refused"

@@ -1,17 +1,21 @@
 """The harness's own processes (``engram_store.testing``): masters and segments forked from a process that imported
-them once behave as the commands would, each a process of its own (pid, signals, exit code, output), and where the
-test process's conditions changed since that process started, a server is started as a command again."""
+them once behave as the commands would, each a process of its own (pid, signals, exit code, output); where the
+test process's conditions changed since that process started, or the server runs in another network namespace,
+it comes from a fork server started under those conditions or in that namespace; registered scripts alike."""
 from __future__ import annotations
 
 import os
+import select
+import shutil
 import signal
 import subprocess
+import sys
 
 import pytest
 
 from engram_store import DistributedStore
-from engram_store.testing import (FORK_ENV, Cluster, Forked, ForkServer, segment_ready, spawn_segment,
-                                  start_master)
+from engram_store.testing import (FORK_ENV, FORKED_SCRIPTS, Cluster, Forked, ForkServer, Proc, segment_ready,
+                                  spawn_segment, start_master)
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="pidfds need Linux 5.3 or later")]
@@ -99,13 +103,93 @@ def test_a_server_started_under_other_conditions_is_forked_by_a_fork_server_that
         again.close()
 
 
-def test_a_server_under_a_prefix_is_a_command():
-    """``ip netns exec NAME`` (the explorer's partitions) runs the server in another namespace: no fork there."""
+def test_a_server_under_a_prefix_other_than_a_network_namespace_is_a_command():
     master = start_master(prefix=["env"])
     try:
         assert isinstance(master.popen, subprocess.Popen)
     finally:
         master.close()
+
+
+_SCRIPT = """import os, sys
+print(os.stat("/proc/self/ns/net").st_ino, repr(sys.argv[1:]), sys.path[0], flush=True)
+sys.exit(3)
+"""
+
+
+def _run_script(script: str, prefix: list[str]) -> tuple[Proc, str]:
+    proc = Proc(prefix + [sys.executable, script, "a b", "c"], "script", stdout_pipe=True)
+    try:
+        assert proc.popen.wait(timeout=60) == 3, proc.output()
+        return proc, proc.popen.stdout.read().decode()
+    finally:
+        proc.close()
+
+
+def test_a_registered_script_is_forked_and_runs_as_python_would_run_it(tmp_path):
+    if not _forks_here():
+        pytest.skip(f"{FORK_ENV}=0: every server is started as a command")
+    script = str(tmp_path / "probe.py")
+    with open(script, "w") as f:
+        f.write(_SCRIPT)
+    FORKED_SCRIPTS.add(script)
+    try:
+        proc, said = _run_script(script, [])
+    finally:
+        FORKED_SCRIPTS.discard(script)
+    assert isinstance(proc.popen, Forked)
+    assert said == f"{os.stat('/proc/self/ns/net').st_ino} ['a b', 'c'] {tmp_path}\n"
+    for _ in range(20):  # once it has exited, poll() has its exit code at once, as Popen's would
+        FORKED_SCRIPTS.add(script)
+        try:
+            proc = Proc([sys.executable, script], "script", stdout_pipe=True)
+        finally:
+            FORKED_SCRIPTS.discard(script)
+        try:
+            exited = os.pidfd_open(proc.pid)
+            try:
+                assert select.select([exited], [], [], 60)[0]
+            finally:
+                os.close(exited)
+            assert proc.popen.poll() == 3
+        finally:
+            proc.close()
+    proc, said = _run_script(script, [])  # not registered: a command, with the same answer
+    assert isinstance(proc.popen, subprocess.Popen)
+    assert said == f"{os.stat('/proc/self/ns/net').st_ino} ['a b', 'c'] {tmp_path}\n"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="network namespaces need root and ip")
+def test_a_process_in_a_network_namespace_is_forked_by_a_fork_server_there_and_a_new_namespace_gets_a_new_one(
+        tmp_path):
+    """The explorer's nodes run under ``ip netns exec NAME``: each namespace gets a fork server of its own; one
+    deleted and made again under the same name is another namespace, whose processes come from another fork server
+    (the old one, idle, is stopped)."""
+    if not _forks_here():
+        pytest.skip(f"{FORK_ENV}=0: every server is started as a command")
+    script = str(tmp_path / "probe.py")
+    with open(script, "w") as f:
+        f.write(_SCRIPT)
+    name = f"engram-forks-{os.getpid()}"
+    FORKED_SCRIPTS.add(script)
+    try:
+        servers = []
+        for _ in range(2):
+            subprocess.run(["ip", "netns", "add", name], check=True)
+            try:
+                proc, said = _run_script(script, ["ip", "netns", "exec", name])
+                assert isinstance(proc.popen, Forked)
+                namespace = os.stat(f"/run/netns/{name}").st_ino
+                assert namespace != os.stat("/proc/self/ns/net").st_ino
+                assert said == f"{namespace} ['a b', 'c'] {tmp_path}\n"
+                servers.append(proc.popen.server)
+            finally:
+                subprocess.run(["ip", "netns", "del", name], check=True)
+        assert servers[1] is not servers[0]
+        assert servers[0].proc.poll() is not None  # stopped when the second was asked for
+        assert ForkServer.get(["ip", "netns", "exec", name]) is None  # no namespace: a command, which says so
+    finally:
+        FORKED_SCRIPTS.discard(script)
 
 
 def test_the_fork_server_can_be_turned_off(monkeypatch):

@@ -107,8 +107,12 @@ class Forked:
         self.stdout, self.stdin, self.returncode = stdout, stdin, None
 
     def poll(self) -> int | None:
+        """The exit code once the process has exited, as ``Popen.poll`` (its pidfd says so at once; the fork
+        server's report, which carries the code, follows within moments), else None."""
         if self.returncode is None:
             self.server.wait(self, 0.0)
+            if self.returncode is None and select.select([self.pidfd], [], [], 0)[0]:
+                self.server.wait(self, START_TIMEOUT_S)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -319,7 +323,10 @@ def serve_forks(fd: int) -> None:
                     break
                 sock.send(json.dumps({"exit": pid, "status": status}).encode())
         if sock in ready:
-            data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
+            try:
+                data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
+            except OSError:
+                data = b""
             if not data:
                 os._exit(0)  # the test process is gone
             request = json.loads(data)
