@@ -295,10 +295,17 @@ class ForkServer:
 
 def serve_forks(fd: int) -> None:
     """The fork server's loop (see the fork server): import the servers once, then fork one per request and
-    report each exit. It ends when the test process closes its end (it exits)."""
+    report each exit. It ends when the test process closes its end (it exits), or is gone."""
+    sock = socket.socket(fileno=fd)
+    try:
+        _serve_forks(sock)
+    except (BrokenPipeError, ConnectionResetError):
+        os._exit(0)
+
+
+def _serve_forks(sock: socket.socket) -> None:
     import importlib
 
-    sock = socket.socket(fileno=fd)
     for module in FORKED_MODULES.values():
         importlib.import_module(module)
     from engram_store import kernels
@@ -323,10 +330,7 @@ def serve_forks(fd: int) -> None:
                     break
                 sock.send(json.dumps({"exit": pid, "status": status}).encode())
         if sock in ready:
-            try:
-                data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
-            except OSError:
-                data = b""
+            data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
             if not data:
                 os._exit(0)  # the test process is gone
             request = json.loads(data)
