@@ -160,11 +160,10 @@ def test_a_registered_script_is_forked_and_runs_as_python_would_run_it(tmp_path)
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="network namespaces need root and ip")
-def test_a_process_in_a_network_namespace_is_forked_by_a_fork_server_there_and_a_new_namespace_gets_a_new_one(
-        tmp_path):
-    """The explorer's nodes run under ``ip netns exec NAME``: each namespace gets a fork server of its own; one
-    deleted and made again under the same name is another namespace, whose processes come from another fork server
-    (the old one, idle, is stopped)."""
+def test_a_process_under_ip_netns_exec_is_forked_into_that_namespace_and_one_made_again_is_another(tmp_path):
+    """The explorer's nodes run under ``ip netns exec NAME``: the forked process joins the namespace as that command
+    would (one deleted and made again under the same name is a new namespace), and a name with no namespace ends
+    it with exit code 1, saying so."""
     if not _forks_here():
         pytest.skip(f"{FORK_ENV}=0: every server is started as a command")
     script = str(tmp_path / "probe.py")
@@ -173,21 +172,23 @@ def test_a_process_in_a_network_namespace_is_forked_by_a_fork_server_there_and_a
     name = f"engram-forks-{os.getpid()}"
     FORKED_SCRIPTS.add(script)
     try:
-        servers = []
+        seen = []
         for _ in range(2):
             subprocess.run(["ip", "netns", "add", name], check=True)
             try:
                 proc, said = _run_script(script, ["ip", "netns", "exec", name])
-                assert isinstance(proc.popen, Forked)
-                namespace = os.stat(f"/run/netns/{name}").st_ino
-                assert namespace != os.stat("/proc/self/ns/net").st_ino
-                assert said == f"{namespace} ['a b', 'c'] {tmp_path}\n"
-                servers.append(proc.popen.server)
+                assert isinstance(proc.popen, Forked) and proc.popen.server is ForkServer.get()
+                seen.append(os.stat(f"/run/netns/{name}").st_ino)
+                assert said == f"{seen[-1]} ['a b', 'c'] {tmp_path}\n"
             finally:
                 subprocess.run(["ip", "netns", "del", name], check=True)
-        assert servers[1] is not servers[0]
-        assert servers[0].proc.poll() is not None  # stopped when the second was asked for
-        assert ForkServer.get(["ip", "netns", "exec", name]) is None  # no namespace: a command, which says so
+        assert len({*seen, os.stat("/proc/self/ns/net").st_ino}) == 3
+        gone = Proc(["ip", "netns", "exec", name, sys.executable, script], "script")
+        try:
+            assert isinstance(gone.popen, Forked) and gone.popen.wait(timeout=60) == 1
+            assert f'Cannot open network namespace "{name}"' in gone.output()
+        finally:
+            gone.close()
     finally:
         FORKED_SCRIPTS.discard(script)
 

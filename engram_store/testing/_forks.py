@@ -6,10 +6,10 @@ server a test asks for: the child runs the same ``main`` with the same arguments
 environment, as a process of its own (its own pid, signals, exit code); only its parent is the fork server, which
 reports its exit. A module may have read the environment, umask or open-files limit when it was imported, so each
 set of them gets a fork server of its own (a test that changes them: see ``ForkServer.get``). A server run in a
-network namespace (the prefix ``ip netns exec NAME``: the fault explorer's nodes, as root) is forked from a fork
-server started there, one per namespace; any other prefix is a command (:func:`forked` answers None). Scripts a
-test registers in :data:`FORKED_SCRIPTS` (the explorer's client) are forked the same way, run as ``python SCRIPT``
-would run them.
+network namespace (the prefix ``ip netns exec NAME``: the fault explorer's nodes, as root) is forked the same way
+and joins the namespace itself before it runs (``setns``: its network is the namespace's, as under ``ip netns
+exec``); any other prefix is a command (:func:`forked` answers None). Scripts a test registers in
+:data:`FORKED_SCRIPTS` (the explorer's client) are forked too, run as ``python SCRIPT`` would run them.
 """
 
 from __future__ import annotations
@@ -35,11 +35,13 @@ FORKED_MODULES = {"engram_store.master": "engram_store.master.cli",
 FORKED_SCRIPTS: set[str] = set()
 #: Set to 0 to start every server as a command (no fork server).
 FORK_ENV = "ENGRAM_TEST_FORK"
-#: Fork servers a test process keeps at once, one per set of conditions (see ForkServer.get): the fault explorer's
-#: histories run nodes in five or six network namespaces.
-MAX_SERVERS = 8
-#: The one prefix a fork server may run under: a network namespace (the explorer's nodes).
+#: Fork servers a test process keeps at once, one per set of conditions (see ForkServer.get).
+MAX_SERVERS = 3
+#: The one prefix a forked process may run under: a network namespace (the explorer's nodes).
 NETNS_PREFIX = ["ip", "netns", "exec"]
+#: Where ``ip netns`` keeps the namespaces it names, and setns(2)'s flag for a network namespace.
+NETNS_DIR = "/run/netns"
+CLONE_NEWNET = 0x40000000
 
 
 def forked(args: list[str], log, stdout_pipe: bool, stdin_pipe: bool) -> "Forked | None":
@@ -49,8 +51,7 @@ def forked(args: list[str], log, stdout_pipe: bool, stdin_pipe: bool) -> "Forked
     request = _request(args)
     if request is None or os.environ.get(FORK_ENV, "1") == "0":
         return None
-    prefix = args[:args.index(sys.executable)]
-    server = ForkServer.get(prefix)
+    server = ForkServer.get()
     return server.spawn(args, request, log, stdout_pipe, stdin_pipe) if server is not None else None
 
 
@@ -60,41 +61,25 @@ def _request(args: list[str]) -> dict | None:
         return None
     at = args.index(sys.executable)
     prefix, command = args[:at], args[at + 1:]
-    if prefix and (len(prefix) != len(NETNS_PREFIX) + 1 or prefix[:-1] != NETNS_PREFIX):
+    if prefix and (len(prefix) != len(NETNS_PREFIX) + 1 or prefix[:-1] != NETNS_PREFIX or "/" in prefix[-1]):
         return None
+    netns = {"netns": prefix[-1]} if prefix else {}
     if len(command) >= 2 and command[0] == "-m" and command[1] in FORKED_MODULES:
-        return {"module": FORKED_MODULES[command[1]], "argv": command[2:], "cwd": os.getcwd()}
+        return {"module": FORKED_MODULES[command[1]], "argv": command[2:], "cwd": os.getcwd(), **netns}
     if command and command[0] in FORKED_SCRIPTS:
-        return {"script": command[0], "argv": command[1:], "cwd": os.getcwd()}
+        return {"script": command[0], "argv": command[1:], "cwd": os.getcwd(), **netns}
     return None
 
 
-def _namespace(prefix: list[str]) -> tuple | None:
-    """The network namespace ``prefix`` runs in, as its file's identity (one deleted and made again under the same
-    name is another); () for none, None for one that is not there."""
-    if not prefix:
-        return ()
-    try:
-        info = os.stat(os.path.join("/run/netns", prefix[-1]))
-    except OSError:
-        return None
-    return (prefix[-1], info.st_dev, info.st_ino)
-
-
-def _conditions(prefix: list[str]) -> tuple | None:
-    """What a forked server inherits from the fork server rather than from the test process at the time (None:
-    ``prefix``'s namespace is gone)."""
+def _conditions() -> tuple:
+    """What a forked server inherits from the fork server rather than from the test process at the time."""
     import resource
 
-    namespace = _namespace(prefix)
-    if namespace is None:
-        return None
     mask = os.umask(0)
     os.umask(mask)
     # (not pytest's own variables: they name the test running, which no server reads)
     env = tuple(sorted((k, v) for k, v in os.environ.items() if not k.startswith("PYTEST_")))
-    return (env, mask, resource.getrlimit(resource.RLIMIT_NOFILE), sys.executable, os.geteuid(), os.getegid(),
-            namespace)
+    return (env, mask, resource.getrlimit(resource.RLIMIT_NOFILE), sys.executable, os.geteuid(), os.getegid())
 
 
 class Forked:
@@ -147,24 +132,17 @@ class ForkServer:
     _lock = threading.Lock()
 
     @classmethod
-    def get(cls, prefix: list[str] = ()) -> "ForkServer | None":
-        """The fork server for the test process's conditions as they are now, in ``prefix``'s network namespace:
-        started on first use (a second, while it imports), again where it died; one per set of conditions (a test
-        that changed its environment gets one of its own, at most :data:`MAX_SERVERS`: the least recently used idle
-        one is stopped for it; an idle one whose namespace is gone is stopped first). None where that many are
-        busy, where one failed to start, where the namespace is not there, or where this host has no pidfds
-        (Linux < 5.3)."""
+    def get(cls) -> "ForkServer | None":
+        """The fork server for the test process's conditions as they are now: started on first use (a second,
+        while it imports), again where it died; one per set of conditions (a test that changed its environment
+        gets one of its own, at most :data:`MAX_SERVERS`: the least recently used idle one is stopped for it). None
+        where that many are busy, where one failed to start, or where this host has no pidfds (Linux < 5.3)."""
         if cls._failed or not hasattr(os, "pidfd_open"):
             return None
-        conditions = _conditions(list(prefix))
-        if conditions is None:
-            return None
+        conditions = _conditions()
         with cls._lock:
             if any(server.owner != os.getpid() for server in cls._servers.values()):
                 cls._servers = {}  # a forked test process: its parent's fork servers are not its own
-            for gone in [c for c, other in cls._servers.items()
-                         if c[-1] and not other.children and _namespace(other.prefix) != c[-1]]:
-                cls._servers.pop(gone).close()
             server = cls._servers.pop(conditions, None)
             if server is not None and not server.alive():
                 server.close()
@@ -175,24 +153,22 @@ class ForkServer:
                     return None
                 if len(cls._servers) >= MAX_SERVERS:
                     cls._servers.pop(idle[0]).close()
-                server = cls(conditions, list(prefix))
+                server = cls(conditions)
             cls._servers[conditions] = server
             if not server.ready():
-                if not prefix:
-                    cls._failed = True
-                cls._servers.pop(conditions).close()
+                cls._failed = True
                 return None
             return server
 
-    def __init__(self, conditions: tuple, prefix: list[str]):
-        self.conditions, self.prefix, self.owner = conditions, prefix, os.getpid()
+    def __init__(self, conditions: tuple):
+        self.conditions, self.owner = conditions, os.getpid()
         here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock = here
         self.children: dict[int, Forked] = {}
         self._io = threading.Lock()
         self._ready: bool | None = None
         code = f"from engram_store.testing._forks import serve_forks; serve_forks({there.fileno()})"
-        self.proc = subprocess.Popen(prefix + [sys.executable, "-u", "-c", code], pass_fds=[there.fileno()],
+        self.proc = subprocess.Popen([sys.executable, "-u", "-c", code], pass_fds=[there.fileno()],
                                      stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         there.close()
 
@@ -350,6 +326,23 @@ def _serve_forks(sock: socket.socket) -> None:
                 os.close(f)
 
 
+def _join_network_namespace(name: str) -> None:
+    """Move this (single-threaded, just forked) process into the network namespace ``ip netns`` named ``name``;
+    the threads it starts are in it too. Exits 1 saying why where it cannot, as ``ip netns exec`` would."""
+    import ctypes
+
+    try:
+        fd = os.open(os.path.join(NETNS_DIR, name), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        print(f"Cannot open network namespace \"{name}\": {exc.strerror}", file=sys.stderr)
+        os._exit(1)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, CLONE_NEWNET) != 0:
+        print(f"setting the network namespace \"{name}\" failed: {os.strerror(ctypes.get_errno())}", file=sys.stderr)
+        os._exit(1)
+    os.close(fd)
+
+
 def _run_forked(request: dict, fds: list[int]) -> None:
     """In a forked child: become the server or script ``request`` names, as ``python -m`` or ``python SCRIPT`` would
     run it; never returns."""
@@ -365,6 +358,8 @@ def _run_forked(request: dict, fds: list[int]) -> None:
             signal.signal(sig, signal.SIG_DFL if sig == signal.SIGCHLD else signal.default_int_handler)
         for target, f in enumerate(fds):
             os.dup2(f, target)
+        if "netns" in request:
+            _join_network_namespace(request["netns"])
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # as a command starts: nothing open but its standard streams
         os.chdir(request["cwd"])
         if "script" in request:
