@@ -22,11 +22,10 @@ import tempfile
 import pytest
 
 
-#: Workers per CPU for ``-n auto`` (pyproject.toml's addopts). More keep the CPUs busier while tests wait on their
-#: servers (4 per CPU ran the suite in 7.4 minutes on 2 cores against 10.5 with 2), but with 2 or more per CPU the
-#: fault tests of remote reads under partitions, outages, raw-channel limits and descriptor exhaustion failed when
-#: they ran beside each other: one per CPU until those are made to hold side by side.
-WORKERS_PER_CPU = 1
+#: Workers per CPU for ``-n auto`` (pyproject.toml's addopts): tests spend much of their time waiting on the servers
+#: they start, so two per CPU keep the CPUs busy (on 2 cores: 6 minutes against 9 with one per CPU). The fault tests
+#: that cannot run beside each other run in one worker (ALONE).
+WORKERS_PER_CPU = 2
 #: Test files whose tests run in one worker, one after another (``--dist loadgroup``): they failed beside each other.
 ALONE = ("tests/faults/test_partitions.py", "tests/faults/test_master_outage.py", "tests/faults/test_raw_limits.py",
          "tests/faults/test_resources.py")
