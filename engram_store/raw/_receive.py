@@ -123,6 +123,7 @@ class Receiving:
                    "requests in flight); read over ZeroMQ").encode()
         if not self._send_small(c, HEADER.pack(MAGIC, VERSION, STATUS_BUSY, c.request_id, len(message)) + message):
             return False
+        c.pending = False  # a whole request came (the hello's deadline is for connections that send none)
         c.next_message()
         c.last_active = time.monotonic()
         return True

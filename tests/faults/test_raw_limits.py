@@ -413,7 +413,8 @@ def test_idle_connections_are_closed_and_clients_reconnect_transparently(short):
 @pytest.mark.timeout(60)
 def test_reads_past_the_bound_on_bytes_in_flight_are_answered_busy(monkeypatch, short):
     monkeypatch.setattr(_raw, "BODY_BYTES_IN_FLIGHT", 1 << 20)
-    monkeypatch.setattr(_raw, "MESSAGE_TIMEOUT_S", 30.0)  # 2 MiB of ranges may take a while on a loaded machine
+    for name in ("HELLO_TIMEOUT_S", "MESSAGE_TIMEOUT_S"):  # a first request of 2 MiB may take a while to arrive
+        monkeypatch.setattr(_raw, name, 30.0)                 # on a loaded machine
     monkeypatch.setattr(_raw, "REQUEST_KEEP_BYTES", 64 << 10)
     segment = np.random.default_rng(9).integers(0, 256, 4 << 20, dtype=np.uint8)
     srv = RawReadServer("127.0.0.1", segment, max_ranges=1 << 22, max_bytes=256 << 20).start()
@@ -436,9 +437,30 @@ def test_reads_past_the_bound_on_bytes_in_flight_are_answered_busy(monkeypatch, 
 
 
 @pytest.mark.timeout(60)
+def test_a_connection_whose_first_request_was_answered_busy_is_not_cut_at_the_hellos_deadline(monkeypatch, short):
+    """The deadline of a new connection's first request is met by a request answered busy: the connection goes on
+    past it (it was cut there, as if it had sent nothing)."""
+    monkeypatch.setattr(_raw, "BODY_BYTES_IN_FLIGHT", 1 << 10)
+    monkeypatch.setattr(_raw, "REQUEST_KEEP_BYTES", 1 << 10)
+    monkeypatch.setattr(_raw, "IDLE_TIMEOUT_S", 30.0)
+    segment = np.random.default_rng(4).integers(0, 256, 1 << 20, dtype=np.uint8)
+    srv = RawReadServer("127.0.0.1", segment, max_ranges=1 << 16, max_bytes=1 << 20).start()
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+            status, _ = _read(sock, 1, [[i, 1] for i in range(256)])  # 4 KiB of ranges: more than may be in flight
+            assert status == STATUS_BUSY
+            time.sleep(2 * _raw.HELLO_TIMEOUT_S)  # past the deadline of a first request
+            assert _read(sock, 2, [[8, 8]]) == (0, segment[8:16].tobytes())
+        assert srv.stats().get("timeout_hello", 0) == 0
+    finally:
+        srv.close()
+
+
+@pytest.mark.timeout(60)
 def test_a_lookup_answered_busy_is_read_over_zeromq(monkeypatch, short):
     monkeypatch.setattr(_raw, "BODY_BYTES_IN_FLIGHT", 1 << 20)
-    monkeypatch.setattr(_raw, "MESSAGE_TIMEOUT_S", 30.0)  # 1.25 MiB of ranges may take a while on a loaded machine
+    for name in ("HELLO_TIMEOUT_S", "MESSAGE_TIMEOUT_S"):  # a first request of 1.25 MiB may take a while to arrive
+        monkeypatch.setattr(_raw, name, 30.0)                 # on a loaded machine
     monkeypatch.setattr(_raw, "REQUEST_KEEP_BYTES", 64 << 10)
     with DistributedStore.embedded(segment_size="64MiB", local_direct=False) as store:
         sizes = [70_001, 70_003]
