@@ -304,7 +304,11 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
     # the disk tier's read planning
     **{("engram_store/disk/_kernels.py", "_probe_all", f"_prefetch({a})", "pass"):
        "a prefetch is a hint: it changes when bytes reach the CPU's cache, never which bytes are read"
-       for a in ("meta, base", "rows, at")},
+       for a in ("meta, base", "rows, line")},
+    **{("engram_store/disk/_kernels.py", "_probe_all", old, new):
+       "the lines a hit's row is prefetched from: a hint, whatever lines it names (a prefetch never faults)"
+       for old, new in (("at - (at & 63)", "at + (at & 63)"), ("line < at + row_bytes", "line <= at + row_bytes"),
+                        ("at + row_bytes", "at - row_bytes"))},
     ("engram_store/disk/_kernels.py", "_probe_all", "1", "2", "at = -1"):
         "the row's place is read only when it is not negative",
     ("engram_store/disk/_kernels.py", "_plan_read", "1", "2", "s = np.int64((np.uint64(s) + np.uint64(1)) & mask)"):
