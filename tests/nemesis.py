@@ -132,6 +132,7 @@ class History(Faults, JournalFaults, RestFaults, Churn):
         self.ops: list[Op] = []
         self.events: list[str] = []
         self.violations: list[str] = []
+        self.lease_ttl_s = LEASE_TTL_S  # (the checker's: a remove without force passes over leased objects)
         self.generation = 0
         self.master: Proc | None = None
         self.master_port = free_port()

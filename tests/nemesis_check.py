@@ -181,7 +181,21 @@ def _rotted_since(history, target, invoked: float) -> bool:
 
 def expected_final(history, target) -> tuple[str, int | None]:
     """``("present", gen)``, ``("absent", None)`` or ``("any", None)`` for an object after the history."""
-    return _final(_writes(history, target))
+    writes = _writes(history, target)
+    acked = [w for w in writes if w.outcome == "ok"]
+    last = max(acked, key=lambda w: w.done) if acked else None
+    if last is not None and last.cmd["op"] == "remove_all" and not last.cmd.get("force") \
+            and _leased_during(history, target, last):
+        return "any", None  # passed over under a read's lease (the master counts it refused), or removed
+    return _final(writes)
+
+
+def _leased_during(history, target, remove) -> bool:
+    """Whether a read of ``target`` may have left a lease in force while ``remove`` ran: a remove without force
+    passes over an object under a lease (``MasterState.remove_all``)."""
+    return any(op.cmd["op"] in ("get", "lookup") and _target(op.cmd) == target and op.outcome != "fail"
+               and op.invoked <= remove.done and (op.done or remove.done) + history.lease_ttl_s >= remove.invoked
+               for op in history.ops)
 
 
 def _final(writes: list) -> tuple[str, int | None]:

@@ -153,7 +153,8 @@ def _history(tmp_path, ops):
         os.makedirs(tmp_path / d, exist_ok=True)
     events = []
     return SimpleNamespace(ops=ops, facts={"journalless_restart": False, "journal_cut": False}, log=events.append,
-                           files=str(tmp_path), local_direct_workers=set(), rotted={}, rot_reads_until={})
+                           files=str(tmp_path), local_direct_workers=set(), rotted={}, rot_reads_until={},
+                           lease_ttl_s=0.5)
 
 
 def test_the_checker_holds_reads_errors_and_stalls_to_the_contract(tmp_path):
@@ -195,6 +196,23 @@ def test_the_checker_holds_reads_errors_and_stalls_to_the_contract(tmp_path):
     assert problems(op(13, read, 13, 50, {"gens": [2], "bad": [], "reads": [[10, [2]]], "took": 36}))
     assert not problems(op(14, {"op": "undo", "kind": "store", "layer": 1}, 14, 15,
                            {"error": "InvalidArgument", "took": 0.1}, "fail"))
+
+
+def test_a_remove_all_without_force_may_pass_over_an_object_a_read_leased(tmp_path):
+    """Seed 972463: a get of a key 0.12 s before a remove_all without force left the key under its lease (0.5 s),
+    so the master passed over it; the checker expected the key gone."""
+    from nemesis_check import expected_final
+    from nemesis_client import Op
+
+    def history(read_at, force=False):
+        return _history(tmp_path, [
+            Op(1, "c0", {"op": "put", "key": "k2", "gen": 15}, 4.30, 4.31, "ok", {}),
+            Op(2, "c1", {"op": "get", "key": "k2"}, read_at, read_at + 0.01, "ok", {"gen": 15}),
+            Op(3, "x1", {"op": "remove_all", "force": force}, 5.91, 5.92, "ok", {"removed": 32})])
+
+    assert expected_final(history(5.78), ("key", "k2")) == ("any", None)
+    assert expected_final(history(5.78, force=True), ("key", "k2")) == ("absent", None)
+    assert expected_final(history(4.50), ("key", "k2")) == ("absent", None)  # its lease was over
 
 
 def test_the_checker_finds_half_published_layer_files(tmp_path):
