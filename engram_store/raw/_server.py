@@ -361,7 +361,7 @@ class RawReadServer(Receiving, Serving):
                 self._count("timeout_message")
                 REFUSALS.refused(self._where, c.peer, f"a message did not arrive whole within "
                                                       f"{self.message_timeout_s:g} s")
-            elif not c.msg_start and now - c.last_active > self.idle_timeout_s:
+            elif not c.pending and not c.msg_start and now - c.last_active > self.idle_timeout_s:
                 self._count("timeout_idle")
                 log.debug("%s: closing a connection from %s idle for %g s", self._where, c.peer,
                           self.idle_timeout_s)

@@ -10,7 +10,8 @@ HELLO_TIMEOUT_S = 5.0
 #: Any message must arrive whole within this of its first byte (a header and up to 64 MiB of ranges: 6 s at
 #: 10 MB/s), however slowly it drips.
 MESSAGE_TIMEOUT_S = 10.0
-#: A connection with no request for this long is closed (clients reconnect transparently).
+#: A connection with no request for this long since its last is closed (clients reconnect transparently); before
+#: its first message, HELLO_TIMEOUT_S holds instead.
 IDLE_TIMEOUT_S = 60.0
 #: A reply must be taken by the client within SEND_TIMEOUT_S plus its size at SEND_MIN_BYTES_PER_S (a 256 MiB
 #: reply: 26 s); a client that stops reading loses its connection, not a serving thread.

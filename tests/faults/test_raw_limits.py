@@ -421,7 +421,7 @@ def test_reads_past_the_bound_on_bytes_in_flight_are_answered_busy(monkeypatch, 
     try:
         big = np.stack([np.arange(1 << 17), np.ones(1 << 17)], axis=1).astype(np.int64)  # 2 MiB of ranges
         with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
-            status, message = _read(sock, 1, big.tolist())
+            status, message = _read(sock, 1, big)
             assert status == STATUS_BUSY and b"busy" in message
             assert _read(sock, 2, [[8, 8]]) == (0, segment[8:16].tobytes())  # the connection goes on
         channel = RawChannel("segment", "127.0.0.1", srv.port)
