@@ -243,7 +243,11 @@ class History(Faults, JournalFaults, RestFaults, Churn):
         return procs
 
     def check_processes(self) -> None:
-        """A process of ours that exited without being told to is a violation (a crash, an abort, a hang-up)."""
+        """A process of ours that exited without being told to is a violation (a crash, an abort, a hang-up); a
+        segment that exits while it starts is judged as a start (it may refuse as it must: see rest_refused)."""
+        for i, slot in enumerate(self.segments):
+            if slot.get("starting") and slot["proc"] is not None and not slot["proc"].alive():
+                self.segment_started(i)
         for name, proc in self.all_procs():
             if getattr(proc, "expected_exit", False) or proc.alive():
                 continue

@@ -295,3 +295,32 @@ def test_a_stop_signal_while_a_server_starts_stops_the_explorer_and_is_not_a_fai
             else:
                 testing.start_segment(c.address, "1MiB")
         assert started  # it got as far as waiting for the server's ping
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("truncated", [True, False])
+def test_a_segment_that_refuses_to_start_on_a_full_file_system_is_not_a_death_unasked(truncated):
+    """Seed 972996: a segment started again on its cut-short file while the file system was full refused to start
+    (no room to make the file whole), as it must; it exited between the explorer's look at its start and its look
+    at the processes, which called that a death unasked. A start that fails otherwise is still a violation."""
+    from nemesis import History
+    from engram_store.testing import Proc
+
+    proc = Proc([sys.executable, "-c", "import sys; sys.stderr.write('segment size: cannot reserve 8388608 bytes: "
+                 "No space left on device\\n'); sys.exit(2)"], "segment", stdout_pipe=True)
+    proc.ready_line = b""  # (as spawn_segment starts one)
+    try:
+        proc.popen.wait(30)
+        history = History.__new__(History)
+        history.t0, history.verbose, history.events, history.violations = 0.0, False, [], []
+        history.master, history.workers = None, {}
+        history.segments = [{"proc": proc, "file": "segment-0.bin", "stopped_until": 0.0, "down_until": 0.0,
+                             "starting": True, **({"truncated": True} if truncated else {})}]
+        history.check_processes()
+        if truncated:
+            assert not history.violations, history.violations
+            assert history.segments[0]["proc"] is None and any("refused to start" in e for e in history.events)
+        else:
+            assert len(history.violations) == 1 and "did not start" in history.violations[0]
+    finally:
+        proc.close()
