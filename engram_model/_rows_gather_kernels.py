@@ -23,11 +23,10 @@ in its own column ``first + j``: the first guess. The forms of a slot:
 
 Each form has two kernels: one gathers from the tables in this host's memory (one read-only span holding every
 column's table: row g of column c at ``delta[c] + g * row_items``; raw rows a word at a time where the tables and
-``out`` allow), prefetching rows in bursts so that their misses and page walks overlap: a token's slots (at least
-``PREFETCH_ROWS``) at once while the burst before it is copied (measured on rows never read before, 1,024 a call:
-a third less time than one row 16 slots ahead at a time on 4 KiB pages, and as fast or faster on memory that is
-partly or wholly on huge pages, where the steady one-at-a-time prefetch fell to vLLM's own gather); one lays out
-rows already read into a staging array ``[S, row_bytes]`` (``src[i]`` the staging row of slot i, -1 for zeros),
+``out`` allow), asking for the row ``AHEAD`` slots on as it copies each, with three hints a row (measured on rows
+never read before, 160-byte rows of a 0.6 GiB table, on 4 KiB and on 2 MiB pages: 0.66-0.71x the time of a
+burst of 16 rows' hints a burst ahead, and 0.34-0.71x torch's own gather, where the bursts took 0.54-1.09x: what
+counts is how few instructions each row costs, see :func:`prefetch_row`); one lays out rows already read into a staging array ``[S, row_bytes]`` (``src[i]`` the staging row of slot i, -1 for zeros),
 which :func:`plan_window` plans for a source that reads ``[M, H]`` per-head ids (``lookup_into``).
 :func:`first_bad` and :func:`first_bad_window` check the ids before anything is written;
 :func:`checked_rows_from_span` checks them and gathers in one call (a decode step's one dispatch).
@@ -37,8 +36,9 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
+from numba.extending import overload
 
-from engram_store.kernels import PREFETCH_ROWS, prefetch_hint
+from engram_store.kernels import prefetch_hint
 
 
 @njit(inline="always")
@@ -57,13 +57,68 @@ def column_of(g, hint, offsets):
     return lo
 
 
+#: Slots ahead of the copy whose rows are asked for (measured: 4 and 8 alike, 16 a little slower).
+AHEAD = 8
+
+
+def line_items(span):
+    """A cache line's worth of ``span``'s items, a constant where a kernel compiles (``span.itemsize`` is read at
+    run time: a division a row measured twice as slow)."""
+    return np.uint64(64 // span.itemsize)
+
+
+@overload(line_items, inline="always")
+def _line_items(span):
+    items = np.uint64(64 // (span.dtype.bitwidth // 8))
+    return lambda span: items
+
+
+def same_items(span, out):
+    """Whether ``out``'s items are ``span``'s size (the raw form), a constant where a kernel compiles: the other
+    form's loop is left out (measured: with both in the loop, a decode step's gather took a third longer)."""
+    return span.itemsize == out.itemsize
+
+
+@overload(same_items, inline="always")
+def _same_items(span, out):
+    same = span.dtype.bitwidth == out.dtype.bitwidth
+    return lambda span, out: same
+
+
+@njit
+def prefetch_row(span, at, line, last):
+    # Three hints for the row at span[at:]: its first item, ``line`` items on (line_items), its last item (``last``
+    # items on). On 160-byte rows that is every line the row touches, or three of four; longer rows leave lines to
+    # the CPU's own prefetchers. A hint more per row, a loop over the row's lines or a division measured 15-100%
+    # slower: each row's instructions count, as fewer of them let the CPU's reorder window reach more rows' misses.
+    # (A plain function: LLVM inlines it. Numba's own inlining, of this or of the loop around it, measured 1.5x
+    # slower.)
+    prefetch_hint(span, at)
+    prefetch_hint(span, at + line)
+    prefetch_hint(span, at + last)
+
+
 @njit(inline="always")
-def prefetch_row(span, at, row_items):
-    # Every cache line of the row of row_items items at span[at:].
+def prefetch_lines(span, at, row_items):
+    # Every cache line of the row of row_items items at span[at:] (the bursts' hints).
     step = max(1, 64 // span.itemsize)
     for b in range(0, row_items, step):
         prefetch_hint(span, at + np.uint64(b))
     prefetch_hint(span, at + np.uint64(row_items - 1))
+
+
+@njit(inline="always")
+def prefetch_burst(span, where, a, b, row_items):
+    # The rows of slots a..b (of where's), before they are copied.
+    for j in range(a, min(b, where.shape[0])):
+        if where[j] != OUTSIDE:
+            prefetch_lines(span, where[j], row_items)
+
+
+@njit(inline="always")
+def burst_of(width):
+    # The slots of a burst: a token's slots, at least 16.
+    return max(width, 16)
 
 
 @njit(cache=True, nogil=True)
@@ -128,20 +183,6 @@ def places(delta, offsets, ids, first, width, v0, v1, i0, i1, row_items):
     return out
 
 
-@njit(inline="always")
-def prefetch_rows(span, where, a, b, row_items):
-    # The rows of slots a..b (of where's), before they are copied.
-    for j in range(a, min(b, where.shape[0])):
-        if where[j] != OUTSIDE:
-            prefetch_row(span, where[j], row_items)
-
-
-@njit(inline="always")
-def burst_of(width):
-    # The slots copied at a time, the next burst's rows all prefetched at once while one is copied (their misses
-    # and page walks overlap): a token's slots, at least PREFETCH_ROWS.
-    return max(width, PREFETCH_ROWS)
-
 @njit(cache=True, nogil=True)
 def rows_from_span(span, delta, offsets, ids, first, width, v0, v1, i0, i1, row_items, lut, out):
     """Slots i0..i1 from the span, zeros outside [v0, v1); row g of column c is at ``delta[c] + g * row_items`` in
@@ -166,22 +207,49 @@ def checked_rows_from_span(span, delta, offsets, ids, total, v0, v1, row_items, 
 
 @njit(inline="always")
 def _span_rows(span, delta, offsets, ids, first, width, v0, v1, i0, i1, row_items, lut, out):
-    raw = out.itemsize == span.itemsize  # known when the kernel compiles: one loop or the other is left
     where = places(delta, offsets, ids, first, width, v0, v1, i0, i1, row_items)
+    if same_items(span, out):  # known when the kernel compiles: one or the other is left
+        _raw_rows(span, where, i0, row_items, out)
+    else:
+        _coded_rows(span, where, i0, row_items, width, lut, out)
+
+
+@njit
+def _raw_rows(span, where, i0, row_items, out):
+    # The raw form: each row asked for AHEAD slots before it is copied.
+    n, items = where.shape[0], out.shape[1]
+    line, last = line_items(span), np.uint64(row_items - 1)
+    for j in range(min(AHEAD, n)):  # the first rows, then each row AHEAD slots on as a slot is copied
+        if where[j] != OUTSIDE:
+            prefetch_row(span, where[j], line, last)
+    for j in range(n):
+        if j + AHEAD < n and where[j + AHEAD] != OUTSIDE:
+            prefetch_row(span, where[j + AHEAD], line, last)
+        at = where[j]
+        dst = out[i0 + j]
+        if at == OUTSIDE:
+            for k in range(items):
+                dst[k] = 0
+        else:
+            for k in range(row_items):
+                dst[k] = span[at + np.uint64(k)]
+
+
+@njit
+def _coded_rows(span, where, i0, row_items, width, lut, out):
+    # The coded form, a lut load per code: bursts of rows asked for a burst ahead (measured: each row AHEAD slots
+    # ahead took 1.3-1.8x as long here, where a row's decoding, not its misses, fills the CPU's reorder window).
     n, items = where.shape[0], out.shape[1]
     step = burst_of(width)
-    prefetch_rows(span, where, 0, step, row_items)
+    prefetch_burst(span, where, 0, step, row_items)
     for j0 in range(0, n, step):
-        prefetch_rows(span, where, j0 + step, j0 + 2 * step, row_items)  # rows ahead, while these copy
+        prefetch_burst(span, where, j0 + step, j0 + 2 * step, row_items)  # rows ahead, while these are decoded
         for j in range(j0, min(j0 + step, n)):
             at = where[j]
             dst = out[i0 + j]
             if at == OUTSIDE:
                 for k in range(items):
                     dst[k] = 0
-            elif raw:
-                for k in range(row_items):
-                    dst[k] = span[at + np.uint64(k)]
             else:
                 for k in range(items):
                     dst[k] = lut[span[at + np.uint64(k)]]
@@ -212,10 +280,10 @@ def scaled_from_span(span, delta, offsets, ids, first, width, v0, v1, i0, i1, ro
     outside [v0, v1). Ids checked first."""
     where = places(delta, offsets, ids, first, width, v0, v1, i0, i1, row_bytes)
     n, blocks = where.shape[0], row_bytes - out.shape[1]
-    step = burst_of(width)
-    prefetch_rows(span, where, 0, step, row_bytes)
+    step = burst_of(width)  # (a lut load per code, as the coded form: bursts)
+    prefetch_burst(span, where, 0, step, row_bytes)
     for j0 in range(0, n, step):
-        prefetch_rows(span, where, j0 + step, j0 + 2 * step, row_bytes)
+        prefetch_burst(span, where, j0 + step, j0 + 2 * step, row_bytes)
         for j in range(j0, min(j0 + step, n)):
             at = where[j]
             if at == OUTSIDE:
@@ -230,22 +298,24 @@ def split_from_span(span, delta, offsets, ids, first, width, v0, v1, i0, i1, row
     outside [v0, v1). Ids checked first."""
     where = places(delta, offsets, ids, first, width, v0, v1, i0, i1, row_bytes)
     n, values, blocks = where.shape[0], codes.shape[1], scales.shape[1]
-    step = burst_of(width)
-    prefetch_rows(span, where, 0, step, row_bytes)
-    for j0 in range(0, n, step):
-        prefetch_rows(span, where, j0 + step, j0 + 2 * step, row_bytes)
-        for j in range(j0, min(j0 + step, n)):
-            at = where[j]
-            dc, ds = codes[i0 + j], scales[i0 + j]
-            if at == OUTSIDE:
-                dc[:] = 0
-                ds[:] = 0
-                continue
-            for k in range(values):
-                dc[k] = span[at + np.uint64(k)]
-            at += np.uint64(values)
-            for k in range(blocks):
-                ds[k] = span[at + np.uint64(k)]
+    line, last = line_items(span), np.uint64(row_bytes - 1)
+    for j in range(min(AHEAD, n)):  # the first rows, then each row AHEAD slots on as a slot is copied
+        if where[j] != OUTSIDE:
+            prefetch_row(span, where[j], line, last)
+    for j in range(n):
+        if j + AHEAD < n and where[j + AHEAD] != OUTSIDE:
+            prefetch_row(span, where[j + AHEAD], line, last)
+        at = where[j]
+        dc, ds = codes[i0 + j], scales[i0 + j]
+        if at == OUTSIDE:
+            dc[:] = 0
+            ds[:] = 0
+            continue
+        for k in range(values):
+            dc[k] = span[at + np.uint64(k)]
+        at += np.uint64(values)
+        for k in range(blocks):
+            ds[k] = span[at + np.uint64(k)]
 
 
 # ---- through a staging read -------------------------------------------------------------------------------

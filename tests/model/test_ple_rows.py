@@ -398,6 +398,51 @@ def test_a_bound_buffer_over_tables_of_this_process_is_one_kernel_call_until_the
         bound(any_ids(rng, (2, 16)))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_into_a_decode_steps_buffer_binds_it_once_and_gives_the_same_rows(dtype):
+    """gather_into with NumPy ids [T, heads] and out [T, heads, width] (a decode step's) goes through a buffer bound
+    once, kept by its memory: a fresh view of the same rows each step finds it, the rows are the engines', a refused
+    id writes nothing and says what gather_into says; a read-only view of the same memory, other strides, or other
+    windows are not taken for it."""
+    config, layout = CONFIGS[dtype], ple_store_config(CONFIGS[dtype], LAYER)
+    row_bytes = config.row_format.row_bytes
+    with EngramStore(LAYER, layout, None) as es:
+        es.bind_local(heads_of(TABLES[dtype]))
+        rows = PLERows(es, config, LAYER, threads=1)
+        staging = np.zeros((8, 16, row_bytes), np.uint8)
+        rng = np.random.default_rng(31)
+        start, end, _ = ple_rank_rows(config, LAYER, 1, 4)
+        for step in range(4):
+            ids = any_ids(rng, (8, 16), [(0, ROWS)])
+            out = staging[:8]  # a fresh view of the same memory each step
+            assert rows.gather_into(ids, out) is out
+            np.testing.assert_array_equal(out.view(TABLES[dtype].dtype), expected(dtype, ids, 0, ROWS, True))
+        assert len(rows._bound) == 1
+        ids = any_ids(rng, (8, 16), [(start, end)])
+        rows.gather_into(ids.astype(np.int32), staging, row_start=start, row_end=end)  # another window: its own
+        np.testing.assert_array_equal(staging.view(TABLES[dtype].dtype), expected(dtype, ids, start, end, True))
+        assert len(rows._bound) == 2
+        before = staging.copy()
+        bad = any_ids(rng, (8, 16), [(0, ROWS)])
+        bad[7, 15] = HEADED
+        with pytest.raises(InvalidArgument, match=rf"ids\[7, 15\] = {HEADED} is no row of layer 2's heads"):
+            rows.gather_into(bad, staging)
+        np.testing.assert_array_equal(staging, before)
+        frozen = staging.view()
+        frozen.flags.writeable = False
+        with pytest.raises(InvalidArgument, match="out: "):
+            rows.gather_into(ids, frozen)
+        np.testing.assert_array_equal(staging, before)
+        # the same memory and shape with other strides (every other byte pair of a wider buffer) is its own buffer
+        wide = np.zeros((8, 16, 2 * row_bytes), np.uint8)
+        strided = np.lib.stride_tricks.as_strided(wide, (8, 16, row_bytes), wide.strides)
+        ids = any_ids(rng, (8, 16), [(0, ROWS)])
+        rows.gather_into(ids, strided)
+        np.testing.assert_array_equal(wide[:, :, :row_bytes].view(TABLES[dtype].dtype),
+                                      expected(dtype, ids, 0, ROWS, True))
+        assert not wide[:, :, row_bytes:].any()
+
+
 def test_a_bound_torch_buffer_takes_torch_ids(in_memory):
     """An engine's pinned staging tensor (bf16) bound once, fed torch ids: the same rows as gather_into."""
     torch = pytest.importorskip("torch", reason="torch is an optional extra (pip install -e '.[torch]')")
