@@ -98,6 +98,14 @@ def prefetch_row(span, at, line, last):
     prefetch_hint(span, at + last)
 
 
+@njit
+def prefetch_first(span, where, n, line, last):
+    # The rows of the first AHEAD slots, before the copies begin (a plain function too, as prefetch_row).
+    for j in range(min(AHEAD, n)):
+        if where[j] != OUTSIDE:
+            prefetch_row(span, where[j], line, last)
+
+
 @njit(inline="always")
 def prefetch_lines(span, at, row_items):
     # Every cache line of the row of row_items items at span[at:] (the bursts' hints).
@@ -219,11 +227,9 @@ def _raw_rows(span, where, i0, row_items, out):
     # The raw form: each row asked for AHEAD slots before it is copied.
     n, items = where.shape[0], out.shape[1]
     line, last = line_items(span), np.uint64(row_items - 1)
-    for j in range(min(AHEAD, n)):  # the first rows, then each row AHEAD slots on as a slot is copied
-        if where[j] != OUTSIDE:
-            prefetch_row(span, where[j], line, last)
+    prefetch_first(span, where, n, line, last)
     for j in range(n):
-        if j + AHEAD < n and where[j + AHEAD] != OUTSIDE:
+        if j + AHEAD < n and where[j + AHEAD] != OUTSIDE:  # (written out: as a function, measured 1.4x slower)
             prefetch_row(span, where[j + AHEAD], line, last)
         at = where[j]
         dst = out[i0 + j]
@@ -299,11 +305,9 @@ def split_from_span(span, delta, offsets, ids, first, width, v0, v1, i0, i1, row
     where = places(delta, offsets, ids, first, width, v0, v1, i0, i1, row_bytes)
     n, values, blocks = where.shape[0], codes.shape[1], scales.shape[1]
     line, last = line_items(span), np.uint64(row_bytes - 1)
-    for j in range(min(AHEAD, n)):  # the first rows, then each row AHEAD slots on as a slot is copied
-        if where[j] != OUTSIDE:
-            prefetch_row(span, where[j], line, last)
+    prefetch_first(span, where, n, line, last)
     for j in range(n):
-        if j + AHEAD < n and where[j + AHEAD] != OUTSIDE:
+        if j + AHEAD < n and where[j + AHEAD] != OUTSIDE:  # (written out: as a function, measured 1.4x slower)
             prefetch_row(span, where[j + AHEAD], line, last)
         at = where[j]
         dc, ds = codes[i0 + j], scales[i0 + j]
