@@ -75,9 +75,10 @@ from ._gather import _scatter_rows as scatter_rows_unchecked  # noqa: E402
 from ._planning import _direct_pairs as direct_pairs_unchecked  # noqa: E402
 from ._planning import _first_bad_row as first_bad_row_unchecked  # noqa: E402
 from ._planning import _plan_reads as plan_reads_unchecked  # noqa: E402
-from ._llvm_lock import make_interrupt_safe  # noqa: E402
+from ._interrupts import defer_interrupts_while_compiling, make_interrupt_safe  # noqa: E402
 
-make_interrupt_safe()  # a Ctrl-C while a kernel loads must not leave LLVM's lock held (see _llvm_lock)
+make_interrupt_safe()  # a Ctrl-C while a kernel loads must not leave LLVM's lock held (see _interrupts)
+defer_interrupts_while_compiling()  # nor break the next compile: a kernel compiles whole, then the interrupt comes
 
 __all__ = [
     "PREFETCH_ROWS", "RAW_IO", "ReadPlan", "RowSource", "cache_fill", "cache_insert", "cache_probe",
