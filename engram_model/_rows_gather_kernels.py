@@ -24,10 +24,12 @@ in its own column ``first + j``: the first guess. The forms of a slot:
 Each form has two kernels: one gathers from the tables in this host's memory (one read-only span holding every
 column's table: row g of column c at ``delta[c] + g * row_items``; raw rows a word at a time where the tables and
 ``out`` allow), asking for the row ``AHEAD`` slots on as it copies each, with three hints a row (measured on rows
-never read before, 160-byte rows of a 0.6 GiB table, on 4 KiB and on 2 MiB pages: 0.66-0.71x the time of a
-burst of 16 rows' hints a burst ahead, and 0.34-0.71x torch's own gather, where the bursts took 0.54-1.09x: what
-counts is how few instructions each row costs, see :func:`prefetch_row`); one lays out rows already read into a staging array ``[S, row_bytes]`` (``src[i]`` the staging row of slot i, -1 for zeros),
-which :func:`plan_window` plans for a source that reads ``[M, H]`` per-head ids (``lookup_into``).
+never read before, 160-byte rows of a 0.6 GiB table, on 4 KiB and on 2 MiB pages: 0.66-0.71x the time of a burst of
+16 rows' hints a burst ahead, and 0.34-0.71x torch's own gather, where the bursts took 0.54-1.09x: what counts is
+how few instructions each row costs, see :func:`prefetch_row`; the forms that decode through a lut ask for a burst
+of rows a burst ahead instead, see ``_coded_rows``); one lays out rows already read into a staging array
+``[S, row_bytes]`` (``src[i]`` the staging row of slot i, -1 for zeros), which :func:`plan_window` plans for a
+source that reads ``[M, H]`` per-head ids (``lookup_into``).
 :func:`first_bad` and :func:`first_bad_window` check the ids before anything is written;
 :func:`checked_rows_from_span` checks them and gathers in one call (a decode step's one dispatch).
 """

@@ -52,6 +52,7 @@ def test_an_interrupt_inside_llvms_lock_leaves_other_threads_free_to_load_kernel
 #: inside a compile of one of engram's kernels (as Numba's type inference starts), then the kernel is called again.
 COMPILE_PROBE = """
 import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # (a test worker's child may inherit SIGINT ignored)
 import numpy as np
 from numba.core import typed_passes
 from numba.core.dispatcher import Dispatcher
