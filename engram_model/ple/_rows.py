@@ -264,10 +264,7 @@ class PLERows(RowsAdapter):
             bound = self._bound_for(ids, out, row_start, row_end)
             if bound is not None:
                 bound(ids)
-                with self._bound_lock:
-                    while len(self._bound_by_id) >= _BOUND_KEPT:
-                        self._bound_by_id.pop(next(iter(self._bound_by_id)))
-                    self._bound_by_id[id(out)] = (out, out.shape, out.strides, row_start, row_end, bound)
+                self._keep(self._bound_by_id, id(out), (out, out.shape, out.strides, row_start, row_end, bound))
                 return out
             call = self._check(ids, out, row_start, row_end, False, check_ids=False)
             self._checked_run(call, None, self._from_span)
@@ -284,24 +281,27 @@ class PLERows(RowsAdapter):
         (a kept view holds its memory: no other buffer can come at its address)."""
         if type(out) is not np.ndarray or type(ids) is not np.ndarray or out.ndim != 3 \
                 or ids.shape != out.shape[:2] or ids.shape[1] != self.config.heads or not ids.shape[0] \
-                or ids.dtype not in _ID_DTYPES or not out.flags.writeable or type(row_start) is not int \
+                or ids.dtype not in _ID_DTYPES or not out.flags.writeable or out.dtype not in _NUMPY_KINDS \
+                or not out.flags.c_contiguous or type(row_start) is not int \
                 or not (row_end is None or type(row_end) is int) \
                 or not self._gather.one_part(out.shape[0] * out.shape[1]):
-            return None
+            return None  # (before the key: out.ctypes costs microseconds)
         key = (out.ctypes.data, out.shape, out.strides, out.dtype, row_start, row_end)
         bound = self._bound.get(key)
         if bound is None:
-            if out.dtype not in _NUMPY_KINDS or not out.flags.c_contiguous:
-                return None
             try:
                 bound = self.bind(out, row_start=row_start, row_end=row_end)
             except (InvalidArgument, InvalidType):
                 return None  # the general path says why, in gather_into's terms
-            with self._bound_lock:
-                while len(self._bound) >= _BOUND_KEPT:
-                    self._bound.pop(next(iter(self._bound)))
-                self._bound[key] = bound
+            self._keep(self._bound, key, bound)
         return bound
+
+    def _keep(self, kept: dict, key: Any, value: Any) -> None:
+        """``kept[key] = value``, letting the oldest go past _BOUND_KEPT entries."""
+        with self._bound_lock:
+            while len(kept) >= _BOUND_KEPT:
+                kept.pop(next(iter(kept)))
+            kept[key] = value
 
     def bind(self, out: Any, *, row_start: int = 0, row_end: int | None = None) -> "BoundRows":
         """``out`` (``[max_T, heads, width]`` of either form: an engine's staging buffer) and the rank's rows checked

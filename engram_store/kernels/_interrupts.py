@@ -25,7 +25,7 @@ import threading
 
 #: The packages whose kernels compile whole (see the module docstring).
 _OURS = ("engram_store", "engram_model")
-_depth = threading.local()  # compiles in progress on this thread (a kernel's compile compiles those it calls)
+_compiling = False  # the main thread is in a guarded compile (a kernel's compile compiles those it calls)
 
 
 def make_interrupt_safe() -> bool:
@@ -74,18 +74,19 @@ def defer_interrupts_while_compiling() -> bool:
         return False
 
     def compile(self, sig):
+        global _compiling
         module = getattr(getattr(self, "py_func", None), "__module__", "") or ""
-        if getattr(_depth, "n", 0) or module.split(".", 1)[0] not in _OURS \
+        if _compiling or module.split(".", 1)[0] not in _OURS \
                 or threading.current_thread() is not threading.main_thread() \
                 or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
             return original(self, sig)  # (nested, another package's, another thread's, or a handler of the program's)
         came = []
         signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
-        _depth.n = 1
+        _compiling = True
         try:
             return original(self, sig)
         finally:
-            _depth.n = 0
+            _compiling = False
             signal.signal(signal.SIGINT, signal.default_int_handler)
             if came:
                 raise KeyboardInterrupt
