@@ -1,7 +1,7 @@
 """The table directory ``ENGRAM_TABLES`` names: which kind it is, which layers it holds, each layer opened once.
 
-``engram-load-v41 CHECKPOINT --local-dir DIR`` writes a ``local_dir`` (files in memory: ``/dev/shm`` or a hugetlbfs
-mount, mapped read-only by every process of the host), ``--disk-dir DIR`` a ``disk_dir`` (page-aligned files on SSD,
+``engram-load-v41 CHECKPOINT --local-dir DIR`` writes a ``local_dir`` (files in memory, such as under ``/dev/shm``, in
+2 MiB pages, mapped read-only by every process of the host), ``--disk-dir DIR`` a ``disk_dir`` (page-aligned files on SSD,
 read behind a row cache that every process of the host shares). A published layer is the directory
 ``layer-<L>`` holding ``layout`` (a local_dir, Mooncake's format) or ``manifest.json`` (a disk_dir); that is how
 the kind is told apart. Everything else goes through the public :class:`EngramStore`.

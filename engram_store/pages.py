@@ -5,6 +5,16 @@ Segments (their shared memory) and ``local_dir`` layers (their mapped head files
 where the OS allows them and map their pages in ahead of the first reads, in pieces, from a background
 thread. ``madvise`` goes through ctypes, which releases the GIL for the call (Python's ``mmap.madvise`` does
 not), so prefaulting gigabytes does not stall the threads serving reads.
+
+Huge pages in shared memory, whatever the host's policy: a random row read from a table of gigabytes misses the
+TLB, and with 4 KiB pages each row costs a page walk of its own (two levels of them in a virtual machine). The
+kernel's policy for shared memory (``shmem_enabled``) is ``never`` on most hosts, and ``/dev/shm`` is mounted
+without ``huge=``, so files there get 4 KiB pages. ``MADV_COLLAPSE`` (Linux 6.1) ignores that policy: asked of a
+mapping of a file's pages, it moves each 2 MiB of them into one huge page, in the file itself, for every process
+that maps it. It needs the mapping's address to agree with the file's offset modulo 2 MiB, which Python's
+``mmap`` does not arrange: :func:`map_file` does. :func:`collapse` is the ask; where the kernel cannot (older than
+6.1, a policy of ``deny``, no 2 MiB of free memory in one piece, a file system that is not memory) it changes
+nothing and the pages stay as they were: the same bytes, read a little slower.
 """
 
 from __future__ import annotations
@@ -17,13 +27,19 @@ import os
 import shutil
 import threading
 
+import numpy as np
+
 from .errors import OutOfSpace
 
 log = logging.getLogger(__name__)
 
-# madvise(2) advice values (Linux): MADV_POPULATE_READ needs 5.14; MADV_HUGEPAGE asks for 2 MiB pages.
+# madvise(2) advice values (Linux): MADV_POPULATE_READ needs 5.14; MADV_HUGEPAGE asks for 2 MiB pages where the
+# policy allows them; MADV_COLLAPSE (6.1) makes them now, whatever the policy (see the module docstring).
 MADV_HUGEPAGE = 14
 MADV_POPULATE_READ = 22
+MADV_COLLAPSE = 25
+#: The size of a huge page (x86-64's and arm64's with 4 KiB base pages): what mappings are aligned to.
+HUGE_PAGE_BYTES = 2 << 20
 #: Prefaulting maps this much per madvise call (and checks whether to stop in between).
 PREFAULT_CHUNK_BYTES = 64 << 20
 
@@ -68,6 +84,110 @@ def prefault(address: int, length: int, stop: threading.Event | None = None, *, 
             break
         done += n
     return done
+
+
+def map_file(fd: int, size: int, writable: bool = False) -> tuple[mmap.mmap, int]:
+    """``size`` bytes of the file ``fd`` mapped shared (read-only unless ``writable``) at an address that is a
+    multiple of :data:`HUGE_PAGE_BYTES`, so that each 2 MiB of the file can be one huge page in the mapping.
+
+    Returns ``(owner, offset)``: the file's bytes are ``owner[offset:offset + size]``. ``owner`` spans the mapping
+    and the slack around it (an anonymous reservation that is never touched), and unmaps all of it when closed, as
+    any ``mmap`` does: ``close`` raises BufferError while a view of it lives. Where the mapping cannot be placed
+    (no libc to call), a plain ``mmap`` of the file is returned at offset 0.
+    """
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    if size < HUGE_PAGE_BYTES or _place() is None:
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, prot), 0
+    owner = mmap.mmap(-1, size + HUGE_PAGE_BYTES, mmap.MAP_PRIVATE, prot)  # the address range, reserved
+    try:
+        base = np.frombuffer(owner, dtype=np.uint8, count=1).ctypes.data  # (a read-only mmap: no ctypes buffer)
+        offset = -base % HUGE_PAGE_BYTES
+        placed = _place()(base + offset, size, prot, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
+        if placed != base + offset:
+            raise OSError(ctypes.get_errno(), f"mmap: {os.strerror(ctypes.get_errno())}")
+    except BaseException:
+        owner.close()
+        raise
+    return owner, offset
+
+
+def collapse(address: int, length: int, name: str = "mapping", stop: threading.Event | None = None,
+             chunk_bytes: int = PREFAULT_CHUNK_BYTES) -> int:
+    """Move the pages of ``length`` bytes of a shared mapping from ``address`` into 2 MiB pages now
+    (``MADV_COLLAPSE``; see the module docstring), chunk by chunk, until done or ``stop`` is set. Returns the
+    bytes collapsed; a kernel that cannot collapse them leaves them as they are (logged at debug level), and only
+    whole 2 MiB pages of the file whose address agrees with their offset are collapsed (see :func:`map_file`). The
+    pages must be there (written or reserved with ``fallocate``): holes are left as holes."""
+    done = 0
+    start = address + (-address % HUGE_PAGE_BYTES)
+    end = address + length - (address + length) % HUGE_PAGE_BYTES
+    at = start
+    while at < end and not (stop is not None and stop.is_set()):
+        n = min(chunk_bytes, end - at)
+        err = madvise(at, n, MADV_COLLAPSE)
+        if err:
+            log.debug("%s: pages not collapsed into huge pages from byte %d on: %s", name, at - address,
+                      os.strerror(err))
+            break
+        done += n
+        at += n
+    return done
+
+
+def collapse_file(fd: int, size: int, name: str) -> int:
+    """Move the pages of the first ``size`` bytes of the file ``fd`` (open for reading; its pages there: written or
+    reserved) into 2 MiB pages, through a mapping of its own (see :func:`collapse`); returns the bytes collapsed."""
+    if size < HUGE_PAGE_BYTES:
+        return 0
+    owner, offset = map_file(fd, size)
+    try:
+        return collapse(np.frombuffer(owner, dtype=np.uint8, count=1, offset=offset).ctypes.data, size, name)
+    finally:
+        owner.close()
+
+
+#: statfs(2)'s f_type of hugetlbfs.
+HUGETLBFS_MAGIC = 0x958458F6
+
+
+def on_hugetlbfs(fd: int) -> bool:
+    """Whether the file or directory ``fd`` is on hugetlbfs, whose files are sized in whole huge pages and cannot be
+    written with ``write(2)`` (False where the system does not say)."""
+    global _fstatfs
+    if _fstatfs is None:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).fstatfs
+            fn.argtypes = [ctypes.c_int, ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            fn = False
+        _fstatfs = fn
+    if not _fstatfs:
+        return False
+    buf = ctypes.create_string_buffer(256)  # struct statfs (120 bytes on 64-bit Linux); f_type is its first word
+    if _fstatfs(fd, buf) != 0:
+        return False
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF == HUGETLBFS_MAGIC
+
+
+_fstatfs = None
+_MAP_FIXED = 0x10
+_mmap_fn = None
+
+
+def _place():
+    """libc's ``mmap``, to map a file at a chosen address (Python's ``mmap`` cannot); None where there is none."""
+    global _mmap_fn
+    if _mmap_fn is None:
+        try:
+            lib = ctypes.CDLL(None, use_errno=True)
+            fn = lib.mmap
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+            fn.restype = ctypes.c_void_p
+        except (OSError, AttributeError):
+            fn = False
+        _mmap_fn = fn
+    return _mmap_fn or None
 
 
 def reserve(fd: int, nbytes: int, path: str, what: str) -> None:

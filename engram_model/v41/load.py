@@ -8,8 +8,8 @@ Reads ``config.json`` (or ``--config``) for the layout, then each layer's ``laye
 ``embed.scale`` from the safetensors shards (read, not mapped), packs them column by column into 264-byte rows and
 populates them as head shards of the layer, so memory stays bounded by one column (about 4.2 GB for the
 release). With ``--disk-dir`` the layer is written as page-aligned files on local SSD instead (tables larger than
-memory), chunk by chunk, and published when whole; with ``--local-dir`` as files in memory (``/dev/shm`` or a
-hugetlbfs mount) that every process of the host maps, and that outlive the servers reading them. A layer already there is refused; a load that fails leaves
+memory), chunk by chunk, and published when whole; with ``--local-dir`` as files in memory (such as under
+``/dev/shm``, in 2 MiB pages) that every process of the host maps, and that outlive the servers reading them. A layer already there is refused; a load that fails leaves
 nothing of the layer behind.
 """
 
@@ -40,8 +40,8 @@ and embed.scale from the safetensors shards (read, not mapped), packs them colum
 264-byte rows and populates them as head shards of the layer, so memory stays bounded by one
 column (about 4.2 GB for the release). With --disk-dir the layer is written as page-aligned files
 on local SSD instead (tables larger than memory), chunk by chunk, and published when whole; with
---local-dir as files in memory (/dev/shm or a hugetlbfs mount) that every process of the host maps
-and that outlive the servers reading them (ENGRAM_TABLES=PATH serves them to vLLM and SGLang). A
+--local-dir as files in memory (a directory under /dev/shm; in 2 MiB pages) that every process of
+the host maps and that outlive the servers reading them (ENGRAM_TABLES=PATH serves them to vLLM and SGLang). A
 layer already there is refused (remove it with engram-layers remove); a load that fails leaves
 nothing of the layer behind."""
 
@@ -61,7 +61,7 @@ def parse(argv: Sequence[str] | None, prog: str, description: str, family: str =
                        help="address of the running engram-master (required: this, --disk-dir or --local-dir)")
     where.add_argument("--disk-dir", metavar="PATH", help="directory on local SSD to write the layers under, read "
                        "with EngramStore(..., disk_dir=PATH) (required: this, --master or --local-dir)")
-    where.add_argument("--local-dir", metavar="PATH", help="directory in memory (/dev/shm/..., a hugetlbfs mount) "
+    where.add_argument("--local-dir", metavar="PATH", help="directory in memory (/dev/shm/..., or a tmpfs) "
                        "to write the layers under as files every process of the host maps, read with "
                        "EngramStore(..., local_dir=PATH) (required: this, --master or --disk-dir)")
     parser.add_argument("--config", metavar="PATH", help="config.json to read (default: CHECKPOINT_DIR/config.json)")
@@ -186,7 +186,7 @@ def load_layers(args: argparse.Namespace, prog: str, layers: Sequence[int], load
 
 
 #: File systems whose files are memory: a local_dir elsewhere is read from the page cache, evicted at will.
-MEMORY_FILE_SYSTEMS = ("tmpfs", "hugetlbfs", "ramfs")
+MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs")
 
 
 def room_in_memory(path: str, need: int, prog: str = PROG) -> bool:
@@ -199,7 +199,7 @@ def room_in_memory(path: str, need: int, prog: str = PROG) -> bool:
     fs = _file_system(existing)
     if fs not in MEMORY_FILE_SYSTEMS:
         print(f"{prog}: --local-dir {path} is on {fs or 'an unknown file system'}, not in memory (tmpfs such as "
-              f"/dev/shm, or hugetlbfs): its rows are read from the page cache", file=sys.stderr)
+              f"/dev/shm): its rows are read from the page cache", file=sys.stderr)
     stat = os.statvfs(existing)
     free = stat.f_bavail * stat.f_frsize
     if need > free:

@@ -43,7 +43,7 @@ from .. import pages as _pages
 from .. import kernels as _kernels
 from ..errors import ConfigError, ObjectExists, OutOfSpace, StoreError
 from .._layer_dir import LayerDir, open_at, read_at
-from ..pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise, reserve
+from ..pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, collapse_file, madvise, map_file, on_hugetlbfs, reserve
 from .._shared_dirs import file_mode
 
 log = logging.getLogger(__name__)
@@ -56,21 +56,27 @@ LOCK_TIMEOUT_S = 600.0
 
 
 def prefault(array: np.ndarray, background: bool = True) -> threading.Thread | None:
-    """Map every page of a read-only file mapping now, so the first lookups do not page-fault.
+    """Map every page of a read-only file mapping now, in 2 MiB pages where the kernel can make them, so the first
+    lookups do not page-fault and random rows miss the TLB less.
 
     A brand-new mapping of a 2.6 GB table pays ~0.1-0.3 s of page faults on its first random reads; this
-    moves that cost into a background thread (see :func:`_pages.prefault`). Mappings of at most one prefault
-    chunk are mapped in at once.
+    moves that cost into a background thread (see :func:`_pages.prefault`). A file another writer left in 4 KiB
+    pages is collapsed into 2 MiB ones first (``_pages.collapse``: in the file, so for every reader). Mappings of
+    at most one prefault chunk are mapped in at once.
     """
     address, size = array.ctypes.data, array.nbytes
-    madvise(address, size, MADV_HUGEPAGE)  # 2 MiB pages where the OS allows them for this mapping
     if not background or size <= PREFAULT_CHUNK_BYTES:
-        _pages.prefault(address, size, name="local_dir table")
+        _map_in(address, size)
         return None
-    thread = threading.Thread(target=_pages.prefault, args=(address, size), kwargs={"name": "local_dir table"},
-                              name="engram-prefault", daemon=True)
+    thread = threading.Thread(target=_map_in, args=(address, size), name="engram-prefault", daemon=True)
     thread.start()
     return thread
+
+
+def _map_in(address: int, size: int) -> None:
+    madvise(address, size, MADV_HUGEPAGE)  # where the policy allows them (collapse makes them where it does not)
+    _pages.collapse(address, size, name="local_dir table")
+    _pages.prefault(address, size, name="local_dir table")
 
 
 def sources_for(tables: Sequence[tuple[int, np.ndarray]], num_heads: int, row_bytes: int) -> list:
@@ -158,11 +164,11 @@ class MappedLayer:
             size = os.fstat(fd).st_size
             if size != nbytes:
                 raise StoreError(f"local_dir: {file} holds {size} bytes, expected {nbytes} ({why})")
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+            mm, offset = map_file(fd, size)  # at a 2 MiB boundary: each 2 MiB of the file can be one page
         finally:
             os.close(fd)
         self._mmaps.append(mm)
-        self.tables.append(np.frombuffer(mm, dtype=np.uint8))
+        self.tables.append(np.frombuffer(mm, dtype=np.uint8, count=size, offset=offset))
 
     def close(self) -> None:
         self.tables = []
@@ -219,6 +225,11 @@ class LocalDir:
                  progress: Callable[[int], None] | None) -> None:
         name = layer_name(layer_id)
         staging = name + ".tmp"
+        with self.dir.using() as top:
+            if on_hugetlbfs(top):
+                raise ConfigError(f"local_dir: {self.path} is on hugetlbfs, whose files hold whole huge pages and "
+                                  "cannot be written with write(2); use a directory under /dev/shm (engram moves "
+                                  "its layers into 2 MiB pages itself) or a tmpfs mounted with huge=always")
         lock = self.dir.lock(name + ".lock", LOCK_TIMEOUT_S, "local_dir")
         try:
             if self.dir.exists(name):
@@ -258,6 +269,7 @@ class LocalDir:
         fd = _create(dir_fd, name)
         try:
             reserve(fd, nbytes, file, "local_dir")  # a full tmpfs fails here, not with SIGBUS later
+            collapse_file(fd, nbytes, file)  # 2 MiB pages in memory, before the rows go in (see engram_store.pages)
             step = 64 << 20
             if callable(table) and not isinstance(table, np.ndarray):
                 chunk = np.empty((max(1, step // row_bytes), row_bytes), dtype=np.uint8)
@@ -283,8 +295,9 @@ def layer_name(layer_id: int) -> str:
 
 
 def _create(dir_fd: int, name: str) -> int:
-    """A new file in a staging directory: exclusively, never through a link."""
-    return os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    """A new file in a staging directory: exclusively, never through a link (open for reading too: its pages are
+    mapped to be collapsed into huge ones)."""
+    return os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
 
 
 def _write_layout(dir_fd: int, text: bytes) -> None:
