@@ -224,9 +224,32 @@ def _span_rows(span, delta, offsets, ids, first, width, v0, v1, i0, i1, row_item
         _coded_rows(span, where, i0, row_items, width, lut, out)
 
 
+#: Row sizes in bytes whose copy compiles with its length known: DeepSeek-V4.1's packed rows (264) and Qwen4-Exp's
+#: PLE rows (160 in e4m3, 320 in bf16). A copy of a known length is straight vector moves, with no loop and no check
+#: of the two arrays' overlap: fewer instructions a row, so the CPU's reorder window holds more rows' misses
+#: (measured: a decode step's gather of 264-byte rows from 2 MiB pages 1.25x faster). Other sizes take the loop.
+KNOWN_ROW_BYTES = (264, 160, 320)
+
+
 @njit
 def _raw_rows(span, where, i0, row_items, out):
-    # The raw form: each row asked for AHEAD slots before it is copied.
+    # The raw form: each row asked for AHEAD slots before it is copied; a known row size as a constant (see
+    # KNOWN_ROW_BYTES: each branch is _raw_copy compiled with its length).
+    per = 64 // line_items(span)  # bytes an item (a constant where the kernel compiles)
+    nbytes = row_items * per
+    if nbytes == 264:
+        _raw_copy(span, where, i0, 264 // per, out)
+    elif nbytes == 160:
+        _raw_copy(span, where, i0, 160 // per, out)
+    elif nbytes == 320:
+        _raw_copy(span, where, i0, 320 // per, out)
+    else:
+        _raw_copy(span, where, i0, row_items, out)
+
+
+@njit(inline="always")
+def _raw_copy(span, where, i0, row_items, out):
+    # (Numba's inlining, so a constant row_items reaches the copy: LLVM's own, of a plain function, measured none.)
     n, items = where.shape[0], out.shape[1]
     line, last = line_items(span), np.uint64(row_items - 1)
     prefetch_first(span, where, n, line, last)
@@ -305,8 +328,17 @@ def split_from_span(span, delta, offsets, ids, first, width, v0, v1, i0, i1, row
     """Slots i0..i1 in the split form (codes uint8 [N, values], scales uint8 [N, blocks]) from a uint8 span, zeros
     outside [v0, v1). Ids checked first."""
     where = places(delta, offsets, ids, first, width, v0, v1, i0, i1, row_bytes)
-    n, values, blocks = where.shape[0], codes.shape[1], scales.shape[1]
-    line, last = line_items(span), np.uint64(row_bytes - 1)
+    values, blocks = codes.shape[1], scales.shape[1]
+    if values == 256 and blocks == 8:  # DeepSeek-V4.1's rows, with their lengths known (see KNOWN_ROW_BYTES)
+        _split_copy(span, where, i0, 256, 8, codes, scales)
+    else:
+        _split_copy(span, where, i0, values, blocks, codes, scales)
+
+
+@njit(inline="always")
+def _split_copy(span, where, i0, values, blocks, codes, scales):
+    n = where.shape[0]
+    line, last = line_items(span), np.uint64(values + blocks - 1)
     prefetch_first(span, where, n, line, last)
     for j in range(n):
         if j + AHEAD < n and where[j + AHEAD] != OUTSIDE:  # (written out: as a function, measured 1.4x slower)
