@@ -224,25 +224,21 @@ def _span_rows(span, delta, offsets, ids, first, width, v0, v1, i0, i1, row_item
         _coded_rows(span, where, i0, row_items, width, lut, out)
 
 
-#: Row sizes in bytes whose copy compiles with its length known: DeepSeek-V4.1's packed rows (264) and Qwen4-Exp's
-#: PLE rows (160 in e4m3, 320 in bf16). A copy of a known length is straight vector moves, with no loop and no check
-#: of the two arrays' overlap: fewer instructions a row, so the CPU's reorder window holds more rows' misses
-#: (measured: a decode step's gather of 264-byte rows from 2 MiB pages 1.25x faster). Other sizes take the loop.
-KNOWN_ROW_BYTES = (264, 160, 320)
+#: The row size in bytes whose copy compiles with its length known: DeepSeek-V4.1's packed rows. A copy of a known
+#: length is straight vector moves, with no loop and no check of the two arrays' overlap: fewer instructions a row,
+#: so the CPU's reorder window holds more rows' misses (measured: a decode step's gather of 264-byte rows from 2 MiB
+#: pages 1.25x faster). Not PLE's: its 160-byte rows gained nothing and its 320-byte rows took up to 1.6x as long
+#: (measured against the loop, in one run each). Other sizes take the loop.
+KNOWN_ROW_BYTES = 264
 
 
 @njit
 def _raw_rows(span, where, i0, row_items, out):
-    # The raw form: each row asked for AHEAD slots before it is copied; a known row size as a constant (see
-    # KNOWN_ROW_BYTES: each branch is _raw_copy compiled with its length).
+    # The raw form: each row asked for AHEAD slots before it is copied; V4.1's row size as a constant (see
+    # KNOWN_ROW_BYTES: that branch is _raw_copy compiled with its length).
     per = 64 // line_items(span)  # bytes an item (a constant where the kernel compiles)
-    nbytes = row_items * per
-    if nbytes == 264:
-        _raw_copy(span, where, i0, 264 // per, out)
-    elif nbytes == 160:
-        _raw_copy(span, where, i0, 160 // per, out)
-    elif nbytes == 320:
-        _raw_copy(span, where, i0, 320 // per, out)
+    if row_items * per == KNOWN_ROW_BYTES:
+        _raw_copy(span, where, i0, KNOWN_ROW_BYTES // per, out)
     else:
         _raw_copy(span, where, i0, row_items, out)
 
@@ -329,7 +325,7 @@ def split_from_span(span, delta, offsets, ids, first, width, v0, v1, i0, i1, row
     outside [v0, v1). Ids checked first."""
     where = places(delta, offsets, ids, first, width, v0, v1, i0, i1, row_bytes)
     values, blocks = codes.shape[1], scales.shape[1]
-    if values == 256 and blocks == 8:  # DeepSeek-V4.1's rows, with their lengths known (see KNOWN_ROW_BYTES)
+    if values == 256 and blocks == 8:  # DeepSeek-V4.1's rows, their lengths known (see KNOWN_ROW_BYTES)
         _split_copy(span, where, i0, 256, 8, codes, scales)
     else:
         _split_copy(span, where, i0, values, blocks, codes, scales)
