@@ -115,9 +115,10 @@ def collapse(address: int, length: int, name: str = "mapping", stop: threading.E
              chunk_bytes: int = PREFAULT_CHUNK_BYTES) -> int:
     """Move the pages of ``length`` bytes of a shared mapping from ``address`` into 2 MiB pages now
     (``MADV_COLLAPSE``; see the module docstring), chunk by chunk, until done or ``stop`` is set. Returns the
-    bytes collapsed; a kernel that cannot collapse them leaves them as they are (logged at debug level), and only
-    whole 2 MiB pages of the file whose address agrees with their offset are collapsed (see :func:`map_file`). The
-    pages must be there (written or reserved with ``fallocate``): holes are left as holes."""
+    bytes collapsed; a kernel that cannot collapse them leaves them as they are (logged at debug level; a chunk
+    with a busy page is passed over), and only whole 2 MiB pages of the file whose address agrees with their offset
+    are collapsed (see :func:`map_file`). The pages must be there (written or reserved with ``fallocate``): holes
+    are left as holes."""
     done = 0
     start = address + (-address % HUGE_PAGE_BYTES)
     end = address + length - (address + length) % HUGE_PAGE_BYTES
@@ -125,11 +126,12 @@ def collapse(address: int, length: int, name: str = "mapping", stop: threading.E
     while at < end and not (stop is not None and stop.is_set()):
         n = min(chunk_bytes, end - at)
         err = madvise(at, n, MADV_COLLAPSE)
-        if err:
+        if err == 0:
+            done += n
+        elif err != errno.EAGAIN:  # EAGAIN: a page was busy, the next chunk may do; anything else stops
             log.debug("%s: pages not collapsed into huge pages from byte %d on: %s", name, at - address,
                       os.strerror(err))
             break
-        done += n
         at += n
     return done
 
