@@ -137,8 +137,13 @@ def collapse(address: int, length: int, name: str = "mapping", stop: threading.E
 
 
 def collapse_file(fd: int, size: int, name: str) -> int:
-    """Move the pages of the first ``size`` bytes of the file ``fd`` (open for reading; its pages there: written or
-    reserved) into 2 MiB pages, through a mapping of its own (see :func:`collapse`); returns the bytes collapsed."""
+    """Move the pages of the first ``size`` bytes of the file ``fd`` (open for reading) into 2 MiB pages, through a
+    mapping of its own (see :func:`collapse`); returns the bytes collapsed.
+
+    Call it once the pages are written and before any process maps them: measured on a GiB of ``/dev/shm``, written
+    pages no one maps collapse in 0.3 s, pages only reserved (``fallocate``) in 3.9 s, and pages mapped in by a
+    prefault in 1.0-2.7 s (their mappings are taken apart). Writing zeros over reserved pages first costs 0.25 s
+    (:func:`write_zeros`)."""
     if size < HUGE_PAGE_BYTES:
         return 0
     owner, offset = map_file(fd, size)
@@ -146,6 +151,15 @@ def collapse_file(fd: int, size: int, name: str) -> int:
         return collapse(np.frombuffer(owner, dtype=np.uint8, count=1, offset=offset).ctypes.data, size, name)
     finally:
         owner.close()
+
+
+def write_zeros(fd: int, size: int) -> None:
+    """Write zeros over the first ``size`` bytes of the file ``fd`` (reserved pages become written ones, which
+    :func:`collapse_file` moves 12x faster)."""
+    zeros = memoryview(bytes(min(size, 4 << 20)))
+    done = 0
+    while done < size:
+        done += os.pwrite(fd, zeros[:min(len(zeros), size - done)], done)
 
 
 #: statfs(2)'s f_type of hugetlbfs.

@@ -29,8 +29,7 @@ import numpy as np
 
 from ..errors import ConfigError, InvalidArgument, StoreError
 from ..durable import DurableDir, HeldDir
-from ..pages import (HUGE_PAGE_BYTES, MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, collapse, madvise, map_file, prefault, reserve,
-                     reserve_memory)
+from ..pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise, map_file, prefault, reserve, reserve_memory
 from .._shared_dirs import UserDir, open_own, shared_base
 from ..wire import handover
 
@@ -146,18 +145,17 @@ def shmem_huge_pages() -> str:
     return text[start + 1:end] if 0 <= start < end else ""
 
 
-def _log_huge_pages(name: str, size: int, collapsed: int) -> None:
-    """Say once per process whether segment memory got 2 MiB pages (INFO)."""
+def _log_huge_page_policy(policy: str) -> None:
     global _thp_logged
-    if _thp_logged or size < HUGE_PAGE_BYTES:
+    if _thp_logged:
         return
     _thp_logged = True
-    if collapsed:
-        log.info("%s: memory moved into 2 MiB pages (MADV_COLLAPSE)", name)
+    if policy in ("advise", "within_size", "always", "force"):
+        log.info("transparent huge pages for shared memory: shmem_enabled=%s; segment mappings ask for 2 MiB "
+                 "pages (madvise MADV_HUGEPAGE)", policy)
     else:
-        log.info("%s: memory stays in 4 KiB pages: the kernel did not collapse it into 2 MiB pages (MADV_COLLAPSE "
-                 "needs Linux 6.1, a shmem_enabled policy other than 'deny' (it is %s) and free 2 MiB blocks)",
-                 name, shmem_huge_pages() or "unavailable")
+        log.info("transparent huge pages for shared memory: shmem_enabled=%s; segments use 4 KiB pages "
+                 "(set it to 'advise' or 'within_size' for 2 MiB pages)", policy or "unavailable")
 
 
 class SegmentMemory:
@@ -191,7 +189,9 @@ class SegmentMemory:
                 raise
             self.sealed, self.name = False, self.path
         try:
-            self._mmap, offset = map_file(fd, size, writable=True)  # at 2 MiB: room for huge pages (prefault)
+            # at a 2 MiB boundary, so that where the policy gives huge pages they are mapped as such (not collapsed:
+            # see docs/operating.md, "Huge pages")
+            self._mmap, offset = map_file(fd, size, writable=True)
         except OSError:
             os.close(fd)
             self._close_dir()
@@ -200,10 +200,13 @@ class SegmentMemory:
         self.array = np.frombuffer(self._mmap, dtype=np.uint8, count=size, offset=offset)
         self.address = self.array.ctypes.data
         self._closed = False
-        if path is None and shmem_huge_pages() in ("advise", "within_size", "always", "force"):
-            err = madvise(self.address, size, MADV_HUGEPAGE)  # pages written later come as 2 MiB ones too
-            if err:
-                log.debug("segment %s: madvise(MADV_HUGEPAGE) failed: %s", self.name, os.strerror(err))
+        if path is None:
+            policy = shmem_huge_pages()
+            _log_huge_page_policy(policy)
+            if policy in ("advise", "within_size", "always", "force"):
+                err = madvise(self.address, size, MADV_HUGEPAGE)
+                if err:
+                    log.debug("segment %s: madvise(MADV_HUGEPAGE) failed: %s", self.name, os.strerror(err))
 
     def write(self, offset: int, data: memoryview) -> int:
         """Write ``data`` at ``offset`` with ``pwrite`` (the caller checked that it fits); returns its length."""
@@ -214,11 +217,7 @@ class SegmentMemory:
         is set; returns the bytes prefaulted. The caller sets ``stop`` and joins before closing the memory."""
         if self._closed:
             return 0
-        name = f"segment {self.name}"
-        collapsed = collapse(self.address, self.size, name, stop, chunk_bytes)  # 2 MiB pages, whatever the policy
-        if self.path is None and not stop.is_set():
-            _log_huge_pages(name, self.size, collapsed)
-        return prefault(self.address, self.size, stop, name=name, chunk_bytes=chunk_bytes)
+        return prefault(self.address, self.size, stop, name=f"segment {self.name}", chunk_bytes=chunk_bytes)
 
     def flush(self) -> None:
         """Make the segment's bytes durable in its file (fsync; writes went in with pwrite)."""

@@ -269,7 +269,6 @@ class LocalDir:
         fd = _create(dir_fd, name)
         try:
             reserve(fd, nbytes, file, "local_dir")  # a full tmpfs fails here, not with SIGBUS later
-            collapse_file(fd, nbytes, file)  # 2 MiB pages in memory, before the rows go in (see engram_store.pages)
             step = 64 << 20
             if callable(table) and not isinstance(table, np.ndarray):
                 chunk = np.empty((max(1, step // row_bytes), row_bytes), dtype=np.uint8)
@@ -281,6 +280,7 @@ class LocalDir:
                 view = memoryview(table.reshape(-1).view(np.uint8))
                 for start in range(0, nbytes, step):  # pwrite: no page faults in this process
                     _pwrite_all(fd, view[start:start + step], start)
+            collapse_file(fd, nbytes, file)  # into 2 MiB pages, while no process maps them (see engram_store.pages)
             os.fsync(fd)
             os.fchmod(fd, file_mode())
         finally:
