@@ -26,7 +26,6 @@ import numpy as np
 from .. import kernels as _kernels
 from ..errors import (NO_FILES, EngramError, ProtocolError, ResourceExhausted, SegmentUnavailable, UnsafeFile,
                        too_many_open_files)
-from ..pages import map_file
 from ..wire import handover
 from ._objects import Replica
 
@@ -155,12 +154,9 @@ class LocalSegments:
             raise UnsafeFile(f"segment {segment_id}: its memory is a file of uid {st.st_uid} (mode "
                              f"{stat.S_IMODE(st.st_mode):04o}) that is not sealed, from a segment of uid {owner}: "
                              "someone other than this user or root could shrink it under the mapping")
-        if size is not None and _sealed(fd):  # a memfd: placed so that its 2 MiB pages map as such (pages.map_file)
-            mm, offset = map_file(fd, actual)
-        else:  # a file that can shrink keeps a mapping of its own, whose size() is the file's (see shrunk)
-            mm, offset = mmap.mmap(fd, actual, mmap.MAP_SHARED, mmap.PROT_READ), 0
+        mm = mmap.mmap(fd, actual, mmap.MAP_SHARED, mmap.PROT_READ)
         self._mmaps.append(mm)
-        return np.frombuffer(mm, dtype=dtype, count=actual // np.dtype(dtype).itemsize, offset=offset), mm
+        return np.frombuffer(mm, dtype=dtype), mm
 
     def shrunk_probe(self, segment_id: str) -> Callable[[int], bool] | None:
         """``shrunk`` of segment ``segment_id``'s mapped file (its check in ``client.read_mapped``), or None where

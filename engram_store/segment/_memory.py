@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import logging
+import mmap
 import os
 import socket
 import threading
@@ -29,7 +30,7 @@ import numpy as np
 
 from ..errors import ConfigError, InvalidArgument, StoreError
 from ..durable import DurableDir, HeldDir
-from ..pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise, map_file, prefault, reserve, reserve_memory
+from ..pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, madvise, prefault, reserve, reserve_memory
 from .._shared_dirs import UserDir, open_own, shared_base
 from ..wire import handover
 
@@ -189,15 +190,13 @@ class SegmentMemory:
                 raise
             self.sealed, self.name = False, self.path
         try:
-            # at a 2 MiB boundary, so that where the policy gives huge pages they are mapped as such (not collapsed:
-            # see docs/operating.md, "Huge pages")
-            self._mmap, offset = map_file(fd, size, writable=True)
+            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError:
             os.close(fd)
             self._close_dir()
             raise
         self.fd = fd
-        self.array = np.frombuffer(self._mmap, dtype=np.uint8, count=size, offset=offset)
+        self.array = np.frombuffer(self._mmap, dtype=np.uint8)
         self.address = self.array.ctypes.data
         self._closed = False
         if path is None:

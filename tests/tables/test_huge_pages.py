@@ -1,6 +1,7 @@
 """Shared memory in 2 MiB pages (``engram_store.pages``): mappings placed at a 2 MiB boundary, files collapsed into
 huge pages whatever the host's shmem policy, and what uses them: a ``local_dir``'s layer files (written and opened)
-and the host row cache; a segment's memory is placed, not collapsed. hugetlbfs is refused by name."""
+and the host row cache (a segment's memory is not collapsed: docs/operating.md, "Huge pages"). hugetlbfs is refused
+by name."""
 from __future__ import annotations
 
 import os
@@ -16,7 +17,6 @@ from engram_store import EngramStore, EngramStoreConfig
 from engram_store import pages
 from engram_store.disk._host_cache import HostRowCache
 from engram_store.errors import ConfigError
-from engram_store.segment._memory import SegmentMemory, shmem_huge_pages
 from engram_store.tables._local_dir import LAYOUT_MAGIC
 
 MiB = 1 << 20
@@ -201,21 +201,6 @@ def test_a_local_dir_layer_another_writer_left_in_4_KiB_pages_is_collapsed_by_it
 def test_the_host_row_cache_is_in_2_MiB_pages():
     with HostRowCache(8 * MiB, 264, scope="huge-pages-test") as cache:
         assert _huge_kib(cache.rows.ctypes.data) >= 4 * HUGE // 1024
-
-
-def test_a_segments_memory_is_mapped_at_a_2_MiB_boundary_and_not_collapsed():
-    """Placed so that huge pages the host's policy gives map as such, but not collapsed: its pages are only reserved
-    at start, which collapse slowly and stall reads meanwhile (docs/operating.md, "Huge pages")."""
-    memory = SegmentMemory(6 * HUGE)
-    try:
-        assert memory.address % HUGE == 0 and memory.array.nbytes == 6 * HUGE
-        memory.write(HUGE + 5, memoryview(b"engram"))
-        memory.prefault(threading.Event())
-        assert bytes(memory.array[HUGE + 5:HUGE + 11]) == b"engram"
-        if shmem_huge_pages() in ("never", "deny"):
-            assert _huge_kib(memory.address) == 0
-    finally:
-        memory.close()
 
 
 def test_a_local_dir_on_hugetlbfs_is_refused_by_name_and_nothing_is_written(tmp_path):
