@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..errors import InvalidArgument, ObjectExists, ObjectLost, StoreError
+from ..errors import EngramError, InvalidArgument, ObjectExists, ObjectLost, StoreError
 from . import _manifest as manifest
 from ._layout import Layer
 from ._source import Source, progress
@@ -112,9 +112,25 @@ class KeyedSource(Source):
         try:
             published = self.publish(lay, upload.checksums, replica_num, upload.algorithm, upload.generations)
         except BaseException:
-            self.undo_written(lay, Written(upload, manifest=False))  # all-or-nothing: no tables without their manifest
+            self.undo_failed_publish(lay, upload)  # all-or-nothing: no tables without their manifest, nor the reverse
             raise
         lay.written = Written(upload, *published)
+
+    def undo_failed_publish(self, lay: Layer, upload: Upload) -> None:
+        """Take back a populate whose publish raised. The manifest may be published all the same: the failure (an
+        interrupt, a lost reply) can reach this process after the store took the manifest's put. So a manifest
+        naming these heads (their checksums, where both have them) is removed first, then the heads; where the
+        manifest cannot be read, the heads stay (unpublished, or published whole; ``remove_from_store`` takes them),
+        never a manifest without its heads."""
+        try:
+            record = self.read_manifest(lay, lost_is_absent=True)
+            if record is not None and _names_heads(record, lay, upload):
+                self.remove_keys([lay.manifest_key], force=True)
+        except EngramError as exc:
+            log.warning("populate layer %d failed, and its manifest could not be looked at (%s): its heads are left "
+                        "in the store; remove_from_store() removes them", lay.layer_id, exc)
+            return
+        self.undo_written(lay, Written(upload, manifest=False))
 
     def publish(self, lay: Layer, checksums: list[str], replica_num: int, algorithm: str = "xxh3_64",
                 generations: list[int] | None = None) -> tuple[bool, int | None]:
@@ -185,6 +201,15 @@ class KeyedSource(Source):
 
     def remove_keys(self, keys: list[str], force: bool) -> int:
         return sum(1 for key in keys if self.remove_key(key, force))
+
+
+def _names_heads(record: dict, lay: Layer, upload: Upload) -> bool:
+    """Whether the manifest ``record`` describes the heads ``upload`` wrote: their checksums, where the manifest and
+    the upload both have them (otherwise it is taken to: it can only have been published over these heads)."""
+    recorded = record.get("checksums")
+    if record.get("checksum") != upload.algorithm or not isinstance(recorded, list) or not upload.checksums:
+        return True
+    return all(recorded[h] in (None, c) for h, c in zip(lay.heads, upload.checksums) if 0 <= h < len(recorded))
 
 
 def check_code(code: Any, op: str, what: str) -> None:

@@ -24,6 +24,7 @@ from engram_store import (
 )
 from engram_store.testing import Cluster
 from engram_store.tables import _plan as _engram_store
+from engram_store.tables._source_store import StoreSource
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -395,6 +396,35 @@ def test_concurrent_lookups_from_threads(local_store):
     assert sorted(done) == [0, 1, 2, 3]
     es.remove_from_store()
     es.close()
+
+
+@pytest.mark.parametrize("when", ["after the master published it", "before it reached the master"])
+def test_a_populate_interrupted_while_its_manifest_is_put_leaves_no_manifest_without_heads(local_store, monkeypatch,
+                                                                                              when):
+    """Seed 974124 of the fault explorer: SIGINT reached a populate while its manifest's put was on its way back,
+    after the master had published the manifest; the populate took its heads back and left a manifest naming heads
+    that were gone (a half-published layer). Now the manifest goes first, whichever side of the master the
+    interrupt came."""
+    layer, sizes = next(_layers), [300, 200]
+    tables = make_tables(sizes, 8, 3)
+    es = EngramStore(layer, EngramStoreConfig(sizes, 8), local_store)
+    put_manifest = StoreSource.put_manifest
+
+    def interrupted(self, *args, **kwargs):
+        if when.startswith("after"):
+            put_manifest(self, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(StoreSource, "put_manifest", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        es.populate(tables)
+    monkeypatch.undo()
+    assert local_store.batch_is_exist(es.get_store_keys()) == [False] * 2
+    assert not local_store.is_exist(f"engram:l{layer}:manifest")
+    es.populate(tables)  # nothing was left to refuse it
+    ids = np.array([[[0, 199], [299, 0]]])
+    np.testing.assert_array_equal(es.lookup(ids), expected_rows(tables, ids))
+    assert es.remove_from_store() == 2
 
 
 def test_segment_killed_during_populate_leaves_no_key():
