@@ -43,29 +43,33 @@ HUGE_PAGE_BYTES = 2 << 20
 #: Prefaulting maps this much per madvise call (and checks whether to stop in between).
 PREFAULT_CHUNK_BYTES = 64 << 20
 
-_libc: ctypes.CDLL | None = None
-_libc_missing = False
+_c_functions: dict = {}
+
+
+def _c_function(name: str, argtypes: list, restype: type) -> object | None:
+    """The C library's function ``name`` with its signature (errno kept for ``ctypes.get_errno``), loaded once; None
+    where there is none (not Linux/glibc): each caller goes on without it. One private function object per name, so
+    no caller sees another's signature."""
+    if name not in _c_functions:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True)[name]  # (indexing makes a function object of its own)
+            fn.argtypes, fn.restype = argtypes, restype
+        except (OSError, AttributeError):
+            fn = None
+        _c_functions[name] = fn
+    return _c_functions[name]
 
 
 def madvise(address: int, length: int, advice: int) -> int:
     """``madvise(2)`` of ``length`` bytes from ``address`` (widened to whole pages): 0, or the errno
     (ENOSYS where libc cannot be loaded, e.g. not Linux/glibc; everything still works without advice)."""
-    global _libc, _libc_missing
-    if _libc is None:
-        if _libc_missing:
-            return errno.ENOSYS
-        try:
-            lib = ctypes.CDLL(None, use_errno=True)
-            lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            lib.madvise.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            _libc_missing = True
-            return errno.ENOSYS
-        _libc = lib
+    fn = _c_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int)
+    if fn is None:
+        return errno.ENOSYS
     if length <= 0:
         return 0
     start = address - address % mmap.PAGESIZE
-    if _libc.madvise(start, length + (address - start), advice) == 0:
+    if fn(start, length + (address - start), advice) == 0:
         return 0
     return ctypes.get_errno() or errno.EINVAL
 
@@ -136,6 +140,16 @@ def collapse(address: int, length: int, name: str = "mapping", stop: threading.E
     return done
 
 
+def prefault_huge(address: int, length: int, name: str, collapse_first: bool = True) -> None:
+    """:func:`prefault` ``length`` bytes of a shared mapping from ``address`` in 2 MiB pages: asked for where the
+    host's policy allows them (MADV_HUGEPAGE), and first collapsed where it does not (:func:`collapse`; before the
+    prefault, as pages this process maps in collapse slower) unless ``collapse_first`` is False."""
+    madvise(address, length, MADV_HUGEPAGE)
+    if collapse_first:
+        collapse(address, length, name)
+    prefault(address, length, name=name)
+
+
 def collapse_file(fd: int, size: int, name: str) -> int:
     """Move the pages of the first ``size`` bytes of the file ``fd`` (open for reading) into 2 MiB pages, through a
     mapping of its own (see :func:`collapse`); returns the bytes collapsed.
@@ -169,41 +183,22 @@ HUGETLBFS_MAGIC = 0x958458F6
 def on_hugetlbfs(fd: int) -> bool:
     """Whether the file or directory ``fd`` is on hugetlbfs, whose files are sized in whole huge pages and cannot be
     written with ``write(2)`` (False where the system does not say)."""
-    global _fstatfs
-    if _fstatfs is None:
-        try:
-            fn = ctypes.CDLL(None, use_errno=True).fstatfs
-            fn.argtypes = [ctypes.c_int, ctypes.c_void_p]
-            fn.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            fn = False
-        _fstatfs = fn
-    if not _fstatfs:
+    fstatfs = _c_function("fstatfs", [ctypes.c_int, ctypes.c_void_p], ctypes.c_int)
+    if fstatfs is None:
         return False
     buf = ctypes.create_string_buffer(256)  # struct statfs (120 bytes on 64-bit Linux); f_type is its first word
-    if _fstatfs(fd, buf) != 0:
+    if fstatfs(fd, buf) != 0:
         return False
     return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF == HUGETLBFS_MAGIC
 
 
-_fstatfs = None
 _MAP_FIXED = 0x10
-_mmap_fn = None
 
 
 def _place():
     """libc's ``mmap``, to map a file at a chosen address (Python's ``mmap`` cannot); None where there is none."""
-    global _mmap_fn
-    if _mmap_fn is None:
-        try:
-            lib = ctypes.CDLL(None, use_errno=True)
-            fn = lib.mmap
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-            fn.restype = ctypes.c_void_p
-        except (OSError, AttributeError):
-            fn = False
-        _mmap_fn = fn
-    return _mmap_fn or None
+    return _c_function("mmap", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                ctypes.c_long], ctypes.c_void_p)
 
 
 def reserve(fd: int, nbytes: int, path: str, what: str) -> None:
@@ -285,21 +280,12 @@ def reserve_memory(fd: int, nbytes: int, what: str) -> None:
     os.ftruncate(fd, nbytes)
 
 
-_libc = None
-
-
 def trim_heap() -> None:
     """Give memory the allocator holds free back to the system (glibc's ``malloc_trim``; nothing elsewhere). A
     server that received a burst of large messages keeps their freed pages otherwise, for good."""
-    global _libc
-    if _libc is None:
-        try:
-            import ctypes
-            _libc = ctypes.CDLL("libc.so.6")
-            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _libc = False
-    if _libc:
-        _libc.malloc_trim(0)
+    fn = _c_function("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
+    if fn is not None:
+        fn(0)
+
 
 __all__ = ["trim_heap"]

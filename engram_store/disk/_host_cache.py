@@ -72,7 +72,7 @@ import xxhash
 
 from .. import _fork
 from ..errors import EngramError, InvalidArgument, OutOfSpace, StoreError, TableClosed, describe
-from ..pages import MADV_HUGEPAGE, collapse, madvise, map_file, prefault, write_zeros
+from ..pages import map_file, prefault_huge, write_zeros
 from .._shared_dirs import UserDir, directory_error, shared_base
 from . import _cache_kernels as ck
 from . import _kernels as k
@@ -277,10 +277,7 @@ class HostRowCache(RowCache):
         # the time in 4 KiB pages, two runs each). A fresh file's pages are collapsed into them whatever the host's
         # shmem policy (see engram_store.pages), before anything maps them in; a file other processes made was
         # collapsed by the first of them. The pages are mapped in now, not at the first lookups.
-        madvise(buf.ctypes.data, size, MADV_HUGEPAGE)
-        if fresh:
-            collapse(buf.ctypes.data, size, name=f"host row cache {self.path}")
-        prefault(buf.ctypes.data, size, name=f"host row cache {self.path}")
+        prefault_huge(buf.ctypes.data, size, f"host row cache {self.path}", collapse_first=fresh)
 
         def region(name, dtype):
             at, nbytes = regions[name]

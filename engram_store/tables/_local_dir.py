@@ -43,7 +43,7 @@ from .. import pages as _pages
 from .. import kernels as _kernels
 from ..errors import ConfigError, ObjectExists, OutOfSpace, StoreError
 from .._layer_dir import LayerDir, open_at, read_at
-from ..pages import MADV_HUGEPAGE, PREFAULT_CHUNK_BYTES, collapse_file, madvise, map_file, on_hugetlbfs, reserve
+from ..pages import PREFAULT_CHUNK_BYTES, collapse_file, map_file, on_hugetlbfs, reserve
 from .._shared_dirs import file_mode
 
 log = logging.getLogger(__name__)
@@ -66,17 +66,12 @@ def prefault(array: np.ndarray, background: bool = True) -> threading.Thread | N
     """
     address, size = array.ctypes.data, array.nbytes
     if not background or size <= PREFAULT_CHUNK_BYTES:
-        _map_in(address, size)
+        _pages.prefault_huge(address, size, "local_dir table")
         return None
-    thread = threading.Thread(target=_map_in, args=(address, size), name="engram-prefault", daemon=True)
+    thread = threading.Thread(target=_pages.prefault_huge, args=(address, size, "local_dir table"),
+                              name="engram-prefault", daemon=True)
     thread.start()
     return thread
-
-
-def _map_in(address: int, size: int) -> None:
-    madvise(address, size, MADV_HUGEPAGE)  # where the policy allows them (collapse makes them where it does not)
-    _pages.collapse(address, size, name="local_dir table")
-    _pages.prefault(address, size, name="local_dir table")
 
 
 def sources_for(tables: Sequence[tuple[int, np.ndarray]], num_heads: int, row_bytes: int) -> list:

@@ -4,6 +4,7 @@ and the host row cache (a segment's memory is not collapsed: docs/operating.md, 
 by name."""
 from __future__ import annotations
 
+import mmap
 import os
 import subprocess
 import sys
@@ -109,6 +110,18 @@ def test_map_file_places_the_file_at_a_2_MiB_boundary_and_maps_its_bytes(tmp_pat
         small.close()
     finally:
         os.close(fd)
+
+
+def test_madvise_still_answers_after_the_heap_is_trimmed():
+    """Each C function pages calls has its own signature: trim_heap (a master's, in an embedded cluster beside a
+    segment) once replaced the library madvise called through, which then passed addresses without its signature
+    and every advice failed with EINVAL."""
+    pages.trim_heap()
+    owner = mmap.mmap(-1, 4 * MiB)
+    address = np.frombuffer(owner, np.uint8, count=1).ctypes.data
+    assert address > 1 << 32  # an address a C int cannot hold
+    assert pages.madvise(address, 4 * MiB, pages.MADV_POPULATE_READ) == 0
+    owner.close()
 
 
 @needs_collapse
