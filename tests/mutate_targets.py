@@ -80,11 +80,11 @@ TARGETS = [
            ("StoreSource.read_local", "StoreSource._clear_cache", "_RowCache.probe", "_RowCache.fill",
             "_RowCache.clear"), MAPPED_TESTS + CACHE_TESTS + V41_TESTS),
     Target("engram_model/v41/_rows.py", ("V41Rows._run",), V41_TESTS),
-    # a populate whose publish raised: the manifest goes before the heads, never a manifest without them
-    Target("engram_store/tables/_keyed.py", ("KeyedSource.undo_failed_publish",),
+    # a populate whose publish raised: the manifest naming its heads goes first, another writer's stays
+    Target("engram_store/tables/_keyed.py", ("KeyedSource.undo_failed_publish", "_names_heads"),
            ("tests/tables/test_engram_store.py::test_a_populate_interrupted_while_its_manifest_is_put_leaves_no_"
-            "manifest_without_heads", "tests/tables/test_engram_store.py::test_populate_is_create_only_and_remove_"
-            "counts")),
+            "manifest_without_heads", "tests/store/test_remove.py::test_a_populate_that_cannot_publish_undoes_its_"
+            "own_heads_and_never_another_writers")),
     Target("engram_model/_rows_gather.py", ("RowGather.gather", "RowGather.in_memory", "RowGather._span_over",
                                             "RowGather.held"),
            V41_TESTS + HELD_TESTS),

@@ -118,13 +118,13 @@ class KeyedSource(Source):
 
     def undo_failed_publish(self, lay: Layer, upload: Upload) -> None:
         """Take back a populate whose publish raised. The manifest may be published all the same: the failure (an
-        interrupt, a lost reply) can reach this process after the store took the manifest's put. So a manifest that
-        is there is removed first, then the heads: it describes a layer holding these heads, which are under its
-        keys (a store that fences publishes a manifest only over the heads it names); where it cannot be read, the
-        heads stay (unpublished, or published whole; ``remove_from_store`` takes them), never a manifest without
-        its heads."""
+        interrupt, a lost reply) can reach this process after the store took the manifest's put. So a manifest
+        naming these heads (their checksums, where both have them) is removed first, then the heads; where the
+        manifest cannot be read, the heads stay (unpublished, or published whole; ``remove_from_store`` takes them),
+        never a manifest without its heads."""
         try:
-            if self.read_manifest(lay, lost_is_absent=True) is not None:
+            record = self.read_manifest(lay, lost_is_absent=True)
+            if record is not None and _names_heads(record, lay, upload):
                 self.remove_keys([lay.manifest_key], force=True)
         except EngramError as exc:
             log.warning("populate layer %d failed, and its manifest could not be looked at (%s): its heads are left "
@@ -201,6 +201,15 @@ class KeyedSource(Source):
 
     def remove_keys(self, keys: list[str], force: bool) -> int:
         return sum(1 for key in keys if self.remove_key(key, force))
+
+
+def _names_heads(record: dict, lay: Layer, upload: Upload) -> bool:
+    """Whether the manifest ``record`` describes the heads ``upload`` wrote: their checksums, where the manifest and
+    the upload both have them (otherwise it is taken to: it can only have been published over these heads)."""
+    recorded = record.get("checksums")
+    if record.get("checksum") != upload.algorithm or not isinstance(recorded, list) or not upload.checksums:
+        return True
+    return all(recorded[h] in (None, c) for h, c in zip(lay.heads, upload.checksums) if 0 <= h < len(recorded))
 
 
 def check_code(code: Any, op: str, what: str) -> None:
