@@ -161,6 +161,7 @@ class RowGather:
         self.col_head.flags.writeable = False
         self._staging = np.empty(0, dtype=np.uint8)
         self._staging_lock = threading.Lock()
+        self._order: dict[tuple[int, int], bool] = {}  # (first, width) -> _in_order's answer
         self._lock = threading.Lock()
         self._background = SharedPool(name)  # one thread, made on first use
         self._span_of: list | None = None  # the tables the span was built over (kept referenced)
@@ -251,8 +252,7 @@ class RowGather:
         store_ids, src = _k.plan_window(ids, self.offsets, first, width, n, v0, v1, self.col_head, H)
         M = store_ids.shape[0]
         wanted = store_ids.reshape(1, M, H)
-        if straight is not None and M * H == n and H == width and first + width <= self.cols \
-                and bool((self.col_head[first:first + width] == np.arange(H)).all()):
+        if straight is not None and M * H == n and H == width and self._in_order(first, width):
             self.table.lookup_into(wanted, straight.reshape(1, M, H, -1), layer=self.layer_id)
             _k.zero_slots(src, straight)
             return
@@ -262,6 +262,15 @@ class RowGather:
             rows = self._staging[:M * H * rb].reshape(M * H, rb)
             self.table.lookup_into(wanted, rows.view(self.store_dtype).reshape(1, M, H, -1), layer=self.layer_id)
             lay_out(rows, src)
+
+    def _in_order(self, first: int, width: int) -> bool:
+        """Whether columns ``first .. first + width`` are the table's heads in order (a window read straight into
+        the caller's buffer); asked once a window."""
+        found = self._order.get((first, width))
+        if found is None:
+            found = self._order[(first, width)] = first + width <= self.cols and bool(
+                (self.col_head[first:first + width] == np.arange(len(self.heads))).all())
+        return found
 
     def submit(self, run: Callable[[], Any], ids: Any) -> RowsHandle:
         """``run()`` on this gather's own background thread."""

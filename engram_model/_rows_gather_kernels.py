@@ -355,49 +355,47 @@ def _split_copy(span, where, i0, values, blocks, codes, scales):
 # ---- through a staging read -------------------------------------------------------------------------------
 
 
-@njit(inline="always")
-def slot_id(ids, cols, first, width, i):
-    # Slot i's id (-1 past the last column) and its own column.
-    t = i // width
-    c = first + i - t * width
-    return (ids[t * cols + c] if c < cols else -1), c
-
-
 @njit(cache=True, nogil=True)
 def plan_window(ids, offsets, first, width, n, v0, v1, col_head, num_heads):
     """Where each of ``n`` slots is read from, for a source that reads ``[M, H]`` per-head ids
     (EngramStore.lookup_into). Returns (store_ids int64 [M, H], src int64 [n]): src is the staging row
     ``m * H + h`` of slot i, -1 for zeros (ids outside [v0, v1), -1).
 
-    col_head int64 [cols]: the EngramStore head holding column c (-1: none; every column an id of the window lies
-    in is held). An id in its own column is read at its token's ``m = i // width``, so a whole step's rows land in
-    slot order; ids of another column are read in rows after the first ``ceil(n / width)``; unused entries read
-    row 0 (once per head, for nothing)."""
+    Slot ``i = t * width + j`` holds ``ids[t * cols + first + j]`` (-1 past the last column), whose own column is
+    ``first + j``. col_head int64 [cols]: the EngramStore head holding column c (-1: none; every column an id of
+    the window lies in is held). An id in its own column is read at its token's ``m = t``, so a whole step's rows
+    land in slot order; ids of another column are read in rows after the first ``ceil(n / width)``; unused
+    entries read row 0 (once per head, for nothing). The slots are walked token by token (no division a slot: at a
+    decode step's 1,536 slots the divisions were a third of the plan)."""
     cols = offsets.shape[0] - 1
     T = -(-n // width)
     extra = np.zeros(num_heads, dtype=np.int64)
-    for i in range(n):  # first pass: how many rows of other columns each head reads
-        g, own = slot_id(ids, cols, first, width, i)
-        if v0 <= g < v1:
-            c = column_of(g, own, offsets)
-            if c != own:
-                extra[col_head[c]] += 1
+    for t in range(T):  # first pass: how many rows of other columns each head reads
+        for j in range(min(width, n - t * width)):
+            c = first + j
+            g = ids[t * cols + c] if c < cols else -1
+            if v0 <= g < v1:
+                home = column_of(g, c, offsets)
+                if home != c:
+                    extra[col_head[home]] += 1
     store_ids = np.zeros((max(T + extra.max(), 1), num_heads), dtype=np.int64)
     src = np.empty(n, dtype=np.int64)
     extra[:] = 0
-    for i in range(n):
-        g, own = slot_id(ids, cols, first, width, i)
-        if not v0 <= g < v1:
-            src[i] = -1
-            continue
-        c = column_of(g, own, offsets)
-        h = col_head[c]
-        m = i // width
-        if c != own:
-            m = T + extra[h]
-            extra[h] += 1
-        store_ids[m, h] = g - offsets[c]
-        src[i] = m * num_heads + h
+    for t in range(T):
+        for j in range(min(width, n - t * width)):
+            i, c = t * width + j, first + j
+            g = ids[t * cols + c] if c < cols else -1
+            if not v0 <= g < v1:
+                src[i] = -1
+                continue
+            home = column_of(g, c, offsets)
+            h = col_head[home]
+            m = t
+            if home != c:
+                m = T + extra[h]
+                extra[h] += 1
+            store_ids[m, h] = g - offsets[home]
+            src[i] = m * num_heads + h
     return store_ids, src
 
 

@@ -63,3 +63,54 @@ def test_every_form_gathers_numpys_rows_and_the_checked_call_writes_nothing_for_
         else:
             assert found == K.first_bad(ids, total) == -1
             np.testing.assert_array_equal(got, expected)
+
+
+def _plan_reference(ids, offsets, first, width, n, v0, v1, col_head):
+    """plan_window's contract in plain Python: each slot's staging row, own-column ids at their token's row, the
+    others after the first ceil(n / width) rows in slot order, and the store id each row reads."""
+    cols = len(offsets) - 1
+    T = -(-n // width)
+    placed, later = [], {h: 0 for h in set(col_head.tolist())}
+    for i in range(n):
+        t, c = divmod(i, width)
+        c += first
+        g = int(ids[t * cols + c]) if c < cols else -1
+        if not v0 <= g < v1:
+            placed.append(None)
+            continue
+        home = int(np.searchsorted(offsets, g, side="right")) - 1
+        h = int(col_head[home])
+        if home == c:
+            m = t
+        else:
+            m = T + later[h]
+            later[h] += 1
+        placed.append((m, h, g - int(offsets[home])))
+    return T, placed
+
+
+@settings(max_examples=120, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), cols=st.integers(1, 6), tokens=st.integers(1, 12), first=st.integers(0, 5),
+       width=st.integers(1, 6), cut=st.integers(0, 5), window=st.booleans(), stray=st.floats(0, 0.5))
+def test_plan_window_places_every_slot_as_its_contract_says(seed, cols, tokens, first, width, cut, window, stray):
+    rng = np.random.default_rng(seed)
+    first = min(first, cols - 1)
+    _, offsets, _ = _layer(rng, cols, 8)
+    total = int(offsets[-1])
+    ids = np.stack([rng.integers(offsets[c], offsets[c + 1], tokens) for c in range(cols)], axis=1).reshape(-1)
+    strays = rng.random(ids.shape) < stray  # ids of other columns, anywhere in the table
+    ids[strays] = rng.integers(0, total, int(strays.sum()))
+    ids[rng.random(ids.shape) < 0.1] = -1
+    n = max(1, tokens * width - min(cut, width - 1))  # a last token cut short, as a tensor-parallel part may be
+    v0, v1 = (total // 3, total * 2 // 3 + 1) if window else (0, total)
+    col_head = np.arange(cols, dtype=np.int64)
+    store_ids, src = K.plan_window(ids, offsets, first, width, n, v0, v1, col_head, cols)
+    T, placed = _plan_reference(ids, offsets, first, width, n, v0, v1, col_head)
+    assert src.shape == (n,) and store_ids.shape[1] == cols and store_ids.shape[0] >= T
+    for i, want in enumerate(placed):
+        if want is None:
+            assert src[i] == -1
+        else:
+            m, h, row = want
+            assert src[i] == m * cols + h
+            assert store_ids[m, h] == row
