@@ -150,7 +150,7 @@ def prefault_huge(address: int, length: int, name: str, collapse_first: bool = T
     prefault(address, length, name=name)
 
 
-def collapse_file(fd: int, size: int, name: str) -> int:
+def collapse_file(fd: int, size: int, name: str, stop: threading.Event | None = None) -> int:
     """Move the pages of the first ``size`` bytes of the file ``fd`` (open for reading) into 2 MiB pages, through a
     mapping of its own (see :func:`collapse`); returns the bytes collapsed.
 
@@ -162,7 +162,7 @@ def collapse_file(fd: int, size: int, name: str) -> int:
         return 0
     owner, offset = map_file(fd, size)
     try:
-        return collapse(np.frombuffer(owner, dtype=np.uint8, count=1, offset=offset).ctypes.data, size, name)
+        return collapse(np.frombuffer(owner, dtype=np.uint8, count=1, offset=offset).ctypes.data, size, name, stop)
     finally:
         owner.close()
 

@@ -246,20 +246,28 @@ class LocalDir:
     @classmethod
     def _write(cls, fd: int, shown: str, row_bytes: int, sizes: Sequence[int], tables: Sequence[Any],
                progress: Callable[[int], None] | None) -> None:
-        """Every file of a layer, into the staging directory ``fd``, checked as a reader will check them."""
+        """Every file of a layer, into the staging directory ``fd``, checked as a reader will check them. Each head
+        file is finished (collapsed into 2 MiB pages, synced, made read-only) on a thread of its own while the next
+        one is written: the collapse was most of a load's time, and it waits on the kernel, not on this process."""
         done = 0
-        for h, table in enumerate(tables):
-            cls._write_head(fd, f"head-{h}.bin", shown, table, sizes[h] * row_bytes, row_bytes)
-            done += sizes[h] * row_bytes
-            if progress is not None:
-                progress(done)
+        finisher = _HeadFinisher()
+        try:
+            for h, table in enumerate(tables):
+                head_fd, file = cls._write_head(fd, f"head-{h}.bin", shown, table, sizes[h] * row_bytes, row_bytes)
+                finisher.finish(head_fd, sizes[h] * row_bytes, file)
+                done += sizes[h] * row_bytes
+                if progress is not None:
+                    progress(done)
+            finisher.wait()
+        finally:
+            finisher.stop()
         _write_layout(fd, layout_text(row_bytes, sizes))
         MappedLayer(fd, shown, row_bytes, sizes, prefault_pages=False).close()
 
     @staticmethod
-    def _write_head(dir_fd: int, name: str, shown: str, table: Any, nbytes: int, row_bytes: int) -> None:
-        """Write one head's file from its table, or from ``fill(start_row, out)`` called chunk by chunk; synced and
-        read-only."""
+    def _write_head(dir_fd: int, name: str, shown: str, table: Any, nbytes: int, row_bytes: int) -> tuple[int, str]:
+        """Write one head's file from its table, or from ``fill(start_row, out)`` called chunk by chunk; returns
+        the file, open, and its name, for :class:`_HeadFinisher`."""
         file = os.path.join(shown, name)
         fd = _create(dir_fd, name)
         try:
@@ -275,14 +283,62 @@ class LocalDir:
                 view = memoryview(table.reshape(-1).view(np.uint8))
                 for start in range(0, nbytes, step):  # pwrite: no page faults in this process
                     _pwrite_all(fd, view[start:start + step], start)
-            collapse_file(fd, nbytes, file)  # into 2 MiB pages, while no process maps them (see engram_store.pages)
-            os.fsync(fd)
-            os.fchmod(fd, file_mode())
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        return fd, file
 
     def close(self) -> None:
         self.dir.close()
+
+
+class _HeadFinisher:
+    """Finishes a layer's head files one at a time on a thread of its own, in the order given: collapses each
+    file's pages into 2 MiB pages while no process maps them (``engram_store.pages``), syncs it, makes it read-only
+    and closes it. :meth:`wait` raises what finishing a file raised; :meth:`stop` cuts a collapse short (the file
+    stays in the pages it has: the staging directory is discarded after a failure) and waits for the thread."""
+
+    def __init__(self) -> None:
+        self._halt = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def finish(self, fd: int, nbytes: int, file: str) -> None:
+        """Finish ``fd`` (which this takes over, closed whatever happens) once the file before it is finished."""
+        try:
+            self.wait()
+        except BaseException:
+            os.close(fd)
+            raise
+        self._thread = threading.Thread(target=self._run, args=(fd, nbytes, file), name="engram-local-dir-finish",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, fd: int, nbytes: int, file: str) -> None:
+        try:
+            collapse_file(fd, nbytes, file, self._halt)
+            if not self._halt.is_set():
+                os.fsync(fd)
+                os.fchmod(fd, file_mode())
+        except BaseException as exc:  # raised in the writer's thread by wait()
+            self._error = exc
+        finally:
+            os.close(fd)
+
+    def wait(self) -> None:
+        """Wait for the file in hand to be finished; raise what finishing it raised."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def stop(self) -> None:
+        self._halt.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
 
 def layer_name(layer_id: int) -> str:

@@ -19,3 +19,50 @@ def test_a_layout_file_that_finds_no_room_raises_out_of_space(tmpfs):
     with pytest.raises(OutOfSpace, match=r"local_dir: cannot publish layer 1 .* the file system is full .*layout"):
         layer.populate([np.zeros((256, 16), np.float32)] * 3)
     assert os.listdir(tiny_tmpfs / "layers") == []  # nothing published, nothing staged, no lock file
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+def test_a_head_file_that_cannot_be_finished_fails_the_writer_and_every_file_handed_over_is_closed():
+    from engram_store.tables._local_dir import _HeadFinisher
+
+    finisher = _HeadFinisher()
+    read_end, write_end = os.pipe()  # fsync of a pipe: EINVAL, raised on the finishing thread
+    os.close(write_end)
+    finisher.finish(read_end, 0, "head-0.bin")
+    with pytest.raises(OSError) as failed:
+        finisher.wait()
+    assert failed.value.errno == 22 and not _is_open(read_end)
+    finisher.wait()  # raised once: nothing in hand now
+
+    # the next file is not taken over while the one before failed: it is closed, and the failure raised
+    read_end, write_end = os.pipe()
+    os.close(write_end)
+    finisher.finish(read_end, 0, "head-1.bin")
+    second, other = os.pipe()
+    os.close(other)
+    with pytest.raises(OSError):
+        finisher.finish(second, 0, "head-2.bin")
+    assert not _is_open(read_end) and not _is_open(second)
+    finisher.stop()
+
+
+def test_a_populate_whose_head_cannot_be_finished_publishes_nothing(tmp_path, monkeypatch):
+    from engram_store.tables import _local_dir
+
+    def no_room_to_map(fd, size, name, stop=None):  # as map_file fails where the address space is short
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(_local_dir, "collapse_file", no_room_to_map)  # called on the finishing thread only
+    config = EngramStoreConfig(table_vocab_sizes=[256, 256, 256], embedding_dim=16)
+    layer = EngramStore(1, config, local_dir=str(tmp_path / "layers"))
+    with pytest.raises(Exception, match=r"local_dir: cannot publish layer 1 .*Cannot allocate memory"):
+        layer.populate([np.ones((256, 16), np.float32)] * 3)
+    assert os.listdir(tmp_path / "layers") == []  # nothing published, nothing staged, no lock file
+    layer.close()
