@@ -296,7 +296,11 @@ class _HeadFinisher:
     """Finishes a layer's head files one at a time on a thread of its own, in the order given: collapses each
     file's pages into 2 MiB pages while no process maps them (``engram_store.pages``), syncs it, makes it read-only
     and closes it. :meth:`wait` raises what finishing a file raised; :meth:`stop` cuts a collapse short (the file
-    stays in the pages it has: the staging directory is discarded after a failure) and waits for the thread."""
+    stays in the pages it has: the staging directory is discarded after a failure) and waits for the thread.
+
+    A file handed over is closed exactly once, by the side that claims it under its lock: the thread as it begins,
+    or the writer where handing it over failed (an interrupt can land after the thread was made and before
+    ``start`` returns; the thread then finds the file taken back and leaves it alone)."""
 
     def __init__(self) -> None:
         self._halt = threading.Event()
@@ -305,16 +309,20 @@ class _HeadFinisher:
 
     def finish(self, fd: int, nbytes: int, file: str) -> None:
         """Finish ``fd`` (which this takes over, closed whatever happens) once the file before it is finished."""
+        handed = _Handed(fd)
         try:
             self.wait()
+            self._thread = threading.Thread(target=self._run, args=(handed, nbytes, file),
+                                            name="engram-local-dir-finish", daemon=True)
+            self._thread.start()
         except BaseException:
-            os.close(fd)
+            handed.claim("writer")
             raise
-        self._thread = threading.Thread(target=self._run, args=(fd, nbytes, file), name="engram-local-dir-finish",
-                                        daemon=True)
-        self._thread.start()
 
-    def _run(self, fd: int, nbytes: int, file: str) -> None:
+    def _run(self, handed: "_Handed", nbytes: int, file: str) -> None:
+        fd = handed.claim("thread")
+        if fd is None:
+            return
         try:
             collapse_file(fd, nbytes, file, self._halt)
             if not self._halt.is_set():
@@ -325,20 +333,42 @@ class _HeadFinisher:
         finally:
             os.close(fd)
 
+    def _join(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            try:
+                thread.join()
+            except RuntimeError:  # never started: its file was taken back (finish)
+                pass
+
     def wait(self) -> None:
         """Wait for the file in hand to be finished; raise what finishing it raised."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._join()
         if self._error is not None:
             error, self._error = self._error, None
             raise error
 
     def stop(self) -> None:
         self._halt.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._join()
+
+
+class _Handed:
+    """A file descriptor one of two sides closes: the first to :meth:`claim` it."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd: int | None = fd
+        self.lock = threading.Lock()
+
+    def claim(self, side: str) -> int | None:
+        """The descriptor for the thread to use and close, or None if the writer took it back; for the writer,
+        closes it unless the thread has it."""
+        with self.lock:
+            fd, self.fd = self.fd, None
+        if fd is not None and side == "writer":
+            os.close(fd)
+            return None
+        return fd
 
 
 def layer_name(layer_id: int) -> str:

@@ -66,3 +66,27 @@ def test_a_populate_whose_head_cannot_be_finished_publishes_nothing(tmp_path, mo
         layer.populate([np.ones((256, 16), np.float32)] * 3)
     assert os.listdir(tmp_path / "layers") == []  # nothing published, nothing staged, no lock file
     layer.close()
+
+
+def test_a_head_file_whose_thread_cannot_start_is_closed_by_the_writer_and_only_once(monkeypatch):
+    from engram_store.tables import _local_dir
+
+    def cannot_start(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(_local_dir.threading.Thread, "start", cannot_start)
+    finisher = _local_dir._HeadFinisher()
+    read_end, write_end = os.pipe()
+    os.close(write_end)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        finisher.finish(read_end, 0, "head-0.bin")
+    assert not _is_open(read_end)
+    finisher.stop()  # a thread never started is not waited for
+
+    handed = _local_dir._Handed(os.open(os.devnull, os.O_RDONLY))
+    fd = handed.claim("thread")
+    assert fd is not None and handed.claim("writer") is None and _is_open(fd)  # the thread's to close, not the writer's
+    os.close(fd)
+    handed = _local_dir._Handed(os.open(os.devnull, os.O_RDONLY))
+    taken = handed.fd
+    assert handed.claim("writer") is None and not _is_open(taken) and handed.claim("thread") is None
