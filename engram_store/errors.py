@@ -157,6 +157,16 @@ class StalePlacement(StoreError):
     code = "STALE_PLACEMENT"
 
 
+class MixedLayer(StoreError):
+    """A published layer whose heads are not all the tables its manifest names: the checksum the store keeps of a
+    head is not the manifest's, so the layer would give rows of two populates. A master that restarted without a
+    journal takes objects back from the segments, and a segment that was away while the layer was removed and
+    populated again brings back a head of the earlier populate. The layer is not read; remove it and populate it
+    again."""
+
+    code = "MIXED_LAYER"
+
+
 class DiskReadError(StoreError):
     """Reading a layer's file on local SSD (``disk_dir``) failed: an I/O error, or fewer bytes than the layout
     promises (a truncated file). The message names the file and the offset."""

@@ -285,8 +285,9 @@ def _judge_present(history, target, op, gen: int) -> None:
                               f"{op.reply.get('message')}")
         else:
             history.log(f"{target}: lost with a segment that is gone, and reported by name")
-    elif error in ABSENT or error == "StoreError":
+    elif error in ABSENT or error in ("StoreError", "MixedLayer"):
         if _in_store(target) and _journalless_restart(history):
+            # (MixedLayer: heads of two populates taken back from different segments, refused rather than read)
             history.log(f"{target}: gone under a master without a journal while a segment was away "
                         f"({error}): allowed")
         else:

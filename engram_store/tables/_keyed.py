@@ -177,9 +177,15 @@ class KeyedSource(Source):
             raise ObjectLost(f"layer {lay.layer_id} is lost: {exc}; populate it again") from exc
         return manifest.decode(lay, data) if data else None
 
-    def check_published(self, lay: Layer) -> None:
+    def check_published(self, lay: Layer, stored: list[str] | None = None) -> None:
+        """Refuse a layer that is not published or not as configured; with ``stored`` (the checksums the store keeps
+        of the layer's heads, read before the manifest), one whose heads are not the manifest's
+        (:class:`manifest.MixedLayer`)."""
         if self.require_manifest:
-            manifest.check(lay, self.read_manifest(lay))
+            record = self.read_manifest(lay)
+            manifest.check(lay, record)
+            if stored is not None:
+                manifest.check_heads(lay, record, stored)
 
     def verify(self, lay: Layer) -> list[int]:
         record = self.read_manifest(lay)

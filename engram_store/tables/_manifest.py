@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import xxhash
 
-from ..errors import ConfigError, ObjectNotFound, StoreError
+from ..errors import ConfigError, MixedLayer, ObjectNotFound, StoreError
 from ._layout import Layer
 
 #: Version of the layout manifest written with each layer (1: crc32 checksums; 2: xxh3_64 or crc32, named).
@@ -58,6 +58,26 @@ def check(lay: Layer, record: dict | None) -> None:
             raise ConfigError(f"layer {lay.layer_id} is stored with {name}={record.get(name)!r}, but this "
                               f"EngramStore is configured with {name}={mine[name]!r}; use the configuration "
                               "it was populated with")
+
+
+def check_heads(lay: Layer, record: dict, stored: Sequence[str]) -> None:
+    """Refuse a layer whose heads are not the tables its manifest names: ``stored`` holds the checksum the store
+    keeps of each of ``lay``'s heads (xxh3_64 of its bytes, as the populate that wrote it gave it; "" where it
+    keeps none), and a head whose checksum is not the manifest's was written by another populate. A master that
+    restarted without a journal learns the objects back from the segments, and a segment that was away then
+    brings back heads of an earlier populate of the layer beside a later one's: read, the layer would give rows of
+    both. Heads or manifests without checksums (other stores, a manifest of crc32s) are taken as they are."""
+    recorded = record.get("checksums")
+    if record.get("checksum") != "xxh3_64" or not isinstance(recorded, list):
+        return
+    for j, h in enumerate(lay.heads):
+        want = recorded[h] if 0 <= h < len(recorded) else None
+        got = stored[j] if j < len(stored) else ""
+        if want and got and want != got:
+            raise MixedLayer(f"layer {lay.layer_id}: head {h} ({lay.keys[j]!r}) holds another table (xxh3_64 {got}) "
+                             f"than its manifest names ({want}): the layer mixes heads of two populates (a master "
+                             "that restarted without a journal took them back from different segments); it is not "
+                             "read. remove_from_store(force=True) and populate it again")
 
 
 def checksums(tables: Sequence[np.ndarray], algorithm: str | None = None) -> tuple[str, list[str]]:

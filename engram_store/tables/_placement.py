@@ -23,7 +23,8 @@ import numpy as np
 
 from .. import _fork
 from .. import kernels as _kernels
-from ..errors import EngramError, ObjectNotFound, SegmentUnavailable, StalePlacement, StoreError, Unavailable
+from ..errors import (EngramError, MixedLayer, ObjectNotFound, SegmentUnavailable, StalePlacement, StoreError,
+                      Unavailable)
 from ..client import MappedCheck, read_mapped
 from ._layout import Layer
 from ._source import InMemory, gather
@@ -106,7 +107,7 @@ class PlacementState:
 class Placements:
     """Resolves and keeps the placements of a store source's layers (see the module docstring)."""
 
-    def __init__(self, native: Any, check_published: Callable[[Layer], None],
+    def __init__(self, native: Any, check_published: Callable[..., None],
                  clear_cache: Callable[[Layer, tuple], None]):
         self.native = native
         self.check_published = check_published
@@ -230,8 +231,9 @@ class Placements:
                 state.known = (infos, signature, now)
                 return cached
             if signature != state.validated:
-                # First read, or the layer changed: check its layout (a failover to the same tables does not).
-                self.check_published(lay)
+                # First read, or the layer changed: check its layout and that its heads are the manifest's (a
+                # failover to the same tables does not).
+                self._check_heads(lay, infos, timeout_ms)
                 self.clear_cache(lay, signature)  # rows cached under an earlier placement: not this layer's now
                 state.validated = signature
             state.known = (infos, signature, now)
@@ -241,6 +243,21 @@ class Placements:
         with lay.lock:
             state.placement = placement
         return placement
+
+    def _check_heads(self, lay: Layer, infos: list, timeout_ms: int | None) -> None:
+        """``check_published`` with the heads as ``infos`` located them. They were located before the manifest was
+        read, so a layer removed and populated again in between looks mixed: a mix is refused only where the heads,
+        located again, are the same objects (a layer that keeps changing is refused after a few looks)."""
+        for _ in range(3):
+            try:
+                self.check_published(lay, [getattr(info, "checksum", "") for info in infos])
+                return
+            except MixedLayer:
+                again = self.native.locate(lay.keys, lease=False, timeout_ms=timeout_ms)
+                if _objects(again) == _objects(infos):
+                    raise
+                infos = again
+        self.check_published(lay, [getattr(info, "checksum", "") for info in infos])
 
     def _build(self, lay: Layer, infos: list, failed: set[str], signature: tuple, checked_at: float,
                local: bool = True) -> Placement:
@@ -343,3 +360,8 @@ class Placements:
             refresher, self._refresher = self._refresher, None
         if refresher is not None:
             refresher.shutdown(wait=False, cancel_futures=True)  # a check waiting on a paused master ends by itself
+
+
+def _objects(infos: list) -> list:
+    """Which object each head is (the puts that wrote its replicas)."""
+    return [tuple(r.generation for r in info.replicas) for info in infos]

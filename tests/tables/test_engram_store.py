@@ -19,6 +19,7 @@ from engram_store import (
     InvalidType,
     NotConnected,
     ObjectExists,
+    MixedLayer,
     ObjectNotFound,
     prefetch_many,
 )
@@ -424,6 +425,34 @@ def test_a_populate_interrupted_while_its_manifest_is_put_leaves_no_manifest_wit
     es.populate(tables)  # nothing was left to refuse it
     ids = np.array([[[0, 199], [299, 0]]])
     np.testing.assert_array_equal(es.lookup(ids), expected_rows(tables, ids))
+    assert es.remove_from_store() == 2
+
+
+@pytest.mark.parametrize("where", ["local", "remote"])
+def test_a_layer_whose_head_is_not_the_table_its_manifest_names_is_refused_never_read_mixed(local_store,
+                                                                                           remote_store, where):
+    """Seed 977060 of the fault explorer: a master restarted without a journal took back a layer's heads from two
+    segments, one of which had been away while the layer was removed and populated again, and lookups returned
+    rows of both populates. A reader now compares the checksum the store keeps of each head with the manifest's
+    and refuses the layer, naming the head. Here the mix is made directly: a head written over, through the
+    store's own API, with a table of another populate."""
+    store = local_store if where == "local" else remote_store
+    layer, sizes = next(_layers), [300, 200]
+    tables, others = make_tables(sizes, 8, 5), make_tables(sizes, 8, 6)
+    es = EngramStore(layer, EngramStoreConfig(sizes, 8), store)
+    es.populate(tables)
+    ids = np.array([[[0, 199], [299, 0]]])
+    np.testing.assert_array_equal(es.lookup(ids), expected_rows(tables, ids))
+    key = es.get_store_keys()[1]
+    store.remove(key, force=True)
+    store.put(key, others[1].tobytes())
+    reader = EngramStore(layer, EngramStoreConfig(sizes, 8), store)
+    with pytest.raises(MixedLayer, match=rf"layer {layer}: head 1 \({key!r}\) holds another table .* mixes heads "
+                                         "of two populates"):
+        reader.lookup(ids)
+    store.remove(key, force=True)
+    store.put(key, tables[1].tobytes())  # the manifest's own table again: read as before
+    np.testing.assert_array_equal(reader.lookup(ids), expected_rows(tables, ids))
     assert es.remove_from_store() == 2
 
 
