@@ -85,11 +85,15 @@ TARGETS = [
            ("tests/tables/test_engram_store.py::test_a_populate_interrupted_while_its_manifest_is_put_leaves_no_"
             "manifest_without_heads", "tests/store/test_remove.py::test_a_populate_that_cannot_publish_undoes_its_"
             "own_heads_and_never_another_writers")),
+    # a layer's heads against its manifest: a head of another populate is refused, never read (seed 977060)
+    Target("engram_store/tables/_manifest.py", ("check_heads",),
+           ("tests/tables/test_engram_store.py::test_a_layer_whose_head_is_not_the_table_its_manifest_names_is_"
+            "refused_never_read_mixed",)),
     Target("engram_model/_rows_gather.py", ("RowGather.gather", "RowGather.in_memory", "RowGather._span_over",
                                             "RowGather.held"),
            V41_TESTS + HELD_TESTS),
     # the gathers' own id check, folded into a decode step's one kernel (nothing written for a bad id)
-    Target("engram_model/_rows_gather_kernels.py", ("first_bad", "checked_rows_from_span"), HELD_TESTS),
+    Target("engram_model/_rows_gather_kernels.py", ("first_bad", "checked_rows_from_span", "plan_window"), HELD_TESTS),
     # tables this process holds (bind_local, local_dir): read by the kernel alone while they hold
     Target("engram_store/tables/_source.py", ("HeldTables.holds",), HELD_TESTS),
     Target("engram_store/tables/_source_memory.py", ("ArraySource.held_tables",), HELD_TESTS),
@@ -158,6 +162,15 @@ HELD_AGAIN = "a shortcut: asked again, held_tables gives the same tables and _sp
 #: line the change is on (no indentation, no comment) as a fifth item where the same change occurs twice in a
 #: function. Not run.
 EQUIVALENT: dict[tuple[str, ...], str] = {
+    # a layer's heads against its manifest: the bounds guard a manifest made by hand (manifest.check has compared
+    # its head sizes first, so it records a checksum a head; the store's checksums come one a key of the layer)
+    ("engram_store/tables/_manifest.py", "check_heads",
+     'record.get("checksum") != "xxh3_64" or not isinstance(recorded, list)', "record.get('checksum') != 'xxh3_64'"):
+        "every manifest engram writes has a list of checksums; the guard is for one made by hand",
+    ("engram_store/tables/_manifest.py", "check_heads", "0 <= h < len(recorded)", "0 <= h <= len(recorded)"):
+        "a manifest engram writes records a checksum for every head",
+    ("engram_store/tables/_manifest.py", "check_heads", "j < len(stored)", "j <= len(stored)"):
+        "the store's checksums are located one a key of the layer",
     # tables this process holds
     ("engram_model/_rows_gather.py", "RowGather.held", "held is not None and held[0].holds()", "False"): HELD_AGAIN,
     ("engram_model/_rows_gather.py", "RowGather.held",
