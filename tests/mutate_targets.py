@@ -89,6 +89,10 @@ TARGETS = [
     Target("engram_store/tables/_manifest.py", ("check_heads",),
            ("tests/tables/test_engram_store.py::test_a_layer_whose_head_is_not_the_table_its_manifest_names_is_"
             "refused_never_read_mixed",)),
+    Target("engram_store/tables/_placement.py", ("Placements._check_heads",),
+           ("tests/tables/test_engram_store.py::test_a_layer_whose_head_is_not_the_table_its_manifest_names_is_"
+            "refused_never_read_mixed", "tests/tables/test_engram_store.py::test_a_layer_written_again_while_a_"
+            "reader_checks_it_is_read_whole_from_the_new_populate")),
     Target("engram_model/_rows_gather.py", ("RowGather.gather", "RowGather.in_memory", "RowGather._span_over",
                                             "RowGather.held"),
            V41_TESTS + HELD_TESTS),
@@ -171,6 +175,9 @@ EQUIVALENT: dict[tuple[str, ...], str] = {
         "a manifest engram writes records a checksum for every head",
     ("engram_store/tables/_manifest.py", "check_heads", "j < len(stored)", "j <= len(stored)"):
         "the store's checksums are located one a key of the layer",
+    ("engram_store/tables/_placement.py", "Placements._check_heads", "False", "True"):
+        "a lease taken by the second look only holds a writer's remove back for its time to live; the heads located and "
+        "checked are the same",
     # tables this process holds
     ("engram_model/_rows_gather.py", "RowGather.held", "held is not None and held[0].holds()", "False"): HELD_AGAIN,
     ("engram_model/_rows_gather.py", "RowGather.held",

@@ -104,6 +104,10 @@ class PlacementState:
         self.lean: Any = None            # how a lookup reads the layer in one kernel call (the source's _Lean)
 
 
+#: How many times a reader looks at a layer whose heads are not its manifest's before it refuses it as mixed.
+LOOKS = 3
+
+
 class Placements:
     """Resolves and keeps the placements of a store source's layers (see the module docstring)."""
 
@@ -222,9 +226,7 @@ class Placements:
             self._trouble_at = 0.0
             state.stale = None
             local = True
-            # The generation (the put that wrote a table) tells a layer written again in the same place apart.
-            signature = tuple((info.size, tuple((r.segment_id, r.address, r.offset, r.generation)
-                                                for r in info.replicas)) for info in infos)
+            signature = _signature(infos)
             checked_at = now
             if cached is not None and signature == cached.signature and not cached.reads_from(failed):
                 cached.checked_at = now
@@ -233,7 +235,9 @@ class Placements:
             if signature != state.validated:
                 # First read, or the layer changed: check its layout and that its heads are the manifest's (a
                 # failover to the same tables does not).
-                self._check_heads(lay, infos, timeout_ms)
+                checked = self._check_heads(lay, infos, timeout_ms)
+                if checked is not infos:  # written again meanwhile: the heads the manifest names, as now located
+                    infos, signature = checked, _signature(checked)
                 self.clear_cache(lay, signature)  # rows cached under an earlier placement: not this layer's now
                 state.validated = signature
             state.known = (infos, signature, now)
@@ -244,20 +248,23 @@ class Placements:
             state.placement = placement
         return placement
 
-    def _check_heads(self, lay: Layer, infos: list, timeout_ms: int | None) -> None:
-        """``check_published`` with the heads as ``infos`` located them. They were located before the manifest was
-        read, so a layer removed and populated again in between looks mixed: a mix is refused only where the heads,
-        located again, are the same objects (a layer that keeps changing is refused after a few looks)."""
-        for _ in range(3):
+    def _check_heads(self, lay: Layer, infos: list, timeout_ms: int | None) -> list:
+        """``check_published`` with the heads as ``infos`` located them; returns the heads checked. They were located
+        before the manifest was read, so a layer removed and populated again in between looks mixed: the heads are
+        located again, and a mix is refused only where they are the same objects both times (a layer that keeps
+        changing is refused after a few looks)."""
+        for look in range(LOOKS):
             try:
                 self.check_published(lay, [getattr(info, "checksum", "") for info in infos])
-                return
+                return infos
             except MixedLayer:
+                if look == LOOKS - 1:
+                    raise
                 again = self.native.locate(lay.keys, lease=False, timeout_ms=timeout_ms)
                 if _objects(again) == _objects(infos):
                     raise
                 infos = again
-        self.check_published(lay, [getattr(info, "checksum", "") for info in infos])
+        raise AssertionError("unreachable")
 
     def _build(self, lay: Layer, infos: list, failed: set[str], signature: tuple, checked_at: float,
                local: bool = True) -> Placement:
@@ -360,6 +367,13 @@ class Placements:
             refresher, self._refresher = self._refresher, None
         if refresher is not None:
             refresher.shutdown(wait=False, cancel_futures=True)  # a check waiting on a paused master ends by itself
+
+
+def _signature(infos: list) -> tuple:
+    """Where each head is: its size and replicas. The generation (the put that wrote a table) tells a layer written
+    again in the same place apart."""
+    return tuple((info.size, tuple((r.segment_id, r.address, r.offset, r.generation) for r in info.replicas))
+                 for info in infos)
 
 
 def _objects(infos: list) -> list:

@@ -463,6 +463,35 @@ def test_a_layer_whose_head_is_not_the_table_its_manifest_names_is_refused_never
     assert es.remove_from_store(force=True) == 2
 
 
+def test_a_layer_written_again_while_a_reader_checks_it_is_read_whole_from_the_new_populate(remote_store,
+                                                                                             monkeypatch):
+    """The heads are located before the manifest is read: a layer removed and populated again in between pairs the
+    earlier heads with the later manifest. That is looked at again, not refused: the reader finds the new heads,
+    checks them, and reads them."""
+    from engram_store.tables._keyed import KeyedSource
+
+    layer, sizes = next(_layers), [300, 200]
+    first, second = make_tables(sizes, 8, 7), make_tables(sizes, 8, 8)
+    writer = EngramStore(layer, EngramStoreConfig(sizes, 8), remote_store)
+    writer.populate(first)
+    reader = EngramStore(layer, EngramStoreConfig(sizes, 8), remote_store)
+    read_manifest, rewritten = KeyedSource.read_manifest, []
+
+    def written_again_first(self, lay, *args, **kwargs):  # the reader's first manifest read: after a new populate
+        if self is reader._source and not rewritten:
+            rewritten.append(True)
+            writer.remove_from_store(force=True)
+            writer.populate(second)
+        return read_manifest(self, lay, *args, **kwargs)
+
+    monkeypatch.setattr(KeyedSource, "read_manifest", written_again_first)
+    ids = np.array([[[0, 199], [299, 0]]])
+    np.testing.assert_array_equal(reader.lookup(ids), expected_rows(second, ids))
+    assert rewritten
+    monkeypatch.undo()
+    assert writer.remove_from_store(force=True) == 2
+
+
 def test_segment_killed_during_populate_leaves_no_key():
     with Cluster(segments=2, segment_size="256MiB", heartbeat_timeout_s=2.0) as c:
         with DistributedStore.connect(c.address, timeout_ms=2000) as store:
