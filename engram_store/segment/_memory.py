@@ -40,8 +40,8 @@ SHM_DIR = "/dev/shm"
 THP_SHMEM_SETTING = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 #: Seals of a segment's memory: it can neither shrink nor grow, and no one can add a seal (F_SEAL_WRITE would stop
 #: the segment's own writes).
-SEALS = (getattr(fcntl, "F_SEAL_SHRINK", 0x2) | getattr(fcntl, "F_SEAL_GROW", 0x4)
-         | getattr(fcntl, "F_SEAL_SEAL", 0x1))
+SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 0x2)
+SEALS = SEAL_SHRINK | getattr(fcntl, "F_SEAL_GROW", 0x4) | getattr(fcntl, "F_SEAL_SEAL", 0x1)
 
 
 def anonymous_memory(size: int, name: str, what: str) -> tuple[int, bool]:
@@ -67,6 +67,10 @@ def anonymous_memory(size: int, name: str, what: str) -> tuple[int, bool]:
             raise
         return fd, False
     try:
+        # Sealed against shrinking while still empty (nothing to shrink), so no process of this user can truncate it
+        # while its pages are reserved (a pause there left it unsealed for as long); growing it to its size is
+        # still allowed, then growth and further seals are shut off too.
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEAL_SHRINK)
         reserve_memory(fd, size, what)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
     except BaseException:

@@ -71,3 +71,31 @@ def test_a_socket_that_is_not_what_its_name_says_is_refused(segment):
                 handover.fetch(impostor, server.segment_id, "read")
         finally:
             os.unlink(impostor)
+
+
+def test_a_segments_memory_cannot_be_shrunk_even_while_its_pages_are_reserved(monkeypatch):
+    """The fault explorer (seed 979004) paused a segment a moment after it started and truncated its memory through
+    /proc: it was sealed only once its pages were reserved, so the truncate went through. It is sealed against
+    shrinking from the start now: a truncate in the middle of the reservation is refused."""
+    from engram_store.segment import _memory
+
+    reserve, tried = _memory.reserve_memory, []
+
+    def truncated_meanwhile(fd, nbytes, what):  # another process of this user, as the pages are reserved
+        reserve(fd, nbytes, what)
+        other = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+        try:
+            with pytest.raises(PermissionError):
+                os.ftruncate(other, 0)
+            tried.append(os.fstat(other).st_size)
+        finally:
+            os.close(other)
+
+    monkeypatch.setattr(_memory, "reserve_memory", truncated_meanwhile)
+    fd, sealed = _memory.anonymous_memory(1 << 20, "engram-test", "a test segment")
+    try:
+        assert sealed and tried == [1 << 20] and os.fstat(fd).st_size == 1 << 20
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)
