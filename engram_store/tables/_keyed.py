@@ -103,6 +103,11 @@ class KeyedSource(Source):
         published = self.read_manifest(lay, lost_is_absent=True)  # a lost layer may be written again
         if published is not None:
             manifest.check(lay, published)  # another shard published this layer: the layouts must agree
+            if not lay.sharded:
+                # Every head is gone (lost with its segments) and the manifest is what is left of the layer: it
+                # names the lost heads, so it goes, and this populate publishes its own (kept, it would name
+                # other tables than the heads written now: a reader refuses such a layer as mixed).
+                self.remove_keys([lay.manifest_key], force=True)
         bar = progress(lay, tables)
         self.forget(lay)
         try:

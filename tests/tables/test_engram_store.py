@@ -492,6 +492,24 @@ def test_a_layer_written_again_while_a_reader_checks_it_is_read_whole_from_the_n
     assert writer.remove_from_store(force=True) == 2
 
 
+def test_a_layer_whose_heads_are_gone_is_populated_again_with_a_manifest_of_its_own(remote_store):
+    """The fault explorer (seed 980508): a layer's head was lost with its segment and its manifest was not; a
+    populate wrote the head again and kept the old manifest, which named the lost table, so readers refused the
+    layer as mixed. The manifest left of a layer whose every head is gone now goes with the populate."""
+    layer, sizes = next(_layers), [300, 200]
+    first, second = make_tables(sizes, 8, 9), make_tables(sizes, 8, 10)
+    es = EngramStore(layer, EngramStoreConfig(sizes, 8), remote_store)
+    es.populate(first)
+    for key in es.get_store_keys():  # the heads gone, as with a segment that died; the manifest left
+        remote_store.remove(key, force=True)
+    es.populate(second)
+    ids = np.array([[[0, 199], [299, 0]]])
+    np.testing.assert_array_equal(EngramStore(layer, EngramStoreConfig(sizes, 8), remote_store).lookup(ids),
+                                  expected_rows(second, ids))
+    assert es.verify() == [0, 1]
+    assert es.remove_from_store() == 2
+
+
 def test_segment_killed_during_populate_leaves_no_key():
     with Cluster(segments=2, segment_size="256MiB", heartbeat_timeout_s=2.0) as c:
         with DistributedStore.connect(c.address, timeout_ms=2000) as store:
